@@ -1,0 +1,160 @@
+"""`finetune` command line: train, eval, predict, init.
+
+Exit codes: 0 done, 2 bad input (one sentence, no traceback, nothing overwritten), 130 stopped, 1 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from finetune.config import Config, ConfigError
+
+EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 130
+
+
+def _bad_input_types() -> tuple[type[Exception], ...]:
+    from finetune.data import DataError
+    from finetune.modeling import ModelError
+    from finetune.rundir import RunDirError
+
+    return ConfigError, DataError, ModelError, RunDirError
+
+
+def _error_text(e: Exception) -> str:
+    if isinstance(e, ConfigError) and len(e.problems) > 1:
+        return f"{len(e.problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in e.problems)
+    return str(e)
+
+
+def _install_stop_handlers(stop: Any) -> None:
+    """First SIGINT/SIGTERM: finish the optimizer step, checkpoint, exit 130. Second: exit at once."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.requested:
+            os._exit(EXIT_STOPPED)
+        stop.request()
+        print("\nStopping after this optimizer step (a checkpoint is saved; signal again to quit now).",
+              file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run `finetune train CONFIG [key=value …]`."""
+    from finetune import config as C
+    from finetune.events import Error, EventLog, ProgressBar
+    from finetune.train import StopFlag, TrainingError, train
+
+    path = args.config if args.config and "=" not in args.config else None
+    overrides = args.overrides if path or not args.config else [args.config, *args.overrides]
+    cfg = C.load(path, overrides)
+    stop = StopFlag()
+    _install_stop_handlers(stop)
+    try:
+        result = train(cfg, stop=stop, callbacks=[ProgressBar(disable=args.quiet)])
+    except TrainingError as e:
+        _log_error(cfg, Error(str(e), EXIT_INTERNAL), EventLog)
+        raise
+    except _bad_input_types() as e:
+        _log_error(cfg, Error(_error_text(e), EXIT_BAD_INPUT), EventLog)
+        raise
+    if result.status == "stopped":
+        print(f"Stopped at step {result.step}. Continue with: finetune train {result.run_dir / 'config.yaml'} "
+              "resume=true", file=sys.stderr)
+        return EXIT_STOPPED
+    print(json.dumps({"run_dir": str(result.run_dir), **result.metrics}, indent=2))
+    return EXIT_OK
+
+
+def _log_error(cfg: Config, event: Any, event_log: Any) -> None:
+    """Append the error to the run's events.jsonl if the run got as far as creating it (main process only)."""
+    if cfg.output_dir and (Path(cfg.output_dir) / "events.jsonl").is_file() and os.environ.get("RANK", "0") == "0":
+        event_log(Path(cfg.output_dir) / "events.jsonl").emit(event)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Run `finetune eval RUN_OR_MODEL [key=value …]`."""
+    from finetune.predict import evaluate_saved
+
+    print(json.dumps(evaluate_saved(args.target, args.overrides), indent=2))
+    return EXIT_OK
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Run `finetune predict MODEL TEXT… | --file F`."""
+    from finetune.predict import predict
+
+    texts = list(args.texts)
+    if args.file:
+        p = Path(args.file)
+        if not p.is_file():
+            raise ConfigError([f"Input file {args.file!r} does not exist."])
+        texts += [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not texts:
+        raise ConfigError(["Nothing to predict: give texts as arguments or --file with one text per line."])
+    for result in predict(args.model, texts, max_new_tokens=args.max_new_tokens):
+        print(json.dumps(result, ensure_ascii=False))
+    return EXIT_OK
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Write a commented example config."""
+    from finetune.config import template
+
+    out = Path(args.path)
+    if out.exists() and not args.force:
+        raise ConfigError([f"{args.path!r} already exists: choose another path or pass --force."])
+    out.write_text(template(), encoding="utf-8")
+    print(f"Wrote {out}; edit it, then run: finetune train {out}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `finetune` command."""
+    parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune Transformers models within a memory "
+                                     "budget, with exact gradient accumulation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="Fine-tune a model.", description="Fine-tune as CONFIG says; key=value "
+                       "arguments override its options (CONFIG may be left out).")
+    p.add_argument("config", nargs="?", help="YAML config file (see `finetune init`).")
+    p.add_argument("overrides", nargs="*", help="key=value options, e.g. learning_rate=2e-5 epochs=1")
+    p.add_argument("-q", "--quiet", action="store_true", help="No progress bar.")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("eval", help="Evaluate a run's model or a saved model.")
+    p.add_argument("target", help="A run directory or a model folder.")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. dataset=val.csv eval_split=validation")
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("predict", help="Run a trained model on texts.")
+    p.add_argument("model", help="A run directory or a model folder.")
+    p.add_argument("texts", nargs="*", help="Texts to classify or continue.")
+    p.add_argument("--file", help="A file with one text per line.")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="Causal LM: tokens to generate.")
+    p.set_defaults(func=cmd_predict)
+    p = sub.add_parser("init", help="Write a commented example config.")
+    p.add_argument("path", nargs="?", default="finetune.yaml")
+    p.add_argument("--force", action="store_true", help="Replace an existing file.")
+    p.set_defaults(func=cmd_init)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse, run, and map failures to exit codes with one clear message."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except _bad_input_types() as e:
+        print(f"error: {_error_text(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return EXIT_STOPPED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""The one typed, frozen configuration schema: YAML files, `key=value` overrides, validation.
+
+Every public option is a field of `Config`. Its metadata (help text, choices, bounds) is what the CLI's `init`
+template, the README's option table and the GUI's widgets are generated from, so defaults live here and only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
+DEFAULT_EFFECTIVE_BATCH = 32
+TASKS = ("classification", "causal_lm")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; `problems` lists every reason, each one sentence."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min: float | None = None,
+         max: float | None = None, group: str = "main") -> Any:
+    """A field with the metadata the CLI template, README table and GUI are built from."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "group": group}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A fine-tuning run, exactly as `config.yaml` spells it."""
+
+    # --- what to train on
+    model: str = _opt(DEFAULT_MODEL, "Hub id or local folder of a Transformers model; the default is the bundled "
+                      "MiniLM-L6 (works offline).")
+    task: str = _opt("classification", "What the model learns: text classification or causal language modelling.",
+                     choices=TASKS)
+    dataset: str | None = _opt(None, "Hub dataset id or a local .csv/.tsv/.json/.jsonl/.parquet file.")
+    dataset_config: str | None = _opt(None, "Hub dataset configuration name (for example 'sst2' of 'glue').",
+                                      group="data")
+    train_split: str = _opt("train", "Split of `dataset` to train on.", group="data")
+    eval_dataset: str | None = _opt(None, "Separate evaluation file or hub id (same columns as the training data).",
+                                    group="data")
+    eval_split: str | None = _opt(None, "Split to evaluate on (of `eval_dataset`, else of `dataset`).", group="data")
+    eval_fraction: float = _opt(0.1, "Share of the training data held out for evaluation when neither "
+                                "`eval_dataset` nor `eval_split` is given (0 = no evaluation).", min=0.0, max=0.5,
+                                group="data")
+    max_train_samples: int | None = _opt(None, "Use only the first N training rows (after loading, before the "
+                                         "hold-out).", min=1, group="data")
+    text_column: str | None = _opt(None, "Column with the input text (default: 'text' or 'sentence', else the only "
+                                   "text column).", group="data")
+    text_pair_column: str | None = _opt(None, "Second text column for sentence-pair classification.", group="data")
+    label_column: str | None = _opt(None, "Column with the class (integer or string); default 'label'.",
+                                    group="data")
+    prompt_column: str | None = _opt(None, "Causal LM: prompt column, masked out of the loss.", group="data")
+    completion_column: str | None = _opt(None, "Causal LM: completion column, the tokens that are learned.",
+                                         group="data")
+    max_length: int = _opt(256, "Truncate inputs to this many tokens.", min=8, max=131072, group="data")
+    # --- where the run goes
+    output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).")
+    overwrite: bool = _opt(False, "Replace an existing run in `output_dir`.")
+    resume: bool = _opt(False, "Continue the run in `output_dir` from its latest checkpoint.")
+    # --- batch arithmetic: any two of these three determine the third
+    effective_batch_size: int | None = _opt(None, "Samples per optimizer step over all processes (default "
+                                            f"{DEFAULT_EFFECTIVE_BATCH}).", min=1)
+    micro_batch_size: int | None = _opt(None, "Samples per forward/backward pass on one process.", min=1)
+    grad_accum_steps: int | None = _opt(None, "Micro-batches summed into one optimizer step.", min=1)
+    memory_budget_gb: float | None = _opt(None, "Device memory budget in GiB that the plan must fit.", min=0.0)
+    # --- optimisation
+    epochs: float = _opt(3.0, "Passes over the training data.", min=0.0)
+    max_steps: int | None = _opt(None, "Stop after this many optimizer steps (overrides `epochs`).", min=1)
+    learning_rate: float = _opt(1e-4, "Peak learning rate.", min=0.0, max=1.0)
+    weight_decay: float = _opt(0.01, "Decoupled weight decay (not applied to biases and norms).", min=0.0, max=1.0,
+                               group="advanced")
+    warmup_ratio: float = _opt(0.1, "Share of optimizer steps spent warming the learning rate up.", min=0.0,
+                               max=1.0, group="advanced")
+    lr_scheduler: str = _opt("linear", "Learning-rate schedule after warm-up.",
+                             choices=("linear", "cosine", "constant"), group="advanced")
+    optimizer: str = _opt("adamw", "Optimizer.", choices=("adamw", "sgd"), group="advanced")
+    max_grad_norm: float = _opt(1.0, "Clip the window's gradient to this norm (0 = off).", min=0.0)
+    precision: str = _opt("auto", "Number format: auto = bf16/fp16 mixed precision on a GPU that has it, fp32 on "
+                          "CPU.", choices=("auto", "fp32", "fp16", "bf16"))
+    seed: int = _opt(42, "Random seed for initialisation, shuffling and dropout.", group="advanced")
+    shuffle: bool = _opt(True, "Shuffle the training data every epoch.", group="advanced")
+    group_by_length: bool = _opt(True, "Batch samples of similar length together (less padding, faster).",
+                                 group="advanced")
+    # --- reporting
+    eval_every: int = _opt(0, "Evaluate every N optimizer steps (0 = only at the end).", min=0, group="advanced")
+    save_every: int = _opt(0, "Save a checkpoint every N optimizer steps (0 = only at the end).", min=0,
+                           group="advanced")
+    logging_every: int = _opt(1, "Write a step event every N optimizer steps.", min=1, group="advanced")
+    trust_remote_code: bool = _opt(False, "Allow the model repository to run its own Python code.",
+                                   group="advanced")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain YAML-able values, in schema order."""
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        """The config as the YAML `finetune train` reads back."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def replace(self, **changes: Any) -> Config:
+        """A new, validated config with `changes` applied."""
+        return from_dict({**self.to_dict(), **changes})
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in fields(Config)}
+
+
+def field_type(name: str) -> tuple[type, bool]:
+    """The base type of field `name` and whether it may be None."""
+    hint = typing.get_type_hints(Config)[name]
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        base = next(a for a in args if a is not type(None))
+        return base, True
+    return hint, False
+
+
+def _coerce(name: str, value: Any) -> tuple[Any, str | None]:
+    """`value` converted to field `name`'s type, or an error sentence."""
+    base, optional = field_type(name)
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+        if optional:
+            return None, None
+        return None, f"`{name}` needs a value ({base.__name__})."
+    if base is bool:
+        if isinstance(value, bool):
+            return value, None
+        text = str(value).strip().lower()
+        if text in ("true", "yes", "on", "1"):
+            return True, None
+        if text in ("false", "no", "off", "0"):
+            return False, None
+        return None, f"`{name}` must be true or false, not {value!r}."
+    if base is int:
+        if isinstance(value, bool):
+            return None, f"`{name}` must be a whole number, not {value!r}."
+        if isinstance(value, float) and value.is_integer():
+            return int(value), None
+        try:
+            return int(str(value).strip()), None
+        except ValueError:
+            return None, f"`{name}` must be a whole number, not {value!r}."
+    if base is float:
+        if isinstance(value, bool):
+            return None, f"`{name}` must be a number, not {value!r}."
+        try:
+            return float(value), None
+        except (TypeError, ValueError):
+            return None, f"`{name}` must be a number, not {value!r}."
+    if isinstance(value, (dict, list)):
+        return None, f"`{name}` must be a single value, not {type(value).__name__}."
+    return str(value), None
+
+
+def _check_field(name: str, value: Any) -> str | None:
+    meta = FIELDS[name].metadata
+    if value is None:
+        return None
+    if meta["choices"] and value not in meta["choices"]:
+        return f"`{name}` must be one of {', '.join(meta['choices'])}, not {value!r}."
+    if meta["min"] is not None and value < meta["min"]:
+        return f"`{name}` must be at least {meta['min']:g}, not {value!r}."
+    if meta["max"] is not None and value > meta["max"]:
+        return f"`{name}` must be at most {meta['max']:g}, not {value!r}."
+    return None
+
+
+def unknown_key_message(key: str) -> str:
+    """One sentence for an unknown key, with the closest known name when there is one."""
+    close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.6)
+    hint = f" Did you mean `{close[0]}`?" if close else " Run `finetune init` to see every option."
+    return f"Unknown option `{key}`.{hint}"
+
+
+def from_dict(values: dict[str, Any]) -> Config:
+    """Build a `Config`, reporting every unknown key, bad type and out-of-range value at once."""
+    problems: list[str] = []
+    clean: dict[str, Any] = {}
+    for key, raw in values.items():
+        if key not in FIELDS:
+            problems.append(unknown_key_message(str(key)))
+            continue
+        value, error = _coerce(key, raw)
+        error = error or _check_field(key, value)
+        if error:
+            problems.append(error)
+        else:
+            clean[key] = value
+    config = Config(**clean)
+    problems += _cross_checks(config, set(clean))
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _cross_checks(c: Config, given: set[str]) -> list[str]:
+    problems = []
+    if c.task == "classification" and (c.prompt_column or c.completion_column):
+        problems.append("`prompt_column`/`completion_column` are for task=causal_lm; for classification use "
+                        "`text_column` and `label_column`.")
+    if c.task == "causal_lm" and (c.label_column or c.text_pair_column):
+        problems.append("`label_column`/`text_pair_column` are for task=classification; for causal_lm use "
+                        "`text_column`, or `prompt_column` with `completion_column`.")
+    if bool(c.prompt_column) != bool(c.completion_column):
+        problems.append("`prompt_column` and `completion_column` go together: set both, or neither.")
+    if c.overwrite and c.resume:
+        problems.append("`overwrite=true` and `resume=true` contradict each other: pick one.")
+    if "epochs" in given and "max_steps" in given and c.max_steps is not None and c.epochs == 0:
+        problems.append("`epochs=0` trains nothing; remove it and keep `max_steps`.")
+    if c.max_steps is None and c.epochs <= 0:
+        problems.append("`epochs` must be above 0 (or set `max_steps`).")
+    if c.eval_dataset and c.eval_fraction and "eval_fraction" in given:
+        problems.append("`eval_fraction` holds out training data, which is not needed with `eval_dataset`: "
+                        "remove one.")
+    return problems
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`["lr=1", "x=y"]` → a dict; values are read as YAML scalars, so `0.5` is a number and `true` a bool."""
+    out: dict[str, Any] = {}
+    problems = []
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"Override {pair!r} is not of the form key=value.")
+            continue
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            out[key.strip()] = raw
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML config file, or a `ConfigError` that says why it cannot be read."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"Config file {str(path)!r} does not exist; `finetune init` writes an example."])
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where else ""
+        raise ConfigError([f"Config file {str(path)!r} is not valid YAML{line}: fix its syntax."]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"Config file {str(path)!r} must be a mapping of option: value lines."])
+    return data
+
+
+def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """The config from a YAML file (or none) with `key=value` overrides applied on top."""
+    values = read_yaml(path) if path is not None else {}
+    values.update(parse_overrides(overrides or []))
+    return from_dict(values)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Resolved batch arithmetic: `micro_batch_size × grad_accum_steps × num_processes == effective_batch_size`."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    num_processes: int
+    effective_batch_size: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_batch(c: Config, num_processes: int = 1) -> BatchPlan:
+    """Derive the missing one of effective batch, micro-batch and accumulation steps; refuse what does not divide."""
+    eff, micro, accum, n = c.effective_batch_size, c.micro_batch_size, c.grad_accum_steps, num_processes
+    if eff is None:
+        eff = micro * accum * n if micro and accum else DEFAULT_EFFECTIVE_BATCH
+    if micro and accum:
+        if micro * accum * n != eff:
+            raise ConfigError([
+                f"micro_batch_size={micro} × grad_accum_steps={accum} × {n} process(es) = {micro * accum * n}, "
+                f"not effective_batch_size={eff}: drop one of the three or make them agree."])
+        return BatchPlan(micro, accum, n, eff)
+    if eff % n:
+        raise ConfigError([f"effective_batch_size={eff} does not divide among {n} processes: use a multiple of {n}."])
+    per_process = eff // n
+    if micro:
+        if per_process % micro:
+            fits = ", ".join(str(d) for d in _divisors(per_process))
+            raise ConfigError([f"micro_batch_size={micro} does not divide effective_batch_size={eff} over {n} "
+                               f"process(es) ({per_process} per process): use one of {fits}."])
+        return BatchPlan(micro, per_process // micro, n, eff)
+    if accum:
+        if per_process % accum:
+            fits = ", ".join(str(d) for d in _divisors(per_process))
+            raise ConfigError([f"grad_accum_steps={accum} does not divide effective_batch_size={eff} over {n} "
+                               f"process(es) ({per_process} per process): use one of {fits}."])
+        return BatchPlan(per_process // accum, accum, n, eff)
+    return BatchPlan(per_process, 1, n, eff)
+
+
+def template() -> str:
+    """A commented example config listing every option with its default (what `finetune init` writes)."""
+    lines = ["# finetune config: `finetune train this.yaml [key=value ...]`. Every option, with its default.", ""]
+    for f in fields(Config):
+        meta = f.metadata
+        lines.append(f"# {meta['help']}" + (f" One of: {', '.join(meta['choices'])}." if meta["choices"] else ""))
+        value = yaml.safe_dump({f.name: f.default}, default_flow_style=False).strip()
+        if f.name == "dataset":
+            value = "dataset: assets/sst2_sample.csv"
+        lines.append(value if f.default is not None or f.name == "dataset" else f"# {value}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""The typed event stream of a run: `events.jsonl` for the GUI and scripts, a progress bar for the terminal.
+
+Each line of `events.jsonl` is one JSON object with `event` in start, step, eval, checkpoint, stopped, done, error
+and `time` (Unix seconds). Tests and the GUI read these records, never printed text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Start:
+    """A run began (or resumed at `step`)."""
+
+    total_steps: int
+    steps_per_epoch: int
+    num_train_samples: int
+    num_eval_samples: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    num_processes: int
+    effective_batch_size: int
+    precision: str
+    device: str
+    step: int = 0
+    resumed: bool = False
+    event: str = "start"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step; `loss` is the exact window loss, `grad_norm` the norm before clipping."""
+
+    step: int
+    epoch: float
+    loss: float
+    grad_norm: float
+    lr: float
+    samples: int
+    tokens: int
+    skipped: int
+    samples_per_s: float
+    event: str = "step"
+
+
+@dataclass(frozen=True)
+class Eval:
+    """Evaluation metrics after optimizer step `step`."""
+
+    step: int
+    epoch: float
+    metrics: dict[str, float]
+    event: str = "eval"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A resumable checkpoint was written."""
+
+    step: int
+    path: str
+    event: str = "checkpoint"
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The run stopped on request after a finished optimizer step; `resume=true` continues it."""
+
+    step: int
+    checkpoint: str
+    event: str = "stopped"
+
+
+@dataclass(frozen=True)
+class Done:
+    """The run finished; `metrics` are the final evaluation and training figures."""
+
+    step: int
+    metrics: dict[str, float]
+    model_dir: str
+    event: str = "done"
+
+
+@dataclass(frozen=True)
+class Error:
+    """The run failed; `message` is the sentence shown to the user."""
+
+    message: str
+    exit_code: int = 1
+    event: str = "error"
+
+
+Event = Start | Step | Eval | Checkpoint | Stopped | Done | Error
+
+
+def to_record(event: Event) -> dict[str, Any]:
+    """The JSON object written for an event, with `event` first and a timestamp."""
+    record = dataclasses.asdict(event)
+    return {"event": record.pop("event"), "time": round(time.time(), 3), **record}
+
+
+@dataclass
+class EventLog:
+    """Sends each event to `events.jsonl` (if a path is given) and to any callbacks, in order."""
+
+    path: Path | None = None
+    callbacks: list[Callable[[Event], None]] = field(default_factory=list)
+
+    def emit(self, event: Event) -> None:
+        """Record one event."""
+        if self.path is not None:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(to_record(event)) + "\n")
+        for callback in self.callbacks:
+            callback(event)
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """The records of an `events.jsonl` file (a partly written last line is skipped)."""
+    records = []
+    p = Path(path)
+    if not p.is_file():
+        return records
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class ProgressBar:
+    """A tqdm bar fed by step events: loss, lr and samples/s."""
+
+    def __init__(self, disable: bool = False):
+        self._bar: Any = None
+        self._disable = disable
+
+    def __call__(self, event: Event) -> None:
+        from tqdm.auto import tqdm
+
+        if self._disable:
+            return
+        if isinstance(event, Start):
+            self._bar = tqdm(total=event.total_steps, initial=event.step, unit="step", dynamic_ncols=True)
+        elif isinstance(event, Step) and self._bar is not None:
+            self._bar.update(event.step - self._bar.n)
+            self._bar.set_postfix(loss=f"{event.loss:.4f}", lr=f"{event.lr:.2e}", sps=f"{event.samples_per_s:.1f}")
+        elif isinstance(event, Eval) and self._bar is not None:
+            self._bar.write(f"step {event.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in event.metrics.items()))
+        elif isinstance(event, (Stopped, Done, Error)) and self._bar is not None:
+            self._bar.close()
+            self._bar = None

