@@ -186,11 +186,9 @@ def train(c: Config, *, stop: StopFlag | None = None, callbacks: list[Callable[[
 
 def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     """Accelerator, run directory, data, model, optimizer and schedule, in fail-fast order."""
-    from accelerate import Accelerator
     from accelerate.utils import broadcast_object_list, set_seed
 
-    precision = resolve_precision(c.precision)
-    acc = Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision))
+    acc = make_accelerator(resolve_precision(c.precision))
     if c.output_dir is None:  # every process must agree on the same timestamped directory
         c = c.replace(output_dir=broadcast_object_list([rundir.default_output_dir()])[0])
     batch = resolve_batch(c, acc.num_processes)
@@ -222,6 +220,13 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     acc.wait_for_everyone()
     return Setup(c, acc, batch, run_dir, tokenizer, train_data, eval_data, label_names, model, optimizer, scheduler,
                  total_steps, steps_per_epoch, progress, log)
+
+
+def make_accelerator(precision: str) -> Any:
+    """The accelerate `Accelerator` for a resolved precision (fp32, fp16 or bf16)."""
+    from accelerate import Accelerator
+
+    return Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision))
 
 
 def resolve_precision(precision: str) -> str:

@@ -1,0 +1,157 @@
+"""Shared fixtures: tiny models built from a config (no downloads) and synthetic data of very uneven lengths."""
+
+from __future__ import annotations
+
+import csv
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune.config import from_dict
+from finetune.events import read_events
+from finetune.modeling import resolve_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+WORDS = ("good bad great awful fine movie plot actor scene story music dull bright long short funny sad odd warm "
+         "cold").split()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps process-wide singletons; each in-process run must start from a clean slate."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def bundled_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path("bundled:all-MiniLM-L6-v2"))
+
+
+def _save(model, tokenizer, path: Path) -> str:
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory) -> str:
+    """A 2-layer BERT classifier (hidden 32, dropout 0) with the bundled tokenizer, saved to a folder."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=256, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
+    return _save(BertForSequenceClassification(cfg), bundled_tokenizer(), tmp_path_factory.mktemp("tiny_bert"))
+
+
+def _causal_tokenizer():
+    tok = bundled_tokenizer()
+    tok.eos_token = "[SEP]"
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory) -> str:
+    """A 2-layer GPT-2 (hidden 32, dropout 0) with the bundled tokenizer ([SEP] as end of sequence)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    tok = _causal_tokenizer()
+    cfg = GPT2Config(vocab_size=30522, n_positions=256, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=tok.eos_token_id, bos_token_id=tok.cls_token_id,
+                     pad_token_id=tok.pad_token_id)
+    return _save(GPT2LMHeadModel(cfg), tok, tmp_path_factory.mktemp("tiny_gpt2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """A 2-layer Llama-style causal LM (grouped-query attention, RoPE), saved with the bundled tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = _causal_tokenizer()
+    cfg = LlamaConfig(vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.cls_token_id, pad_token_id=tok.pad_token_id)
+    return _save(LlamaForCausalLM(cfg), tok, tmp_path_factory.mktemp("tiny_llama"))
+
+
+def _sentence(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+@pytest.fixture(scope="session")
+def cls_csv(tmp_path_factory) -> str:
+    """37 labelled sentences of 1 to 60 words (37 = 2 windows of 16 and a short tail of 5)."""
+    rng = random.Random(1)
+    path = tmp_path_factory.mktemp("data") / "cls.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["sentence", "label"])
+        for _ in range(37):
+            text = _sentence(rng, rng.choice([1, 2, 3, 5, 40, 60]))
+            w.writerow([text, "pos" if text.count("good") + text.count("great") > text.count("bad") else "neg"])
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def lm_csv(tmp_path_factory) -> str:
+    """27 texts of 1 to 90 words for causal LM (27 = 3 windows of 8 and a tail of 3)."""
+    rng = random.Random(2)
+    path = tmp_path_factory.mktemp("data") / "lm.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text"])
+        for _ in range(27):
+            w.writerow([_sentence(rng, rng.choice([1, 2, 4, 30, 90]))])
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def prompt_csv(tmp_path_factory) -> str:
+    """19 prompt/completion pairs of very different prompt and completion lengths."""
+    rng = random.Random(3)
+    path = tmp_path_factory.mktemp("data") / "pc.jsonl"
+    import json
+
+    with open(path, "w") as f:
+        for _ in range(19):
+            f.write(json.dumps({"prompt": _sentence(rng, rng.choice([2, 30, 70])),
+                                "completion": _sentence(rng, rng.choice([1, 3, 25]))}) + "\n")
+    return str(path)
+
+
+def run_train(out: Path, **values):
+    """Train in-process with test defaults (SGD, no warm-up, fp32, one process); returns (weights, events)."""
+    from finetune.train import train
+
+    base = {"output_dir": str(out), "optimizer": "sgd", "learning_rate": 0.5, "warmup_ratio": 0.0,
+            "lr_scheduler": "linear", "weight_decay": 0.0, "eval_fraction": 0.0, "precision": "fp32",
+            "epochs": 2, "logging_every": 1}
+    result = train(from_dict({**base, **values}))
+    return load_weights(out), read_events(out / "events.jsonl"), result
+
+
+def load_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The final model's tensors."""
+    return load_file(str(Path(run_dir) / "model" / "model.safetensors"))
+
+
+def step_losses(events: list[dict]) -> list[float]:
+    return [e["loss"] for e in events if e["event"] == "step"]
+
+
+def assert_same_weights(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
