@@ -65,6 +65,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     except _bad_input_types() as e:
         _log_error(cfg, Error(_error_text(e), EXIT_BAD_INPUT), EventLog)
         raise
+    if not result.is_main_process:
+        return EXIT_STOPPED if result.status == "stopped" else EXIT_OK
     if result.status == "stopped":
         print(f"Stopped at step {result.step}. Continue with: finetune train {result.run_dir / 'config.yaml'} "
               "resume=true", file=sys.stderr)

@@ -97,4 +97,5 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40) -> list[dic
     probs = model(**enc).logits.float().softmax(-1)
     names = model.config.id2label
     return [{"text": t, "label": names[int(p.argmax())],
-             "probabilities": {names[i]: round(float(v), 4) for i, v in enumerate(p)}} for t, p in zip(texts, probs)]
+             "probabilities": {names[i]: round(float(v), 4) for i, v in enumerate(p)}}
+            for t, p in zip(texts, probs, strict=True)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class RunResult:
     run_dir: Path
     step: int
     metrics: dict[str, float]
+    is_main_process: bool = True
 
 
 @dataclass
@@ -178,7 +180,7 @@ def train(c: Config, *, stop: StopFlag | None = None, callbacks: list[Callable[[
             if _stop_requested(stop, acc) and p.step < s.total_steps:
                 path = _save_checkpoint(s)
                 s.log.emit(Stopped(p.step, str(path)))
-                return RunResult("stopped", s.run_dir, p.step, {})
+                return RunResult("stopped", s.run_dir, p.step, {}, acc.is_main_process)
             if p.step >= s.total_steps:
                 break
     return _finish(s, time.perf_counter() - train_start)
@@ -226,7 +228,10 @@ def make_accelerator(precision: str) -> Any:
     """The accelerate `Accelerator` for a resolved precision (fp32, fp16 or bf16)."""
     from accelerate import Accelerator
 
-    return Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision))
+    # Under a launcher (WORLD_SIZE > 1) without CUDA, accelerate only forms a gloo process group when asked for the
+    # CPU explicitly; otherwise every process would train alone.
+    cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision), cpu=cpu)
 
 
 def resolve_precision(precision: str) -> str:
@@ -340,4 +345,4 @@ def _finish(s: Setup, seconds: float) -> RunResult:
         rundir.plot_loss(s.run_dir / "events.jsonl", s.run_dir / "loss.png")
         metrics = summary
     acc.wait_for_everyone()
-    return RunResult("done", s.run_dir, p.step, metrics)
+    return RunResult("done", s.run_dir, p.step, metrics, acc.is_main_process)

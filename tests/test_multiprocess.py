@@ -1,0 +1,57 @@
+"""Two processes (`accelerate launch --multi_gpu --num_processes 2`: two gloo CPU processes here) train exactly like
+one process with the same effective batch, and only the main process writes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from conftest import assert_same_weights, load_weights, run_train, step_losses
+
+from finetune.events import read_events
+
+COMMON = {"optimizer": "sgd", "learning_rate": 0.5, "warmup_ratio": 0.0, "weight_decay": 0.0, "eval_fraction": 0.0,
+          "precision": "fp32", "epochs": 2, "logging_every": 1, "max_grad_norm": 1.0}
+
+
+def launch_two(tmp_path, values: dict):
+    cfg = tmp_path / "two.yaml"
+    cfg.write_text(yaml.safe_dump({**COMMON, **values, "output_dir": str(tmp_path / "two")}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+           "-m", "finetune", "train", str(cfg), "-q"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, tmp_path / "two"
+
+
+@pytest.mark.parametrize("case", ["classification", "causal_lm_tail_smaller_than_processes"])
+def test_two_processes_equal_one(tmp_path, request, case):
+    if case == "classification":
+        # 37 samples in windows of 16: the tail of 5 splits 3 + 2 over the processes.
+        values = {"model": request.getfixturevalue("tiny_bert"), "dataset": request.getfixturevalue("cls_csv"),
+                  "effective_batch_size": 16, "shuffle": True, "group_by_length": True}
+        two_micro, one_micro = 4, 16
+    else:
+        # 19 prompt/completion pairs in windows of 6: the tail holds a single pair, so one process has nothing.
+        values = {"model": request.getfixturevalue("tiny_gpt2"), "dataset": request.getfixturevalue("prompt_csv"),
+                  "task": "causal_lm", "effective_batch_size": 6, "max_train_samples": 19, "max_length": 128,
+                  "shuffle": False, "group_by_length": False}
+        two_micro, one_micro = 1, 6
+    proc, two_dir = launch_two(tmp_path, {**values, "micro_batch_size": two_micro})
+    one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": one_micro})
+    two_events = read_events(two_dir / "events.jsonl")
+    start = two_events[0]
+    accum = values["effective_batch_size"] // (2 * two_micro)
+    assert (start["num_processes"], start["micro_batch_size"], start["grad_accum_steps"]) == (2, two_micro, accum)
+    assert_same_weights(load_weights(two_dir), one)
+    torch.testing.assert_close(step_losses(two_events), step_losses(one_events), rtol=1e-5, atol=1e-6)
+    # Only the main process writes: one start record, one done record, one result printed.
+    assert [e["event"] for e in two_events].count("start") == 1
+    assert [e["event"] for e in two_events].count("done") == 1
+    assert proc.stdout.count('"run_dir"') == 1
