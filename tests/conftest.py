@@ -54,6 +54,18 @@ def tiny_bert(tmp_path_factory) -> str:
     return _save(BertForSequenceClassification(cfg), bundled_tokenizer(), tmp_path_factory.mktemp("tiny_bert"))
 
 
+@pytest.fixture(scope="session")
+def tiny_bert_dropout(tmp_path_factory) -> str:
+    """The tiny BERT with dropout on, so that resuming must also restore the random number generators."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=256, hidden_dropout_prob=0.2,
+                     attention_probs_dropout_prob=0.2)
+    return _save(BertForSequenceClassification(cfg), bundled_tokenizer(), tmp_path_factory.mktemp("tiny_bert_do"))
+
+
 def _causal_tokenizer():
     tok = bundled_tokenizer()
     tok.eos_token = "[SEP]"

@@ -1,0 +1,83 @@
+"""Stop at an optimizer-step boundary, checkpoint, resume: the final weights equal an uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import yaml
+from conftest import assert_same_weights, load_weights, step_losses
+
+from finetune.config import from_dict
+from finetune.events import Step, read_events
+from finetune.rundir import checkpoints
+from finetune.train import StopFlag, train
+
+
+def _config(tmp_path, model, dataset, name, **extra):
+    # AdamW, a warm-up schedule, shuffling, length grouping and dropout: every piece of state must be restored.
+    return from_dict({"model": model, "dataset": dataset, "output_dir": str(tmp_path / name), "epochs": 3,
+                      "effective_batch_size": 16, "micro_batch_size": 4, "learning_rate": 1e-3, "eval_fraction": 0.0,
+                      "save_every": 2, "logging_every": 1, **extra})
+
+
+def test_stop_then_resume_equals_uninterrupted(tmp_path, tiny_bert_dropout, cls_csv):
+    full = train(_config(tmp_path, tiny_bert_dropout, cls_csv, "full"))
+    assert full.status == "done" and full.step == 9
+
+    stop = StopFlag()
+    stopped = train(_config(tmp_path, tiny_bert_dropout, cls_csv, "cut"), stop=stop,
+                    callbacks=[lambda e: stop.request() if isinstance(e, Step) and e.step == 4 else None])
+    assert stopped.status == "stopped" and stopped.step == 4  # mid-epoch: epoch 1, window 1 of 3
+    events = read_events(tmp_path / "cut" / "events.jsonl")
+    assert events[-1]["event"] == "stopped" and events[-1]["step"] == 4
+    assert not (tmp_path / "cut" / "model").exists()
+    assert checkpoints(tmp_path / "cut")[-1].name == "step-0000004"
+
+    resumed = train(_config(tmp_path, tiny_bert_dropout, cls_csv, "cut", resume=True))
+    assert resumed.status == "done" and resumed.step == 9
+    assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
+    cut_events = read_events(tmp_path / "cut" / "events.jsonl")
+    assert step_losses(cut_events) == step_losses(read_events(tmp_path / "full" / "events.jsonl"))
+    assert [e["resumed"] for e in cut_events if e["event"] == "start"] == [False, True]
+    assert len(checkpoints(tmp_path / "cut")) <= 3  # only the last few are kept
+
+
+def test_sigint_stops_cleanly_and_resume_finishes(tmp_path, tiny_bert, cls_csv):
+    cfg = tmp_path / "run.yaml"
+    run_dir = tmp_path / "run"
+    values = {"model": tiny_bert, "dataset": cls_csv, "output_dir": str(run_dir), "epochs": 60,
+              "effective_batch_size": 16, "micro_batch_size": 4, "eval_fraction": 0.0}
+    cfg.write_text(yaml.safe_dump(values))
+    proc = subprocess.Popen([sys.executable, "-m", "finetune", "train", str(cfg), "-q"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(e["event"] == "step" for e in read_events(run_dir / "events.jsonl")):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "resume=true" in err
+    last = read_events(run_dir / "events.jsonl")[-1]
+    assert last["event"] == "stopped" and last["step"] < 60 * 3
+    assert os.path.isdir(last["checkpoint"])
+
+    # A stopped run is protected: a plain re-run refuses, resume=true continues it to the end.
+    again = subprocess.run([sys.executable, "-m", "finetune", "train", str(cfg), "-q"], capture_output=True,
+                           text=True)
+    assert again.returncode == 2 and "resume=true" in again.stderr
+    done = subprocess.run([sys.executable, "-m", "finetune", "train", str(cfg), "resume=true", "max_steps=" +
+                           str(last["step"] + 2), "-q"], capture_output=True, text=True)
+    assert done.returncode == 2 and "max_steps" in done.stderr  # changing the schedule on resume is refused
+    done = subprocess.run([sys.executable, "-m", "finetune", "train", str(run_dir / "config.yaml"), "resume=true",
+                           "-q"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["steps"] == 60 * 3
+    uninterrupted = train(from_dict({**values, "output_dir": str(tmp_path / "full")}))
+    assert uninterrupted.step == 60 * 3
+    assert_same_weights(load_weights(run_dir), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
