@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from finetune.config import Config, ConfigError
+from finetune.config import ConfigError
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 130
 
@@ -38,8 +38,10 @@ def _error_text(e: Exception) -> str:
     return str(e)
 
 
-def _install_stop_handlers(stop: Any) -> None:
-    """First SIGINT/SIGTERM: finish the optimizer step, checkpoint, exit 130. Second: exit at once."""
+def _install_stop_handlers(stop: Any) -> dict[int, Any]:
+    """First SIGINT/SIGTERM: finish the optimizer step, checkpoint, exit 130. Second: exit at once.
+
+    Returns the handlers they replace."""
 
     def handler(signum: int, frame: Any) -> None:
         if stop.requested:
@@ -48,8 +50,7 @@ def _install_stop_handlers(stop: Any) -> None:
         print("\nStopping after this optimizer step (a checkpoint is saved; signal again to quit now).",
               file=sys.stderr, flush=True)
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -62,15 +63,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = args.overrides if path or not args.config else [args.config, *args.overrides]
     cfg = C.load(path, overrides)
     stop = StopFlag()
-    _install_stop_handlers(stop)
+    started: list[Any] = []  # set by the Start event: from then on, failures belong in this run's events.jsonl
+    previous = _install_stop_handlers(stop)
     try:
-        result = train(cfg, stop=stop, callbacks=[ProgressBar(disable=args.quiet)])
-    except TrainingError as e:
-        _log_error(cfg, Error(str(e), EXIT_INTERNAL), EventLog)
+        result = train(cfg, stop=stop, callbacks=[ProgressBar(disable=args.quiet), _on_start(started)])
+    except Exception as e:
+        if started:
+            code = EXIT_BAD_INPUT if isinstance(e, _bad_input_types()) else EXIT_INTERNAL
+            text = _error_text(e) if isinstance(e, (*_bad_input_types(), TrainingError)) else f"{type(e).__name__}: {e}"
+            EventLog(Path(started[0]) / "events.jsonl").emit(Error(text, code))
         raise
-    except _bad_input_types() as e:
-        _log_error(cfg, Error(_error_text(e), EXIT_BAD_INPUT), EventLog)
-        raise
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
     if not result.is_main_process:
         return EXIT_STOPPED if result.status == "stopped" else EXIT_OK
     if result.status == "stopped":
@@ -81,10 +86,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _log_error(cfg: Config, event: Any, event_log: Any) -> None:
-    """Append the error to the run's events.jsonl if the run got as far as creating it (main process only)."""
-    if cfg.output_dir and (Path(cfg.output_dir) / "events.jsonl").is_file() and os.environ.get("RANK", "0") == "0":
-        event_log(Path(cfg.output_dir) / "events.jsonl").emit(event)
+def _on_start(started: list[Any]) -> Any:
+    from finetune.events import Start
+
+    def callback(event: Any) -> None:
+        if isinstance(event, Start):
+            started.append(event.run_dir)
+
+    return callback
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

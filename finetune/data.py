@@ -43,7 +43,8 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # A failed read is reported once, in our words; datasets would also log it at ERROR level.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     if is_local(source):
         path = Path(source).expanduser()
         fmt = FILE_FORMATS.get(path.suffix.lower())

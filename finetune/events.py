@@ -29,6 +29,7 @@ class Start:
     effective_batch_size: int
     precision: str
     device: str
+    run_dir: str
     step: int = 0
     resumed: bool = False
     event: str = "start"

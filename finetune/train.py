@@ -113,7 +113,7 @@ def train(c: Config, *, stop: StopFlag | None = None, callbacks: list[Callable[[
     clip = c.max_grad_norm if c.max_grad_norm > 0 else math.inf  # inf: measure the norm, never clip
     s.log.emit(Start(s.total_steps, s.steps_per_epoch, len(s.train_data), len(s.eval_data or []),
                      s.batch.micro_batch_size, s.batch.grad_accum_steps, s.batch.num_processes,
-                     s.batch.effective_batch_size, _precision(acc), str(acc.device), p.step, c.resume))
+                     s.batch.effective_batch_size, _precision(acc), str(acc.device), str(s.run_dir), p.step, c.resume))
     model.train()
     window_loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
     clock, clock_samples = time.perf_counter(), p.samples
