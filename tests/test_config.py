@@ -1,0 +1,71 @@
+"""The config schema: YAML + overrides, validation, batch arithmetic, the `init` template."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from finetune import config as C
+
+
+def test_defaults_are_valid_and_round_trip_through_yaml():
+    c = C.Config()
+    assert C.from_dict(yaml.safe_load(c.to_yaml())) == c
+
+
+def test_overrides_are_typed_and_win_over_the_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("learning_rate: 0.1\nepochs: 2\ndataset: a.csv\n")
+    c = C.load(f, ["learning_rate=3e-5", "shuffle=false", "max_steps=7", "eval_split=none"])
+    assert (c.learning_rate, c.epochs, c.shuffle, c.max_steps, c.eval_split) == (3e-5, 2.0, False, 7, None)
+    assert c.dataset == "a.csv"
+
+
+def test_config_is_frozen_and_replace_validates():
+    c = C.Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.epochs = 1  # type: ignore[misc]
+    with pytest.raises(C.ConfigError):
+        c.replace(epochs=-2)
+
+
+@pytest.mark.parametrize("values, n, expected", [
+    ({}, 1, (32, 1, 32)),
+    ({"effective_batch_size": 64, "micro_batch_size": 8}, 1, (8, 8, 64)),
+    ({"effective_batch_size": 64, "grad_accum_steps": 4}, 2, (8, 4, 64)),
+    ({"micro_batch_size": 4, "grad_accum_steps": 3}, 2, (4, 3, 24)),
+    ({"micro_batch_size": 4}, 1, (4, 8, 32)),
+    ({"effective_batch_size": 48, "micro_batch_size": 6, "grad_accum_steps": 4}, 2, (6, 4, 48)),
+])
+def test_any_two_determine_the_third(values, n, expected):
+    plan = C.resolve_batch(C.from_dict(values), n)
+    assert (plan.micro_batch_size, plan.grad_accum_steps, plan.effective_batch_size) == expected
+    assert plan.micro_batch_size * plan.grad_accum_steps * plan.num_processes == plan.effective_batch_size
+
+
+@pytest.mark.parametrize("values, n, message", [
+    ({"effective_batch_size": 16, "grad_accum_steps": 3}, 1, "use one of 1, 2, 4, 8, 16"),
+    ({"effective_batch_size": 15}, 2, "does not divide among 2 processes"),
+    ({"effective_batch_size": 16, "micro_batch_size": 4, "grad_accum_steps": 2}, 1, "= 8, not"),
+])
+def test_non_dividing_combinations_are_refused_with_what_would_work(values, n, message):
+    with pytest.raises(C.ConfigError, match=message):
+        C.resolve_batch(C.from_dict(values), n)
+
+
+def test_template_lists_every_option_and_loads(tmp_path):
+    text = C.template()
+    for name in C.FIELDS:
+        assert f"{name}:" in text
+    f = tmp_path / "t.yaml"
+    f.write_text(text)
+    assert C.load(f).dataset == "assets/sst2_sample.csv"
+
+
+def test_every_field_has_help_and_a_valid_default():
+    for f in dataclasses.fields(C.Config):
+        assert f.metadata["help"].endswith("."), f.name
+        if f.metadata["choices"]:
+            assert f.default in f.metadata["choices"]
