@@ -337,3 +337,7 @@ def markdown_table() -> str:
         choices = f" One of: {', '.join(f'`{c}`' for c in meta['choices'])}." if meta["choices"] else ""
         rows.append(f"| `{f.name}` | {default} | {meta['help']}{choices} |")
     return "\n".join(rows)
+
+
+if __name__ == "__main__":  # `python -m finetune.config` prints the README's option table
+    print(markdown_table())

@@ -221,7 +221,9 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     elif acc.is_main_process:
         rundir.clear_run_dir(run_dir) if c.overwrite else None
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(c.to_yaml(), encoding="utf-8")
+        # The saved config describes the run, not this invocation: `finetune train config.yaml resume=true`
+        # continues it and a plain `finetune train config.yaml` refuses to overwrite it.
+        (run_dir / "config.yaml").write_text(c.replace(overwrite=False, resume=False).to_yaml(), encoding="utf-8")
     acc.wait_for_everyone()
     return Setup(c, acc, batch, run_dir, tokenizer, train_data, eval_data, label_names, model, optimizer, scheduler,
                  total_steps, steps_per_epoch, progress, log)

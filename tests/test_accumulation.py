@@ -117,3 +117,19 @@ def test_logged_counters(tmp_path, tiny_bert, cls_csv):
     assert steps[-1]["epoch"] == 1.0 and steps[-1]["skipped"] == 0
     assert all(e["tokens"] > 0 and e["grad_norm"] > 0 for e in steps)
     assert result.status == "done" and result.step == 3
+
+
+def test_evaluation_between_windows_does_not_change_training(tmp_path, tiny_bert, cls_csv):
+    common = {"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 8, "micro_batch_size": 2,
+              "eval_fraction": 0.2}
+    quiet, _, _ = run_train(tmp_path / "quiet", **common)
+    busy, events, _ = run_train(tmp_path / "busy", eval_every=1, **common)
+    assert sum(e["event"] == "eval" for e in events) == len(step_losses(events))  # every step, and the end
+    assert_same_weights(quiet, busy, rtol=0, atol=0)
+
+
+def test_bf16_runs_without_a_scaler(tmp_path, tiny_bert, cls_csv):
+    _, events, result = run_train(tmp_path / "bf16", model=tiny_bert, dataset=cls_csv, effective_batch_size=16,
+                                  micro_batch_size=8, epochs=1, precision="bf16")
+    assert events[0]["precision"] == "bf16"
+    assert result.status == "done" and all(e["skipped"] == 0 for e in events if e["event"] == "step")
