@@ -75,7 +75,22 @@ class Config:
                                             f"{DEFAULT_EFFECTIVE_BATCH}).", min=1)
     micro_batch_size: int | None = _opt(None, "Samples per forward/backward pass on one process.", min=1)
     grad_accum_steps: int | None = _opt(None, "Micro-batches summed into one optimizer step.", min=1)
-    memory_budget_gb: float | None = _opt(None, "Device memory budget in GiB that the plan must fit.", min=0.0)
+    memory_budget_gb: float | None = _opt(None, "Device memory budget in GiB that the plan must fit (default: no "
+                                          "limit; the plan still predicts the peak).", min=0.0)
+    gradient_checkpointing: str = _opt("auto", "Recompute activations in the backward pass to save memory (auto: "
+                                       "only when the budget needs it).", choices=("auto", "true", "false"))
+    lora: str = _opt("auto", "Train low-rank adapters instead of all weights (auto: only when the budget needs it).",
+                     choices=("auto", "true", "false"))
+    lora_r: int = _opt(16, "LoRA rank.", min=1, max=4096, group="advanced")
+    lora_alpha: float = _opt(32.0, "LoRA scaling numerator (the update is scaled by alpha / r).", min=0.0,
+                             group="advanced")
+    lora_dropout: float = _opt(0.0, "Dropout on the LoRA path.", min=0.0, max=0.9, group="advanced")
+    lora_target_modules: str = _opt("all-linear", "Comma-separated module names to adapt, or all-linear.",
+                                    group="advanced")
+    merge_lora: bool = _opt(False, "Also save the base model with the adapter merged in (model/), besides the "
+                            "adapter.", group="advanced")
+    plan_probe: str = _opt("auto", "Measure a few real training steps to correct the memory estimate (auto: on "
+                           "a GPU).", choices=("auto", "true", "false"), group="advanced")
     # --- optimisation
     epochs: float = _opt(3.0, "Passes over the training data.", min=0.0)
     max_steps: int | None = _opt(None, "Stop after this many optimizer steps (overrides `epochs`).", min=1)
@@ -86,7 +101,8 @@ class Config:
                                max=1.0, group="advanced")
     lr_scheduler: str = _opt("linear", "Learning-rate schedule after warm-up.",
                              choices=("linear", "cosine", "constant"), group="advanced")
-    optimizer: str = _opt("adamw", "Optimizer.", choices=("adamw", "sgd"), group="advanced")
+    optimizer: str = _opt("adamw", "Optimizer: AdamW (fused), 8-bit AdamW (bitsandbytes, CUDA only) or plain SGD.",
+                          choices=("adamw", "adamw_8bit", "sgd"), group="advanced")
     max_grad_norm: float = _opt(1.0, "Clip the window's gradient to this norm (0 = off).", min=0.0)
     precision: str = _opt("auto", "Number format: auto = bf16/fp16 mixed precision on a GPU that has it, fp32 on "
                           "CPU.", choices=("auto", "fp32", "fp16", "bf16"))

@@ -20,9 +20,11 @@ def loss_sum(model: Any, batch: dict[str, torch.Tensor], causal: bool) -> tuple[
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits.float()
     if causal:
-        # Shift so that position t predicts token t+1, as the models' own loss does.
-        shifted = logits[:, :-1].reshape(-1, logits.size(-1))
-        return F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"), logits
+        # Position t predicts token t+1. Shift the labels, not the logits: slicing the (b, s, vocab) logits would
+        # copy the largest tensor of a small LM's step.
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                               reduction="sum"), logits
     return F.cross_entropy(logits, labels, reduction="sum"), logits
 
 

@@ -30,7 +30,7 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -41,7 +41,7 @@ def load_tokenizer(c: Config) -> Any:
     """The model's tokenizer; causal LMs without a pad token pad with their end-of-sequence token."""
     from transformers import AutoTokenizer
 
-    _quiet_transformers()
+    quiet_transformers()
     path = resolve_model_path(c.model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=c.trust_remote_code)
@@ -58,9 +58,13 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
     """A classification or causal-LM model with safetensors weights; the classifier sized for `label_names`."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    _quiet_transformers()
+    quiet_transformers()
     path = resolve_model_path(c.model)
-    kwargs: dict[str, Any] = {"trust_remote_code": c.trust_remote_code, "use_safetensors": True}
+    import torch
+
+    # fp32 master weights whatever the checkpoint's dtype: mixed precision casts copies, the optimizer needs fp32.
+    kwargs: dict[str, Any] = {"trust_remote_code": c.trust_remote_code, "use_safetensors": True,
+                              "dtype": torch.float32}
     try:
         if c.task == "classification":
             model = AutoModelForSequenceClassification.from_pretrained(
@@ -89,8 +93,18 @@ def _load_failure(name: str, error: Exception, task: str | None = None) -> str:
             "(hub ids need a network connection).")
 
 
-def save_model(model: Any, tokenizer: Any, path: Path) -> None:
-    """The model (safetensors) and tokenizer, loadable with `from_pretrained(path)`."""
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+def save_model(model: Any, tokenizer: Any, run_dir: Path, merge_lora: bool = False) -> Path:
+    """Save the final model (safetensors) and tokenizer to run_dir/model, loadable with `from_pretrained`.
+
+    A LoRA model saves its adapter there (load it with peft's `AutoPeftModelFor…`); with `merge_lora` the adapter
+    goes to run_dir/adapter and model/ gets the base model with the adapter merged in."""
+    is_peft = hasattr(model, "peft_config")
+    target = run_dir / ("adapter" if is_peft and merge_lora else "model")
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+    if is_peft and merge_lora:
+        merged = model.merge_and_unload()
+        merged.save_pretrained(run_dir / "model", safe_serialization=True)
+        tokenizer.save_pretrained(run_dir / "model")
+    return run_dir / "model"

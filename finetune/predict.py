@@ -77,9 +77,9 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40) -> list[dic
     """Per text: the label with class probabilities (classification), or a generated continuation (causal LM)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.modeling import _quiet_transformers
+    from finetune.modeling import quiet_transformers
 
-    _quiet_transformers()
+    quiet_transformers()
     model_dir, _ = resolve_model_dir(target)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if task_of(model_dir) == "causal_lm":

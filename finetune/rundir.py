@@ -75,7 +75,6 @@ def check_run_dir(c: Config) -> Path:
         if is_finished(run_dir):
             raise RunDirError(f"The run in {c.output_dir!r} already finished: nothing to resume. Use another "
                               "output_dir, or overwrite=true to train it again.")
-        _check_same_settings(c, run_dir)
         return run_dir
     if not entries:
         return run_dir
@@ -95,17 +94,19 @@ def check_run_dir(c: Config) -> Path:
                       "overwrite=true to replace it.")
 
 
-def _check_same_settings(c: Config, run_dir: Path) -> None:
-    saved_path = run_dir / "config.yaml"
-    if not saved_path.is_file():
-        return
-    saved = read_yaml(saved_path)
+def resumed_config(c: Config, run_dir: Path) -> Config:
+    """The run's own resolved config for a resume; options left unset or `auto` take the run's values, and an
+    explicit difference in anything that changes the numbers is refused."""
+    from finetune.config import from_dict
+
+    saved = read_yaml(run_dir / "config.yaml")
     mine = c.to_dict()
     changed = [f"{k}: {saved[k]!r} → {mine[k]!r}" for k in mine
-               if k not in RESUME_MAY_CHANGE and k in saved and saved[k] != mine[k]]
+               if k not in RESUME_MAY_CHANGE and k in saved and mine[k] not in (None, "auto") and saved[k] != mine[k]]
     if changed:
         raise RunDirError(f"resume=true needs the run's own settings, but these differ ({'; '.join(changed[:3])}): "
-                          f"resume with `finetune train {saved_path} resume=true`.")
+                          f"resume with `finetune train {run_dir / 'config.yaml'} resume=true`.")
+    return from_dict({**saved, **{k: mine[k] for k in RESUME_MAY_CHANGE}, "overwrite": False})
 
 
 def clear_run_dir(run_dir: Path) -> None:

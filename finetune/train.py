@@ -26,6 +26,7 @@ from finetune.config import BatchPlan, Config, ConfigError, resolve_batch
 from finetune.evaluate import evaluate, loss_sum
 from finetune.events import Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
 from finetune.modeling import load_model, load_tokenizer, save_model
+from finetune.planner import make_plan, prepare_for_training, resolve_precision
 
 MAX_SKIPPED_IN_A_ROW = 25
 
@@ -196,17 +197,22 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     acc = make_accelerator(resolve_precision(c.precision))
     if c.output_dir is None:  # every process must agree on the same timestamped directory
         c = c.replace(output_dir=broadcast_object_list([rundir.default_output_dir()])[0])
-    batch = resolve_batch(c, acc.num_processes)
-    c = c.replace(effective_batch_size=batch.effective_batch_size, micro_batch_size=batch.micro_batch_size,
-                  grad_accum_steps=batch.grad_accum_steps)
+    resolve_batch(c, acc.num_processes)  # refuse impossible batch arithmetic before anything is loaded
     run_dir = rundir.check_run_dir(c)
+    if c.resume:
+        c = rundir.resumed_config(c, run_dir)
     tokenizer = load_tokenizer(c)
     train_data, eval_data, label_names = load_data(c, tokenizer)
+    # The plan needs the data (the worst-case length) but no weights: it runs on the meta device.
+    plan = make_plan(c, train_data.lengths, len(label_names or []), num_processes=acc.num_processes)
+    c = plan.apply(c)
+    batch = resolve_batch(c, acc.num_processes)
     steps_per_epoch = D.windows_per_epoch(len(train_data), batch.effective_batch_size)
     total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
 
     set_seed(c.seed)
-    model = load_model(c, label_names)
+    model = prepare_for_training(load_model(c, label_names), c, checkpointing=plan.gradient_checkpointing,
+                                 lora=plan.lora)
     optimizer = make_optimizer(c, model)
     scheduler = make_scheduler(c, optimizer, total_steps)
     # The scheduler stays out of prepare(): a prepared scheduler steps once per process per optimizer step.
@@ -224,6 +230,7 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
         # The saved config describes the run, not this invocation: `finetune train config.yaml resume=true`
         # continues it and a plain `finetune train config.yaml` refuses to overwrite it.
         (run_dir / "config.yaml").write_text(c.replace(overwrite=False, resume=False).to_yaml(), encoding="utf-8")
+        rundir.write_json(run_dir / "plan.json", plan.to_dict())
     acc.wait_for_everyone()
     return Setup(c, acc, batch, run_dir, tokenizer, train_data, eval_data, label_names, model, optimizer, scheduler,
                  total_steps, steps_per_epoch, progress, log)
@@ -237,18 +244,6 @@ def make_accelerator(precision: str) -> Any:
     # CPU explicitly; otherwise every process would train alone.
     cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     return Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision), cpu=cpu)
-
-
-def resolve_precision(precision: str) -> str:
-    """`auto` → bf16 (or fp16) on a GPU that has it, fp32 elsewhere; fp16 off a GPU is refused."""
-    cuda = torch.cuda.is_available()
-    if precision == "auto":
-        if not cuda:
-            return "fp32"
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    if precision == "fp16" and not cuda:
-        raise ConfigError(["precision=fp16 needs a CUDA GPU (its loss scaling is GPU-only): use fp32 or auto."])
-    return precision
 
 
 def _precision(acc: Any) -> str:
@@ -289,6 +284,10 @@ def make_optimizer(c: Config, model: Any) -> torch.optim.Optimizer:
               {"params": [q for _, q in params if q.ndim < 2], "weight_decay": 0.0}]
     if c.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=c.learning_rate)
+    if c.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=c.learning_rate)
     # The fused kernel is ~9x faster than the per-tensor loop on CPU (7 vs 62 ms a step for MiniLM) and on GPU.
     try:
         return torch.optim.AdamW(groups, lr=c.learning_rate, fused=True)
@@ -346,7 +345,7 @@ def _finish(s: Setup, seconds: float) -> RunResult:
     _save_checkpoint(s)
     model_dir = s.run_dir / "model"
     if acc.is_main_process:
-        save_model(acc.unwrap_model(s.model), s.tokenizer, model_dir)
+        save_model(acc.unwrap_model(s.model), s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora)
         summary = {**metrics, "steps": p.step, "samples": p.samples, "skipped_steps": p.skipped,
                    "train_seconds": round(seconds, 2), "train_samples_per_s": round(p.samples / max(seconds, 1e-9), 2)}
         rundir.write_json(s.run_dir / "metrics.json", summary)
