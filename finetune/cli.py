@@ -121,6 +121,25 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Run `finetune plan [CONFIG] [key=value …]`: print the plan and optionally write plan.json."""
+    from finetune import config as C
+    from finetune.modeling import load_tokenizer
+    from finetune.planner import make_plan, render
+    from finetune.rundir import write_json
+    from finetune.train import load_data
+
+    path = args.config if args.config and "=" not in args.config else None
+    overrides = args.overrides if path or not args.config else [args.config, *args.overrides]
+    cfg = C.load(path, overrides)
+    train_data, _, label_names = load_data(cfg, load_tokenizer(cfg))
+    plan = make_plan(cfg, train_data.lengths, len(label_names or []), num_processes=args.num_processes)
+    print(render(plan))
+    if args.json:
+        write_json(Path(args.json), plan.to_dict())
+    return EXIT_OK
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     """Write a commented example config."""
     from finetune.config import template
@@ -144,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value options, e.g. learning_rate=2e-5 epochs=1")
     p.add_argument("-q", "--quiet", action="store_true", help="No progress bar.")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("plan", help="Show how a config would train within its memory budget.",
+                       description="Predict peak memory and choose micro-batch, accumulation, checkpointing and "
+                       "LoRA for memory_budget_gb; exit 2 when nothing fits.")
+    p.add_argument("config", nargs="?", help="YAML config file.")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. memory_budget_gb=8 effective_batch_size=64")
+    p.add_argument("--json", help="Also write the plan here (plan.json).")
+    p.add_argument("--num-processes", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                   help="Processes the run will use (default: 1, or WORLD_SIZE under a launcher).")
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("eval", help="Evaluate a run's model or a saved model.")
     p.add_argument("target", help="A run directory or a model folder.")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. dataset=val.csv eval_split=validation")

@@ -1,6 +1,7 @@
 """The typed event stream of a run: `events.jsonl` for the GUI and scripts, a progress bar for the terminal.
 
-Each line of `events.jsonl` is one JSON object with `event` in start, step, eval, checkpoint, stopped, done, error
+Each line of `events.jsonl` is one JSON object with `event` in start, step, backoff, eval, checkpoint, stopped, done,
+error
 and `time` (Unix seconds). Tests and the GUI read these records, never printed text.
 """
 
@@ -52,6 +53,17 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Backoff:
+    """Out of memory: optimizer step `step` is retried with a halved micro-batch and doubled accumulation."""
+
+    step: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    message: str
+    event: str = "backoff"
+
+
+@dataclass(frozen=True)
 class Eval:
     """Evaluation metrics after optimizer step `step`."""
 
@@ -98,7 +110,7 @@ class Error:
     event: str = "error"
 
 
-Event = Start | Step | Eval | Checkpoint | Stopped | Done | Error
+Event = Start | Step | Backoff | Eval | Checkpoint | Stopped | Done | Error
 
 
 def to_record(event: Event) -> dict[str, Any]:
@@ -154,6 +166,8 @@ class ProgressBar:
         elif isinstance(event, Step) and self._bar is not None:
             self._bar.update(event.step - self._bar.n)
             self._bar.set_postfix(loss=f"{event.loss:.4f}", lr=f"{event.lr:.2e}", sps=f"{event.samples_per_s:.1f}")
+        elif isinstance(event, Backoff) and self._bar is not None:
+            self._bar.write(f"step {event.step}: {event.message}")
         elif isinstance(event, Eval) and self._bar is not None:
             self._bar.write(f"step {event.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in event.metrics.items()))
         elif isinstance(event, (Stopped, Done, Error)) and self._bar is not None:

@@ -31,7 +31,12 @@ def resolve_model_path(name: str) -> str:
 
 
 def quiet_transformers() -> None:
+    """Keep transformers' progress bars, load reports and deprecation notes out of the user's terminal."""
+    import warnings
+
     import transformers
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -103,8 +108,33 @@ def save_model(model: Any, tokenizer: Any, run_dir: Path, merge_lora: bool = Fal
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
+    if is_peft:  # the base config beside the adapter keeps the run's label names and head size
+        model.get_base_model().config.save_pretrained(target)
     if is_peft and merge_lora:
         merged = model.merge_and_unload()
         merged.save_pretrained(run_dir / "model", safe_serialization=True)
         tokenizer.save_pretrained(run_dir / "model")
     return run_dir / "model"
+
+
+def is_adapter(model_dir: Path) -> bool:
+    """Whether a saved model folder holds a LoRA adapter rather than full weights."""
+    return (Path(model_dir) / "adapter_config.json").is_file()
+
+
+def load_trained(model_dir: Path, task: str) -> Any:
+    """A model saved by a run: full weights, or a LoRA adapter on its base model (with the run's labels)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    quiet_transformers()
+    auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+    if not is_adapter(model_dir):
+        return auto.from_pretrained(model_dir, use_safetensors=True)
+    import json
+
+    from peft import PeftModel
+
+    base_path = json.loads((Path(model_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    config = AutoConfig.from_pretrained(model_dir)
+    base = auto.from_pretrained(base_path, config=config, use_safetensors=True, ignore_mismatched_sizes=True)
+    return PeftModel.from_pretrained(base, model_dir)

@@ -10,10 +10,12 @@ keep different tensors (GPU attention kernels, allocator slack), which the optio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -149,7 +151,7 @@ def dry_run(model: Any, causal: bool, micro: int, tokens: int, accum: int, preci
     ids = torch.zeros((micro, tokens), dtype=torch.long, device="meta")
     labels = ids if causal else torch.zeros(micro, dtype=torch.long, device="meta")
     try:
-        with LiveTensorTracker(include_meta=True) as tracker:
+        with _no_data_dependent_checks(), LiveTensorTracker(include_meta=True) as tracker:
             for _ in range(min(accum, 2)):
                 # No attention mask: at the worst-case length every token is real, and transformers drops an
                 # all-ones mask anyway (a mask would also need .item(), which meta tensors cannot answer).
@@ -162,6 +164,19 @@ def dry_run(model: Any, causal: bool, micro: int, tokens: int, accum: int, preci
         if half is not None:
             model.to(torch.float32)
     return tracker.peak
+
+
+@contextlib.contextmanager
+def _no_data_dependent_checks() -> Any:
+    """transformers looks for packed sequences in the position ids (a value check meta tensors cannot answer);
+    the dry run holds one sequence per row, which is what "not packed" means."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # older transformers: no such check
+        yield
+        return
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
 
 
 def estimate(model: Any, c: Config, *, causal: bool, micro: int, tokens: int, accum: int, precision: str,
@@ -213,8 +228,9 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
             tried.append((f"{level}, micro-batch {micro}", peak))
             if budget is None or peak <= SAFETY * budget:
                 if level != "plain":
-                    notes.append(f"Escalated to {level}: without it the smallest plan needs "
-                                 f"{_gib(tried[0][1] if len(candidates) == 1 else min(p for _, p in tried))}.")
+                    plain = min(p for name, p in tried if name.startswith("plain"))
+                    notes.append(f"Escalated to {level}: without it the smallest plan needs {_gib(plain)}, over "
+                                 f"{SAFETY:.0%} of the budget.")
                 return Plan(micro, accum, num_processes, batch.effective_batch_size, precision, checkpointing, lora,
                             optimizer, budget, peak, terms, device_name, tokens, "dry-run", tuple(notes))
     smallest = min(p for _, p in tried)

@@ -10,15 +10,15 @@ import torch
 
 from finetune import config as C
 from finetune import data as D
-from finetune.modeling import ModelError
+from finetune.modeling import ModelError, is_adapter, load_trained
 
 
 def resolve_model_dir(target: str) -> tuple[Path, Path | None]:
     """(model folder, run directory or None) for a run directory or a saved model folder."""
     path = Path(target).expanduser()
-    if (path / "model" / "config.json").is_file():
+    if (path / "model" / "config.json").is_file() or (path / "model" / "adapter_config.json").is_file():
         return path / "model", path
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
         return path, None
     if (path / "config.yaml").is_file():
         raise ModelError(f"The run in {target!r} has no final model yet (it stopped or is still training): resume "
@@ -27,7 +27,10 @@ def resolve_model_dir(target: str) -> tuple[Path, Path | None]:
 
 
 def task_of(model_dir: Path) -> str:
-    """classification or causal_lm, from the saved model's architecture."""
+    """classification or causal_lm, from the saved model's architecture (or the adapter's task type)."""
+    if is_adapter(model_dir):
+        task_type = json.loads((model_dir / "adapter_config.json").read_text(encoding="utf-8")).get("task_type")
+        return "causal_lm" if task_type == "CAUSAL_LM" else "classification"
     archs = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
     return "causal_lm" if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else "classification"
 
@@ -37,7 +40,7 @@ def evaluate_saved(target: str, overrides: list[str]) -> dict[str, Any]:
     from accelerate import Accelerator
 
     from finetune.evaluate import evaluate
-    from finetune.modeling import load_model, load_tokenizer
+    from finetune.modeling import load_tokenizer
     from finetune.train import load_data
 
     model_dir, run_dir = resolve_model_dir(target)
@@ -59,7 +62,7 @@ def evaluate_saved(target: str, overrides: list[str]) -> dict[str, Any]:
         eval_data = load_data(cfg, tokenizer)[1]
         if eval_data is None:
             raise C.ConfigError(["The run had no evaluation data: add dataset=<file or hub id>."])
-    model = load_model(cfg, labels)
+    model = load_trained(model_dir, cfg.task)
     acc = Accelerator(cpu=not torch.cuda.is_available())
     model = acc.prepare(model)
     metrics = evaluate(model, eval_data, causal=cfg.task == "causal_lm", num_labels=len(labels or []),
@@ -75,15 +78,13 @@ def _label_names(model_dir: Path) -> list[str]:
 @torch.inference_mode()
 def predict(target: str, texts: list[str], max_new_tokens: int = 40) -> list[dict[str, Any]]:
     """Per text: the label with class probabilities (classification), or a generated continuation (causal LM)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from finetune.modeling import quiet_transformers
-
-    quiet_transformers()
     model_dir, _ = resolve_model_dir(target)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if task_of(model_dir) == "causal_lm":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True).eval()
+    task = task_of(model_dir)
+    model = load_trained(model_dir, task).eval()
+    if task == "causal_lm":
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         out = []
         for text in texts:
@@ -92,7 +93,6 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40) -> list[dic
             out.append({"text": text, "generated": tokenizer.decode(ids[0, enc["input_ids"].shape[1]:],
                                                                     skip_special_tokens=True)})
         return out
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True).eval()
     enc = tokenizer(texts, padding=True, truncation=True, max_length=512, return_tensors="pt")
     probs = model(**enc).logits.float().softmax(-1)
     names = model.config.id2label

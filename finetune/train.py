@@ -24,7 +24,7 @@ from finetune import data as D
 from finetune import rundir
 from finetune.config import BatchPlan, Config, ConfigError, resolve_batch
 from finetune.evaluate import evaluate, loss_sum
-from finetune.events import Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
+from finetune.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
 from finetune.modeling import load_model, load_tokenizer, save_model
 from finetune.planner import make_plan, prepare_for_training, resolve_precision
 
@@ -116,7 +116,6 @@ def train(c: Config, *, stop: StopFlag | None = None, callbacks: list[Callable[[
                      s.batch.micro_batch_size, s.batch.grad_accum_steps, s.batch.num_processes,
                      s.batch.effective_batch_size, _precision(acc), str(acc.device), str(s.run_dir), p.step, c.resume))
     model.train()
-    window_loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock
     while p.step < s.total_steps:
@@ -124,28 +123,12 @@ def train(c: Config, *, stop: StopFlag | None = None, callbacks: list[Callable[[
                                   shuffle=c.shuffle, group_by_length=c.group_by_length)
         for w in range(p.window, len(windows)):
             window = windows[w]
-            micro = D.micro_batches(window, lengths, s.batch.micro_batch_size, acc.process_index,
-                                    acc.num_processes)
-            # Count the window's targets over all processes *before* its first backward: every micro-batch's
-            # loss sum is divided by this one number, which is what makes k·B and (B, k) identical.
-            count = _global_count(s, [i for mb in micro for i in mb])
-            weight = 1.0
-            if not micro:  # a tail window smaller than the number of processes: join the all-reduce with 0 weight
-                micro, weight = [window[:1]], 0.0
-            # accelerator.backward divides by gradient_accumulation_steps and DDP averages over processes: undo
-            # both, so the gradient is exactly sum(losses) / count. Setting the steps per window is what flushes
-            # (and correctly normalises) a short last window.
-            acc.gradient_accumulation_steps = len(micro)
-            acc.step = 0
-            scale = weight * len(micro) * acc.num_processes / max(count, 1)
-            window_loss_sum.zero_()
-            for mb in micro:
-                with acc.accumulate(model):
-                    batch = {k: v.to(acc.device) for k, v in D.collate(s.train_data, mb, s.tokenizer.pad_token_id,
-                                                                      s.causal).items()}
-                    loss, _ = loss_sum(model, batch, s.causal)
-                    acc.backward(loss * scale)
-                    window_loss_sum += loss.detach().double() * weight
+            while True:
+                try:
+                    window_loss_sum, count = _backward_window(s, window)
+                    break
+                except torch.OutOfMemoryError:
+                    _back_off(s)  # the same window again with half the micro-batch: same gradient, less memory
             # Once per window, on the summed gradient (sync step): clip_grad_norm_ unscales fp16 gradients first.
             grad_norm = acc.clip_grad_norm_(params, clip)
             lr = sched.get_last_lr()[0]
@@ -188,6 +171,57 @@ def train(c: Config, *, stop: StopFlag | None = None, callbacks: list[Callable[[
             if p.step >= s.total_steps:
                 break
     return _finish(s, time.perf_counter() - train_start)
+
+
+def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
+    """Accumulate one window's gradient; returns this process's loss sum and the window's global target count."""
+    acc, lengths = s.accelerator, s.train_data.lengths
+    micro = D.micro_batches(window, lengths, s.batch.micro_batch_size, acc.process_index, acc.num_processes)
+    # Count the window's targets over all processes *before* its first backward: every micro-batch's loss sum is
+    # divided by this one number, which is what makes k·B and (B, k) identical.
+    count = _global_count(s, [i for mb in micro for i in mb])
+    weight = 1.0
+    if not micro:  # a tail window smaller than the number of processes: join the all-reduce with 0 weight
+        micro, weight = [window[:1]], 0.0
+    # accelerator.backward divides by gradient_accumulation_steps and DDP averages over processes: undo both, so
+    # the gradient is exactly sum(losses) / count. Setting the steps per window is what flushes (and correctly
+    # normalises) a short last window.
+    acc.gradient_accumulation_steps = len(micro)
+    acc.step = 0
+    scale = weight * len(micro) * acc.num_processes / max(count, 1)
+    loss_total = torch.zeros((), dtype=torch.float64, device=acc.device)
+    for mb in micro:
+        with acc.accumulate(s.model):
+            batch = {k: v.to(acc.device) for k, v in D.collate(s.train_data, mb, s.tokenizer.pad_token_id,
+                                                              s.causal).items()}
+            loss, _ = loss_sum(s.model, batch, s.causal)
+            acc.backward(loss * scale)
+            loss_total += loss.detach().double() * weight
+    return loss_total, count
+
+
+def _back_off(s: Setup) -> None:
+    """After an out-of-memory error: drop the partial gradient and halve the micro-batch (doubling accumulation)."""
+    import gc
+
+    s.optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    b = s.batch
+    if s.accelerator.num_processes > 1:
+        # Another process may already wait in the gradient all-reduce; they cannot re-split together.
+        raise TrainingError(f"Out of memory at micro_batch_size={b.micro_batch_size} with several processes: set a "
+                            "smaller micro_batch_size or memory_budget_gb and restart (resume=true keeps progress).")
+    per_process = b.micro_batch_size * b.grad_accum_steps
+    smaller = next((d for d in range(b.micro_batch_size // 2, 0, -1) if per_process % d == 0), None)
+    if smaller is None:
+        raise TrainingError("Out of memory even at micro_batch_size=1: lower max_length, set lora=true or "
+                            "gradient_checkpointing=true, or use a smaller model or a larger device.")
+    s.batch = BatchPlan(smaller, per_process // smaller, b.num_processes, b.effective_batch_size)
+    s.log.emit(Backoff(s.progress.step + 1, s.batch.micro_batch_size, s.batch.grad_accum_steps,
+                       f"out of memory at micro_batch_size={b.micro_batch_size}; retrying the step with "
+                       f"{s.batch.micro_batch_size} × {s.batch.grad_accum_steps} (same effective batch and result)"))
 
 
 def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:

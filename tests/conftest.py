@@ -66,6 +66,17 @@ def tiny_bert_dropout(tmp_path_factory) -> str:
     return _save(BertForSequenceClassification(cfg), bundled_tokenizer(), tmp_path_factory.mktemp("tiny_bert_do"))
 
 
+@pytest.fixture(scope="session")
+def activation_heavy_bert(tmp_path_factory) -> str:
+    """Only a config.json (the planner needs no weights): a BERT whose activations outweigh its parameters."""
+    from transformers import BertConfig
+
+    path = tmp_path_factory.mktemp("heavy_bert")
+    BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=256,
+               max_position_embeddings=512).save_pretrained(path)
+    return str(path)
+
+
 def _causal_tokenizer():
     tok = bundled_tokenizer()
     tok.eos_token = "[SEP]"

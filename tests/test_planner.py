@@ -1,0 +1,210 @@
+"""The memory planner, the live-tensor tracker, OOM back-off, gradient checkpointing and LoRA."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+from conftest import assert_same_weights, run_train, step_losses
+
+import finetune.train as T
+from finetune.config import from_dict
+from finetune.memory import LiveTensorTracker, tensor_bytes
+from finetune.planner import GIB, PlanError, estimate, make_plan, model_skeleton
+
+CPU = ("cpu", 24 * GIB)
+
+
+def test_tracker_counts_known_sizes_and_frees():
+    with LiveTensorTracker() as tracker:
+        a = torch.zeros(1000, 250)  # 1,000,000 bytes
+        view = a.view(250, 1000)  # shares a's storage: no new bytes
+        b = torch.ones(500, dtype=torch.float64)  # 4,000 bytes
+        assert tracker.current == 1_004_000
+        del a, view
+        gc.collect()
+        assert tracker.current == 4_000 and tracker.peak == 1_004_000
+        c = torch.empty(10, dtype=torch.bfloat16)
+        c.add_(1)  # in place: nothing new
+        assert tracker.current == 4_020
+    weights = torch.randn(100, 100)
+    with LiveTensorTracker() as tracker:
+        _ = weights.t()  # a view of a tensor made before tracking is not new memory
+        assert tracker.current == 0
+    assert tensor_bytes([b, b[:10], c]) == 4_020
+
+
+def _measured_window_peak(model, causal, micro, tokens, accum):
+    """Live-tensor peak of a real window (weights + AdamW state + the window), after one warm-up step."""
+    from finetune.evaluate import loss_sum
+
+    model.train()
+    opt = T.make_optimizer(from_dict({"learning_rate": 1e-5}), model)  # the engine's optimizer (fused AdamW)
+    vocab = model.config.vocab_size
+
+    def window():
+        for _ in range(accum):
+            ids = torch.randint(5, vocab, (micro, tokens))
+            labels = ids.clone() if causal else torch.zeros(micro, dtype=torch.long)
+            loss, _ = loss_sum(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels},
+                               causal)
+            loss.backward()
+            del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    window()
+    gc.collect()
+    static = tensor_bytes(list(model.parameters()) + [v for s in opt.state.values() for v in s.values()])
+    with LiveTensorTracker() as tracker:
+        window()
+    return static + tracker.peak
+
+
+@pytest.mark.parametrize("model_fixture, task", [("tiny_bert", "classification"), ("tiny_gpt2", "causal_lm"),
+                                                 ("tiny_llama", "causal_lm")])
+@pytest.mark.parametrize("micro, accum, ckpt", [(4, 1, False), (2, 3, False), (4, 2, True)])
+def test_dry_run_predicts_the_measured_peak(request, model_fixture, task, micro, accum, ckpt):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    path = request.getfixturevalue(model_fixture)
+    c = from_dict({"model": path, "task": task, "dataset": "x.csv"})
+    skeleton = model_skeleton(c, 2, checkpointing=ckpt, lora=False)
+    terms = estimate(skeleton, c, causal=task == "causal_lm", micro=micro, tokens=96, accum=accum,
+                     precision="fp32", optimizer="adamw", device="cpu")
+    auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+    real = auto.from_pretrained(path, **({} if task == "causal_lm" else {"num_labels": 2}))
+    if ckpt:
+        real.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    measured = _measured_window_peak(real, task == "causal_lm", micro, 96, accum)
+    predicted = sum(terms.values())
+    assert -0.05 <= (predicted - measured) / measured <= 0.10, (predicted, measured, terms)
+
+
+def _plan(tiny_bert, **values):
+    c = from_dict({"model": tiny_bert, "dataset": "x.csv", "effective_batch_size": 24, **values})
+    return make_plan(c, [120] * 50, 2, device=CPU)
+
+
+def test_plan_arithmetic_picks_the_largest_dividing_micro_batch_that_fits(tiny_bert):
+    unlimited = _plan(tiny_bert)
+    assert (unlimited.micro_batch_size, unlimited.grad_accum_steps) == (24, 1)
+    full = unlimited.predicted_peak_bytes
+    small = _plan(tiny_bert, memory_budget_gb=0.98 * full / GIB / 0.95 * 0.8)
+    assert small.micro_batch_size in (1, 2, 3, 4, 6, 8, 12) and small.micro_batch_size < 24
+    assert small.micro_batch_size * small.grad_accum_steps * small.num_processes == 24
+    assert small.predicted_peak_bytes <= 0.95 * small.budget_bytes
+    assert not small.gradient_checkpointing and not small.lora  # a smaller micro-batch comes before escalating
+    two = make_plan(from_dict({"model": tiny_bert, "dataset": "x.csv", "effective_batch_size": 24}), [120] * 50, 2,
+                    num_processes=2, device=CPU)
+    assert (two.micro_batch_size, two.grad_accum_steps, two.num_processes) == (12, 1, 2)
+    plan_json = json.loads(json.dumps(small.to_dict()))
+    for key in ("micro_batch_size", "grad_accum_steps", "num_processes", "effective_batch_size", "precision",
+                "gradient_checkpointing", "lora", "optimizer", "budget_bytes", "predicted_peak_bytes", "breakdown",
+                "device", "notes"):
+        assert key in plan_json
+    assert sum(plan_json["breakdown"].values()) == plan_json["predicted_peak_bytes"]
+
+
+def test_escalation_order_checkpointing_then_lora_then_refusal(activation_heavy_bert):
+    c = from_dict({"model": activation_heavy_bert, "dataset": "x.csv", "effective_batch_size": 1})
+
+    def peak(**values):
+        return make_plan(c.replace(**values), [512], 2, device=CPU).predicted_peak_bytes
+
+    plain, ckpt, lora = peak(), peak(gradient_checkpointing="true"), peak(gradient_checkpointing="true", lora="true")
+    assert lora < ckpt < plain
+    budget = (ckpt + plain) / 2 / 0.95 / GIB
+    plan = make_plan(c.replace(memory_budget_gb=budget), [512], 2, device=CPU)
+    assert plan.gradient_checkpointing and not plan.lora
+    assert any("Escalated to gradient checkpointing" in n for n in plan.notes)
+    plan = make_plan(c.replace(memory_budget_gb=(lora + ckpt) / 2 / 0.95 / GIB), [512], 2, device=CPU)
+    assert plan.lora and plan.gradient_checkpointing
+    with pytest.raises(PlanError, match=r"use a budget of at least (\d|\.)+ GiB"):
+        make_plan(c.replace(memory_budget_gb=0.001), [512], 2, device=CPU)
+    with pytest.raises(PlanError):  # the user ruled the escalations out
+        make_plan(c.replace(memory_budget_gb=budget, gradient_checkpointing="false", lora="false"), [512], 2,
+                  device=CPU)
+
+
+def test_refusal_states_a_budget_that_then_works(tiny_bert):
+    with pytest.raises(PlanError) as info:
+        _plan(tiny_bert, memory_budget_gb=0.001)
+    needed = float(str(info.value).split("at least ")[1].split(" GiB")[0])
+    assert _plan(tiny_bert, memory_budget_gb=needed).predicted_peak_bytes <= 0.95 * needed * GIB
+
+
+def test_oom_back_off_keeps_the_same_weights(tmp_path, monkeypatch, tiny_bert, cls_csv):
+    common = {"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 16, "micro_batch_size": 8,
+              "shuffle": True, "group_by_length": True}
+    reference, ref_events, _ = run_train(tmp_path / "ref", **common)
+    real = T.loss_sum
+
+    def small_device(model, batch, causal):
+        if len(batch["labels"]) > 2:
+            raise torch.OutOfMemoryError("simulated: micro-batch too large")
+        return real(model, batch, causal)
+
+    monkeypatch.setattr(T, "loss_sum", small_device)
+    backed, events, _ = run_train(tmp_path / "oom", **common)
+    backoffs = [e for e in events if e["event"] == "backoff"]
+    assert [(e["micro_batch_size"], e["grad_accum_steps"]) for e in backoffs] == [(4, 4), (2, 8)]
+    assert backoffs[0]["step"] == 1
+    assert_same_weights(backed, reference)
+    torch.testing.assert_close(step_losses(events), step_losses(ref_events), rtol=1e-5, atol=1e-6)
+
+    monkeypatch.setattr(T, "loss_sum", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("always")))
+    with pytest.raises(T.TrainingError, match="even at micro_batch_size=1"):
+        run_train(tmp_path / "hopeless", **common)
+
+
+def test_gradient_checkpointing_gives_the_same_weights(tmp_path, tiny_bert, cls_csv):
+    common = {"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 16, "micro_batch_size": 4}
+    off, _, _ = run_train(tmp_path / "off", gradient_checkpointing="false", **common)
+    on, _, _ = run_train(tmp_path / "on", gradient_checkpointing="true", **common)
+    plan = json.loads((tmp_path / "on" / "plan.json").read_text())
+    assert plan["gradient_checkpointing"] is True
+    assert_same_weights(on, off)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_lora_trains_end_to_end(tmp_path, capsys, tiny_bert, cls_csv, merge):
+    from peft import AutoPeftModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
+
+    from finetune.cli import main
+
+    T.train(from_dict({"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 8, "lora": "true",
+                       "lora_r": 4, "learning_rate": 1e-2, "merge_lora": merge, "epochs": 2, "eval_fraction": 0,
+                       "output_dir": str(tmp_path / "lora")}))
+    plan = json.loads((tmp_path / "lora" / "plan.json").read_text())
+    assert plan["lora"] is True
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_bert, num_labels=2)
+    if merge:
+        adapter = tmp_path / "lora" / "adapter"
+        merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lora" / "model")
+        changed = merged.bert.encoder.layer[0].attention.self.query.weight
+        assert not torch.allclose(changed, base.bert.encoder.layer[0].attention.self.query.weight)
+        # the embeddings are not adapted: LoRA leaves them as they were
+        torch.testing.assert_close(merged.bert.embeddings.word_embeddings.weight,
+                                   base.bert.embeddings.word_embeddings.weight)
+    else:
+        adapter = tmp_path / "lora" / "model"
+    assert (adapter / "adapter_config.json").is_file()
+    loaded = AutoPeftModelForSequenceClassification.from_pretrained(adapter)
+    assert sum(p.numel() for n, p in loaded.named_parameters() if "lora_" in n) > 0
+    capsys.readouterr()
+    assert main(["predict", str(tmp_path / "lora"), "good great film"]) == 0
+    assert json.loads(capsys.readouterr().out)["label"] in ("neg", "pos")
+
+
+def test_train_writes_plan_json_and_uses_it(tmp_path, tiny_bert, cls_csv):
+    _, events, _ = run_train(tmp_path / "r", model=tiny_bert, dataset=cls_csv, effective_batch_size=16,
+                             memory_budget_gb=8)
+    plan = json.loads((tmp_path / "r" / "plan.json").read_text())
+    start = events[0]
+    assert (start["micro_batch_size"], start["grad_accum_steps"]) == (plan["micro_batch_size"],
+                                                                        plan["grad_accum_steps"])
+    assert plan["budget_bytes"] == 8 * GIB and plan["predicted_peak_bytes"] <= 0.95 * 8 * GIB
