@@ -123,9 +123,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run `finetune plan [CONFIG] [key=value …]`: print the plan and optionally write plan.json."""
+    import torch
+
     from finetune import config as C
-    from finetune.modeling import load_tokenizer
-    from finetune.planner import make_plan, render
+    from finetune.modeling import load_model, load_tokenizer
+    from finetune.planner import make_plan, prepare_for_training, probe_enabled, refine_with_probe, render
     from finetune.rundir import write_json
     from finetune.train import load_data
 
@@ -134,6 +136,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = C.load(path, overrides)
     train_data, _, label_names = load_data(cfg, load_tokenizer(cfg))
     plan = make_plan(cfg, train_data.lengths, len(label_names or []), num_processes=args.num_processes)
+    if probe_enabled(cfg):
+        model = prepare_for_training(load_model(cfg, label_names), cfg, checkpointing=plan.gradient_checkpointing,
+                                     lora=plan.lora)
+        plan = refine_with_probe(plan, model.to("cuda" if torch.cuda.is_available() else "cpu"), cfg)
     print(render(plan))
     if args.json:
         write_json(Path(args.json), plan.to_dict())

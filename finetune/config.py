@@ -178,6 +178,8 @@ def _coerce(name: str, value: Any) -> tuple[Any, str | None]:
             return None, f"`{name}` must be a number, not {value!r}."
     if isinstance(value, (dict, list)):
         return None, f"`{name}` must be a single value, not {type(value).__name__}."
+    if isinstance(value, bool):  # YAML reads `lora: true` as a boolean; the choice is spelled "true"
+        return str(value).lower(), None
     return str(value), None
 
 

@@ -242,6 +242,103 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                      f"GiB, a smaller max_length, or a smaller model{hint}."])
 
 
+def probe_enabled(c: Config) -> bool:
+    """`plan_probe`: auto measures on a GPU (where kernels and the allocator differ from the dry run)."""
+    return c.plan_probe == "true" or (c.plan_probe == "auto" and torch.cuda.is_available())
+
+
+def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int, precision: str) -> int:
+    """Measured peak bytes of one real window (forward, backward, optimizer step) at the worst-case length.
+
+    The weights do not change (the probe's own optimizer runs at learning rate 0 and is thrown away) and the
+    random state is restored, so training afterwards is exactly what it would have been."""
+    import gc
+
+    from finetune.evaluate import loss_sum
+    from finetune.memory import tensor_bytes
+    from finetune.train import make_optimizer
+
+    causal = c.task == "causal_lm"
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if cuda else None)
+    optimizer = make_optimizer(c.replace(learning_rate=0.0), model)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    vocab = getattr(model.config, "vocab_size", 2)
+
+    def window() -> None:
+        for _ in range(min(accum, 2)):  # from the second micro-batch on, every one repeats the same pattern
+            ids = torch.randint(3, vocab, (micro, tokens), device=device)
+            labels = ids if causal else torch.zeros(micro, dtype=torch.long, device=device)
+            with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
+                loss, _ = loss_sum(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                           "labels": labels}, causal)
+            loss.backward()
+            del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    was_training = model.training
+    model.train()
+    try:
+        window()  # the first window creates the optimizer state, as training's first step does
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            window()
+            return int(torch.cuda.max_memory_allocated(device))
+        static = tensor_bytes(list(model.parameters()) + [v for st in optimizer.state.values()
+                                                          for v in st.values() if torch.is_tensor(v)])
+        with LiveTensorTracker() as tracker:
+            window()
+        return static + tracker.peak
+    finally:
+        model.train(was_training)
+        torch.set_rng_state(rng[0])
+        if cuda:
+            torch.cuda.set_rng_state_all(rng[1])
+            torch.cuda.empty_cache()
+
+
+def refine_with_probe(plan: Plan, model: Any, c: Config) -> Plan:
+    """Correct a dry-run plan with measured peaks at two micro-batch sizes (fit peak = α + β·micro)."""
+    per_process = plan.micro_batch_size * plan.grad_accum_steps
+    fixed = bool(c.micro_batch_size or c.grad_accum_steps)
+    candidates = [plan.micro_batch_size] if fixed else [d for d in range(per_process, 0, -1) if per_process % d == 0]
+    upper = plan.micro_batch_size
+    lower = next((d for d in candidates if d < upper), None)
+    sizes = [b for b in (lower, upper) if b]
+
+    def measured(b: int) -> int:
+        return measure_window(model, c, micro=b, tokens=plan.worst_case_tokens, accum=max(per_process // b, 1),
+                              precision=plan.precision)
+
+    points = {b: measured(b) for b in sizes}
+    if len(points) == 2:
+        slope = (points[upper] - points[lower]) / (upper - lower)
+        fit = {b: points[lower] + slope * (b - lower) for b in candidates}
+    else:
+        fit = {upper: points[upper]}
+    tensors_dry = plan.predicted_peak_bytes - plan.breakdown["overhead"]
+    for b in sorted((b for b in fit if b <= upper), reverse=True):
+        tensors = int(max(fit[b], points.get(b, 0)))
+        overhead = CUDA_CONTEXT + int(ALLOCATOR_SLACK * tensors) if plan.device.startswith("cuda") else CPU_RUNTIME
+        if plan.budget_bytes is None or tensors + overhead <= SAFETY * plan.budget_bytes:
+            # The measured total, split like the dry run: the fixed terms stay, the rest is activations.
+            breakdown = {k: plan.breakdown[k] for k in ("weights", "optimizer_state", "gradients")}
+            breakdown["logits"] = plan.breakdown["logits"] * b // upper
+            breakdown["activations"] = max(0, tensors - sum(breakdown.values()))
+            breakdown["overhead"] = overhead
+            note = f"Probe measured {_gib(points[upper])} at micro-batch {upper} (dry run: {_gib(tensors_dry)})."
+            return dataclasses.replace(plan, micro_batch_size=b, grad_accum_steps=per_process // b,
+                                       predicted_peak_bytes=sum(breakdown.values()), breakdown=breakdown,
+                                       method="probe", notes=plan.notes + (note,))
+    raise PlanError([f"The probe measured {_gib(points[min(points)])} at micro-batch {min(points)}, over "
+                     f"{SAFETY:.0%} of memory_budget_gb={c.memory_budget_gb:g}: raise the budget, lower max_length, or "
+                     "set gradient_checkpointing=true or lora=true."])
+
+
 def _levels(c: Config, notes: list[str]) -> list[tuple[str, bool, str, bool]]:
     """The escalation ladder as (name, checkpointing, optimizer, lora), respecting what the user fixed."""
     ckpt_allowed = c.gradient_checkpointing != "false"

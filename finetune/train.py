@@ -26,7 +26,7 @@ from finetune.config import BatchPlan, Config, ConfigError, resolve_batch
 from finetune.evaluate import evaluate, loss_sum
 from finetune.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
 from finetune.modeling import load_model, load_tokenizer, save_model
-from finetune.planner import make_plan, prepare_for_training, resolve_precision
+from finetune.planner import make_plan, prepare_for_training, probe_enabled, refine_with_probe, resolve_precision
 
 MAX_SKIPPED_IN_A_ROW = 25
 
@@ -247,6 +247,11 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     set_seed(c.seed)
     model = prepare_for_training(load_model(c, label_names), c, checkpointing=plan.gradient_checkpointing,
                                  lora=plan.lora)
+    if probe_enabled(c):
+        model.to(acc.device)
+        plan = refine_with_probe(plan, model, c)
+        c = plan.apply(c)
+        batch = resolve_batch(c, acc.num_processes)
     optimizer = make_optimizer(c, model)
     scheduler = make_scheduler(c, optimizer, total_steps)
     # The scheduler stays out of prepare(): a prepared scheduler steps once per process per optimizer step.

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from finetune import config as C
+from finetune.config import load
 
 
 def test_defaults_are_valid_and_round_trip_through_yaml():
@@ -69,3 +70,10 @@ def test_every_field_has_help_and_a_valid_default():
         assert f.metadata["help"].endswith("."), f.name
         if f.metadata["choices"]:
             assert f.default in f.metadata["choices"]
+
+
+def test_yaml_booleans_select_true_false_choices(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("lora: true\ngradient_checkpointing: false\n")
+    c = load(f, ["plan_probe=true"])
+    assert (c.lora, c.gradient_checkpointing, c.plan_probe) == ("true", "false", "true")

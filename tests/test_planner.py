@@ -208,3 +208,15 @@ def test_train_writes_plan_json_and_uses_it(tmp_path, tiny_bert, cls_csv):
     assert (start["micro_batch_size"], start["grad_accum_steps"]) == (plan["micro_batch_size"],
                                                                         plan["grad_accum_steps"])
     assert plan["budget_bytes"] == 8 * GIB and plan["predicted_peak_bytes"] <= 0.95 * 8 * GIB
+
+
+def test_probe_measures_without_changing_training(tmp_path, tiny_bert_dropout, cls_csv):
+    common = {"model": tiny_bert_dropout, "dataset": cls_csv, "effective_batch_size": 16, "micro_batch_size": 4,
+              "optimizer": "adamw", "learning_rate": 1e-3, "memory_budget_gb": 4}
+    plain, plain_events, _ = run_train(tmp_path / "plain", plan_probe="false", **common)
+    probed, probed_events, _ = run_train(tmp_path / "probed", plan_probe="true", **common)
+    plan = json.loads((tmp_path / "probed" / "plan.json").read_text())
+    assert plan["method"] == "probe" and any("Probe measured" in n for n in plan["notes"])
+    assert json.loads((tmp_path / "plain" / "plan.json").read_text())["method"] == "dry-run"
+    assert_same_weights(probed, plain, rtol=0, atol=0)  # lr-0 optimizer, restored random state
+    assert step_losses(probed_events) == step_losses(plain_events)
