@@ -158,6 +158,14 @@ def cmd_init(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_ui(args: argparse.Namespace) -> int:
+    """Run `finetune ui`: serve the GUI (the `app` package, a thin client of this CLI)."""
+    from app.__main__ import launch
+
+    launch(args)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `finetune` command."""
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune Transformers models within a memory "
@@ -192,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", nargs="?", default="finetune.yaml")
     p.add_argument("--force", action="store_true", help="Replace an existing file.")
     p.set_defaults(func=cmd_init)
+    try:
+        from app.__main__ import build_parser as ui_parser  # argparse only: gradio is imported when `ui` runs
+    except ImportError:  # installed without the GUI package: every other command still works
+        return parser
+    p = sub.add_parser("ui", parents=[ui_parser()], add_help=False, help="Open the GUI (the same as `python -m app`).",
+                       description="Serve the fine-tuning GUI; every run it starts is a `finetune train` command.")
+    p.set_defaults(func=cmd_ui)
     return parser
 
 

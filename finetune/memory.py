@@ -18,9 +18,8 @@ from torch.utils._pytree import tree_flatten
 class LiveTensorTracker(TorchDispatchMode):
     """Current and peak bytes of the tensor storages that torch ops create while the mode is active."""
 
-    def __init__(self, include_meta: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.include_meta = include_meta  # count meta tensors too: a dry run of shapes, no data
         self.current = 0
         self.peak = 0
         self._live: dict[int, int] = {}  # storage key -> bytes
@@ -33,7 +32,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current -= self._live.pop(key, 0)
 
     def _track(self, t: torch.Tensor, inputs: set[int]) -> None:
-        if t.device.type == "meta" and not self.include_meta:
+        if t.device.type == "meta":
             return
         storage = t.untyped_storage()
         key = storage._cdata  # the C++ StorageImpl: views of one storage share it

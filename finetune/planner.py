@@ -11,6 +11,7 @@ keep different tensors (GPU attention kernels, allocator slack), which the optio
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from finetune.config import Config, ConfigError, resolve_batch
 from finetune.memory import LiveTensorTracker
@@ -99,7 +101,8 @@ def _has_8bit_optimizer() -> bool:
 
 
 def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool) -> Any:
-    """The configured model on the meta device (no weights read), with checkpointing and LoRA as asked."""
+    """The configured model as fake tensors (shapes, dtypes and a device, no data and no weights read), with
+    checkpointing and LoRA as asked."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from finetune.modeling import quiet_transformers, resolve_model_path
@@ -109,13 +112,37 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
     if c.task == "classification":
         model_config.num_labels = num_labels
     auto = AutoModelForSequenceClassification if c.task == "classification" else AutoModelForCausalLM
-    with torch.device("meta"):
+    fake = FakeTensorMode()
+    with fake, _adapters_stay_where_made():
         model = auto.from_config(model_config, trust_remote_code=c.trust_remote_code, dtype=torch.float32)
-    for module in model.modules():
-        if hasattr(module, "warn_if_padding_and_no_attention_mask"):
-            # It looks at token values, which meta tensors don't have; the dry run has no padding anyway.
-            module.warn_if_padding_and_no_attention_mask = lambda *args, **kwargs: None
-    return prepare_for_training(model, c, checkpointing=checkpointing, lora=lora)
+        model = prepare_for_training(model, c, checkpointing=checkpointing, lora=lora)
+    model._finetune_fake_mode = fake  # the dry run must run its ops under the same fake mode
+    return model
+
+
+@contextlib.contextmanager
+def _adapters_stay_where_made() -> Any:
+    """Let peft build adapters on fake tensors.
+
+    peft moves new adapter layers to their base layer's device with `Module.to()`, which cannot swap fake tensors
+    (under the fake mode they are already made there, in float32), and deep-copies the head it trains, which would
+    give the copies a fake mode of their own (mixing modes fails, and collecting the orphans crashed torch 2.13).
+    Deep copies of modules get fresh tensors of the same shapes in the active mode instead: the dry run needs
+    shapes, not values."""
+    real_deepcopy = copy.deepcopy
+
+    def deepcopy(obj: Any, memo: dict | None = None, *args: Any) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            memo = dict(memo or {})
+            for t in [*obj.parameters(), *obj.buffers()]:
+                fresh = torch.empty(t.shape, dtype=t.dtype)
+                memo[id(t)] = torch.nn.Parameter(fresh, t.requires_grad) if isinstance(t, torch.nn.Parameter) \
+                    else fresh
+        return real_deepcopy(obj, memo, *args)
+
+    with mock.patch.object(torch.nn.Module, "to", lambda self, *args, **kwargs: self), \
+            mock.patch.object(copy, "deepcopy", deepcopy):
+        yield
 
 
 def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bool) -> Any:
@@ -141,42 +168,28 @@ def dry_run(model: Any, causal: bool, micro: int, tokens: int, accum: int, preci
     """Peak bytes that one window's forward and backward add on top of weights and optimizer state.
 
     Two micro-batches stand for any window of k ≥ 2 (from the second on, the window's gradients are resident and
-    each micro-batch repeats the same pattern)."""
+    each micro-batch repeats the same pattern). Autocast acts on fake tensors as on real ones, so mixed precision
+    keeps exactly the half- and full-precision tensors a real run keeps."""
     from finetune.evaluate import loss_sum
 
-    model.train()
+    fake = model._finetune_fake_mode
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    if half is not None:  # autocast does not act on meta tensors: run the matmuls in half precision instead
-        model.to(half)
-    ids = torch.zeros((micro, tokens), dtype=torch.long, device="meta")
-    labels = ids if causal else torch.zeros(micro, dtype=torch.long, device="meta")
+    model.train()
+    with fake:
+        ids = torch.zeros((micro, tokens), dtype=torch.long)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                 "labels": ids if causal else torch.zeros(micro, dtype=torch.long)}
     try:
-        with _no_data_dependent_checks(), LiveTensorTracker(include_meta=True) as tracker:
+        with fake, LiveTensorTracker() as tracker:
             for _ in range(min(accum, 2)):
-                # No attention mask: at the worst-case length every token is real, and transformers drops an
-                # all-ones mask anyway (a mask would also need .item(), which meta tensors cannot answer).
-                loss, _ = loss_sum(model, {"input_ids": ids, "labels": labels}, causal)
+                with torch.autocast("cpu", dtype=half or torch.float32, enabled=half is not None):
+                    loss, _ = loss_sum(model, batch, causal)
                 loss.backward()
                 del loss
     finally:
         for p in model.parameters():
             p.grad = None
-        if half is not None:
-            model.to(torch.float32)
     return tracker.peak
-
-
-@contextlib.contextmanager
-def _no_data_dependent_checks() -> Any:
-    """transformers looks for packed sequences in the position ids (a value check meta tensors cannot answer);
-    the dry run holds one sequence per row, which is what "not packed" means."""
-    try:
-        from transformers import masking_utils
-    except ImportError:  # older transformers: no such check
-        yield
-        return
-    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
-        yield
 
 
 def estimate(model: Any, c: Config, *, causal: bool, micro: int, tokens: int, accum: int, precision: str,
@@ -187,8 +200,6 @@ def estimate(model: Any, c: Config, *, causal: bool, micro: int, tokens: int, ac
     state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
     terms = {"weights": _bytes(params), "optimizer_state": int(state_per_byte * gradients)}
     window = dry_run(model, causal, micro, tokens, accum, precision)
-    if precision in ("bf16", "fp16"):
-        window += terms["weights"] // 2  # autocast's cache of half-precision weight copies during a forward
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
     # activations at the end of forward and the gradients at the end of backward), logits and activations.
     vocab = getattr(getattr(model, "config", None), "vocab_size", 0) or 0

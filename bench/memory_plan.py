@@ -1,0 +1,185 @@
+"""Benchmark: the planner's predicted peak against the measured peak of real training windows.
+
+For each row of a matrix of models (the bundled MiniLM; tiny and small BERT, GPT-2 and Llama configurations built
+from a config), sequence lengths, micro-batch sizes, accumulation, precision and gradient checkpointing, it
+- predicts the peak with the planner's dry run (`finetune.planner.estimate`, meta device, no weights), and
+- measures one real window (forward, backward, fused AdamW step, after a warm-up window) with the engine's loss:
+  on a CPU the live-tensor peak (`finetune.memory.LiveTensorTracker` plus the weights and optimizer state), on a
+  GPU `torch.cuda.max_memory_allocated` (pass --device cuda).
+It prints one table with the error of each row (target: within ±10 % on CPU, never more than 5 % under).
+
+    python bench/memory_plan.py                 # the whole matrix on CPU (a few minutes)
+    python bench/memory_plan.py --quick         # fewer rows
+    python bench/memory_plan.py --device cuda   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from finetune.config import from_dict
+from finetune.evaluate import loss_sum
+from finetune.memory import LiveTensorTracker, tensor_bytes
+from finetune.modeling import quiet_transformers, resolve_model_path
+from finetune.planner import estimate, model_skeleton, prepare_for_training
+from finetune.train import make_optimizer
+
+MIB = 2**20
+
+
+def model_configs() -> dict[str, tuple[str, object | None]]:
+    """name → (task, transformers config or None for the bundled MiniLM)."""
+    from transformers import BertConfig, GPT2Config, LlamaConfig
+
+    return {
+        "MiniLM-L6 (bundled)": ("classification", None),
+        "BERT tiny": ("classification", BertConfig(vocab_size=30522, hidden_size=128, num_hidden_layers=2,
+                                                   num_attention_heads=2, intermediate_size=512)),
+        "BERT small": ("classification", BertConfig(vocab_size=30522, hidden_size=512, num_hidden_layers=4,
+                                                    num_attention_heads=8, intermediate_size=2048)),
+        "GPT-2 tiny": ("causal_lm", GPT2Config(vocab_size=50257, n_embd=128, n_layer=2, n_head=2)),
+        "GPT-2 small-ish": ("causal_lm", GPT2Config(vocab_size=50257, n_embd=384, n_layer=4, n_head=6)),
+        "Llama tiny": ("causal_lm", LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688,
+                                                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)),
+    }
+
+
+@dataclass
+class Row:
+    model: str
+    tokens: int
+    micro: int
+    accum: int
+    precision: str
+    checkpointing: bool
+    predicted_mib: float
+    measured_mib: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_mib - self.measured_mib) / self.measured_mib
+
+
+def save_model_folder(name: str, task: str, hf_config: object | None, root: Path) -> str:
+    """A folder `from_pretrained` can read: the bundled MiniLM, or a model built from its config and saved."""
+    if hf_config is None:
+        return resolve_model_path("bundled:all-MiniLM-L6-v2")
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    folder = root / name.replace(" ", "_")
+    if not (folder / "config.json").is_file():
+        auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+        torch.manual_seed(0)
+        auto.from_config(hf_config).save_pretrained(folder)
+    return str(folder)
+
+
+def measure(path: str, task: str, micro: int, tokens: int, accum: int, precision: str, ckpt: bool,
+            device: str) -> int:
+    """Peak bytes of a real window on `device` (weights, optimizer state and the window's tensors)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    causal = task == "causal_lm"
+    auto = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
+    kwargs = {} if causal else {"num_labels": 2}
+    c = from_dict({"model": path, "task": task, "learning_rate": 1e-5})
+    model = prepare_for_training(auto.from_pretrained(path, dtype=torch.float32, **kwargs), c, checkpointing=ckpt,
+                                 lora=False).to(device)
+    model.train()
+    optimizer = make_optimizer(c, model)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    vocab = model.config.vocab_size
+
+    def window() -> None:
+        for _ in range(accum):
+            ids = torch.randint(3, vocab, (micro, tokens), device=device)
+            labels = ids if causal else torch.zeros(micro, dtype=torch.long, device=device)
+            with torch.autocast(device.split(":")[0], dtype=half or torch.float32, enabled=half is not None):
+                loss, _ = loss_sum(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                           "labels": labels}, causal)
+            loss.backward()
+            del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    window()
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        window()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        static = tensor_bytes(list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values()
+                                                          if torch.is_tensor(v)])
+        with LiveTensorTracker() as tracker:
+            window()
+        peak = static + tracker.peak
+    return int(peak)
+
+
+def predict(path: str, task: str, micro: int, tokens: int, accum: int, precision: str, ckpt: bool,
+            device: str) -> int:
+    """The planner's dry-run peak of the same window, without the device overhead term."""
+    c = from_dict({"model": path, "task": task})
+    skeleton = model_skeleton(c, 2, checkpointing=ckpt, lora=False)
+    terms = estimate(skeleton, c, causal=task == "causal_lm", micro=micro, tokens=tokens, accum=accum,
+                     precision=precision, optimizer="adamw", device="cpu")
+    return sum(v for k, v in terms.items() if k != "overhead")
+
+
+def matrix(quick: bool, precisions: list[str]) -> list[tuple]:
+    """(model, tokens, micro, accum, precision, checkpointing) rows."""
+    rows = []
+    for name in model_configs():
+        lengths = (128,) if quick else (64, 256)
+        for tokens in lengths:
+            for micro, accum in ((1, 1), (4, 1), (4, 2)) if not quick else ((4, 2),):
+                for ckpt in (False, True):
+                    for precision in precisions:
+                        rows.append((name, tokens, micro, accum, precision, ckpt))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu (live-tensor tracker) or cuda (allocator peak).")
+    parser.add_argument("--quick", action="store_true", help="One length and one batch shape per model.")
+    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], help="Precisions to measure.")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/finetune-bench-models"),
+                        help="Where the models built from configs are saved.")
+    parser.add_argument("--json", type=Path, help="Also write the rows as JSON here.")
+    args = parser.parse_args(argv)
+    quiet_transformers()
+    configs = model_configs()
+    results: list[Row] = []
+    print("| model | tokens | micro × accum | precision | checkpointing | predicted MiB | measured MiB | error |")
+    print("|---|---:|---:|---|---|---:|---:|---:|")
+    for name, tokens, micro, accum, precision, ckpt in matrix(args.quick, args.precision):
+        task, hf_config = configs[name]
+        path = save_model_folder(name, task, hf_config, args.cache)
+        row = Row(name, tokens, micro, accum, precision, ckpt,
+                  predict(path, task, micro, tokens, accum, precision, ckpt, args.device) / MIB,
+                  measure(path, task, micro, tokens, accum, precision, ckpt, args.device) / MIB)
+        results.append(row)
+        print(f"| {name} | {tokens} | {micro} × {accum} | {precision} | {'on' if ckpt else 'off'} | "
+              f"{row.predicted_mib:.1f} | {row.measured_mib:.1f} | {row.error:+.1%} |", flush=True)
+    worst_over = max(r.error for r in results)
+    worst_under = min(r.error for r in results)
+    within = sum(-0.05 <= r.error <= 0.10 for r in results)
+    print(f"\n{within}/{len(results)} rows within -5 %/+10 %; largest over-prediction {worst_over:+.1%}, "
+          f"largest under-prediction {worst_under:+.1%} ({args.device}, torch {torch.__version__})")
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(r), "error": r.error} for r in results], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
