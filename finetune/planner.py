@@ -239,9 +239,14 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
             tried.append((f"{level}, micro-batch {micro}", peak))
             if budget is None or peak <= SAFETY * budget:
                 if level != "plain":
-                    plain = min(p for name, p in tried if name.startswith("plain"))
-                    notes.append(f"Escalated to {level}: without it the smallest plan needs {_gib(plain)}, over "
-                                 f"{SAFETY:.0%} of the budget.")
+                    smallest = {}
+                    for name, p in tried:
+                        lower = name.split(",")[0]
+                        if lower != level:
+                            smallest[lower] = min(p, smallest.get(lower, p))
+                    steps = "; ".join(f"{name} needs {_gib(p)}" for name, p in smallest.items())
+                    notes.append(f"Escalated to {level}, since the smallest plan of each earlier step does not fit "
+                                 f"{SAFETY:.0%} of the budget ({steps}).")
                 return Plan(micro, accum, num_processes, batch.effective_batch_size, precision, checkpointing, lora,
                             optimizer, budget, peak, terms, device_name, tokens, "dry-run", tuple(notes))
     smallest = min(p for _, p in tried)
