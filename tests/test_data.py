@@ -105,6 +105,8 @@ def test_missing_column_names_the_existing_ones(cls_csv):
         load_data(c, bundled_tokenizer())
 
 
-def test_hub_ids_are_tried_on_the_hub_and_fail_clearly_offline():
+def test_hub_ids_are_tried_on_the_hub_and_fail_clearly_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the same code path, without waiting for network time-outs
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(D.DataError, match="neither a local file nor reachable"):
         D.load_table("no-such-user/no-such-dataset-xyz")
