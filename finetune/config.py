@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -173,9 +174,12 @@ def _coerce(name: str, value: Any) -> tuple[Any, str | None]:
         if isinstance(value, bool):
             return None, f"`{name}` must be a number, not {value!r}."
         try:
-            return float(value), None
+            number = float(value)
         except (TypeError, ValueError):
             return None, f"`{name}` must be a number, not {value!r}."
+        if not math.isfinite(number):
+            return None, f"`{name}` must be a finite number, not {value!r}."
+        return number, None
     if isinstance(value, (dict, list)):
         return None, f"`{name}` must be a single value, not {type(value).__name__}."
     if isinstance(value, bool):  # YAML reads `lora: true` as a boolean; the choice is spelled "true"
@@ -218,13 +222,13 @@ def from_dict(values: dict[str, Any]) -> Config:
         else:
             clean[key] = value
     config = Config(**clean)
-    problems += _cross_checks(config, set(clean))
+    problems += _cross_checks(config)
     if problems:
         raise ConfigError(problems)
     return config
 
 
-def _cross_checks(c: Config, given: set[str]) -> list[str]:
+def _cross_checks(c: Config) -> list[str]:
     problems = []
     if c.task == "classification" and (c.prompt_column or c.completion_column):
         problems.append("`prompt_column`/`completion_column` are for task=causal_lm; for classification use "
@@ -236,13 +240,8 @@ def _cross_checks(c: Config, given: set[str]) -> list[str]:
         problems.append("`prompt_column` and `completion_column` go together: set both, or neither.")
     if c.overwrite and c.resume:
         problems.append("`overwrite=true` and `resume=true` contradict each other: pick one.")
-    if "epochs" in given and "max_steps" in given and c.max_steps is not None and c.epochs == 0:
-        problems.append("`epochs=0` trains nothing; remove it and keep `max_steps`.")
     if c.max_steps is None and c.epochs <= 0:
         problems.append("`epochs` must be above 0 (or set `max_steps`).")
-    if c.eval_dataset and c.eval_fraction and "eval_fraction" in given:
-        problems.append("`eval_fraction` holds out training data, which is not needed with `eval_dataset`: "
-                        "remove one.")
     return problems
 
 

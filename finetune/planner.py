@@ -231,24 +231,45 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     tried: list[tuple[str, int]] = []
     for level, checkpointing, optimizer, lora in levels:
         model = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora)
-        for micro in candidates if budget is not None else candidates[:1]:
-            accum = per_process // micro
-            terms = estimate(model, c, causal=causal, micro=micro, tokens=tokens, accum=accum, precision=precision,
-                             optimizer=optimizer, device=device_name)
-            peak = sum(terms.values())
-            tried.append((f"{level}, micro-batch {micro}", peak))
-            if budget is None or peak <= SAFETY * budget:
-                if level != "plain":
-                    smallest = {}
-                    for name, p in tried:
-                        lower = name.split(",")[0]
-                        if lower != level:
-                            smallest[lower] = min(p, smallest.get(lower, p))
-                    steps = "; ".join(f"{name} needs {_gib(p)}" for name, p in smallest.items())
-                    notes.append(f"Escalated to {level}, since the smallest plan of each earlier step does not fit "
-                                 f"{SAFETY:.0%} of the budget ({steps}).")
-                return Plan(micro, accum, num_processes, batch.effective_batch_size, precision, checkpointing, lora,
-                            optimizer, budget, peak, terms, device_name, tokens, "dry-run", tuple(notes))
+
+        def peak_of(micro: int, model: Any = model, level: str = level, optimizer: str = optimizer
+                    ) -> tuple[int, dict[str, int]]:
+            terms = estimate(model, c, causal=causal, micro=micro, tokens=tokens, accum=per_process // micro,
+                             precision=precision, optimizer=optimizer, device=device_name)
+            tried.append((f"{level}, micro-batch {micro}", sum(terms.values())))
+            return sum(terms.values()), terms
+
+        def fits(peak: int) -> bool:
+            return budget is None or peak <= SAFETY * budget
+
+        # Without accumulation (the largest micro-batch) no gradients are resident during the forward, so that
+        # plan can need less than a smaller micro-batch with accumulation. Among the plans with accumulation the
+        # peak grows with the micro-batch: binary search between the two ends.
+        if budget is None or fits(peak_of(candidates[0])[0]):
+            chosen = candidates[0]
+        elif len(candidates) == 1 or not fits(peak_of(candidates[-1])[0]):
+            continue  # not even the smallest micro-batch fits: next level
+        else:
+            fitting, lo, hi = len(candidates) - 1, 1, len(candidates) - 2
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                if fits(peak_of(candidates[mid])[0]):
+                    fitting, hi = mid, mid - 1
+                else:
+                    lo = mid + 1
+            chosen = candidates[fitting]
+        peak, terms = peak_of(chosen)
+        if level != "plain":
+            smallest: dict[str, int] = {}
+            for name, p in tried:
+                lower = name.split(",")[0]
+                if lower != level:
+                    smallest[lower] = min(p, smallest.get(lower, p))
+            steps = "; ".join(f"{name} needs {_gib(p)}" for name, p in smallest.items())
+            notes.append(f"Escalated to {level}, since the smallest plan of each earlier step does not fit "
+                         f"{SAFETY:.0%} of the budget ({steps}).")
+        return Plan(chosen, per_process // chosen, num_processes, batch.effective_batch_size, precision,
+                    checkpointing, lora, optimizer, budget, peak, terms, device_name, tokens, "dry-run", tuple(notes))
     smallest = min(p for _, p in tried)
     hint = " (or drop micro_batch_size/grad_accum_steps so the planner may split the batch)" if len(candidates) == 1 \
         else ""

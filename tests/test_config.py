@@ -77,3 +77,15 @@ def test_yaml_booleans_select_true_false_choices(tmp_path):
     f.write_text("lora: true\ngradient_checkpointing: false\n")
     c = load(f, ["plan_probe=true"])
     assert (c.lora, c.gradient_checkpointing, c.plan_probe) == ("true", "false", "true")
+
+
+def test_eval_dataset_with_the_default_hold_out_share_is_fine_and_survives_replace():
+    c = C.from_dict({"dataset": "a.csv", "eval_dataset": "b.csv"})
+    assert c.replace(micro_batch_size=4).eval_dataset == "b.csv"
+    assert C.from_dict(yaml.safe_load(c.to_yaml())) == c  # a run's saved config.yaml reads back
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_refused(value):
+    with pytest.raises(C.ConfigError, match="finite"):
+        C.load(None, [f"learning_rate={value}"])

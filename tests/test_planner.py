@@ -226,3 +226,15 @@ def test_probe_measures_without_changing_training(tmp_path, tiny_bert_dropout, c
     assert json.loads((tmp_path / "plain" / "plan.json").read_text())["method"] == "dry-run"
     assert_same_weights(probed, plain, rtol=0, atol=0)  # lr-0 optimizer, restored random state
     assert step_losses(probed_events) == step_losses(plain_events)
+
+
+def test_no_accumulation_can_need_less_than_a_smaller_micro_batch(tiny_bert):
+    # With accumulation, gradients (and each micro-batch's fresh embedding gradient) are resident during the
+    # forward; a model dominated by its embeddings then needs less memory in one micro-batch of 8 than in 8 of 1.
+    c = from_dict({"model": tiny_bert, "dataset": "x.csv", "effective_batch_size": 8})
+    whole = make_plan(c.replace(micro_batch_size=8), [16], 2, device=CPU).predicted_peak_bytes
+    split = make_plan(c.replace(micro_batch_size=1), [16], 2, device=CPU).predicted_peak_bytes
+    assert whole < split
+    plan = make_plan(c.replace(memory_budget_gb=(whole + split) / 2 / 0.95 / GIB), [16], 2, device=CPU)
+    assert (plan.micro_batch_size, plan.grad_accum_steps, plan.lora, plan.gradient_checkpointing) == (8, 1, False,
+                                                                                                       False)
