@@ -160,10 +160,9 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     """Run `finetune ui`: serve the GUI (the `app` package, a thin client of this CLI)."""
-    from app.__main__ import launch
+    from app.__main__ import serve
 
-    launch(args)
-    return EXIT_OK
+    return serve(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

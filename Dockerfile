@@ -1,0 +1,43 @@
+# The fine-tuning GUI (`python -m app`) in a container; also what the Hugging Face Docker Space runs.
+#   docker build -t finetune .                                        CPU image (the default)
+#   docker build -t finetune-gpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#   docker run --rm -p 7860:7860 -v finetune-runs:/home/user/runs finetune         (GPU: add --gpus all)
+FROM python:3.12-slim
+
+ARG TORCH_VERSION=2.13.0
+# CPU wheels unless told otherwise: PyPI's default Linux torch would put gigabytes of CUDA libraries into an image
+# that has no GPU to use them. For a GPU image pass the CUDA wheel index that matches the host's driver.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# torch first, in its own layer: `pip install .` below then finds `torch>=2.4` satisfied and keeps this build.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+# Hugging Face Spaces runs the container as uid 1000; everything it writes goes under that user's home.
+RUN useradd --create-home --uid 1000 user
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY finetune ./finetune
+COPY app ./app
+RUN pip install . && chown user /app
+# The sample data and the preset the form opens with (the bundled model on SST-2 sentences).
+COPY assets ./assets
+
+USER user
+ENV HOME=/home/user \
+    HF_HOME=/home/user/.cache/huggingface \
+    GRADIO_TEMP_DIR=/home/user/.cache/gradio \
+    MPLCONFIGDIR=/home/user/.cache/matplotlib \
+    FINETUNE_RUNS_DIR=/home/user/runs \
+    GRADIO_SERVER_NAME=0.0.0.0 \
+    GRADIO_SERVER_PORT=7860 \
+    GRADIO_ANALYTICS_ENABLED=False
+RUN mkdir -p "$HF_HOME" "$GRADIO_TEMP_DIR" "$MPLCONFIGDIR" "$FINETUNE_RUNS_DIR"
+
+EXPOSE 7860
+HEALTHCHECK --interval=30s --timeout=10s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7860/', timeout=5)"]
+CMD ["python", "-m", "app"]

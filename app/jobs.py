@@ -1,0 +1,281 @@
+"""The one training job the app runs at a time: `finetune train` in a child process, followed through events.jsonl.
+
+The child runs in its own session (process group), so Stop can signal it and everything it started; the app never
+trains in its own process. What a page needs to re-attach after a reload, or after the app itself restarts, is
+written to `<runs_dir>/current.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.tail import EventTail, error_from_output, session_output
+
+# After a Stop, how long the child may take to finish its optimizer step and write the checkpoint before it is
+# killed: long windows of a big model and a multi-GB optimizer state take minutes; a second Stop kills at once.
+STOP_TIMEOUT_S = 600.0
+TERMINAL = ("stopped", "done", "error")
+
+
+class JobBusy(RuntimeError):
+    """A run is in progress; the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """What the page shows about the current (or last) run."""
+
+    state: str  # idle, starting, running, stopping, stopped, done, failed
+    run_dir: Path | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    returncode: int | None = None
+    message: str = ""
+    output_tail: str = ""
+    command: str = ""
+    config_path: Path | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether a child process is (or may still be) running."""
+        return self.state in ("starting", "running", "stopping")
+
+    @property
+    def model_dir(self) -> Path | None:
+        """The trained model (or LoRA adapter) folder, once the run is done."""
+        if self.run_dir is None or self.state != "done":
+            return None
+        for name in ("model", "adapter"):
+            if (self.run_dir / name).is_dir():
+                return self.run_dir / name
+        return None
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The checkpoint a stopped run resumes from."""
+        last = next((e for e in reversed(self.events) if e.get("event") in ("stopped", "checkpoint")), None)
+        return (last or {}).get("checkpoint") or (last or {}).get("path")
+
+
+@dataclass
+class _Job:
+    run_dir: Path
+    config_path: Path
+    log_path: Path
+    command: list[str]
+    pid: int
+    proc: subprocess.Popen | None  # None when adopted from an earlier app process
+    launched: float  # Unix time; events from before it belong to earlier sessions of the same run directory
+    stop_requested_at: float | None = None
+    killed: bool = False
+    tail: EventTail | None = None
+
+    def events(self) -> list[dict[str, Any]]:
+        if self.tail is None:
+            self.tail = EventTail(self.run_dir / "events.jsonl")
+        return self.tail.read()
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its adopter) still answers kill(0).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class JobManager:
+    """Starts, stops and reports on one `finetune train` child process at a time."""
+
+    def __init__(self, runs_dir: str | Path, python: str = sys.executable, stop_timeout: float = STOP_TIMEOUT_S):
+        self.runs_dir = Path(runs_dir)
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        self.python = python
+        self.stop_timeout = stop_timeout
+        self._lock = threading.RLock()
+        self._job: _Job | None = None
+        self._adopt()
+
+    # --- starting
+    def start(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None) -> JobStatus:
+        """Run `finetune train CONFIG [overrides] -q`; raises JobBusy while another run is in progress."""
+        with self._lock:
+            current = self.status()
+            if current.active:
+                raise JobBusy(self._busy_message(current))
+            command = [self.python, "-m", "finetune", "train", str(config_path), *(overrides or []), "-q"]
+            log_path = run_dir.parent / f"{run_dir.name}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "a", encoding="utf-8") as log:
+                log.write(f"$ {' '.join(command[1:])}\n")
+                log.flush()
+                # A new session: Stop signals the whole group, and closing the browser tab (or the app) does not
+                # take the run down with it.
+                proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self._job = _Job(run_dir, config_path, log_path, command, proc.pid, proc, time.time() - 1.0)
+            self._save_current()
+            return self.status()
+
+    def resume(self, run_dir: Path) -> JobStatus:
+        """Continue a stopped run from its latest checkpoint (`finetune train RUN/config.yaml resume=true`)."""
+        return self.start(run_dir / "config.yaml", run_dir, ["resume=true"])
+
+    # --- stopping
+    def stop(self) -> str:
+        """First call: SIGINT (finish the step, checkpoint, exit). Second call, or after a timeout: kill the group."""
+        with self._lock:
+            job = self._job
+            if job is None or not self.status().active:
+                return "No run is in progress."
+            if job.stop_requested_at is None:
+                job.stop_requested_at = time.time()
+                self._signal(job, signal.SIGINT)
+                threading.Thread(target=self._kill_after_timeout, args=(job,), daemon=True).start()
+                return ("Stopping after the current optimizer step: a checkpoint is saved and the run can be resumed. "
+                        "Press Stop again to kill it at once.")
+            self._kill(job)
+            return "Killed the run. It resumes from its last checkpoint, if it wrote one."
+
+    def _signal(self, job: _Job, sig: int) -> None:
+        if job.pid <= 0:
+            return
+        try:
+            os.killpg(job.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _kill(self, job: _Job) -> None:
+        job.killed = True
+        self._signal(job, signal.SIGKILL)
+        if job.proc is not None:
+            job.proc.wait(timeout=30)
+
+    def _kill_after_timeout(self, job: _Job) -> None:
+        deadline = (job.stop_requested_at or time.time()) + self.stop_timeout
+        while time.time() < deadline:
+            if not self._running(job):
+                return
+            time.sleep(0.5)
+        with self._lock:
+            if self._running(job):
+                self._kill(job)
+
+    # --- status
+    def _running(self, job: _Job) -> bool:
+        if job.proc is not None:
+            return job.proc.poll() is None
+        return _alive(job.pid)
+
+    def status(self) -> JobStatus:
+        """The current or last run's state, events, exit code and messages."""
+        with self._lock:
+            job = self._job
+            if job is None:
+                return JobStatus("idle")
+            events = job.events()
+            mine = [e for e in events if e.get("time", 0) >= job.launched]
+            output = session_output(job.log_path)
+            rc = job.proc.poll() if job.proc is not None else None
+            running = rc is None and self._running(job)
+            state, message = self._state(job, mine, rc, running, output)
+            tail = "\n".join(output.splitlines()[-12:])
+            return JobStatus(state, job.run_dir, events, rc, message, tail, " ".join(job.command[1:]),
+                             job.config_path)
+
+    def _state(self, job: _Job, mine: list[dict[str, Any]], rc: int | None, running: bool,
+               output: str) -> tuple[str, str]:
+        last = next((e for e in reversed(mine) if e.get("event") in TERMINAL), None)
+        if running:
+            if job.stop_requested_at is not None:
+                return "stopping", "Stopping after the current optimizer step…"
+            started = any(e.get("event") == "start" for e in mine)
+            return ("running", "") if started else ("starting", "Loading the data and the model…")
+        kind = (last or {}).get("event")
+        if kind == "done" or (rc == 0 and kind is None):
+            return "done", ""
+        if kind == "stopped":
+            return "stopped", f"Stopped at step {last['step']}; the checkpoint is saved. Resume continues the run."
+        if kind == "error":
+            return "failed", last.get("message") or error_from_output(output)
+        if job.killed or rc == -signal.SIGKILL:
+            return "stopped", "The run was killed; Resume continues from its last checkpoint, if it saved one."
+        if rc in (130, -signal.SIGINT):
+            return "stopped", "The run was stopped before it saved a checkpoint."
+        if rc is None:  # adopted from an earlier app process, which has ended without a final event
+            return "failed", "The run ended without a final event (it may have been killed)."
+        return "failed", error_from_output(output) or f"The training process exited with code {rc}."
+
+    def busy_message(self) -> str:
+        """Why a second run cannot start now."""
+        return self._busy_message(self.status())
+
+    @staticmethod
+    def _busy_message(s: JobStatus) -> str:
+        steps = [e for e in s.events if e.get("event") == "step"]
+        start = next((e for e in reversed(s.events) if e.get("event") == "start"), None)
+        where = f", step {steps[-1]['step']} of {start['total_steps']}" if steps and start else ""
+        return (f"A run is in progress ({s.run_dir}{where}): only one job runs at a time. Stop it, or wait for it "
+                "to finish, before starting another.")
+
+    # --- re-attaching after the app restarts
+    def _current_file(self) -> Path:
+        return self.runs_dir / "current.json"
+
+    def _save_current(self) -> None:
+        job = self._job
+        record = {"pid": job.pid, "run_dir": str(job.run_dir), "config_path": str(job.config_path),
+                  "log_path": str(job.log_path), "command": job.command, "launched": job.launched}
+        self._current_file().write_text(json.dumps(record), encoding="utf-8")
+
+    def _adopt(self) -> None:
+        """Follow the run an earlier app process started, so its progress (or result) shows again."""
+        try:
+            record = json.loads(self._current_file().read_text(encoding="utf-8"))
+            job = _Job(Path(record["run_dir"]), Path(record["config_path"]), Path(record["log_path"]),
+                       list(record["command"]), int(record["pid"]), None, float(record["launched"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if _alive(job.pid) and not self._is_finetune(job.pid):
+            job.pid = -1  # the id now belongs to an unrelated process: never signal it
+        self._job = job
+
+    @staticmethod
+    def _is_finetune(pid: int) -> bool:
+        try:
+            return b"finetune" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+
+def zip_model(model_dir: Path, out: Path) -> Path:
+    """A zip of the model folder (weights stored, other files deflated), rebuilt only when the folder is newer."""
+    files = sorted(p for p in model_dir.rglob("*") if p.is_file())
+    newest = max((p.stat().st_mtime for p in files), default=0.0)
+    if out.is_file() and out.stat().st_mtime >= newest:
+        return out
+    tmp = out.with_suffix(".zip.tmp")
+    with zipfile.ZipFile(tmp, "w") as z:
+        for p in files:
+            # Weights hardly compress and are most of the bytes: store them, deflate the small text files.
+            kind = zipfile.ZIP_STORED if p.suffix in (".safetensors", ".bin") else zipfile.ZIP_DEFLATED
+            z.write(p, f"{model_dir.parent.name}-{model_dir.name}/{p.relative_to(model_dir)}", compress_type=kind)
+    tmp.replace(out)
+    return out

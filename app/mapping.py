@@ -1,0 +1,266 @@
+"""Widgets ↔ config, as pure functions: one widget per field of `finetune.config.Config`, in schema order.
+
+Everything here is generated from `FIELDS` (label, help, choices, bounds, default, group), so a field added to the
+schema gets a widget, a place on the page and a round trip through Export/Import config without touching the GUI.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from finetune.config import FIELDS, Config, ConfigError, field_type, from_dict, read_yaml
+
+FIELD_NAMES: tuple[str, ...] = tuple(FIELDS)
+# Labels that people and browser tests look for; every other field is labelled from its name.
+LABELS = {
+    "model": "Model",
+    "task": "Task",
+    "dataset": "Dataset",
+    "text_column": "Text column",
+    "text_pair_column": "Text pair column",
+    "label_column": "Label column",
+    "memory_budget_gb": "Memory budget (GB)",
+    "effective_batch_size": "Effective batch size",
+    "micro_batch_size": "Micro-batch size",
+    "grad_accum_steps": "Gradient accumulation steps",
+    "learning_rate": "Learning rate",
+    "epochs": "Epochs",
+    "max_grad_norm": "Gradient clipping (max norm)",
+    "lr_scheduler": "LR schedule",
+    "eval_fraction": "Eval fraction",
+    "max_length": "Max length (tokens)",
+}
+ACRONYMS = {"lora": "LoRA", "lr": "LR", "gb": "GB", "r": "rank"}
+COLUMN_FIELDS = ("text_column", "text_pair_column", "label_column", "prompt_column", "completion_column")
+# Where a field sits on the page; fields not named here go by their schema group (main, data or advanced).
+SECTIONS = {
+    "model": ("model", "task"),
+    "dataset": ("dataset", "dataset_config", "train_split"),
+    "columns": COLUMN_FIELDS,
+    "batch": ("memory_budget_gb", "effective_batch_size", "micro_batch_size", "grad_accum_steps"),
+    "run": ("output_dir", "overwrite", "resume"),
+    "memory": ("gradient_checkpointing", "lora"),
+}
+GROUP_SECTIONS = {"main": "training", "data": "data_more", "advanced": "advanced"}
+# Presets offered in the Model dropdown (free text is allowed too): the bundled MiniLM first, then hub ids.
+MODEL_PRESETS: dict[str, str] = {
+    "bundled:all-MiniLM-L6-v2": "classification",
+    "distilbert/distilbert-base-uncased": "classification",
+    "google-bert/bert-base-uncased": "classification",
+    "FacebookAI/roberta-base": "classification",
+    "answerdotai/ModernBERT-base": "classification",
+    "HuggingFaceTB/SmolLM2-135M": "causal_lm",
+    "Qwen/Qwen2.5-0.5B": "causal_lm",
+    "openai-community/gpt2": "causal_lm",
+}
+
+
+@dataclass(frozen=True)
+class WidgetSpec:
+    """How one config field is shown: widget kind, label, help and bounds, all from the schema."""
+
+    name: str
+    kind: str  # checkbox, choice, model, column, int, float, text
+    label: str
+    info: str
+    default: Any  # the schema default, as the widget holds it
+    choices: tuple[str, ...] | None
+    minimum: float | None
+    maximum: float | None
+    optional: bool
+    section: str
+
+    @property
+    def step(self) -> float:
+        """Spin-button step: small for fractions and rates, 1 for counts."""
+        if self.kind == "int":
+            return 1
+        if self.maximum is not None and self.maximum <= 1:
+            return 1e-5 if self.name == "learning_rate" else 0.01
+        return 0.1
+
+
+def _label(name: str) -> str:
+    if name in LABELS:
+        return LABELS[name]
+    words = [ACRONYMS.get(w, w) for w in name.split("_")]
+    return " ".join([words[0][:1].upper() + words[0][1:], *words[1:]])
+
+
+def _kind(name: str) -> str:
+    base, _ = field_type(name)
+    meta = FIELDS[name].metadata
+    if name == "model":
+        return "model"
+    if name in COLUMN_FIELDS:
+        return "column"
+    if base is bool:
+        return "checkbox"
+    if meta["choices"]:
+        return "choice"
+    if base is int:
+        return "int"
+    if base is float:
+        return "float"
+    return "text"
+
+
+def _section(name: str) -> str:
+    for section, names in SECTIONS.items():
+        if name in names:
+            return section
+    return GROUP_SECTIONS.get(FIELDS[name].metadata.get("group", "main"), "advanced")
+
+
+def _info(name: str) -> str:
+    meta = FIELDS[name].metadata
+    bounds = []
+    if meta["min"] is not None:
+        bounds.append(f"≥ {meta['min']:g}")
+    if meta["max"] is not None:
+        bounds.append(f"≤ {meta['max']:g}")
+    suffix = f" ({', '.join(bounds)})" if bounds and _kind(name) in ("int", "float") else ""
+    return f"{meta['help']}{suffix} [{name}]"
+
+
+def _default(f: Any) -> Any:
+    return None if f.default is MISSING else f.default
+
+
+def spec(name: str) -> WidgetSpec:
+    """The widget for config field `name`."""
+    meta = FIELDS[name].metadata
+    kind = _kind(name)
+    return WidgetSpec(name, kind, _label(name), _info(name), to_widget(name, _default(FIELDS[name])),
+                      tuple(meta["choices"]) if meta["choices"] else None, meta["min"], meta["max"],
+                      field_type(name)[1], _section(name))
+
+
+def to_widget(name: str, value: Any) -> Any:
+    """A config value as field `name`'s widget holds it.
+
+    Optional numbers are text boxes (a Gradio number box cannot be empty: it shows and sends 0), so they hold ""
+    for None and the number as text otherwise."""
+    kind = _kind(name)
+    if kind in ("checkbox", "choice") or (kind in ("int", "float") and not field_type(name)[1]):
+        return value
+    return "" if value is None else str(value)
+
+
+def from_widget(name: str, value: Any) -> Any:
+    """A widget's value as a config value, unvalidated: `from_dict` checks it and words the errors."""
+    kind = _kind(name)
+    if isinstance(value, str):
+        value = value.strip()
+        if value == "":
+            return None
+        if kind in ("int", "float"):
+            try:  # text that is not a number goes on as it is, for the config to word the error
+                number = float(value)
+                value = int(number) if kind == "int" and number.is_integer() else number
+            except ValueError:
+                pass
+    if kind == "int" and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+SPECS: dict[str, WidgetSpec] = {name: spec(name) for name in FIELD_NAMES}
+
+
+def values_to_dict(values: list[Any] | tuple[Any, ...]) -> dict[str, Any]:
+    """Widget values (in `FIELD_NAMES` order) → the options that differ from the schema defaults.
+
+    Only changed options are kept, like a YAML a person writes: the config's cross-checks treat a given option
+    differently from a default one (e.g. `eval_fraction` beside `eval_dataset`)."""
+    if len(values) != len(FIELD_NAMES):
+        raise ValueError(f"expected {len(FIELD_NAMES)} widget values, got {len(values)}")
+    out = {}
+    for name, raw in zip(FIELD_NAMES, values, strict=True):
+        value = from_widget(name, raw)
+        if value != _default(FIELDS[name]):
+            out[name] = value
+    return out
+
+
+def values_to_config(values: list[Any] | tuple[Any, ...]) -> Config:
+    """Widget values → a validated `Config` (a `ConfigError` lists every problem)."""
+    return from_dict(values_to_dict(values))
+
+
+def config_to_values(config: Config) -> list[Any]:
+    """A config → widget values in `FIELD_NAMES` order."""
+    return [to_widget(name, getattr(config, name)) for name in FIELD_NAMES]
+
+
+def changed_options(config: Config) -> dict[str, Any]:
+    """The options of `config` that differ from the schema defaults, in schema order."""
+    return {k: v for k, v in config.to_dict().items() if v != _default(FIELDS[k])}
+
+
+def config_yaml(config: Config, header: str | None = None) -> str:
+    """The YAML a CLI user would write for `config`: only the options that differ from the defaults."""
+    text = yaml.safe_dump(changed_options(config), sort_keys=False, allow_unicode=True)
+    lines = [f"# {line}" for line in (header or "").splitlines()]
+    return "\n".join([*lines, text if text.strip() != "{}" else ""]).lstrip("\n")
+
+
+def parse_config_yaml(text: str) -> Config:
+    """A config from YAML text, with the config's own error messages."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ConfigError(["The config is not valid YAML: fix its syntax."]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(["The config must be a mapping of option: value lines."])
+    return from_dict(data)
+
+
+def load_config_file(path: str | Path) -> Config:
+    """A config from a YAML file (`finetune train` reads the same)."""
+    return from_dict(read_yaml(path))
+
+
+def problems_markdown(error: ConfigError) -> str:
+    """A ConfigError as a short Markdown list."""
+    if len(error.problems) == 1:
+        return f"⚠️ {error.problems[0]}"
+    return "⚠️ Fix these first:\n" + "\n".join(f"- {p}" for p in error.problems)
+
+
+def infer_task(model: str) -> str | None:
+    """classification or causal_lm for a preset or a local model folder; None when it cannot be told offline."""
+    if model in MODEL_PRESETS:
+        return MODEL_PRESETS[model]
+    config = Path(model).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        archs = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError):
+        return None
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "causal_lm"
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return "classification"
+    return None
+
+
+def preset_config(path: str | Path, base: str | Path | None = None) -> Config:
+    """The config a preset YAML (such as assets/demo.yaml) describes, without its run-directory options.
+
+    Relative data paths that do not exist from the working directory are taken relative to `base` (the folder the
+    preset's paths are written from)."""
+    values = {k: v for k, v in read_yaml(path).items() if k not in ("output_dir", "overwrite", "resume")}
+    for key in ("dataset", "eval_dataset"):
+        value = values.get(key)
+        if base is not None and isinstance(value, str) and not Path(value).exists() and (Path(base) / value).exists():
+            values[key] = str(Path(base) / value)
+    return from_dict(values)

@@ -1,0 +1,241 @@
+"""The page: a Gradio 6 Blocks layout whose config widgets are generated from the schema, wired to `Controller`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from app import dataview
+from app.dataview import UPLOAD_TYPES, DatasetView, labels_markdown
+from app.device import DeviceMemory
+from app.handlers import NONE_CHOICE, TASK_COLUMNS, Controller
+from app.jobs import JobManager
+from app.mapping import (
+    COLUMN_FIELDS,
+    FIELD_NAMES,
+    MODEL_PRESETS,
+    SPECS,
+    WidgetSpec,
+    changed_options,
+    preset_config,
+    to_widget,
+)
+from finetune.config import Config, from_dict
+
+CSS = """
+.ft-progress { display: flex; align-items: center; gap: 12px; }
+.ft-progress progress { flex: 1; height: 18px; accent-color: var(--color-accent); }
+.ft-progress span { white-space: nowrap; font-variant-numeric: tabular-nums; }
+.ft-error p { color: var(--error-text-color, #b91c1c); }
+"""
+# Gradio names number boxes and dropdowns by their label alone (aria-label) but a text box by its whole <label>,
+# help text included; give text boxes the same short name, so people with screen readers (and browser tests that
+# find fields by label) hear "Dataset", not the paragraph under it.
+JS = """
+() => {
+  const name = () => document.querySelectorAll('label textarea[data-testid="textbox"]:not([aria-label]), '
+    + 'label input[data-testid="textbox"]:not([aria-label])').forEach((box) => {
+      const title = box.closest('label')?.querySelector('[data-testid="block-info"]');
+      if (title && title.textContent.trim()) box.setAttribute('aria-label', title.textContent.trim());
+    });
+  name();
+  new MutationObserver(name).observe(document.body, {childList: true, subtree: true});
+}
+"""
+INTRO = ("# finetune\nFine-tune a Transformers model on your own data: pick a model and a dataset, check the plan "
+         "against your memory, press **Start training**. Every run is a `finetune train` command you can "
+         "reproduce from a terminal.")
+
+
+@dataclass
+class App:
+    """The Blocks, the widget of every config field (by name) and the job manager behind them."""
+
+    demo: gr.Blocks
+    fields: dict[str, gr.components.Component]
+    jobs: JobManager
+    css: str = CSS
+    js: str = JS
+
+
+def _widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: DatasetView,
+            task: str) -> gr.components.Component:
+    common = {"label": spec.label, "info": spec.info, "value": value, "elem_id": f"field-{spec.name}"}
+    if spec.name == "memory_budget_gb" and memory is not None:
+        common["info"] = f"{spec.info} Detected: {memory.gib:g} GiB of {memory.what}."
+    if spec.kind == "checkbox":
+        return gr.Checkbox(**common)
+    if spec.kind == "choice":
+        return gr.Dropdown(list(spec.choices or ()), **common)
+    if spec.kind == "model":
+        return gr.Dropdown(list(MODEL_PRESETS), allow_custom_value=True, filterable=True, **{
+            **common, "info": f"{spec.info} Pick a preset or type any hub id or local folder."})
+    if spec.kind == "column":
+        value = value or data.chosen.get(spec.name) or ""
+        choices = [NONE_CHOICE, *[(c, c) for c in data.columns]]
+        if value and value not in data.columns:
+            choices.append((value, value))
+        return gr.Dropdown(choices, allow_custom_value=True, visible=spec.name in TASK_COLUMNS.get(task, ()),
+                           **{**common, "value": value})
+    if spec.kind in ("int", "float") and spec.optional:
+        return gr.Textbox(placeholder="empty: default", **common)
+    if spec.kind in ("int", "float"):
+        return gr.Number(precision=0 if spec.kind == "int" else None, step=spec.step, **common)
+    return gr.Textbox(**common)
+
+
+def _grid(specs: list[WidgetSpec], fields: dict, initial: Config, memory: DeviceMemory | None, data: DatasetView,
+          per_row: int = 3) -> None:
+    for i in range(0, len(specs), per_row):
+        with gr.Row():
+            for s in specs[i: i + per_row]:
+                fields[s.name] = _widget(s, to_widget(s.name, getattr(initial, s.name)), memory, data, initial.task)
+
+
+def initial_config(preset: Path | None, memory: DeviceMemory | None, base: Path | None = None) -> Config:
+    """What the page opens with: the preset (the bundled model on the sample data) and the detected memory."""
+    config = preset_config(preset, base) if preset and preset.is_file() else Config()
+    if memory is not None and config.memory_budget_gb is None:
+        config = from_dict({**changed_options(config), "memory_budget_gb": memory.gib})
+    return config
+
+
+def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemory | None = None,
+          preset: Path | None = None, preset_base: Path | None = None) -> App:
+    """The app: widgets for every config field, the run panel, results and reproducibility."""
+    jobs = jobs or JobManager(runs_dir)
+    ctl = Controller(runs_dir, jobs)
+    initial = initial_config(preset, memory, preset_base)
+    # The sample data is inspected before the page is served, so it opens with its preview and columns filled in
+    # (a refresh on page load could finish after a quick upload and overwrite its preview).
+    data = dataview.inspect(initial.dataset, initial.dataset_config, initial.train_split, initial.task,
+                            {c: getattr(initial, c) for c in COLUMN_FIELDS}) if initial.dataset else DatasetView()
+    fields: dict[str, gr.components.Component] = {}
+    by_section: dict[str, list[WidgetSpec]] = {}
+    for spec in SPECS.values():
+        by_section.setdefault(spec.section, []).append(spec)
+
+    def place(section: str, per_row: int = 3) -> None:
+        _grid(by_section.get(section, []), fields, initial, memory, data, per_row)
+
+    with gr.Blocks(title="finetune") as demo:
+        gr.Markdown(INTRO)
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=5):
+                with gr.Column(variant="panel"):
+                    gr.Markdown("### 1 · Model")
+                    place("model", per_row=2)
+                    model_note = gr.Markdown()
+                with gr.Column(variant="panel"):
+                    gr.Markdown("### 2 · Dataset")
+                    with gr.Row():
+                        with gr.Column(scale=3):
+                            place("dataset", per_row=1)
+                        upload = gr.File(label="Upload dataset", file_types=UPLOAD_TYPES, scale=2,
+                                         elem_id="upload-dataset", height=160)
+                    data_error = gr.Markdown(f"⚠️ {data.error}" if data.error else "", elem_classes="ft-error",
+                                             elem_id="data-error")
+                    preview = gr.Dataframe(data.preview, label="First rows", interactive=False, max_height=220,
+                                           wrap=True, max_chars=60)
+                    place("columns", per_row=3)
+                    labels_md = gr.Markdown(labels_markdown(data), elem_id="label-counts")
+                    with gr.Accordion("More data options", open=False):
+                        place("data_more")
+                with gr.Column(variant="panel"):
+                    gr.Markdown("### 3 · Memory budget and batch")
+                    place("batch", per_row=2)
+                    place("memory", per_row=2)
+                    plan_btn = gr.Button("Plan")
+                    plan_error = gr.Markdown(elem_classes="ft-error", elem_id="plan-error")
+                    plan_md = gr.Markdown(elem_id="plan")
+                    # One bar per term, named on the axis: Gradio 6.31 cuts a plot's legend off below its frame.
+                    plan_plot = gr.BarPlot(None, x="part", y="GiB", color="kind", x_title=" ", height=260,
+                                           label="Predicted peak and its parts vs the budget (GiB)",
+                                           color_map={"term": "#60a5fa", "predicted peak": "#2563eb",
+                                                      "budget": "#9ca3af"}, visible=False, elem_id="plan-plot")
+                with gr.Column(variant="panel"):
+                    gr.Markdown("### 4 · Training")
+                    place("training")
+                    place("run")
+                    with gr.Accordion("Advanced", open=False):
+                        place("advanced")
+            with gr.Column(scale=4):
+                with gr.Column(variant="panel"):
+                    gr.Markdown("### Run")
+                    with gr.Row():
+                        start_btn = gr.Button("Start training", variant="primary")
+                        stop_btn = gr.Button("Stop", variant="stop", interactive=False)
+                        resume_btn = gr.Button("Resume", visible=False)
+                    run_msg = gr.Markdown(elem_id="run-message")
+                    status_md = gr.Markdown(elem_id="run-status")
+                    progress = gr.HTML(elem_id="run-progress")
+                    stats_md = gr.Markdown(elem_id="run-stats")
+                    # Starts as None, never as an empty frame: a plot first drawn empty draws later lines with no
+                    # colour at all (Gradio 6.31).
+                    loss_plot = gr.LinePlot(None, x="step", y="loss", color="split", height=260,
+                                            label="Loss per optimizer step (blue: train; orange: eval, when "
+                                                  "Eval every is set)",
+                                            color_map={"train": "#2563eb", "eval": "#f97316"}, elem_id="loss-plot")
+                    log_box = gr.Textbox(label="Log", lines=12, max_lines=12, autoscroll=True, interactive=False)
+                with gr.Column(variant="panel"):
+                    gr.Markdown("### Results")
+                    metrics = gr.JSON(label="Final metrics", open=True)
+                    run_dir_box = gr.Textbox(label="Run directory", interactive=False)
+                    download_btn = gr.DownloadButton("Download model", interactive=False)
+                    with gr.Row():
+                        try_box = gr.Textbox(label="Try it", placeholder="Type a text for the trained model",
+                                             scale=4)
+                        try_btn = gr.Button("Predict", scale=1)
+                    try_msg = gr.Markdown()
+                    try_label = gr.Label(label="Prediction", num_top_classes=5, visible=False, elem_id="prediction")
+                    try_text = gr.Textbox(label="Generated continuation", visible=False, interactive=False)
+                with gr.Column(variant="panel"):
+                    gr.Markdown("### Reproduce")
+                    with gr.Row():
+                        export_btn = gr.Button("Export config")
+                        import_btn = gr.UploadButton("Import config", file_types=[".yaml", ".yml"])
+                    repro_msg = gr.Markdown(elem_id="repro-message")
+                    command_box = gr.Textbox(label="Command", interactive=False, buttons=["copy"])
+                    yaml_code = gr.Code(language="yaml", label="Config (YAML)", interactive=False)
+                    config_file = gr.File(label="Config file", interactive=False)
+        seen = gr.State(None)
+        timer = gr.Timer(1.0)
+
+        values = [fields[name] for name in FIELD_NAMES]
+        data_in = [fields["dataset"], fields["dataset_config"], fields["train_split"], fields["task"],
+                   *[fields[c] for c in COLUMN_FIELDS]]
+        data_out = [preview, *[fields[c] for c in COLUMN_FIELDS], labels_md, data_error]
+
+        # .input, not .change: an imported config keeps its own task.
+        fields["model"].input(ctl.on_model, fields["model"], [fields["task"], model_note], api_name="infer_task")
+        fields["task"].change(ctl.refresh_dataset, data_in, data_out, api_name="task_changed")
+        for name in ("dataset", "dataset_config", "train_split"):
+            fields[name].submit(ctl.refresh_dataset, data_in, data_out, api_name=f"{name}_submit")
+            fields[name].blur(ctl.refresh_dataset, data_in, data_out, api_visibility="private")
+        for name in COLUMN_FIELDS:
+            fields[name].input(ctl.refresh_dataset, data_in, data_out, api_name=f"{name}_changed")
+        eval_fields = [fields["eval_dataset"], fields["eval_split"], fields["eval_fraction"]]
+        upload.upload(ctl.on_upload, [upload, *data_in[1:]], [fields["dataset"], *eval_fields, *data_out],
+                      api_name="upload_dataset")
+        plan_btn.click(ctl.plan, values, [plan_md, plan_plot, plan_error], api_name="plan")
+        start_btn.click(ctl.start, values, [run_msg, data_error], api_name="start")
+        stop_btn.click(ctl.stop, None, run_msg, api_name="stop", concurrency_limit=None)
+        resume_btn.click(ctl.resume, None, run_msg, api_name="resume")
+        poll_out = [seen, status_md, progress, stats_md, loss_plot, log_box, metrics, run_dir_box, download_btn,
+                    stop_btn, resume_btn, command_box]
+        timer.tick(ctl.poll, seen, poll_out, concurrency_limit=None, show_progress="hidden",
+                   api_visibility="private")
+        # A reload (or a second tab) shows the running job at once rather than at the next tick.
+        demo.load(ctl.poll, seen, poll_out, api_name="status", show_progress="hidden")
+        demo.load(ctl.running_config, None, [*values, repro_msg, *data_out], api_visibility="private",
+                  show_progress="hidden")
+        try_btn.click(ctl.try_it, try_box, [try_label, try_text, try_msg], api_name="predict")
+        try_box.submit(ctl.try_it, try_box, [try_label, try_text, try_msg], api_visibility="private")
+        export_btn.click(ctl.export, values, [yaml_code, config_file, command_box, repro_msg], api_name="export_config")
+        import_btn.upload(ctl.import_config, import_btn, [*values, repro_msg, yaml_code], api_name="import_config"
+                          ).then(ctl.refresh_dataset, data_in, data_out, show_progress="hidden"
+                                 ).then(lambda: "", None, model_note, api_visibility="private")
+    return App(demo, fields, jobs)

@@ -1,0 +1,201 @@
+"""What the page shows, as pure functions of a run's events and a plan: text, frames for the plots, progress."""
+
+from __future__ import annotations
+
+import html
+import time
+from typing import Any
+
+import pandas as pd
+
+from app.jobs import JobStatus
+
+GIB = 1024**3
+MAX_PLOT_POINTS = 1000  # the whole curve is re-sent each update; beyond this, every k-th training step is shown
+STATE_TITLES = {"idle": "Ready", "starting": "Starting", "running": "Training", "stopping": "Stopping",
+                "stopped": "Stopped", "done": "Done", "failed": "Failed"}
+
+
+def _since_last_start(events: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
+    if not starts:
+        return None, []
+    return events[starts[-1]], events[starts[-1] + 1:]
+
+
+def loss_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
+    """Training and evaluation loss per optimizer step, long format (step, loss, split) for gr.LinePlot."""
+    train = [(e["step"], e["loss"]) for e in events if e.get("event") == "step"]
+    evals = [(e["step"], e["metrics"]["loss"]) for e in events
+             if e.get("event") == "eval" and "loss" in e.get("metrics", {})]
+    # A resumed run repeats no steps, but a run restarted with overwrite could: keep each step's latest value.
+    train = list(dict(train).items())
+    if len(train) > MAX_PLOT_POINTS:
+        k = -(-len(train) // MAX_PLOT_POINTS)
+        train = train[::k] + ([train[-1]] if (len(train) - 1) % k else [])
+    rows = [(s, float(v), "train") for s, v in train] + [(s, float(v), "eval") for s, v in evals]
+    frame = pd.DataFrame(rows, columns=["step", "loss", "split"])
+    return frame.astype({"step": "int64", "loss": "float64", "split": "str"})
+
+
+def eta_seconds(events: list[dict[str, Any]]) -> float | None:
+    """Seconds left, from the pace of the optimizer steps since the latest start."""
+    start, after = _since_last_start(events)
+    steps = [e for e in after if e.get("event") == "step"]
+    if start is None or len(steps) < 2:
+        return None
+    done_steps = steps[-1]["step"] - steps[0]["step"]
+    if done_steps <= 0:
+        return None
+    per_step = (steps[-1]["time"] - steps[0]["time"]) / done_steps
+    return max(0.0, (start["total_steps"] - steps[-1]["step"]) * per_step)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def progress_html(s: JobStatus) -> str:
+    """A progress bar with step/total, percentage and ETA."""
+    start, after = _since_last_start(s.events)
+    if start is None:
+        label = {"idle": "No run yet.", "starting": "Starting: loading the data and the model…"}.get(
+            s.state, STATE_TITLES.get(s.state, s.state))
+        return f'<div class="ft-progress"><progress max="1" value="0"></progress><span>{html.escape(label)}</span>' \
+            '</div>'
+    total = start["total_steps"]
+    steps = [e for e in s.events if e.get("event") == "step"]
+    step = max(steps[-1]["step"] if steps else 0, start.get("step", 0))
+    if s.state == "done":
+        step = total
+    parts = [f"step {step} / {total}", f"{100 * step / max(total, 1):.0f}%"]
+    if steps:
+        parts.append(f"epoch {steps[-1]['epoch']:.2f}")
+    eta = eta_seconds(s.events)
+    if s.state == "running" and eta is not None:
+        parts.append(f"ETA {_duration(eta)}")
+    elif s.state == "done":
+        parts.append("finished")
+    text = " · ".join(parts)
+    return (f'<div class="ft-progress"><progress max="{total}" value="{step}" aria-label="Training progress">'
+            f'</progress><span>{html.escape(text)}</span></div>')
+
+
+def stats_markdown(s: JobStatus) -> str:
+    """The latest step's figures: loss, learning rate, grad norm, throughput, skipped fp16 steps, last eval."""
+    steps = [e for e in s.events if e.get("event") == "step"]
+    if not steps:
+        return ""
+    e = steps[-1]
+    parts = [f"**loss** {e['loss']:.4f}", f"**lr** {e['lr']:.2e}", f"**grad norm** {e['grad_norm']:.3g}",
+             f"**samples/s** {e['samples_per_s']:.1f}", f"**skipped fp16 steps** {e['skipped']}"]
+    last_eval = next((x for x in reversed(s.events) if x.get("event") == "eval"), None)
+    if last_eval:
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in last_eval["metrics"].items())
+        parts.append(f"**eval @ {last_eval['step']}** {shown}")
+    return " · ".join(parts)
+
+
+def status_markdown(s: JobStatus) -> str:
+    """One line on the run's state (with the error message of a failed run)."""
+    title = STATE_TITLES.get(s.state, s.state)
+    if s.state == "idle":
+        return "**Ready.** Check the plan, then press *Start training*."
+    where = f" — `{s.run_dir}`" if s.run_dir else ""
+    text = f"**{title}**{where}"
+    if s.state == "failed":
+        return f"{text}\n\n❌ {s.message or 'The run failed without a message; see the log below.'}"
+    if s.state == "done":
+        metrics = final_metrics(s)
+        shown = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("accuracy", "macro_f1", "perplexity", "loss")
+                          if isinstance(metrics.get(k), (int, float)))
+        return f"{text}{' — ' + shown if shown else ''}"
+    return f"{text}\n\n{s.message}" if s.message else text
+
+
+def final_metrics(s: JobStatus) -> dict[str, Any]:
+    """The `done` event's metrics (empty until the run finishes)."""
+    done = next((e for e in reversed(s.events) if e.get("event") == "done"), None)
+    return dict(done["metrics"]) if done and s.state == "done" else {}
+
+
+def _event_line(e: dict[str, Any], total: int | None) -> str | None:
+    kind = e.get("event")
+    clock = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
+    if kind == "start":
+        what = "resumed" if e.get("resumed") else "started"
+        return (f"{clock} {what} at step {e['step']} of {e['total_steps']}: micro-batch {e['micro_batch_size']} × "
+                f"accumulation {e['grad_accum_steps']} × {e['num_processes']} process(es) = "
+                f"{e['effective_batch_size']}, {e['precision']} on {e['device']}")
+    if kind == "step":
+        return (f"{clock} step {e['step']}/{total or '?'} loss {e['loss']:.4f} lr {e['lr']:.2e} "
+                f"grad {e['grad_norm']:.3g} {e['samples_per_s']:.1f} samples/s")
+    if kind == "eval":
+        return f"{clock} eval @ {e['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in e["metrics"].items())
+    if kind == "checkpoint":
+        return f"{clock} checkpoint {e['path']}"
+    if kind == "stopped":
+        return f"{clock} stopped at step {e['step']} (checkpoint {e['checkpoint']})"
+    if kind == "done":
+        return f"{clock} done: model in {e['model_dir']}"
+    if kind == "error":
+        return f"{clock} error: {e['message']}"
+    return None
+
+
+def log_text(s: JobStatus, lines: int = 12) -> str:
+    """The last events as readable lines, then whatever the child printed (warnings, errors)."""
+    total = None
+    out = []
+    for e in s.events[-200:]:
+        if e.get("event") == "start":
+            total = e["total_steps"]
+        line = _event_line(e, total)
+        if line:
+            out.append(line)
+    text = "\n".join(out[-lines:])
+    if s.output_tail.strip():
+        text += ("\n\n" if text else "") + "--- output of the training process ---\n" + s.output_tail
+    return text
+
+
+def plan_markdown(plan: dict[str, Any]) -> str:
+    """The planner's answer in one readable block: batch arithmetic, precision, memory-saving choices, peak."""
+    micro, accum, procs, eff = (plan.get(k) for k in ("micro_batch_size", "grad_accum_steps", "num_processes",
+                                                      "effective_batch_size"))
+    peak, budget = plan.get("predicted_peak_bytes"), plan.get("budget_bytes")
+    lines = [f"**micro-batch {micro} × accumulation {accum} × {procs} process(es) = effective batch {eff}**",
+             f"precision **{plan.get('precision')}** · gradient checkpointing **"
+             f"{'on' if plan.get('gradient_checkpointing') else 'off'}** · LoRA **{'on' if plan.get('lora') else 'off'}"
+             f"** · optimizer **{plan.get('optimizer')}** · device **{plan.get('device')}**"]
+    if isinstance(peak, (int, float)):
+        share = f" ({100 * peak / budget:.0f} % of the {budget / GIB:.2f} GiB budget)" if budget else ""
+        method = f", {plan['method']}" if plan.get("method") else ""
+        tokens = f" · worst-case micro-batch {micro} × {plan['worst_case_tokens']} tokens" \
+            if plan.get("worst_case_tokens") else ""
+        lines.append(f"predicted peak **{peak / GIB:.2f} GiB**{share}{method}{tokens}")
+    breakdown = plan.get("breakdown") or {}
+    if breakdown:
+        lines.append(" · ".join(f"{term} {_size(b)}" for term, b in breakdown.items() if isinstance(b, (int, float))))
+    lines += [f"- {note}" for note in plan.get("notes") or []]
+    head = [line for line in lines if not line.startswith("- ")]
+    notes = [line for line in lines if line.startswith("- ")]
+    return "\n\n".join(head) + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def plan_frame(plan: dict[str, Any]) -> pd.DataFrame:
+    """One bar per term of the predicted peak, then the peak and the budget, in GiB (for gr.BarPlot)."""
+    rows = [(term, float(b) / GIB, "term") for term, b in (plan.get("breakdown") or {}).items()
+            if isinstance(b, (int, float))]
+    if isinstance(plan.get("predicted_peak_bytes"), (int, float)):
+        rows.append(("predicted peak", plan["predicted_peak_bytes"] / GIB, "predicted peak"))
+    if plan.get("budget_bytes"):
+        rows.append(("budget", float(plan["budget_bytes"]) / GIB, "budget"))
+    return pd.DataFrame(rows, columns=["part", "GiB", "kind"])
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 1024**2:.1f} MiB"

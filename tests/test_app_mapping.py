@@ -1,0 +1,210 @@
+"""The GUI's widgets ↔ config mapping, without a browser: every schema field has a widget, round-trips through it and
+through Export/Import config, and bad values get the config's own messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import ROOT
+
+from app.device import DeviceMemory
+from app.handlers import Controller
+from app.jobs import JobManager
+from app.mapping import (
+    FIELD_NAMES,
+    MODEL_PRESETS,
+    SPECS,
+    config_to_values,
+    config_yaml,
+    from_widget,
+    infer_task,
+    parse_config_yaml,
+    to_widget,
+    values_to_config,
+    values_to_dict,
+)
+from finetune.config import FIELDS, Config, ConfigError, field_type, from_dict
+
+# Options the config only accepts together with others (its cross-checks).
+COMPANIONS: dict[str, dict[str, Any]] = {
+    "prompt_column": {"task": "causal_lm", "completion_column": "answer"},
+    "completion_column": {"task": "causal_lm", "prompt_column": "question"},
+}
+
+
+def sample(name: str) -> Any:
+    """A valid value for field `name` that differs from its default, derived from the schema's type and bounds."""
+    meta, default = FIELDS[name].metadata, FIELDS[name].default
+    base, _ = field_type(name)
+    lo, hi = meta["min"], meta["max"]
+    if meta["choices"]:
+        return next(c for c in meta["choices"] if c != default)
+    if base is bool:
+        return not default
+    if base is int:
+        value = (default if default is not None else (lo or 0)) + 1
+        return value if hi is None or value <= hi else int(lo)
+    if base is float:
+        if lo is not None and hi is not None:
+            value = lo + (hi - lo) * 0.37
+        else:
+            value = (default or 0.25) * 2.5
+        return value if value != default else value / 2
+    return f"my_{name}"
+
+
+def test_every_field_has_a_widget_from_the_schema():
+    assert tuple(SPECS) == tuple(FIELDS) == FIELD_NAMES
+    for name, spec in SPECS.items():
+        meta = FIELDS[name].metadata
+        assert meta["help"] in spec.info and f"[{name}]" in spec.info
+        assert spec.choices == (tuple(meta["choices"]) if meta["choices"] else None)
+        assert (spec.minimum, spec.maximum) == (meta["min"], meta["max"])
+        if spec.kind in ("int", "float") and meta["min"] is not None:
+            assert f"≥ {meta['min']:g}" in spec.info  # the bounds are shown, not only enforced
+        assert from_widget(name, spec.default) == FIELDS[name].default
+    labels = [s.label for s in SPECS.values()]
+    assert len(labels) == len(set(labels)), "two widgets share a label"
+    for wanted in ("Model", "Dataset", "Text column", "Label column", "Task", "Memory budget (GB)",
+                   "Effective batch size", "Learning rate", "Epochs"):
+        assert wanted in labels
+
+
+@pytest.mark.parametrize("name", FIELD_NAMES)
+def test_field_round_trips_through_widgets_and_yaml(name, tmp_path):
+    config = from_dict({name: sample(name), **COMPANIONS.get(name, {})})
+    assert getattr(config, name) != FIELDS[name].default
+    values = config_to_values(config)
+    assert values[FIELD_NAMES.index(name)] != SPECS[name].default  # the widget shows the change
+    assert values_to_dict(values)[name] == getattr(config, name)
+    assert values_to_config(values) == config
+    text = config_yaml(config)
+    assert name in yaml.safe_load(text)
+    assert parse_config_yaml(text) == config
+    # Export config writes the file Import config and `finetune train` read back.
+    path = tmp_path / "exported.yaml"
+    path.write_text(text)
+    from finetune.config import load
+
+    assert load(path) == config
+
+
+def test_defaults_export_as_an_empty_config_and_widgets_hold_the_defaults():
+    values = config_to_values(Config())
+    assert values == [SPECS[n].default for n in FIELD_NAMES]
+    assert values_to_dict(values) == {}
+    assert parse_config_yaml(config_yaml(Config())) == Config()
+
+
+def test_optional_numbers_are_text_boxes_that_may_be_empty():
+    # A Gradio number box cannot be empty (it sends 0), so "not set" must be an empty text box.
+    assert to_widget("micro_batch_size", None) == "" and from_widget("micro_batch_size", " ") is None
+    assert from_widget("micro_batch_size", "8") == 8 and from_widget("memory_budget_gb", "7.5") == 7.5
+    assert to_widget("memory_budget_gb", 7.5) == "7.5"
+    assert from_widget("epochs", 2.0) == 2.0 and from_widget("seed", 7.0) == 7
+
+
+def test_bad_values_get_the_configs_messages_all_at_once():
+    values = config_to_values(Config())
+    index = {n: i for i, n in enumerate(FIELD_NAMES)}
+    values[index["learning_rate"]] = 2
+    values[index["max_length"]] = 1
+    values[index["effective_batch_size"]] = "lots"
+    values[index["micro_batch_size"]] = "2.5"
+    values[index["train_split"]] = ""
+    with pytest.raises(ConfigError) as e:
+        values_to_config(values)
+    assert set(e.value.problems) == {
+        "`learning_rate` must be at most 1, not 2.0.",
+        "`max_length` must be at least 8, not 1.",
+        "`effective_batch_size` must be a whole number, not 'lots'.",
+        "`micro_batch_size` must be a whole number, not 2.5.",
+        "`train_split` needs a value (str).",
+    }
+
+
+def test_only_changed_options_are_given_so_cross_checks_match_the_cli():
+    # Like a YAML a person writes: the default eval_fraction is not "given" beside an eval_dataset.
+    values = config_to_values(from_dict({"dataset": "a.csv", "eval_dataset": "b.csv"}))
+    assert values_to_dict(values) == {"dataset": "a.csv", "eval_dataset": "b.csv"}
+    assert values_to_config(values).eval_dataset == "b.csv"
+
+
+def test_import_reports_unknown_keys_and_bad_yaml():
+    with pytest.raises(ConfigError) as e:
+        parse_config_yaml("learning_rte: 0.1\nepochs: -1\n")
+    assert "Unknown option `learning_rte`. Did you mean `learning_rate`?" in e.value.problems
+    assert "`epochs` must be at least 0, not -1.0." in e.value.problems
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse_config_yaml("a: [1,\n")
+
+
+def test_task_is_inferred_from_presets_and_local_folders(tmp_path):
+    assert next(iter(MODEL_PRESETS)) == "bundled:all-MiniLM-L6-v2"  # the bundled model comes first
+    assert set(MODEL_PRESETS.values()) == {"classification", "causal_lm"}
+    assert infer_task("bundled:all-MiniLM-L6-v2") == "classification"
+    assert infer_task("Qwen/Qwen2.5-0.5B") == "causal_lm"
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert infer_task(str(tmp_path)) == "causal_lm"
+    assert infer_task("someone/unknown-model") is None
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The real page, built (not served) with the repository's preset and a fixed memory figure."""
+    from app.ui import build
+
+    runs = tmp_path_factory.mktemp("runs")
+    return build(runs, memory=DeviceMemory(12.5, "test memory"), preset=ROOT / "assets" / "demo.yaml",
+                 preset_base=ROOT)
+
+
+def test_page_has_one_widget_per_field_labelled_from_the_schema(built):
+    assert sorted(built.fields) == sorted(FIELD_NAMES)
+    for name, component in built.fields.items():
+        assert component.label == SPECS[name].label
+        if SPECS[name].choices and hasattr(component, "choices"):
+            assert [c[1] for c in component.choices] == list(SPECS[name].choices)
+
+
+def test_page_opens_with_the_bundled_model_on_the_sample_data(built):
+    values = [built.fields[n].value for n in FIELD_NAMES]
+    config = values_to_config(values)
+    demo = {k: v for k, v in yaml.safe_load((ROOT / "assets" / "demo.yaml").read_text()).items()
+            if k not in ("output_dir", "overwrite")}
+    assert config == from_dict({**demo, "memory_budget_gb": 12.5})
+    assert config.model == "bundled:all-MiniLM-L6-v2" and Path(ROOT / config.dataset).is_file()
+    assert "Detected: 12.5 GiB of test memory" in built.fields["memory_budget_gb"].info
+
+
+def test_export_then_import_through_the_handlers(tmp_path):
+    ctl = Controller(tmp_path, JobManager(tmp_path / "runs"))
+    # Every field changed at once, but for those the cross-checks forbid together with the others.
+    clash = {*COMPANIONS, "resume", "task", "eval_fraction"}
+    config = from_dict({name: sample(name) for name in FIELD_NAMES if name not in clash})
+    text, file, command, message = ctl.export(*config_to_values(config))
+    assert Path(file).read_text() == text and command == "finetune train finetune-config.yaml"
+    *values, note, shown = ctl.import_config(file)
+    assert values == config_to_values(config) and "Imported" in note
+    assert values_to_config(values) == config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("epochs: many\n")
+    *skipped, note, _ = ctl.import_config(str(bad))
+    assert "`epochs` must be a number, not 'many'." in note
+
+
+def test_start_refuses_bad_input_before_anything_runs(tmp_path):
+    runs = tmp_path / "runs"
+    ctl = Controller(runs, JobManager(runs))
+    values = config_to_values(from_dict({"dataset": str(tmp_path / "missing.csv")}))
+    message, field_message = ctl.start(*values)
+    assert "does not exist" in message and "does not exist" in field_message
+    values[FIELD_NAMES.index("learning_rate")] = -1
+    message, _ = ctl.start(*values)
+    assert "`learning_rate` must be at least 0" in message
+    assert ctl.jobs.status().state == "idle" and not list(runs.glob("*.yaml"))

@@ -1,0 +1,146 @@
+"""What the page shows, from events and plans (pure functions), and the Dataset block's checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app import dataview, views
+from app.jobs import JobStatus
+from app.tail import EventTail, error_from_output, session_output
+
+GIB = 1024**3
+
+
+def _events(steps: int, total: int = 10, evals: tuple[int, ...] = ()) -> list[dict]:
+    out = [{"event": "start", "time": 100.0, "total_steps": total, "step": 0, "micro_batch_size": 4,
+            "grad_accum_steps": 2, "num_processes": 1, "effective_batch_size": 8, "precision": "fp32",
+            "device": "cpu", "run_dir": "runs/x", "resumed": False}]
+    for s in range(1, steps + 1):
+        out.append({"event": "step", "time": 100.0 + 2 * s, "step": s, "epoch": s / 5, "loss": 1 / s,
+                    "grad_norm": 0.5, "lr": 1e-4, "samples": 8 * s, "tokens": 80 * s, "skipped": 0,
+                    "samples_per_s": 4.0})
+        if s in evals:
+            out.append({"event": "eval", "time": 100.0 + 2 * s, "step": s, "epoch": s / 5,
+                        "metrics": {"loss": 0.9 / s, "accuracy": 0.5}})
+    return out
+
+
+def test_loss_frame_is_long_format_with_train_and_eval():
+    frame = views.loss_frame(_events(4, evals=(2, 4)))
+    assert list(frame.columns) == ["step", "loss", "split"]
+    assert frame.step.dtype == "int64" and frame.loss.dtype == "float64"
+    assert frame[frame.split == "train"].step.tolist() == [1, 2, 3, 4]
+    assert frame[frame.split == "eval"].loss.tolist() == [0.45, 0.225]
+
+
+def test_long_curves_are_thinned_but_keep_their_last_step():
+    frame = views.loss_frame(_events(2500, total=2500))
+    train = frame[frame.split == "train"].step.tolist()
+    assert len(train) <= views.MAX_PLOT_POINTS + 1 and train[0] == 1 and train[-1] == 2500
+
+
+def test_progress_shows_step_total_and_eta():
+    s = JobStatus("running", Path("runs/x"), _events(3))
+    assert views.eta_seconds(s.events) == 14.0  # 2 s a step, 7 steps left
+    html = views.progress_html(s)
+    assert 'max="10" value="3"' in html and "step 3 / 10" in html and "ETA 0:14" in html
+    assert "step 10 / 10" in views.progress_html(JobStatus("done", Path("runs/x"), _events(10)))
+    assert "No run yet" in views.progress_html(JobStatus("idle"))
+
+
+def test_eta_counts_only_the_steps_since_the_latest_start():
+    events = _events(4) + [{**_events(0)[0], "time": 1000.0, "step": 4, "resumed": True},
+                           {**_events(5)[-1], "time": 1003.0}, {**_events(6)[-1], "time": 1006.0}]
+    assert views.eta_seconds(events) == 12.0  # 3 s a step since the resume, 4 steps left
+
+
+def test_stats_status_and_log():
+    s = JobStatus("running", Path("runs/x"), _events(2, evals=(2,)))
+    stats = views.stats_markdown(s)
+    for part in ("**loss** 0.5000", "**lr** 1.00e-04", "**grad norm** 0.5", "**samples/s** 4.0",
+                 "**skipped fp16 steps** 0", "**eval @ 2** loss 0.4500, accuracy 0.5000"):
+        assert part in stats
+    log = views.log_text(s)
+    assert "micro-batch 4 × accumulation 2 × 1 process(es) = 8, fp32 on cpu" in log and "step 2/10" in log
+    failed = JobStatus("failed", Path("runs/x"), message="Label column 'y' is not in the data.")
+    assert "Failed" in views.status_markdown(failed) and "Label column 'y'" in views.status_markdown(failed)
+    assert "see the log" in views.status_markdown(JobStatus("failed", Path("runs/x")))  # never a blank
+    done = JobStatus("done", Path("runs/x"), [*_events(1), {"event": "done", "time": 1.0, "step": 1,
+                                                             "metrics": {"accuracy": 0.875}, "model_dir": "m"}])
+    assert "accuracy 0.8750" in views.status_markdown(done) and views.final_metrics(done) == {"accuracy": 0.875}
+
+
+PLAN = {"micro_batch_size": 4, "grad_accum_steps": 8, "num_processes": 1, "effective_batch_size": 32,
+        "precision": "bf16", "gradient_checkpointing": True, "lora": False, "optimizer": "adamw",
+        "budget_bytes": 8 * GIB, "predicted_peak_bytes": 6 * GIB, "device": "cuda:0",
+        "breakdown": {"weights": 1 * GIB, "gradients": 1 * GIB, "optimizer_state": 2 * GIB, "activations": 2 * GIB},
+        "notes": ["gradient checkpointing: the plan without it needs 9.1 GiB"]}
+
+
+def test_plan_is_shown_as_batch_arithmetic_and_a_bar_against_the_budget():
+    text = views.plan_markdown(PLAN)
+    assert "micro-batch 4 × accumulation 8 × 1 process(es) = effective batch 32" in text
+    assert "precision **bf16**" in text and "gradient checkpointing **on**" in text and "LoRA **off**" in text
+    assert "predicted peak **6.00 GiB** (75 % of the 8.00 GiB budget)" in text
+    assert "- gradient checkpointing: the plan without it needs 9.1 GiB" in text
+    assert "weights 1.00 GiB · gradients 1.00 GiB · optimizer_state 2.00 GiB · activations 2.00 GiB" in text
+    frame = views.plan_frame(PLAN)
+    assert frame.part.tolist() == ["weights", "gradients", "optimizer_state", "activations", "predicted peak",
+                                   "budget"]
+    assert frame.GiB.tolist() == [1.0, 1.0, 2.0, 2.0, 6.0, 8.0]
+
+
+def test_dataset_block_guesses_columns_and_counts_labels(cls_csv):
+    view = dataview.inspect(cls_csv, None, "train", "classification", {})
+    assert view.error == "" and view.columns == ["sentence", "label"] and view.rows == 37
+    assert view.chosen["text_column"] == "sentence" and view.chosen["label_column"] == "label"
+    assert set(view.labels) == {"neg", "pos"} and sum(view.labels.values()) == 37
+    assert len(view.preview) == dataview.PREVIEW_ROWS
+    assert "37 rows · 2 labels" in dataview.labels_markdown(view)
+
+
+def test_dataset_block_errors_are_one_sentence_next_to_the_field(tmp_path, cls_csv):
+    assert "does not exist" in dataview.inspect(str(tmp_path / "nope.csv"), None, "train", "classification",
+                                                {}).error
+    same = dataview.inspect(cls_csv, None, "train", "classification",
+                            {"text_column": "label", "label_column": "label"})
+    assert same.error == "The same column is mapped twice: pick a different column for each role."
+    one_class = tmp_path / "one.csv"
+    one_class.write_text("text,label\na,x\nb,x\n")
+    assert "has only one class" in dataview.inspect(str(one_class), None, "train", "classification", {}).error
+    causal = dataview.inspect(cls_csv, None, "train", "causal_lm", {"label_column": "label"})
+    assert causal.error == "" and causal.chosen["text_column"] == "sentence" and not causal.chosen["label_column"]
+
+
+def test_uploads_are_kept_under_a_content_hash(tmp_path):
+    a = tmp_path / "in" / "data.csv"
+    a.parent.mkdir()
+    a.write_text("text,label\na,0\nb,1\n")
+    kept = dataview.keep_upload(str(a), tmp_path / "uploads")
+    assert kept.read_text() == a.read_text() and kept.name.startswith("data-") and kept.suffix == ".csv"
+    a.write_text("text,label\nc,0\nd,1\n")  # a new file under the same name never replaces the old copy
+    again = dataview.keep_upload(str(a), tmp_path / "uploads")
+    assert again != kept and kept.read_text().startswith("text,label\na")
+
+
+def test_event_tail_reads_only_complete_new_lines(tmp_path):
+    path = tmp_path / "events.jsonl"
+    tail = EventTail(path)
+    assert tail.read() == []
+    path.write_text('{"event": "start"}\n{"event": "st')
+    assert tail.read() == [{"event": "start"}]  # the half-written line waits
+    with open(path, "a") as f:
+        f.write('ep", "step": 1}\n')
+    assert tail.read() == [{"event": "start"}, {"event": "step", "step": 1}]
+    path.write_text('{"event": "start", "step": 0}\n')  # replaced by an overwrite=true run
+    assert tail.read() == [{"event": "start", "step": 0}]
+
+
+def test_the_childs_message_is_taken_from_this_session_of_the_log(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("$ -m finetune train a.yaml -q\nerror: an old problem.\n$ -m finetune train a.yaml -q\n"
+                   "Some warning\nerror: 2 problems in the config:\n  - `a` is bad.\n  - `b` is bad.\n")
+    output = session_output(log)
+    assert "old problem" not in output
+    assert error_from_output(output) == "2 problems in the config:\n  - `a` is bad.\n  - `b` is bad."
+    assert error_from_output("Traceback (most recent call last):\n  ...\nRuntimeError: boom") == "RuntimeError: boom"
