@@ -3,9 +3,9 @@
 For each row of a matrix of models (the bundled MiniLM; tiny and small BERT, GPT-2 and Llama configurations built
 from a config), sequence lengths, micro-batch sizes, accumulation, precision and gradient checkpointing, it
 - predicts the peak with the planner's dry run (`finetune.planner.estimate`, meta device, no weights), and
-- measures one real window (forward, backward, fused AdamW step, after a warm-up window) with the engine's loss:
-  on a CPU the live-tensor peak (`finetune.memory.LiveTensorTracker` plus the weights and optimizer state), on a
-  GPU `torch.cuda.max_memory_allocated` (pass --device cuda).
+- measures one real window (forward, backward, fused AdamW step, after a warm-up window) with the engine's loss,
+  as the planner's probe does (`finetune.planner.measure_window`): on a CPU the live-tensor peak (the tracker plus
+  the weights and optimizer state), on a GPU `torch.cuda.max_memory_allocated` (pass --device cuda).
 It prints one table with the error of each row (target: within ±10 % on CPU, never more than 5 % under).
 
     python bench/memory_plan.py                 # the whole matrix on CPU (a few minutes)
@@ -16,7 +16,6 @@ It prints one table with the error of each row (target: within ±10 % on CPU, ne
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -25,11 +24,8 @@ from pathlib import Path
 import torch
 
 from finetune.config import from_dict
-from finetune.evaluate import loss_sum
-from finetune.memory import LiveTensorTracker, tensor_bytes
 from finetune.modeling import quiet_transformers, resolve_model_path
-from finetune.planner import estimate, model_skeleton, prepare_for_training
-from finetune.train import make_optimizer
+from finetune.planner import estimate, measure_window, model_skeleton, prepare_for_training
 
 MIB = 2**20
 
@@ -83,46 +79,15 @@ def save_model_folder(name: str, task: str, hf_config: object | None, root: Path
 
 def measure(path: str, task: str, micro: int, tokens: int, accum: int, precision: str, ckpt: bool,
             device: str) -> int:
-    """Peak bytes of a real window on `device` (weights, optimizer state and the window's tensors)."""
+    """Peak bytes of a real window on `device`, measured the way the planner's probe measures it."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    causal = task == "causal_lm"
-    auto = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
-    kwargs = {} if causal else {"num_labels": 2}
-    c = from_dict({"model": path, "task": task, "learning_rate": 1e-5})
+    auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+    kwargs = {} if task == "causal_lm" else {"num_labels": 2}
+    c = from_dict({"model": path, "task": task})
     model = prepare_for_training(auto.from_pretrained(path, dtype=torch.float32, **kwargs), c, checkpointing=ckpt,
                                  lora=False).to(device)
-    model.train()
-    optimizer = make_optimizer(c, model)
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    vocab = model.config.vocab_size
-
-    def window() -> None:
-        for _ in range(accum):
-            ids = torch.randint(3, vocab, (micro, tokens), device=device)
-            labels = ids if causal else torch.zeros(micro, dtype=torch.long, device=device)
-            with torch.autocast(device.split(":")[0], dtype=half or torch.float32, enabled=half is not None):
-                loss, _ = loss_sum(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                           "labels": labels}, causal)
-            loss.backward()
-            del loss
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    window()
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        window()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        static = tensor_bytes(list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values()
-                                                          if torch.is_tensor(v)])
-        with LiveTensorTracker() as tracker:
-            window()
-        peak = static + tracker.peak
-    return int(peak)
+    return measure_window(model, c, micro=micro, tokens=tokens, accum=accum, precision=precision)
 
 
 def predict(path: str, task: str, micro: int, tokens: int, accum: int, precision: str, ckpt: bool,

@@ -12,7 +12,7 @@ from conftest import assert_same_weights, run_train, step_losses
 import finetune.train as T
 from finetune.config import from_dict
 from finetune.memory import LiveTensorTracker, tensor_bytes
-from finetune.planner import GIB, PlanError, estimate, make_plan, model_skeleton
+from finetune.planner import GIB, PlanError, estimate, make_plan, measure_window, model_skeleton
 
 CPU = ("cpu", 24 * GIB)
 
@@ -36,33 +36,6 @@ def test_tracker_counts_known_sizes_and_frees():
     assert tensor_bytes([b, b[:10], c]) == 4_020
 
 
-def _measured_window_peak(model, causal, micro, tokens, accum):
-    """Live-tensor peak of a real window (weights + AdamW state + the window), after one warm-up step."""
-    from finetune.evaluate import loss_sum
-
-    model.train()
-    opt = T.make_optimizer(from_dict({"learning_rate": 1e-5}), model)  # the engine's optimizer (fused AdamW)
-    vocab = model.config.vocab_size
-
-    def window():
-        for _ in range(accum):
-            ids = torch.randint(5, vocab, (micro, tokens))
-            labels = ids.clone() if causal else torch.zeros(micro, dtype=torch.long)
-            loss, _ = loss_sum(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels},
-                               causal)
-            loss.backward()
-            del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    window()
-    gc.collect()
-    static = tensor_bytes(list(model.parameters()) + [v for s in opt.state.values() for v in s.values()])
-    with LiveTensorTracker() as tracker:
-        window()
-    return static + tracker.peak
-
-
 @pytest.mark.parametrize("model_fixture, task", [("tiny_bert", "classification"), ("tiny_gpt2", "causal_lm"),
                                                  ("tiny_llama", "causal_lm")])
 @pytest.mark.parametrize("micro, accum, ckpt", [(4, 1, False), (2, 3, False), (4, 2, True)])
@@ -78,7 +51,7 @@ def test_dry_run_predicts_the_measured_peak(request, model_fixture, task, micro,
     real = auto.from_pretrained(path, **({} if task == "causal_lm" else {"num_labels": 2}))
     if ckpt:
         real.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    measured = _measured_window_peak(real, task == "causal_lm", micro, 96, accum)
+    measured = measure_window(real, c, micro=micro, tokens=96, accum=accum, precision="fp32")
     predicted = sum(terms.values())
     assert -0.05 <= (predicted - measured) / measured <= 0.10, (predicted, measured, terms)
 
