@@ -11,6 +11,7 @@ It prints one table with the error of each row (target: within ±10 % on CPU, ne
     python bench/memory_plan.py                 # the whole matrix on CPU (a few minutes)
     python bench/memory_plan.py --quick         # fewer rows
     python bench/memory_plan.py --device cuda   # on a GPU
+    python bench/memory_plan.py --gpu-budget 2  # on a GPU: the plan for 2 GiB trains under a 2 GiB memory cap
 """
 
 from __future__ import annotations
@@ -113,6 +114,32 @@ def matrix(quick: bool, precisions: list[str]) -> list[tuple]:
     return rows
 
 
+def check_budget_on_gpu(budget_gb: float, config_path: str) -> int:
+    """GPU only: plan `config_path` for `budget_gb`, cap this process at that budget with
+    `torch.cuda.set_per_process_memory_fraction`, and run `finetune train` on the plan; report OOM or success."""
+    from finetune.config import load
+    from finetune.train import train
+
+    if not torch.cuda.is_available():
+        print("--gpu-budget needs a CUDA GPU.", file=sys.stderr)
+        return 2
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 2**30 / total))
+    c = load(config_path, [f"memory_budget_gb={budget_gb}", "max_steps=20", "output_dir=/tmp/finetune-gpu-budget",
+                           "overwrite=true"])
+    try:
+        result = train(c)
+    except torch.OutOfMemoryError as e:
+        print(f"OOM under a {budget_gb} GiB cap: {e}")
+        return 1
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    plan = json.loads(Path("/tmp/finetune-gpu-budget/plan.json").read_text())
+    print(f"ran {result.step} steps under a {budget_gb} GiB cap: peak allocated {peak:.2f} GiB, predicted "
+          f"{plan['predicted_peak_bytes'] / 2**30:.2f} GiB ({plan['method']}), plan {plan['micro_batch_size']} × "
+          f"{plan['grad_accum_steps']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu (live-tensor tracker) or cuda (allocator peak).")
@@ -121,8 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=Path("/tmp/finetune-bench-models"),
                         help="Where the models built from configs are saved.")
     parser.add_argument("--json", type=Path, help="Also write the rows as JSON here.")
+    parser.add_argument("--gpu-budget", type=float, metavar="GIB",
+                        help="GPU only: train the demo's plan for this budget under a memory cap of that size.")
+    parser.add_argument("--config", default="assets/demo.yaml", help="Config for --gpu-budget.")
     args = parser.parse_args(argv)
     quiet_transformers()
+    if args.gpu_budget:
+        return check_budget_on_gpu(args.gpu_budget, args.config)
     configs = model_configs()
     results: list[Row] = []
     print("| model | tokens | micro × accum | precision | checkpointing | predicted MiB | measured MiB | error |")
