@@ -169,11 +169,6 @@ class Encoded:
             return len(indices)
         return sum(sum(1 for t in self.targets[i][1:] if t != IGNORE_INDEX) for i in indices)
 
-    def subset(self, indices: list[int]) -> Encoded:
-        """These samples, in this order."""
-        tt = [self.token_type_ids[i] for i in indices] if self.token_type_ids is not None else None
-        return Encoded([self.input_ids[i] for i in indices], [self.targets[i] for i in indices], tt)
-
 
 def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: list[str] | None,
            source: str) -> Encoded:

@@ -24,10 +24,6 @@ class LiveTensorTracker(TorchDispatchMode):
         self.peak = 0
         self._live: dict[int, int] = {}  # storage key -> bytes
 
-    def reset_peak(self) -> None:
-        """Start a new peak from what is live now."""
-        self.peak = self.current
-
     def _forget(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)
 

@@ -4,7 +4,8 @@
       config.yaml    resolved config (all three batch numbers filled in)
       events.jsonl   the event stream
       checkpoints/   step-0000100/ ... (accelerate save_state), the last few kept
-      model/         final model + tokenizer (from_pretrained-loadable)
+      model/         final model + tokenizer (from_pretrained-loadable), or a LoRA adapter
+      adapter/       the LoRA adapter, when merge_lora put the merged model in model/
       metrics.json   final evaluation and training figures
       loss.png       the loss curve
 """
@@ -21,8 +22,8 @@ from finetune.config import Config, read_yaml
 from finetune.events import read_events
 
 KEEP_CHECKPOINTS = 3
-RUN_FILES = ("config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "metrics.json", "loss.png",
-             "train.log")
+RUN_FILES = ("config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter", "metrics.json",
+             "loss.png")
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every"}
 

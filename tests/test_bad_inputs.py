@@ -108,3 +108,10 @@ def test_real_process_exit_code_and_no_traceback(tmp_path, base):
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert "micro_batch_size=3 does not divide effective_batch_size=16" in proc.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_overwrite_replaces_every_file_a_run_writes(capsys, tmp_path, base):
+    assert _run(capsys, *base, "lora=true", "merge_lora=true")[0] == 0
+    assert (tmp_path / "run" / "adapter").is_dir()
+    assert _run(capsys, *base, "overwrite=true")[0] == 0  # adapter/ is the run's own, not a foreign file
+    assert not (tmp_path / "run" / "adapter").exists()
