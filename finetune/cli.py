@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from finetune.config import ConfigError
+from finetune.config import Config, ConfigError
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 130
 
@@ -53,15 +53,21 @@ def _install_stop_handlers(stop: Any) -> dict[int, Any]:
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    """Run `finetune train CONFIG [key=value …]`."""
+def _load_config(args: argparse.Namespace) -> Config:
+    """The config from `CONFIG [key=value …]`, where CONFIG may be left out (then the first word is an override)."""
     from finetune import config as C
-    from finetune.events import Error, EventLog, ProgressBar
-    from finetune.train import StopFlag, TrainingError, train
 
     path = args.config if args.config and "=" not in args.config else None
     overrides = args.overrides if path or not args.config else [args.config, *args.overrides]
-    cfg = C.load(path, overrides)
+    return C.load(path, overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run `finetune train CONFIG [key=value …]`."""
+    from finetune.events import Error, EventLog, ProgressBar
+    from finetune.train import StopFlag, TrainingError, train
+
+    cfg = _load_config(args)
     stop = StopFlag()
     started: list[Any] = []  # set by the Start event: from then on, failures belong in this run's events.jsonl
     previous = _install_stop_handlers(stop)
@@ -125,15 +131,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Run `finetune plan [CONFIG] [key=value …]`: print the plan and optionally write plan.json."""
     import torch
 
-    from finetune import config as C
     from finetune.modeling import load_model, load_tokenizer
     from finetune.planner import make_plan, prepare_for_training, probe_enabled, refine_with_probe, render
     from finetune.rundir import write_json
     from finetune.train import load_data
 
-    path = args.config if args.config and "=" not in args.config else None
-    overrides = args.overrides if path or not args.config else [args.config, *args.overrides]
-    cfg = C.load(path, overrides)
+    cfg = _load_config(args)
     train_data, _, label_names = load_data(cfg, load_tokenizer(cfg))
     plan = make_plan(cfg, train_data.lengths, len(label_names or []), num_processes=args.num_processes)
     if probe_enabled(cfg):
