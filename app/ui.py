@@ -10,6 +10,7 @@ from typing import Any
 import gradio as gr
 
 from app import dataview
+from app.api import ScriptApi
 from app.dataview import UPLOAD_TYPES, DatasetView, labels_markdown
 from app.device import DeviceMemory
 from app.handlers import NONE_CHOICE, TASK_COLUMNS, Controller
@@ -252,6 +253,9 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                    "download": download_btn, "stop_button": stop_btn, "resume_button": resume_btn,
                    "command": command_box}
         try_out = {"label": try_label, "generated": try_text, "message": try_msg}
+        # The page's own events are private: scripts get the named API of `app.api` instead. It is registered first,
+        # so that its names are free (a private event still takes its function's name, e.g. `stop`).
+        ScriptApi(controller).register()
         private = {"api_visibility": "private"}
 
         # .input, not .change: an imported config keeps its own task.
