@@ -55,11 +55,11 @@ class Unanswered(RuntimeError):
 
 def _display_path(path: Path | str) -> str:
     """`path` relative to the working directory when it is inside it (shorter, and what a CLI user would type)."""
-    p = Path(path)
+    given = Path(path)
     try:
-        return str(p.resolve().relative_to(Path.cwd().resolve())) if p.is_absolute() else str(p)
+        return str(given.resolve().relative_to(Path.cwd().resolve())) if given.is_absolute() else str(given)
     except ValueError:
-        return str(p)
+        return str(given)
 
 
 class Controller:
@@ -126,7 +126,8 @@ class Controller:
                 raise Unanswered(f"The planner took longer than {PLAN_TIMEOUT_S} s.") from None
             if proc.returncode != 0 or not out_path.is_file():
                 text = (proc.stderr or proc.stdout).strip().splitlines()
-                message = next((ln[len("error: "):] for ln in reversed(text) if ln.startswith("error: ")), None)
+                message = next((line[len("error: "):] for line in reversed(text) if line.startswith("error: ")),
+                               None)
                 raise Unanswered(message or (text[-1] if text else "The planner failed."))
             plan = json.loads(out_path.read_text(encoding="utf-8"))
         if extra:

@@ -129,8 +129,8 @@ def _info(name: str) -> str:
     return f"{meta['help']}{suffix} [{name}]"
 
 
-def _default(f: Any) -> Any:
-    return None if f.default is MISSING else f.default
+def _default(schema_field: Any) -> Any:
+    return None if schema_field.default is MISSING else schema_field.default
 
 
 def spec(name: str) -> WidgetSpec:

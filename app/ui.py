@@ -93,8 +93,9 @@ def _grid(specs: list[WidgetSpec], fields: dict, initial: Config, memory: Device
           per_row: int = 3) -> None:
     for i in range(0, len(specs), per_row):
         with gr.Row():
-            for s in specs[i: i + per_row]:
-                fields[s.name] = _widget(s, to_widget(s.name, getattr(initial, s.name)), memory, data, initial.task)
+            for spec in specs[i: i + per_row]:
+                fields[spec.name] = _widget(spec, to_widget(spec.name, getattr(initial, spec.name)), memory, data,
+                                            initial.task)
 
 
 # Where each field of a handler's named result (`app.results`) goes: a component, or the targets of a nested result

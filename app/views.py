@@ -31,8 +31,8 @@ def loss_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
     # A resumed run repeats no steps, but a run restarted with overwrite could: keep each step's latest value.
     train = list(dict(train).items())
     if len(train) > MAX_PLOT_POINTS:
-        k = -(-len(train) // MAX_PLOT_POINTS)
-        train = train[::k] + ([train[-1]] if (len(train) - 1) % k else [])
+        stride = -(-len(train) // MAX_PLOT_POINTS)
+        train = train[::stride] + ([train[-1]] if (len(train) - 1) % stride else [])
     rows = [(s, float(v), "train") for s, v in train] + [(s, float(v), "eval") for s, v in evals]
     frame = pd.DataFrame(rows, columns=["step", "loss", "split"])
     return frame.astype({"step": "int64", "loss": "float64", "split": "str"})
@@ -117,27 +117,28 @@ def final_metrics(status: JobStatus) -> dict[str, Any]:
     return dict(done["metrics"]) if done and status.state == "done" else {}
 
 
-def _event_line(e: dict[str, Any], total: int | None) -> str | None:
-    kind = e.get("event")
-    clock = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
+def _event_line(event: dict[str, Any], total: int | None) -> str | None:
+    kind = event.get("event")
+    clock = time.strftime("%H:%M:%S", time.localtime(event.get("time", 0)))
     if kind == "start":
-        what = "resumed" if e.get("resumed") else "started"
-        return (f"{clock} {what} at step {e['step']} of {e['total_steps']}: micro-batch {e['micro_batch_size']} × "
-                f"accumulation {e['grad_accum_steps']} × {e['num_processes']} process(es) = "
-                f"{e['effective_batch_size']}, {e['precision']} on {e['device']}")
+        what = "resumed" if event.get("resumed") else "started"
+        return (f"{clock} {what} at step {event['step']} of {event['total_steps']}: micro-batch "
+                f"{event['micro_batch_size']} × accumulation {event['grad_accum_steps']} × {event['num_processes']} "
+                "process(es) = "
+                f"{event['effective_batch_size']}, {event['precision']} on {event['device']}")
     if kind == "step":
-        return (f"{clock} step {e['step']}/{total or '?'} loss {e['loss']:.4f} lr {e['lr']:.2e} "
-                f"grad {e['grad_norm']:.3g} {e['samples_per_s']:.1f} samples/s")
+        return (f"{clock} step {event['step']}/{total or '?'} loss {event['loss']:.4f} lr {event['lr']:.2e} "
+                f"grad {event['grad_norm']:.3g} {event['samples_per_s']:.1f} samples/s")
     if kind == "eval":
-        return f"{clock} eval @ {e['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in e["metrics"].items())
+        return f"{clock} eval @ {event['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in event["metrics"].items())
     if kind == "checkpoint":
-        return f"{clock} checkpoint {e['path']}"
+        return f"{clock} checkpoint {event['path']}"
     if kind == "stopped":
-        return f"{clock} stopped at step {e['step']} (checkpoint {e['checkpoint']})"
+        return f"{clock} stopped at step {event['step']} (checkpoint {event['checkpoint']})"
     if kind == "done":
-        return f"{clock} done: model in {e['model_dir']}"
+        return f"{clock} done: model in {event['model_dir']}"
     if kind == "error":
-        return f"{clock} error: {e['message']}"
+        return f"{clock} error: {event['message']}"
     return None
 
 
