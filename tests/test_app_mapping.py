@@ -210,3 +210,19 @@ def test_start_refuses_bad_input_before_anything_runs(tmp_path):
     refused = ctl.start(*values)
     assert not refused.started and "`learning_rate` must be at least 0" in refused.note
     assert ctl.jobs.status().state == "idle" and not list(runs.glob("*.yaml"))
+
+
+def test_named_results_go_to_the_widgets_named_for_their_fields():
+    import gradio as gr
+
+    from app.results import DatasetShown, UploadShown
+    from app.ui import _components, _updates
+
+    dataset, preview, text_column, labels, error = (gr.Textbox() for _ in range(5))
+    targets = {"dataset": dataset, "data": {"preview": preview, "columns": {"text_column": text_column},
+                                            "labels": labels, "error": error}}
+    assert _components(targets) == [dataset, preview, text_column, labels, error]
+    assert _updates(UploadShown(), targets) == {dataset: gr.skip()}  # no preview: those widgets stay as they are
+    shown = UploadShown(dataset="a.csv", data=DatasetShown(preview=None, columns={}, labels="3 rows", error=""))
+    # A column not named in the group keeps its dropdown; every other field goes to its widget.
+    assert _updates(shown, targets) == {dataset: "a.csv", preview: None, labels: "3 rows", error: ""}
