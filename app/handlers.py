@@ -1,5 +1,6 @@
-"""What the buttons do. Each handler takes widget values and returns widget values; the work is done by the
-`finetune` CLI in child processes (train, plan) or by the pure helpers in `app.mapping`, `app.dataview`, `app.views`."""
+"""What the buttons (and the scripting API) do. The work is done by the `finetune` CLI in child processes (train,
+plan) or by the pure helpers in `app.mapping`, `app.dataview`, `app.views`; each widget handler answers with a named
+result from `app.results`, which `app.ui` maps to the widgets."""
 
 from __future__ import annotations
 
@@ -19,15 +20,27 @@ from app.jobs import JobBusy, JobManager, JobStatus, zip_model
 from app.mapping import (
     COLUMN_FIELDS,
     FIELD_NAMES,
+    changed_options,
     config_to_values,
     config_yaml,
     infer_task,
     load_config_file,
     problems_markdown,
+    problems_text,
     values_to_config,
-    values_to_dict,
 )
-from finetune.config import FIELDS, ConfigError, from_dict
+from app.results import (
+    DatasetShown,
+    ExportShown,
+    FormShown,
+    PlanShown,
+    PredictionShown,
+    RunShown,
+    Started,
+    TaskGuess,
+    UploadShown,
+)
+from finetune.config import FIELDS, Config, ConfigError, from_dict
 from finetune.rundir import RunDirError, check_run_dir
 
 PLAN_TIMEOUT_S = 600
@@ -36,13 +49,17 @@ TASK_COLUMNS = {"classification": ("text_column", "text_pair_column", "label_col
 NONE_CHOICE = ("—", "")
 
 
+class Unanswered(RuntimeError):
+    """The planner or the trained model could not answer; the message says why, in words a user can act on."""
+
+
 def _display_path(path: Path | str) -> str:
     """`path` relative to the working directory when it is inside it (shorter, and what a CLI user would type)."""
-    p = Path(path)
+    given = Path(path)
     try:
-        return str(p.resolve().relative_to(Path.cwd().resolve())) if p.is_absolute() else str(p)
+        return str(given.resolve().relative_to(Path.cwd().resolve())) if given.is_absolute() else str(given)
     except ValueError:
-        return str(p)
+        return str(given)
 
 
 class Controller:
@@ -53,50 +70,48 @@ class Controller:
         self.jobs = jobs
 
     # --- model and dataset
-    def on_model(self, model: str) -> tuple[Any, str]:
+    def on_model(self, model: str) -> TaskGuess:
         """Infer the task from a preset or a local model folder."""
         task = infer_task((model or "").strip())
         if task is None:
-            return gr.skip(), "The task cannot be told offline for this model: choose it under Task."
-        return task, f"Task inferred from the model: **{task}**."
+            return TaskGuess(note="The task cannot be told offline for this model: choose it under Task.")
+        return TaskGuess(task=task, note=f"Task inferred from the model: **{task}**.")
 
-    def refresh_dataset(self, source: str, config_name: str, split: str, task: str, *columns: str) -> list[Any]:
+    def refresh_dataset(self, source: str, config_name: str, split: str, task: str, *columns: str) -> DatasetShown:
         """Preview the dataset and fill the column dropdowns from its real columns."""
         wanted = dict(zip(COLUMN_FIELDS, columns, strict=True))
         view = dataview.inspect((source or "").strip(), (config_name or "").strip() or None,
                                 (split or "").strip() or "train", task, wanted)
         shown = TASK_COLUMNS.get(task, COLUMN_FIELDS)
-        updates = []
+        updates = {}
         for name in COLUMN_FIELDS:
             value = view.chosen.get(name) if view.columns else wanted.get(name)
             choices = [NONE_CHOICE, *[(c, c) for c in view.columns]] if view.columns else [NONE_CHOICE]
             if value and value not in view.columns:
                 choices.append((value, value))  # an imported mapping stays visible until the data is there
-            updates.append(gr.update(choices=choices, value=value or "", visible=name in shown))
-        error = f"⚠️ {view.error}" if view.error else ""
-        return [view.preview, *updates, dataview.labels_markdown(view), error]
+            updates[name] = gr.update(choices=choices, value=value or "", visible=name in shown)
+        return DatasetShown(preview=view.preview, columns=updates, labels=dataview.labels_markdown(view),
+                            error=f"⚠️ {view.error}" if view.error else "")
 
-    def on_upload(self, uploaded: str | None, config_name: str, split: str, task: str, *columns: str) -> list[Any]:
+    def on_upload(self, uploaded: str | None, config_name: str, split: str, task: str, *columns: str) -> UploadShown:
         """Keep a stable copy of the uploaded file, point `dataset` at it and preview it.
 
         The evaluation settings go back to a hold-out of the new file: an evaluation set chosen for other data
         (the sample's, say) would not have this file's columns."""
         if not uploaded:
-            return [gr.skip()] * (len(COLUMN_FIELDS) + 7)
-        kept = dataview.keep_upload(uploaded, self.runs_dir / "uploads")
-        source = _display_path(kept)
-        preview, *rest, labels, error = self.refresh_dataset(source, "", split, task, *columns)
+            return UploadShown()
+        source = _display_path(dataview.keep_upload(uploaded, self.runs_dir / "uploads"))
+        data = self.refresh_dataset(source, "", split, task, *columns)
         fraction = FIELDS["eval_fraction"].default
         note = f"Evaluation: {fraction:.0%} of this file is held out (More data options sets another evaluation set)."
-        return [source, "", "", fraction, preview, *rest, f"{labels}\n\n{note}" if labels else labels, error]
+        labels = f"{data.labels}\n\n{note}" if data.labels else data.labels
+        return UploadShown(dataset=source, eval_dataset="", eval_split="", eval_fraction=fraction,
+                           data=DatasetShown(preview=data.preview, columns=data.columns, labels=labels,
+                                             error=data.error))
 
     # --- plan
-    def plan(self, *values: Any) -> tuple[str, Any, str]:
-        """Run `finetune plan` on the form's config and show its answer, or its error next to the button."""
-        try:
-            config = values_to_config(values)
-        except ConfigError as e:
-            return "", gr.update(visible=False), problems_markdown(e)
+    def make_plan(self, config: Config) -> dict[str, Any]:
+        """`finetune plan` on `config`: the plan.json mapping; raises `Unanswered` with the planner's message."""
         extra = []
         if self.jobs.status().active and "plan_probe" in FIELDS:
             # A measured probe would train on the device the running job is using: estimate without one.
@@ -108,48 +123,63 @@ class Controller:
                 proc = subprocess.run([sys.executable, "-m", "finetune", "plan", str(cfg_path), *extra, "--json",
                                        str(out_path)], capture_output=True, text=True, timeout=PLAN_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                return "", gr.update(visible=False), f"⚠️ The planner took longer than {PLAN_TIMEOUT_S} s."
+                raise Unanswered(f"The planner took longer than {PLAN_TIMEOUT_S} s.") from None
             if proc.returncode != 0 or not out_path.is_file():
                 text = (proc.stderr or proc.stdout).strip().splitlines()
-                message = next((ln[len("error: "):] for ln in reversed(text) if ln.startswith("error: ")), None)
-                return "", gr.update(visible=False), f"⚠️ {message or (text[-1] if text else 'The planner failed.')}"
+                message = next((line[len("error: "):] for line in reversed(text) if line.startswith("error: ")),
+                               None)
+                raise Unanswered(message or (text[-1] if text else "The planner failed."))
             plan = json.loads(out_path.read_text(encoding="utf-8"))
         if extra:
             plan["notes"] = [*plan.get("notes", []), "Estimated without a measured probe while a run is training."]
+        return plan
+
+    def plan(self, *values: Any) -> PlanShown:
+        """Plan the form's config and show the answer, or its error next to the button."""
+        try:
+            plan = self.make_plan(values_to_config(values))
+        except ConfigError as e:
+            return PlanShown(error=problems_markdown(e))
+        except Unanswered as e:
+            return PlanShown(error=f"⚠️ {e}")
         frame = views.plan_frame(plan)
-        return views.plan_markdown(plan), gr.update(value=frame, sort=list(frame.part), visible=True), ""
+        return PlanShown(text=views.plan_markdown(plan), chart=gr.update(value=frame, sort=list(frame.part),
+                                                                         visible=True))
 
     # --- training
-    def start(self, *values: Any) -> tuple[str, Any]:
-        """Check the config, the data and the run directory, write the YAML and start `finetune train`."""
+    def start(self, *values: Any) -> Started:
+        """Start the form's config (see `start_run`)."""
         try:
-            options = values_to_dict(values)
-            config = from_dict(options)
+            config = values_to_config(values)
         except ConfigError as e:
-            return problems_markdown(e), gr.skip()
+            return Started(started=False, message=problems_text(e))
+        return self.start_run(config)
+
+    def start_run(self, config: Config) -> Started:
+        """Check the data and the run directory, write the YAML and start `finetune train` on it."""
         if self.jobs.status().active:
-            return f"⚠️ {self.jobs.busy_message()}", gr.skip()
+            return Started(started=False, message=self.jobs.busy_message())
         view = dataview.inspect(config.dataset, config.dataset_config, config.train_split, config.task,
                                 {c: getattr(config, c) for c in COLUMN_FIELDS})
         if view.error:
-            return f"⚠️ {view.error}", f"⚠️ {view.error}"
+            return Started(started=False, message=view.error, data_error=view.error)
         if config.output_dir is None:
-            options["output_dir"] = _display_path(self._new_run_dir())
-            config = from_dict(options)
+            config = from_dict({**changed_options(config), "output_dir": _display_path(self._new_run_dir())})
         try:
             run_dir = check_run_dir(config)
         except RunDirError as e:
-            return f"⚠️ {e}", gr.skip()
+            return Started(started=False, message=str(e))
         config_path = run_dir.parent / f"{run_dir.name}.yaml"
+        command = f"finetune train {_display_path(config_path)}"
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(config_yaml(config, f"Written by the finetune app, {time.strftime('%Y-%m-%d %H:%M')}."
-                                                   f"\nReproduce: finetune train {_display_path(config_path)}"),
-                               encoding="utf-8")
+                                                   f"\nReproduce: {command}"), encoding="utf-8")
         try:
             self.jobs.start(config_path, run_dir)
         except JobBusy as e:
-            return f"⚠️ {e}", gr.skip()
-        return f"Started. Reproduce from a terminal with `finetune train {_display_path(config_path)}`.", ""
+            return Started(started=False, message=str(e))
+        return Started(started=True, message=f"Started. Reproduce from a terminal with `{command}`.",
+                       run_dir=_display_path(run_dir), command=command)
 
     def _new_run_dir(self) -> Path:
         base = self.runs_dir / time.strftime("%Y%m%d-%H%M%S")
@@ -164,95 +194,113 @@ class Controller:
 
     def resume(self) -> str:
         """Continue the stopped run from its checkpoint."""
-        s = self.jobs.status()
-        if s.state != "stopped" or s.run_dir is None:
+        status = self.jobs.status()
+        if status.state != "stopped" or status.run_dir is None:
             return "Nothing to resume: only a stopped run can be resumed."
-        if not s.checkpoint:
+        if not status.checkpoint:
             return "This run stopped before its first checkpoint: start it again instead."
         try:
-            self.jobs.resume(s.run_dir)
+            self.jobs.resume(status.run_dir)
         except JobBusy as e:
             return f"⚠️ {e}"
-        return f"Resuming. From a terminal: `finetune train {_display_path(s.run_dir / 'config.yaml')} resume=true`."
+        return (f"Resuming. From a terminal: `finetune train {_display_path(status.run_dir / 'config.yaml')} "
+                "resume=true`.")
 
-    def poll(self, seen: Any) -> list[Any]:
-        """Refresh the run's progress, curve, log and results; skip everything when nothing changed."""
-        s = self.jobs.status()
-        signature = (str(s.run_dir), len(s.events), s.state, s.message, s.output_tail)
+    def poll(self, seen: Any) -> RunShown:
+        """Refresh the run's progress, curve, log and results; leave everything as it is when nothing changed."""
+        status = self.jobs.status()
+        signature = (str(status.run_dir), len(status.events), status.state, status.message, status.output_tail)
         if seen == signature:
-            return [gr.skip()] * 12
-        done = s.state == "done" and s.model_dir is not None
-        download = (gr.update(value=str(zip_model(s.model_dir, s.run_dir.parent / f"{s.run_dir.name}-model.zip")),
-                              interactive=True) if done else gr.update(value=None, interactive=False))
-        metrics = views.final_metrics(s) or None
-        command = self._command(s)
-        frame = views.loss_frame(s.events)
-        return [signature, views.status_markdown(s), views.progress_html(s), views.stats_markdown(s),
-                frame if len(frame) else None, views.log_text(s), metrics, str(s.run_dir or ""), download,
-                gr.update(interactive=s.active), gr.update(visible=s.state == "stopped" and bool(s.checkpoint)),
-                command if command else gr.skip()]
+            return RunShown()
+        model_dir = status.model_dir
+        download = (gr.update(value=str(zip_model(model_dir, status.run_dir.parent / f"{status.run_dir.name}"
+                                                  "-model.zip")), interactive=True)
+                    if status.state == "done" and model_dir is not None else gr.update(value=None, interactive=False))
+        command = self.command(status)
+        frame = views.loss_frame(status.events)
+        return RunShown(signature=signature, status=views.status_markdown(status),
+                        progress=views.progress_html(status), stats=views.stats_markdown(status),
+                        loss_curve=frame if len(frame) else None, log=views.log_text(status),
+                        metrics=views.final_metrics(status) or None, run_dir=str(status.run_dir or ""),
+                        download=download, stop_button=gr.update(interactive=status.active),
+                        resume_button=gr.update(visible=status.state == "stopped" and bool(status.checkpoint)),
+                        command=command if command else gr.skip())
 
-    def running_config(self) -> list[Any]:
+    def running_config(self) -> FormShown:
         """On page load: the form (and its dataset preview) shows the config of the run in progress, if any."""
-        s = self.jobs.status()
-        keep = [gr.skip()] * (len(FIELD_NAMES) + 1 + len(COLUMN_FIELDS) + 3)
-        if not s.active or s.config_path is None:
-            return keep
+        status = self.jobs.status()
+        if not status.active or status.config_path is None:
+            return FormShown()
         try:
-            config = load_config_file(s.config_path)
+            config = load_config_file(status.config_path)
         except ConfigError:  # a config the app did not write, which no longer validates: keep the form
-            return keep
-        preview = self.refresh_dataset(config.dataset or "", config.dataset_config or "", config.train_split,
-                                       config.task, *[getattr(config, c) or "" for c in COLUMN_FIELDS])
-        return [*config_to_values(config), f"The form shows the run in progress (`{_display_path(s.config_path)}`).",
-                *preview]
+            return FormShown()
+        data = self.refresh_dataset(config.dataset or "", config.dataset_config or "", config.train_split,
+                                    config.task, *[getattr(config, c) or "" for c in COLUMN_FIELDS])
+        return FormShown(values=dict(zip(FIELD_NAMES, config_to_values(config), strict=True)), data=data,
+                         note=f"The form shows the run in progress (`{_display_path(status.config_path)}`).")
 
     @staticmethod
-    def _command(s: JobStatus) -> str:
-        if s.config_path is None:
+    def command(status: JobStatus) -> str:
+        """The command that reproduces the current (or last) run from a terminal; "" before any run."""
+        if status.config_path is None:
             return ""
-        extra = ["resume=true"] if "resume=true" in s.command.split() else []
-        return shlex.join(["finetune", "train", _display_path(s.config_path), *extra])
+        extra = ["resume=true"] if "resume=true" in status.command.split() else []
+        return shlex.join(["finetune", "train", _display_path(status.config_path), *extra])
 
     # --- results
-    def try_it(self, text: str) -> tuple[Any, Any, str]:
-        """Run the finished model on one text: label probabilities, or a generated continuation."""
-        s = self.jobs.status()
+    def predict(self, text: str) -> dict[str, Any]:
+        """The finished model on one text: {label, probabilities} or {generated}.
+
+        Raises `Unanswered` without a text or a finished model, and `finetune.modeling.ModelError` when the model
+        cannot be loaded."""
         if not (text or "").strip():
-            return gr.skip(), gr.skip(), "Type a text first."
-        if s.model_dir is None:
-            return gr.skip(), gr.skip(), "No trained model yet: train (or resume) a run to the end first."
-        from finetune.modeling import ModelError
+            raise Unanswered("Type a text first.")
+        status = self.jobs.status()
+        if status.model_dir is None:
+            raise Unanswered("No trained model yet: train (or resume) a run to the end first.")
         from finetune.predict import predict
 
+        out = predict(str(status.run_dir), [text.strip()])[0]
+        return {k: out[k] for k in ("label", "probabilities", "generated") if k in out}
+
+    def try_it(self, text: str) -> PredictionShown:
+        """Try it: label probabilities, or a generated continuation, of the finished model."""
+        from finetune.modeling import ModelError
+
         try:
-            out = predict(str(s.run_dir), [text.strip()])[0]
+            out = self.predict(text)
+        except Unanswered as e:
+            return PredictionShown(message=str(e))
         except ModelError as e:
-            return gr.skip(), gr.skip(), f"⚠️ {e}"
+            return PredictionShown(message=f"⚠️ {e}")
         if "probabilities" in out:
-            return gr.update(value=out["probabilities"], visible=True), gr.update(visible=False), ""
-        return gr.update(visible=False), gr.update(value=out["generated"], visible=True), ""
+            return PredictionShown(label=gr.update(value=out["probabilities"], visible=True),
+                                   generated=gr.update(visible=False))
+        return PredictionShown(label=gr.update(visible=False), generated=gr.update(value=out["generated"],
+                                                                                   visible=True))
 
     # --- reproducibility
-    def export(self, *values: Any) -> tuple[Any, Any, Any, str]:
+    def export(self, *values: Any) -> ExportShown:
         """The form as the YAML a CLI user would write, a file to download and the command that runs it."""
         try:
             config = values_to_config(values)
         except ConfigError as e:
-            return gr.skip(), gr.skip(), gr.skip(), problems_markdown(e)
-        folder = Path(tempfile.mkdtemp(prefix="finetune-export-"))
-        path = folder / "finetune-config.yaml"
+            return ExportShown(message=problems_markdown(e))
+        path = Path(tempfile.mkdtemp(prefix="finetune-export-")) / "finetune-config.yaml"
         path.write_text(config_yaml(config, "finetune config, exported from the app.\nRun: finetune train "
                                     "finetune-config.yaml"), encoding="utf-8")
-        return path.read_text(encoding="utf-8"), str(path), "finetune train finetune-config.yaml", \
-            "Exported: download the file, or copy the YAML."
+        return ExportShown(yaml=path.read_text(encoding="utf-8"), file=str(path),
+                           command="finetune train finetune-config.yaml",
+                           message="Exported: download the file, or copy the YAML.")
 
-    def import_config(self, uploaded: str | None) -> list[Any]:
+    def import_config(self, uploaded: str | None) -> FormShown:
         """Fill every widget from a YAML config (its errors are the config's own)."""
         if not uploaded:
-            return [*[gr.skip()] * len(FIELD_NAMES), gr.skip(), gr.skip()]
+            return FormShown()
         try:
             config = load_config_file(uploaded)
         except ConfigError as e:
-            return [*[gr.skip()] * len(FIELD_NAMES), problems_markdown(e), gr.skip()]
-        return [*config_to_values(config), f"Imported `{Path(uploaded).name}`.", config_yaml(config)]
+            return FormShown(note=problems_markdown(e))
+        return FormShown(values=dict(zip(FIELD_NAMES, config_to_values(config), strict=True)),
+                         note=f"Imported `{Path(uploaded).name}`.", yaml=config_yaml(config))

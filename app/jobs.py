@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from app.tail import EventTail, error_from_output, session_output
 
 # After a Stop, how long the child may take to finish its optimizer step and write the checkpoint before it is
@@ -31,7 +33,7 @@ class JobBusy(RuntimeError):
     """A run is in progress; the message says which and what to do."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JobStatus:
     """What the page shows about the current (or last) run."""
 
@@ -62,12 +64,28 @@ class JobStatus:
     @property
     def checkpoint(self) -> str | None:
         """The checkpoint a stopped run resumes from."""
-        last = next((e for e in reversed(self.events) if e.get("event") in ("stopped", "checkpoint")), None)
-        return (last or {}).get("checkpoint") or (last or {}).get("path")
+        last = self.last("stopped", "checkpoint") or {}
+        return last.get("checkpoint") or last.get("path")
+
+    @property
+    def progress(self) -> tuple[int, int] | None:
+        """(optimizer step reached, total steps) of the latest start; None before the run has started."""
+        start = self.last("start")
+        if start is None:
+            return None
+        step = self.last("step")
+        total = start["total_steps"]
+        return (total if self.state == "done" else max(step["step"] if step else 0, start.get("step", 0))), total
+
+    def last(self, *kinds: str) -> dict[str, Any] | None:
+        """The latest event of one of `kinds` (e.g. "step"), or None."""
+        return next((e for e in reversed(self.events) if e.get("event") in kinds), None)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Job:
+    """The child process of the current run and what is needed to follow it."""
+
     run_dir: Path
     config_path: Path
     log_path: Path
@@ -86,18 +104,14 @@ class _Job:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` runs; a zombie (exited, not yet reaped by its adopter) does not."""
     if pid <= 0:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by its adopter) still answers kill(0).
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
+    except psutil.AccessDenied:  # someone else's process: it exists
         return True
 
 
@@ -130,7 +144,8 @@ class JobManager:
                 # take the run down with it.
                 proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            self._job = _Job(run_dir, config_path, log_path, command, proc.pid, proc, time.time() - 1.0)
+            self._job = _Job(run_dir=run_dir, config_path=config_path, log_path=log_path, command=command,
+                             pid=proc.pid, proc=proc, launched=time.time() - 1.0)
             self._save_current()
             return self.status()
 
@@ -189,7 +204,7 @@ class JobManager:
         with self._lock:
             job = self._job
             if job is None:
-                return JobStatus("idle")
+                return JobStatus(state="idle")
             events = job.events()
             mine = [e for e in events if e.get("time", 0) >= job.launched]
             output = session_output(job.log_path)
@@ -197,8 +212,8 @@ class JobManager:
             running = rc is None and self._running(job)
             state, message = self._state(job, mine, rc, running, output)
             tail = "\n".join(output.splitlines()[-12:])
-            return JobStatus(state, job.run_dir, events, rc, message, tail, " ".join(job.command[1:]),
-                             job.config_path)
+            return JobStatus(state=state, run_dir=job.run_dir, events=events, returncode=rc, message=message,
+                             output_tail=tail, command=" ".join(job.command[1:]), config_path=job.config_path)
 
     def _state(self, job: _Job, mine: list[dict[str, Any]], rc: int | None, running: bool,
                output: str) -> tuple[str, str]:
@@ -228,12 +243,11 @@ class JobManager:
         return self._busy_message(self.status())
 
     @staticmethod
-    def _busy_message(s: JobStatus) -> str:
-        steps = [e for e in s.events if e.get("event") == "step"]
-        start = next((e for e in reversed(s.events) if e.get("event") == "start"), None)
-        where = f", step {steps[-1]['step']} of {start['total_steps']}" if steps and start else ""
-        return (f"A run is in progress ({s.run_dir}{where}): only one job runs at a time. Stop it, or wait for it "
-                "to finish, before starting another.")
+    def _busy_message(status: JobStatus) -> str:
+        step, start = status.last("step"), status.last("start")
+        where = f", step {step['step']} of {start['total_steps']}" if step and start else ""
+        return (f"A run is in progress ({status.run_dir}{where}): only one job runs at a time. Stop it, or wait for "
+                "it to finish, before starting another.")
 
     # --- re-attaching after the app restarts
     def _current_file(self) -> Path:
@@ -249,8 +263,9 @@ class JobManager:
         """Follow the run an earlier app process started, so its progress (or result) shows again."""
         try:
             record = json.loads(self._current_file().read_text(encoding="utf-8"))
-            job = _Job(Path(record["run_dir"]), Path(record["config_path"]), Path(record["log_path"]),
-                       list(record["command"]), int(record["pid"]), None, float(record["launched"]))
+            job = _Job(run_dir=Path(record["run_dir"]), config_path=Path(record["config_path"]),
+                       log_path=Path(record["log_path"]), command=list(record["command"]), pid=int(record["pid"]),
+                       proc=None, launched=float(record["launched"]))
         except (OSError, ValueError, KeyError, TypeError):
             return
         if _alive(job.pid) and not self._is_finetune(job.pid):
@@ -260,22 +275,23 @@ class JobManager:
     @staticmethod
     def _is_finetune(pid: int) -> bool:
         try:
-            return b"finetune" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            return any("finetune" in arg for arg in psutil.Process(pid).cmdline())
+        except psutil.Error:
             return False
 
 
 def zip_model(model_dir: Path, out: Path) -> Path:
     """A zip of the model folder (weights stored, other files deflated), rebuilt only when the folder is newer."""
-    files = sorted(p for p in model_dir.rglob("*") if p.is_file())
-    newest = max((p.stat().st_mtime for p in files), default=0.0)
+    files = sorted(path for path in model_dir.rglob("*") if path.is_file())
+    newest = max((path.stat().st_mtime for path in files), default=0.0)
     if out.is_file() and out.stat().st_mtime >= newest:
         return out
     tmp = out.with_suffix(".zip.tmp")
-    with zipfile.ZipFile(tmp, "w") as z:
-        for p in files:
+    with zipfile.ZipFile(tmp, "w") as archive:
+        for path in files:
             # Weights hardly compress and are most of the bytes: store them, deflate the small text files.
-            kind = zipfile.ZIP_STORED if p.suffix in (".safetensors", ".bin") else zipfile.ZIP_DEFLATED
-            z.write(p, f"{model_dir.parent.name}-{model_dir.name}/{p.relative_to(model_dir)}", compress_type=kind)
+            kind = zipfile.ZIP_STORED if path.suffix in (".safetensors", ".bin") else zipfile.ZIP_DEFLATED
+            archive.write(path, f"{model_dir.parent.name}-{model_dir.name}/{path.relative_to(model_dir)}",
+                          compress_type=kind)
     tmp.replace(out)
     return out

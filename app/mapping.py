@@ -7,6 +7,7 @@ schema gets a widget, a place on the page and a round trip through Export/Import
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
@@ -128,8 +129,8 @@ def _info(name: str) -> str:
     return f"{meta['help']}{suffix} [{name}]"
 
 
-def _default(f: Any) -> Any:
-    return None if f.default is MISSING else f.default
+def _default(schema_field: Any) -> Any:
+    return None if schema_field.default is MISSING else schema_field.default
 
 
 def spec(name: str) -> WidgetSpec:
@@ -223,16 +224,30 @@ def parse_config_yaml(text: str) -> Config:
     return from_dict(data)
 
 
+def parse_config(config: str | Mapping[str, Any]) -> Config:
+    """A config from YAML text or from a mapping of its options (what a script passes to the app's API)."""
+    if isinstance(config, str):
+        return parse_config_yaml(config)
+    if isinstance(config, Mapping):
+        return from_dict(dict(config))
+    raise ConfigError(["The config must be YAML text or a mapping of option: value."])
+
+
 def load_config_file(path: str | Path) -> Config:
     """A config from a YAML file (`finetune train` reads the same)."""
     return from_dict(read_yaml(path))
 
 
-def problems_markdown(error: ConfigError) -> str:
-    """A ConfigError as a short Markdown list."""
+def problems_text(error: ConfigError) -> str:
+    """A ConfigError in the config's own sentences: the one problem, or a Markdown list of them."""
     if len(error.problems) == 1:
-        return f"⚠️ {error.problems[0]}"
-    return "⚠️ Fix these first:\n" + "\n".join(f"- {p}" for p in error.problems)
+        return error.problems[0]
+    return "Fix these first:\n" + "\n".join(f"- {problem}" for problem in error.problems)
+
+
+def problems_markdown(error: ConfigError) -> str:
+    """A ConfigError as the page shows it, with a warning sign."""
+    return f"⚠️ {problems_text(error)}"
 
 
 def infer_task(model: str) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import gradio as gr
 
 from app import dataview
+from app.api import ScriptApi
 from app.dataview import UPLOAD_TYPES, DatasetView, labels_markdown
 from app.device import DeviceMemory
 from app.handlers import NONE_CHOICE, TASK_COLUMNS, Controller
@@ -91,8 +93,43 @@ def _grid(specs: list[WidgetSpec], fields: dict, initial: Config, memory: Device
           per_row: int = 3) -> None:
     for i in range(0, len(specs), per_row):
         with gr.Row():
-            for s in specs[i: i + per_row]:
-                fields[s.name] = _widget(s, to_widget(s.name, getattr(initial, s.name)), memory, data, initial.task)
+            for spec in specs[i: i + per_row]:
+                fields[spec.name] = _widget(spec, to_widget(spec.name, getattr(initial, spec.name)), memory, data,
+                                            initial.task)
+
+
+# Where each field of a handler's named result (`app.results`) goes: a component, or the targets of a nested result
+# or of a group of values by name (the column dropdowns, the config form).
+Targets = dict[str, Any]
+
+
+def _components(targets: Targets) -> list[gr.components.Component]:
+    """The components `targets` names, in order: a handler's outputs."""
+    return [c for target in targets.values()
+            for c in (_components(target) if isinstance(target, dict) else [target])]
+
+
+def _updates(result: Any, targets: Targets) -> dict[gr.components.Component, Any]:
+    """A named result as Gradio's {component: value} return; a nested result that is None, or a name missing from a
+    group, leaves its components as they are."""
+    out = {}
+    for name, target in targets.items():
+        if isinstance(result, dict) and name not in result:
+            continue
+        value = result[name] if isinstance(result, dict) else getattr(result, name)
+        if isinstance(target, dict):
+            out.update(_updates(value, target) if value is not None else {})
+        else:
+            out[target] = value
+    return out
+
+
+def _on(event: Callable[..., Any], handler: Callable[..., Any], inputs: Any, targets: Targets,
+        **kwargs: Any) -> Any:
+    """Wire `handler` to `event`, its named result going to the components of `targets`."""
+    # Nothing to update is Gradio's skip: an empty dict would read as one value for the first output.
+    return event(lambda *args: _updates(handler(*args), targets) or gr.skip(), inputs, _components(targets),
+                 **kwargs)
 
 
 def initial_config(preset: Path | None, memory: DeviceMemory | None, base: Path | None = None) -> Config:
@@ -107,7 +144,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
           preset: Path | None = None, preset_base: Path | None = None) -> App:
     """The app: widgets for every config field, the run panel, results and reproducibility."""
     jobs = jobs or JobManager(runs_dir)
-    ctl = Controller(runs_dir, jobs)
+    controller = Controller(runs_dir, jobs)
     initial = initial_config(preset, memory, preset_base)
     # The sample data is inspected before the page is served, so it opens with its preview and columns filled in
     # (a refresh on page load could finish after a quick upload and overwrite its preview).
@@ -204,38 +241,51 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         seen = gr.State(None)
         timer = gr.Timer(1.0)
 
-        values = [fields[name] for name in FIELD_NAMES]
+        by_name = {name: fields[name] for name in FIELD_NAMES}
+        columns = {name: fields[name] for name in COLUMN_FIELDS}
+        values = list(by_name.values())
         data_in = [fields["dataset"], fields["dataset_config"], fields["train_split"], fields["task"],
-                   *[fields[c] for c in COLUMN_FIELDS]]
-        data_out = [preview, *[fields[c] for c in COLUMN_FIELDS], labels_md, data_error]
+                   *columns.values()]
+        data_out = {"preview": preview, "columns": columns, "labels": labels_md, "error": data_error}
+        upload_out = {"dataset": fields["dataset"], "eval_dataset": fields["eval_dataset"],
+                      "eval_split": fields["eval_split"], "eval_fraction": fields["eval_fraction"], "data": data_out}
+        run_out = {"signature": seen, "status": status_md, "progress": progress, "stats": stats_md,
+                   "loss_curve": loss_plot, "log": log_box, "metrics": metrics, "run_dir": run_dir_box,
+                   "download": download_btn, "stop_button": stop_btn, "resume_button": resume_btn,
+                   "command": command_box}
+        try_out = {"label": try_label, "generated": try_text, "message": try_msg}
+        # The page's own events are private: scripts get the named API of `app.api` instead. It is registered first,
+        # so that its names are free (a private event still takes its function's name, e.g. `stop`).
+        ScriptApi(controller).register()
+        private = {"api_visibility": "private"}
 
         # .input, not .change: an imported config keeps its own task.
-        fields["model"].input(ctl.on_model, fields["model"], [fields["task"], model_note], api_name="infer_task")
-        fields["task"].change(ctl.refresh_dataset, data_in, data_out, api_name="task_changed")
+        _on(fields["model"].input, controller.on_model, fields["model"],
+            {"task": fields["task"], "note": model_note}, **private)
+        _on(fields["task"].change, controller.refresh_dataset, data_in, data_out, **private)
         for name in ("dataset", "dataset_config", "train_split"):
-            fields[name].submit(ctl.refresh_dataset, data_in, data_out, api_name=f"{name}_submit")
-            fields[name].blur(ctl.refresh_dataset, data_in, data_out, api_visibility="private")
+            _on(fields[name].submit, controller.refresh_dataset, data_in, data_out, **private)
+            _on(fields[name].blur, controller.refresh_dataset, data_in, data_out, **private)
         for name in COLUMN_FIELDS:
-            fields[name].input(ctl.refresh_dataset, data_in, data_out, api_name=f"{name}_changed")
-        eval_fields = [fields["eval_dataset"], fields["eval_split"], fields["eval_fraction"]]
-        upload.upload(ctl.on_upload, [upload, *data_in[1:]], [fields["dataset"], *eval_fields, *data_out],
-                      api_name="upload_dataset")
-        plan_btn.click(ctl.plan, values, [plan_md, plan_plot, plan_error], api_name="plan")
-        start_btn.click(ctl.start, values, [run_msg, data_error], api_name="start")
-        stop_btn.click(ctl.stop, None, run_msg, api_name="stop", concurrency_limit=None)
-        resume_btn.click(ctl.resume, None, run_msg, api_name="resume")
-        poll_out = [seen, status_md, progress, stats_md, loss_plot, log_box, metrics, run_dir_box, download_btn,
-                    stop_btn, resume_btn, command_box]
-        timer.tick(ctl.poll, seen, poll_out, concurrency_limit=None, show_progress="hidden",
-                   api_visibility="private")
+            _on(fields[name].input, controller.refresh_dataset, data_in, data_out, **private)
+        _on(upload.upload, controller.on_upload, [upload, *data_in[1:]], upload_out, **private)
+        _on(plan_btn.click, controller.plan, values, {"text": plan_md, "chart": plan_plot, "error": plan_error},
+            **private)
+        _on(start_btn.click, controller.start, values, {"note": run_msg, "dataset_note": data_error}, **private)
+        stop_btn.click(controller.stop, None, run_msg, concurrency_limit=None, **private)
+        resume_btn.click(controller.resume, None, run_msg, **private)
+        _on(timer.tick, controller.poll, seen, run_out, concurrency_limit=None, show_progress="hidden", **private)
         # A reload (or a second tab) shows the running job at once rather than at the next tick.
-        demo.load(ctl.poll, seen, poll_out, api_name="status", show_progress="hidden")
-        demo.load(ctl.running_config, None, [*values, repro_msg, *data_out], api_visibility="private",
-                  show_progress="hidden")
-        try_btn.click(ctl.try_it, try_box, [try_label, try_text, try_msg], api_name="predict")
-        try_box.submit(ctl.try_it, try_box, [try_label, try_text, try_msg], api_visibility="private")
-        export_btn.click(ctl.export, values, [yaml_code, config_file, command_box, repro_msg], api_name="export_config")
-        import_btn.upload(ctl.import_config, import_btn, [*values, repro_msg, yaml_code], api_name="import_config"
-                          ).then(ctl.refresh_dataset, data_in, data_out, show_progress="hidden"
-                                 ).then(lambda: "", None, model_note, api_visibility="private")
+        _on(demo.load, controller.poll, seen, run_out, show_progress="hidden", **private)
+        _on(demo.load, controller.running_config, None, {"values": by_name, "note": repro_msg, "data": data_out},
+            show_progress="hidden", **private)
+        _on(try_btn.click, controller.try_it, try_box, try_out, **private)
+        _on(try_box.submit, controller.try_it, try_box, try_out, **private)
+        _on(export_btn.click, controller.export, values, {"yaml": yaml_code, "file": config_file,
+                                                          "command": command_box, "message": repro_msg}, **private)
+        imported = _on(import_btn.upload, controller.import_config, import_btn,
+                       {"values": by_name, "note": repro_msg, "yaml": yaml_code}, **private)
+        refreshed = _on(imported.then, controller.refresh_dataset, data_in, data_out, show_progress="hidden",
+                        **private)
+        refreshed.then(lambda: "", None, model_note, **private)
     return App(demo, fields, jobs)

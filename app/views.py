@@ -31,8 +31,8 @@ def loss_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
     # A resumed run repeats no steps, but a run restarted with overwrite could: keep each step's latest value.
     train = list(dict(train).items())
     if len(train) > MAX_PLOT_POINTS:
-        k = -(-len(train) // MAX_PLOT_POINTS)
-        train = train[::k] + ([train[-1]] if (len(train) - 1) % k else [])
+        stride = -(-len(train) // MAX_PLOT_POINTS)
+        train = train[::stride] + ([train[-1]] if (len(train) - 1) % stride else [])
     rows = [(s, float(v), "train") for s, v in train] + [(s, float(v), "eval") for s, v in evals]
     frame = pd.DataFrame(rows, columns=["step", "loss", "split"])
     return frame.astype({"step": "int64", "loss": "float64", "split": "str"})
@@ -58,107 +58,103 @@ def _duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def progress_html(s: JobStatus) -> str:
+def progress_html(status: JobStatus) -> str:
     """A progress bar with step/total, percentage and ETA."""
-    start, after = _since_last_start(s.events)
-    if start is None:
+    if status.progress is None:
         label = {"idle": "No run yet.", "starting": "Starting: loading the data and the model…"}.get(
-            s.state, STATE_TITLES.get(s.state, s.state))
+            status.state, STATE_TITLES.get(status.state, status.state))
         return f'<div class="ft-progress"><progress max="1" value="0"></progress><span>{html.escape(label)}</span>' \
             '</div>'
-    total = start["total_steps"]
-    steps = [e for e in s.events if e.get("event") == "step"]
-    step = max(steps[-1]["step"] if steps else 0, start.get("step", 0))
-    if s.state == "done":
-        step = total
+    step, total = status.progress
     parts = [f"step {step} / {total}", f"{100 * step / max(total, 1):.0f}%"]
-    if steps:
-        parts.append(f"epoch {steps[-1]['epoch']:.2f}")
-    eta = eta_seconds(s.events)
-    if s.state == "running" and eta is not None:
+    last_step = status.last("step")
+    if last_step:
+        parts.append(f"epoch {last_step['epoch']:.2f}")
+    eta = eta_seconds(status.events)
+    if status.state == "running" and eta is not None:
         parts.append(f"ETA {_duration(eta)}")
-    elif s.state == "done":
+    elif status.state == "done":
         parts.append("finished")
     text = " · ".join(parts)
     return (f'<div class="ft-progress"><progress max="{total}" value="{step}" aria-label="Training progress">'
             f'</progress><span>{html.escape(text)}</span></div>')
 
 
-def stats_markdown(s: JobStatus) -> str:
+def stats_markdown(status: JobStatus) -> str:
     """The latest step's figures: loss, learning rate, grad norm, throughput, skipped fp16 steps, last eval."""
-    steps = [e for e in s.events if e.get("event") == "step"]
-    if not steps:
+    step = status.last("step")
+    if step is None:
         return ""
-    e = steps[-1]
-    parts = [f"**loss** {e['loss']:.4f}", f"**lr** {e['lr']:.2e}", f"**grad norm** {e['grad_norm']:.3g}",
-             f"**samples/s** {e['samples_per_s']:.1f}", f"**skipped fp16 steps** {e['skipped']}"]
-    last_eval = next((x for x in reversed(s.events) if x.get("event") == "eval"), None)
+    parts = [f"**loss** {step['loss']:.4f}", f"**lr** {step['lr']:.2e}", f"**grad norm** {step['grad_norm']:.3g}",
+             f"**samples/s** {step['samples_per_s']:.1f}", f"**skipped fp16 steps** {step['skipped']}"]
+    last_eval = status.last("eval")
     if last_eval:
         shown = ", ".join(f"{k} {v:.4f}" for k, v in last_eval["metrics"].items())
         parts.append(f"**eval @ {last_eval['step']}** {shown}")
     return " · ".join(parts)
 
 
-def status_markdown(s: JobStatus) -> str:
+def status_markdown(status: JobStatus) -> str:
     """One line on the run's state (with the error message of a failed run)."""
-    title = STATE_TITLES.get(s.state, s.state)
-    if s.state == "idle":
+    title = STATE_TITLES.get(status.state, status.state)
+    if status.state == "idle":
         return "**Ready.** Check the plan, then press *Start training*."
-    where = f" — `{s.run_dir}`" if s.run_dir else ""
+    where = f" — `{status.run_dir}`" if status.run_dir else ""
     text = f"**{title}**{where}"
-    if s.state == "failed":
-        return f"{text}\n\n❌ {s.message or 'The run failed without a message; see the log below.'}"
-    if s.state == "done":
-        metrics = final_metrics(s)
+    if status.state == "failed":
+        return f"{text}\n\n❌ {status.message or 'The run failed without a message; see the log below.'}"
+    if status.state == "done":
+        metrics = final_metrics(status)
         shown = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("accuracy", "macro_f1", "perplexity", "loss")
                           if isinstance(metrics.get(k), (int, float)))
         return f"{text}{' — ' + shown if shown else ''}"
-    return f"{text}\n\n{s.message}" if s.message else text
+    return f"{text}\n\n{status.message}" if status.message else text
 
 
-def final_metrics(s: JobStatus) -> dict[str, Any]:
+def final_metrics(status: JobStatus) -> dict[str, Any]:
     """The `done` event's metrics (empty until the run finishes)."""
-    done = next((e for e in reversed(s.events) if e.get("event") == "done"), None)
-    return dict(done["metrics"]) if done and s.state == "done" else {}
+    done = status.last("done")
+    return dict(done["metrics"]) if done and status.state == "done" else {}
 
 
-def _event_line(e: dict[str, Any], total: int | None) -> str | None:
-    kind = e.get("event")
-    clock = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
+def _event_line(event: dict[str, Any], total: int | None) -> str | None:
+    kind = event.get("event")
+    clock = time.strftime("%H:%M:%S", time.localtime(event.get("time", 0)))
     if kind == "start":
-        what = "resumed" if e.get("resumed") else "started"
-        return (f"{clock} {what} at step {e['step']} of {e['total_steps']}: micro-batch {e['micro_batch_size']} × "
-                f"accumulation {e['grad_accum_steps']} × {e['num_processes']} process(es) = "
-                f"{e['effective_batch_size']}, {e['precision']} on {e['device']}")
+        what = "resumed" if event.get("resumed") else "started"
+        return (f"{clock} {what} at step {event['step']} of {event['total_steps']}: micro-batch "
+                f"{event['micro_batch_size']} × accumulation {event['grad_accum_steps']} × {event['num_processes']} "
+                "process(es) = "
+                f"{event['effective_batch_size']}, {event['precision']} on {event['device']}")
     if kind == "step":
-        return (f"{clock} step {e['step']}/{total or '?'} loss {e['loss']:.4f} lr {e['lr']:.2e} "
-                f"grad {e['grad_norm']:.3g} {e['samples_per_s']:.1f} samples/s")
+        return (f"{clock} step {event['step']}/{total or '?'} loss {event['loss']:.4f} lr {event['lr']:.2e} "
+                f"grad {event['grad_norm']:.3g} {event['samples_per_s']:.1f} samples/s")
     if kind == "eval":
-        return f"{clock} eval @ {e['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in e["metrics"].items())
+        return f"{clock} eval @ {event['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in event["metrics"].items())
     if kind == "checkpoint":
-        return f"{clock} checkpoint {e['path']}"
+        return f"{clock} checkpoint {event['path']}"
     if kind == "stopped":
-        return f"{clock} stopped at step {e['step']} (checkpoint {e['checkpoint']})"
+        return f"{clock} stopped at step {event['step']} (checkpoint {event['checkpoint']})"
     if kind == "done":
-        return f"{clock} done: model in {e['model_dir']}"
+        return f"{clock} done: model in {event['model_dir']}"
     if kind == "error":
-        return f"{clock} error: {e['message']}"
+        return f"{clock} error: {event['message']}"
     return None
 
 
-def log_text(s: JobStatus, lines: int = 12) -> str:
+def log_text(status: JobStatus, lines: int = 12) -> str:
     """The last events as readable lines, then whatever the child printed (warnings, errors)."""
     total = None
     out = []
-    for e in s.events[-200:]:
+    for e in status.events[-200:]:
         if e.get("event") == "start":
             total = e["total_steps"]
         line = _event_line(e, total)
         if line:
             out.append(line)
     text = "\n".join(out[-lines:])
-    if s.output_tail.strip():
-        text += ("\n\n" if text else "") + "--- output of the training process ---\n" + s.output_tail
+    if status.output_tail.strip():
+        text += ("\n\n" if text else "") + "--- output of the training process ---\n" + status.output_tail
     return text
 
 

@@ -163,7 +163,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     """Run `finetune ui`: serve the GUI (the `app` package, a thin client of this CLI)."""
-    from app.__main__ import serve
+    from app.server import serve
 
     return serve(args)
 
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="Replace an existing file.")
     p.set_defaults(func=cmd_init)
     try:
-        from app.__main__ import build_parser as ui_parser  # argparse only: gradio is imported when `ui` runs
+        from app.server import build_parser as ui_parser  # argparse only: gradio is imported when `ui` runs
     except ImportError:  # installed without the GUI package: every other command still works
         return parser
     p = sub.add_parser("ui", parents=[ui_parser()], add_help=False, help="Open the GUI (the same as `python -m app`).",

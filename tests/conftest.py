@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import json
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -178,3 +188,48 @@ def assert_same_weights(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_training(runs: Path) -> None:
+    """A training child runs in its own session and outlives the app: end it, if a failed test left one."""
+    try:
+        pid = json.loads((runs / "current.json").read_text())["pid"]
+        os.killpg(pid, signal.SIGKILL)
+    except (OSError, ValueError, KeyError):
+        pass
+
+
+@contextlib.contextmanager
+def served_app(folder: Path, **env: str) -> Iterator[tuple[str, Path]]:
+    """`python -m app` on a free localhost port, started in `folder` (its runs and Gradio files go there), with
+    `env` added to the environment; yields its URL and runs directory and ends it (and any run) after."""
+    port, runs = _free_port(), folder / "runs"
+    env = {**os.environ, "GRADIO_TEMP_DIR": str(folder / "gradio"), "GRADIO_ANALYTICS_ENABLED": "False", **env}
+    # Started elsewhere than the repository, as an installed app is: it still opens with the sample data.
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port), "--runs-dir", "runs"], cwd=folder,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 90
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "the app did not answer within 90 s"
+            time.sleep(0.5)
+    try:
+        yield url, runs
+    finally:
+        _kill_training(runs)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

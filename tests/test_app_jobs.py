@@ -78,14 +78,15 @@ def test_one_job_then_stop_then_resume_to_done(tmp_path, tiny_bert, cls_csv):
 
     # What the page shows of it: the poll's status and download, and Try it on the finished model.
     ctl = Controller(tmp_path / "runs", jobs)
-    seen, status, progress, *_, download, stop, resume, command = ctl.poll(None)
-    assert status.startswith("**Done**") and "step 200 / 200" in progress
-    assert download["value"].endswith("r1-model.zip") and download["interactive"] and not stop["interactive"]
-    assert command == f"finetune train {run_dir / 'config.yaml'} resume=true" and not resume["visible"]
-    assert all(x == gr.skip() for x in ctl.poll(seen))  # nothing new: nothing re-sent
-    label, _, message = ctl.try_it("good great movie")
-    assert message == "" and set(label["value"]) == {"neg", "pos"}
-    assert abs(sum(label["value"].values()) - 1) < 1e-3
+    shown = ctl.poll(None)
+    assert shown.status.startswith("**Done**") and "step 200 / 200" in shown.progress
+    assert shown.download["value"].endswith("r1-model.zip") and shown.download["interactive"]
+    assert not shown.stop_button["interactive"] and not shown.resume_button["visible"]
+    assert shown.command == f"finetune train {run_dir / 'config.yaml'} resume=true"
+    assert all(x == gr.skip() for x in vars(ctl.poll(shown.signature)).values())  # nothing new: nothing re-sent
+    tried = ctl.try_it("good great movie")
+    assert tried.message == "" and set(tried.label["value"]) == {"neg", "pos"}
+    assert abs(sum(tried.label["value"].values()) - 1) < 1e-3
 
     zipped = zip_model(done.model_dir, tmp_path / "model.zip")
     assert zip_model(done.model_dir, zipped) == zipped  # unchanged model: the zip is reused

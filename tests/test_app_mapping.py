@@ -186,25 +186,43 @@ def test_export_then_import_through_the_handlers(tmp_path):
     # Every field changed at once, but for those the cross-checks forbid together with the others.
     clash = {*COMPANIONS, "resume", "task", "eval_fraction"}
     config = from_dict({name: sample(name) for name in FIELD_NAMES if name not in clash})
-    text, file, command, message = ctl.export(*config_to_values(config))
-    assert Path(file).read_text() == text and command == "finetune train finetune-config.yaml"
-    *values, note, shown = ctl.import_config(file)
-    assert values == config_to_values(config) and "Imported" in note
-    assert values_to_config(values) == config
+    exported = ctl.export(*config_to_values(config))
+    assert Path(exported.file).read_text() == exported.yaml
+    assert exported.command == "finetune train finetune-config.yaml"
+    imported = ctl.import_config(exported.file)
+    assert imported.values == dict(zip(FIELD_NAMES, config_to_values(config), strict=True))
+    assert "Imported" in imported.note and imported.yaml == config_yaml(config)
+    assert values_to_config(list(imported.values.values())) == config
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("epochs: many\n")
-    *skipped, note, _ = ctl.import_config(str(bad))
-    assert "`epochs` must be a number, not 'many'." in note
+    refused = ctl.import_config(str(bad))
+    assert "`epochs` must be a number, not 'many'." in refused.note and refused.values == {}
 
 
 def test_start_refuses_bad_input_before_anything_runs(tmp_path):
     runs = tmp_path / "runs"
     ctl = Controller(runs, JobManager(runs))
     values = config_to_values(from_dict({"dataset": str(tmp_path / "missing.csv")}))
-    message, field_message = ctl.start(*values)
-    assert "does not exist" in message and "does not exist" in field_message
+    refused = ctl.start(*values)
+    assert "does not exist" in refused.note and "does not exist" in refused.dataset_note
     values[FIELD_NAMES.index("learning_rate")] = -1
-    message, _ = ctl.start(*values)
-    assert "`learning_rate` must be at least 0" in message
+    refused = ctl.start(*values)
+    assert not refused.started and "`learning_rate` must be at least 0" in refused.note
     assert ctl.jobs.status().state == "idle" and not list(runs.glob("*.yaml"))
+
+
+def test_named_results_go_to_the_widgets_named_for_their_fields():
+    import gradio as gr
+
+    from app.results import DatasetShown, UploadShown
+    from app.ui import _components, _updates
+
+    dataset, preview, text_column, labels, error = (gr.Textbox() for _ in range(5))
+    targets = {"dataset": dataset, "data": {"preview": preview, "columns": {"text_column": text_column},
+                                            "labels": labels, "error": error}}
+    assert _components(targets) == [dataset, preview, text_column, labels, error]
+    assert _updates(UploadShown(), targets) == {dataset: gr.skip()}  # no preview: those widgets stay as they are
+    shown = UploadShown(dataset="a.csv", data=DatasetShown(preview=None, columns={}, labels="3 rows", error=""))
+    # A column not named in the group keeps its dropdown; every other field goes to its widget.
+    assert _updates(shown, targets) == {dataset: "a.csv", preview: None, labels: "3 rows", error: ""}

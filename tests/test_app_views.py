@@ -40,12 +40,12 @@ def test_long_curves_are_thinned_but_keep_their_last_step():
 
 
 def test_progress_shows_step_total_and_eta():
-    s = JobStatus("running", Path("runs/x"), _events(3))
+    s = JobStatus(state="running", run_dir=Path("runs/x"), events=_events(3))
     assert views.eta_seconds(s.events) == 14.0  # 2 s a step, 7 steps left
     html = views.progress_html(s)
     assert 'max="10" value="3"' in html and "step 3 / 10" in html and "ETA 0:14" in html
-    assert "step 10 / 10" in views.progress_html(JobStatus("done", Path("runs/x"), _events(10)))
-    assert "No run yet" in views.progress_html(JobStatus("idle"))
+    assert "step 10 / 10" in views.progress_html(JobStatus(state="done", run_dir=Path("runs/x"), events=_events(10)))
+    assert "No run yet" in views.progress_html(JobStatus(state="idle"))
 
 
 def test_eta_counts_only_the_steps_since_the_latest_start():
@@ -55,18 +55,19 @@ def test_eta_counts_only_the_steps_since_the_latest_start():
 
 
 def test_stats_status_and_log():
-    s = JobStatus("running", Path("runs/x"), _events(2, evals=(2,)))
+    s = JobStatus(state="running", run_dir=Path("runs/x"), events=_events(2, evals=(2,)))
     stats = views.stats_markdown(s)
     for part in ("**loss** 0.5000", "**lr** 1.00e-04", "**grad norm** 0.5", "**samples/s** 4.0",
                  "**skipped fp16 steps** 0", "**eval @ 2** loss 0.4500, accuracy 0.5000"):
         assert part in stats
     log = views.log_text(s)
     assert "micro-batch 4 × accumulation 2 × 1 process(es) = 8, fp32 on cpu" in log and "step 2/10" in log
-    failed = JobStatus("failed", Path("runs/x"), message="Label column 'y' is not in the data.")
+    failed = JobStatus(state="failed", run_dir=Path("runs/x"), message="Label column 'y' is not in the data.")
     assert "Failed" in views.status_markdown(failed) and "Label column 'y'" in views.status_markdown(failed)
-    assert "see the log" in views.status_markdown(JobStatus("failed", Path("runs/x")))  # never a blank
-    done = JobStatus("done", Path("runs/x"), [*_events(1), {"event": "done", "time": 1.0, "step": 1,
-                                                             "metrics": {"accuracy": 0.875}, "model_dir": "m"}])
+    assert "see the log" in views.status_markdown(JobStatus(state="failed", run_dir=Path("runs/x")))  # never a blank
+    done = JobStatus(state="done", run_dir=Path("runs/x"),
+                     events=[*_events(1), {"event": "done", "time": 1.0, "step": 1, "metrics": {"accuracy": 0.875},
+                                           "model_dir": "m"}])
     assert "accuracy 0.8750" in views.status_markdown(done) and views.final_metrics(done) == {"accuracy": 0.875}
 
 

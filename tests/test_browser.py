@@ -11,17 +11,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, served_app
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.slow
@@ -43,47 +39,12 @@ def _browser_or_skip() -> None:
         pytest.skip(f"needs {' and '.join(missing)}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kill_training(runs: Path) -> None:
-    """A training child runs in its own session and outlives the app: end it, if a failed test left one."""
-    try:
-        pid = json.loads((runs / "current.json").read_text())["pid"]
-        os.killpg(pid, signal.SIGKILL)
-    except (OSError, ValueError, KeyError):
-        pass
-
-
 @pytest.fixture
 def server(tmp_path):
     """`python -m app` on a free localhost port, with its runs and Gradio files in tmp_path."""
     _browser_or_skip()
-    port, runs = _free_port(), tmp_path / "runs"
-    env = {**os.environ, "GRADIO_TEMP_DIR": str(tmp_path / "gradio"), "GRADIO_ANALYTICS_ENABLED": "False"}
-    # Started elsewhere than the repository, as an installed app is: it still opens with the sample data.
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port), "--runs-dir", "runs"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 90
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except OSError:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.time() < deadline, "the app did not answer within 90 s"
-            time.sleep(0.5)
-    yield url, runs
-    _kill_training(runs)
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with served_app(tmp_path) as (url, runs):
+        yield url, runs
 
 
 def _choose(page, label: str, option: str) -> None:

@@ -12,7 +12,7 @@ import sys
 import yaml
 from conftest import ROOT
 
-from app.__main__ import build_parser
+from app.server import build_parser
 
 
 def instructions() -> list[tuple[str, str]]:

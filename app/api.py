@@ -1,0 +1,99 @@
+"""The app's scripting API: `start`, `plan`, `status`, `stop` and `predict`, with named parameters and results.
+
+A script passes a run's config as one value, YAML text or a mapping of the config's options, and gets JSON back
+(see "Scripting the app" in the README). The endpoints call the same `Controller` methods as the page's buttons.
+"""
+
+# No `from __future__ import annotations` here: Gradio reads these type hints at run time to describe each endpoint's
+# parameters and results to clients (`Client.view_api()`).
+
+from typing import Any, TypedDict
+
+import gradio as gr
+
+from app import views
+from app.handlers import Controller, Unanswered
+from app.mapping import parse_config, problems_text
+from finetune.config import ConfigError
+
+
+class StartResult(TypedDict):
+    """Whether the run started, where, the command that reproduces it, and a message (the reason, when refused)."""
+
+    started: bool
+    run_dir: str | None
+    command: str
+    message: str
+
+
+class StatusResult(TypedDict):
+    """The current (or last) run: its state, optimizer step, latest training loss and final metrics."""
+
+    state: str  # idle, starting, running, stopping, stopped, done, failed
+    run_dir: str | None
+    step: int | None
+    total_steps: int | None
+    loss: float | None
+    message: str
+    metrics: dict[str, float]  # empty until the run is done
+    model_dir: str | None
+    command: str
+
+
+class ScriptApi:
+    """The endpoints of one app, bound to its controller."""
+
+    def __init__(self, controller: Controller):
+        self.controller = controller
+
+    def register(self) -> None:
+        """Add the endpoints to the Blocks being built (call it inside `with gr.Blocks()`)."""
+        gr.api(self.start, api_name="start")
+        gr.api(self.plan, api_name="plan")
+        # Status and Stop must answer while another call (a plan, say) is being served.
+        gr.api(self.status, api_name="status", concurrency_limit=None)
+        gr.api(self.stop, api_name="stop", concurrency_limit=None)
+        gr.api(self.predict, api_name="predict")
+
+    def start(self, config: str | dict[str, Any]) -> StartResult:
+        """Start training `config` (YAML text, or a mapping of config options) as a `finetune train` child process."""
+        try:
+            parsed = parse_config(config)
+        except ConfigError as e:
+            return StartResult(started=False, run_dir=None, command="", message=problems_text(e))
+        result = self.controller.start_run(parsed)
+        return StartResult(started=result.started, run_dir=result.run_dir, command=result.command,
+                           message=result.message)
+
+    def plan(self, config: str | dict[str, Any]) -> dict[str, Any]:
+        """The training plan for `config` (what `finetune plan --json` writes), or {"error": message}."""
+        try:
+            return self.controller.make_plan(parse_config(config))
+        except ConfigError as e:
+            return {"error": problems_text(e)}
+        except Unanswered as e:
+            return {"error": str(e)}
+
+    def status(self) -> StatusResult:
+        """The state of the current (or last) run, its progress and, once done, its final metrics."""
+        status = self.controller.jobs.status()
+        step, total = status.progress or (None, None)
+        last_step = status.last("step")
+        return StatusResult(state=status.state, run_dir=str(status.run_dir) if status.run_dir else None, step=step,
+                            total_steps=total, loss=last_step["loss"] if last_step else None,
+                            message=status.message, metrics=views.final_metrics(status),
+                            model_dir=str(status.model_dir) if status.model_dir else None,
+                            command=self.controller.command(status))
+
+    def stop(self) -> dict[str, str]:
+        """Stop the run after its current optimizer step, with a checkpoint; a second call kills it: {message}."""
+        return {"message": self.controller.stop()}
+
+    def predict(self, text: str) -> dict[str, Any]:
+        """The finished run's model on `text`: {label, probabilities}, {generated}, or {"error": message}."""
+        from finetune.modeling import ModelError
+
+        try:
+            return self.controller.predict(text)
+        except (Unanswered, ModelError) as e:
+            return {"error": str(e)}

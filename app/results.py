@@ -1,0 +1,129 @@
+"""What the handlers answer, by name: one small frozen dataclass per handler, which `ui.py` maps to its widgets.
+
+A field left at `keep()` leaves its widget as it is; a nested result left at None leaves all of its widgets alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import gradio as gr
+
+
+def keep() -> Any:
+    """A field default that leaves the widget as it is (Gradio's skip)."""
+    return field(default_factory=gr.skip)
+
+
+def hidden() -> Any:
+    """A field default that hides the widget."""
+    return field(default_factory=lambda: gr.update(visible=False))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskGuess:
+    """The task told from a model name, and a note on how (or why not)."""
+
+    task: Any = keep()
+    note: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetShown:
+    """The Dataset block: preview, one dropdown update per column field, label counts and the error line."""
+
+    preview: Any
+    columns: dict[str, Any]  # column field → dropdown update
+    labels: str
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class UploadShown:
+    """An upload: the dataset field points at the kept copy, evaluation goes back to a hold-out, and its preview."""
+
+    dataset: Any = keep()
+    eval_dataset: Any = keep()
+    eval_split: Any = keep()
+    eval_fraction: Any = keep()
+    data: DatasetShown | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanShown:
+    """The plan as text and as a bar chart, or the error next to the Plan button."""
+
+    text: str = ""
+    chart: Any = hidden()
+    error: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Started:
+    """What a Start did; the button and the API's `start` report the same. Messages are plain sentences."""
+
+    started: bool
+    message: str
+    run_dir: str | None = None
+    command: str = ""  # the command that reproduces the run from a terminal
+    data_error: str = ""  # the dataset's problem, when that is what stopped the start
+
+    @property
+    def note(self) -> str:
+        """The message as the page shows it: a refusal gets a warning sign."""
+        return self.message if self.started else f"⚠️ {self.message}"
+
+    @property
+    def dataset_note(self) -> Any:
+        """The line under the Dataset field: its problem, cleared by a start, else left as it is."""
+        if self.data_error:
+            return f"⚠️ {self.data_error}"
+        return "" if self.started else gr.skip()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShown:
+    """The run panel and results, refreshed by the poll; all left as they are when nothing changed."""
+
+    signature: Any = keep()  # what the poll last showed, to tell whether anything changed
+    status: Any = keep()
+    progress: Any = keep()
+    stats: Any = keep()
+    loss_curve: Any = keep()
+    log: Any = keep()
+    metrics: Any = keep()
+    run_dir: Any = keep()
+    download: Any = keep()
+    stop_button: Any = keep()
+    resume_button: Any = keep()
+    command: Any = keep()
+
+
+@dataclass(frozen=True, kw_only=True)
+class FormShown:
+    """The config form filled from a config (by field name; none given: left as it is), and a note on where from."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    note: Any = keep()
+    yaml: Any = keep()
+    data: DatasetShown | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PredictionShown:
+    """Try it: label probabilities or a generated continuation (the other one hidden), or a message."""
+
+    label: Any = keep()
+    generated: Any = keep()
+    message: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportShown:
+    """Export config: the YAML, the file to download, the command that runs it and a message."""
+
+    yaml: Any = keep()
+    file: Any = keep()
+    command: Any = keep()
+    message: str

@@ -1,0 +1,82 @@
+"""Serving the fine-tuning GUI: the arguments of `python -m app` / `finetune ui`, and the server they start."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PORT = 7860
+PRESET = Path("assets") / "demo.yaml"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of `python -m app` / `finetune ui`."""
+    parser = argparse.ArgumentParser(prog="finetune ui", description="Serve the fine-tuning GUI (a thin client of "
+                                     "the `finetune` CLI: every run is a `finetune train` child process).")
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME") or "127.0.0.1",
+                   help="Address to listen on (default: $GRADIO_SERVER_NAME or 127.0.0.1; 0.0.0.0 exposes the app "
+                   "to your network, which then can run code on this machine through training).")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT") or DEFAULT_PORT),
+                   help=f"Port (default: $GRADIO_SERVER_PORT or {DEFAULT_PORT}).")
+    parser.add_argument("--runs-dir", default=os.environ.get("FINETUNE_RUNS_DIR") or "runs",
+                   help="Where runs, uploads and their configs go (default: $FINETUNE_RUNS_DIR or runs).")
+    parser.add_argument("--preset", default=None, help="Config YAML the form opens with (default: assets/demo.yaml, "
+                   "the bundled model on the sample data, when it exists).")
+    parser.add_argument("--max-file-size", default="1gb", help="Largest upload accepted (default: 1gb).")
+    parser.add_argument("--open", action="store_true", help="Open the app in a browser tab.")
+    return parser
+
+
+def _preset(arg: str | None) -> tuple[Path | None, Path]:
+    """The preset config and the folder its relative data paths start from."""
+    if arg:
+        return Path(arg), Path.cwd()
+    # From the repository (or the Docker image's /app) the sample data is in assets/; an editable install run from
+    # elsewhere still finds it beside the package.
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        if (root / PRESET).is_file():
+            return root / PRESET, root
+    return None, Path.cwd()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def launch(args: argparse.Namespace, **kwargs: Any) -> Any:
+    """Build and serve the app (kwargs go to `Blocks.launch`); returns the `App` once the server has stopped, or at
+    once with `prevent_thread_lock=True`. A training run outlives the server: the next start re-attaches to it."""
+    runs_dir = Path(args.runs_dir)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    # Gradio keeps uploads and served files here; it must be writable (the Docker image points it at $HOME).
+    os.environ.setdefault("GRADIO_TEMP_DIR", str((runs_dir / ".gradio").resolve()))
+    from app.device import detect
+    from app.ui import build
+
+    preset, base = _preset(args.preset)
+    app = build(runs_dir, memory=detect(), preset=preset, preset_base=base)
+    # As PID 1 of a container, Python ignores SIGTERM; make `docker stop` close the server like Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
+    app.demo.queue(default_concurrency_limit=1).launch(
+        server_name=args.host, server_port=args.port, max_file_size=args.max_file_size, css=app.css, js=app.js,
+        allowed_paths=[str(runs_dir.resolve())], footer_links=["gradio", "settings"], inbrowser=args.open,
+        **kwargs)
+    return app
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C (or SIGTERM), then say whether a run goes on without the app."""
+    status = launch(args).jobs.status()
+    if status.active:
+        print(f"The run in {status.run_dir} goes on in the background; `finetune ui` re-attaches to it (Stop ends it).",
+              file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m app`."""
+    return serve(build_parser().parse_args(argv))
