@@ -29,8 +29,12 @@ KEEP_CHECKPOINTS = 3
 MARKER = ".finetune-run"
 PARTIAL = ".partial"  # suffix of a checkpoint being written
 TRAINER_STATE = "trainer_state.json"  # progress and LR schedule, as JSON: resuming never unpickles them
+# What a launcher (the app) puts in a run folder before `finetune train` starts in it: the config it launched with
+# and the child's printed output. They belong to the launch, so a new run may start beside them and
+# `overwrite` keeps them.
+LAUNCH_FILES = ("launch.yaml", "launch.log")
 RUN_FILES = (MARKER, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter", "metrics.json",
-             "loss.png")
+             "loss.png", "model.zip", *LAUNCH_FILES)
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every"}
 
@@ -105,7 +109,7 @@ def check_run_dir(c: Config) -> Path:
             raise RunDirError(f"The run in {c.output_dir!r} already finished: nothing to resume. Use another "
                               "output_dir, or overwrite=true to train it again.")
         return run_dir
-    if not entries:
+    if set(entries) <= {MARKER, *LAUNCH_FILES}:
         return run_dir
     if foreign or unmarked:
         shown = ", ".join((foreign or entries)[:3]) + (", …" if len(foreign or entries) > 3 else "")
@@ -149,6 +153,8 @@ def clear_run_dir(run_dir: Path) -> None:
 
     `check_run_dir` has made sure the folder carries the marker and nothing else than run files."""
     for name in RUN_FILES:
+        if name in LAUNCH_FILES:
+            continue
         p = run_dir / name
         if p.is_dir():
             shutil.rmtree(p)
