@@ -125,14 +125,28 @@ class EventLog:
 
     path: Path | None = None
     callbacks: list[Callable[[Event], None]] = field(default_factory=list)
+    _line_ends: bool = field(default=False, init=False, repr=False)
 
     def emit(self, event: Event) -> None:
         """Record one event."""
         if self.path is not None:
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(to_record(event)) + "\n")
+                # A process killed mid-write leaves a cut-off last line: start a fresh one, or the first record
+                # of this session would be glued to it and lost.
+                prefix = "" if self._line_ends or not _ends_mid_line(self.path) else "\n"
+                f.write(prefix + json.dumps(to_record(event)) + "\n")
+            self._line_ends = True
         for callback in self.callbacks:
             callback(event)
+
+
+def _ends_mid_line(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
+    except OSError:  # missing or empty
+        return False
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:

@@ -3,7 +3,9 @@
     output_dir/
       config.yaml    resolved config (all three batch numbers filled in)
       events.jsonl   the event stream
-      checkpoints/   step-0000100/ ... (accelerate save_state), the last few kept
+      .finetune-run  the tool's marker: only a folder that has it may be overwritten
+      checkpoints/   step-0000100/ ... (accelerate save_state + trainer_state.json), the last few kept; a checkpoint
+                     is written as step-…/.partial and renamed when complete, so a crash never leaves a half one
       model/         final model + tokenizer (from_pretrained-loadable), or a LoRA adapter
       adapter/       the LoRA adapter, when merge_lora put the merged model in model/
       metrics.json   final evaluation and training figures
@@ -13,6 +15,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -22,8 +26,15 @@ from finetune.config import Config, read_yaml
 from finetune.events import read_events
 
 KEEP_CHECKPOINTS = 3
-RUN_FILES = ("config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter", "metrics.json",
-             "loss.png")
+MARKER = ".finetune-run"
+PARTIAL = ".partial"  # suffix of a checkpoint being written
+TRAINER_STATE = "trainer_state.json"  # progress and LR schedule, as JSON: resuming never unpickles them
+# What a launcher (the app) puts in a run folder before `finetune train` starts in it: the config it launched with
+# and the child's printed output. They belong to the launch, so a new run may start beside them and
+# `overwrite` keeps them.
+LAUNCH_FILES = ("launch.yaml", "launch.log")
+RUN_FILES = (MARKER, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter", "metrics.json",
+             "loss.png", "model.zip", *LAUNCH_FILES)
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every"}
 
@@ -38,11 +49,31 @@ def default_output_dir() -> str:
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """The run's checkpoints, oldest first."""
+    """The run's complete checkpoints, oldest first (a half-written `….partial` one is not among them)."""
     folder = run_dir / "checkpoints"
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    return sorted(p for p in folder.iterdir() if p.is_dir() and re.fullmatch(r"step-\d{7}", p.name))
+
+
+def partial_checkpoint(path: Path) -> Path:
+    """Where checkpoint `path` is written before it is complete."""
+    return path.with_name(path.name + PARTIAL)
+
+
+def commit_checkpoint(partial: Path, path: Path) -> None:
+    """Make a fully written checkpoint visible under its final name (one rename: never half there)."""
+    if path.exists():  # the same step saved again (a stop right after a periodic save)
+        shutil.rmtree(path)
+    os.replace(partial, path)
+
+
+def remove_partial_checkpoints(run_dir: Path) -> None:
+    """Delete what a crash (or a full disk) left half-written."""
+    folder = run_dir / "checkpoints"
+    if folder.is_dir():
+        for p in folder.glob(f"step-*{PARTIAL}"):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -69,6 +100,7 @@ def check_run_dir(c: Config) -> Path:
         raise RunDirError(f"output_dir {c.output_dir!r} is a file: choose a directory.")
     entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
     foreign = [e for e in entries if e not in RUN_FILES]
+    unmarked = entries and not (run_dir / MARKER).is_file()
     if c.resume:
         if not checkpoints(run_dir):
             raise RunDirError(f"Nothing to resume in {c.output_dir!r}: it has no checkpoint. Start it without "
@@ -77,12 +109,12 @@ def check_run_dir(c: Config) -> Path:
             raise RunDirError(f"The run in {c.output_dir!r} already finished: nothing to resume. Use another "
                               "output_dir, or overwrite=true to train it again.")
         return run_dir
-    if not entries:
+    if set(entries) <= {MARKER, *LAUNCH_FILES}:
         return run_dir
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (", …" if len(foreign) > 3 else "")
-        raise RunDirError(f"output_dir {c.output_dir!r} already holds files that are not a run ({shown}): choose an "
-                          "empty or new directory.")
+    if foreign or unmarked:
+        shown = ", ".join((foreign or entries)[:3]) + (", …" if len(foreign or entries) > 3 else "")
+        raise RunDirError(f"output_dir {c.output_dir!r} already holds files that finetune did not write ({shown}): "
+                          "choose an empty or new directory.")
     if c.overwrite:
         return run_dir
     if is_finished(run_dir):
@@ -110,9 +142,19 @@ def resumed_config(c: Config, run_dir: Path) -> Config:
     return from_dict({**saved, **{k: mine[k] for k in RESUME_MAY_CHANGE}, "overwrite": False})
 
 
+def mark_run_dir(run_dir: Path) -> None:
+    """Create the run directory with the tool's marker (what allows a later `overwrite=true` to replace it)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / MARKER, {"tool": "finetune", "created": round(time.time(), 3)})
+
+
 def clear_run_dir(run_dir: Path) -> None:
-    """Remove an earlier run's files (only the ones a run writes) before `overwrite=true` starts anew."""
+    """Remove an earlier run's files (only the ones a run writes) before `overwrite=true` starts anew.
+
+    `check_run_dir` has made sure the folder carries the marker and nothing else than run files."""
     for name in RUN_FILES:
+        if name in LAUNCH_FILES:
+            continue
         p = run_dir / name
         if p.is_dir():
             shutil.rmtree(p)

@@ -10,6 +10,7 @@ tokens never shift the weights of the others.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -257,15 +258,16 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     # The scheduler stays out of prepare(): a prepared scheduler steps once per process per optimizer step.
     model, optimizer = acc.prepare(model, optimizer)
     progress = Progress()
-    acc.register_for_checkpointing(scheduler, progress)
 
     log = EventLog(run_dir / "events.jsonl" if acc.is_main_process else None,
                    callbacks if acc.is_main_process else [])
     if c.resume:
-        acc.load_state(str(rundir.checkpoints(run_dir)[-1]))
+        if acc.is_main_process:
+            rundir.remove_partial_checkpoints(run_dir)
+        _load_checkpoint(acc, rundir.checkpoints(run_dir)[-1], scheduler, progress)
     elif acc.is_main_process:
         rundir.clear_run_dir(run_dir) if c.overwrite else None
-        run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.mark_run_dir(run_dir)
         # The saved config describes the run, not this invocation: `finetune train config.yaml resume=true`
         # continues it and a plain `finetune train config.yaml` refuses to overwrite it.
         (run_dir / "config.yaml").write_text(c.replace(overwrite=False, resume=False).to_yaml(), encoding="utf-8")
@@ -369,13 +371,35 @@ def _evaluate(s: Setup, epoch: float) -> dict[str, float]:
 
 
 def _save_checkpoint(s: Setup) -> Path:
+    """Write a checkpoint under a temporary name and rename it once every process has written its part, so a
+    crash or a full disk mid-save leaves the previous checkpoint as the newest complete one."""
+    acc = s.accelerator
     path = rundir.checkpoint_path(s.run_dir, s.progress.step)
-    s.accelerator.save_state(str(path))
-    if s.accelerator.is_main_process:
+    partial = rundir.partial_checkpoint(path)
+    acc.save_state(str(partial))
+    if acc.is_main_process:
+        # The loop's own state as JSON, not registered with accelerate, which would pickle it.
+        rundir.write_json(partial / rundir.TRAINER_STATE, {"progress": s.progress.state_dict(),
+                                                            "scheduler": s.scheduler.state_dict()})
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        rundir.commit_checkpoint(partial, path)
         rundir.prune_checkpoints(s.run_dir)
         s.log.emit(Checkpoint(s.progress.step, str(path)))
-    s.accelerator.wait_for_everyone()
+    acc.wait_for_everyone()
     return path
+
+
+def _load_checkpoint(acc: Any, path: Path, scheduler: Any, progress: Progress) -> None:
+    """Restore model, optimizer, scaler and random state (accelerate, no pickled objects) and the loop's state."""
+    state_file = path / rundir.TRAINER_STATE
+    if not state_file.is_file():
+        raise rundir.RunDirError(f"Checkpoint {str(path)!r} has no {rundir.TRAINER_STATE} (it was written by an "
+                                 "older version of finetune): start the run again with overwrite=true.")
+    acc.load_state(str(path))
+    state = json.loads(state_file.read_text(encoding="utf-8"))
+    progress.load_state_dict(state["progress"])
+    scheduler.load_state_dict(state["scheduler"])
 
 
 def _finish(s: Setup, seconds: float) -> RunResult:
