@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import yaml
 
-from finetune.batch import resolve_batch
+from finetune.batch import divisors, resolve_batch
 from finetune.config import FIELDS, Config, ConfigError, from_dict, load, template
 
 
@@ -90,3 +90,13 @@ def test_non_finite_numbers_are_refused(value):
     with pytest.raises(ConfigError, match="finite"):
         load(None, [f"learning_rate={value}"])
 
+
+def test_divisors_pair_each_with_its_partner():
+    for n in (1, 2, 12, 16, 36, 97, 360):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert len(divisors(10**12)) == 169  # (12 + 1)² divisors, found in √n = 10**6 steps
+
+
+def test_a_huge_effective_batch_is_refused_with_its_divisors():
+    with pytest.raises(ConfigError, match="use one of 1, 2, 4, 5, 8, 10, "):
+        resolve_batch(from_dict({"effective_batch_size": 10**12, "micro_batch_size": 7}))
