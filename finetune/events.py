@@ -125,6 +125,10 @@ def to_record(event: Event) -> dict[str, Any]:
             record.update(value)
         else:
             record[name] = value
+    if isinstance(event, Checkpoint):
+        # The key this record had before it was named `checkpoint` as in `stopped`: the GUI's log view
+        # (app/views.py) still reads it. Drop it once every reader uses `checkpoint`.
+        record["path"] = event.checkpoint
     return record
 
 
