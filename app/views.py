@@ -132,7 +132,7 @@ def _event_line(event: dict[str, Any], total: int | None) -> str | None:
     if kind == "eval":
         return f"{clock} eval @ {event['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in event["metrics"].items())
     if kind == "checkpoint":
-        return f"{clock} checkpoint {event['path']}"
+        return f"{clock} checkpoint {event['checkpoint']}"
     if kind == "stopped":
         return f"{clock} stopped at step {event['step']} (checkpoint {event['checkpoint']})"
     if kind == "done":

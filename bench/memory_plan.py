@@ -2,9 +2,9 @@
 
 For each row of a matrix of models (the bundled MiniLM; tiny and small BERT, GPT-2 and Llama configurations built
 from a config), sequence lengths, micro-batch sizes, accumulation, precision and gradient checkpointing, it
-- predicts the peak with the planner's dry run (`finetune.planner.estimate`, meta device, no weights), and
+- predicts the peak with the planner's dry run (`finetune.planner.estimate`, fake tensors, no weights), and
 - measures one real window (forward, backward, fused AdamW step, after a warm-up window) with the engine's loss,
-  as the planner's probe does (`finetune.planner.measure_window`): on a CPU the live-tensor peak (the tracker plus
+  as the planner's probe does (`finetune.memory.measure_window`): on a CPU the live-tensor peak (the tracker plus
   the weights and optimizer state), on a GPU `torch.cuda.max_memory_allocated` (pass --device cuda).
 It prints one table with the error of each row (target: within ±10 % on CPU, never more than 5 % under).
 
@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from finetune.config import from_dict
-from finetune.modeling import quiet_transformers, resolve_model_path
-from finetune.planner import estimate, measure_window, model_skeleton, prepare_for_training
+from finetune.memory import measure_window, model_skeleton
+from finetune.modeling import prepare_for_training, quiet_transformers, resolve_model_path
+from finetune.planner import estimate
 
 MIB = 2**20
 

@@ -1,4 +1,4 @@
-"""`finetune` command line: train, eval, predict, init.
+"""`finetune` command line: train, plan, eval, predict, init, ui.
 
 Exit codes: 0 done, 2 bad input (one sentence, no traceback, nothing overwritten), 130 stopped, 1 internal error.
 """
@@ -13,29 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from finetune.config import Config, ConfigError
+from finetune.config import Config, ConfigError, load
+from finetune.errors import FinetuneError, describe
 
-EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 130
+# Only the light modules above load at start: each command imports the engine (torch, transformers, …) inside its
+# function when it runs, so that `finetune --help` answers at once.
 
-
-def _bad_input_types() -> tuple[type[Exception], ...]:
-    from finetune.data import DataError
-    from finetune.modeling import ModelError
-    from finetune.rundir import RunDirError
-
-    return ConfigError, DataError, ModelError, RunDirError
-
-
-def _training_error() -> type[Exception]:
-    from finetune.train import TrainingError
-
-    return TrainingError
-
-
-def _error_text(e: Exception) -> str:
-    if isinstance(e, ConfigError) and len(e.problems) > 1:
-        return f"{len(e.problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in e.problems)
-    return str(e)
+EXIT_OK, EXIT_STOPPED = 0, 130
 
 
 def _install_stop_handlers(stop: Any) -> dict[int, Any]:
@@ -55,30 +39,21 @@ def _install_stop_handlers(stop: Any) -> dict[int, Any]:
 
 def _load_config(args: argparse.Namespace) -> Config:
     """The config from `CONFIG [key=value …]`, where CONFIG may be left out (then the first word is an override)."""
-    from finetune import config as C
-
     path = args.config if args.config and "=" not in args.config else None
     overrides = args.overrides if path or not args.config else [args.config, *args.overrides]
-    return C.load(path, overrides)
+    return load(path, overrides)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run `finetune train CONFIG [key=value …]`."""
-    from finetune.events import Error, EventLog, ProgressBar
-    from finetune.train import StopFlag, TrainingError, train
+    from finetune.events import ProgressBar
+    from finetune.train import StopFlag, train
 
     cfg = _load_config(args)
     stop = StopFlag()
-    started: list[Any] = []  # set by the Start event: from then on, failures belong in this run's events.jsonl
     previous = _install_stop_handlers(stop)
     try:
-        result = train(cfg, stop=stop, callbacks=[ProgressBar(disable=args.quiet), _on_start(started)])
-    except Exception as e:
-        if started:
-            code = EXIT_BAD_INPUT if isinstance(e, _bad_input_types()) else EXIT_INTERNAL
-            text = _error_text(e) if isinstance(e, (*_bad_input_types(), TrainingError)) else f"{type(e).__name__}: {e}"
-            EventLog(Path(started[0]) / "events.jsonl").emit(Error(text, code))
-        raise
+        result = train(cfg, stop=stop, callbacks=[ProgressBar(disable=args.quiet)])
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -92,19 +67,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _on_start(started: list[Any]) -> Any:
-    from finetune.events import Start
-
-    def callback(event: Any) -> None:
-        if isinstance(event, Start):
-            started.append(event.run_dir)
-
-    return callback
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     """Run `finetune eval RUN_OR_MODEL [key=value …]`."""
-    from finetune.predict import evaluate_saved
+    from finetune.evaluate import evaluate_saved
 
     print(json.dumps(evaluate_saved(args.target, args.overrides), indent=2))
     return EXIT_OK
@@ -129,20 +94,16 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run `finetune plan [CONFIG] [key=value …]`: print the plan and optionally write plan.json."""
-    import torch
-
-    from finetune.modeling import load_model, load_tokenizer
-    from finetune.planner import make_plan, prepare_for_training, probe_enabled, refine_with_probe, render
+    from finetune.data import load_data
+    from finetune.modeling import load_tokenizer
+    from finetune.planner import plan_run, render
     from finetune.rundir import write_json
-    from finetune.train import load_data
+    from finetune.runtime import make_accelerator, resolve_precision
 
     cfg = _load_config(args)
     train_data, _, label_names = load_data(cfg, load_tokenizer(cfg))
-    plan = make_plan(cfg, train_data.lengths, len(label_names or []), num_processes=args.num_processes)
-    if probe_enabled(cfg):
-        model = prepare_for_training(load_model(cfg, label_names), cfg, checkpointing=plan.gradient_checkpointing,
-                                     lora=plan.lora)
-        plan = refine_with_probe(plan, model.to("cuda" if torch.cuda.is_available() else "cpu"), cfg)
+    device = make_accelerator(resolve_precision(cfg.precision)).device  # where `finetune train` would probe
+    plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device)
     print(render(plan))
     if args.json:
         write_json(Path(args.json), plan.to_dict())
@@ -217,14 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except _bad_input_types() as e:
-        print(f"error: {_error_text(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except FinetuneError as e:  # bad input exits 2, a training failure 1: each class carries its code
+        print(f"error: {describe(e)}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         return EXIT_STOPPED
-    except _training_error() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -17,17 +17,11 @@ from typing import Any
 
 import yaml
 
+from finetune.errors import ConfigError
+
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 DEFAULT_EFFECTIVE_BATCH = 32
 TASKS = ("classification", "causal_lm")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; `problems` lists every reason, each one sentence."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min: float | None = None,
@@ -286,49 +280,6 @@ def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     values = read_yaml(path) if path is not None else {}
     values.update(parse_overrides(overrides or []))
     return from_dict(values)
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """Resolved batch arithmetic: `micro_batch_size × grad_accum_steps × num_processes == effective_batch_size`."""
-
-    micro_batch_size: int
-    grad_accum_steps: int
-    num_processes: int
-    effective_batch_size: int
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def resolve_batch(c: Config, num_processes: int = 1) -> BatchPlan:
-    """Derive the missing one of effective batch, micro-batch and accumulation steps; refuse what does not divide."""
-    eff, micro, accum, n = c.effective_batch_size, c.micro_batch_size, c.grad_accum_steps, num_processes
-    if eff is None:
-        eff = micro * accum * n if micro and accum else DEFAULT_EFFECTIVE_BATCH
-    if micro and accum:
-        if micro * accum * n != eff:
-            raise ConfigError([
-                f"micro_batch_size={micro} × grad_accum_steps={accum} × {n} process(es) = {micro * accum * n}, "
-                f"not effective_batch_size={eff}: drop one of the three or make them agree."])
-        return BatchPlan(micro, accum, n, eff)
-    if eff % n:
-        raise ConfigError([f"effective_batch_size={eff} does not divide among {n} processes: use a multiple of {n}."])
-    per_process = eff // n
-    if micro:
-        if per_process % micro:
-            fits = ", ".join(str(d) for d in _divisors(per_process))
-            raise ConfigError([f"micro_batch_size={micro} does not divide effective_batch_size={eff} over {n} "
-                               f"process(es) ({per_process} per process): use one of {fits}."])
-        return BatchPlan(micro, per_process // micro, n, eff)
-    if accum:
-        if per_process % accum:
-            fits = ", ".join(str(d) for d in _divisors(per_process))
-            raise ConfigError([f"grad_accum_steps={accum} does not divide effective_batch_size={eff} over {n} "
-                               f"process(es) ({per_process} per process): use one of {fits}."])
-        return BatchPlan(per_process // accum, accum, n, eff)
-    return BatchPlan(per_process, 1, n, eff)
 
 
 def template() -> str:

@@ -8,6 +8,7 @@ back-off halve the micro-batch without changing the result.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from finetune.config import Config
+from finetune.errors import ConfigError, DataError
 
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 TEXT_NAMES = ("text", "sentence", "sentence1", "content", "review", "document", "question")
@@ -27,10 +29,6 @@ IGNORE_INDEX = -100
 # Length grouping sorts this many windows at a time: enough to cut padding to almost nothing, few enough that
 # lengths still vary from step to step.
 GROUP_WINDOWS = 50
-
-
-class DataError(ValueError):
-    """The data cannot be used as configured; the message says what to change."""
 
 
 def is_local(source: str) -> bool:
@@ -202,6 +200,33 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     enc = tokenizer(_strings(table, cols.text, source), truncation=True, max_length=max(c.max_length - 1, 2))
     ids = [(x + eos)[: c.max_length] for x in enc["input_ids"]]
     return Encoded(ids, [list(x) for x in ids])
+
+
+def load_data(c: Config, tokenizer: Any) -> tuple[Encoded, Encoded | None, list[str] | None]:
+    """Training and evaluation data, tokenised, and the class names (classification)."""
+    if not c.dataset:
+        raise ConfigError(["No `dataset` given: set dataset=<file or hub id> (for example "
+                           "dataset=assets/sst2_sample.csv)."])
+    table = load_table(c.dataset, c.dataset_config, c.train_split)
+    cols = resolve_columns(c, list(table.column_names))
+    if c.max_train_samples:
+        table = table.select(range(min(c.max_train_samples, len(table))))
+    if c.eval_dataset or c.eval_split:
+        eval_table = load_table(c.eval_dataset or c.dataset, c.dataset_config, c.eval_split or "train")
+        missing = [x for x in dataclasses.astuple(cols) if x and x not in eval_table.column_names]
+        if missing:
+            raise DataError(f"The evaluation data lacks column(s) {', '.join(missing)}; its columns are: "
+                            f"{', '.join(eval_table.column_names)}.")
+    elif c.eval_fraction > 0 and len(table) >= 10:
+        parts = table.train_test_split(test_size=c.eval_fraction, seed=c.seed)
+        table, eval_table = parts["train"], parts["test"]
+    else:
+        eval_table = None
+    names = label_names_of(table, cols.label, c.dataset) if c.task == "classification" else None
+    train_data = encode(table, cols, c, tokenizer, names, c.dataset)
+    eval_data = encode(eval_table, cols, c, tokenizer, names, c.eval_dataset or c.dataset) \
+        if eval_table is not None else None
+    return train_data, eval_data, names
 
 
 def collate(data: Encoded, indices: list[int], pad_id: int, causal: bool) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Losses and evaluation metrics, summed exactly so that any split into micro-batches or processes agrees."""
+"""Evaluation: metrics summed exactly over all processes, during training and for `finetune eval`."""
 
 from __future__ import annotations
 
@@ -6,26 +6,11 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from finetune.data import IGNORE_INDEX, Encoded, collate
-
-
-def loss_sum(model: Any, batch: dict[str, torch.Tensor], causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of per-sample (classification) or per-target-token (causal LM) losses, and the logits.
-
-    The sum, not the mean: the caller divides by the whole window's count, which is what makes accumulation exact.
-    """
-    labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits.float()
-    if causal:
-        # Position t predicts token t+1. Shift the labels, not the logits: slicing the (b, s, vocab) logits would
-        # copy the largest tensor of a small LM's step.
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                               reduction="sum"), logits
-    return F.cross_entropy(logits, labels, reduction="sum"), logits
+from finetune.config import ConfigError, from_dict, parse_overrides, read_yaml
+from finetune.data import IGNORE_INDEX, Encoded, collate, encode, load_data, load_table, resolve_columns
+from finetune.losses import loss_sum
+from finetune.modeling import load_tokenizer, load_trained, resolve_model_dir, saved_label_names, task_of
 
 
 @torch.inference_mode()
@@ -68,3 +53,34 @@ def classification_metrics(confusion: torch.Tensor) -> dict[str, float]:
     f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall), torch.zeros_like(tp))
     present = (confusion.sum(1) + confusion.sum(0)) > 0  # classes absent from truth and predictions don't count
     return {"accuracy": accuracy, "macro_f1": f1[present].mean().item() if present.any() else 0.0}
+
+
+def evaluate_saved(target: str, overrides: list[str]) -> dict[str, Any]:
+    """`finetune eval`: metrics of a run's model (on its own evaluation data) or a model folder (on `dataset=…`)."""
+    from accelerate import Accelerator
+
+    model_dir, run_dir = resolve_model_dir(target)
+    values = read_yaml(run_dir / "config.yaml") if run_dir else {"task": task_of(model_dir)}
+    extra = parse_overrides(overrides)
+    values.update(extra, model=str(model_dir), resume=False, overwrite=False)
+    if "dataset" in extra:  # a new dataset is evaluated whole, not split like the training data was
+        values.update(eval_dataset=None, eval_fraction=0.0, eval_split=extra.get("eval_split"))
+    cfg = from_dict(values)
+    if cfg.dataset is None:
+        raise ConfigError(["Nothing to evaluate on: add dataset=<file or hub id>."])
+    tokenizer = load_tokenizer(cfg)
+    labels = saved_label_names(model_dir) if cfg.task == "classification" else None
+    if "dataset" in extra:
+        table = load_table(cfg.dataset, cfg.dataset_config, cfg.eval_split or cfg.train_split)
+        cols = resolve_columns(cfg, list(table.column_names))
+        eval_data = encode(table, cols, cfg, tokenizer, labels, cfg.dataset)
+    else:
+        eval_data = load_data(cfg, tokenizer)[1]
+        if eval_data is None:
+            raise ConfigError(["The run had no evaluation data: add dataset=<file or hub id>."])
+    model = load_trained(model_dir, cfg.task)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    model = accelerator.prepare(model)
+    metrics = evaluate(model, eval_data, causal=cfg.task == "causal_lm", num_labels=len(labels or []),
+                       batch_size=64, pad_id=tokenizer.pad_token_id, accelerator=accelerator)
+    return {"model": str(model_dir), "samples": len(eval_data), **metrics}

@@ -1,22 +1,26 @@
 """The typed event stream of a run: `events.jsonl` for the GUI and scripts, a progress bar for the terminal.
 
 Each line of `events.jsonl` is one JSON object with `event` in start, step, backoff, eval, checkpoint, stopped, done,
-error
-and `time` (Unix seconds). Tests and the GUI read these records, never printed text.
+error and `time` (Unix seconds). Tests and the GUI read these records, never printed text. A checkpoint's path is
+`checkpoint` in every record that names one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetune.batch import BatchSplit
+from finetune.errors import describe, exit_code
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class Start:
     """A run began (or resumed at `step`)."""
 
@@ -24,10 +28,7 @@ class Start:
     steps_per_epoch: int
     num_train_samples: int
     num_eval_samples: int
-    micro_batch_size: int
-    grad_accum_steps: int
-    num_processes: int
-    effective_batch_size: int
+    batch: BatchSplit  # written flat: micro_batch_size, grad_accum_steps, num_processes, effective_batch_size
     precision: str
     device: str
     run_dir: str
@@ -36,7 +37,7 @@ class Start:
     event: str = "start"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Step:
     """One optimizer step; `loss` is the exact window loss, `grad_norm` the norm before clipping."""
 
@@ -52,7 +53,7 @@ class Step:
     event: str = "step"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Backoff:
     """Out of memory: optimizer step `step` is retried with a halved micro-batch and doubled accumulation."""
 
@@ -63,7 +64,7 @@ class Backoff:
     event: str = "backoff"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Eval:
     """Evaluation metrics after optimizer step `step`."""
 
@@ -73,16 +74,16 @@ class Eval:
     event: str = "eval"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Checkpoint:
     """A resumable checkpoint was written."""
 
     step: int
-    path: str
+    checkpoint: str
     event: str = "checkpoint"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Stopped:
     """The run stopped on request after a finished optimizer step; `resume=true` continues it."""
 
@@ -91,7 +92,7 @@ class Stopped:
     event: str = "stopped"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Done:
     """The run finished; `metrics` are the final evaluation and training figures."""
 
@@ -101,7 +102,7 @@ class Done:
     event: str = "done"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Error:
     """The run failed; `message` is the sentence shown to the user."""
 
@@ -114,9 +115,17 @@ Event = Start | Step | Backoff | Eval | Checkpoint | Stopped | Done | Error
 
 
 def to_record(event: Event) -> dict[str, Any]:
-    """The JSON object written for an event, with `event` first and a timestamp."""
-    record = dataclasses.asdict(event)
-    return {"event": record.pop("event"), "time": round(time.time(), 3), **record}
+    """The JSON object written for an event, with `event` first and a timestamp; a batch split's numbers are
+    written flat, as top-level keys."""
+    record: dict[str, Any] = {"event": event.event, "time": round(time.time(), 3)}
+    for name, value in dataclasses.asdict(event).items():
+        if name == "event":
+            continue
+        if isinstance(getattr(event, name), BatchSplit):
+            record.update(value)
+        else:
+            record[name] = value
+    return record
 
 
 @dataclass
@@ -138,6 +147,15 @@ class EventLog:
             self._line_ends = True
         for callback in self.callbacks:
             callback(event)
+
+    @contextlib.contextmanager
+    def recording_failures(self) -> Iterator[None]:
+        """Record an exception raised inside as the run's `error` event (message and exit code), then re-raise."""
+        try:
+            yield
+        except Exception as e:
+            self.emit(Error(message=describe(e), exit_code=exit_code(e)))
+            raise
 
 
 def _ends_mid_line(path: Path) -> bool:

@@ -1,4 +1,5 @@
-"""Measuring memory: live tensor bytes on CPU (a TorchDispatchMode), allocator peaks on CUDA.
+"""Measuring the memory of one training window: live tensor bytes on CPU (a TorchDispatchMode), allocator peaks
+on CUDA, and the *dry run* on a model skeleton of fake tensors (the planner's estimate, no weights).
 
 `tracemalloc` does not see torch's allocations and RSS is too coarse (the allocator keeps freed pages), so on a
 CPU the tracker counts the bytes of every tensor storage that torch ops create, and forgets a storage when it is
@@ -7,12 +8,26 @@ freed. Storages that existed before tracking began (the weights, say) are not se
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import gc
 import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from finetune.config import Config
+from finetune.losses import loss_sum
+from finetune.modeling import prepare_for_training, quiet_transformers, resolve_model_path
+from finetune.optim import make_optimizer
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions that autocast to half
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -57,3 +72,131 @@ def tensor_bytes(tensors: Any) -> int:
             s = t.untyped_storage()
             seen[s._cdata] = s.nbytes()
     return sum(seen.values())
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """The configured model as fake tensors, and the fake mode its dry run must run under (mixing modes fails)."""
+
+    model: Any
+    fake_mode: FakeTensorMode
+
+
+def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool) -> Skeleton:
+    """The configured model as fake tensors (shapes, dtypes and a device, no data and no weights read), with
+    checkpointing and LoRA as asked."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    quiet_transformers()
+    model_config = AutoConfig.from_pretrained(resolve_model_path(c.model), trust_remote_code=c.trust_remote_code)
+    if c.task == "classification":
+        model_config.num_labels = num_labels
+    auto = AutoModelForSequenceClassification if c.task == "classification" else AutoModelForCausalLM
+    fake = FakeTensorMode()
+    with fake, _adapters_stay_where_made():
+        model = auto.from_config(model_config, trust_remote_code=c.trust_remote_code, dtype=torch.float32)
+        model = prepare_for_training(model, c, checkpointing=checkpointing, lora=lora)
+    return Skeleton(model, fake)
+
+
+@contextlib.contextmanager
+def _adapters_stay_where_made() -> Iterator[None]:
+    """Let peft build adapters on fake tensors.
+
+    peft moves new adapter layers to their base layer's device with `Module.to()`, which cannot swap fake tensors
+    (under the fake mode they are already made there, in float32), and deep-copies the head it trains, which would
+    give the copies a fake mode of their own (mixing modes fails, and collecting the orphans crashed torch 2.13).
+    Deep copies of modules get fresh tensors of the same shapes in the active mode instead: the dry run needs
+    shapes, not values."""
+    real_deepcopy = copy.deepcopy
+
+    def deepcopy(obj: Any, memo: dict | None = None, *args: Any) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            memo = dict(memo or {})
+            for t in [*obj.parameters(), *obj.buffers()]:
+                fresh = torch.empty(t.shape, dtype=t.dtype)
+                memo[id(t)] = torch.nn.Parameter(fresh, t.requires_grad) if isinstance(t, torch.nn.Parameter) \
+                    else fresh
+        return real_deepcopy(obj, memo, *args)
+
+    with mock.patch.object(torch.nn.Module, "to", lambda self, *args, **kwargs: self), \
+            mock.patch.object(copy, "deepcopy", deepcopy):
+        yield
+
+
+def synthetic_batch(model: Any, micro: int, tokens: int, causal: bool, device: Any = None) -> dict[str, Any]:
+    """A worst-case micro-batch of random token ids: `micro` samples of `tokens` tokens, every one attended."""
+    ids = torch.randint(3, max(getattr(model.config, "vocab_size", 0) or 0, 4), (micro, tokens), device=device)
+    labels = ids if causal else torch.zeros(micro, dtype=torch.long, device=device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def _micro_steps(model: Any, next_batch: Callable[[], dict[str, Any]], causal: bool, accum: int, precision: str,
+                 device_type: str) -> None:
+    """The forwards and backwards of a window. Two micro-batches stand for any window of k ≥ 2: from the second
+    on, the window's gradients are resident and each micro-batch repeats the same pattern."""
+    half = HALF_DTYPES.get(precision)
+    for _ in range(min(accum, 2)):
+        batch = next_batch()
+        with torch.autocast(device_type, dtype=half or torch.float32, enabled=half is not None):
+            loss, _ = loss_sum(model, batch, causal)
+        loss.backward()
+        del loss
+
+
+def dry_run(skeleton: Skeleton, causal: bool, micro: int, tokens: int, accum: int, precision: str) -> int:
+    """Peak bytes that one window's forward and backward add on top of weights and optimizer state.
+
+    Autocast acts on fake tensors as on real ones, so mixed precision keeps exactly the half- and full-precision
+    tensors a real run keeps."""
+    model = skeleton.model
+    model.train()
+    with skeleton.fake_mode:
+        batch = synthetic_batch(model, micro, tokens, causal)
+    try:
+        with skeleton.fake_mode, LiveTensorTracker() as tracker:
+            _micro_steps(model, lambda: batch, causal, accum, precision, "cpu")
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    return tracker.peak
+
+
+def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int, precision: str) -> int:
+    """Measured peak bytes of one real window (forward, backward, optimizer step) at the worst-case length.
+
+    The weights do not change (the probe's own optimizer runs at learning rate 0 and is thrown away) and the
+    random state is restored, so training afterwards is exactly what it would have been."""
+    causal = c.task == "causal_lm"
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if cuda else None)
+    optimizer = make_optimizer(c.replace(learning_rate=0.0), model)
+
+    def window() -> None:
+        _micro_steps(model, lambda: synthetic_batch(model, micro, tokens, causal, device), causal, accum,
+                     precision, device.type)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    was_training = model.training
+    model.train()
+    try:
+        window()  # the first window creates the optimizer state, as training's first step does
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            window()
+            return int(torch.cuda.max_memory_allocated(device))
+        static = tensor_bytes(list(model.parameters()) + [v for st in optimizer.state.values()
+                                                          for v in st.values() if torch.is_tensor(v)])
+        with LiveTensorTracker() as tracker:
+            window()
+        return static + tracker.peak
+    finally:
+        model.train(was_training)
+        torch.set_rng_state(rng[0])
+        if cuda:
+            torch.cuda.set_rng_state_all(rng[1])
+            torch.cuda.empty_cache()

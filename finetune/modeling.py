@@ -1,15 +1,16 @@
-"""Loading models and tokenizers from the Hub, a local folder or the bundled MiniLM; saving them back."""
+"""Models and tokenizers: loading them from the Hub, a local folder or the bundled MiniLM, preparing them for
+training (gradient checkpointing, LoRA), saving them and reading the saved ones back."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from finetune.config import DEFAULT_MODEL, Config
-
-
-class ModelError(ValueError):
-    """The model cannot be loaded as configured; the message says what to change."""
+from finetune.errors import ModelError
 
 
 def resolve_model_path(name: str) -> str:
@@ -65,8 +66,6 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
 
     quiet_transformers()
     path = resolve_model_path(c.model)
-    import torch
-
     # fp32 master weights whatever the checkpoint's dtype: mixed precision casts copies, the optimizer needs fp32.
     kwargs: dict[str, Any] = {"trust_remote_code": c.trust_remote_code, "use_safetensors": True,
                               "dtype": torch.float32}
@@ -81,6 +80,21 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
         raise ModelError(_load_failure(c.model, e, c.task)) from None
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bool) -> Any:
+    """Turn on gradient checkpointing and wrap in LoRA adapters, the same way for the dry run and for training."""
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = c.lora_target_modules
+        modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+        task_type = "SEQ_CLS" if c.task == "classification" else "CAUSAL_LM"
+        model = get_peft_model(model, LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
+                                                 target_modules=modules, task_type=task_type))
     return model
 
 
@@ -130,11 +144,37 @@ def load_trained(model_dir: Path, task: str) -> Any:
     auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
     if not is_adapter(model_dir):
         return auto.from_pretrained(model_dir, use_safetensors=True)
-    import json
-
     from peft import PeftModel
 
     base_path = json.loads((Path(model_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
     config = AutoConfig.from_pretrained(model_dir)
     base = auto.from_pretrained(base_path, config=config, use_safetensors=True, ignore_mismatched_sizes=True)
     return PeftModel.from_pretrained(base, model_dir)
+
+
+def resolve_model_dir(target: str) -> tuple[Path, Path | None]:
+    """(model folder, run directory or None) for a run directory or a saved model folder."""
+    path = Path(target).expanduser()
+    if (path / "model" / "config.json").is_file() or (path / "model" / "adapter_config.json").is_file():
+        return path / "model", path
+    if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
+        return path, None
+    if (path / "config.yaml").is_file():
+        raise ModelError(f"The run in {target!r} has no final model yet (it stopped or is still training): resume "
+                         "it, or point at another run.")
+    raise ModelError(f"{target!r} is neither a run directory nor a model folder (no config.json): check the path.")
+
+
+def task_of(model_dir: Path) -> str:
+    """classification or causal_lm, from the saved model's architecture (or the adapter's task type)."""
+    if is_adapter(model_dir):
+        task_type = json.loads((model_dir / "adapter_config.json").read_text(encoding="utf-8")).get("task_type")
+        return "causal_lm" if task_type == "CAUSAL_LM" else "classification"
+    archs = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+    return "causal_lm" if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else "classification"
+
+
+def saved_label_names(model_dir: Path) -> list[str]:
+    """The class names a saved classifier was trained with, in id order."""
+    id2label = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("id2label") or {}
+    return [id2label[k] for k in sorted(id2label, key=int)]

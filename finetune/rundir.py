@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from finetune.config import Config, read_yaml
+from finetune.config import Config, from_dict, read_yaml
+from finetune.errors import RunDirError
 from finetune.events import read_events
 
 KEEP_CHECKPOINTS = 3
@@ -37,10 +38,6 @@ RUN_FILES = (MARKER, "config.yaml", "plan.json", "events.jsonl", "checkpoints", 
              "loss.png", "model.zip", *LAUNCH_FILES)
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every"}
-
-
-class RunDirError(ValueError):
-    """The output directory cannot be used as asked; the message says what to do."""
 
 
 def default_output_dir() -> str:
@@ -130,8 +127,6 @@ def check_run_dir(c: Config) -> Path:
 def resumed_config(c: Config, run_dir: Path) -> Config:
     """The run's own resolved config for a resume; options left unset or `auto` take the run's values, and an
     explicit difference in anything that changes the numbers is refused."""
-    from finetune.config import from_dict
-
     saved = read_yaml(run_dir / "config.yaml")
     mine = c.to_dict()
     changed = [f"{k}: {saved[k]!r} → {mine[k]!r}" for k in mine

@@ -25,7 +25,6 @@ from finetune.events import read_events
 from finetune.modeling import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
 WORDS = ("good bad great awful fine movie plot actor scene story music dull bright long short funny sad odd warm "
          "cold").split()
 

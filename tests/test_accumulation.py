@@ -1,4 +1,4 @@
-"""The training contract (shared/design/accumulation.md): k micro-batches of B train exactly like one batch of k·B."""
+"""The training contract (docs/training.md): k micro-batches of B train exactly like one batch of k·B."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import torch
 from conftest import assert_same_weights, run_train, step_losses
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from finetune import data as D
 from finetune.config import from_dict
-from finetune.train import load_data
+from finetune.data import collate, epoch_windows, load_data, micro_batches
 
 
 def _grad_norms(events):
@@ -67,10 +66,10 @@ def _naive_train(model_dir: str, cfg_values: dict, micro: int, accum: int, causa
     opt = torch.optim.SGD(model.parameters(), lr=c.learning_rate)
     lengths = train_data.lengths
     for epoch in range(int(c.epochs)):
-        for window in D.epoch_windows(lengths, micro * accum, seed=c.seed, epoch=epoch, shuffle=False,
+        for window in epoch_windows(lengths, micro * accum, seed=c.seed, epoch=epoch, shuffle=False,
                                       group_by_length=False):
-            for mb in D.micro_batches(window, lengths, micro, 0, 1):
-                batch = D.collate(train_data, mb, tok.pad_token_id, causal)
+            for mb in micro_batches(window, lengths, micro, 0, 1):
+                batch = collate(train_data, mb, tok.pad_token_id, causal)
                 (model(**batch).loss / accum).backward()
             opt.step()
             opt.zero_grad()

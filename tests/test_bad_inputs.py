@@ -115,3 +115,26 @@ def test_overwrite_replaces_every_file_a_run_writes(capsys, tmp_path, base):
     assert (tmp_path / "run" / "adapter").is_dir()
     assert _run(capsys, *base, "overwrite=true")[0] == 0  # adapter/ is the run's own, not a foreign file
     assert not (tmp_path / "run" / "adapter").exists()
+
+
+def test_a_failure_after_the_start_is_the_runs_last_event(capsys, monkeypatch, tmp_path, base):
+    from finetune.errors import TrainingError
+    from finetune.events import read_events
+
+    def broken(model, batch, causal):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("finetune.train.loss_sum", broken)
+    with pytest.raises(RuntimeError, match="boom"):  # an internal error keeps its traceback
+        _run(capsys, *base)
+    last = read_events(tmp_path / "run" / "events.jsonl")[-1]
+    assert (last["event"], last["exit_code"], last["message"]) == ("error", 1, "RuntimeError: boom")
+
+    def diverged(model, batch, causal):
+        raise TrainingError("training diverged")
+
+    monkeypatch.setattr("finetune.train.loss_sum", diverged)
+    code, err = _run(capsys, *base, "overwrite=true")
+    assert code == 1 and err == "error: training diverged\n"
+    last = read_events(tmp_path / "run" / "events.jsonl")[-1]
+    assert (last["event"], last["exit_code"], last["message"]) == ("error", 1, "training diverged")

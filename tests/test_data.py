@@ -7,38 +7,37 @@ import json
 import pytest
 from conftest import bundled_tokenizer, run_train
 
-from finetune import data as D
 from finetune.config import from_dict
-from finetune.train import load_data
+from finetune.data import IGNORE_INDEX, DataError, epoch_windows, load_data, load_table, micro_batches
 
 
 def test_windows_do_not_depend_on_the_micro_batch_split():
     lengths = [(i * 7919) % 61 + 1 for i in range(103)]
     for shuffle in (False, True):
         for group in (False, True):
-            windows = D.epoch_windows(lengths, 16, seed=3, epoch=1, shuffle=shuffle, group_by_length=group)
+            windows = epoch_windows(lengths, 16, seed=3, epoch=1, shuffle=shuffle, group_by_length=group)
             assert sorted(i for w in windows for i in w) == list(range(103))  # each sample once per epoch
             assert [len(w) for w in windows] == [16] * 6 + [7]  # short tail last
-            again = D.epoch_windows(lengths, 16, seed=3, epoch=1, shuffle=shuffle, group_by_length=group)
+            again = epoch_windows(lengths, 16, seed=3, epoch=1, shuffle=shuffle, group_by_length=group)
             assert windows == again  # deterministic in (seed, epoch)
             for w in windows:
                 for micro, procs in ((4, 1), (2, 2), (1, 4), (16, 1)):
-                    parts = [mb for r in range(procs) for mb in D.micro_batches(w, lengths, micro, r, procs)]
+                    parts = [mb for r in range(procs) for mb in micro_batches(w, lengths, micro, r, procs)]
                     assert sorted(i for mb in parts for i in mb) == sorted(w)
                     assert all(len(mb) <= micro for mb in parts)
 
 
 def test_length_grouping_cuts_padding_and_puts_the_longest_first():
     lengths = [(i * 7919) % 200 + 1 for i in range(3200)]
-    grouped = D.epoch_windows(lengths, 32, seed=0, epoch=0, shuffle=True, group_by_length=True)
-    plain = D.epoch_windows(lengths, 32, seed=0, epoch=0, shuffle=True, group_by_length=False)
+    grouped = epoch_windows(lengths, 32, seed=0, epoch=0, shuffle=True, group_by_length=True)
+    plain = epoch_windows(lengths, 32, seed=0, epoch=0, shuffle=True, group_by_length=False)
 
     def padded(ws):
         return sum(len(w) * max(lengths[i] for i in w) for w in ws)
 
     assert padded(grouped) < 0.6 * padded(plain)
     assert max(lengths[i] for i in grouped[0]) == max(lengths)
-    other_epoch = D.epoch_windows(lengths, 32, seed=0, epoch=1, shuffle=True, group_by_length=True)
+    other_epoch = epoch_windows(lengths, 32, seed=0, epoch=1, shuffle=True, group_by_length=True)
     assert grouped != other_epoch
 
 
@@ -53,7 +52,7 @@ def test_every_file_format_loads(tmp_path, ext):
      "json": lambda: frame.to_json(path, orient="records"),
      "jsonl": lambda: frame.to_json(path, orient="records", lines=True),
      "parquet": lambda: frame.to_parquet(path)}[ext]()
-    table = D.load_table(str(path))
+    table = load_table(str(path))
     assert table.column_names == ["review", "stars"] and len(table) == 4
 
 
@@ -86,7 +85,7 @@ def test_prompt_tokens_are_masked_out_of_the_loss(tmp_path):
     c = from_dict({"dataset": str(path), "task": "causal_lm", "eval_fraction": 0})
     train, _, _ = load_data(c, tok)
     prompt_len = len(tok("translate to french: cat")["input_ids"])
-    assert train.targets[0][:prompt_len] == [D.IGNORE_INDEX] * prompt_len
+    assert train.targets[0][:prompt_len] == [IGNORE_INDEX] * prompt_len
     assert train.targets[0][prompt_len:] == train.input_ids[0][prompt_len:]
     assert train.num_targets([0], causal=True) == len(train.input_ids[0]) - prompt_len
 
@@ -101,12 +100,12 @@ def test_eval_fraction_holds_out_a_deterministic_share(tmp_path, cls_csv):
 
 def test_missing_column_names_the_existing_ones(cls_csv):
     c = from_dict({"dataset": cls_csv, "label_column": "stars"})
-    with pytest.raises(D.DataError, match="Label column 'stars' is not in the data; its columns are: sentence, label"):
+    with pytest.raises(DataError, match="Label column 'stars' is not in the data; its columns are: sentence, label"):
         load_data(c, bundled_tokenizer())
 
 
 def test_hub_ids_are_tried_on_the_hub_and_fail_clearly_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the same code path, without waiting for network time-outs
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(D.DataError, match="neither a local file nor reachable"):
-        D.load_table("no-such-user/no-such-dataset-xyz")
+    with pytest.raises(DataError, match="neither a local file nor reachable"):
+        load_table("no-such-user/no-such-dataset-xyz")

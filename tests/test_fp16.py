@@ -9,7 +9,10 @@ import torch
 from accelerate import Accelerator
 from conftest import run_train
 
-import finetune.train as T
+from finetune.errors import ConfigError, TrainingError
+from finetune.losses import loss_sum
+from finetune.runtime import resolve_precision
+from finetune.train import MAX_SKIPPED_IN_A_ROW
 
 
 class CpuFp16Accelerator(Accelerator):
@@ -37,22 +40,21 @@ def fp16_cpu(monkeypatch):
         made.append(CpuFp16Accelerator())
         return made[-1]
 
-    monkeypatch.setattr(T, "make_accelerator", make)
+    monkeypatch.setattr("finetune.train.make_accelerator", make)
     return made
 
 
 def _overflow_on(monkeypatch, calls_to_poison):
     """Make the loss infinite on the given micro steps (0-based), and snapshot a weight at each micro step."""
     snapshots = []
-    real = T.loss_sum
 
     def poisoned(model, batch, causal):
         call = len(snapshots)
         snapshots.append(next(model.parameters()).detach().clone())
-        loss, logits = real(model, batch, causal)
+        loss, logits = loss_sum(model, batch, causal)
         return (loss * float("inf") if calls_to_poison(call) else loss), logits
 
-    monkeypatch.setattr(T, "loss_sum", poisoned)
+    monkeypatch.setattr("finetune.train.loss_sum", poisoned)
     return snapshots
 
 
@@ -74,7 +76,7 @@ def test_overflow_step_is_skipped_and_scheduler_holds(tmp_path, monkeypatch, fp1
 
 def test_many_overflows_in_a_row_end_the_run(tmp_path, monkeypatch, fp16_cpu, tiny_bert, cls_csv):
     _overflow_on(monkeypatch, lambda call: True)
-    with pytest.raises(T.TrainingError, match=f"overflowed on {T.MAX_SKIPPED_IN_A_ROW} optimizer steps in a row"):
+    with pytest.raises(TrainingError, match=f"overflowed on {MAX_SKIPPED_IN_A_ROW} optimizer steps in a row"):
         run_train(tmp_path / "r", model=tiny_bert, dataset=cls_csv, effective_batch_size=16, micro_batch_size=8,
                   epochs=10)
 
@@ -82,8 +84,6 @@ def test_many_overflows_in_a_row_end_the_run(tmp_path, monkeypatch, fp16_cpu, ti
 def test_fp16_without_a_gpu_is_a_clear_config_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from finetune.config import ConfigError
-
     with pytest.raises(ConfigError, match="fp16 needs a CUDA GPU"):
-        T.resolve_precision("fp16")
-    assert T.resolve_precision("auto") == "fp32"
+        resolve_precision("fp16")
+    assert resolve_precision("auto") == "fp32"

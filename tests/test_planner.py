@@ -9,10 +9,12 @@ import pytest
 import torch
 from conftest import assert_same_weights, run_train, step_losses
 
-import finetune.train as T
 from finetune.config import from_dict
-from finetune.memory import LiveTensorTracker, tensor_bytes
-from finetune.planner import GIB, PlanError, estimate, make_plan, measure_window, model_skeleton
+from finetune.errors import TrainingError
+from finetune.losses import loss_sum
+from finetune.memory import LiveTensorTracker, measure_window, model_skeleton, tensor_bytes
+from finetune.planner import GIB, PlanError, estimate, make_plan
+from finetune.train import train
 
 CPU = ("cpu", 24 * GIB)
 
@@ -63,22 +65,21 @@ def _plan(model, **values):
 
 def test_plan_arithmetic_picks_the_largest_dividing_micro_batch_that_fits(activation_heavy_bert):
     unlimited = _plan(activation_heavy_bert)
-    assert (unlimited.micro_batch_size, unlimited.grad_accum_steps) == (24, 1)
+    assert (unlimited.batch.micro_batch_size, unlimited.batch.grad_accum_steps) == (24, 1)
     full = unlimited.predicted_peak_bytes
     small = _plan(activation_heavy_bert, memory_budget_gb=0.5 * full / GIB)
-    assert small.micro_batch_size in (1, 2, 3, 4, 6, 8, 12)
-    assert small.micro_batch_size * small.grad_accum_steps * small.num_processes == 24
+    assert small.batch.micro_batch_size in (1, 2, 3, 4, 6, 8, 12)
+    assert small.batch.micro_batch_size * small.batch.grad_accum_steps * small.batch.num_processes == 24
     assert small.predicted_peak_bytes <= 0.95 * small.budget_bytes
     assert not small.gradient_checkpointing and not small.lora  # a smaller micro-batch comes before escalating
-    larger = next(d for d in (2, 3, 4, 6, 8, 12, 24) if d > small.micro_batch_size)
+    larger = next(d for d in (2, 3, 4, 6, 8, 12, 24) if d > small.batch.micro_batch_size)
     bigger = make_plan(from_dict({"model": activation_heavy_bert, "dataset": "x.csv", "effective_batch_size": 24,
                                   "micro_batch_size": larger, "gradient_checkpointing": "false", "lora": "false"}),
                        [512] * 50, 2, device=CPU)
     assert bigger.predicted_peak_bytes > 0.95 * small.budget_bytes  # it was the largest that fits
-    tiny_bert = activation_heavy_bert
-    two = make_plan(from_dict({"model": tiny_bert, "dataset": "x.csv", "effective_batch_size": 24}), [120] * 50, 2,
-                    num_processes=2, device=CPU)
-    assert (two.micro_batch_size, two.grad_accum_steps, two.num_processes) == (12, 1, 2)
+    two = make_plan(from_dict({"model": activation_heavy_bert, "dataset": "x.csv", "effective_batch_size": 24}),
+                    [120] * 50, 2, num_processes=2, device=CPU)
+    assert (two.batch.micro_batch_size, two.batch.grad_accum_steps, two.batch.num_processes) == (12, 1, 2)
     plan_json = json.loads(json.dumps(small.to_dict()))
     for key in ("micro_batch_size", "grad_accum_steps", "num_processes", "effective_batch_size", "precision",
                 "gradient_checkpointing", "lora", "optimizer", "budget_bytes", "predicted_peak_bytes", "breakdown",
@@ -119,14 +120,13 @@ def test_oom_back_off_keeps_the_same_weights(tmp_path, monkeypatch, tiny_bert, c
     common = {"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 16, "micro_batch_size": 8,
               "shuffle": True, "group_by_length": True}
     reference, ref_events, _ = run_train(tmp_path / "ref", **common)
-    real = T.loss_sum
 
     def small_device(model, batch, causal):
         if len(batch["labels"]) > 2:
             raise torch.OutOfMemoryError("simulated: micro-batch too large")
-        return real(model, batch, causal)
+        return loss_sum(model, batch, causal)
 
-    monkeypatch.setattr(T, "loss_sum", small_device)
+    monkeypatch.setattr("finetune.train.loss_sum", small_device)  # the loop's loss only, not the planner's
     backed, events, _ = run_train(tmp_path / "oom", **common)
     backoffs = [e for e in events if e["event"] == "backoff"]
     assert [(e["micro_batch_size"], e["grad_accum_steps"]) for e in backoffs] == [(4, 4), (2, 8)]
@@ -134,8 +134,9 @@ def test_oom_back_off_keeps_the_same_weights(tmp_path, monkeypatch, tiny_bert, c
     assert_same_weights(backed, reference)
     torch.testing.assert_close(step_losses(events), step_losses(ref_events), rtol=1e-5, atol=1e-6)
 
-    monkeypatch.setattr(T, "loss_sum", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("always")))
-    with pytest.raises(T.TrainingError, match="even at micro_batch_size=1"):
+    monkeypatch.setattr("finetune.train.loss_sum",
+                        lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("always")))
+    with pytest.raises(TrainingError, match="even at micro_batch_size=1"):
         run_train(tmp_path / "hopeless", **common)
 
 
@@ -155,7 +156,7 @@ def test_lora_trains_end_to_end(tmp_path, capsys, tiny_bert, cls_csv, merge):
 
     from finetune.cli import main
 
-    T.train(from_dict({"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 8, "lora": "true",
+    train(from_dict({"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 8, "lora": "true",
                        "lora_r": 4, "learning_rate": 1e-2, "merge_lora": merge, "epochs": 2, "eval_fraction": 0,
                        "output_dir": str(tmp_path / "lora")}))
     plan = json.loads((tmp_path / "lora" / "plan.json").read_text())
@@ -209,5 +210,5 @@ def test_no_accumulation_can_need_less_than_a_smaller_micro_batch(tiny_bert):
     split = make_plan(c.replace(micro_batch_size=1), [16], 2, device=CPU).predicted_peak_bytes
     assert whole < split
     plan = make_plan(c.replace(memory_budget_gb=(whole + split) / 2 / 0.95 / GIB), [16], 2, device=CPU)
-    assert (plan.micro_batch_size, plan.grad_accum_steps, plan.lora, plan.gradient_checkpointing) == (8, 1, False,
-                                                                                                       False)
+    assert (plan.batch.micro_batch_size, plan.batch.grad_accum_steps) == (8, 1)
+    assert (plan.lora, plan.gradient_checkpointing) == (False, False)

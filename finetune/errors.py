@@ -1,0 +1,61 @@
+"""The failures a user can act on, each with the exit code `finetune` ends with.
+
+Deliberately imports nothing: the CLI maps exceptions to exit codes through these classes before (or without)
+loading torch, and the modules that raise them import them from here.
+"""
+
+from __future__ import annotations
+
+
+class FinetuneError(Exception):
+    """A failure explained in words a user can act on; `exit_code` is what `finetune` exits with."""
+
+    exit_code = 1
+
+
+class InputError(FinetuneError, ValueError):
+    """Input the run cannot use (config, data, model, run directory, memory budget): exit 2, nothing overwritten."""
+
+    exit_code = 2
+
+
+class ConfigError(InputError):
+    """A configuration that cannot run; `problems` lists every reason, each one sentence."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class PlanError(ConfigError):
+    """No plan fits the budget; the message gives the smallest budget that would."""
+
+
+class DataError(InputError):
+    """The data cannot be used as configured; the message says what to change."""
+
+
+class ModelError(InputError):
+    """The model cannot be loaded as configured; the message says what to change."""
+
+
+class RunDirError(InputError):
+    """The output directory cannot be used as asked; the message says what to do."""
+
+
+class TrainingError(FinetuneError, RuntimeError):
+    """Training cannot go on; the message says why and what to change."""
+
+
+def describe(e: BaseException) -> str:
+    """The text shown for a failure: our own errors as they are worded, anything else with its type."""
+    if isinstance(e, ConfigError) and len(e.problems) > 1:
+        return f"{len(e.problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in e.problems)
+    if isinstance(e, FinetuneError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+def exit_code(e: BaseException) -> int:
+    """The exit code a failure ends `finetune` with: 2 for bad input, 1 for anything else."""
+    return e.exit_code if isinstance(e, FinetuneError) else 1
