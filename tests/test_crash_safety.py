@@ -95,8 +95,8 @@ def test_checkpoint_state_is_json_and_resume_unpickles_nothing(tmp_path, tiny_be
 def test_a_cut_off_event_line_does_not_swallow_the_next(tmp_path):
     path = tmp_path / "events.jsonl"
     path.write_text('{"event": "start", "time": 1}\n{"event": "step", "ti')  # killed mid-write
-    EventLog(path).emit(Error("boom"))
-    EventLog(path).emit(Error("again"))
+    EventLog(path).emit(Error(message="boom"))
+    EventLog(path).emit(Error(message="again"))
     records = read_events(path)
     assert [r["event"] for r in records] == ["start", "error", "error"]
     assert path.read_text().endswith("}\n")
