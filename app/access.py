@@ -83,7 +83,8 @@ class Access:
         """The policy for serving on `host` with environment `env`; raises `AccessError` when a public host has no
         accounts and `--no-auth` was not given."""
         allowed = frozenset(u.strip().lstrip("@") for u in (env.get(ALLOWED_VAR) or "").split(",") if u.strip())
-        if env.get("SPACE_ID"):
+        # What Gradio takes for a Space too: anywhere else a LoginButton would make it mock the sign-in.
+        if env.get("SPACE_ID") and env.get("SYSTEM") == "spaces":
             return cls("space", env.get("SPACE_AUTHOR_NAME") or None, allowed)
         accounts = _accounts(env)
         if accounts:
