@@ -266,3 +266,11 @@ def test_nothing_under_runs_is_served_by_url(tmp_path):
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(f"{url}gradio_api/file={path.resolve()}", timeout=10)
             assert refused.value.code in (403, 404)
+
+
+def test_the_space_asks_for_the_hugging_face_sign_in():
+    import yaml
+    from conftest import ROOT
+
+    meta = yaml.safe_load((ROOT / "README.md").read_text().split("---\n", 2)[1])
+    assert meta["hf_oauth"] is True
