@@ -274,3 +274,21 @@ def test_the_space_asks_for_the_hugging_face_sign_in():
 
     meta = yaml.safe_load((ROOT / "README.md").read_text().split("---\n", 2)[1])
     assert meta["hf_oauth"] is True
+
+
+def test_a_zip_gradio_would_not_take_is_handed_out_from_a_private_temporary_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    # As in the Docker image: the runs folder is neither under the working directory nor the temporary one.
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    runs = tmp_path / "runs"
+    zipped = runs / "r1" / "model.zip"
+    zipped.parent.mkdir(parents=True)
+    zipped.write_bytes(b"PK weights")
+    ctl = Controller(runs, JobManager(runs))
+    handed = Path(ctl._handout(zipped))
+    assert handed.read_bytes() == b"PK weights" and handed.name == "r1-model.zip"
+    assert handed.parent.parent == tmp_path / "tmp" and ctl._handout(zipped) == str(handed)

@@ -17,7 +17,8 @@ USERS = {"alice": "alice-pw", "bob": "bob-pw"}
 
 
 def _sign_in(browser, url: str, name: str):
-    page = browser.new_page(viewport={"width": 1440, "height": 1100})
+    """A page of its own browser context (its own cookies), signed in as `name`."""
+    page = browser.new_context(viewport={"width": 1440, "height": 1100}).new_page()
     page.goto(url)
     page.get_by_label("username").fill(name)
     page.get_by_label("password").fill(USERS[name])
@@ -33,8 +34,8 @@ def test_bob_sees_only_that_alices_run_is_in_progress(tmp_path):
     with served_app(tmp_path, FINETUNE_USERS=users, OMP_NUM_THREADS="1") as (url, runs), sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
                                      args=["--no-sandbox", "--disable-gpu"])
-        alice = _sign_in(browser.new_context(), url, "alice")
-        bob = _sign_in(browser.new_context(), url, "bob")
+        alice = _sign_in(browser, url, "alice")
+        bob = _sign_in(browser, url, "bob")
 
         # Alice trains the bundled MiniLM on the sample data the page opens with, for long enough to look at.
         expect(alice.get_by_label("Model", exact=True)).to_have_value("bundled:all-MiniLM-L6-v2", timeout=30_000)
