@@ -160,7 +160,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
           preset: Path | None = None, preset_base: Path | None = None, access: Access | None = None) -> App:
     """The app: widgets for every config field, the run panel, results and reproducibility."""
     access = access or Access()
-    jobs = jobs or JobManager(runs_dir, env=access.child_env(os.environ))
+    # Locally the child inherits the app's environment as it is at each start, like a command typed in a terminal.
+    jobs = jobs or JobManager(runs_dir, env=access.child_env(os.environ) if access.shared else None)
     initial = initial_config(preset, memory, preset_base)
     # The sample data the preset points at stays readable on a shared server.
     samples = tuple(Path(p) for p in (initial.dataset, initial.eval_dataset) if p and Path(p).is_file())
