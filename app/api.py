@@ -1,7 +1,8 @@
 """The app's scripting API: `start`, `plan`, `status`, `stop` and `predict`, with named parameters and results.
 
 A script passes a run's config as one value, YAML text or a mapping of the config's options, and gets JSON back
-(see "Scripting the app" in the README). The endpoints call the same `Controller` methods as the page's buttons.
+(see "Scripting the app" in the README). The endpoints call the same `Controller` methods as the page's buttons,
+with the caller's request, so that on a shared server a script sees and steers only its own user's run.
 """
 
 # No `from __future__ import annotations` here: Gradio reads these type hints at run time to describe each endpoint's
@@ -55,29 +56,37 @@ class ScriptApi:
         gr.api(self.stop, api_name="stop", concurrency_limit=None)
         gr.api(self.predict, api_name="predict")
 
-    def start(self, config: str | dict[str, Any]) -> StartResult:
+    def start(self, config: str | dict[str, Any], request: gr.Request) -> StartResult:
         """Start training `config` (YAML text, or a mapping of config options) as a `finetune train` child process."""
         try:
             parsed = parse_config(config)
         except ConfigError as e:
             return StartResult(started=False, run_dir=None, command="", message=problems_text(e))
-        result = self.controller.start_run(parsed)
+        result = self.controller.start_run(parsed, request=request)
         return StartResult(started=result.started, run_dir=result.run_dir, command=result.command,
                            message=result.message)
 
-    def plan(self, config: str | dict[str, Any]) -> dict[str, Any]:
+    def plan(self, config: str | dict[str, Any], request: gr.Request) -> dict[str, Any]:
         """The training plan for `config` (what `finetune plan --json` writes), or {"error": message}."""
         try:
-            return self.controller.make_plan(parse_config(config))
+            return self.controller.make_plan(parse_config(config), request=request)
         except ConfigError as e:
             return {"error": problems_text(e)}
         except Unanswered as e:
             return {"error": str(e)}
 
-    def status(self) -> StatusResult:
+    def status(self, request: gr.Request) -> StatusResult:
         """The state of the current (or last) run, its progress and, once done, its final metrics."""
-        status = self.controller.jobs.status()
+        controller = self.controller
+        user, refusal = controller.who(request)
+        status = controller.jobs.status()
         step, total = status.progress or (None, None)
+        if not controller.is_mine(status, user):  # someone else's run: only that one is in progress, and its step
+            shown = controller.in_progress(status) if status.active else ""
+            return StatusResult(state=status.state if status.active else "idle", run_dir=None,
+                                step=step if status.active else None, total_steps=total if status.active else None,
+                                loss=None, message=" ".join(m for m in (shown, refusal) if m), metrics={},
+                                model_dir=None, command="")
         last_step = status.last("step")
         return StatusResult(state=status.state, run_dir=str(status.run_dir) if status.run_dir else None, step=step,
                             total_steps=total, loss=last_step["loss"] if last_step else None,
@@ -85,15 +94,15 @@ class ScriptApi:
                             model_dir=str(status.model_dir) if status.model_dir else None,
                             command=self.controller.command(status))
 
-    def stop(self) -> dict[str, str]:
+    def stop(self, request: gr.Request) -> dict[str, str]:
         """Stop the run after its current optimizer step, with a checkpoint; a second call kills it: {message}."""
-        return {"message": self.controller.stop()}
+        return {"message": self.controller.stop(request=request).removeprefix("⚠️ ")}
 
-    def predict(self, text: str) -> dict[str, Any]:
+    def predict(self, text: str, request: gr.Request) -> dict[str, Any]:
         """The finished run's model on `text`: {label, probabilities}, {generated}, or {"error": message}."""
         from finetune.modeling import ModelError
 
         try:
-            return self.controller.predict(text)
+            return self.controller.predict(text, request=request)
         except (Unanswered, ModelError) as e:
             return {"error": str(e)}

@@ -5,7 +5,9 @@ result from `app.results`, which `app.ui` maps to the widgets."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,7 @@ from typing import Any
 import gradio as gr
 
 from app import dataview, views
+from app.access import Access, AccessError, new_run_name, resolve_output_dir
 from app.jobs import JobBusy, JobManager, JobStatus, zip_model
 from app.mapping import (
     COLUMN_FIELDS,
@@ -41,7 +44,7 @@ from app.results import (
     UploadShown,
 )
 from finetune.config import FIELDS, Config, ConfigError, from_dict
-from finetune.rundir import RunDirError, check_run_dir
+from finetune.rundir import RunDirError, check_run_dir, mark_run_dir
 
 PLAN_TIMEOUT_S = 600
 TASK_COLUMNS = {"classification": ("text_column", "text_pair_column", "label_column"),
@@ -63,25 +66,69 @@ def _display_path(path: Path | str) -> str:
 
 
 class Controller:
-    """The handlers of one app: they share the runs directory and the job manager."""
+    """The handlers of one app: they share the runs directory, the job manager and the access policy.
 
-    def __init__(self, runs_dir: Path, jobs: JobManager):
+    Every handler takes the Gradio request (`request=`, None when called from Python) to tell who asks: on a shared
+    server a user sees and steers only their own run and reads only their own files (see `app.access`)."""
+
+    def __init__(self, runs_dir: Path, jobs: JobManager, access: Access | None = None,
+                 samples: tuple[Path, ...] = ()):
         self.runs_dir = runs_dir
         self.jobs = jobs
+        self.access = access or Access()
+        self.samples = tuple(Path(p).resolve() for p in samples)  # the app's own sample data, readable by all
+        self._downloads: Path | None = None  # where finished zips are handed out from, when the runs are elsewhere
+
+    # --- who asks
+    def who(self, request: Any) -> tuple[str | None, str]:
+        """The user behind `request` and why they may not train ("" when they may)."""
+        user = self.access.identify(request)
+        return user, self.access.refusal(user)
+
+    def _readable(self, user: str | None) -> tuple[Path, ...]:
+        return (self.access.uploads(self.runs_dir, user).resolve(), *self.samples)
+
+    def is_mine(self, status: JobStatus, user: str | None) -> bool:
+        """Whether `status` is a run `user` may see and steer (every run, locally)."""
+        return status.state != "idle" and self.access.owns(user, status.owner)
+
+    @staticmethod
+    def in_progress(status: JobStatus) -> str:
+        """All that someone else's run shows of itself."""
+        step, total = status.progress or (0, None)
+        return f"A run is in progress (step {step}/{total})." if total else "A run is in progress (starting)."
+
+    def _busy(self, status: JobStatus, user: str | None) -> str:
+        if self.is_mine(status, user):
+            return self.jobs.busy_message()
+        return f"{self.in_progress(status)} Only one job runs at a time: start yours when it has finished."
 
     # --- model and dataset
-    def on_model(self, model: str) -> TaskGuess:
+    def on_model(self, model: str, *, request: Any = None) -> TaskGuess:
         """Infer the task from a preset or a local model folder."""
+        try:
+            self.access.check_source((model or "").strip(), "model", ())
+        except AccessError as e:
+            return TaskGuess(note=f"⚠️ {e}")
         task = infer_task((model or "").strip())
         if task is None:
             return TaskGuess(note="The task cannot be told offline for this model: choose it under Task.")
         return TaskGuess(task=task, note=f"Task inferred from the model: **{task}**.")
 
-    def refresh_dataset(self, source: str, config_name: str, split: str, task: str, *columns: str) -> DatasetShown:
+    def refresh_dataset(self, source: str, config_name: str, split: str, task: str, *columns: str,
+                        request: Any = None) -> DatasetShown:
         """Preview the dataset and fill the column dropdowns from its real columns."""
         wanted = dict(zip(COLUMN_FIELDS, columns, strict=True))
-        view = dataview.inspect((source or "").strip(), (config_name or "").strip() or None,
-                                (split or "").strip() or "train", task, wanted)
+        user, refusal = self.who(request)
+        try:
+            if refusal:
+                raise AccessError(refusal)
+            self.access.check_source((source or "").strip(), "dataset", self._readable(user))
+        except AccessError as e:  # no preview, and no columns, of a file that is not the user's
+            view = dataview.DatasetView(error=str(e))
+        else:
+            view = dataview.inspect((source or "").strip(), (config_name or "").strip() or None,
+                                    (split or "").strip() or "train", task, wanted)
         shown = TASK_COLUMNS.get(task, COLUMN_FIELDS)
         updates = {}
         for name in COLUMN_FIELDS:
@@ -93,15 +140,19 @@ class Controller:
         return DatasetShown(preview=view.preview, columns=updates, labels=dataview.labels_markdown(view),
                             error=f"⚠️ {view.error}" if view.error else "")
 
-    def on_upload(self, uploaded: str | None, config_name: str, split: str, task: str, *columns: str) -> UploadShown:
+    def on_upload(self, uploaded: str | None, config_name: str, split: str, task: str, *columns: str,
+                  request: Any = None) -> UploadShown:
         """Keep a stable copy of the uploaded file, point `dataset` at it and preview it.
 
         The evaluation settings go back to a hold-out of the new file: an evaluation set chosen for other data
         (the sample's, say) would not have this file's columns."""
         if not uploaded:
             return UploadShown()
-        source = _display_path(dataview.keep_upload(uploaded, self.runs_dir / "uploads"))
-        data = self.refresh_dataset(source, "", split, task, *columns)
+        user, refusal = self.who(request)
+        if refusal:
+            return UploadShown(data=self.refresh_dataset("", "", split, task, *columns, request=request))
+        source = _display_path(dataview.keep_upload(uploaded, self.access.uploads(self.runs_dir, user)))
+        data = self.refresh_dataset(source, "", split, task, *columns, request=request)
         fraction = FIELDS["eval_fraction"].default
         note = f"Evaluation: {fraction:.0%} of this file is held out (More data options sets another evaluation set)."
         labels = f"{data.labels}\n\n{note}" if data.labels else data.labels
@@ -110,8 +161,15 @@ class Controller:
                                              error=data.error))
 
     # --- plan
-    def make_plan(self, config: Config) -> dict[str, Any]:
+    def make_plan(self, config: Config, *, request: Any = None) -> dict[str, Any]:
         """`finetune plan` on `config`: the plan.json mapping; raises `Unanswered` with the planner's message."""
+        user, refusal = self.who(request)
+        try:
+            if refusal:
+                raise AccessError(refusal)
+            self.access.check_config(config, self._readable(user))
+        except AccessError as e:
+            raise Unanswered(str(e)) from None
         extra = []
         if self.jobs.status().active and "plan_probe" in FIELDS:
             # A measured probe would train on the device the running job is using: estimate without one.
@@ -121,7 +179,8 @@ class Controller:
             cfg_path.write_text(config_yaml(config), encoding="utf-8")
             try:
                 proc = subprocess.run([sys.executable, "-m", "finetune", "plan", str(cfg_path), *extra, "--json",
-                                       str(out_path)], capture_output=True, text=True, timeout=PLAN_TIMEOUT_S)
+                                       str(out_path)], capture_output=True, text=True, timeout=PLAN_TIMEOUT_S,
+                                      env=self.access.child_env(os.environ))
             except subprocess.TimeoutExpired:
                 raise Unanswered(f"The planner took longer than {PLAN_TIMEOUT_S} s.") from None
             if proc.returncode != 0 or not out_path.is_file():
@@ -134,10 +193,10 @@ class Controller:
             plan["notes"] = [*plan.get("notes", []), "Estimated without a measured probe while a run is training."]
         return plan
 
-    def plan(self, *values: Any) -> PlanShown:
+    def plan(self, *values: Any, request: Any = None) -> PlanShown:
         """Plan the form's config and show the answer, or its error next to the button."""
         try:
-            plan = self.make_plan(values_to_config(values))
+            plan = self.make_plan(values_to_config(values), request=request)
         except ConfigError as e:
             return PlanShown(error=problems_markdown(e))
         except Unanswered as e:
@@ -147,78 +206,105 @@ class Controller:
                                                                          visible=True))
 
     # --- training
-    def start(self, *values: Any) -> Started:
+    def start(self, *values: Any, request: Any = None) -> Started:
         """Start the form's config (see `start_run`)."""
         try:
             config = values_to_config(values)
         except ConfigError as e:
             return Started(started=False, message=problems_text(e))
-        return self.start_run(config)
+        return self.start_run(config, request=request)
 
-    def start_run(self, config: Config) -> Started:
-        """Check the data and the run directory, write the YAML and start `finetune train` on it."""
-        if self.jobs.status().active:
-            return Started(started=False, message=self.jobs.busy_message())
+    def start_run(self, config: Config, *, request: Any = None) -> Started:
+        """Check who asks, the data and the run directory, write the YAML into it and start `finetune train`."""
+        user, refusal = self.who(request)
+        if refusal:
+            return Started(started=False, message=refusal)
+        status = self.jobs.status()
+        if status.active:
+            return Started(started=False, message=self._busy(status, user))
+        home = self.access.home(self.runs_dir, user)
+        try:
+            self.access.check_config(config, self._readable(user))
+            # The app writes only inside its runs folder (the CLI keeps its freedom on the command line).
+            run_dir = resolve_output_dir(config.output_dir, home) or self._new_run_dir(home)
+        except AccessError as e:
+            about_data = str(e).startswith("`dataset`")
+            return Started(started=False, message=str(e), data_error=str(e) if about_data else "")
         view = dataview.inspect(config.dataset, config.dataset_config, config.train_split, config.task,
                                 {c: getattr(config, c) for c in COLUMN_FIELDS})
         if view.error:
             return Started(started=False, message=view.error, data_error=view.error)
-        if config.output_dir is None:
-            config = from_dict({**changed_options(config), "output_dir": _display_path(self._new_run_dir())})
+        config = from_dict({**changed_options(config), "output_dir": _display_path(run_dir)})
         try:
             run_dir = check_run_dir(config)
         except RunDirError as e:
             return Started(started=False, message=str(e))
-        config_path = run_dir.parent / f"{run_dir.name}.yaml"
+        config_path = run_dir / "launch.yaml"
         command = f"finetune train {_display_path(config_path)}"
-        config_path.parent.mkdir(parents=True, exist_ok=True)
+        mark_run_dir(run_dir)
         config_path.write_text(config_yaml(config, f"Written by the finetune app, {time.strftime('%Y-%m-%d %H:%M')}."
                                                    f"\nReproduce: {command}"), encoding="utf-8")
         try:
-            self.jobs.start(config_path, run_dir)
+            self.jobs.start(config_path, run_dir, owner=user)
         except JobBusy as e:
             return Started(started=False, message=str(e))
         return Started(started=True, message=f"Started. Reproduce from a terminal with `{command}`.",
                        run_dir=_display_path(run_dir), command=command)
 
-    def _new_run_dir(self) -> Path:
-        base = self.runs_dir / time.strftime("%Y%m%d-%H%M%S")
+    def _new_run_dir(self, home: Path) -> Path:
+        base = home / new_run_name(self.access.shared)
         path, n = base, 2
-        while path.exists() or path.with_name(path.name + ".yaml").exists():
+        while path.exists():
             path, n = base.with_name(f"{base.name}-{n}"), n + 1
         return path
 
-    def stop(self) -> str:
-        """Ask the run to stop cleanly (a second press kills it)."""
+    def stop(self, *, request: Any = None) -> str:
+        """Ask the run to stop cleanly (a second press kills it); only its owner may."""
+        user, refusal = self.who(request)
+        status = self.jobs.status()
+        if refusal or (status.active and not self.is_mine(status, user)):
+            return f"⚠️ {refusal or 'Only the one who started the run in progress can stop it.'}"
         return self.jobs.stop()
 
-    def resume(self) -> str:
+    def resume(self, *, request: Any = None) -> str:
         """Continue the stopped run from its checkpoint."""
+        user, refusal = self.who(request)
+        if refusal:
+            return f"⚠️ {refusal}"
         status = self.jobs.status()
-        if status.state != "stopped" or status.run_dir is None:
+        if status.state != "stopped" or status.run_dir is None or not self.is_mine(status, user):
             return "Nothing to resume: only a stopped run can be resumed."
         if not status.checkpoint:
             return "This run stopped before its first checkpoint: start it again instead."
         try:
-            self.jobs.resume(status.run_dir)
+            self.jobs.resume(status.run_dir, owner=user)
         except JobBusy as e:
             return f"⚠️ {e}"
         return (f"Resuming. From a terminal: `finetune train {_display_path(status.run_dir / 'config.yaml')} "
                 "resume=true`.")
 
-    def poll(self, seen: Any) -> RunShown:
-        """Refresh the run's progress, curve, log and results; leave everything as it is when nothing changed."""
+    def poll(self, seen: Any, *, request: Any = None) -> RunShown:
+        """Refresh the run's progress, curve, log and results; leave everything as it is when nothing changed.
+
+        Someone else's run shows only that it is in progress, and at which step."""
+        user, refusal = self.who(request)
         status = self.jobs.status()
-        signature = (str(status.run_dir), len(status.events), status.state, status.message, status.output_tail)
+        if not self.is_mine(status, user):
+            note = self.in_progress(status) if status.active else ""
+            status = JobStatus(state="idle")
+            text = "\n\n".join(f"**{line}**" for line in (note, refusal) if line) or views.status_markdown(status)
+        else:
+            text = views.status_markdown(status)
+        signature = (str(status.run_dir), len(status.events), status.state, status.message, status.output_tail,
+                     text)
         if seen == signature:
             return RunShown()
         model_dir = status.model_dir
-        download = (gr.update(value=str(zip_model(model_dir, status.run_dir.parent / f"{status.run_dir.name}"
-                                                  "-model.zip")), interactive=True)
+        download = (gr.update(value=self._handout(zip_model(model_dir, status.run_dir / "model.zip")), interactive=True)
                     if status.state == "done" and model_dir is not None else gr.update(value=None, interactive=False))
         command = self.command(status)
         frame = views.loss_frame(status.events)
-        return RunShown(signature=signature, status=views.status_markdown(status),
+        return RunShown(signature=signature, status=text,
                         progress=views.progress_html(status), stats=views.stats_markdown(status),
                         loss_curve=frame if len(frame) else None, log=views.log_text(status),
                         metrics=views.final_metrics(status) or None, run_dir=str(status.run_dir or ""),
@@ -226,17 +312,35 @@ class Controller:
                         resume_button=gr.update(visible=status.state == "stopped" and bool(status.checkpoint)),
                         command=command if command else gr.skip())
 
-    def running_config(self) -> FormShown:
-        """On page load: the form (and its dataset preview) shows the config of the run in progress, if any."""
+    def _handout(self, path: Path) -> str:
+        """A path the download button may take: Gradio copies a returned file into its cache (under a path nobody
+        can guess) only from the working or the temporary directory, and nothing under the runs folder is served."""
+        resolved = path.resolve()
+        if any(resolved.is_relative_to(Path(d).resolve()) for d in (Path.cwd(), tempfile.gettempdir())):
+            return str(path)
+        if self._downloads is None:
+            self._downloads = Path(tempfile.mkdtemp(prefix="finetune-downloads-"))
+        out = self._downloads / f"{path.parent.name}-{path.name}"
+        if not out.is_file() or out.stat().st_mtime < path.stat().st_mtime:
+            out.unlink(missing_ok=True)
+            try:
+                os.link(path, out)  # free on the same file system
+            except OSError:
+                shutil.copyfile(path, out)
+        return str(out)
+
+    def running_config(self, *, request: Any = None) -> FormShown:
+        """On page load: the form (and its dataset preview) shows the config of the run in progress to its owner."""
+        user = self.access.identify(request)
         status = self.jobs.status()
-        if not status.active or status.config_path is None:
+        if not status.active or status.config_path is None or not self.is_mine(status, user):
             return FormShown()
         try:
             config = load_config_file(status.config_path)
         except ConfigError:  # a config the app did not write, which no longer validates: keep the form
             return FormShown()
         data = self.refresh_dataset(config.dataset or "", config.dataset_config or "", config.train_split,
-                                    config.task, *[getattr(config, c) or "" for c in COLUMN_FIELDS])
+                                    config.task, *[getattr(config, c) or "" for c in COLUMN_FIELDS], request=request)
         return FormShown(values=dict(zip(FIELD_NAMES, config_to_values(config), strict=True)), data=data,
                          note=f"The form shows the run in progress (`{_display_path(status.config_path)}`).")
 
@@ -249,27 +353,30 @@ class Controller:
         return shlex.join(["finetune", "train", _display_path(status.config_path), *extra])
 
     # --- results
-    def predict(self, text: str) -> dict[str, Any]:
+    def predict(self, text: str, *, request: Any = None) -> dict[str, Any]:
         """The finished model on one text: {label, probabilities} or {generated}.
 
         Raises `Unanswered` without a text or a finished model, and `finetune.modeling.ModelError` when the model
         cannot be loaded."""
+        user, refusal = self.who(request)
+        if refusal:
+            raise Unanswered(refusal)
         if not (text or "").strip():
             raise Unanswered("Type a text first.")
         status = self.jobs.status()
-        if status.model_dir is None:
+        if status.model_dir is None or not self.is_mine(status, user):
             raise Unanswered("No trained model yet: train (or resume) a run to the end first.")
         from finetune.predict import predict
 
         out = predict(str(status.run_dir), [text.strip()])[0]
         return {k: out[k] for k in ("label", "probabilities", "generated") if k in out}
 
-    def try_it(self, text: str) -> PredictionShown:
+    def try_it(self, text: str, *, request: Any = None) -> PredictionShown:
         """Try it: label probabilities, or a generated continuation, of the finished model."""
         from finetune.modeling import ModelError
 
         try:
-            out = self.predict(text)
+            out = self.predict(text, request=request)
         except Unanswered as e:
             return PredictionShown(message=str(e))
         except ModelError as e:

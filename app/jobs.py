@@ -45,6 +45,7 @@ class JobStatus:
     output_tail: str = ""
     command: str = ""
     config_path: Path | None = None
+    owner: str | None = None  # who started it, on a shared server
 
     @property
     def active(self) -> bool:
@@ -93,6 +94,7 @@ class _Job:
     pid: int
     proc: subprocess.Popen | None  # None when adopted from an earlier app process
     launched: float  # Unix time; events from before it belong to earlier sessions of the same run directory
+    owner: str | None = None
     stop_requested_at: float | None = None
     killed: bool = False
     tail: EventTail | None = None
@@ -118,8 +120,10 @@ def _alive(pid: int) -> bool:
 class JobManager:
     """Starts, stops and reports on one `finetune train` child process at a time."""
 
-    def __init__(self, runs_dir: str | Path, python: str = sys.executable, stop_timeout: float = STOP_TIMEOUT_S):
+    def __init__(self, runs_dir: str | Path, python: str = sys.executable, stop_timeout: float = STOP_TIMEOUT_S,
+                 env: dict[str, str] | None = None):
         self.runs_dir = Path(runs_dir)
+        self.env = env  # the child's environment (default: the app's); a shared server leaves its secrets out
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self.python = python
         self.stop_timeout = stop_timeout
@@ -128,14 +132,15 @@ class JobManager:
         self._adopt()
 
     # --- starting
-    def start(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None) -> JobStatus:
+    def start(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None,
+              owner: str | None = None) -> JobStatus:
         """Run `finetune train CONFIG [overrides] -q`; raises JobBusy while another run is in progress."""
         with self._lock:
             current = self.status()
             if current.active:
                 raise JobBusy(self._busy_message(current))
             command = [self.python, "-m", "finetune", "train", str(config_path), *(overrides or []), "-q"]
-            log_path = run_dir.parent / f"{run_dir.name}.log"
+            log_path = run_dir / "launch.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "a", encoding="utf-8") as log:
                 log.write(f"$ {' '.join(command[1:])}\n")
@@ -143,15 +148,16 @@ class JobManager:
                 # A new session: Stop signals the whole group, and closing the browser tab (or the app) does not
                 # take the run down with it.
                 proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                        start_new_session=True, env={**(os.environ if self.env is None else self.env),
+                                                                          "PYTHONUNBUFFERED": "1"})
             self._job = _Job(run_dir=run_dir, config_path=config_path, log_path=log_path, command=command,
-                             pid=proc.pid, proc=proc, launched=time.time() - 1.0)
+                             pid=proc.pid, proc=proc, launched=time.time() - 1.0, owner=owner)
             self._save_current()
             return self.status()
 
-    def resume(self, run_dir: Path) -> JobStatus:
+    def resume(self, run_dir: Path, owner: str | None = None) -> JobStatus:
         """Continue a stopped run from its latest checkpoint (`finetune train RUN/config.yaml resume=true`)."""
-        return self.start(run_dir / "config.yaml", run_dir, ["resume=true"])
+        return self.start(run_dir / "config.yaml", run_dir, ["resume=true"], owner)
 
     # --- stopping
     def stop(self) -> str:
@@ -213,7 +219,8 @@ class JobManager:
             state, message = self._state(job, mine, rc, running, output)
             tail = "\n".join(output.splitlines()[-12:])
             return JobStatus(state=state, run_dir=job.run_dir, events=events, returncode=rc, message=message,
-                             output_tail=tail, command=" ".join(job.command[1:]), config_path=job.config_path)
+                             output_tail=tail, command=" ".join(job.command[1:]), config_path=job.config_path,
+                             owner=job.owner)
 
     def _state(self, job: _Job, mine: list[dict[str, Any]], rc: int | None, running: bool,
                output: str) -> tuple[str, str]:
@@ -256,7 +263,7 @@ class JobManager:
     def _save_current(self) -> None:
         job = self._job
         record = {"pid": job.pid, "run_dir": str(job.run_dir), "config_path": str(job.config_path),
-                  "log_path": str(job.log_path), "command": job.command, "launched": job.launched}
+                  "log_path": str(job.log_path), "command": job.command, "launched": job.launched, "owner": job.owner}
         self._current_file().write_text(json.dumps(record), encoding="utf-8")
 
     def _adopt(self) -> None:
@@ -265,7 +272,7 @@ class JobManager:
             record = json.loads(self._current_file().read_text(encoding="utf-8"))
             job = _Job(run_dir=Path(record["run_dir"]), config_path=Path(record["config_path"]),
                        log_path=Path(record["log_path"]), command=list(record["command"]), pid=int(record["pid"]),
-                       proc=None, launched=float(record["launched"]))
+                       proc=None, launched=float(record["launched"]), owner=record.get("owner"))
         except (OSError, ValueError, KeyError, TypeError):
             return
         if _alive(job.pid) and not self._is_finetune(job.pid):

@@ -9,7 +9,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from app.access import Access, AccessError
+
 DEFAULT_PORT = 7860
+SHARED_HELP = (
+    "On a Hugging Face Space (SPACE_ID and SYSTEM=spaces set), a non-loopback --host, or whenever accounts are set, "
+    "the app is a shared server: each user's runs go to RUNS/<user>/ and only they see and steer them; "
+    "trust_remote_code, local model folders and local data files other than the user's own uploads are refused; the "
+    "training process gets no secrets (such as HF_TOKEN) from the app's environment. Accounts: "
+    "FINETUNE_USERS='alice:secret,bob:other' (name:password pairs) and/or FINETUNE_PASSWORD=secret (an account named "
+    "admin), asked for by Gradio's login form. On a Space, visitors sign in with Hugging Face: its owner and "
+    "FINETUNE_ALLOWED_USERS=alice,bob may train.")
 PRESET = Path("assets") / "demo.yaml"
 
 
@@ -18,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune ui", description="Serve the fine-tuning GUI (a thin client of "
                                      "the `finetune` CLI: every run is a `finetune train` child process).")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME") or "127.0.0.1",
-                   help="Address to listen on (default: $GRADIO_SERVER_NAME or 127.0.0.1; 0.0.0.0 exposes the app "
-                   "to your network, which then can run code on this machine through training).")
+                   help="Address to listen on (default: $GRADIO_SERVER_NAME or 127.0.0.1). Any other than loopback "
+                   "(0.0.0.0 exposes the app to your network) needs accounts ($FINETUNE_USERS or $FINETUNE_PASSWORD) "
+                   "or --no-auth.")
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT") or DEFAULT_PORT),
                    help=f"Port (default: $GRADIO_SERVER_PORT or {DEFAULT_PORT}).")
     parser.add_argument("--runs-dir", default=os.environ.get("FINETUNE_RUNS_DIR") or "runs",
@@ -28,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the bundled model on the sample data, when it exists).")
     parser.add_argument("--max-file-size", default="1gb", help="Largest upload accepted (default: 1gb).")
     parser.add_argument("--open", action="store_true", help="Open the app in a browser tab.")
+    shared = parser.add_argument_group("shared server", SHARED_HELP)
+    shared.add_argument("--no-auth", action="store_true", help="Serve a non-loopback --host without accounts: "
+                   "anyone who can reach it can train (as one shared user, with the shared-server limits).")
     return parser
 
 
@@ -50,6 +64,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 def launch(args: argparse.Namespace, **kwargs: Any) -> Any:
     """Build and serve the app (kwargs go to `Blocks.launch`); returns the `App` once the server has stopped, or at
     once with `prevent_thread_lock=True`. A training run outlives the server: the next start re-attaches to it."""
+    access = Access.from_env(os.environ, args.host, args.no_auth)
     runs_dir = Path(args.runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     # Gradio keeps uploads and served files here; it must be writable (the Docker image points it at $HOME).
@@ -58,19 +73,29 @@ def launch(args: argparse.Namespace, **kwargs: Any) -> Any:
     from app.ui import build
 
     preset, base = _preset(args.preset)
-    app = build(runs_dir, memory=detect(), preset=preset, preset_base=base)
+    if access.mode == "open":
+        print(f"WARNING: no accounts on {args.host}: anyone who can reach this app can train on this machine.",
+              file=sys.stderr)
+    if access.mode == "password":
+        kwargs.setdefault("auth", access.check_password)
+        kwargs.setdefault("auth_message", "Sign in to train.")
+    app = build(runs_dir, memory=detect(), preset=preset, preset_base=base, access=access)
     # As PID 1 of a container, Python ignores SIGTERM; make `docker stop` close the server like Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
     app.demo.queue(default_concurrency_limit=1).launch(
         server_name=args.host, server_port=args.port, max_file_size=args.max_file_size, css=app.css, js=app.js,
-        allowed_paths=[str(runs_dir.resolve())], footer_links=["gradio", "settings"], inbrowser=args.open,
-        **kwargs)
+        footer_links=["gradio", "settings"], inbrowser=args.open, **kwargs)
     return app
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve until Ctrl-C (or SIGTERM), then say whether a run goes on without the app."""
-    status = launch(args).jobs.status()
+    """Serve until Ctrl-C (or SIGTERM), then say whether a run goes on without the app; 2 when a public host has
+    no accounts."""
+    try:
+        status = launch(args).jobs.status()
+    except AccessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if status.active:
         print(f"The run in {status.run_dir} goes on in the background; `finetune ui` re-attaches to it (Stop ends it).",
               file=sys.stderr)

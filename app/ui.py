@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import gradio as gr
 
 from app import dataview
+from app.access import Access
 from app.api import ScriptApi
 from app.dataview import UPLOAD_TYPES, DatasetView, labels_markdown
 from app.device import DeviceMemory
@@ -126,10 +128,24 @@ def _updates(result: Any, targets: Targets) -> dict[gr.components.Component, Any
 
 def _on(event: Callable[..., Any], handler: Callable[..., Any], inputs: Any, targets: Targets,
         **kwargs: Any) -> Any:
-    """Wire `handler` to `event`, its named result going to the components of `targets`."""
-    # Nothing to update is Gradio's skip: an empty dict would read as one value for the first output.
-    return event(lambda *args: _updates(handler(*args), targets) or gr.skip(), inputs, _components(targets),
-                 **kwargs)
+    """Wire `handler` to `event`, its named result going to the components of `targets`; the handler gets the
+    request too (who asks, on a shared server)."""
+
+    # Gradio passes the request to a leading parameter typed gr.Request. Nothing to update is Gradio's skip: an
+    # empty dict would read as one value for the first output.
+    def run(request: gr.Request, *args: Any) -> Any:
+        return _updates(handler(*args, request=request), targets) or gr.skip()
+
+    return event(run, inputs, _components(targets), **kwargs)
+
+
+def _asking(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """`handler` with no inputs but the request."""
+
+    def run(request: gr.Request) -> Any:
+        return handler(request=request)
+
+    return run
 
 
 def initial_config(preset: Path | None, memory: DeviceMemory | None, base: Path | None = None) -> Config:
@@ -141,11 +157,15 @@ def initial_config(preset: Path | None, memory: DeviceMemory | None, base: Path 
 
 
 def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemory | None = None,
-          preset: Path | None = None, preset_base: Path | None = None) -> App:
+          preset: Path | None = None, preset_base: Path | None = None, access: Access | None = None) -> App:
     """The app: widgets for every config field, the run panel, results and reproducibility."""
-    jobs = jobs or JobManager(runs_dir)
-    controller = Controller(runs_dir, jobs)
+    access = access or Access()
+    # Locally the child inherits the app's environment as it is at each start, like a command typed in a terminal.
+    jobs = jobs or JobManager(runs_dir, env=access.child_env(os.environ) if access.shared else None)
     initial = initial_config(preset, memory, preset_base)
+    # The sample data the preset points at stays readable on a shared server.
+    samples = tuple(Path(p) for p in (initial.dataset, initial.eval_dataset) if p and Path(p).is_file())
+    controller = Controller(runs_dir, jobs, access, samples)
     # The sample data is inspected before the page is served, so it opens with its preview and columns filled in
     # (a refresh on page load could finish after a quick upload and overwrite its preview).
     data = dataview.inspect(initial.dataset, initial.dataset_config, initial.train_split, initial.task,
@@ -160,6 +180,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
 
     with gr.Blocks(title="finetune") as demo:
         gr.Markdown(INTRO)
+        if access.mode == "space":  # only on a Space: elsewhere Gradio would mock the sign-in with a hub call
+            gr.LoginButton("Sign in with Hugging Face to train")
         with gr.Row(equal_height=False):
             with gr.Column(scale=5):
                 with gr.Column(variant="panel"):
@@ -272,8 +294,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         _on(plan_btn.click, controller.plan, values, {"text": plan_md, "chart": plan_plot, "error": plan_error},
             **private)
         _on(start_btn.click, controller.start, values, {"note": run_msg, "dataset_note": data_error}, **private)
-        stop_btn.click(controller.stop, None, run_msg, concurrency_limit=None, **private)
-        resume_btn.click(controller.resume, None, run_msg, **private)
+        stop_btn.click(_asking(controller.stop), None, run_msg, concurrency_limit=None, **private)
+        resume_btn.click(_asking(controller.resume), None, run_msg, **private)
         _on(timer.tick, controller.poll, seen, run_out, concurrency_limit=None, show_progress="hidden", **private)
         # A reload (or a second tab) shows the running job at once rather than at the next tick.
         _on(demo.load, controller.poll, seen, run_out, show_progress="hidden", **private)

@@ -42,7 +42,7 @@ def test_a_script_plans_trains_and_predicts_through_the_named_api(client, tiny_b
 
     started = client.predict(config=yaml.safe_dump(config), api_name="/start")
     assert started["started"] and started["run_dir"].startswith("runs/"), started
-    assert started["command"] == f"finetune train {started['run_dir']}.yaml"
+    assert started["command"] == f"finetune train {started['run_dir']}/launch.yaml"
     busy = client.predict(config=config, api_name="/start")
     assert not busy["started"] and "A run is in progress" in busy["message"]
 

@@ -80,7 +80,7 @@ def test_one_job_then_stop_then_resume_to_done(tmp_path, tiny_bert, cls_csv):
     ctl = Controller(tmp_path / "runs", jobs)
     shown = ctl.poll(None)
     assert shown.status.startswith("**Done**") and "step 200 / 200" in shown.progress
-    assert shown.download["value"].endswith("r1-model.zip") and shown.download["interactive"]
+    assert shown.download["value"] == str(run_dir / "model.zip") and shown.download["interactive"]
     assert not shown.stop_button["interactive"] and not shown.resume_button["visible"]
     assert shown.command == f"finetune train {run_dir / 'config.yaml'} resume=true"
     assert all(x == gr.skip() for x in vars(ctl.poll(shown.signature)).values())  # nothing new: nothing re-sent

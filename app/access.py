@@ -1,0 +1,222 @@
+"""Who may do what when the app is shared (a Space, a host beyond loopback, or configured accounts), and which files
+the app may read and write for them. Pure: built from the environment and the host, tested without a browser.
+
+Modes: `local` (loopback, no accounts: one user, everything as on the command line), `space` (Hugging Face OAuth:
+the Space's owner and `FINETUNE_ALLOWED_USERS` may train), `password` (`FINETUNE_USERS` / `FINETUNE_PASSWORD`
+accounts behind Gradio's login form), `open` (`--no-auth` on a public host: everyone is one anonymous user). All but
+`local` are shared: no remote code, no local paths but the user's own uploads, a child without the app's secrets.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune.config import DEFAULT_MODEL, Config
+from finetune.data import is_local
+
+ANYONE = "anyone"  # the one user of an `open` server
+USERS_VAR, PASSWORD_VAR, ALLOWED_VAR = "FINETUNE_USERS", "FINETUNE_PASSWORD", "FINETUNE_ALLOWED_USERS"
+PASSWORD_USER = "admin"  # the account FINETUNE_PASSWORD sets
+USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+RESERVED = {"uploads"}  # folder names under runs/ that are not a user's
+# What a training child needs from the app's environment; everything else (HF_TOKEN, cloud keys, OAuth secrets) stays
+# in the app on a shared server.
+CHILD_ENV = {"PATH", "HOME", "USER", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP", "PYTHONPATH",
+             "PYTHONUNBUFFERED", "PYTHONHASHSEED", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "HF_HOME", "HF_HUB_CACHE",
+             "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT",
+             "TRANSFORMERS_CACHE", "TORCH_HOME", "XDG_CACHE_HOME", "MPLCONFIGDIR", "CUDA_VISIBLE_DEVICES",
+             "CUDA_HOME", "NVIDIA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+             "TOKENIZERS_PARALLELISM", "WORLD_SIZE"}
+NO_REMOTE_CODE = "trust_remote_code is disabled on a shared server."
+
+
+class AccessError(ValueError):
+    """Something the policy refuses; the message is one sentence a user (or the operator) can act on."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only listens on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _accounts(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in (env.get(USERS_VAR) or "").split(","):
+        if item.strip():
+            name, sep, password = item.strip().partition(":")
+            if not sep or not password:
+                raise AccessError(f"{USERS_VAR} must list name:password pairs separated by commas, not {name!r}.")
+            pairs.append((name, password))
+    if env.get(PASSWORD_VAR):
+        pairs.append((PASSWORD_USER, env[PASSWORD_VAR]))
+    bad = [name for name, _ in pairs if not USER_NAME.fullmatch(name) or name in RESERVED]
+    if bad:
+        raise AccessError(f"Account name {bad[0]!r} cannot be used: use letters, digits, '.', '_' or '-' "
+                          "(and not 'uploads').")
+    return tuple(pairs)
+
+
+@dataclass(frozen=True)
+class Access:
+    """The policy of one app process."""
+
+    mode: str = "local"  # local, space, password, open
+    owner: str | None = None  # the Space's author
+    allowed: frozenset[str] = frozenset()
+    accounts: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], host: str, no_auth: bool = False) -> Access:
+        """The policy for serving on `host` with environment `env`; raises `AccessError` when a public host has no
+        accounts and `--no-auth` was not given."""
+        allowed = frozenset(u.strip().lstrip("@") for u in (env.get(ALLOWED_VAR) or "").split(",") if u.strip())
+        # What Gradio takes for a Space too: anywhere else a LoginButton would make it mock the sign-in.
+        if env.get("SPACE_ID") and env.get("SYSTEM") == "spaces":
+            return cls("space", env.get("SPACE_AUTHOR_NAME") or None, allowed)
+        accounts = _accounts(env)
+        if accounts:
+            return cls("password", accounts=accounts)
+        if is_loopback(host):
+            return cls()
+        if no_auth:
+            return cls("open")
+        raise AccessError(f"Listening on {host} lets anyone who can reach it train on this machine: set {USERS_VAR}="
+                          f"name:password (or {PASSWORD_VAR}), or pass --no-auth to allow it anyway.")
+
+    @property
+    def shared(self) -> bool:
+        """Whether several people may use the app: runs have owners and files are confined."""
+        return self.mode != "local"
+
+    def check_password(self, username: str, password: str) -> bool:
+        """Gradio's `launch(auth=…)`: whether the account exists with this password (in constant time)."""
+        return any(hmac.compare_digest(username.encode(), name.encode())
+                   & hmac.compare_digest(password.encode(), secret.encode()) for name, secret in self.accounts)
+
+    def identify(self, request: Any) -> str | None:
+        """The user behind a Gradio request: None when anonymous (and always locally, where there is one user)."""
+        if self.mode == "local":
+            return None
+        if self.mode == "open":
+            return ANYONE
+        if self.mode == "password":
+            return getattr(request, "username", None) or None
+        info = _session(request).get("oauth_info") or {}
+        if info.get("expires_at") is not None and info["expires_at"] < time.time():
+            return None
+        return (info.get("userinfo") or {}).get("preferred_username") or None
+
+    def may_run(self, user: str | None) -> bool:
+        """Whether `user` may start, stop, resume, try and download runs (their own)."""
+        if self.mode in ("local", "open"):
+            return True
+        if self.mode == "password":
+            return user in {name for name, _ in self.accounts}
+        return user is not None and (user == self.owner or user in self.allowed)
+
+    def refusal(self, user: str | None) -> str:
+        """Why `user` may not train ("" when they may)."""
+        if self.may_run(user):
+            return ""
+        if self.mode == "space":
+            if user is None:
+                return "Sign in with Hugging Face to train."
+            return (f"@{user} is not allowed to train on this Space (ask its owner to add you to "
+                    f"{ALLOWED_VAR}).")
+        return "Sign in to train."
+
+    def owns(self, user: str | None, owner: str | None) -> bool:
+        """Whether `user` may see and steer a run started by `owner`."""
+        return not self.shared or (self.may_run(user) and user == owner)
+
+    # --- files
+    def home(self, runs_dir: Path, user: str | None) -> Path:
+        """Where `user`'s runs go: the runs folder itself locally, `runs/<user>/` when shared."""
+        return runs_dir / user if self.shared and user else runs_dir
+
+    def uploads(self, runs_dir: Path, user: str | None) -> Path:
+        """Where `user`'s uploads are kept: `runs/uploads/`, or `runs/uploads/<user>/` when shared."""
+        return runs_dir / "uploads" / user if self.shared and user else runs_dir / "uploads"
+
+    def child_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """The environment of a training or planning child: all of `env` locally, only what it needs when shared."""
+        if not self.shared:
+            return dict(env)
+        return {k: v for k, v in env.items() if k in CHILD_ENV or k.startswith("LC_")}
+
+    def check_source(self, source: str | None, what: str, readable: tuple[Path, ...]) -> None:
+        """Refuse a local file or folder outside `readable` (the user's uploads, the sample data) when shared."""
+        if not self.shared or not source or (what != "model" and not is_local(source)):
+            return
+        if what == "model" and (source == DEFAULT_MODEL or not _model_is_local(source)):
+            return
+        path = Path(source).expanduser().resolve()
+        if what != "model" and any(path == r or path.is_relative_to(r) for r in readable):
+            return
+        if what == "model":
+            raise AccessError("Local model folders cannot be used on a shared server: give a Hugging Face hub id.")
+        raise AccessError(f"`{what}` {source!r} is not one of your uploads: upload the file, or give a Hugging Face "
+                          "hub dataset id.")
+
+    def check_config(self, config: Config, readable: tuple[Path, ...]) -> None:
+        """Refuse what a shared server must not run: remote code, local models, files that are not the user's."""
+        if not self.shared:
+            return
+        if config.trust_remote_code:
+            raise AccessError(NO_REMOTE_CODE)
+        self.check_source(config.model, "model", readable)
+        for what in ("dataset", "eval_dataset"):
+            self.check_source(getattr(config, what), what, readable)
+
+
+def _model_is_local(name: str) -> bool:
+    # The same test as `finetune.modeling.resolve_model_path`.
+    return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def _session(request: Any) -> Mapping[str, Any]:
+    """The request's session (where Gradio's OAuth keeps the signed-in user), or {} without one."""
+    underlying = getattr(request, "request", None) or request
+    scope = getattr(underlying, "scope", None)
+    if isinstance(scope, dict):  # a Starlette request: reading `.session` without the middleware would raise
+        return scope.get("session") or {}
+    return getattr(request, "session", None) or {}
+
+
+def resolve_output_dir(typed: str | None, home: Path) -> Path | None:
+    """The run folder an `output_dir` typed in the app names: a name inside `home`; None when none was typed.
+
+    A path that already lies inside `home` (such as `runs/x` locally) is kept; an absolute path elsewhere or one
+    with `..` is refused, so that the app never writes outside its runs folder."""
+    if not typed or not typed.strip():
+        return None
+    path = Path(typed.strip()).expanduser()
+    if ".." in path.parts:
+        raise AccessError(f"output_dir {typed!r} may not contain '..': give a name for the run inside {home}.")
+    inside = home.resolve()
+    resolved = path.resolve()
+    if resolved.is_relative_to(inside) and resolved != inside:
+        return home / resolved.relative_to(inside)
+    if path.is_absolute():
+        raise AccessError(f"output_dir {typed!r} is outside the app's runs folder: give a name for the run "
+                          f"inside {home}.")
+    return home / path
+
+
+def new_run_name(shared: bool) -> str:
+    """A run folder's name: the date and time, and when shared a random part, so that names cannot be guessed."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{os.urandom(4).hex()}" if shared else stamp
