@@ -15,7 +15,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import dataview, views
+from app import cleanup, dataview, limits, views
 from app.jobs import JobBusy, JobManager, JobStatus, zip_model
 from app.mapping import (
     COLUMN_FIELDS,
@@ -43,7 +43,7 @@ from app.results import (
 from finetune.config import FIELDS, Config, ConfigError, from_dict
 from finetune.rundir import RunDirError, check_run_dir
 
-PLAN_TIMEOUT_S = 600
+PLAN_TIMEOUT_S = 120
 TASK_COLUMNS = {"classification": ("text_column", "text_pair_column", "label_column"),
                 "causal_lm": ("text_column", "prompt_column", "completion_column")}
 NONE_CHOICE = ("—", "")
@@ -65,9 +65,10 @@ def _display_path(path: Path | str) -> str:
 class Controller:
     """The handlers of one app: they share the runs directory and the job manager."""
 
-    def __init__(self, runs_dir: Path, jobs: JobManager):
+    def __init__(self, runs_dir: Path, jobs: JobManager, server_limits: limits.Limits = limits.LOCAL):
         self.runs_dir = runs_dir
         self.jobs = jobs
+        self.limits = server_limits
 
     # --- model and dataset
     def on_model(self, model: str) -> TaskGuess:
@@ -112,6 +113,8 @@ class Controller:
     # --- plan
     def make_plan(self, config: Config) -> dict[str, Any]:
         """`finetune plan` on `config`: the plan.json mapping; raises `Unanswered` with the planner's message."""
+        if over := limits.check(config, self.limits):
+            raise Unanswered(" ".join(over))
         extra = []
         if self.jobs.status().active and "plan_probe" in FIELDS:
             # A measured probe would train on the device the running job is using: estimate without one.
@@ -128,7 +131,7 @@ class Controller:
                 text = (proc.stderr or proc.stdout).strip().splitlines()
                 message = next((line[len("error: "):] for line in reversed(text) if line.startswith("error: ")),
                                None)
-                raise Unanswered(message or (text[-1] if text else "The planner failed."))
+                raise Unanswered(limits.short_text(message or (text[-1] if text else "The planner failed.")))
             plan = json.loads(out_path.read_text(encoding="utf-8"))
         if extra:
             plan["notes"] = [*plan.get("notes", []), "Estimated without a measured probe while a run is training."]
@@ -159,6 +162,8 @@ class Controller:
         """Check the data and the run directory, write the YAML and start `finetune train` on it."""
         if self.jobs.status().active:
             return Started(started=False, message=self.jobs.busy_message())
+        if refused := self._server_refuses(config):
+            return Started(started=False, message=refused)
         view = dataview.inspect(config.dataset, config.dataset_config, config.train_split, config.task,
                                 {c: getattr(config, c) for c in COLUMN_FIELDS})
         if view.error:
@@ -181,6 +186,15 @@ class Controller:
         return Started(started=True, message=f"Started. Reproduce from a terminal with `{command}`.",
                        run_dir=_display_path(run_dir), command=command)
 
+    def _server_refuses(self, config: Config | None) -> str:
+        """Why this server will not start `config` (its limits, its disk), after deleting what its clean-up policy
+        says is old; "" when it may start."""
+        cleanup.tidy(self.runs_dir, self.limits.keep_days, keep=self.jobs.status().run_dir,
+                     gradio_dir=cleanup.gradio_temp_dir())
+        problems = limits.check(config, self.limits) if config is not None else []
+        disk = cleanup.disk_problem(self.runs_dir, self.limits.min_free_gb)
+        return " ".join([*problems, *([disk] if disk else [])])
+
     def _new_run_dir(self) -> Path:
         base = self.runs_dir / time.strftime("%Y%m%d-%H%M%S")
         path, n = base, 2
@@ -195,10 +209,12 @@ class Controller:
     def resume(self) -> str:
         """Continue the stopped run from its checkpoint."""
         status = self.jobs.status()
-        if status.state != "stopped" or status.run_dir is None:
-            return "Nothing to resume: only a stopped run can be resumed."
-        if not status.checkpoint:
-            return "This run stopped before its first checkpoint: start it again instead."
+        if status.state not in ("stopped", "failed") or status.run_dir is None:
+            return "Nothing to resume: only a stopped or failed run can be resumed."
+        if not status.resumable:
+            return "This run ended before its first checkpoint: start it again instead."
+        if refused := self._server_refuses(None):
+            return f"⚠️ {refused}"
         try:
             self.jobs.resume(status.run_dir)
         except JobBusy as e:
@@ -223,7 +239,7 @@ class Controller:
                         loss_curve=frame if len(frame) else None, log=views.log_text(status),
                         metrics=views.final_metrics(status) or None, run_dir=str(status.run_dir or ""),
                         download=download, stop_button=gr.update(interactive=status.active),
-                        resume_button=gr.update(visible=status.state == "stopped" and bool(status.checkpoint)),
+                        resume_button=gr.update(visible=status.resumable),
                         command=command if command else gr.skip())
 
     def running_config(self) -> FormShown:
@@ -254,14 +270,15 @@ class Controller:
 
         Raises `Unanswered` without a text or a finished model, and `finetune.modeling.ModelError` when the model
         cannot be loaded."""
-        if not (text or "").strip():
+        text, _ = limits.truncate_try_text(text)
+        if not text:
             raise Unanswered("Type a text first.")
         status = self.jobs.status()
         if status.model_dir is None:
             raise Unanswered("No trained model yet: train (or resume) a run to the end first.")
         from finetune.predict import predict
 
-        out = predict(str(status.run_dir), [text.strip()])[0]
+        out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS)[0]
         return {k: out[k] for k in ("label", "probabilities", "generated") if k in out}
 
     def try_it(self, text: str) -> PredictionShown:
@@ -274,11 +291,12 @@ class Controller:
             return PredictionShown(message=str(e))
         except ModelError as e:
             return PredictionShown(message=f"⚠️ {e}")
+        _, note = limits.truncate_try_text(text)
         if "probabilities" in out:
             return PredictionShown(label=gr.update(value=out["probabilities"], visible=True),
-                                   generated=gr.update(visible=False))
+                                   generated=gr.update(visible=False), message=note)
         return PredictionShown(label=gr.update(visible=False), generated=gr.update(value=out["generated"],
-                                                                                   visible=True))
+                                                                                   visible=True), message=note)
 
     # --- reproducibility
     def export(self, *values: Any) -> ExportShown:
@@ -298,6 +316,8 @@ class Controller:
         """Fill every widget from a YAML config (its errors are the config's own)."""
         if not uploaded:
             return FormShown()
+        if too_big := limits.config_size_problem(uploaded, is_file=True):  # before parsing: a 5 MB YAML takes minutes
+            return FormShown(note=f"⚠️ {too_big}")
         try:
             config = load_config_file(uploaded)
         except ConfigError as e:

@@ -20,6 +20,7 @@ MAX_PROBLEM_CHARS = 200
 MAX_CONFIG_BYTES = 64 * 1024  # an imported (or API) config: a real one is a few hundred bytes
 MAX_TRY_CHARS = 2000  # Try it: characters of the text the model sees
 MAX_NEW_TOKENS = 64  # Try it: tokens a causal LM may generate
+PLAN_CONCURRENCY = 4  # plans served at once (page and API together): one slow plan does not hold everyone's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,18 +46,20 @@ LOCAL = Limits()
 SPACE = Limits(max_epochs=20, max_steps=20_000, max_effective_batch=1024, max_run_minutes=120,
                max_file_size="200mb", min_free_gb=5.0, keep_days=7)
 
-# flag → (field, type, what it limits); the environment variable is FINETUNE_ + the flag in capitals.
+# flag → (field, type, help); the environment variable is FINETUNE_ + the flag in capitals.
 FLAGS = {
-    "--max-epochs": ("max_epochs", float, "epochs of a run"),
-    "--max-steps": ("max_steps", int, "optimizer steps of a run (max_steps)"),
-    "--max-effective-batch": ("max_effective_batch", int, "effective batch size"),
-    "--max-run-minutes": ("max_run_minutes", float, "minutes a run may train before it is stopped with a "
-                          "checkpoint"),
-    "--max-file-size": ("max_file_size", str, "largest upload, e.g. 200mb"),
-    "--min-free-gb": ("min_free_gb", float, "GB that must be free on the runs folder's disk to start a run"),
-    "--keep-days": ("keep_days", float, "days after which finished runs and unused uploads are deleted"),
-    "--stop-grace": ("stop_grace_s", float, "seconds a run gets to save its checkpoint when the app receives "
-                     "SIGTERM (docker stop)"),
+    "--max-epochs": ("max_epochs", float, "Most epochs a run may ask for (0: no limit)."),
+    "--max-steps": ("max_steps", int, "Most optimizer steps (max_steps) a run may ask for (0: no limit)."),
+    "--max-effective-batch": ("max_effective_batch", int, "Largest effective batch a run may ask for (0: no limit)."),
+    "--max-run-minutes": ("max_run_minutes", float, "Minutes a run may train before it is stopped with a checkpoint "
+                          "(0: no limit)."),
+    "--max-file-size": ("max_file_size", str, "Largest upload accepted, e.g. 200mb."),
+    "--min-free-gb": ("min_free_gb", float, "GB that must be free on the runs folder's disk to start a run "
+                      "(0: no check)."),
+    "--keep-days": ("keep_days", float, "Delete finished, stopped and failed runs (and uploads no kept run uses) "
+                    "older than this many days, at start and before each run (0: keep everything)."),
+    "--stop-grace": ("stop_grace_s", float, "Seconds a run gets to save its checkpoint when the app receives SIGTERM "
+                     "(docker stop) before the app exits."),
 }
 
 
@@ -74,11 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     base = defaults()
     group = parser.add_argument_group("limits", "What a run may ask of this server (0 = no limit). Defaults are "
                                       "looser locally than on a Hugging Face Space (when SPACE_ID is set).")
-    for flag, (name, kind, what) in FLAGS.items():
+    for flag, (name, kind, text) in FLAGS.items():
         env = _env_name(flag)
         default = getattr(base, name)
         group.add_argument(flag, dest=name, type=kind, default=os.environ.get(env) or default,
-                           help=f"Limit on the {what} (default: ${env} or {default if default is not None else 0}).")
+                           help=f"{text} Default: ${env}, else {default if default is not None else 0}.")
 
 
 def from_args(args: argparse.Namespace) -> Limits:

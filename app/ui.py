@@ -9,7 +9,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import dataview
+from app import dataview, limits
 from app.api import ScriptApi
 from app.dataview import UPLOAD_TYPES, DatasetView, labels_markdown
 from app.device import DeviceMemory
@@ -141,10 +141,11 @@ def initial_config(preset: Path | None, memory: DeviceMemory | None, base: Path 
 
 
 def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemory | None = None,
-          preset: Path | None = None, preset_base: Path | None = None) -> App:
+          preset: Path | None = None, preset_base: Path | None = None,
+          server_limits: limits.Limits = limits.LOCAL) -> App:
     """The app: widgets for every config field, the run panel, results and reproducibility."""
-    jobs = jobs or JobManager(runs_dir)
-    controller = Controller(runs_dir, jobs)
+    jobs = jobs or JobManager(runs_dir, max_run_s=server_limits.max_run_s)
+    controller = Controller(runs_dir, jobs, server_limits)
     initial = initial_config(preset, memory, preset_base)
     # The sample data is inspected before the page is served, so it opens with its preview and columns filled in
     # (a refresh on page load could finish after a quick upload and overwrite its preview).
@@ -270,7 +271,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
             _on(fields[name].input, controller.refresh_dataset, data_in, data_out, **private)
         _on(upload.upload, controller.on_upload, [upload, *data_in[1:]], upload_out, **private)
         _on(plan_btn.click, controller.plan, values, {"text": plan_md, "chart": plan_plot, "error": plan_error},
-            **private)
+            concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, **private)
         _on(start_btn.click, controller.start, values, {"note": run_msg, "dataset_note": data_error}, **private)
         stop_btn.click(controller.stop, None, run_msg, concurrency_limit=None, **private)
         resume_btn.click(controller.resume, None, run_msg, **private)
