@@ -27,12 +27,11 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def disk_problem(runs_dir: Path, min_free_gb: float,
-                 free: Callable[[Path], int] = free_bytes) -> str | None:
+def disk_problem(runs_dir: Path, min_free_gb: float, free: Callable[[Path], int] | None = None) -> str | None:
     """Why a run must not start for lack of disk space under `runs_dir`; None when there is enough."""
     if not min_free_gb:
         return None
-    available = free(runs_dir) / 1e9
+    available = (free or free_bytes)(runs_dir) / 1e9
     if available >= min_free_gb:
         return None
     return (f"Only {available:.1f} GB free on the disk of {runs_dir}: at least {min_free_gb:g} GB is needed to start "
