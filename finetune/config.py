@@ -94,7 +94,8 @@ class Config:
                            "a GPU).", choices=("auto", "true", "false"), group="advanced")
     # --- optimisation
     epochs: float = _opt(3.0, "Passes over the training data.", min=0.0, max=10_000.0)
-    max_steps: int | None = _opt(None, "Stop after this many optimizer steps (overrides `epochs`).", min=1, max=100_000_000)
+    max_steps: int | None = _opt(None, "Stop after this many optimizer steps (overrides `epochs`).", min=1,
+                                 max=100_000_000)
     learning_rate: float = _opt(1e-4, "Peak learning rate.", min=0.0, max=1.0)
     weight_decay: float = _opt(0.01, "Decoupled weight decay (not applied to biases and norms).", min=0.0, max=1.0,
                                group="advanced")
