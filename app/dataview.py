@@ -98,12 +98,10 @@ def _hub_sample(source: str, config_name: str | None, split: str) -> Any:
     try:
         stream = datasets.load_dataset(source, config_name, split=split, streaming=True)
         rows = list(itertools.islice(stream, HUB_SAMPLE_ROWS))
-    except ValueError as e:
-        raise DataError(f"Dataset {source!r} could not be loaded: {str(e).splitlines()[0][:200]}") from None
-    except (OSError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:
-        raise DataError(f"Dataset {source!r} is neither a local file nor reachable on the Hugging Face Hub "
-                        f"({type(e).__name__}): check the name, or give a .csv/.tsv/.json/.jsonl/.parquet "
-                        "file.") from None
+    except (ValueError, OSError, datasets.exceptions.DatasetNotFoundError) as e:  # a bad name, config or split
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DataError(f"Dataset {source!r} is neither a local file nor readable from the Hugging Face Hub "
+                        f"({reason}): check the name, config and split, or upload a file.") from None
     if not rows:
         raise DataError(f"Dataset {source!r} has no rows.")
     return datasets.Dataset.from_list(rows, features=stream.features) if stream.features else \
