@@ -12,7 +12,7 @@ from typing import Any, TypedDict
 
 import gradio as gr
 
-from app import views
+from app import limits, views
 from app.handlers import Controller, Unanswered
 from app.mapping import parse_config, problems_text
 from finetune.config import ConfigError
@@ -50,7 +50,7 @@ class ScriptApi:
     def register(self) -> None:
         """Add the endpoints to the Blocks being built (call it inside `with gr.Blocks()`)."""
         gr.api(self.start, api_name="start")
-        gr.api(self.plan, api_name="plan")
+        gr.api(self.plan, api_name="plan", concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY)
         # Status and Stop must answer while another call (a plan, say) is being served.
         gr.api(self.status, api_name="status", concurrency_limit=None)
         gr.api(self.stop, api_name="stop", concurrency_limit=None)

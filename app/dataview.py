@@ -1,10 +1,21 @@
-"""The Dataset block: load a file or hub dataset, preview it, guess and check the column mapping, count labels."""
+"""The Dataset block: load a file or hub dataset, preview it, guess and check the column mapping, count labels.
+
+The preview runs in the server process, for every visitor: a local file is read straight into memory (the first
+rows, then only the label column), without the Arrow copy `datasets` would write into its cache; a hub dataset is
+streamed (its first rows only) in a worker with a timeout, never downloaded whole.
+"""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import io
+import itertools
+import os
 import shutil
+import threading
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +28,8 @@ from finetune.data import DataError, is_local, label_counts, label_names_of, loa
 
 PREVIEW_ROWS = 5
 UPLOAD_TYPES = [".csv", ".tsv", ".json", ".jsonl", ".parquet"]
+HUB_TIMEOUT_S = 30.0
+HUB_SAMPLE_ROWS = 1000  # rows of a hub dataset read for the preview and the label check
 
 
 @dataclass(frozen=True)
@@ -29,19 +42,111 @@ class DatasetView:
     chosen: dict[str, str | None] = field(default_factory=dict)  # column field → column
     labels: dict[str, int] = field(default_factory=dict)  # label → rows
     error: str = ""
+    sampled: bool = False  # a hub dataset: `rows` and `labels` count only its first rows
 
 
-@functools.lru_cache(maxsize=4)
-def _load(source: str, config_name: str | None, split: str, stamp: Any) -> Any:
-    # `stamp` (size and mtime of a local file) makes an edited file load again.
-    return load_table(source, config_name, split)
+def _in_memory(table: Any) -> Any:
+    """A `datasets.Dataset` held in memory (no cache file) from a pyarrow table or a pandas frame."""
+    import datasets
+    import pyarrow as pa
+
+    if isinstance(table, pd.DataFrame):
+        table = pa.Table.from_pandas(table, preserve_index=False)
+    return datasets.Dataset(datasets.table.InMemoryTable(table))
 
 
-def load(source: str, config_name: str | None = None, split: str = "train") -> Any:
-    """The table behind `source` (a local file or a hub id), cached while the file is unchanged."""
+def _read_local(path: Path, columns: tuple[str, ...] | None, head: int | None) -> Any:
+    """The first `head` rows (or all rows) of `columns` (or all columns) of a local file, read as `datasets` reads
+    it (pandas for CSV, pyarrow for JSON lines and Parquet) but without writing an Arrow copy into its cache."""
+    import pyarrow.json
+    import pyarrow.parquet
+
+    suffix, wanted = path.suffix.lower(), list(columns) if columns else None
+    if suffix in (".csv", ".tsv"):
+        return _in_memory(pd.read_csv(path, sep="\t" if suffix == ".tsv" else ",", usecols=wanted, nrows=head))
+    if suffix == ".parquet":
+        if head is not None:
+            batch = next(pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=head, columns=wanted), None)
+            return _in_memory(pyarrow.Table.from_batches([batch]) if batch is not None else pyarrow.table({}))
+        return _in_memory(pyarrow.parquet.read_table(path, columns=wanted))
+    if suffix == ".jsonl":
+        with open(path, "rb") as f:
+            data = b"".join(itertools.islice(f, head)) if head is not None else f.read()
+        table = pyarrow.json.read_json(io.BytesIO(data))
+        return _in_memory(table.select(wanted) if wanted else table)
+    raise ValueError(f"{suffix} is read by datasets")  # a .json array, say: only `datasets` reads every layout
+
+
+@functools.lru_cache(maxsize=8)
+def _local(source: str, columns: tuple[str, ...] | None, head: int | None, stamp: Any) -> Any:
+    # `stamp` (size and mtime of the file) makes an edited file load again.
+    try:
+        table = _read_local(Path(source).expanduser(), columns, head)
+    except (ValueError, TypeError, KeyError, OSError):  # pandas/pyarrow errors: `datasets` reads it again, and
+        table = None  # words the problem in its own message
+    if table is None or len(table) == 0:
+        table = load_table(source)  # raises the data's own message (or reads a layout only it knows)
+        table = table.select_columns(list(columns)) if columns else table
+    return table
+
+
+def _hub_sample(source: str, config_name: str | None, split: str) -> Any:
+    """The first rows of a hub dataset, streamed (nothing else of it is downloaded)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        stream = datasets.load_dataset(source, config_name, split=split, streaming=True)
+        rows = list(itertools.islice(stream, HUB_SAMPLE_ROWS))
+    except (ValueError, OSError, datasets.exceptions.DatasetNotFoundError) as e:  # a bad name, config or split
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DataError(f"Dataset {source!r} is neither a local file nor readable from the Hugging Face Hub "
+                        f"({reason}): check the name, config and split, or upload a file.") from None
+    if not rows:
+        raise DataError(f"Dataset {source!r} has no rows.")
+    return datasets.Dataset.from_list(rows, features=stream.features) if stream.features else \
+        datasets.Dataset.from_list(rows)
+
+
+def _within(timeout_s: float, what: str, work: Callable[[], Any]) -> Any:
+    """`work()` in a daemon thread; a `DataError` when it has not answered within `timeout_s` (the thread is left
+    to finish on its own, so a hung request cannot hold the server's worker, or its exit)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as e:  # handed to the caller's thread, which raises it
+            box["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True, name="hub-preview")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise DataError(f"Dataset {what!r}: the hub did not answer within {timeout_s:g} s; check the id, or try "
+                        "again later.")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@functools.lru_cache(maxsize=8)
+def _hub(source: str, config_name: str | None, split: str) -> Any:
+    return _within(HUB_TIMEOUT_S, source, lambda: _hub_sample(source, config_name, split))
+
+
+def _stamp(source: str) -> Any:
     path = Path(source).expanduser()
-    stamp = (path.stat().st_size, path.stat().st_mtime_ns) if is_local(source) and path.is_file() else None
-    return _load(source, config_name or None, split or "train", stamp)
+    return (path.stat().st_size, path.stat().st_mtime_ns) if path.is_file() else None
+
+
+def load(source: str, config_name: str | None = None, split: str = "train", columns: tuple[str, ...] | None = None,
+         head: int | None = None) -> Any:
+    """The table behind `source`: `columns` (default all) and the first `head` rows (default all) of a local file,
+    or the first `HUB_SAMPLE_ROWS` rows of a hub dataset; cached while a local file is unchanged."""
+    if is_local(source):
+        return _local(source, columns, head, _stamp(source))
+    return _hub(source, config_name or None, split or "train")
 
 
 def inspect(source: str | None, config_name: str | None, split: str | None, task: str,
@@ -50,21 +155,42 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
     if not source:
         return DatasetView(error="Choose a dataset: upload a file, or type a hub dataset id and press Enter.")
     try:
-        table = load(source, config_name, split or "train")
+        head = load(source, config_name, split or "train", head=PREVIEW_ROWS)
     except DataError as e:
         return DatasetView(error=str(e))
-    columns = list(table.column_names)
-    preview = table.select(range(min(PREVIEW_ROWS, len(table)))).to_pandas()
+    columns = list(head.column_names)
+    preview = head.select(range(min(PREVIEW_ROWS, len(head)))).to_pandas()
+    sampled = not is_local(source)
     kept = {k: v for k, v in wanted.items() if k in COLUMN_FIELDS and v and v in columns}
     kept = _for_task(kept, task)
     try:
         found = resolve_columns(Config(task=task, **kept), columns)
     except DataError as e:
-        return DatasetView(columns, preview, len(table), kept, error=str(e))
+        return DatasetView(columns, preview, len(head), kept, error=str(e), sampled=sampled)
     chosen = {"text_column": found.text, "text_pair_column": found.text_pair, "label_column": found.label,
               "prompt_column": found.prompt, "completion_column": found.completion}
-    view = DatasetView(columns, preview, len(table), chosen)
-    return _check(view, table, source)
+    # The rows and the labels need one column of the whole file (of a hub dataset: of its sample).
+    try:
+        table = load(source, config_name, split or "train", columns=(found.label or columns[0],))
+    except DataError as e:
+        return DatasetView(columns, preview, len(head), chosen, error=str(e), sampled=sampled)
+    view = DatasetView(columns, preview, len(table), chosen, sampled=sampled)
+    return _check(view, _Lists(table), source)
+
+
+class _Lists:
+    """A table's features and its columns as Python lists: `datasets` hands out a column as a lazy sequence that
+    decodes row by row on every pass, which the label checks (several passes) would pay for each time."""
+
+    def __init__(self, table: Any):
+        self.features = table.features
+        self._table = table.data
+        self._lists: dict[str, list[Any]] = {}
+
+    def __getitem__(self, column: str) -> list[Any]:
+        if column not in self._lists:
+            self._lists[column] = self._table.column(column).to_pylist()
+        return self._lists[column]
 
 
 def _for_task(columns: dict[str, str], task: str) -> dict[str, str]:
@@ -77,7 +203,7 @@ def _for_task(columns: dict[str, str], task: str) -> dict[str, str]:
 def _check(view: DatasetView, table: Any, source: str) -> DatasetView:
     used = [v for v in view.chosen.values() if v]
     if len(used) != len(set(used)):
-        return DatasetView(view.columns, view.preview, view.rows, view.chosen,
+        return DatasetView(view.columns, view.preview, view.rows, view.chosen, sampled=view.sampled,
                            error="The same column is mapped twice: pick a different column for each role.")
     label = view.chosen.get("label_column")
     if not label:
@@ -85,24 +211,28 @@ def _check(view: DatasetView, table: Any, source: str) -> DatasetView:
     try:
         label_names_of(table, label, source)
     except DataError as e:
-        return DatasetView(view.columns, view.preview, view.rows, view.chosen, error=str(e))
-    return DatasetView(view.columns, view.preview, view.rows, view.chosen, label_counts(table, label))
+        return DatasetView(view.columns, view.preview, view.rows, view.chosen, error=str(e), sampled=view.sampled)
+    return DatasetView(view.columns, view.preview, view.rows, view.chosen, label_counts(table, label),
+                       sampled=view.sampled)
 
 
 def labels_markdown(view: DatasetView) -> str:
     """Label names and counts, or the dataset's size for causal LM."""
     if view.error or not view.columns:
         return ""
+    rows = f"the first {view.rows} rows (streamed)" if view.sampled else f"{view.rows} rows"
     if not view.labels:
-        return f"{view.rows} rows · columns: {', '.join(view.columns)}"
+        return f"{rows} · columns: {', '.join(view.columns)}"
     counts = " · ".join(f"`{name}` {n}" for name, n in view.labels.items())
-    return f"{view.rows} rows · {len(view.labels)} labels: {counts}"
+    return f"{rows} · {len(view.labels)} labels: {counts}"
 
 
 def keep_upload(uploaded: str, folder: Path) -> Path:
-    """A stable copy of an uploaded file (Gradio's temporary copy may be cleaned up before a run reads it).
+    """The uploaded file, kept once in `folder` (Gradio's temporary copy may be cleaned up before a run reads it).
 
-    The name carries a content hash, so a new file of the same name never changes the data of an earlier run."""
+    The file is moved (hard-linked, then Gradio's name removed), never copied, when both are on one disk; it appears
+    under its final name in one rename, so a run never reads half of it. The name carries a content hash, so a new
+    file of the same name never changes the data of an earlier run."""
     src = Path(uploaded)
     digest = hashlib.sha256()
     with open(src, "rb") as f:
@@ -112,5 +242,12 @@ def keep_upload(uploaded: str, folder: Path) -> Path:
     target = folder / f"{src.stem}-{digest.hexdigest()[:8]}{src.suffix.lower()}"
     if not target.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, target)
+        tmp = folder / f".{target.name}.{uuid.uuid4().hex}.part"
+        try:
+            os.link(src, tmp)
+        except OSError:  # another disk (or no hard links): one copy, still renamed into place
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, target)
+    if src.resolve() != target.resolve():
+        src.unlink(missing_ok=True)  # the upload is kept once: Gradio's copy goes
     return target

@@ -17,7 +17,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import dataview, views
+from app import cleanup, dataview, limits, views
 from app.access import Access, AccessError, new_run_name, resolve_output_dir
 from app.jobs import JobBusy, JobManager, JobStatus, zip_model
 from app.mapping import (
@@ -46,7 +46,7 @@ from app.results import (
 from finetune.config import FIELDS, Config, ConfigError, from_dict
 from finetune.rundir import RunDirError, check_run_dir, mark_run_dir
 
-PLAN_TIMEOUT_S = 600
+PLAN_TIMEOUT_S = 120
 TASK_COLUMNS = {"classification": ("text_column", "text_pair_column", "label_column"),
                 "causal_lm": ("text_column", "prompt_column", "completion_column")}
 NONE_CHOICE = ("—", "")
@@ -72,11 +72,12 @@ class Controller:
     server a user sees and steers only their own run and reads only their own files (see `app.access`)."""
 
     def __init__(self, runs_dir: Path, jobs: JobManager, access: Access | None = None,
-                 samples: tuple[Path, ...] = ()):
+                 samples: tuple[Path, ...] = (), server_limits: limits.Limits = limits.LOCAL):
         self.runs_dir = runs_dir
         self.jobs = jobs
         self.access = access or Access()
         self.samples = tuple(Path(p).resolve() for p in samples)  # the app's own sample data, readable by all
+        self.limits = server_limits
         self._downloads: Path | None = None  # where finished zips are handed out from, when the runs are elsewhere
 
     # --- who asks
@@ -170,6 +171,8 @@ class Controller:
             self.access.check_config(config, self._readable(user))
         except AccessError as e:
             raise Unanswered(str(e)) from None
+        if over := limits.check(config, self.limits):
+            raise Unanswered(" ".join(over))
         extra = []
         if self.jobs.status().active and "plan_probe" in FIELDS:
             # A measured probe would train on the device the running job is using: estimate without one.
@@ -187,7 +190,7 @@ class Controller:
                 text = (proc.stderr or proc.stdout).strip().splitlines()
                 message = next((line[len("error: "):] for line in reversed(text) if line.startswith("error: ")),
                                None)
-                raise Unanswered(message or (text[-1] if text else "The planner failed."))
+                raise Unanswered(limits.short_text(message or (text[-1] if text else "The planner failed.")))
             plan = json.loads(out_path.read_text(encoding="utf-8"))
         if extra:
             plan["notes"] = [*plan.get("notes", []), "Estimated without a measured probe while a run is training."]
@@ -215,7 +218,8 @@ class Controller:
         return self.start_run(config, request=request)
 
     def start_run(self, config: Config, *, request: Any = None) -> Started:
-        """Check who asks, the data and the run directory, write the YAML into it and start `finetune train`."""
+        """Check who asks, the server's limits and disk, the data and the run directory, write the YAML into it and
+        start `finetune train`."""
         user, refusal = self.who(request)
         if refusal:
             return Started(started=False, message=refusal)
@@ -230,6 +234,8 @@ class Controller:
         except AccessError as e:
             about_data = str(e).startswith("`dataset`")
             return Started(started=False, message=str(e), data_error=str(e) if about_data else "")
+        if refused := self._server_refuses(config):
+            return Started(started=False, message=refused)
         view = dataview.inspect(config.dataset, config.dataset_config, config.train_split, config.task,
                                 {c: getattr(config, c) for c in COLUMN_FIELDS})
         if view.error:
@@ -250,6 +256,15 @@ class Controller:
             return Started(started=False, message=str(e))
         return Started(started=True, message=f"Started. Reproduce from a terminal with `{command}`.",
                        run_dir=_display_path(run_dir), command=command)
+
+    def _server_refuses(self, config: Config | None) -> str:
+        """Why this server will not start `config` (its limits, its disk), after deleting what its clean-up policy
+        says is old; "" when it may start."""
+        cleanup.tidy(self.runs_dir, self.limits.keep_days, keep=self.jobs.status().run_dir,
+                     gradio_dir=cleanup.gradio_temp_dir())
+        problems = limits.check(config, self.limits) if config is not None else []
+        disk = cleanup.disk_problem(self.runs_dir, self.limits.min_free_gb)
+        return " ".join([*problems, *([disk] if disk else [])])
 
     def _new_run_dir(self, home: Path) -> Path:
         base = home / new_run_name(self.access.shared)
@@ -272,10 +287,12 @@ class Controller:
         if refusal:
             return f"⚠️ {refusal}"
         status = self.jobs.status()
-        if status.state != "stopped" or status.run_dir is None or not self.is_mine(status, user):
-            return "Nothing to resume: only a stopped run can be resumed."
-        if not status.checkpoint:
-            return "This run stopped before its first checkpoint: start it again instead."
+        if status.state not in ("stopped", "failed") or status.run_dir is None or not self.is_mine(status, user):
+            return "Nothing to resume: only a stopped or failed run can be resumed."
+        if not status.resumable:
+            return "This run ended before its first checkpoint: start it again instead."
+        if refused := self._server_refuses(None):
+            return f"⚠️ {refused}"
         try:
             self.jobs.resume(status.run_dir, owner=user)
         except JobBusy as e:
@@ -309,7 +326,7 @@ class Controller:
                         loss_curve=frame if len(frame) else None, log=views.log_text(status),
                         metrics=views.final_metrics(status) or None, run_dir=str(status.run_dir or ""),
                         download=download, stop_button=gr.update(interactive=status.active),
-                        resume_button=gr.update(visible=status.state == "stopped" and bool(status.checkpoint)),
+                        resume_button=gr.update(visible=status.resumable),
                         command=command if command else gr.skip())
 
     def _handout(self, path: Path) -> str:
@@ -361,14 +378,15 @@ class Controller:
         user, refusal = self.who(request)
         if refusal:
             raise Unanswered(refusal)
-        if not (text or "").strip():
+        text, _ = limits.truncate_try_text(text)
+        if not text:
             raise Unanswered("Type a text first.")
         status = self.jobs.status()
         if status.model_dir is None or not self.is_mine(status, user):
             raise Unanswered("No trained model yet: train (or resume) a run to the end first.")
         from finetune.predict import predict
 
-        out = predict(str(status.run_dir), [text.strip()])[0]
+        out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS)[0]
         return {k: out[k] for k in ("label", "probabilities", "generated") if k in out}
 
     def try_it(self, text: str, *, request: Any = None) -> PredictionShown:
@@ -381,11 +399,12 @@ class Controller:
             return PredictionShown(message=str(e))
         except ModelError as e:
             return PredictionShown(message=f"⚠️ {e}")
+        _, note = limits.truncate_try_text(text)
         if "probabilities" in out:
             return PredictionShown(label=gr.update(value=out["probabilities"], visible=True),
-                                   generated=gr.update(visible=False))
+                                   generated=gr.update(visible=False), message=note)
         return PredictionShown(label=gr.update(visible=False), generated=gr.update(value=out["generated"],
-                                                                                   visible=True))
+                                                                                   visible=True), message=note)
 
     # --- reproducibility
     def export(self, *values: Any) -> ExportShown:
@@ -405,6 +424,8 @@ class Controller:
         """Fill every widget from a YAML config (its errors are the config's own)."""
         if not uploaded:
             return FormShown()
+        if too_big := limits.config_size_problem(uploaded, is_file=True):  # before parsing: a 5 MB YAML takes minutes
+            return FormShown(note=f"⚠️ {too_big}")
         try:
             config = load_config_file(uploaded)
         except ConfigError as e:

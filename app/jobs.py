@@ -3,6 +3,9 @@
 The child runs in its own session (process group), so Stop can signal it and everything it started; the app never
 trains in its own process. What a page needs to re-attach after a reload, or after the app itself restarts, is
 written to `<runs_dir>/current.json`.
+
+A run that ends without a final event of its own (killed by the out-of-memory killer, say) is a failed run, before
+and after an app restart; any failed or stopped run that has a complete checkpoint can be resumed.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zipfile
@@ -22,11 +26,14 @@ from typing import Any
 import psutil
 
 from app.tail import EventTail, error_from_output, session_output
+from finetune.rundir import checkpoints, write_json
 
 # After a Stop, how long the child may take to finish its optimizer step and write the checkpoint before it is
 # killed: long windows of a big model and a multi-GB optimizer state take minutes; a second Stop kills at once.
 STOP_TIMEOUT_S = 600.0
 TERMINAL = ("stopped", "done", "error")
+KILLED = "The training process was killed (out of memory?)."
+WATCH_INTERVAL_S = 1.0
 
 
 class JobBusy(RuntimeError):
@@ -46,6 +53,8 @@ class JobStatus:
     command: str = ""
     config_path: Path | None = None
     owner: str | None = None  # who started it, on a shared server
+    latest_checkpoint: Path | None = None  # the newest complete checkpoint on disk
+
 
     @property
     def active(self) -> bool:
@@ -64,9 +73,16 @@ class JobStatus:
 
     @property
     def checkpoint(self) -> str | None:
-        """The checkpoint a stopped run resumes from."""
+        """The checkpoint a stopped or failed run resumes from (what `resume=true` takes: the newest complete one)."""
+        if self.latest_checkpoint is not None:
+            return str(self.latest_checkpoint)
         last = self.last("stopped", "checkpoint") or {}
         return last.get("checkpoint") or last.get("path")
+
+    @property
+    def resumable(self) -> bool:
+        """Whether Resume can continue this run: it stopped or failed, and a complete checkpoint is on disk."""
+        return self.state in ("stopped", "failed") and self.latest_checkpoint is not None
 
     @property
     def progress(self) -> tuple[int, int] | None:
@@ -96,7 +112,8 @@ class _Job:
     launched: float  # Unix time; events from before it belong to earlier sessions of the same run directory
     owner: str | None = None
     stop_requested_at: float | None = None
-    killed: bool = False
+    killed: bool = False  # the app itself killed it (a second Stop, or a stop that timed out)
+    time_limit_min: float | None = None  # set when the server's time limit stopped it
     tail: EventTail | None = None
 
     def events(self) -> list[dict[str, Any]]:
@@ -121,12 +138,13 @@ class JobManager:
     """Starts, stops and reports on one `finetune train` child process at a time."""
 
     def __init__(self, runs_dir: str | Path, python: str = sys.executable, stop_timeout: float = STOP_TIMEOUT_S,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, max_run_s: float | None = None):
         self.runs_dir = Path(runs_dir)
         self.env = env  # the child's environment (default: the app's); a shared server leaves its secrets out
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self.python = python
         self.stop_timeout = stop_timeout
+        self.max_run_s = max_run_s  # the server's time limit: a longer run is stopped (with a checkpoint)
         self._lock = threading.RLock()
         self._job: _Job | None = None
         self._adopt()
@@ -153,6 +171,7 @@ class JobManager:
             self._job = _Job(run_dir=run_dir, config_path=config_path, log_path=log_path, command=command,
                              pid=proc.pid, proc=proc, launched=time.time() - 1.0, owner=owner)
             self._save_current()
+            self._watch(self._job)
             return self.status()
 
     def resume(self, run_dir: Path, owner: str | None = None) -> JobStatus:
@@ -168,6 +187,7 @@ class JobManager:
                 return "No run is in progress."
             if job.stop_requested_at is None:
                 job.stop_requested_at = time.time()
+                self._save_current()
                 self._signal(job, signal.SIGINT)
                 threading.Thread(target=self._kill_after_timeout, args=(job,), daemon=True).start()
                 return ("Stopping after the current optimizer step: a checkpoint is saved and the run can be resumed. "
@@ -185,6 +205,7 @@ class JobManager:
 
     def _kill(self, job: _Job) -> None:
         job.killed = True
+        self._save_current()
         self._signal(job, signal.SIGKILL)
         if job.proc is not None:
             job.proc.wait(timeout=30)
@@ -198,6 +219,37 @@ class JobManager:
         with self._lock:
             if self._running(job):
                 self._kill(job)
+
+    def _watch(self, job: _Job) -> None:
+        """Enforce the server's time limit on `job` (a thread that ends with the run)."""
+        if self.max_run_s is not None:
+            threading.Thread(target=self._stop_at_time_limit, args=(job, self.max_run_s), daemon=True).start()
+
+    def _stop_at_time_limit(self, job: _Job, limit_s: float) -> None:
+        while self._running(job):
+            if time.time() - job.launched >= limit_s:
+                with self._lock:
+                    if self._job is job and job.stop_requested_at is None and self._running(job):
+                        job.time_limit_min = limit_s / 60
+                        self.stop()
+                return
+            time.sleep(WATCH_INTERVAL_S)
+
+    def shutdown(self, grace_s: float) -> str:
+        """The app is going away (SIGTERM, `docker stop`): stop the run with a checkpoint and wait up to `grace_s`
+        for it to exit; says what happened."""
+        status = self.status()
+        if not status.active:
+            return ""
+        job = self._job
+        self.stop()
+        deadline = time.time() + grace_s
+        while time.time() < deadline and self._running(job):
+            time.sleep(0.2)
+        if self._running(job):
+            return (f"The run in {status.run_dir} did not stop within {grace_s:g} s; it may be killed without a new "
+                    "checkpoint (give the container more time, e.g. `docker stop -t 120`).")
+        return f"The run in {status.run_dir} stopped with a checkpoint; Resume continues it."
 
     # --- status
     def _running(self, job: _Job) -> bool:
@@ -218,9 +270,13 @@ class JobManager:
             running = rc is None and self._running(job)
             state, message = self._state(job, mine, rc, running, output)
             tail = "\n".join(output.splitlines()[-12:])
+            latest = None
+            finished = (job.run_dir / "metrics.json").is_file() or any(e.get("event") == "done" for e in events)
+            if state in ("stopped", "failed") and not finished:
+                latest = next(iter(reversed(checkpoints(job.run_dir))), None)
             return JobStatus(state=state, run_dir=job.run_dir, events=events, returncode=rc, message=message,
                              output_tail=tail, command=" ".join(job.command[1:]), config_path=job.config_path,
-                             owner=job.owner)
+                             owner=job.owner, latest_checkpoint=latest)
 
     def _state(self, job: _Job, mine: list[dict[str, Any]], rc: int | None, running: bool,
                output: str) -> tuple[str, str]:
@@ -234,15 +290,20 @@ class JobManager:
         if kind == "done" or (rc == 0 and kind is None):
             return "done", ""
         if kind == "stopped":
+            if job.time_limit_min is not None:
+                return "stopped", (f"Stopped: reached the server's time limit of {job.time_limit_min:g} min; the "
+                                   "checkpoint is saved. Resume continues the run.")
             return "stopped", f"Stopped at step {last['step']}; the checkpoint is saved. Resume continues the run."
         if kind == "error":
             return "failed", last.get("message") or error_from_output(output)
-        if job.killed or rc == -signal.SIGKILL:
+        if job.killed:
             return "stopped", "The run was killed; Resume continues from its last checkpoint, if it saved one."
-        if rc in (130, -signal.SIGINT):
+        if job.stop_requested_at is not None and rc in (None, 130, -signal.SIGINT):
             return "stopped", "The run was stopped before it saved a checkpoint."
-        if rc is None:  # adopted from an earlier app process, which has ended without a final event
-            return "failed", "The run ended without a final event (it may have been killed)."
+        # No final event and no signal of ours: something outside the app ended it (an out-of-memory kill, most
+        # likely). An adopted run (rc None) that is gone without a final event ended the same way.
+        if rc is None or rc < 0:
+            return "failed", KILLED
         return "failed", error_from_output(output) or f"The training process exited with code {rc}."
 
     def busy_message(self) -> str:
@@ -263,8 +324,11 @@ class JobManager:
     def _save_current(self) -> None:
         job = self._job
         record = {"pid": job.pid, "run_dir": str(job.run_dir), "config_path": str(job.config_path),
-                  "log_path": str(job.log_path), "command": job.command, "launched": job.launched, "owner": job.owner}
-        self._current_file().write_text(json.dumps(record), encoding="utf-8")
+                  "log_path": str(job.log_path), "command": job.command, "launched": job.launched,
+                  "owner": job.owner, "stop_requested_at": job.stop_requested_at, "killed": job.killed,
+                  "time_limit_min": job.time_limit_min}
+        # Atomic: an app killed mid-write must not leave a half file that the next start cannot adopt.
+        write_json(self._current_file(), record)
 
     def _adopt(self) -> None:
         """Follow the run an earlier app process started, so its progress (or result) shows again."""
@@ -272,12 +336,16 @@ class JobManager:
             record = json.loads(self._current_file().read_text(encoding="utf-8"))
             job = _Job(run_dir=Path(record["run_dir"]), config_path=Path(record["config_path"]),
                        log_path=Path(record["log_path"]), command=list(record["command"]), pid=int(record["pid"]),
-                       proc=None, launched=float(record["launched"]), owner=record.get("owner"))
+                       proc=None, launched=float(record["launched"]), owner=record.get("owner"),
+                       stop_requested_at=record.get("stop_requested_at"), killed=bool(record.get("killed")),
+                       time_limit_min=record.get("time_limit_min"))
         except (OSError, ValueError, KeyError, TypeError):
             return
         if _alive(job.pid) and not self._is_finetune(job.pid):
             job.pid = -1  # the id now belongs to an unrelated process: never signal it
         self._job = job
+        if self._running(job):
+            self._watch(job)  # the time limit counts from the launch, across app restarts
 
     @staticmethod
     def _is_finetune(pid: int) -> bool:
@@ -287,18 +355,28 @@ class JobManager:
             return False
 
 
+_ZIP_LOCK = threading.Lock()  # two tabs (or a tab and a script) asking for the same zip build it once
+
+
 def zip_model(model_dir: Path, out: Path) -> Path:
-    """A zip of the model folder (weights stored, other files deflated), rebuilt only when the folder is newer."""
-    files = sorted(path for path in model_dir.rglob("*") if path.is_file())
-    newest = max((path.stat().st_mtime for path in files), default=0.0)
-    if out.is_file() and out.stat().st_mtime >= newest:
+    """A zip of the model folder (weights stored, other files deflated) at `out`, rebuilt only when the folder is
+    newer; built once under a lock, into a unique temporary name that is renamed into place when complete."""
+    with _ZIP_LOCK:
+        files = sorted(path for path in model_dir.rglob("*") if path.is_file())
+        newest = max((path.stat().st_mtime for path in files), default=0.0)
+        if out.is_file() and out.stat().st_mtime >= newest:
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        try:
+            with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w") as archive:
+                for path in files:
+                    # Weights hardly compress and are most of the bytes: store them, deflate the small text files.
+                    kind = zipfile.ZIP_STORED if path.suffix in (".safetensors", ".bin") else zipfile.ZIP_DEFLATED
+                    archive.write(path, f"{model_dir.parent.name}-{model_dir.name}/{path.relative_to(model_dir)}",
+                                  compress_type=kind)
+            os.replace(tmp, out)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return out
-    tmp = out.with_suffix(".zip.tmp")
-    with zipfile.ZipFile(tmp, "w") as archive:
-        for path in files:
-            # Weights hardly compress and are most of the bytes: store them, deflate the small text files.
-            kind = zipfile.ZIP_STORED if path.suffix in (".safetensors", ".bin") else zipfile.ZIP_DEFLATED
-            archive.write(path, f"{model_dir.parent.name}-{model_dir.name}/{path.relative_to(model_dir)}",
-                          compress_type=kind)
-    tmp.replace(out)
-    return out

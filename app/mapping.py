@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from app.limits import config_size_problem, short_problems
 from finetune.config import FIELDS, Config, ConfigError, field_type, from_dict, read_yaml
 
 FIELD_NAMES: tuple[str, ...] = tuple(FIELDS)
@@ -213,6 +214,8 @@ def config_yaml(config: Config, header: str | None = None) -> str:
 
 def parse_config_yaml(text: str) -> Config:
     """A config from YAML text, with the config's own error messages."""
+    if too_big := config_size_problem(text):
+        raise ConfigError([too_big])
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -239,10 +242,12 @@ def load_config_file(path: str | Path) -> Config:
 
 
 def problems_text(error: ConfigError) -> str:
-    """A ConfigError in the config's own sentences: the one problem, or a Markdown list of them."""
-    if len(error.problems) == 1:
-        return error.problems[0]
-    return "Fix these first:\n" + "\n".join(f"- {problem}" for problem in error.problems)
+    """A ConfigError in the config's own sentences: the one problem, or a Markdown list of them (the first few, each
+    cut short: a config of thousands of bad keys gets a short answer)."""
+    problems = short_problems(error.problems)
+    if len(problems) == 1:
+        return problems[0]
+    return "Fix these first:\n" + "\n".join(f"- {problem}" for problem in problems)
 
 
 def problems_markdown(error: ConfigError) -> str:

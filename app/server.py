@@ -6,9 +6,11 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+from app import cleanup, limits
 from app.access import Access, AccessError
 
 DEFAULT_PORT = 7860
@@ -37,11 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Where runs, uploads and their configs go (default: $FINETUNE_RUNS_DIR or runs).")
     parser.add_argument("--preset", default=None, help="Config YAML the form opens with (default: assets/demo.yaml, "
                    "the bundled model on the sample data, when it exists).")
-    parser.add_argument("--max-file-size", default="1gb", help="Largest upload accepted (default: 1gb).")
     parser.add_argument("--open", action="store_true", help="Open the app in a browser tab.")
     shared = parser.add_argument_group("shared server", SHARED_HELP)
     shared.add_argument("--no-auth", action="store_true", help="Serve a non-loopback --host without accounts: "
-                   "anyone who can reach it can train (as one shared user, with the shared-server limits).")
+                   "anyone who can reach it can train (as one shared user; see the limits below).")
+    limits.add_arguments(parser)
     return parser
 
 
@@ -57,13 +59,10 @@ def _preset(arg: str | None) -> tuple[Path | None, Path]:
     return None, Path.cwd()
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def launch(args: argparse.Namespace, **kwargs: Any) -> Any:
+def launch(args: argparse.Namespace, terminated: threading.Event | None = None, **kwargs: Any) -> Any:
     """Build and serve the app (kwargs go to `Blocks.launch`); returns the `App` once the server has stopped, or at
-    once with `prevent_thread_lock=True`. A training run outlives the server: the next start re-attaches to it."""
+    once with `prevent_thread_lock=True`. A training run outlives the server: the next start re-attaches to it.
+    SIGTERM closes the server like Ctrl-C and sets `terminated`."""
     access = Access.from_env(os.environ, args.host, args.no_auth)
     runs_dir = Path(args.runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -79,9 +78,19 @@ def launch(args: argparse.Namespace, **kwargs: Any) -> Any:
     if access.mode == "password":
         kwargs.setdefault("auth", access.check_password)
         kwargs.setdefault("auth_message", "Sign in to train.")
-    app = build(runs_dir, memory=detect(), preset=preset, preset_base=base, access=access)
+    server_limits = limits.from_args(args)
+    app = build(runs_dir, memory=detect(), preset=preset, preset_base=base, access=access,
+                server_limits=server_limits)
+    cleanup.tidy(runs_dir, server_limits.keep_days, keep=app.jobs.status().run_dir,
+                 gradio_dir=cleanup.gradio_temp_dir())
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if terminated is not None:
+            terminated.set()
+        raise KeyboardInterrupt
+
     # As PID 1 of a container, Python ignores SIGTERM; make `docker stop` close the server like Ctrl-C does.
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, on_sigterm)
     app.demo.queue(default_concurrency_limit=1).launch(
         server_name=args.host, server_port=args.port, max_file_size=args.max_file_size, css=app.css, js=app.js,
         footer_links=["gradio", "settings"], inbrowser=args.open, **kwargs)
@@ -89,13 +98,20 @@ def launch(args: argparse.Namespace, **kwargs: Any) -> Any:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve until Ctrl-C (or SIGTERM), then say whether a run goes on without the app; 2 when a public host has
-    no accounts."""
+    """Serve until Ctrl-C, then say whether a run goes on without the app; or until SIGTERM (`docker stop`: the
+    container is going away), then stop the run with a checkpoint, waiting up to --stop-grace seconds for it.
+    2 when a public host has no accounts."""
+    terminated = threading.Event()
     try:
-        status = launch(args).jobs.status()
+        jobs = launch(args, terminated).jobs
     except AccessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if terminated.is_set():
+        if said := jobs.shutdown(limits.from_args(args).stop_grace_s):
+            print(said, file=sys.stderr)
+        return 0
+    status = jobs.status()
     if status.active:
         print(f"The run in {status.run_dir} goes on in the background; `finetune ui` re-attaches to it (Stop ends it).",
               file=sys.stderr)

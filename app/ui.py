@@ -10,7 +10,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import dataview
+from app import dataview, limits
 from app.access import Access
 from app.api import ScriptApi
 from app.dataview import UPLOAD_TYPES, DatasetView, labels_markdown
@@ -157,15 +157,17 @@ def initial_config(preset: Path | None, memory: DeviceMemory | None, base: Path 
 
 
 def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemory | None = None,
-          preset: Path | None = None, preset_base: Path | None = None, access: Access | None = None) -> App:
+          preset: Path | None = None, preset_base: Path | None = None, access: Access | None = None,
+          server_limits: limits.Limits = limits.LOCAL) -> App:
     """The app: widgets for every config field, the run panel, results and reproducibility."""
     access = access or Access()
     # Locally the child inherits the app's environment as it is at each start, like a command typed in a terminal.
-    jobs = jobs or JobManager(runs_dir, env=access.child_env(os.environ) if access.shared else None)
+    jobs = jobs or JobManager(runs_dir, env=access.child_env(os.environ) if access.shared else None,
+                              max_run_s=server_limits.max_run_s)
     initial = initial_config(preset, memory, preset_base)
     # The sample data the preset points at stays readable on a shared server.
     samples = tuple(Path(p) for p in (initial.dataset, initial.eval_dataset) if p and Path(p).is_file())
-    controller = Controller(runs_dir, jobs, access, samples)
+    controller = Controller(runs_dir, jobs, access, samples, server_limits)
     # The sample data is inspected before the page is served, so it opens with its preview and columns filled in
     # (a refresh on page load could finish after a quick upload and overwrite its preview).
     data = dataview.inspect(initial.dataset, initial.dataset_config, initial.train_split, initial.task,
@@ -292,7 +294,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
             _on(fields[name].input, controller.refresh_dataset, data_in, data_out, **private)
         _on(upload.upload, controller.on_upload, [upload, *data_in[1:]], upload_out, **private)
         _on(plan_btn.click, controller.plan, values, {"text": plan_md, "chart": plan_plot, "error": plan_error},
-            **private)
+            concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, **private)
         _on(start_btn.click, controller.start, values, {"note": run_msg, "dataset_note": data_error}, **private)
         stop_btn.click(_asking(controller.stop), None, run_msg, concurrency_limit=None, **private)
         resume_btn.click(_asking(controller.resume), None, run_msg, **private)

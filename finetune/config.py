@@ -67,9 +67,9 @@ class Config:
     resume: bool = _opt(False, "Continue the run in `output_dir` from its latest checkpoint.")
     # --- batch arithmetic: any two of these three determine the third
     effective_batch_size: int | None = _opt(None, "Samples per optimizer step over all processes (default "
-                                            f"{DEFAULT_EFFECTIVE_BATCH}).", min=1)
-    micro_batch_size: int | None = _opt(None, "Samples per forward/backward pass on one process.", min=1)
-    grad_accum_steps: int | None = _opt(None, "Micro-batches summed into one optimizer step.", min=1)
+                                            f"{DEFAULT_EFFECTIVE_BATCH}).", min=1, max=1_048_576)
+    micro_batch_size: int | None = _opt(None, "Samples per forward/backward pass on one process.", min=1, max=65_536)
+    grad_accum_steps: int | None = _opt(None, "Micro-batches summed into one optimizer step.", min=1, max=1_048_576)
     memory_budget_gb: float | None = _opt(None, "Device memory budget in GiB that the plan must fit (default: no "
                                           "limit; the plan still predicts the peak).", min=0.0)
     gradient_checkpointing: str = _opt("auto", "Recompute activations in the backward pass to save memory (auto: "
@@ -87,8 +87,9 @@ class Config:
     plan_probe: str = _opt("auto", "Measure a few real training steps to correct the memory estimate (auto: on "
                            "a GPU).", choices=("auto", "true", "false"), group="advanced")
     # --- optimisation
-    epochs: float = _opt(3.0, "Passes over the training data.", min=0.0)
-    max_steps: int | None = _opt(None, "Stop after this many optimizer steps (overrides `epochs`).", min=1)
+    epochs: float = _opt(3.0, "Passes over the training data.", min=0.0, max=10_000.0)
+    max_steps: int | None = _opt(None, "Stop after this many optimizer steps (overrides `epochs`).", min=1,
+                                 max=100_000_000)
     learning_rate: float = _opt(1e-4, "Peak learning rate.", min=0.0, max=1.0)
     weight_decay: float = _opt(0.01, "Decoupled weight decay (not applied to biases and norms).", min=0.0, max=1.0,
                                group="advanced")
@@ -106,10 +107,12 @@ class Config:
     group_by_length: bool = _opt(True, "Batch samples of similar length together (less padding, faster).",
                                  group="advanced")
     # --- reporting
-    eval_every: int = _opt(0, "Evaluate every N optimizer steps (0 = only at the end).", min=0, group="advanced")
-    save_every: int = _opt(0, "Save a checkpoint every N optimizer steps (0 = only at the end).", min=0,
+    eval_every: int = _opt(0, "Evaluate every N optimizer steps (0 = only at the end).", min=0, max=100_000_000,
                            group="advanced")
-    logging_every: int = _opt(1, "Write a step event every N optimizer steps.", min=1, group="advanced")
+    save_every: int = _opt(0, "Save a checkpoint every N optimizer steps (0 = only at the end).", min=0,
+                           max=100_000_000, group="advanced")
+    logging_every: int = _opt(1, "Write a step event every N optimizer steps.", min=1, max=100_000_000,
+                              group="advanced")
     trust_remote_code: bool = _opt(False, "Allow the model repository to run its own Python code.",
                                    group="advanced")
 

@@ -113,15 +113,21 @@ def test_dataset_block_errors_are_one_sentence_next_to_the_field(tmp_path, cls_c
     assert causal.error == "" and causal.chosen["text_column"] == "sentence" and not causal.chosen["label_column"]
 
 
-def test_uploads_are_kept_under_a_content_hash(tmp_path):
+def test_uploads_are_kept_once_under_a_content_hash(tmp_path):
     a = tmp_path / "in" / "data.csv"
     a.parent.mkdir()
     a.write_text("text,label\na,0\nb,1\n")
+    inode = a.stat().st_ino
     kept = dataview.keep_upload(str(a), tmp_path / "uploads")
-    assert kept.read_text() == a.read_text() and kept.name.startswith("data-") and kept.suffix == ".csv"
+    assert kept.read_text() == "text,label\na,0\nb,1\n" and kept.name.startswith("data-") and kept.suffix == ".csv"
+    # Kept once: the same bytes on disk (moved by a hard link, never copied), and Gradio's temporary name is gone.
+    assert kept.stat().st_ino == inode and kept.stat().st_nlink == 1 and not a.exists()
+    assert [p.name for p in kept.parent.iterdir()] == [kept.name]  # no temporary name left behind
     a.write_text("text,label\nc,0\nd,1\n")  # a new file under the same name never replaces the old copy
     again = dataview.keep_upload(str(a), tmp_path / "uploads")
     assert again != kept and kept.read_text().startswith("text,label\na")
+    a.write_text("text,label\nc,0\nd,1\n")  # the same file uploaded again: one kept file, the upload removed
+    assert dataview.keep_upload(str(a), tmp_path / "uploads") == again and not a.exists()
 
 
 def test_event_tail_reads_only_complete_new_lines(tmp_path):

@@ -63,6 +63,15 @@ def test_runs_as_uid_1000_with_a_writable_home():
         assert env[key].startswith(home + "/") and f"${key}" in mkdir
 
 
+def test_docker_stop_gives_the_run_time_to_checkpoint_and_uploads_are_moved_not_copied():
+    assert _all("STOPSIGNAL") == ["SIGTERM"]  # the app stops the run with a checkpoint on SIGTERM
+    text = (ROOT / "Dockerfile").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "--stop-timeout 120" in text and "--stop-timeout 120" in readme  # Docker's 10 s is too short
+    env = _env()
+    assert env["GRADIO_TEMP_DIR"].startswith(env["FINETUNE_RUNS_DIR"] + "/")  # one disk: an upload is moved
+
+
 def test_listens_on_all_interfaces_at_7860_with_a_healthcheck():
     env = _env()
     assert env["GRADIO_SERVER_NAME"] == "0.0.0.0" and env["GRADIO_SERVER_PORT"] == "7860"

@@ -1,0 +1,116 @@
+"""Keeping the runs folder's disk in check: old runs and unused uploads are deleted (when the server keeps runs for a
+limited time), Gradio's temporary files after a day, and a run does not start on a nearly full disk.
+
+Only folders that carry the tool's marker (`.finetune-run`) are ever deleted as runs, never the current one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from finetune.rundir import MARKER
+
+DAY_S = 86400.0
+GRADIO_KEEP_S = DAY_S  # Gradio's copies of uploads and served files
+# What the app writes beside a run folder `<name>/` (until the launch files move into the folder itself).
+SIBLINGS = ("{}.yaml", "{}.log", "{}-model.zip")
+GRADIO_CACHE_DIR = re.compile(r"[0-9a-f]{32,64}")  # Gradio names each cached file's folder by a hash
+
+
+def free_bytes(path: Path) -> int:
+    """Free space on the disk that holds `path`."""
+    return shutil.disk_usage(path).free
+
+
+def disk_problem(runs_dir: Path, min_free_gb: float, free: Callable[[Path], int] | None = None) -> str | None:
+    """Why a run must not start for lack of disk space under `runs_dir`; None when there is enough."""
+    if not min_free_gb:
+        return None
+    available = (free or free_bytes)(runs_dir) / 1e9
+    if available >= min_free_gb:
+        return None
+    return (f"Only {available:.1f} GB free on the disk of {runs_dir}: at least {min_free_gb:g} GB is needed to start "
+            "a run; delete old runs, or free space on that disk.")
+
+
+def _age_s(path: Path, now: float) -> float:
+    """Seconds since anything a run writes last changed in folder `path` (or since file `path` changed)."""
+    stamps = [path.stat().st_mtime]
+    if path.is_dir():
+        stamps += [p.stat().st_mtime for p in (path / "events.jsonl", path / MARKER, path / "launch.log")
+                   if p.is_file()]
+    return now - max(stamps)
+
+
+def old_runs(runs_dir: Path, keep_days: float, keep: Path | None = None, now: float | None = None) -> list[Path]:
+    """Run folders (with the marker) older than `keep_days`, other than `keep` (the current run)."""
+    now = time.time() if now is None else now
+    kept = keep.resolve() if keep is not None else None
+    return sorted(p for p in runs_dir.iterdir()
+                  if p.is_dir() and (p / MARKER).is_file() and p.resolve() != kept
+                  and _age_s(p, now) > keep_days * DAY_S)
+
+
+def _referenced(runs_dir: Path) -> str:
+    """The text of every config the kept runs were launched with (an upload named in one is still needed)."""
+    configs = [*runs_dir.glob("*.yaml"), *runs_dir.glob("*/config.yaml"), *runs_dir.glob("*/launch.yaml")]
+    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in configs if p.is_file())
+
+
+def old_uploads(runs_dir: Path, keep_days: float, now: float | None = None) -> list[Path]:
+    """Uploaded files older than `keep_days` that no remaining run's config names."""
+    now = time.time() if now is None else now
+    folder = runs_dir / "uploads"
+    if not folder.is_dir():
+        return []
+    referenced = _referenced(runs_dir)
+    return sorted(p for p in folder.iterdir()
+                  if p.is_file() and _age_s(p, now) > keep_days * DAY_S and p.name not in referenced)
+
+
+def old_gradio_files(gradio_dir: Path, now: float | None = None) -> list[Path]:
+    """Gradio's cached files older than a day (only inside its hash-named folders)."""
+    now = time.time() if now is None else now
+    if not gradio_dir.is_dir():
+        return []
+    return sorted(p for d in gradio_dir.iterdir() if d.is_dir() and GRADIO_CACHE_DIR.fullmatch(d.name)
+                  for p in d.rglob("*") if p.is_file() and _age_s(p, now) > GRADIO_KEEP_S)
+
+
+def tidy(runs_dir: Path, keep_days: float | None, *, keep: Path | None = None, gradio_dir: Path | None = None,
+         now: float | None = None) -> list[Path]:
+    """Delete old runs (with their launch files) and unused uploads when `keep_days` is set, and Gradio's day-old
+    temporary files; returns what was deleted."""
+    deleted: list[Path] = []
+    if keep_days is not None and runs_dir.is_dir():
+        for run in old_runs(runs_dir, keep_days, keep, now):
+            shutil.rmtree(run, ignore_errors=True)
+            deleted.append(run)
+            for pattern in SIBLINGS:
+                sibling = run.with_name(pattern.format(run.name))
+                if sibling.is_file():
+                    sibling.unlink()
+                    deleted.append(sibling)
+        for upload in old_uploads(runs_dir, keep_days, now):  # after the runs: their configs no longer count
+            upload.unlink(missing_ok=True)
+            deleted.append(upload)
+    if gradio_dir is not None:
+        for cached in old_gradio_files(gradio_dir, now):
+            cached.unlink(missing_ok=True)
+            deleted.append(cached)
+            try:
+                cached.parent.rmdir()  # its hash folder, once empty
+            except OSError:
+                pass
+    return deleted
+
+
+def gradio_temp_dir() -> Path | None:
+    """Where Gradio keeps its temporary files (the server sets GRADIO_TEMP_DIR before Gradio starts)."""
+    value = os.environ.get("GRADIO_TEMP_DIR")
+    return Path(value) if value else None

@@ -1,0 +1,143 @@
+"""What one app server allows: the operator's limits (flags of `finetune ui`, with environment-variable fallbacks),
+the check a config must pass before Start or Plan, and short error messages.
+
+Locally the limits are generous or off; on a Hugging Face Space (`SPACE_ID` is set) they default to what a shared,
+public machine can take. `0` turns a numeric limit off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune.config import Config
+
+MAX_PROBLEMS = 5  # problems shown of a config error; the rest are counted
+MAX_PROBLEM_CHARS = 200
+MAX_CONFIG_BYTES = 64 * 1024  # an imported (or API) config: a real one is a few hundred bytes
+MAX_TRY_CHARS = 2000  # Try it: characters of the text the model sees
+MAX_NEW_TOKENS = 64  # Try it: tokens a causal LM may generate
+PLAN_CONCURRENCY = 4  # plans served at once (page and API together): one slow plan does not hold everyone's
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """The server's limits; None (or 0 on the command line) means no limit."""
+
+    max_epochs: float | None = None
+    max_steps: int | None = None
+    max_effective_batch: int | None = None
+    max_run_minutes: float | None = None  # a longer run is stopped with a checkpoint
+    max_file_size: str = "1gb"  # largest upload (Gradio's syntax)
+    min_free_gb: float = 1.0  # free disk under the runs folder needed to start a run
+    keep_days: float | None = None  # finished runs and unused uploads older than this are deleted
+    stop_grace_s: float = 60.0  # on SIGTERM, how long the run gets to checkpoint before the app exits
+
+    @property
+    def max_run_s(self) -> float | None:
+        """The run-time limit in seconds."""
+        return self.max_run_minutes * 60 if self.max_run_minutes else None
+
+
+LOCAL = Limits()
+SPACE = Limits(max_epochs=20, max_steps=20_000, max_effective_batch=1024, max_run_minutes=120,
+               max_file_size="200mb", min_free_gb=5.0, keep_days=7)
+
+# flag → (field, type, help); the environment variable is FINETUNE_ + the flag in capitals.
+FLAGS = {
+    "--max-epochs": ("max_epochs", float, "Most epochs a run may ask for (0: no limit)."),
+    "--max-steps": ("max_steps", int, "Most optimizer steps (max_steps) a run may ask for (0: no limit)."),
+    "--max-effective-batch": ("max_effective_batch", int, "Largest effective batch a run may ask for (0: no limit)."),
+    "--max-run-minutes": ("max_run_minutes", float, "Minutes a run may train before it is stopped with a checkpoint "
+                          "(0: no limit)."),
+    "--max-file-size": ("max_file_size", str, "Largest upload accepted, e.g. 200mb."),
+    "--min-free-gb": ("min_free_gb", float, "GB that must be free on the runs folder's disk to start a run "
+                      "(0: no check)."),
+    "--keep-days": ("keep_days", float, "Delete finished, stopped and failed runs (and uploads no kept run uses) "
+                    "older than this many days, at start and before each run (0: keep everything)."),
+    "--stop-grace": ("stop_grace_s", float, "Seconds a run gets to save its checkpoint when the app receives SIGTERM "
+                     "(docker stop) before the app exits."),
+}
+
+
+def defaults(environ: dict[str, str] | None = None) -> Limits:
+    """The built-in defaults: generous locally, tighter on a Hugging Face Space."""
+    return SPACE if "SPACE_ID" in (os.environ if environ is None else environ) else LOCAL
+
+
+def _env_name(flag: str) -> str:
+    return "FINETUNE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The limit flags of `finetune ui` (each falls back to its FINETUNE_… variable, then to `defaults()`)."""
+    base = defaults()
+    group = parser.add_argument_group("limits", "What a run may ask of this server (0 = no limit). Defaults are "
+                                      "looser locally than on a Hugging Face Space (when SPACE_ID is set).")
+    for flag, (name, kind, text) in FLAGS.items():
+        env = _env_name(flag)
+        default = getattr(base, name)
+        group.add_argument(flag, dest=name, type=kind, default=os.environ.get(env) or default,
+                           help=f"{text} Default: ${env}, else {default if default is not None else 0}.")
+
+
+def from_args(args: argparse.Namespace) -> Limits:
+    """The limits the parsed flags (or their variables) give; 0 turns a maximum (or keep_days) off."""
+    values: dict[str, Any] = {}
+    for name, kind, _ in FLAGS.values():
+        value = getattr(args, name, getattr(defaults(), name))
+        off = kind is not str and name.startswith(("max_", "keep_")) and not value
+        values[name] = None if off else kind(value)
+    return Limits(**values)
+
+
+def check(config: Config, limits: Limits) -> list[str]:
+    """Why `config` asks more of this server than it allows: one sentence per limit exceeded (empty when fine)."""
+    problems = []
+    if limits.max_steps is not None and config.max_steps is not None and config.max_steps > limits.max_steps:
+        problems.append(f"`max_steps` = {config.max_steps:,} is above this server's limit of {limits.max_steps:,} "
+                        "optimizer steps: lower it.")
+    if limits.max_epochs is not None and config.max_steps is None and config.epochs > limits.max_epochs:
+        problems.append(f"`epochs` = {config.epochs:g} is above this server's limit of {limits.max_epochs:g}: lower "
+                        "it, or set `max_steps`.")
+    micro, accum = config.micro_batch_size, config.grad_accum_steps
+    batch = config.effective_batch_size or (micro * accum if micro and accum else None)
+    if limits.max_effective_batch is not None and batch is not None and batch > limits.max_effective_batch:
+        problems.append(f"The effective batch of {batch:,} samples is above this server's limit of "
+                        f"{limits.max_effective_batch:,}: lower `effective_batch_size`.")
+    return problems
+
+
+def short_problems(problems: list[str]) -> list[str]:
+    """At most `MAX_PROBLEMS` problems, each cut to `MAX_PROBLEM_CHARS`, and a line counting the rest."""
+    shown = [p if len(p) <= MAX_PROBLEM_CHARS else p[:MAX_PROBLEM_CHARS - 1] + "…" for p in problems[:MAX_PROBLEMS]]
+    rest = len(problems) - len(shown)
+    return [*shown, f"… and {rest} more."] if rest else shown
+
+
+def short_text(text: str, max_chars: int = MAX_PROBLEMS * MAX_PROBLEM_CHARS) -> str:
+    """A message cut to `max_chars` (a child's error can be a whole traceback)."""
+    return text if len(text) <= max_chars else text[:max_chars - 1] + "…"
+
+
+def config_size_problem(config: str | Path | Any, *, is_file: bool = False) -> str | None:
+    """Why a config file (or YAML text) is too big to read, checked before it is parsed; None when it is not."""
+    try:
+        size = Path(config).stat().st_size if is_file else len(config) if isinstance(config, str) else 0
+    except OSError:
+        return None  # reading it reports the missing file in the config's own words
+    if size <= MAX_CONFIG_BYTES:
+        return None
+    return (f"The config is {size / 1024:,.0f} KB; a config is at most {MAX_CONFIG_BYTES // 1024} KB (a real one is "
+            "a few hundred bytes): check that this is the right file.")
+
+
+def truncate_try_text(text: str) -> tuple[str, str]:
+    """Try it's text cut to `MAX_TRY_CHARS`, and a note saying so ("" when it was short enough)."""
+    text = (text or "").strip()
+    if len(text) <= MAX_TRY_CHARS:
+        return text, ""
+    return text[:MAX_TRY_CHARS], f"Only the first {MAX_TRY_CHARS:,} characters of the text were used."
