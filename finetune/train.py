@@ -205,19 +205,25 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
 def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
     """Accumulate one window's gradient; returns this process's loss sum and the window's global target count."""
     accelerator, lengths = s.accelerator, s.train_data.lengths
-    micro = micro_batches(window, lengths, s.batch.micro_batch_size, accelerator.process_index,
-                          accelerator.num_processes)
+    micro, weight = share_of(window, lengths, s.batch.micro_batch_size, accelerator.process_index,
+                             accelerator.num_processes)
     # Count the window's targets over all processes *before* its first backward: every micro-batch's loss sum is
     # divided by this one number, which is what makes k·B and (B, k) identical.
-    count = _global_count(s, [i for mb in micro for i in mb])
-    weight = 1.0
-    if not micro:  # a tail window smaller than the number of processes: join the all-reduce with 0 weight
-        micro, weight = [window[:1]], 0.0
+    count = _global_count(s, [i for mb in micro for i in mb] if weight else [])  # a stand-in counts for nothing
 
     def collate_fn(mb: list[int]) -> dict[str, torch.Tensor]:
         return collate(s.train_data, mb, s.tokenizer.pad_token_id, s.causal)
 
     return backward_window(s.model, micro, collate_fn, count, accelerator, causal=s.causal, weight=weight), count
+
+
+def share_of(window: list[int], lengths: list[int], micro_batch_size: int, rank: int, num_processes: int
+             ) -> tuple[list[list[int]], float]:
+    """This process's micro-batches of a window, and the weight of their losses (1, or 0 for a stand-in)."""
+    micro = micro_batches(window, lengths, micro_batch_size, rank, num_processes)
+    if not micro:  # a tail window smaller than the number of processes: join the collectives with 0 weight
+        return [window[:1]], 0.0
+    return micro, 1.0
 
 
 def backward_window(model: Any, micro: list[list[int]], collate_fn: Callable[[list[int]], dict[str, torch.Tensor]],
