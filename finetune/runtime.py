@@ -29,7 +29,13 @@ def make_accelerator(precision: str) -> Any:
     # Under a launcher (WORLD_SIZE > 1) without CUDA, accelerate only forms a gloo process group when asked for the
     # CPU explicitly; otherwise every process would train alone.
     cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision), cpu=cpu)
+    try:
+        return Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision), cpu=cpu)
+    except RuntimeError as e:
+        if requested_mode() == "fsdp" and "no available devices" in str(e):  # FSDP1's sync_module_states
+            raise ConfigError(["accelerate's FSDP version 1 needs a GPU: launch with fsdp_version 2 (without a GPU "
+                               "it then runs plain DDP) or without FSDP."]) from e
+        raise
 
 
 def precision_of(accelerator: Any) -> str:
