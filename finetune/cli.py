@@ -44,6 +44,12 @@ def _load_config(args: argparse.Namespace) -> Config:
     return load(path, overrides)
 
 
+def _print_note(event: Any) -> None:
+    """Say on stderr when the run does not distribute as the launcher asked (the start event's `note`)."""
+    if getattr(event, "event", None) == "start" and event.note:
+        print(f"note: {event.note}", file=sys.stderr, flush=True)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Run `finetune train CONFIG [key=value …]`."""
     from finetune.events import ProgressBar
@@ -53,7 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     stop = StopFlag()
     previous = _install_stop_handlers(stop)
     try:
-        result = train(cfg, stop=stop, callbacks=[ProgressBar(disable=args.quiet)])
+        result = train(cfg, stop=stop, callbacks=[ProgressBar(disable=args.quiet), _print_note])
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -98,12 +104,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from finetune.modeling import load_tokenizer
     from finetune.planner import plan_run, render
     from finetune.rundir import write_json
-    from finetune.runtime import make_accelerator, resolve_precision
+    from finetune.runtime import make_accelerator, requested_mode, resolve_precision
 
     cfg = _load_config(args)
+    # As a launcher would run it: FSDP when asked for (or accelerate's variable says so) and more than one process.
+    distributed = args.distributed or requested_mode() or "ddp"
+    distributed = "single" if args.num_processes == 1 else distributed
     train_data, _, label_names = load_data(cfg, load_tokenizer(cfg))
     device = make_accelerator(resolve_precision(cfg.precision)).device  # where `finetune train` would probe
-    plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device)
+    plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device,
+                       distributed=distributed)
     print(render(plan))
     if args.json:
         write_json(Path(args.json), plan.to_dict())
@@ -148,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="Also write the plan here (plan.json).")
     p.add_argument("--num-processes", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
                    help="Processes the run will use (default: 1, or WORLD_SIZE under a launcher).")
+    p.add_argument("--distributed", choices=["ddp", "fsdp"], default=None,
+                   help="How the processes share the model: ddp (each holds all of it) or fsdp (weights, gradients "
+                   "and optimizer state sharded); default: fsdp when ACCELERATE_USE_FSDP says so, else ddp.")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("eval", help="Evaluate a run's model or a saved model.")
     p.add_argument("target", help="A run directory or a model folder.")

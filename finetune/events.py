@@ -22,7 +22,8 @@ from finetune.errors import describe, exit_code
 
 @dataclass(frozen=True, kw_only=True)
 class Start:
-    """A run began (or resumed at `step`)."""
+    """A run began (or resumed at `step`); `distributed` is how it really runs (single, ddp, fsdp, deepspeed) and
+    `note` says when that is not what the launcher asked for."""
 
     total_steps: int
     steps_per_epoch: int
@@ -34,6 +35,8 @@ class Start:
     run_dir: str
     step: int = 0
     resumed: bool = False
+    distributed: str = "single"
+    note: str | None = None
     event: str = "start"
 
 

@@ -112,15 +112,17 @@ def _load_failure(name: str, error: Exception, task: str | None = None) -> str:
             "(hub ids need a network connection).")
 
 
-def save_model(model: Any, tokenizer: Any, run_dir: Path, merge_lora: bool = False) -> Path:
+def save_model(model: Any, tokenizer: Any, run_dir: Path, merge_lora: bool = False,
+               state_dict: dict[str, Any] | None = None) -> Path:
     """Save the final model (safetensors) and tokenizer to run_dir/model, loadable with `from_pretrained`.
 
     A LoRA model saves its adapter there (load it with peft's `AutoPeftModelFor…`); with `merge_lora` the adapter
-    goes to run_dir/adapter and model/ gets the base model with the adapter merged in."""
+    goes to run_dir/adapter and model/ gets the base model with the adapter merged in. `state_dict` is the full
+    one gathered from a sharded (FSDP) model, saved instead of the model's own shards."""
     is_peft = hasattr(model, "peft_config")
     target = run_dir / ("adapter" if is_peft and merge_lora else "model")
     target.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(target, safe_serialization=True)
+    model.save_pretrained(target, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(target)
     if is_peft:  # the base config beside the adapter keeps the run's label names and head size
         model.get_base_model().config.save_pretrained(target)

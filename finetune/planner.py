@@ -29,6 +29,7 @@ SAFETY = 0.95  # plan to 95 % of the budget: the estimate aims at ±5 % on a GPU
 CUDA_CONTEXT = 512 * 2**20  # the CUDA context and kernels, outside the allocator's counts
 ALLOCATOR_SLACK = 0.10  # reserved − allocated in training: PyTorch's caching allocator fragments
 CPU_RUNTIME = 0  # live tensors only: the process's own footprint is not the model's
+SHARDED_TERMS = ("weights", "gradients", "optimizer_state")  # what FSDP splits over the processes
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -46,6 +47,7 @@ class Plan:
     worst_case_tokens: int
     method: str  # "dry-run" or "probe"
     notes: tuple[str, ...] = field(default=())
+    distributed: str = "single"  # single, ddp, fsdp or deepspeed: fsdp divides the sharded terms by the processes
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -86,8 +88,9 @@ def overhead(tensors: int, device: str) -> int:
 
 
 def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens: int, accum: int, precision: str,
-             optimizer: str, device: str) -> dict[str, int]:
-    """Peak memory by term for one configuration (bytes)."""
+             optimizer: str, device: str, shards: int = 1) -> dict[str, int]:
+    """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
+    optimizer state over `shards` processes."""
     params = list(skeleton.model.parameters())
     gradients = _bytes(p for p in params if p.requires_grad)
     state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
@@ -99,6 +102,10 @@ def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens:
     terms["gradients"] = min(gradients, window)
     terms["logits"] = min(2 * micro * tokens * vocab * 4 if causal else 0, window - terms["gradients"])
     terms["activations"] = window - terms["gradients"] - terms["logits"]
+    # Each process keeps 1/N of every parameter, its gradient and its optimizer state; activations and logits
+    # belong to the process's own micro-batch and are not sharded.
+    for term in SHARDED_TERMS:
+        terms[term] = math.ceil(terms[term] / shards)
     terms["overhead"] = overhead(sum(terms.values()), device)
     return terms
 
@@ -111,8 +118,9 @@ def _micro_candidates(c: Config, batch: BatchSplit) -> list[int]:
 
 
 def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int = 1,
-              device: tuple[str, int] | None = None) -> Plan:
-    """Choose the largest micro-batch that divides the effective batch and fits, escalating in a fixed order."""
+              device: tuple[str, int] | None = None, distributed: str = "single") -> Plan:
+    """Choose the largest micro-batch that divides the effective batch and fits, escalating in a fixed order;
+    `distributed` is how the run will distribute (fsdp shards weights, gradients and optimizer state)."""
     device_name, device_total = device or device_memory()
     precision = resolve_precision(c.precision)
     causal = c.task == "causal_lm"
@@ -121,6 +129,11 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     batch = resolve_batch(c, num_processes)
     candidates = _micro_candidates(c, batch)
     notes: list[str] = []
+    shards = num_processes if distributed == "fsdp" else 1
+    if shards > 1:
+        notes.append(f"Weights, gradients and optimizer state sharded over {shards} processes (FSDP): each holds "
+                     f"1/{shards} of them; activations are per process (a layer's parameters are gathered while it "
+                     "runs, which the plan does not count).")
     tried: list[Attempt] = []
     for level, checkpointing, optimizer, lora in _levels(c, notes):
         skeleton = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora)
@@ -129,7 +142,7 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                     ) -> tuple[int, dict[str, int]]:
             terms = estimate(skeleton, c, causal=causal, micro=micro, tokens=tokens,
                              accum=batch.per_process // micro, precision=precision, optimizer=optimizer,
-                             device=device_name)
+                             device=device_name, shards=shards)
             tried.append(Attempt(level, micro, sum(terms.values())))
             return sum(terms.values()), terms
 
@@ -163,7 +176,8 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                          f"{SAFETY:.0%} of the budget ({steps}).")
         return Plan(batch=batch.with_micro(chosen), precision=precision, gradient_checkpointing=checkpointing,
                     lora=lora, optimizer=optimizer, budget_bytes=budget, predicted_peak_bytes=peak, breakdown=terms,
-                    device=device_name, worst_case_tokens=tokens, method="dry-run", notes=tuple(notes))
+                    device=device_name, worst_case_tokens=tokens, method="dry-run", notes=tuple(notes),
+                    distributed=distributed)
     best = min(tried, key=lambda attempt: attempt.peak)
     hint = " (or drop micro_batch_size/grad_accum_steps so the planner may split the batch)" if len(candidates) == 1 \
         else ""
@@ -219,14 +233,18 @@ def refine_with_probe(plan: Plan, model: Any, c: Config) -> Plan:
 
 
 def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, num_processes: int, device: Any,
-             load: bool = False) -> tuple[Plan, Any | None]:
+             load: bool = False, distributed: str = "single") -> tuple[Plan, Any | None]:
     """The plan a run trains with (what `finetune train` and `finetune plan` both use): the dry run, then, when
     `plan_probe` is on, the probe on the real model at `device`.
 
     Returns the plan and the model loaded for it, prepared for training (checkpointing, LoRA). The model is loaded
     when the probe needs it or `load` asks for it; a dry run alone reads no weights (None)."""
-    plan = make_plan(c, lengths, len(label_names or []), num_processes=num_processes)
+    plan = make_plan(c, lengths, len(label_names or []), num_processes=num_processes, distributed=distributed)
     probe = probe_enabled(c)
+    if probe and distributed == "fsdp":  # the probe trains the whole model on one device: what FSDP is there to avoid
+        probe = False
+        plan = dataclasses.replace(plan, notes=(*plan.notes, "Probe skipped under FSDP: it would put the whole "
+                                                "model on one device."))
     if not (probe or load):
         return plan, None
     model = prepare_for_training(load_model(c, label_names), c, checkpointing=plan.gradient_checkpointing,
@@ -266,6 +284,7 @@ def render(plan: Plan) -> str:
     rows = [
         ("batch", f"{b.micro_batch_size} micro × {b.grad_accum_steps} accumulation × {b.num_processes} "
                   f"process(es) = {b.effective_batch_size} effective"),
+        ("distributed", plan.distributed),
         ("precision", plan.precision),
         ("gradient checkpointing", "on" if plan.gradient_checkpointing else "off"),
         ("LoRA", "on" if plan.lora else "off"),

@@ -29,7 +29,13 @@ def make_accelerator(precision: str) -> Any:
     # Under a launcher (WORLD_SIZE > 1) without CUDA, accelerate only forms a gloo process group when asked for the
     # CPU explicitly; otherwise every process would train alone.
     cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision), cpu=cpu)
+    try:
+        return Accelerator(mixed_precision={"fp32": "no"}.get(precision, precision), cpu=cpu)
+    except RuntimeError as e:
+        if requested_mode() == "fsdp" and "no available devices" in str(e):  # FSDP1's sync_module_states
+            raise ConfigError(["accelerate's FSDP version 1 needs a GPU: launch with fsdp_version 2 (without a GPU "
+                               "it then runs plain DDP) or without FSDP."]) from e
+        raise
 
 
 def precision_of(accelerator: Any) -> str:
@@ -45,3 +51,49 @@ def device_memory() -> tuple[str, int]:
     import psutil
 
     return "cpu", int(psutil.virtual_memory().total)
+
+
+MODES = ("single", "ddp", "fsdp", "deepspeed")
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether a prepared model's parameters are really sharded: FSDP2 DTensors or an FSDP1 wrapper."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(model, FullyShardedDataParallel) or any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def distributed_mode(accelerator: Any, model: Any = None) -> str:
+    """How a run distributes: single, ddp, fsdp or deepspeed, from accelerate's state; with the prepared `model`,
+    fsdp only where its parameters are sharded."""
+    kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+    if kind == "DEEPSPEED":
+        return "deepspeed"
+    if kind == "FSDP" and (model is None or is_sharded(model)):
+        return "fsdp"
+    return "single" if accelerator.num_processes == 1 else "ddp"
+
+
+def requested_mode(env: dict[str, str] | None = None) -> str | None:
+    """The sharding a launcher asked for: `accelerate launch` with an FSDP or DeepSpeed config (or --use_fsdp,
+    --use_deepspeed) tells its processes through these variables; None when it asked for neither."""
+    env = os.environ if env is None else env
+    for mode, variable in (("fsdp", "ACCELERATE_USE_FSDP"), ("deepspeed", "ACCELERATE_USE_DEEPSPEED")):
+        if env.get(variable, "").strip().lower() in ("1", "true", "yes"):
+            return mode
+    return None
+
+
+def fallback_note(requested: str | None, mode: str, num_processes: int, device_type: str) -> str | None:
+    """One sentence when the run does not shard as the launcher asked (accelerate falls back without a word)."""
+    if requested is None or requested == mode:
+        return None
+    import accelerate
+
+    asked = {"fsdp": "FSDP", "deepspeed": "DeepSpeed"}[requested]
+    why = f"accelerate {accelerate.__version__} does not shard without CUDA" if not torch.cuda.is_available() \
+        else f"accelerate {accelerate.__version__} did not set it up"
+    runs = (f"plain DDP over {num_processes} {device_type.upper()} processes (every process holds the whole model)"
+            if mode == "ddp" else "a single process holding the whole model")
+    return f"{asked} was asked for, but {why}: this run is {runs}."

@@ -9,6 +9,7 @@ tokens never shift the weights of the others.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
@@ -33,9 +34,36 @@ from finetune.losses import loss_sum
 from finetune.modeling import load_tokenizer, save_model
 from finetune.optim import make_optimizer, make_scheduler
 from finetune.planner import plan_run
-from finetune.runtime import make_accelerator, precision_of, resolve_precision
+from finetune.runtime import (
+    distributed_mode,
+    fallback_note,
+    make_accelerator,
+    precision_of,
+    requested_mode,
+    resolve_precision,
+)
 
 MAX_SKIPPED_IN_A_ROW = 25
+
+
+class Distributed(Protocol):
+    """What a window needs from its distribution backend. accelerate's `Accelerator` provides all of it in a run
+    (single process, DDP, FSDP); a test passes a thin adapter over torch.distributed to run the same window on a
+    model sharded by torch's `fully_shard` without accelerate's launcher."""
+
+    num_processes: int
+    device: torch.device
+    gradient_accumulation_steps: int
+    step: int  # micro-batches into the window, which decides when gradients are synchronised
+    scaler: Any  # fp16's GradScaler, or None
+
+    def accumulate(self, model: Any) -> contextlib.AbstractContextManager: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor: ...
+
+    def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor: ...
 
 
 class StopFlag:
@@ -99,6 +127,8 @@ class Setup:
     steps_per_epoch: int
     progress: Progress
     log: EventLog
+    distributed: str = "single"  # how the run really distributes: single, ddp, fsdp or deepspeed
+    note: str | None = None  # when that is not what the launcher asked for
 
     @property
     def causal(self) -> bool:
@@ -116,10 +146,10 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     stop = stop or StopFlag()
     lengths = s.train_data.lengths
     params = [q for q in model.parameters() if q.requires_grad]
-    clip = c.max_grad_norm if c.max_grad_norm > 0 else math.inf  # inf: measure the norm, never clip
     s.log.emit(Start(total_steps=s.total_steps, steps_per_epoch=s.steps_per_epoch, num_train_samples=len(s.train_data),
                      num_eval_samples=len(s.eval_data or []), batch=s.batch, precision=precision_of(accelerator),
-                     device=str(accelerator.device), run_dir=str(s.run_dir), step=p.step, resumed=c.resume))
+                     device=str(accelerator.device), run_dir=str(s.run_dir), step=p.step, resumed=c.resume,
+                     distributed=s.distributed, note=s.note))
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock
@@ -135,18 +165,8 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                         break
                     except torch.OutOfMemoryError:
                         _back_off(s)  # the same window again with half the micro-batch: same gradient, less memory
-                # Once per window, on the summed gradient (sync step): clip_grad_norm_ unscales fp16 gradients first.
-                grad_norm = accelerator.clip_grad_norm_(params, clip)
                 lr = scheduler.get_last_lr()[0]
-                scaler = accelerator.scaler
-                scale_before = scaler.get_scale() if scaler is not None else None
-                optimizer.step()
-                # An fp16 overflow makes the scaler back off. (accelerate's optimizer_step_was_skipped misses it
-                # with fused optimizers, which the scaler always calls and which skip the update in the kernel.)
-                skipped = scale_before is not None and scaler.get_scale() < scale_before
-                if not skipped:
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                grad_norm, skipped = optimizer_step(params, optimizer, scheduler, accelerator, c.max_grad_norm)
                 window_loss = (accelerator.reduce(window_loss_sum, "sum") / max(count, 1)).item()
                 p.step += 1
                 p.samples += len(window)
@@ -185,28 +205,64 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
 def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
     """Accumulate one window's gradient; returns this process's loss sum and the window's global target count."""
     accelerator, lengths = s.accelerator, s.train_data.lengths
-    micro = micro_batches(window, lengths, s.batch.micro_batch_size, accelerator.process_index,
-                          accelerator.num_processes)
+    micro, weight = share_of(window, lengths, s.batch.micro_batch_size, accelerator.process_index,
+                             accelerator.num_processes)
     # Count the window's targets over all processes *before* its first backward: every micro-batch's loss sum is
     # divided by this one number, which is what makes k·B and (B, k) identical.
-    count = _global_count(s, [i for mb in micro for i in mb])
-    weight = 1.0
-    if not micro:  # a tail window smaller than the number of processes: join the all-reduce with 0 weight
-        micro, weight = [window[:1]], 0.0
-    # accelerator.backward divides by gradient_accumulation_steps and DDP averages over processes: undo both, so
-    # the gradient is exactly sum(losses) / count. Setting the steps per window is what flushes (and correctly
-    # normalises) a short last window.
-    accelerator.gradient_accumulation_steps = len(micro)
-    accelerator.step = 0
-    scale = weight * len(micro) * accelerator.num_processes / max(count, 1)
-    loss_total = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    count = _global_count(s, [i for mb in micro for i in mb] if weight else [])  # a stand-in counts for nothing
+
+    def collate_fn(mb: list[int]) -> dict[str, torch.Tensor]:
+        return collate(s.train_data, mb, s.tokenizer.pad_token_id, s.causal)
+
+    return backward_window(s.model, micro, collate_fn, count, accelerator, causal=s.causal, weight=weight), count
+
+
+def share_of(window: list[int], lengths: list[int], micro_batch_size: int, rank: int, num_processes: int
+             ) -> tuple[list[list[int]], float]:
+    """This process's micro-batches of a window, and the weight of their losses (1, or 0 for a stand-in)."""
+    micro = micro_batches(window, lengths, micro_batch_size, rank, num_processes)
+    if not micro:  # a tail window smaller than the number of processes: join the collectives with 0 weight
+        return [window[:1]], 0.0
+    return micro, 1.0
+
+
+def backward_window(model: Any, micro: list[list[int]], collate_fn: Callable[[list[int]], dict[str, torch.Tensor]],
+                    count: int, dist: Distributed, *, causal: bool, weight: float = 1.0) -> torch.Tensor:
+    """Forward and backward this process's micro-batches of one window, leaving the window's gradient
+    `sum(losses) / count` in the parameters; returns this process's loss sum (`count` is over all processes)."""
+    # accelerator.backward divides by gradient_accumulation_steps, and both DDP's all-reduce and FSDP's
+    # reduce-scatter average over processes: the scale undoes both, so the gradient is exactly sum(losses) / count.
+    # Setting the steps per window is what flushes (and correctly normalises) a short last window.
+    dist.gradient_accumulation_steps = len(micro)
+    dist.step = 0
+    scale = weight * len(micro) * dist.num_processes / max(count, 1)
+    loss_total = torch.zeros((), dtype=torch.float64, device=dist.device)
     for mb in micro:
-        with accelerator.accumulate(s.model):
-            batch = collate(s.train_data, mb, s.tokenizer.pad_token_id, s.causal)
-            loss, _ = loss_sum(s.model, {k: v.to(accelerator.device) for k, v in batch.items()}, s.causal)
-            accelerator.backward(loss * scale)
+        with dist.accumulate(model):
+            batch = collate_fn(mb)
+            loss, _ = loss_sum(model, {k: v.to(dist.device) for k, v in batch.items()}, causal)
+            dist.backward(loss * scale)
             loss_total += loss.detach().double() * weight
-    return loss_total, count
+    return loss_total
+
+
+def optimizer_step(params: list[torch.Tensor], optimizer: Any, scheduler: Any, dist: Distributed,
+                   max_grad_norm: float) -> tuple[torch.Tensor, bool]:
+    """Clip the window's gradient, step the optimizer and, unless fp16 skipped the step, the schedule; returns the
+    gradient norm before clipping and whether the step was skipped."""
+    # Once per window, on the summed gradient (sync step). accelerate's clip_grad_norm_ unscales fp16 gradients
+    # first and, under FSDP2, takes the norm over every process's shards (DTensor gradients).
+    grad_norm = dist.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)  # inf: only measure
+    scaler = dist.scaler
+    scale_before = scaler.get_scale() if scaler is not None else None
+    optimizer.step()
+    # An fp16 overflow makes the scaler back off. (accelerate's optimizer_step_was_skipped misses it with fused
+    # optimizers, which the scaler always calls and which skip the update in the kernel.)
+    skipped = scale_before is not None and scaler.get_scale() < scale_before
+    if not skipped and scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
 
 
 def _back_off(s: Setup) -> None:
@@ -245,8 +301,13 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     set_seed(c.seed)  # before the model is loaded: a new classification head is initialised from it
     # The plan needs the data (the worst-case length) but no weights: its dry run runs on fake tensors. The model
     # comes back loaded and prepared as the plan says (and, with the probe, measured).
+    # Before prepare() the mode is what accelerate's state says; the note says when that is not what was asked for.
+    mode = distributed_mode(accelerator)
+    note = fallback_note(requested_mode(), mode, accelerator.num_processes, accelerator.device.type)
     plan, model = plan_run(c, train_data.lengths, label_names, num_processes=accelerator.num_processes,
-                           device=accelerator.device, load=True)
+                           device=accelerator.device, load=True, distributed=mode)
+    if note:
+        plan = dataclasses.replace(plan, notes=(note, *plan.notes))
     c = plan.apply(c)
     steps_per_epoch = windows_per_epoch(len(train_data), plan.batch.effective_batch_size)
     total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
@@ -254,6 +315,7 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     scheduler = make_scheduler(c, optimizer, total_steps)
     # The scheduler stays out of prepare(): a prepared scheduler steps once per process per optimizer step.
     model, optimizer = accelerator.prepare(model, optimizer)
+    mode = distributed_mode(accelerator, model)  # what prepare() really did: fsdp only if parameters are sharded
     progress = Progress()
 
     log = EventLog(run_dir / "events.jsonl" if accelerator.is_main_process else None,
@@ -273,7 +335,7 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     return Setup(config=c, accelerator=accelerator, batch=plan.batch, run_dir=run_dir, tokenizer=tokenizer,
                  train_data=train_data, eval_data=eval_data, label_names=label_names, model=model,
                  optimizer=optimizer, scheduler=scheduler, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                 progress=progress, log=log)
+                 progress=progress, log=log, distributed=mode, note=note)
 
 
 def _global_count(s: Setup, indices: list[int]) -> int:
@@ -338,8 +400,12 @@ def _finish(s: Setup, seconds: float) -> RunResult:
     metrics = _evaluate(s, p.epoch + p.window / max(s.steps_per_epoch, 1))
     _save_checkpoint(s)
     model_dir = s.run_dir / "model"
+    # Sharded parameters are gathered into one full state dict on the main process first; every process must take
+    # part in the gathering. Unsharded models save their own parameters.
+    state_dict = accelerator.get_state_dict(s.model) if s.distributed in ("fsdp", "deepspeed") else None
     if accelerator.is_main_process:
-        save_model(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora)
+        save_model(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora,
+                   state_dict=state_dict)
         summary = {**metrics, "steps": p.step, "samples": p.samples, "skipped_steps": p.skipped,
                    "train_seconds": round(seconds, 2), "train_samples_per_s": round(p.samples / max(seconds, 1e-9), 2)}
         rundir.write_json(s.run_dir / "metrics.json", summary)

@@ -3,6 +3,7 @@ one process with the same effective batch, and only the main process writes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,11 +19,11 @@ COMMON = {"optimizer": "sgd", "learning_rate": 0.5, "warmup_ratio": 0.0, "weight
           "precision": "fp32", "epochs": 2, "logging_every": 1, "max_grad_norm": 1.0}
 
 
-def launch_two(tmp_path, values: dict):
+def launch_two(tmp_path, values: dict, mode: tuple[str, ...] = ("--multi_gpu",)):
     cfg = tmp_path / "two.yaml"
     cfg.write_text(yaml.safe_dump({**COMMON, **values, "output_dir": str(tmp_path / "two")}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
            "-m", "finetune", "train", str(cfg), "-q"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -55,3 +56,21 @@ def test_two_processes_equal_one(tmp_path, request, case):
     assert [e["event"] for e in two_events].count("start") == 1
     assert [e["event"] for e in two_events].count("done") == 1
     assert proc.stdout.count('"run_dir"') == 1
+
+
+def test_fsdp_asked_for_on_cpu_says_it_runs_ddp(tmp_path, tiny_bert, cls_csv):
+    """`accelerate launch --use_fsdp --fsdp_version 2` on a machine without CUDA: accelerate silently runs DDP; the
+    run says so (stderr, the start event's note, plan.json), reports `distributed: ddp`, and still trains like one
+    process. (FSDP itself is tested with torch's fully_shard in test_fsdp.py: accelerate does not shard on CPU.)"""
+    values = {"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 8, "max_steps": 2}
+    proc, two_dir = launch_two(tmp_path, {**values, "micro_batch_size": 4}, mode=("--use_fsdp", "--fsdp_version", "2"))
+    one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": 8})
+    start = read_events(two_dir / "events.jsonl")[0]
+    plan = json.loads((two_dir / "plan.json").read_text())
+    assert (start["distributed"], plan["distributed"], start["num_processes"]) == ("ddp", "ddp", 2)
+    assert start["note"].startswith("FSDP was asked for, but accelerate ") and "plain DDP over 2 CPU processes" in \
+        start["note"]
+    assert plan["notes"][0] == start["note"]
+    assert proc.stderr.count(f"note: {start['note']}") == 1  # printed once, by the main process
+    assert one_events[0]["distributed"] == "single" and one_events[0]["note"] is None
+    assert_same_weights(load_weights(two_dir), one)

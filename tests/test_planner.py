@@ -13,7 +13,7 @@ from finetune.config import from_dict
 from finetune.errors import TrainingError
 from finetune.losses import loss_sum
 from finetune.memory import LiveTensorTracker, measure_window, model_skeleton, tensor_bytes
-from finetune.planner import GIB, PlanError, estimate, make_plan
+from finetune.planner import GIB, PlanError, estimate, make_plan, render
 from finetune.train import train
 
 CPU = ("cpu", 24 * GIB)
@@ -212,3 +212,33 @@ def test_no_accumulation_can_need_less_than_a_smaller_micro_batch(tiny_bert):
     plan = make_plan(c.replace(memory_budget_gb=(whole + split) / 2 / 0.95 / GIB), [16], 2, device=CPU)
     assert (plan.batch.micro_batch_size, plan.batch.grad_accum_steps) == (8, 1)
     assert (plan.lora, plan.gradient_checkpointing) == (False, False)
+
+
+def test_fsdp_divides_the_sharded_terms_by_the_processes(activation_heavy_bert):
+    """Under FSDP each process holds 1/N of the weights, gradients and optimizer state; its activations, logits
+    and overhead are its own micro-batch's, as under DDP."""
+    c = from_dict({"model": activation_heavy_bert, "dataset": "x.csv", "effective_batch_size": 8, "optimizer": "adamw",
+                   "micro_batch_size": 2})
+    ddp = make_plan(c, [128] * 20, 2, num_processes=4, device=CPU, distributed="ddp")
+    fsdp = make_plan(c, [128] * 20, 2, num_processes=4, device=CPU, distributed="fsdp")
+    for term in ("weights", "gradients", "optimizer_state"):
+        assert fsdp.breakdown[term] == -(-ddp.breakdown[term] // 4), term
+    for term in ("activations", "logits", "overhead"):
+        assert fsdp.breakdown[term] == ddp.breakdown[term], term
+    assert fsdp.predicted_peak_bytes == sum(fsdp.breakdown.values()) < ddp.predicted_peak_bytes
+    assert (fsdp.distributed, ddp.distributed) == ("fsdp", "ddp")
+    assert any(n.startswith("Weights, gradients and optimizer state sharded over 4 processes") for n in fsdp.notes)
+    assert not any("sharded" in n for n in ddp.notes)
+    assert any(line.split() == ["distributed", "fsdp"] for line in render(fsdp).splitlines())
+
+
+def test_plan_cli_shows_fsdp(tmp_path, capsys, tiny_bert, cls_csv):
+    """`finetune plan --num-processes 2 --distributed fsdp` plans the sharded memory and writes it to plan.json."""
+    from finetune.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", f"model={tiny_bert}", f"dataset={cls_csv}", "effective_batch_size=8", "plan_probe=false",
+                 "--num-processes", "2", "--distributed", "fsdp", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["distributed"] == "fsdp" and plan["num_processes"] == 2
+    assert "sharded over 2 processes" in capsys.readouterr().out
