@@ -71,7 +71,7 @@ class Controller:
     Every handler takes the Gradio request (`request=`, None when called from Python) to tell who asks: on a shared
     server a user sees and steers only their own run and reads only their own files (see `app.access`)."""
 
-    def __init__(self, runs_dir: Path, jobs: JobManager, access: Access | None = None,
+    def __init__(self, runs_dir: Path, jobs: JobManager, *, access: Access | None = None,
                  samples: tuple[Path, ...] = (), server_limits: limits.Limits = limits.LOCAL):
         self.runs_dir = runs_dir
         self.jobs = jobs

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from app.limits import config_size_problem, short_problems
-from finetune.config import FIELDS, Config, ConfigError, field_type, from_dict, read_yaml
+from finetune.config import FIELDS, Config, ConfigError, field_type, format_bound, from_dict, read_yaml
 
 FIELD_NAMES: tuple[str, ...] = tuple(FIELDS)
 # Labels that people and browser tests look for; every other field is labelled from its name.
@@ -123,9 +123,9 @@ def _info(name: str) -> str:
     meta = FIELDS[name].metadata
     bounds = []
     if meta["min"] is not None:
-        bounds.append(f"≥ {meta['min']:g}")
+        bounds.append(f"≥ {format_bound(meta['min'])}")
     if meta["max"] is not None:
-        bounds.append(f"≤ {meta['max']:g}")
+        bounds.append(f"≤ {format_bound(meta['max'])}")
     suffix = f" ({', '.join(bounds)})" if bounds and _kind(name) in ("int", "float") else ""
     return f"{meta['help']}{suffix} [{name}]"
 

@@ -167,7 +167,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
     initial = initial_config(preset, memory, preset_base)
     # The sample data the preset points at stays readable on a shared server.
     samples = tuple(Path(p) for p in (initial.dataset, initial.eval_dataset) if p and Path(p).is_file())
-    controller = Controller(runs_dir, jobs, access, samples, server_limits)
+    controller = Controller(runs_dir, jobs, access=access, samples=samples, server_limits=server_limits)
     # The sample data is inspected before the page is served, so it opens with its preview and columns filled in
     # (a refresh on page load could finish after a quick upload and overwrite its preview).
     data = dataview.inspect(initial.dataset, initial.dataset_config, initial.train_split, initial.task,

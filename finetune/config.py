@@ -184,6 +184,11 @@ def _coerce(name: str, value: Any) -> tuple[Any, str | None]:
     return str(value), None
 
 
+def format_bound(bound: float) -> str:
+    """A bound as people write it: 1,048,576 rather than 1.04858e+06."""
+    return f"{int(bound):,}" if float(bound).is_integer() else f"{bound:g}"
+
+
 def _check_field(name: str, value: Any) -> str | None:
     meta = FIELDS[name].metadata
     if value is None:
@@ -191,9 +196,9 @@ def _check_field(name: str, value: Any) -> str | None:
     if meta["choices"] and value not in meta["choices"]:
         return f"`{name}` must be one of {', '.join(meta['choices'])}, not {value!r}."
     if meta["min"] is not None and value < meta["min"]:
-        return f"`{name}` must be at least {meta['min']:g}, not {value!r}."
+        return f"`{name}` must be at least {format_bound(meta['min'])}, not {value!r}."
     if meta["max"] is not None and value > meta["max"]:
-        return f"`{name}` must be at most {meta['max']:g}, not {value!r}."
+        return f"`{name}` must be at most {format_bound(meta['max'])}, not {value!r}."
     return None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 import urllib.error
@@ -131,9 +132,15 @@ def shared(tmp_path, monkeypatch, cls_csv):
     fake.chmod(0o755)
     runs = Path("runs")
     jobs = JobManager(runs, python=str(fake), env=PASSWORDS.child_env(os.environ))
-    ctl = Controller(runs, jobs, PASSWORDS)
-    uploads = {who: ctl.on_upload(cls_csv, "", "train", "classification", *[""] * len(COLUMN_FIELDS),
-                                  request=req).dataset for who, req in (("alice", ALICE), ("bob", BOB))}
+    ctl = Controller(runs, jobs, access=PASSWORDS)
+    uploads = {}
+    for who, req in (("alice", ALICE), ("bob", BOB)):
+        # Gradio hands each upload over as a temporary copy, which the app moves into the user's uploads.
+        gradio_copy = tmp_path / f"gradio-{who}" / "cls.csv"
+        gradio_copy.parent.mkdir()
+        shutil.copyfile(cls_csv, gradio_copy)
+        uploads[who] = ctl.on_upload(str(gradio_copy), "", "train", "classification", *[""] * len(COLUMN_FIELDS),
+                                     request=req).dataset
     yield ctl, uploads
     status = jobs.status()
     if status.active:

@@ -21,7 +21,8 @@ from app.api import ScriptApi
 from app.handlers import Controller
 from app.jobs import KILLED, JobManager, zip_model
 from app.mapping import FIELD_NAMES, config_to_values, problems_text
-from finetune.config import Config, ConfigError, from_dict, resolve_batch
+from finetune.batch import resolve_batch
+from finetune.config import Config, ConfigError, from_dict
 from finetune.rundir import MARKER
 
 ABSURD = {"effective_batch_size": 10**12, "micro_batch_size": 7}
@@ -37,7 +38,7 @@ def _values(**changes) -> list:
 
 def _controller(tmp_path: Path, **server_limits) -> Controller:
     runs = tmp_path / "runs"
-    return Controller(runs, JobManager(runs), limits.Limits(**server_limits))
+    return Controller(runs, JobManager(runs), server_limits=limits.Limits(**server_limits))
 
 
 # --- limits
@@ -48,7 +49,7 @@ def test_absurd_batch_and_steps_are_refused_by_the_schema_at_once():
     with pytest.raises(ConfigError) as e:
         from_dict(ABSURD)
     assert time.perf_counter() - started < 0.5
-    assert e.value.problems == ["`effective_batch_size` must be at most 1.04858e+06, not 1000000000000."]
+    assert e.value.problems == ["`effective_batch_size` must be at most 1,048,576, not 1000000000000."]
     for key, value in {"epochs": 1e6, "max_steps": 10**12, "micro_batch_size": 10**6, "grad_accum_steps": 10**7,
                        "eval_every": 10**12, "save_every": 10**12, "logging_every": 10**12}.items():
         with pytest.raises(ConfigError, match=f"`{key}` must be at most"):
@@ -65,9 +66,9 @@ def test_plan_with_absurd_values_answers_at_once_on_the_page_and_the_api(tmp_pat
     started = time.perf_counter()
     shown = ctl.plan(*_values(effective_batch_size="1000000000000", micro_batch_size="7"))
     assert shown.error.startswith("⚠️ `effective_batch_size` must be at most")
-    assert ScriptApi(ctl).plan(ABSURD)["error"].startswith("`effective_batch_size` must be at most")
+    assert ScriptApi(ctl).plan(ABSURD, None)["error"].startswith("`effective_batch_size` must be at most")
     # Within the schema but above this server's limits: refused before any planner process starts.
-    over = ScriptApi(ctl).plan({"effective_batch_size": 4096, "max_steps": 5000})
+    over = ScriptApi(ctl).plan({"effective_batch_size": 4096, "max_steps": 5000}, None)
     assert over == {"error": "`max_steps` = 5,000 is above this server's limit of 1,000 optimizer steps: lower it. "
                              "The effective batch of 4,096 samples is above this server's limit of 1,024: lower "
                              "`effective_batch_size`."}
@@ -108,7 +109,7 @@ def test_a_huge_imported_config_is_refused_before_it_is_read(tmp_path):
     assert time.perf_counter() - started < 0.5
     assert shown.note.startswith("⚠️ The config is 5,") and "a config is at most 64 KB" in shown.note
     assert len(shown.note) < 200
-    answer = ScriptApi(ctl).start(big.read_text())  # the same text through the API
+    answer = ScriptApi(ctl).start(big.read_text(), None)  # the same text through the API
     assert not answer["started"] and answer["message"].startswith("The config is 5,")
 
 
