@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config import DEFAULT_MODEL, Config
-from finetune.data import is_local
 
 ANYONE = "anyone"  # the one user of an `open` server
 USERS_VAR, PASSWORD_VAR, ALLOWED_VAR = "FINETUNE_USERS", "FINETUNE_PASSWORD", "FINETUNE_ALLOWED_USERS"
@@ -159,6 +158,10 @@ class Access:
 
     def check_source(self, source: str | None, what: str, readable: tuple[Path, ...]) -> None:
         """Refuse a local file or folder outside `readable` (the user's uploads, the sample data) when shared."""
+        # Here, not at the top: finetune.data imports torch, and `finetune --help` builds the `ui` parser from
+        # app.server, which imports this module (3 s of torch for a help text).
+        from finetune.data import is_local
+
         if not self.shared or not source or (what != "model" and not is_local(source)):
             return
         if what == "model" and (source == DEFAULT_MODEL or not _model_is_local(source)):
