@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from finetune import plancache
 from finetune.batch import BatchSplit, divisors, resolve_batch
 from finetune.config import Config
 from finetune.errors import PlanError
@@ -45,7 +46,7 @@ class Plan:
     breakdown: dict[str, int]
     device: str
     worst_case_tokens: int
-    method: str  # "dry-run" or "probe"
+    method: str  # "dry-run", "cached dry-run" (an identical earlier plan's, see plancache.py) or "probe"
     notes: tuple[str, ...] = field(default=())
     distributed: str = "single"  # single, ddp, fsdp or deepspeed: fsdp divides the sharded terms by the processes
 
@@ -53,6 +54,13 @@ class Plan:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
         d = dataclasses.asdict(self)
         return {**d.pop("batch"), **d, "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """The plan that `to_dict` wrote."""
+        batch = BatchSplit(**{f.name: d[f.name] for f in dataclasses.fields(BatchSplit)})
+        rest = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d and f.name != "batch"}
+        return cls(**{**rest, "batch": batch, "notes": tuple(d.get("notes", ()))})
 
     def apply(self, c: Config) -> Config:
         """The config with the plan's choices filled in (what `finetune train` then runs)."""
@@ -239,7 +247,7 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
 
     Returns the plan and the model loaded for it, prepared for training (checkpointing, LoRA). The model is loaded
     when the probe needs it or `load` asks for it; a dry run alone reads no weights (None)."""
-    plan = make_plan(c, lengths, len(label_names or []), num_processes=num_processes, distributed=distributed)
+    plan = _dry_run_plan(c, lengths, len(label_names or []), num_processes=num_processes, distributed=distributed)
     probe = probe_enabled(c)
     if probe and distributed == "fsdp":  # the probe trains the whole model on one device: what FSDP is there to avoid
         probe = False
@@ -252,6 +260,23 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
     if probe:
         plan = refine_with_probe(plan, model.to(device), c)
     return plan, model
+
+
+def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int, distributed: str) -> Plan:
+    """`make_plan`, or the same plan read back when nothing it depends on has changed since it was last made."""
+    device = device_memory()
+    key = plancache.plan_key(c, tokens=max(lengths) if lengths else c.max_length, num_labels=num_labels,
+                             num_processes=num_processes, distributed=distributed, device=device[0],
+                             eight_bit=_has_8bit_optimizer())
+    cached = plancache.load(key)
+    if cached is not None:
+        try:
+            return dataclasses.replace(Plan.from_dict(cached), method="cached dry-run")
+        except (KeyError, TypeError):  # written by another version of Plan: plan again
+            pass
+    plan = make_plan(c, lengths, num_labels, num_processes=num_processes, device=device, distributed=distributed)
+    plancache.save(key, plan.to_dict())
+    return plan
 
 
 def _levels(c: Config, notes: list[str]) -> list[tuple[str, bool, str, bool]]:

@@ -39,6 +39,13 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
+@pytest.fixture(autouse=True)
+def own_plan_cache(tmp_path, monkeypatch):
+    """Each test plans afresh: reused plans (finetune/plancache.py) go to a cache folder of its own, here and in
+    the processes it starts."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 def bundled_tokenizer():
     from transformers import AutoTokenizer
 
