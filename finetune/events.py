@@ -22,8 +22,9 @@ from finetune.errors import describe, exit_code
 
 @dataclass(frozen=True, kw_only=True)
 class Start:
-    """A run began (or resumed at `step`); `distributed` is how it really runs (single, ddp, fsdp, deepspeed) and
-    `note` says when that is not what the launcher asked for."""
+    """A run began (or resumed at `step`); `distributed` is how it really runs (single, ddp, fsdp, deepspeed),
+    `note` says when that is not what the launcher asked for, and `startup_s` is how many seconds passed from the
+    start of the process to this event (imports, data, plan, model)."""
 
     total_steps: int
     steps_per_epoch: int
@@ -37,6 +38,7 @@ class Start:
     resumed: bool = False
     distributed: str = "single"
     note: str | None = None
+    startup_s: float | None = None
     event: str = "start"
 
 

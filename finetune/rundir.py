@@ -9,7 +9,7 @@
       model/         final model + tokenizer (from_pretrained-loadable), or a LoRA adapter
       adapter/       the LoRA adapter, when merge_lora put the merged model in model/
       metrics.json   final evaluation and training figures
-      loss.png       the loss curve
+      loss.png       the loss curve, drawn from events.jsonl by a background process when the run ends
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ TRAINER_STATE = "trainer_state.json"  # progress and LR schedule, as JSON: resum
 # `overwrite` keeps them.
 LAUNCH_FILES = ("launch.yaml", "launch.log")
 RUN_FILES = (MARKER, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter", "metrics.json",
-             "loss.png", "model.zip", *LAUNCH_FILES)
+             "loss.png", "loss.png.tmp", "model.zip", *LAUNCH_FILES)
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every"}
 
@@ -184,5 +186,22 @@ def plot_loss(events_path: Path, out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out)
+    tmp = out.with_name(out.name + ".tmp")  # renamed when complete: a reader never sees half a picture
+    fig.savefig(tmp, format="png")
     plt.close(fig)
+    tmp.replace(out)
+
+
+def plot_loss_in_background(run_dir: Path) -> subprocess.Popen:
+    """Draw run_dir/loss.png in a separate process that outlives this one: matplotlib's import and drawing take
+    about 1.6 s, which a finished run should not wait for. Returns the process (tests wait for it)."""
+    # The child runs this same copy of finetune, whichever one is installed.
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.Popen([sys.executable, "-m", "finetune.rundir", "plot", str(run_dir)], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # a Ctrl-C meant for the terminal's command does not reach it
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["plot"]:
+    plot_loss(Path(sys.argv[2]) / "events.jsonl", Path(sys.argv[2]) / "loss.png")

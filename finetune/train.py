@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import psutil
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
 
@@ -149,7 +150,7 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     s.log.emit(Start(total_steps=s.total_steps, steps_per_epoch=s.steps_per_epoch, num_train_samples=len(s.train_data),
                      num_eval_samples=len(s.eval_data or []), batch=s.batch, precision=precision_of(accelerator),
                      device=str(accelerator.device), run_dir=str(s.run_dir), step=p.step, resumed=c.resume,
-                     distributed=s.distributed, note=s.note))
+                     distributed=s.distributed, note=s.note, startup_s=_seconds_since_process_start()))
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock
@@ -200,6 +201,10 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                 if p.step >= s.total_steps:
                     break
         return _finish(s, time.perf_counter() - train_start)
+
+
+def _seconds_since_process_start() -> float:
+    return round(time.time() - psutil.Process().create_time(), 2)
 
 
 def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
@@ -410,7 +415,7 @@ def _finish(s: Setup, seconds: float) -> RunResult:
                    "train_seconds": round(seconds, 2), "train_samples_per_s": round(p.samples / max(seconds, 1e-9), 2)}
         rundir.write_json(s.run_dir / "metrics.json", summary)
         s.log.emit(Done(step=p.step, metrics=summary, model_dir=str(model_dir)))
-        rundir.plot_loss(s.run_dir / "events.jsonl", s.run_dir / "loss.png")
+        rundir.plot_loss_in_background(s.run_dir)
         metrics = summary
     accelerator.wait_for_everyone()
     return RunResult(status="done", run_dir=s.run_dir, step=p.step, metrics=metrics,

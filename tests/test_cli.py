@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from conftest import ROOT, run_train
 from transformers import AutoModelForSequenceClassification
@@ -83,4 +84,7 @@ def test_bundled_model_trains_end_to_end_on_the_shipped_sample(tmp_path, capsys)
     assert metrics["steps"] == 2 and 0 <= metrics["accuracy"] <= 1
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "demo" / "model")
     assert model.config.id2label == {0: "0", 1: "1"}
-    assert (tmp_path / "demo" / "loss.png").stat().st_size > 1000
+    png, deadline = tmp_path / "demo" / "loss.png", time.monotonic() + 120
+    while not png.is_file() and time.monotonic() < deadline:  # drawn by a background process after the run
+        time.sleep(0.2)
+    assert png.stat().st_size > 1000
