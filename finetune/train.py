@@ -45,6 +45,11 @@ from finetune.runtime import (
 )
 
 MAX_SKIPPED_IN_A_ROW = 25
+# Evaluation batches, in micro-batches. Inference keeps no activations for a backward: a training micro-batch holds
+# every layer's activations at once, an inference batch about one layer's at a time, so a classifier evaluates 4
+# micro-batches at once within the plan's memory (fewer, larger batches: faster on a CPU). With checkpointing the
+# training micro-batch kept only each layer's input, and a causal LM's logits grow with the batch: 2, as before.
+EVAL_BATCHES_LARGE, EVAL_BATCHES = 4, 2
 
 
 class Distributed(Protocol):
@@ -362,10 +367,15 @@ def _evaluate(s: Setup, epoch: float) -> dict[str, float]:
     if s.eval_data is None or len(s.eval_data) == 0:
         return {}
     metrics = evaluate(s.model, s.eval_data, causal=s.causal, num_labels=len(s.label_names or []),
-                       batch_size=2 * s.batch.micro_batch_size, pad_id=s.tokenizer.pad_token_id,
+                       batch_size=_eval_batch_size(s), pad_id=s.tokenizer.pad_token_id,
                        accelerator=s.accelerator)
     s.log.emit(Eval(step=s.progress.step, epoch=round(epoch, 4), metrics=metrics))
     return metrics
+
+
+def _eval_batch_size(s: Setup) -> int:
+    large = not s.causal and s.config.gradient_checkpointing != "true"
+    return (EVAL_BATCHES_LARGE if large else EVAL_BATCHES) * s.batch.micro_batch_size
 
 
 def _save_checkpoint(s: Setup) -> Path:
