@@ -84,17 +84,22 @@ def write_first_rows(source: Path, target: Path, n: int) -> int:
     return written
 
 
-def run_trainer(train_tsv: Path, eval_tsv: Path, workdir: Path, sampling: str = "group_by_length") -> Result:
-    """Fine-tune with `transformers.Trainer` in a fresh interpreter (`trainer_child`) and read its figures."""
-    out = workdir / "trainer_result.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "trainer-child", sampling, str(train_tsv),
-               str(eval_tsv), str(workdir), str(out)]
+def run_timed(command: list[str]) -> tuple[float, float]:
+    """Run a tool's process from the repository root; returns when it started (Unix time) and its wall seconds."""
     start = time.time()
     proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     total_seconds = time.time() - start
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout + proc.stderr)
-        raise RuntimeError(f"Trainer exited with code {proc.returncode}: {' '.join(command)}")
+        raise RuntimeError(f"exit code {proc.returncode}: {' '.join(command)}")
+    return start, total_seconds
+
+
+def run_trainer(train_tsv: Path, eval_tsv: Path, workdir: Path, sampling: str = "group_by_length") -> Result:
+    """Fine-tune with `transformers.Trainer` in a fresh interpreter (`trainer_child`) and read its figures."""
+    out = workdir / "trainer_result.json"
+    start, total_seconds = run_timed([sys.executable, str(Path(__file__).resolve()), "trainer-child", sampling,
+                                      str(train_tsv), str(eval_tsv), str(workdir), str(out)])
     child = json.loads(out.read_text(encoding="utf-8"))
     name = "transformers.Trainer" + (", length-grouped" if sampling == "group_by_length" else f", {sampling} order")
     return Result(name, child["accuracy"], child["train_seconds"], child["first_step_time"] - start, total_seconds)
@@ -171,12 +176,7 @@ def run_finetune(train_tsv: Path, eval_tsv: Path, workdir: Path) -> Result:
     run_dir = workdir / "finetune_run"
     command = [sys.executable, "-m", "finetune", "train", f"dataset={train_tsv}", f"eval_dataset={eval_tsv}",
                "eval_fraction=0", "epochs=1", f"output_dir={run_dir}", "-q"]
-    start = time.time()
-    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    total_seconds = time.time() - start
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout + proc.stderr)
-        raise RuntimeError(f"`finetune train` exited with code {proc.returncode}: {' '.join(command)}")
+    start, total_seconds = run_timed(command)
     metrics = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()]
     first_step = next(e["time"] for e in events if e["event"] == "step")
