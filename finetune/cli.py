@@ -101,7 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from finetune.runtime import make_accelerator, resolve_precision
 
     cfg = _load_config(args)
-    train_data, _, label_names = load_data(cfg, load_tokenizer(cfg))
+    train_data, _, label_names = load_data(cfg, load_tokenizer(cfg), num_processes=args.num_processes)
     device = make_accelerator(resolve_precision(cfg.precision)).device  # where `finetune train` would probe
     plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device)
     print(render(plan))
