@@ -61,6 +61,10 @@ class Config:
     completion_column: str | None = _opt(None, "Causal LM: completion column, the tokens that are learned.",
                                          group="data")
     max_length: int = _opt(256, "Truncate inputs to this many tokens.", min=8, max=131072, group="data")
+    streaming: bool = _opt(False, "Read the training data as a stream, for data bigger than memory or disk: "
+                           "windows follow the stream's order (a seeded 10,000-row shuffle buffer, no length "
+                           "grouping); needs `max_steps`, and `eval_fraction=0` or a separate evaluation set.",
+                           group="data")
     # --- where the run goes
     output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).")
     overwrite: bool = _opt(False, "Replace an existing run in `output_dir`.")
@@ -242,6 +246,12 @@ def _cross_checks(c: Config) -> list[str]:
         problems.append("`prompt_column` and `completion_column` go together: set both, or neither.")
     if c.overwrite and c.resume:
         problems.append("`overwrite=true` and `resume=true` contradict each other: pick one.")
+    if c.streaming and c.max_steps is None:
+        problems.append("`streaming=true` needs `max_steps`: a stream's length is unknown, so epochs cannot be "
+                        "counted.")
+    if c.streaming and c.eval_fraction > 0 and not (c.eval_dataset or c.eval_split):
+        problems.append("`streaming=true` cannot hold out `eval_fraction` of a stream: set eval_fraction=0, or give "
+                        "`eval_dataset` or `eval_split` (read whole, not streamed).")
     if c.max_steps is None and c.epochs <= 0:
         problems.append("`epochs` must be above 0 (or set `max_steps`).")
     return problems

@@ -1,34 +1,37 @@
-"""Loading, checking and tokenising the data, and ordering it into windows.
+"""Loading and checking the data, and tokenising it into Arrow (`finetune.encoding`) or reading it as a stream.
 
-The order of samples is decided per *window* (one optimizer step's samples over all processes) and only then split
-into micro-batches, so `micro_batch_size`, `grad_accum_steps` and the number of processes change how a window is
-computed, never which samples it holds. That is what lets (B, k) train exactly like (k·B, 1), and lets the OOM
-back-off halve the micro-batch without changing the result.
+A file or hub dataset becomes a memory-mapped `datasets.Dataset`; its columns are checked, its labels named and its
+rows tokenised once, in Arrow, into a cache that the next run with the same rows and settings reuses. With
+`streaming: true` the training rows are read as a stream instead (`finetune.stream`). The window order lives in
+`finetune.windows`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import random
+import itertools
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import pyarrow.compute as pc
 
+from finetune.batch import resolve_batch
 from finetune.config import Config
+from finetune.encoding import IGNORE_INDEX, Columns, Encoded, collate, encode
 from finetune.errors import ConfigError, DataError
+from finetune.stream import StreamData
+from finetune.windows import epoch_windows, micro_batches, windows_per_epoch
+
+__all__ = ["IGNORE_INDEX", "Columns", "DataError", "Encoded", "collate", "encode", "epoch_windows", "load_data",
+           "load_table", "micro_batches", "resolve_columns", "windows_per_epoch"]
 
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 TEXT_NAMES = ("text", "sentence", "sentence1", "content", "review", "document", "question")
 PAIR_NAMES = ("text_pair", "sentence2")
 LABEL_NAMES = ("label", "labels", "class", "target")
-IGNORE_INDEX = -100
-# Length grouping sorts this many windows at a time: enough to cut padding to almost nothing, few enough that
-# lengths still vary from step to step.
-GROUP_WINDOWS = 50
+# A stream's class names, when its features do not list them, are the distinct labels of its first rows.
+LABEL_PEEK = 10_000
 
 
 def is_local(source: str) -> bool:
@@ -36,8 +39,9 @@ def is_local(source: str) -> bool:
     return Path(source).suffix.lower() in FILE_FORMATS or Path(source).exists() or source.startswith((".", "/", "~"))
 
 
-def load_table(source: str, config_name: str | None = None, split: str = "train") -> Any:
-    """A `datasets.Dataset` from a local file or a hub dataset id."""
+def load_table(source: str, config_name: str | None = None, split: str = "train", *, streaming: bool = False
+               ) -> Any:
+    """A `datasets.Dataset` from a local file or a hub dataset id (an `IterableDataset` when `streaming`)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -52,21 +56,22 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
             raise DataError(f"Dataset file {source!r} has an unknown type: use .csv, .tsv, .json, .jsonl or .parquet.")
         kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
         try:
-            table = datasets.load_dataset(fmt, data_files=str(path), split="train", **kwargs)
+            table = datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=streaming,
+                                          **kwargs)
         except Exception as e:  # datasets raises many types for a malformed file; all mean the same to a user
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise DataError(f"Dataset file {source!r} could not be read as {path.suffix} ({reason}): check its "
                             "format.") from None
     else:
         try:
-            table = datasets.load_dataset(source, config_name, split=split)
+            table = datasets.load_dataset(source, config_name, split=split, streaming=streaming)
         except ValueError as e:
             raise DataError(f"Dataset {source!r} could not be loaded: {str(e).splitlines()[0][:300]}") from None
         except (OSError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:
             raise DataError(f"Dataset {source!r} is neither a local file nor reachable on the Hugging Face Hub "
                             f"({type(e).__name__}): check the name, or give a .csv/.tsv/.json/.jsonl/.parquet "
                             "file.") from None
-    if len(table) == 0:
+    if not streaming and len(table) == 0:
         raise DataError(f"Dataset {source!r} has no rows.")
     return table
 
@@ -82,17 +87,6 @@ def _pick(columns: list[str], wanted: str | None, guesses: tuple[str, ...], what
             return name
     raise DataError(f"No {what.lower()} column found (looked for {', '.join(guesses)}); the data's columns are: "
                     f"{', '.join(columns)}. Set `{key}`.")
-
-
-@dataclass(frozen=True)
-class Columns:
-    """Which data columns feed the model."""
-
-    text: str | None = None
-    text_pair: str | None = None
-    label: str | None = None
-    prompt: str | None = None
-    completion: str | None = None
 
 
 def resolve_columns(c: Config, columns: list[str]) -> Columns:
@@ -111,25 +105,18 @@ def resolve_columns(c: Config, columns: list[str]) -> Columns:
     return Columns(text=_pick(columns, c.text_column, TEXT_NAMES, "Text", "text_column"))
 
 
-def _strings(table: Any, column: str, source: str) -> list[str]:
-    values = table[column]
-    empty = [i for i, v in enumerate(values) if v is None or (isinstance(v, str) and not v.strip())]
-    if empty:
-        raise DataError(f"Column {column!r} of {source!r} has {len(empty)} empty value(s) (first at row "
-                        f"{empty[0] + 1}): fill or remove those rows.")
-    return [str(v) for v in values]
-
-
 def label_names_of(table: Any, column: str, source: str) -> list[str]:
     """The class names, in id order: a `ClassLabel`'s names, else the sorted distinct values."""
     feature = table.features.get(column)
     if getattr(feature, "names", None):
         return list(feature.names)
-    values = table[column]
-    if any(v is None for v in values):
-        first = next(i for i, v in enumerate(values) if v is None)
+    # Counted in Arrow: only the distinct values ever become Python objects.
+    col = table.with_format("arrow")[column]
+    if col.null_count:
+        first = pc.index(pc.is_null(col), True).as_py()
         raise DataError(f"Label column {column!r} of {source!r} has empty values (first at row {first + 1}): fill "
                         "or remove those rows.")
+    values = pc.unique(col).to_pylist()
     if all(isinstance(v, bool) for v in values):
         return ["False", "True"]
     if all(isinstance(v, int) for v in values):
@@ -145,152 +132,69 @@ def label_names_of(table: Any, column: str, source: str) -> list[str]:
     return distinct
 
 
-@dataclass
-class Encoded:
-    """Tokenised samples; `targets` holds a class id per sample, or per-token labels (-100 = not learned)."""
-
-    input_ids: list[list[int]]
-    targets: list[Any]
-    token_type_ids: list[list[int]] | None = None
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def lengths(self) -> list[int]:
-        """Tokens per sample."""
-        return [len(ids) for ids in self.input_ids]
-
-    def num_targets(self, indices: list[int], causal: bool) -> int:
-        """What the loss is averaged over: samples for classification, next-token targets for a causal LM."""
-        if not causal:
-            return len(indices)
-        return sum(sum(1 for t in self.targets[i][1:] if t != IGNORE_INDEX) for i in indices)
-
-
-def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: list[str] | None,
-           source: str) -> Encoded:
-    """Tokenise a table for the configured task."""
-    if c.task == "classification":
-        texts = _strings(table, cols.text, source)
-        pairs = _strings(table, cols.text_pair, source) if cols.text_pair else None
-        enc = tokenizer(texts, pairs, truncation=True, max_length=c.max_length)
-        index = {name: i for i, name in enumerate(label_names)}
-        raw = table[cols.label]
-        labels = []
-        for row, v in enumerate(raw):
-            key = str(int(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
-            if key not in index:
-                raise DataError(f"Label {v!r} at row {row + 1} of {source!r} is not among the training labels "
-                                f"({', '.join(label_names)}).")
-            labels.append(index[key])
-        return Encoded(enc["input_ids"], labels, enc.get("token_type_ids"))
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if cols.prompt:
-        prompts = tokenizer(_strings(table, cols.prompt, source), add_special_tokens=True)["input_ids"]
-        completions = tokenizer(_strings(table, cols.completion, source), add_special_tokens=False)["input_ids"]
-        ids, targets = [], []
-        for p, comp in zip(prompts, completions, strict=False):
-            full = (p + comp + eos)[: c.max_length]
-            ids.append(full)
-            targets.append(([IGNORE_INDEX] * len(p) + comp + eos)[: c.max_length])
-        if all(all(t == IGNORE_INDEX for t in tg[1:]) for tg in targets):
-            raise DataError(f"Every completion of {source!r} is cut off by max_length={c.max_length}: raise it.")
-        return Encoded(ids, targets)
-    enc = tokenizer(_strings(table, cols.text, source), truncation=True, max_length=max(c.max_length - 1, 2))
-    ids = [(x + eos)[: c.max_length] for x in enc["input_ids"]]
-    return Encoded(ids, [list(x) for x in ids])
-
-
-def load_data(c: Config, tokenizer: Any) -> tuple[Encoded, Encoded | None, list[str] | None]:
-    """Training and evaluation data, tokenised, and the class names (classification)."""
+def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
+              ) -> tuple[Encoded | StreamData, Encoded | None, list[str] | None]:
+    """Training and evaluation data, tokenised, and the class names (classification). A stream's length is the
+    samples that `max_steps` windows read, which depends on the effective batch and so on `num_processes`."""
     if not c.dataset:
         raise ConfigError(["No `dataset` given: set dataset=<file or hub id> (for example "
                            "dataset=assets/sst2_sample.csv)."])
+    if c.streaming:
+        return _load_stream(c, tokenizer, resolve_batch(c, num_processes).effective_batch_size)
     table = load_table(c.dataset, c.dataset_config, c.train_split)
     cols = resolve_columns(c, list(table.column_names))
     if c.max_train_samples:
         table = table.select(range(min(c.max_train_samples, len(table))))
-    if c.eval_dataset or c.eval_split:
-        eval_table = load_table(c.eval_dataset or c.dataset, c.dataset_config, c.eval_split or "train")
-        missing = [x for x in dataclasses.astuple(cols) if x and x not in eval_table.column_names]
-        if missing:
-            raise DataError(f"The evaluation data lacks column(s) {', '.join(missing)}; its columns are: "
-                            f"{', '.join(eval_table.column_names)}.")
-    elif c.eval_fraction > 0 and len(table) >= 10:
+    # Named before the hold-out is split off: a split table is read through an index, and its distinct labels
+    # would need a copy of the column.
+    names = label_names_of(table, cols.label, c.dataset) if c.task == "classification" else None
+    eval_table = _eval_table(c, cols)
+    if eval_table is None and c.eval_fraction > 0 and len(table) >= 10:
         parts = table.train_test_split(test_size=c.eval_fraction, seed=c.seed)
         table, eval_table = parts["train"], parts["test"]
-    else:
-        eval_table = None
-    names = label_names_of(table, cols.label, c.dataset) if c.task == "classification" else None
     train_data = encode(table, cols, c, tokenizer, names, c.dataset)
     eval_data = encode(eval_table, cols, c, tokenizer, names, c.eval_dataset or c.dataset) \
         if eval_table is not None else None
     return train_data, eval_data, names
 
 
-def collate(data: Encoded, indices: list[int], pad_id: int, causal: bool) -> dict[str, torch.Tensor]:
-    """A right-padded micro-batch of these samples (padding only to the longest of them)."""
-    width = max(len(data.input_ids[i]) for i in indices)
-    n = len(indices)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    batch: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention}
-    if data.token_type_ids is not None:
-        batch["token_type_ids"] = torch.zeros((n, width), dtype=torch.long)
-    if causal:
-        batch["labels"] = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
-    for row, i in enumerate(indices):
-        ids = data.input_ids[i]
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention[row, : len(ids)] = 1
-        if data.token_type_ids is not None:
-            batch["token_type_ids"][row, : len(ids)] = torch.tensor(data.token_type_ids[i])
-        if causal:
-            batch["labels"][row, : len(ids)] = torch.tensor(data.targets[i])
-    if not causal:
-        batch["labels"] = torch.tensor([data.targets[i] for i in indices], dtype=torch.long)
-    return batch
+def _eval_table(c: Config, cols: Columns) -> Any | None:
+    """The separate evaluation table (`eval_dataset`/`eval_split`, never streamed), with the training columns."""
+    if not (c.eval_dataset or c.eval_split):
+        return None
+    eval_table = load_table(c.eval_dataset or c.dataset, c.dataset_config, c.eval_split or "train")
+    missing = [x for x in dataclasses.astuple(cols) if x and x not in eval_table.column_names]
+    if missing:
+        raise DataError(f"The evaluation data lacks column(s) {', '.join(missing)}; its columns are: "
+                        f"{', '.join(eval_table.column_names)}.")
+    return eval_table
 
 
-def epoch_windows(lengths: list[int], window_size: int, *, seed: int, epoch: int, shuffle: bool,
-                  group_by_length: bool) -> list[list[int]]:
-    """The epoch's samples as windows of `window_size` (the last may be short), deterministic in (seed, epoch).
+def _load_stream(c: Config, tokenizer: Any, window_size: int) -> tuple[StreamData, Encoded | None, list[str] | None]:
+    """Training rows read as a stream and tokenised a window at a time; evaluation data read whole."""
+    import datasets
 
-    With length grouping, chunks of GROUP_WINDOWS windows are sorted by length and cut into windows, the windows
-    are shuffled, and the one holding the longest sample goes first (so a too-large plan fails at step 1, not
-    hours in); a short tail window stays last.
-    """
-    order = list(range(len(lengths)))
-    rng = random.Random(seed * 1_000_003 + epoch)
-    if shuffle:
-        rng.shuffle(order)
-    if group_by_length:
-        chunk = window_size * GROUP_WINDOWS
-        order = [i for s in range(0, len(order), chunk)
-                 for i in sorted(order[s: s + chunk], key=lambda i: -lengths[i])]
-    windows = [order[s: s + window_size] for s in range(0, len(order), window_size)]
-    if group_by_length and len(windows) > 1:
-        tail = windows.pop() if len(windows[-1]) < window_size else None
-        if shuffle:
-            rng.shuffle(windows)
-        longest = max(range(len(windows)), key=lambda w: max(lengths[i] for i in windows[w]))
-        windows.insert(0, windows.pop(longest))
-        if tail is not None:
-            windows.append(tail)
-    return windows
+    stream = load_table(c.dataset, c.dataset_config, c.train_split, streaming=True)
+    if c.max_train_samples:
+        stream = stream.take(c.max_train_samples)
+    head = list(itertools.islice(stream, LABEL_PEEK if c.task == "classification" else 1))
+    if not head:
+        raise DataError(f"Dataset {c.dataset!r} has no rows.")
+    cols = resolve_columns(c, list(head[0]))
+    names = None
+    if c.task == "classification":
+        feature = (stream.features or {}).get(cols.label)
+        names = list(feature.names) if getattr(feature, "names", None) else \
+            label_names_of(datasets.Dataset.from_list(head), cols.label, c.dataset)
+    eval_table = _eval_table(c, cols)
 
+    def encode_window(rows: list[dict[str, Any]]) -> Encoded:
+        return encode(datasets.Dataset.from_list(rows, features=stream.features), cols, c, tokenizer, names,
+                      c.dataset)
 
-def micro_batches(window: list[int], lengths: list[int], micro_batch_size: int, rank: int,
-                  num_processes: int) -> list[list[int]]:
-    """This process's share of a window, cut into micro-batches of samples of similar length."""
-    mine = sorted(window[rank::num_processes], key=lambda i: -lengths[i])
-    return [mine[s: s + micro_batch_size] for s in range(0, len(mine), micro_batch_size)]
-
-
-def windows_per_epoch(num_samples: int, window_size: int) -> int:
-    """Optimizer steps in one epoch (the short tail window counts)."""
-    return math.ceil(num_samples / window_size)
+    eval_data = encode(eval_table, cols, c, tokenizer, names, c.eval_dataset or c.dataset) \
+        if eval_table is not None else None
+    return StreamData(stream, encode_window, num_samples=c.max_steps * window_size), eval_data, names
 
 
 def label_counts(table: Any, column: str) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from finetune.config import ConfigError, from_dict, parse_overrides, read_yaml
@@ -20,7 +21,8 @@ def evaluate(model: Any, data: Encoded, *, causal: bool, num_labels: int, batch_
     was_training = model.training
     model.eval()
     rank, world = accelerator.process_index, accelerator.num_processes
-    mine = sorted(range(rank, len(data), world), key=lambda i: -len(data.input_ids[i]))
+    mine = np.arange(rank, len(data), world)
+    mine = mine[np.argsort(-data.lengths[mine], kind="stable")].tolist()  # longest first, as sorted() would
     device = accelerator.device
     total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, count
     confusion = torch.zeros((num_labels, num_labels), dtype=torch.float64, device=device)

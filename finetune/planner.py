@@ -132,7 +132,7 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     device_name, device_total = device or device_memory()
     precision = resolve_precision(c.precision)
     causal = c.task == "causal_lm"
-    tokens = max(lengths) if lengths else c.max_length
+    tokens = int(max(lengths)) if len(lengths) else c.max_length  # lengths: a list or a numpy array
     budget = int(c.memory_budget_gb * GIB) if c.memory_budget_gb else None
     batch = resolve_batch(c, num_processes)
     candidates = _micro_candidates(c, batch)

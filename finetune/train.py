@@ -28,7 +28,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from finetune import rundir
 from finetune.batch import BatchSplit, divisors, resolve_batch
 from finetune.config import Config
-from finetune.data import Encoded, collate, epoch_windows, load_data, micro_batches, windows_per_epoch
+from finetune.data import Encoded, collate, load_data, micro_batches, windows_per_epoch
 from finetune.errors import RunDirError, TrainingError
 from finetune.evaluate import evaluate
 from finetune.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
@@ -44,6 +44,7 @@ from finetune.runtime import (
     requested_mode,
     resolve_precision,
 )
+from finetune.stream import StreamData
 
 MAX_SKIPPED_IN_A_ROW = 25
 # Evaluation batches, in micro-batches. Inference keeps no activations for a backward: a training micro-batch holds
@@ -124,7 +125,7 @@ class Setup:
     batch: BatchSplit
     run_dir: Path
     tokenizer: Any
-    train_data: Encoded
+    train_data: Encoded | StreamData
     eval_data: Encoded | None
     label_names: list[str] | None
     model: Any
@@ -151,7 +152,6 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     c, accelerator, p = s.config, s.accelerator, s.progress
     model, optimizer, scheduler = s.model, s.optimizer, s.scheduler
     stop = stop or StopFlag()
-    lengths = s.train_data.lengths
     params = [q for q in model.parameters() if q.requires_grad]
     s.log.emit(Start(total_steps=s.total_steps, steps_per_epoch=s.steps_per_epoch, num_train_samples=len(s.train_data),
                      num_eval_samples=len(s.eval_data or []), batch=s.batch, precision=precision_of(accelerator),
@@ -162,8 +162,8 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     train_start = clock
     with s.log.recording_failures():
         while p.step < s.total_steps:
-            windows = epoch_windows(lengths, s.batch.effective_batch_size, seed=c.seed, epoch=p.epoch,
-                                    shuffle=c.shuffle, group_by_length=c.group_by_length)
+            windows = s.train_data.windows(s.batch.effective_batch_size, seed=c.seed, epoch=p.epoch,
+                                           shuffle=c.shuffle, group_by_length=c.group_by_length)
             for w in range(p.window, len(windows)):
                 window = windows[w]
                 while True:
@@ -177,7 +177,7 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                 window_loss = (accelerator.reduce(window_loss_sum, "sum") / max(count, 1)).item()
                 p.step += 1
                 p.samples += len(window)
-                p.tokens += sum(lengths[i] for i in window)
+                p.tokens += s.train_data.num_tokens(window)
                 p.skipped += int(skipped)
                 p.skipped_in_a_row = p.skipped_in_a_row + 1 if skipped else 0
                 p.window = w + 1
@@ -314,7 +314,8 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     if c.resume:
         c = rundir.resumed_config(c, run_dir)
     tokenizer = load_tokenizer(c)
-    train_data, eval_data, label_names = load_data(c, tokenizer)
+    with accelerator.main_process_first():  # the main process tokenises into the cache, the others read it
+        train_data, eval_data, label_names = load_data(c, tokenizer, num_processes=accelerator.num_processes)
     set_seed(c.seed)  # before the model is loaded: a new classification head is initialised from it
     # The plan needs the data (the worst-case length) but no weights: its dry run runs on fake tensors. The model
     # comes back loaded and prepared as the plan says (and, with the probe, measured).

@@ -8,7 +8,7 @@ import pytest
 from conftest import bundled_tokenizer, run_train
 
 from finetune.config import from_dict
-from finetune.data import IGNORE_INDEX, DataError, epoch_windows, load_data, load_table, micro_batches
+from finetune.data import IGNORE_INDEX, DataError, collate, epoch_windows, load_data, load_table, micro_batches
 
 
 def test_windows_do_not_depend_on_the_micro_batch_split():
@@ -73,7 +73,7 @@ def test_text_pairs_are_encoded_as_pairs(tmp_path):
                    "eval_fraction": 0})
     train, _, names = load_data(c, bundled_tokenizer())
     assert names == ["0", "1"]
-    assert set(train.token_type_ids[0]) == {0, 1}  # second segment present
+    assert set(collate(train, [0], 0, causal=False)["token_type_ids"][0].tolist()) == {0, 1}  # second segment
 
 
 def test_prompt_tokens_are_masked_out_of_the_loss(tmp_path):
@@ -85,9 +85,11 @@ def test_prompt_tokens_are_masked_out_of_the_loss(tmp_path):
     c = from_dict({"dataset": str(path), "task": "causal_lm", "eval_fraction": 0})
     train, _, _ = load_data(c, tok)
     prompt_len = len(tok("translate to french: cat")["input_ids"])
-    assert train.targets[0][:prompt_len] == [IGNORE_INDEX] * prompt_len
-    assert train.targets[0][prompt_len:] == train.input_ids[0][prompt_len:]
-    assert train.num_targets([0], causal=True) == len(train.input_ids[0]) - prompt_len
+    row = collate(train, [0], tok.pad_token_id, causal=True)
+    targets, ids = row["labels"][0].tolist(), row["input_ids"][0].tolist()
+    assert targets[:prompt_len] == [IGNORE_INDEX] * prompt_len
+    assert targets[prompt_len:] == ids[prompt_len:]
+    assert train.num_targets([0], causal=True) == len(ids) - prompt_len
 
 
 def test_eval_fraction_holds_out_a_deterministic_share(tmp_path, cls_csv):
@@ -95,7 +97,7 @@ def test_eval_fraction_holds_out_a_deterministic_share(tmp_path, cls_csv):
     train, evaluation, _ = load_data(c, bundled_tokenizer())
     assert (len(train), len(evaluation)) == (29, 8)
     again = load_data(c, bundled_tokenizer())[1]
-    assert again.input_ids == evaluation.input_ids
+    assert again.rows["input_ids"] == evaluation.rows["input_ids"]
 
 
 def test_missing_column_names_the_existing_ones(cls_csv):
