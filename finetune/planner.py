@@ -125,6 +125,12 @@ def _micro_candidates(c: Config, batch: BatchSplit) -> list[int]:
     return divisors(batch.per_process)[::-1]
 
 
+def worst_case_tokens(c: Config, lengths: Any) -> int:
+    """The longest sample (a list or a numpy array of lengths), or `max_length` when the lengths are not known yet
+    (a stream before its first window)."""
+    return int(max(lengths)) if len(lengths) else c.max_length
+
+
 def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int = 1,
               device: tuple[str, int] | None = None, distributed: str = "single") -> Plan:
     """Choose the largest micro-batch that divides the effective batch and fits, escalating in a fixed order;
@@ -132,7 +138,7 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     device_name, device_total = device or device_memory()
     precision = resolve_precision(c.precision)
     causal = c.task == "causal_lm"
-    tokens = int(max(lengths)) if len(lengths) else c.max_length  # lengths: a list or a numpy array
+    tokens = worst_case_tokens(c, lengths)
     budget = int(c.memory_budget_gb * GIB) if c.memory_budget_gb else None
     batch = resolve_batch(c, num_processes)
     candidates = _micro_candidates(c, batch)
@@ -265,7 +271,7 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
 def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int, distributed: str) -> Plan:
     """`make_plan`, or the same plan read back when nothing it depends on has changed since it was last made."""
     device = device_memory()
-    key = plancache.plan_key(c, tokens=max(lengths) if lengths else c.max_length, num_labels=num_labels,
+    key = plancache.plan_key(c, tokens=worst_case_tokens(c, lengths), num_labels=num_labels,
                              num_processes=num_processes, distributed=distributed, device=device[0],
                              eight_bit=_has_8bit_optimizer())
     cached = plancache.load(key)
