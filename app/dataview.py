@@ -175,22 +175,7 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
     except DataError as e:
         return DatasetView(columns, preview, len(head), chosen, error=str(e), sampled=sampled)
     view = DatasetView(columns, preview, len(table), chosen, sampled=sampled)
-    return _check(view, _Lists(table), source)
-
-
-class _Lists:
-    """A table's features and its columns as Python lists: `datasets` hands out a column as a lazy sequence that
-    decodes row by row on every pass, which the label checks (several passes) would pay for each time."""
-
-    def __init__(self, table: Any):
-        self.features = table.features
-        self._table = table.data
-        self._lists: dict[str, list[Any]] = {}
-
-    def __getitem__(self, column: str) -> list[Any]:
-        if column not in self._lists:
-            self._lists[column] = self._table.column(column).to_pylist()
-        return self._lists[column]
+    return _check(view, table, source)
 
 
 def _for_task(columns: dict[str, str], task: str) -> dict[str, str]:
