@@ -1,10 +1,14 @@
-"""Where training runs: the precision it resolves to, the accelerate `Accelerator`, and the device's memory."""
+"""Where training runs: the precision it resolves to, the accelerate `Accelerator`, the device's memory, and
+how long the process has been running."""
 
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from finetune.errors import ConfigError
@@ -48,8 +52,6 @@ def device_memory() -> tuple[str, int]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return f"cuda ({props.name})", int(props.total_memory)
-    import psutil
-
     return "cpu", int(psutil.virtual_memory().total)
 
 
@@ -97,3 +99,14 @@ def fallback_note(requested: str | None, mode: str, num_processes: int, device_t
     runs = (f"plain DDP over {num_processes} {device_type.upper()} processes (every process holds the whole model)"
             if mode == "ddp" else "a single process holding the whole model")
     return f"{asked} was asked for, but {why}: this run is {runs}."
+
+
+def seconds_since_process_start() -> float:
+    """Seconds from this process's start to now (the `startup_s` of a run's start event)."""
+    # Linux counts a process's start in clock ticks since boot; psutil's create_time adds a boot time rounded to
+    # whole seconds, which would put up to 1 s of error into a figure of a few seconds.
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return round(time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux
+        return round(time.time() - psutil.Process().create_time(), 2)

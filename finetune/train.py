@@ -14,14 +14,12 @@ import dataclasses
 import gc
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import psutil
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
 
@@ -43,6 +41,7 @@ from finetune.runtime import (
     precision_of,
     requested_mode,
     resolve_precision,
+    seconds_since_process_start,
 )
 from finetune.stream import StreamData
 
@@ -156,7 +155,7 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     s.log.emit(Start(total_steps=s.total_steps, steps_per_epoch=s.steps_per_epoch, num_train_samples=len(s.train_data),
                      num_eval_samples=len(s.eval_data or []), batch=s.batch, precision=precision_of(accelerator),
                      device=str(accelerator.device), run_dir=str(s.run_dir), step=p.step, resumed=c.resume,
-                     distributed=s.distributed, note=s.note, startup_s=_seconds_since_process_start()))
+                     distributed=s.distributed, note=s.note, startup_s=seconds_since_process_start()))
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock
@@ -207,16 +206,6 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                 if p.step >= s.total_steps:
                     break
         return _finish(s, time.perf_counter() - train_start)
-
-
-def _seconds_since_process_start() -> float:
-    # Linux counts a process's start in clock ticks since boot; psutil's create_time adds a boot time rounded to
-    # whole seconds, which would put up to 1 s of error into a figure of a few seconds.
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        return round(time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"), 2)
-    except (OSError, ValueError, IndexError, AttributeError):  # not Linux
-        return round(time.time() - psutil.Process().create_time(), 2)
 
 
 def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
