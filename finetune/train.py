@@ -9,7 +9,6 @@ tokens never shift the weights of the others.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import json
@@ -18,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
@@ -26,11 +25,10 @@ from accelerate.utils import broadcast_object_list, set_seed
 from finetune import rundir
 from finetune.batch import BatchSplit, divisors, resolve_batch
 from finetune.config import Config
-from finetune.data import Encoded, collate, load_data, micro_batches, windows_per_epoch
+from finetune.data import Encoded, collate, load_data, windows_per_epoch
 from finetune.errors import RunDirError, TrainingError
 from finetune.evaluate import evaluate
 from finetune.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
-from finetune.losses import loss_sum
 from finetune.modeling import load_tokenizer, save_model
 from finetune.optim import make_optimizer, make_scheduler
 from finetune.planner import plan_run
@@ -43,6 +41,7 @@ from finetune.runtime import (
     resolve_precision,
     seconds_since_process_start,
 )
+from finetune.step import backward_window, optimizer_step, share_of
 from finetune.stream import StreamData
 
 MAX_SKIPPED_IN_A_ROW = 25
@@ -51,26 +50,6 @@ MAX_SKIPPED_IN_A_ROW = 25
 # micro-batches at once within the plan's memory (fewer, larger batches: faster on a CPU). With checkpointing the
 # training micro-batch kept only each layer's input, and a causal LM's logits grow with the batch: 2, as before.
 EVAL_BATCHES_LARGE, EVAL_BATCHES = 4, 2
-
-
-class Distributed(Protocol):
-    """What a window needs from its distribution backend. accelerate's `Accelerator` provides all of it in a run
-    (single process, DDP, FSDP); a test passes a thin adapter over torch.distributed to run the same window on a
-    model sharded by torch's `fully_shard` without accelerate's launcher."""
-
-    num_processes: int
-    device: torch.device
-    gradient_accumulation_steps: int
-    step: int  # micro-batches into the window, which decides when gradients are synchronised
-    scaler: Any  # fp16's GradScaler, or None
-
-    def accumulate(self, model: Any) -> contextlib.AbstractContextManager: ...
-
-    def backward(self, loss: torch.Tensor) -> None: ...
-
-    def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor: ...
-
-    def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor: ...
 
 
 class StopFlag:
@@ -221,54 +200,6 @@ def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
         return collate(s.train_data, mb, s.tokenizer.pad_token_id, s.causal)
 
     return backward_window(s.model, micro, collate_fn, count, accelerator, causal=s.causal, weight=weight), count
-
-
-def share_of(window: list[int], lengths: list[int], micro_batch_size: int, rank: int, num_processes: int
-             ) -> tuple[list[list[int]], float]:
-    """This process's micro-batches of a window, and the weight of their losses (1, or 0 for a stand-in)."""
-    micro = micro_batches(window, lengths, micro_batch_size, rank, num_processes)
-    if not micro:  # a tail window smaller than the number of processes: join the collectives with 0 weight
-        return [window[:1]], 0.0
-    return micro, 1.0
-
-
-def backward_window(model: Any, micro: list[list[int]], collate_fn: Callable[[list[int]], dict[str, torch.Tensor]],
-                    count: int, dist: Distributed, *, causal: bool, weight: float = 1.0) -> torch.Tensor:
-    """Forward and backward this process's micro-batches of one window, leaving the window's gradient
-    `sum(losses) / count` in the parameters; returns this process's loss sum (`count` is over all processes)."""
-    # accelerator.backward divides by gradient_accumulation_steps, and both DDP's all-reduce and FSDP's
-    # reduce-scatter average over processes: the scale undoes both, so the gradient is exactly sum(losses) / count.
-    # Setting the steps per window is what flushes (and correctly normalises) a short last window.
-    dist.gradient_accumulation_steps = len(micro)
-    dist.step = 0
-    scale = weight * len(micro) * dist.num_processes / max(count, 1)
-    loss_total = torch.zeros((), dtype=torch.float64, device=dist.device)
-    for mb in micro:
-        with dist.accumulate(model):
-            batch = collate_fn(mb)
-            loss, _ = loss_sum(model, {k: v.to(dist.device) for k, v in batch.items()}, causal)
-            dist.backward(loss * scale)
-            loss_total += loss.detach().double() * weight
-    return loss_total
-
-
-def optimizer_step(params: list[torch.Tensor], optimizer: Any, scheduler: Any, dist: Distributed,
-                   max_grad_norm: float) -> tuple[torch.Tensor, bool]:
-    """Clip the window's gradient, step the optimizer and, unless fp16 skipped the step, the schedule; returns the
-    gradient norm before clipping and whether the step was skipped."""
-    # Once per window, on the summed gradient (sync step). accelerate's clip_grad_norm_ unscales fp16 gradients
-    # first and, under FSDP2, takes the norm over every process's shards (DTensor gradients).
-    grad_norm = dist.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)  # inf: only measure
-    scaler = dist.scaler
-    scale_before = scaler.get_scale() if scaler is not None else None
-    optimizer.step()
-    # An fp16 overflow makes the scaler back off. (accelerate's optimizer_step_was_skipped misses it with fused
-    # optimizers, which the scaler always calls and which skip the update in the kernel.)
-    skipped = scale_before is not None and scaler.get_scale() < scale_before
-    if not skipped and scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, skipped
 
 
 def _back_off(s: Setup) -> None:

@@ -124,7 +124,7 @@ def test_a_failure_after_the_start_is_the_runs_last_event(capsys, monkeypatch, t
     def broken(model, batch, causal):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("finetune.train.loss_sum", broken)
+    monkeypatch.setattr("finetune.step.loss_sum", broken)
     with pytest.raises(RuntimeError, match="boom"):  # an internal error keeps its traceback
         _run(capsys, *base)
     last = read_events(tmp_path / "run" / "events.jsonl")[-1]
@@ -133,7 +133,7 @@ def test_a_failure_after_the_start_is_the_runs_last_event(capsys, monkeypatch, t
     def diverged(model, batch, causal):
         raise TrainingError("training diverged")
 
-    monkeypatch.setattr("finetune.train.loss_sum", diverged)
+    monkeypatch.setattr("finetune.step.loss_sum", diverged)
     code, err = _run(capsys, *base, "overwrite=true")
     assert code == 1 and err == "error: training diverged\n"
     last = read_events(tmp_path / "run" / "events.jsonl")[-1]

@@ -54,7 +54,7 @@ def _overflow_on(monkeypatch, calls_to_poison):
         loss, logits = loss_sum(model, batch, causal)
         return (loss * float("inf") if calls_to_poison(call) else loss), logits
 
-    monkeypatch.setattr("finetune.train.loss_sum", poisoned)
+    monkeypatch.setattr("finetune.step.loss_sum", poisoned)
     return snapshots
 
 

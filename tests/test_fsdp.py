@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from conftest import assert_same_weights, load_weights
 
 from finetune.data import IGNORE_INDEX
-from finetune.train import backward_window, optimizer_step, share_of
+from finetune.step import backward_window, optimizer_step, share_of
 
 # 9 samples in windows of 4: two full windows, then a tail of 1, smaller than the number of processes (one process
 # joins with a weight-0 stand-in). Two epochs: 6 optimizer steps; the checkpoint is taken after step 3.

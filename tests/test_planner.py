@@ -126,7 +126,7 @@ def test_oom_back_off_keeps_the_same_weights(tmp_path, monkeypatch, tiny_bert, c
             raise torch.OutOfMemoryError("simulated: micro-batch too large")
         return loss_sum(model, batch, causal)
 
-    monkeypatch.setattr("finetune.train.loss_sum", small_device)  # the loop's loss only, not the planner's
+    monkeypatch.setattr("finetune.step.loss_sum", small_device)  # the loop's loss only, not the planner's
     backed, events, _ = run_train(tmp_path / "oom", **common)
     backoffs = [e for e in events if e["event"] == "backoff"]
     assert [(e["micro_batch_size"], e["grad_accum_steps"]) for e in backoffs] == [(4, 4), (2, 8)]
@@ -134,7 +134,7 @@ def test_oom_back_off_keeps_the_same_weights(tmp_path, monkeypatch, tiny_bert, c
     assert_same_weights(backed, reference)
     torch.testing.assert_close(step_losses(events), step_losses(ref_events), rtol=1e-5, atol=1e-6)
 
-    monkeypatch.setattr("finetune.train.loss_sum",
+    monkeypatch.setattr("finetune.step.loss_sum",
                         lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("always")))
     with pytest.raises(TrainingError, match="even at micro_batch_size=1"):
         run_train(tmp_path / "hopeless", **common)
