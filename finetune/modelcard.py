@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from finetune.config import DEFAULT_MODEL, Config, from_dict, read_yaml
+from finetune.config import DEFAULT_MODEL, FIELDS, Config, from_dict, read_yaml
 from finetune.events import read_events
 
 # The bundled model is this Hub model, shipped in a pip package.
@@ -78,7 +78,7 @@ def render(run_dir: Path, model_dir: Path, repo_id: str, *, license: str | None 
                            allow_unicode=True)
     sections = [f"# {repo_id.split('/')[-1]}", _summary(c, adapter), _results(metrics, evals),
                 _usage(c, repo_id, adapter), _data(c, start, model_dir), _procedure(c, start, metrics, run_dir),
-                _reproduce(run_dir), _versions(adapter)]
+                _reproduce(c), _versions(adapter)]
     return f"---\n{front}---\n\n" + "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -89,7 +89,7 @@ def _link(hub_id: str | None, text: str, kind: str = "") -> str:
 def _summary(c: Config, adapter: bool) -> str:
     base = base_model_id(c.model)
     model = _link(base, base or Path(c.model).name)
-    data = _link(dataset_id(c.dataset), c.dataset or "", "datasets/") if c.dataset else "its own data"
+    data = _link(dataset_id(c.dataset), _shown(c.dataset) or "", "datasets/") if c.dataset else "its own data"
     what = {"classification": "text classification", "causal_lm": "causal language modelling"}[c.task]
     kind = "A LoRA adapter for" if adapter else "A fine-tuned version of"
     return f"{kind} {model}, trained for {what} on {data} with finetune (exact gradient accumulation on accelerate)."
@@ -129,12 +129,12 @@ def _usage(c: Config, repo_id: str, adapter: bool) -> str:
 
 
 def _data(c: Config, start: dict[str, Any], model_dir: Path) -> str:
-    lines = [f"- dataset: `{c.dataset}`" + (f" (config `{c.dataset_config}`)" if c.dataset_config else "")
+    lines = [f"- dataset: `{_shown(c.dataset)}`" + (f" (config `{c.dataset_config}`)" if c.dataset_config else "")
              + f", split `{c.train_split}`"]
     if start:
         lines.append(f"- {start.get('num_train_samples', '?')} training and {start.get('num_eval_samples', '?')} "
                      "evaluation samples")
-    evaluation = (f"`{c.eval_dataset}`" if c.eval_dataset else f"split `{c.eval_split}`" if c.eval_split
+    evaluation = (f"`{_shown(c.eval_dataset)}`" if c.eval_dataset else f"split `{c.eval_split}`" if c.eval_split
                   else f"a {c.eval_fraction:.0%} hold-out of the training data")
     lines.append(f"- evaluated on {evaluation}")
     columns = [f"{k} `{getattr(c, k)}`" for k in ("text_column", "text_pair_column", "label_column",
@@ -151,7 +151,8 @@ def _data(c: Config, start: dict[str, Any], model_dir: Path) -> str:
 
 
 def _procedure(c: Config, start: dict[str, Any], metrics: dict[str, Any], run_dir: Path) -> str:
-    rows = [(k, getattr(c, k)) for k in HYPERPARAMETERS if getattr(c, k) is not None]
+    rows = [(k, getattr(c, k)) for k in HYPERPARAMETERS if getattr(c, k) is not None
+            and not (k == "epochs" and c.max_steps)]
     if start:
         rows.insert(0, ("batch", f"{start['micro_batch_size']} per micro-batch × {start['grad_accum_steps']} "
                                  f"accumulated × {start['num_processes']} process(es) = "
@@ -169,8 +170,20 @@ def _procedure(c: Config, start: dict[str, Any], metrics: dict[str, Any], run_di
             f"whatever the split into micro-batches.\n\n| setting | value |\n| --- | --- |\n{table}{plot}")
 
 
-def _reproduce(run_dir: Path) -> str:
-    text = (run_dir / "config.yaml").read_text(encoding="utf-8")
+def _shown(source: str | None) -> str | None:
+    """A data source as the card names it: a hub id as it is, a local file by its name (never a server's path)."""
+    return source if source is None or dataset_id(source) else Path(source).name
+
+
+def _reproduce(c: Config) -> str:
+    options = {k: v for k, v in c.to_dict().items() if k not in ("output_dir", "overwrite", "resume")
+               and v != (list(FIELDS[k].default) if isinstance(FIELDS[k].default, tuple) else FIELDS[k].default)}
+    for key in ("dataset", "eval_dataset"):
+        if options.get(key):
+            options[key] = _shown(options[key])
+    if base_model_id(c.model) is None:
+        options["model"] = Path(c.model).name
+    text = yaml.safe_dump(options, sort_keys=False, allow_unicode=True)
     return (f"## Reproduce\n\nWith finetune installed, save this as `config.yaml` and run `finetune train "
             f"config.yaml`:\n\n```yaml\n{text.rstrip()}\n```")
 
