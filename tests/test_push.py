@@ -7,14 +7,23 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import gradio as gr
 import pytest
 import yaml
+from conftest import run_train
 from fakehub import fake_hub
 
+from app import views
+from app.access import Access, AccessError
+from app.handlers import Controller
+from app.jobs import JobStatus
 from finetune.config import ConfigError, from_dict
 from finetune.events import read_events
 from finetune.hub import check_can_push
@@ -175,3 +184,104 @@ def test_an_adapter_card_says_how_to_load_it(tmp_path):
     assert "from peft import AutoPeftModelForCausalLM" in card and "lora_r | 16" in card
     assert "only the completion is learned" in card and "No evaluation data was held out" in card
     assert "output_dir" not in card and str(tmp_path) not in card and "dataset: d.jsonl" in card
+
+
+# --- the app: Push to the Hub for a finished run, with the token of whoever runs the app
+
+
+def _space(pushers: str = "") -> Access:
+    return Access.from_env({"SPACE_ID": "owner/finetune", "SYSTEM": "spaces", "SPACE_AUTHOR_NAME": "owner",
+                            "FINETUNE_ALLOWED_USERS": "alice,bob", "FINETUNE_PUSH_USERS": pushers}, "0.0.0.0")
+
+
+def _signed_in(name: str) -> SimpleNamespace:
+    return SimpleNamespace(session={"oauth_info": {"userinfo": {"preferred_username": name},
+                                                   "expires_at": time.time() + 3600}})
+
+
+def test_who_may_push_with_the_servers_token():
+    assert Access().may_push(None)  # locally: the one user, whose token it is
+    space = _space("alice")
+    assert space.may_push("owner") and space.may_push("alice") and not space.may_push("bob")
+    assert not space.may_push("stranger")  # listed as a pusher or not, one who may not train may not push
+    assert "@bob is not in FINETUNE_PUSH_USERS" in space.push_refusal("bob")
+    accounts = Access.from_env({"FINETUNE_USERS": "alice:a,bob:b", "FINETUNE_PUSH_USERS": "bob"}, "0.0.0.0")
+    assert accounts.may_push("bob") and not accounts.may_push("alice")
+    assert not Access("open").may_push("anyone") and "without accounts" in Access("open").push_refusal("anyone")
+
+
+def test_a_shared_server_refuses_push_to_hub_in_the_run_config():
+    with pytest.raises(AccessError, match="push_to_hub cannot be set on a shared server"):
+        _space().check_config(from_dict({"push_to_hub": "alice/x"}), ())
+    Access().check_config(from_dict({"push_to_hub": "alice/x"}), ())  # locally the child has the token
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_bert, cls_csv) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    run_train(out, model=tiny_bert, dataset=cls_csv, max_steps=1, effective_batch_size=8)
+    return out
+
+
+class _Jobs:
+    """A job manager whose last job is `run`, finished, started by `owner`."""
+
+    def __init__(self, run: Path, owner: str | None):
+        self.run, self.owner = run, owner
+
+    def status(self) -> JobStatus:
+        return JobStatus(state="done", run_dir=self.run, events=read_events(self.run / "events.jsonl"),
+                         owner=self.owner)
+
+
+def test_the_push_button_pushes_a_finished_run_and_never_shows_the_token(finished_run, monkeypatch, tmp_path):
+    import huggingface_hub
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    with fake_hub() as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_TOKEN", "hf_write")
+        space = Controller(tmp_path, _Jobs(run, "alice"), access=_space("alice"))
+        # Bob may train but is not a pusher; and he does not own this run.
+        assert "Only the one who started the run" in space.push("alice/m", True, request=_signed_in("bob")).message
+        hub.fail_commits = True
+        failed = space.push("alice/m", True, request=_signed_in("alice")).message
+        assert failed.startswith("⚠️ Pushing to alice/m failed (") and "try again" in failed
+        hub.fail_commits = False
+        done = space.push("alice/m", False, request=_signed_in("alice")).message
+        assert done == f"Pushed to [alice/m]({hub.url}/alice/m) (commit `0000000`)."
+        assert hub.repos["alice/m"]["visibility"] == "private"  # created private by the failed try; kept
+        assert set(hub.repos["alice/m"]["files"]) >= {"README.md", "model.safetensors", "loss.png"}
+        owned_by_owner = Controller(tmp_path, _Jobs(run, "owner"), access=_space())
+        # The token is the server's (here @alice's, member of team): the Space's owner pushes with it too.
+        assert owned_by_owner.push("team/m", True, request=_signed_in("owner")).message.startswith("Pushed to")
+        local = Controller(tmp_path, _Jobs(run, None), access=Access())
+        assert "bad name" in local.push("alice/bad name", True).message
+        assert "cannot create repositories under 'bob'" in local.push("bob/m", True).message
+        monkeypatch.delenv("HF_TOKEN")
+        monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "none"))
+        assert "This server has no Hugging Face token" in local.push("alice/m", True).message
+    pushes = [e for e in read_events(run / "events.jsonl") if e["event"] == "push"]
+    assert [bool(e["url"]) for e in pushes] == [False, True, True]
+    everything = json.dumps(pushes) + failed + done
+    assert "hf_write" not in everything
+    # The page: the last push, and the Space's advice to push what its disk will lose.
+    status = _Jobs(run, "owner").status()
+    assert views.hub_markdown(status, on_space=True) == f"✅ Pushed to [team/m]({hub.url}/team/m)."
+    fresh = JobStatus(state="done", run_dir=finished_run, events=read_events(finished_run / "events.jsonl"))
+    assert "This Space's disk is wiped" in views.hub_markdown(fresh, on_space=True)
+    assert views.hub_markdown(fresh, on_space=False) == ""
+
+
+def test_the_page_has_the_tracker_choice_and_the_push_controls(tmp_path):
+    from app.ui import build
+
+    built = build(tmp_path / "runs")
+    group = built.fields["report_to"]
+    assert isinstance(group, gr.CheckboxGroup) and "tensorboard" in [c[0] for c in group.choices]
+    labels = {getattr(c, "label", None) for c in built.demo.blocks.values()}
+    assert {"Hub repository", "Private"} <= labels
+    assert views.trackers_markdown(["tensorboard", "wandb"], Path("runs/x")) == (
+        "Dashboard: `tensorboard --logdir runs/x/tensorboard`\n\nAlso logged to wandb (see that service's own page).")
