@@ -217,7 +217,7 @@ def config_to_values(config: Config) -> list[Any]:
 
 def changed_options(config: Config) -> dict[str, Any]:
     """The options of `config` that differ from the schema defaults, in schema order."""
-    return {k: v for k, v in config.to_dict().items() if v != _default(FIELDS[k])}
+    return {k: v for k, v in config.to_dict().items() if getattr(config, k) != _default(FIELDS[k])}
 
 
 def config_yaml(config: Config, header: str | None = None) -> str:

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.config import Config
-from finetune.errors import ConfigError, PushError
+from finetune import modelcard
+from finetune.config import Config, read_yaml
+from finetune.errors import ConfigError, FinetuneError, PushError
 from finetune.events import EventLog, Pushed
+from finetune.modeling import resolve_model_dir
+from finetune.rundir import plot_loss
 
 LOSS_PLOT = "loss.png"  # drawn into the model folder, so that the card's picture travels with it
 
@@ -79,10 +82,6 @@ def push_run(run_dir: Path, repo_id: str, *, private: bool = True, hub_token: st
     """Write the model card into the run's model folder and upload the folder to `repo_id` (created if needed).
 
     Raises `ModelError` when the run has no final model, and huggingface_hub's errors (HTTP, network) as they are."""
-    from finetune import modelcard
-    from finetune.modeling import resolve_model_dir
-    from finetune.rundir import plot_loss
-
     hub = _hub()
     model_dir, run = resolve_model_dir(str(run_dir))
     run_dir = run or model_dir.parent
@@ -102,8 +101,6 @@ def push_run(run_dir: Path, repo_id: str, *, private: bool = True, hub_token: st
 
 
 def _config_model(run_dir: Path) -> str:
-    from finetune.config import read_yaml
-
     return str(read_yaml(run_dir / "config.yaml").get("model") or "")
 
 
@@ -127,8 +124,6 @@ def describe_failure(e: BaseException, hub_token: str | None) -> str:
 def push_after_training(run_dir: Path, c: Config, log: EventLog) -> PushResult:
     """The end of a run with `push_to_hub`: push, record a `push` event, and on failure raise `PushError` (exit 3)
     saying where the model is and how to push it again."""
-    from finetune.errors import FinetuneError
-
     hub_token = token()
     try:
         result = push_run(run_dir, c.push_to_hub, private=c.hub_private, hub_token=hub_token)

@@ -38,7 +38,7 @@ TRAINER_STATE = "trainer_state.json"  # progress and LR schedule, as JSON: resum
 # `overwrite` keeps them.
 LAUNCH_FILES = ("launch.yaml", "launch.log")
 RUN_FILES = (MARKER, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter", "metrics.json",
-             "loss.png", "loss.png.tmp", "model.zip", "tensorboard", *LAUNCH_FILES)
+             "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "wandb", "mlruns", *LAUNCH_FILES)
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every", "report_to",
                      "push_to_hub", "hub_private"}
