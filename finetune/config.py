@@ -71,8 +71,8 @@ class Config:
     report_to: tuple[str, ...] = _opt((), "Experiment trackers that get the run's hyper-parameters, step and eval "
                                       "records (a list, or comma-separated; default none).", choices=TRACKERS)
     push_to_hub: str | None = _opt(None, "Hub repository (user/name) to push the final model and its model card to "
-                                   "when the run ends; the token comes from HF_TOKEN.")
-    hub_private: bool = _opt(True, "Create the `push_to_hub` repository as private.")
+                                   "when the run ends; the token comes from HF_TOKEN.", group="advanced")
+    hub_private: bool = _opt(True, "Create the `push_to_hub` repository as private.", group="advanced")
     # --- where the run goes
     output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).")
     overwrite: bool = _opt(False, "Replace an existing run in `output_dir`.")

@@ -141,14 +141,15 @@ def test_a_failed_upload_keeps_the_model_exits_3_and_push_retries_it(tmp_path, t
         assert pushed == (out / "model" / "model.safetensors").read_bytes()
 
 
-def test_push_refuses_a_run_without_a_model_and_a_bad_repo(tmp_path):
-    env = _env("http://127.0.0.1:9", tmp_path)
+def test_push_refuses_a_run_without_a_model_and_a_bad_repo(tmp_path, capsys):
+    from finetune.cli import main
+
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("model: x\n")
-    proc = _finetune("push", str(tmp_path / "run"), "alice/x", env=env)
-    assert proc.returncode == 2 and "has no final model yet" in proc.stderr
-    proc = _finetune("push", str(tmp_path / "run"), "a/b/c", env=env)
-    assert proc.returncode == 2 and "REPO must be a Hub repository id" in proc.stderr
+    assert main(["push", str(tmp_path / "run"), "alice/x"]) == 2
+    assert "has no final model yet" in capsys.readouterr().err
+    assert main(["push", str(tmp_path / "run"), "a/b/c"]) == 2
+    assert "REPO must be a Hub repository id" in capsys.readouterr().err
 
 
 def test_the_repo_id_is_checked_with_the_config():
