@@ -14,7 +14,7 @@ from app.access import Access
 from app.jobs import JobStatus
 from finetune import hub
 from finetune.config import read_yaml, repo_id_problem
-from finetune.errors import ConfigError, FinetuneError
+from finetune.errors import ConfigError
 from finetune.events import EventLog, Pushed
 
 
@@ -41,7 +41,7 @@ def push_finished_run(access: Access, status: JobStatus, user: str | None, repo:
     model_dir = str(status.run_dir / "model")
     try:
         result = hub.push_run(status.run_dir, repo, private=private, hub_token=token)
-    except (OSError, ValueError, FinetuneError) as e:  # HTTP and network errors are OSErrors
+    except hub.UPLOAD_ERRORS as e:
         reason = hub.describe_failure(e, token)
         log.emit(Pushed(repo_id=repo, model_dir=model_dir, error=reason))
         return f"⚠️ Pushing to {repo} failed ({reason}). The model is unchanged in the run folder: try again."

@@ -135,7 +135,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     hub.check_can_push(args.repo, token)
     try:
         result = hub.push_run(Path(args.run_dir), args.repo, private=not args.public, hub_token=token)
-    except OSError as e:  # HTTP and network errors
+    except hub.UPLOAD_ERRORS as e:
         raise PushError(f"Pushing {model_dir} to {args.repo} failed ({hub.describe_failure(e, token)}); the model "
                         "is unchanged: try again.") from None
     print(json.dumps({"repo_id": result.repo_id, "url": result.url, "commit": result.commit}, indent=2))

@@ -12,6 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub as hf
+from huggingface_hub import constants as hf_constants
+from huggingface_hub.errors import HfHubHTTPError
+
+# The base error of the HTTP library huggingface_hub uses (httpx2 in 2.x; httpx before): unreachable hosts and
+# timeouts raise it, and HfHubHTTPError is one too. Not an OSError.
+from huggingface_hub.errors import HTTPError as HubNetworkError
+
 from finetune import modelcard
 from finetune.config import Config, read_yaml
 from finetune.errors import ConfigError, FinetuneError, PushError
@@ -20,6 +28,9 @@ from finetune.modeling import resolve_model_dir
 from finetune.rundir import plot_loss
 
 LOSS_PLOT = "loss.png"  # drawn into the model folder, so that the card's picture travels with it
+# What an upload can fail with: the Hub's answers and the network (HubNetworkError), files (OSError), the card's
+# metadata refused by the Hub (ValueError), a run without a model (FinetuneError).
+UPLOAD_ERRORS = (HubNetworkError, OSError, ValueError, FinetuneError)
 
 
 @dataclass(frozen=True)
@@ -31,15 +42,9 @@ class PushResult:
     commit: str
 
 
-def _hub() -> Any:
-    import huggingface_hub
-
-    return huggingface_hub
-
-
 def token() -> str | None:
     """The token huggingface_hub would use: `HF_TOKEN`, else the stored login; None without one."""
-    return _hub().get_token()
+    return hf.get_token()
 
 
 def check_push(c: Config, hub_token: str | None = None) -> None:
@@ -50,21 +55,20 @@ def check_push(c: Config, hub_token: str | None = None) -> None:
 
 def check_can_push(repo_id: str, hub_token: str | None) -> None:
     """Raise a one-sentence `ConfigError` when `hub_token` cannot push to `repo_id`; an unreachable Hub passes."""
-    hub = _hub()
-    if hub.constants.is_offline_mode():
+    if hf_constants.is_offline_mode():
         raise ConfigError([f"push_to_hub={repo_id} needs the network, but HF_HUB_OFFLINE is set: unset it, or drop "
                            "push_to_hub and push later with `finetune push RUN_DIR REPO`."])
     if not hub_token:
         raise ConfigError([f"push_to_hub={repo_id} needs a Hugging Face token with write access: set HF_TOKEN (or "
                            "run `hf auth login`)."])
     try:
-        me = hub.HfApi().whoami(token=hub_token)
-    except hub.errors.HfHubHTTPError as e:
+        me = hf.HfApi().whoami(token=hub_token)
+    except HfHubHTTPError as e:
         if e.response is not None and e.response.status_code == 401:
             raise ConfigError(["The Hugging Face token (HF_TOKEN) is not valid: create a token with write access at "
                                "https://huggingface.co/settings/tokens."]) from None
         return  # the Hub answered something else: the push at the end will say what is wrong
-    except OSError:  # unreachable now (httpx's errors are OSErrors): the push at the end may still work
+    except (HubNetworkError, OSError):  # unreachable now: the push at the end may still work
         return
     role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
     if role == "read":
@@ -82,18 +86,17 @@ def push_run(run_dir: Path, repo_id: str, *, private: bool = True, hub_token: st
     """Write the model card into the run's model folder and upload the folder to `repo_id` (created if needed).
 
     Raises `ModelError` when the run has no final model, and huggingface_hub's errors (HTTP, network) as they are."""
-    hub = _hub()
     model_dir, run = resolve_model_dir(str(run_dir))
     run_dir = run or model_dir.parent
     if (run_dir / "events.jsonl").is_file():
         plot_loss(run_dir / "events.jsonl", model_dir / LOSS_PLOT)
-    api = hub.HfApi(token=hub_token)
+    api = hf.HfApi(token=hub_token)
     license = _base_license(api, modelcard.base_model_id(_config_model(run_dir)))
     card = modelcard.render(run_dir, model_dir, repo_id, license=license)
     (model_dir / "README.md").write_text(card, encoding="utf-8")
     repo = api.create_repo(repo_id, private=private, exist_ok=True)
     files = sorted(p for p in model_dir.rglob("*") if p.is_file())
-    operations = [hub.CommitOperationAdd(path_in_repo=p.relative_to(model_dir).as_posix(), path_or_fileobj=str(p))
+    operations = [hf.CommitOperationAdd(path_in_repo=p.relative_to(model_dir).as_posix(), path_or_fileobj=str(p))
                   for p in files]
     info = api.create_commit(repo.repo_id, operations, commit_message=f"Upload model trained with finetune "
                              f"({run_dir.name})")
@@ -110,7 +113,7 @@ def _base_license(api: Any, base: str | None) -> str | None:
         return None
     try:
         data = api.model_info(base).card_data
-    except OSError:  # not found, gated, unreachable: the card leaves the license out
+    except (HubNetworkError, OSError):  # not found, gated, unreachable: the card leaves the license out
         return None
     return data.get("license") if data is not None else None
 
@@ -127,7 +130,7 @@ def push_after_training(run_dir: Path, c: Config, log: EventLog) -> PushResult:
     hub_token = token()
     try:
         result = push_run(run_dir, c.push_to_hub, private=c.hub_private, hub_token=hub_token)
-    except (OSError, ValueError, FinetuneError) as e:  # HTTP and network errors are OSErrors, bad ids ValueErrors
+    except UPLOAD_ERRORS as e:
         reason = describe_failure(e, hub_token)
         log.emit(Pushed(repo_id=c.push_to_hub, model_dir=str(run_dir / "model"), error=reason))
         raise PushError(f"Training finished and the model is saved in {run_dir / 'model'}, but pushing it to "

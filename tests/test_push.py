@@ -286,3 +286,24 @@ def test_the_page_has_the_tracker_choice_and_the_push_controls(tmp_path):
     assert {"Hub repository", "Private"} <= labels
     assert views.trackers_markdown(["tensorboard", "wandb"], Path("runs/x")) == (
         "Dashboard: `tensorboard --logdir runs/x/tensorboard`\n\nAlso logged to wandb (see that service's own page).")
+
+
+def test_an_unreachable_hub_passes_the_check_and_fails_the_push_with_exit_3(finished_run, monkeypatch, tmp_path):
+    """Network errors are not OSErrors (huggingface_hub's HTTP library has its own): both ends must catch them."""
+    import huggingface_hub
+
+    from finetune.errors import PushError
+    from finetune.events import EventLog
+    from finetune.hub import push_after_training
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "hf_write")
+    check_can_push("alice/x", "hf_write")  # cannot check now: left to the push
+    with pytest.raises(PushError) as e:
+        push_after_training(run, from_dict({"push_to_hub": "alice/x"}), EventLog(run / "events.jsonl"))
+    assert e.value.exit_code == 3 and f"the model is saved in {run / 'model'}" in str(e.value)
+    assert read_events(run / "events.jsonl")[-1]["event"] == "push"
+    assert (run / "model" / "model.safetensors").is_file()
