@@ -5,6 +5,10 @@ Modes: `local` (loopback, no accounts: one user, everything as on the command li
 the Space's owner and `FINETUNE_ALLOWED_USERS` may train), `password` (`FINETUNE_USERS` / `FINETUNE_PASSWORD`
 accounts behind Gradio's login form), `open` (`--no-auth` on a public host: everyone is one anonymous user). All but
 `local` are shared: no remote code, no local paths but the user's own uploads, a child without the app's secrets.
+
+Pushing to the Hub uses the token of whoever runs the app (`HF_TOKEN`), in the app's process: locally that is the
+one user; on a Space, its owner and the users in `FINETUNE_PUSH_USERS`; with accounts, only the accounts in
+`FINETUNE_PUSH_USERS`; on an `open` server nobody. The token never reaches a page, an answer or a training child.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from finetune.config import DEFAULT_MODEL, Config
 
 ANYONE = "anyone"  # the one user of an `open` server
 USERS_VAR, PASSWORD_VAR, ALLOWED_VAR = "FINETUNE_USERS", "FINETUNE_PASSWORD", "FINETUNE_ALLOWED_USERS"
+PUSHERS_VAR = "FINETUNE_PUSH_USERS"  # who, besides a Space's owner, may push with the server's Hugging Face token
 PASSWORD_USER = "admin"  # the account FINETUNE_PASSWORD sets
 USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED = {"uploads"}  # folder names under runs/ that are not a user's
@@ -35,6 +40,8 @@ CHILD_ENV = {"PATH", "HOME", "USER", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP",
              "CUDA_HOME", "NVIDIA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
              "TOKENIZERS_PARALLELISM", "WORLD_SIZE"}
 NO_REMOTE_CODE = "trust_remote_code is disabled on a shared server."
+NO_PUSH_IN_RUN = ("push_to_hub cannot be set on a shared server (the training process gets no token): leave it empty "
+                  "and press Push to the Hub when the run is done.")
 
 
 class AccessError(ValueError):
@@ -76,18 +83,20 @@ class Access:
     owner: str | None = None  # the Space's author
     allowed: frozenset[str] = frozenset()
     accounts: tuple[tuple[str, str], ...] = ()
+    pushers: frozenset[str] = frozenset()  # FINETUNE_PUSH_USERS
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], host: str, no_auth: bool = False) -> Access:
         """The policy for serving on `host` with environment `env`; raises `AccessError` when a public host has no
         accounts and `--no-auth` was not given."""
-        allowed = frozenset(u.strip().lstrip("@") for u in (env.get(ALLOWED_VAR) or "").split(",") if u.strip())
+        allowed, pushers = (frozenset(u.strip().lstrip("@") for u in (env.get(var) or "").split(",") if u.strip())
+                            for var in (ALLOWED_VAR, PUSHERS_VAR))
         # What Gradio takes for a Space too: anywhere else a LoginButton would make it mock the sign-in.
         if env.get("SPACE_ID") and env.get("SYSTEM") == "spaces":
-            return cls("space", env.get("SPACE_AUTHOR_NAME") or None, allowed)
+            return cls("space", env.get("SPACE_AUTHOR_NAME") or None, allowed, pushers=pushers)
         accounts = _accounts(env)
         if accounts:
-            return cls("password", accounts=accounts)
+            return cls("password", accounts=accounts, pushers=pushers)
         if is_loopback(host):
             return cls()
         if no_auth:
@@ -137,6 +146,25 @@ class Access:
                     f"{ALLOWED_VAR}).")
         return "Sign in to train."
 
+    def may_push(self, user: str | None) -> bool:
+        """Whether `user` may push a run's model with the token of whoever runs the app."""
+        if self.mode == "local":
+            return True
+        if self.mode == "open" or not self.may_run(user):
+            return False
+        return user in self.pushers or (self.mode == "space" and user == self.owner)
+
+    def push_refusal(self, user: str | None) -> str:
+        """Why `user` may not push ("" when they may)."""
+        if self.may_push(user):
+            return ""
+        if self.mode == "open":
+            return ("Pushing is off on a server without accounts: download the model and push it with `finetune "
+                    "push`.")
+        who = "the Space's owner" if self.mode == "space" else "the server's owner"
+        return (f"Pushing uses {who}'s Hugging Face token, and @{user} is not in {PUSHERS_VAR}: download the model "
+                "and push it with your own token (`finetune push RUN_DIR REPO`).")
+
     def owns(self, user: str | None, owner: str | None) -> bool:
         """Whether `user` may see and steer a run started by `owner`."""
         return not self.shared or (self.may_run(user) and user == owner)
@@ -180,6 +208,8 @@ class Access:
             return
         if config.trust_remote_code:
             raise AccessError(NO_REMOTE_CODE)
+        if config.push_to_hub:
+            raise AccessError(NO_PUSH_IN_RUN)
         self.check_source(config.model, "model", readable)
         for what in ("dataset", "eval_dataset"):
             self.check_source(getattr(config, what), what, readable)

@@ -17,7 +17,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import cleanup, dataview, limits, views
+from app import cleanup, dataview, limits, publish, views
 from app.access import Access, AccessError, new_run_name, resolve_output_dir
 from app.jobs import JobBusy, JobManager, JobStatus, zip_model
 from app.mapping import (
@@ -38,6 +38,7 @@ from app.results import (
     FormShown,
     PlanShown,
     PredictionShown,
+    PushShown,
     RunShown,
     Started,
     TaskGuess,
@@ -321,13 +322,17 @@ class Controller:
                     if status.state == "done" and model_dir is not None else gr.update(value=None, interactive=False))
         command = self.command(status)
         frame = views.loss_frame(status.events)
+        options = publish.run_options(status) if status.run_dir else {"report_to": [], "push_to_hub": None}
         return RunShown(signature=signature, status=text,
                         progress=views.progress_html(status), stats=views.stats_markdown(status),
                         loss_curve=frame if len(frame) else None, log=views.log_text(status),
                         metrics=views.final_metrics(status) or None, run_dir=str(status.run_dir or ""),
                         download=download, stop_button=gr.update(interactive=status.active),
                         resume_button=gr.update(visible=status.resumable),
-                        command=command if command else gr.skip())
+                        command=command if command else gr.skip(),
+                        trackers=views.trackers_markdown(options["report_to"], status.run_dir),
+                        hub_note=views.hub_markdown(status, on_space=self.access.mode == "space"),
+                        push_repo=options["push_to_hub"] or gr.skip())
 
     def _handout(self, path: Path) -> str:
         """A path the download button may take: Gradio copies a returned file into its cache (under a path nobody
@@ -405,6 +410,15 @@ class Controller:
                                    generated=gr.update(visible=False), message=note)
         return PredictionShown(label=gr.update(visible=False), generated=gr.update(value=out["generated"],
                                                                                    visible=True), message=note)
+
+    def push(self, repo: str, private: bool, *, request: Any = None) -> PushShown:
+        """Push the finished run's model and its model card to `repo`, with the token of whoever runs the app (only
+        for those `Access.may_push` allows; see `app.publish`)."""
+        user, _ = self.who(request)
+        status = self.jobs.status()
+        if status.state != "idle" and not self.is_mine(status, user):
+            return PushShown(message="⚠️ Only the one who started the run can push it.")
+        return PushShown(message=publish.push_finished_run(self.access, status, user, repo, bool(private)))
 
     # --- reproducibility
     def export(self, *values: Any) -> ExportShown:

@@ -284,6 +284,8 @@ class JobManager:
         if running:
             if job.stop_requested_at is not None:
                 return "stopping", "Stopping after the current optimizer step…"
+            if any(e.get("event") == "done" for e in mine):  # push_to_hub: the upload follows `done`
+                return "running", "Training is done; pushing the model to the Hub…"
             started = any(e.get("event") == "start" for e in mine)
             return ("running", "") if started else ("starting", "Loading the data and the model…")
         kind = (last or {}).get("event")

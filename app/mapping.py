@@ -15,7 +15,16 @@ from typing import Any
 import yaml
 
 from app.limits import config_size_problem, short_problems
-from finetune.config import FIELDS, Config, ConfigError, field_type, format_bound, from_dict, read_yaml
+from finetune.config import (
+    FIELDS,
+    Config,
+    ConfigError,
+    field_type,
+    format_bound,
+    from_dict,
+    is_list_field,
+    read_yaml,
+)
 
 FIELD_NAMES: tuple[str, ...] = tuple(FIELDS)
 # Labels that people and browser tests look for; every other field is labelled from its name.
@@ -67,7 +76,7 @@ class WidgetSpec:
     """How one config field is shown: widget kind, label, help and bounds, all from the schema."""
 
     name: str
-    kind: str  # checkbox, choice, model, column, int, float, text
+    kind: str  # checkbox, choice, multi (several of the choices), model, column, int, float, text
     label: str
     info: str
     default: Any  # the schema default, as the widget holds it
@@ -101,6 +110,8 @@ def _kind(name: str) -> str:
         return "model"
     if name in COLUMN_FIELDS:
         return "column"
+    if is_list_field(name):
+        return "multi"
     if base is bool:
         return "checkbox"
     if meta["choices"]:
@@ -149,6 +160,8 @@ def to_widget(name: str, value: Any) -> Any:
     Optional numbers are text boxes (a Gradio number box cannot be empty: it shows and sends 0), so they hold ""
     for None and the number as text otherwise."""
     kind = _kind(name)
+    if kind == "multi":  # a checkbox group holds a list
+        return list(value or ())
     if kind in ("checkbox", "choice") or (kind in ("int", "float") and not field_type(name)[1]):
         return value
     return "" if value is None else str(value)
@@ -157,6 +170,8 @@ def to_widget(name: str, value: Any) -> Any:
 def from_widget(name: str, value: Any) -> Any:
     """A widget's value as a config value, unvalidated: `from_dict` checks it and words the errors."""
     kind = _kind(name)
+    if kind == "multi" and isinstance(value, (list, tuple)):
+        return tuple(value)
     if isinstance(value, str):
         value = value.strip()
         if value == "":
@@ -202,7 +217,7 @@ def config_to_values(config: Config) -> list[Any]:
 
 def changed_options(config: Config) -> dict[str, Any]:
     """The options of `config` that differ from the schema defaults, in schema order."""
-    return {k: v for k, v in config.to_dict().items() if v != _default(FIELDS[k])}
+    return {k: v for k, v in config.to_dict().items() if getattr(config, k) != _default(FIELDS[k])}
 
 
 def config_yaml(config: Config, header: str | None = None) -> str:

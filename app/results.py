@@ -98,6 +98,9 @@ class RunShown:
     stop_button: Any = keep()
     resume_button: Any = keep()
     command: Any = keep()
+    trackers: Any = keep()  # how to open the run's TensorBoard / trackio dashboard
+    hub_note: Any = keep()  # the last push, or (on a Space) the advice to push
+    push_repo: Any = keep()  # the repository box, filled from the run's push_to_hub
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +120,13 @@ class PredictionShown:
     label: Any = keep()
     generated: Any = keep()
     message: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushShown:
+    """Push to the Hub: how it went, in one line."""
+
+    message: str
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -74,6 +74,8 @@ def _widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: Dat
         return gr.Checkbox(**common)
     if spec.kind == "choice":
         return gr.Dropdown(list(spec.choices or ()), **common)
+    if spec.kind == "multi":
+        return gr.CheckboxGroup(list(spec.choices or ()), **common)
     if spec.kind == "model":
         return gr.Dropdown(list(MODEL_PRESETS), allow_custom_value=True, filterable=True, **{
             **common, "info": f"{spec.info} Pick a preset or type any hub id or local folder."})
@@ -234,6 +236,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                     status_md = gr.Markdown(elem_id="run-status")
                     progress = gr.HTML(elem_id="run-progress")
                     stats_md = gr.Markdown(elem_id="run-stats")
+                    trackers_md = gr.Markdown(elem_id="run-trackers")
                     # Starts as None, never as an empty frame: a plot first drawn empty draws later lines with no
                     # colour at all (Gradio 6.31).
                     loss_plot = gr.LinePlot(None, x="step", y="loss", color="split", height=260,
@@ -253,6 +256,13 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                     try_msg = gr.Markdown()
                     try_label = gr.Label(label="Prediction", num_top_classes=5, visible=False, elem_id="prediction")
                     try_text = gr.Textbox(label="Generated continuation", visible=False, interactive=False)
+                    hub_md = gr.Markdown(elem_id="hub-note")
+                    with gr.Row():
+                        push_repo = gr.Textbox(label="Hub repository", placeholder="your-name/my-model", scale=3,
+                                               elem_id="push-repo")
+                        push_private = gr.Checkbox(label="Private", value=True, scale=1)
+                        push_btn = gr.Button("Push to the Hub", scale=1)
+                    push_msg = gr.Markdown(elem_id="push-message")
                 with gr.Column(variant="panel"):
                     gr.Markdown("### Reproduce")
                     with gr.Row():
@@ -276,7 +286,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         run_out = {"signature": seen, "status": status_md, "progress": progress, "stats": stats_md,
                    "loss_curve": loss_plot, "log": log_box, "metrics": metrics, "run_dir": run_dir_box,
                    "download": download_btn, "stop_button": stop_btn, "resume_button": resume_btn,
-                   "command": command_box}
+                   "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo}
         try_out = {"label": try_label, "generated": try_text, "message": try_msg}
         # The page's own events are private: scripts get the named API of `app.api` instead. It is registered first,
         # so that its names are free (a private event still takes its function's name, e.g. `stop`).
@@ -304,6 +314,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         _on(demo.load, controller.running_config, None, {"values": by_name, "note": repro_msg, "data": data_out},
             show_progress="hidden", **private)
         _on(try_btn.click, controller.try_it, try_box, try_out, **private)
+        _on(push_btn.click, controller.push, [push_repo, push_private], {"message": push_msg},
+            concurrency_id="push", **private)
         _on(try_box.submit, controller.try_it, try_box, try_out, **private)
         _on(export_btn.click, controller.export, values, {"yaml": yaml_code, "file": config_file,
                                                           "command": command_box, "message": repro_msg}, **private)

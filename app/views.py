@@ -111,6 +111,31 @@ def status_markdown(status: JobStatus) -> str:
     return f"{text}\n\n{status.message}" if status.message else text
 
 
+def hub_markdown(status: JobStatus, on_space: bool) -> str:
+    """How the run's last push went; on a Space (whose disk does not last) a finished, unpushed run is told to push."""
+    push = status.last("push")
+    if push and push.get("url"):
+        return f"✅ Pushed to [{push['repo_id']}]({push['url']})."
+    note = f"⚠️ The push to {push['repo_id']} failed: {push.get('error')}" if push else ""
+    if on_space and status.state == "done":
+        advice = ("💡 This Space's disk is wiped when the Space restarts: push the model to the Hub (or download "
+                  "it) to keep it.")
+        note = f"{note}\n\n{advice}" if note else advice
+    return note
+
+
+def trackers_markdown(report_to: list[str], run_dir: Any) -> str:
+    """How to open the run's local tracker dashboards, as commands to type where the app runs."""
+    from finetune.tracking import dashboard_command
+
+    commands = dashboard_command(report_to, run_dir) if run_dir else []
+    others = [t for t in report_to if t not in ("tensorboard", "trackio")]
+    lines = [f"Dashboard: `{c}`" for c in commands]
+    if others:
+        lines.append(f"Also logged to {', '.join(others)} (see that service's own page).")
+    return "\n\n".join(lines)
+
+
 def final_metrics(status: JobStatus) -> dict[str, Any]:
     """The `done` event's metrics (empty until the run finishes)."""
     done = status.last("done")
@@ -139,6 +164,9 @@ def _event_line(event: dict[str, Any], total: int | None) -> str | None:
         return f"{clock} done: model in {event['model_dir']}"
     if kind == "error":
         return f"{clock} error: {event['message']}"
+    if kind == "push":
+        where = event.get("url") or f"{event['repo_id']} failed: {event.get('error')}"
+        return f"{clock} push: {where}"
     return None
 
 

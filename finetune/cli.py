@@ -1,6 +1,7 @@
-"""`finetune` command line: train, plan, eval, predict, init, ui.
+"""`finetune` command line: train, plan, eval, predict, push, init, ui.
 
-Exit codes: 0 done, 2 bad input (one sentence, no traceback, nothing overwritten), 130 stopped, 1 internal error.
+Exit codes: 0 done, 2 bad input (one sentence, no traceback, nothing overwritten), 130 stopped, 1 internal error,
+3 trained and saved but the push to the Hub failed.
 """
 
 from __future__ import annotations
@@ -120,6 +121,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_push(args: argparse.Namespace) -> int:
+    """Run `finetune push RUN_DIR REPO`: the run's model and its model card to the Hub."""
+    from finetune import hub
+    from finetune.config import repo_id_problem
+    from finetune.errors import PushError
+    from finetune.modeling import resolve_model_dir
+
+    if problem := repo_id_problem(args.repo):
+        raise ConfigError([problem.replace("`push_to_hub`", "REPO")])
+    model_dir, _ = resolve_model_dir(args.run_dir)  # no final model: one sentence, before any network call
+    token = hub.token()
+    hub.check_can_push(args.repo, token)
+    try:
+        result = hub.push_run(Path(args.run_dir), args.repo, private=not args.public, hub_token=token)
+    except hub.UPLOAD_ERRORS as e:
+        raise PushError(f"Pushing {model_dir} to {args.repo} failed ({hub.describe_failure(e, token)}); the model "
+                        "is unchanged: try again.") from None
+    print(json.dumps({"repo_id": result.repo_id, "url": result.url, "commit": result.commit}, indent=2))
+    return EXIT_OK
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     """Write a commented example config."""
     from finetune.config import template
@@ -172,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", help="A file with one text per line.")
     p.add_argument("--max-new-tokens", type=int, default=40, help="Causal LM: tokens to generate.")
     p.set_defaults(func=cmd_predict)
+    p = sub.add_parser("push", help="Push a run's model, with a generated model card, to the Hugging Face Hub.",
+                       description="Upload RUN_DIR's model/ (or LoRA adapter) and a generated README.md model card "
+                       "to the Hub repository REPO (created if needed); the token comes from HF_TOKEN or `hf auth "
+                       "login`. Exit 3 when the upload fails.")
+    p.add_argument("run_dir", help="A finished run's directory.")
+    p.add_argument("repo", help="Hub repository id, e.g. your-name/my-model.")
+    p.add_argument("--public", action="store_true", help="Create the repository as public (default: private).")
+    p.set_defaults(func=cmd_push)
     p = sub.add_parser("init", help="Write a commented example config.")
     p.add_argument("path", nargs="?", default="finetune.yaml")
     p.add_argument("--force", action="store_true", help="Replace an existing file.")

@@ -22,6 +22,8 @@ from finetune.errors import ConfigError
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 DEFAULT_EFFECTIVE_BATCH = 32
 TASKS = ("classification", "causal_lm")
+# The experiment trackers accelerate can log to (its `LoggerType`, less `all`: a run names what it reports to).
+TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min: float | None = None,
@@ -65,6 +67,12 @@ class Config:
                            "windows follow the stream's order (a seeded 10,000-row shuffle buffer, no length "
                            "grouping); needs `max_steps`, and `eval_fraction=0` or a separate evaluation set.",
                            group="data")
+    # --- experiment trackers and the Hub
+    report_to: tuple[str, ...] = _opt((), "Experiment trackers that get the run's hyper-parameters, step and eval "
+                                      "records (a list, or comma-separated; default none).", choices=TRACKERS)
+    push_to_hub: str | None = _opt(None, "Hub repository (user/name) to push the final model and its model card to "
+                                   "when the run ends; the token comes from HF_TOKEN.", group="advanced")
+    hub_private: bool = _opt(True, "Create the `push_to_hub` repository as private.", group="advanced")
     # --- where the run goes
     output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).")
     overwrite: bool = _opt(False, "Replace an existing run in `output_dir`.")
@@ -121,8 +129,8 @@ class Config:
                                    group="advanced")
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as plain YAML-able values, in schema order."""
-        return dataclasses.asdict(self)
+        """The config as plain YAML-able values, in schema order (a list field as a list)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     def to_yaml(self) -> str:
         """The config as the YAML `finetune train` reads back."""
@@ -146,8 +154,26 @@ def field_type(name: str) -> tuple[type, bool]:
     return hint, False
 
 
+def is_list_field(name: str) -> bool:
+    """Whether field `name` holds a list of names (`report_to`) rather than one value."""
+    return typing.get_origin(field_type(name)[0]) is tuple
+
+
+def _coerce_list(name: str, value: Any) -> tuple[Any, str | None]:
+    """A YAML list, a comma-separated string or nothing → a tuple of distinct names, in the order given."""
+    if value is None or value is False:
+        return (), None
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        return None, f"`{name}` must be a list of names or a comma-separated string, not {value!r}."
+    names = [i.strip() for i in items if i.strip() and i.strip().lower() not in ("none", "null")]
+    return tuple(dict.fromkeys(names)), None
+
+
 def _coerce(name: str, value: Any) -> tuple[Any, str | None]:
     """`value` converted to field `name`'s type, or an error sentence."""
+    if is_list_field(name):
+        return _coerce_list(name, value)
     base, optional = field_type(name)
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         if optional:
@@ -196,6 +222,11 @@ def format_bound(bound: float) -> str:
 def _check_field(name: str, value: Any) -> str | None:
     meta = FIELDS[name].metadata
     if value is None:
+        return None
+    if isinstance(value, tuple):
+        unknown = [v for v in value if v not in meta["choices"]]
+        if unknown:
+            return f"`{name}` takes {', '.join(meta['choices'])}, not {', '.join(map(repr, unknown))}."
         return None
     if meta["choices"] and value not in meta["choices"]:
         return f"`{name}` must be one of {', '.join(meta['choices'])}, not {value!r}."
@@ -252,9 +283,23 @@ def _cross_checks(c: Config) -> list[str]:
     if c.streaming and c.eval_fraction > 0 and not (c.eval_dataset or c.eval_split):
         problems.append("`streaming=true` cannot hold out `eval_fraction` of a stream: set eval_fraction=0, or give "
                         "`eval_dataset` or `eval_split` (read whole, not streamed).")
+    if c.push_to_hub and (problem := repo_id_problem(c.push_to_hub)):
+        problems.append(problem)
     if c.max_steps is None and c.epochs <= 0:
         problems.append("`epochs` must be above 0 (or set `max_steps`).")
     return problems
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """Why `repo_id` cannot name a Hub model repository (huggingface_hub's own rules), or None."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return (f"`push_to_hub` must be a Hub repository id such as 'your-name/my-model' (letters, digits, '-', '_', "
+                f"'.'; at most 96 characters), not {repo_id!r}.")
+    return None
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -300,13 +345,19 @@ def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     return from_dict(values)
 
 
+def _choice_words(name: str) -> str:
+    return "Any of" if is_list_field(name) else "One of"
+
+
 def template() -> str:
     """A commented example config listing every option with its default (what `finetune init` writes)."""
     lines = ["# finetune config: `finetune train this.yaml [key=value ...]`. Every option, with its default.", ""]
     for f in fields(Config):
         meta = f.metadata
-        lines.append(f"# {meta['help']}" + (f" One of: {', '.join(meta['choices'])}." if meta["choices"] else ""))
-        value = yaml.safe_dump({f.name: f.default}, default_flow_style=False).strip()
+        lines.append(f"# {meta['help']}" + (f" {_choice_words(f.name)}: {', '.join(meta['choices'])}."
+                                            if meta["choices"] else ""))
+        default = list(f.default) if isinstance(f.default, tuple) else f.default
+        value = yaml.safe_dump({f.name: default}, default_flow_style=False).strip()
         if f.name == "dataset":
             value = "dataset: assets/sst2_sample.csv"
         lines.append(value if f.default is not None or f.name == "dataset" else f"# {value}")
@@ -319,8 +370,9 @@ def markdown_table() -> str:
     rows = ["| option | default | meaning |", "| --- | --- | --- |"]
     for f in fields(Config):
         meta = f.metadata
-        default = "—" if f.default is None else f"`{yaml.safe_dump(f.default).splitlines()[0]}`"
-        choices = f" One of: {', '.join(f'`{c}`' for c in meta['choices'])}." if meta["choices"] else ""
+        default = "—" if f.default in (None, ()) else f"`{yaml.safe_dump(f.default).splitlines()[0]}`"
+        choices = (f" {_choice_words(f.name)}: {', '.join(f'`{c}`' for c in meta['choices'])}." if meta["choices"]
+                   else "")
         rows.append(f"| `{f.name}` | {default} | {meta['help']}{choices} |")
     return "\n".join(rows)
 

@@ -47,6 +47,13 @@ class TrainingError(FinetuneError, RuntimeError):
     """Training cannot go on; the message says why and what to change."""
 
 
+class PushError(FinetuneError, RuntimeError):
+    """Training finished and the model is saved, but pushing it to the Hub failed: exit 3, so that scripts can tell
+    this from a failed run. The message says where the model is and how to push it again."""
+
+    exit_code = 3
+
+
 def describe(e: BaseException) -> str:
     """The text shown for a failure: our own errors as they are worded, anything else with its type."""
     if isinstance(e, ConfigError) and len(e.problems) > 1:

@@ -1,7 +1,7 @@
 """The typed event stream of a run: `events.jsonl` for the GUI and scripts, a progress bar for the terminal.
 
 Each line of `events.jsonl` is one JSON object with `event` in start, step, backoff, eval, checkpoint, stopped, done,
-error and `time` (Unix seconds). Tests and the GUI read these records, never printed text. A checkpoint's path is
+push, error and `time` (Unix seconds). Tests and the GUI read these records, never printed text. A checkpoint's path is
 `checkpoint` in every record that names one.
 """
 
@@ -108,6 +108,19 @@ class Done:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Pushed:
+    """After `done`, with `push_to_hub`: the model and its card went to `url` (commit `commit`), or `error` says why
+    not; the model stays in `model_dir` either way."""
+
+    repo_id: str
+    model_dir: str
+    url: str | None = None
+    commit: str | None = None
+    error: str | None = None
+    event: str = "push"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Error:
     """The run failed; `message` is the sentence shown to the user."""
 
@@ -116,7 +129,7 @@ class Error:
     event: str = "error"
 
 
-Event = Start | Step | Backoff | Eval | Checkpoint | Stopped | Done | Error
+Event = Start | Step | Backoff | Eval | Checkpoint | Stopped | Done | Pushed | Error
 
 
 def to_record(event: Event) -> dict[str, Any]:

@@ -10,6 +10,7 @@
       adapter/       the LoRA adapter, when merge_lora put the merged model in model/
       metrics.json   final evaluation and training figures
       loss.png       the loss curve, drawn from events.jsonl by a background process when the run ends
+      tensorboard/   TensorBoard event files, with report_to=tensorboard
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ TRAINER_STATE = "trainer_state.json"  # progress and LR schedule, as JSON: resum
 # `overwrite` keeps them.
 LAUNCH_FILES = ("launch.yaml", "launch.log")
 RUN_FILES = (MARKER, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter", "metrics.json",
-             "loss.png", "loss.png.tmp", "model.zip", *LAUNCH_FILES)
+             "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "wandb", "mlruns", *LAUNCH_FILES)
 # Options that may differ when resuming: they change reporting, not the numbers.
-RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every"}
+RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every", "report_to",
+                     "push_to_hub", "hub_private"}
 
 
 def default_output_dir() -> str:

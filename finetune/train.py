@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
 
-from finetune import rundir
+from finetune import hub, rundir, tracking
 from finetune.batch import BatchSplit, divisors, resolve_batch
 from finetune.config import Config
 from finetune.data import Encoded, collate, load_data, windows_per_epoch
@@ -184,7 +184,10 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                                      is_main_process=accelerator.is_main_process)
                 if p.step >= s.total_steps:
                     break
-        return _finish(s, time.perf_counter() - train_start)
+        result = _finish(s, time.perf_counter() - train_start)
+    if c.push_to_hub and result.is_main_process:  # after `done`: a failed upload leaves the saved model as it is
+        hub.push_after_training(s.run_dir, c, s.log)
+    return result
 
 
 def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
@@ -226,6 +229,8 @@ def _back_off(s: Setup) -> None:
 
 def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     """Accelerator, run directory, data, plan, model, optimizer and schedule, in fail-fast order."""
+    tracking.check_available(c.report_to)  # a missing tracker package, or a push that cannot work, before any data
+    hub.check_push(c)
     accelerator = make_accelerator(resolve_precision(c.precision))
     if c.output_dir is None:  # every process must agree on the same timestamped directory
         c = c.replace(output_dir=broadcast_object_list([rundir.default_output_dir()])[0])
@@ -256,8 +261,9 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     mode = distributed_mode(accelerator, model)  # what prepare() really did: fsdp only if parameters are sharded
     progress = Progress()
 
+    trackers = tracking.sinks(accelerator, c, run_dir)  # the trackers get the records events.jsonl gets
     log = EventLog(run_dir / "events.jsonl" if accelerator.is_main_process else None,
-                   callbacks if accelerator.is_main_process else [])
+                   [*callbacks, *trackers] if accelerator.is_main_process else [])
     if c.resume:
         if accelerator.is_main_process:
             rundir.remove_partial_checkpoints(run_dir)

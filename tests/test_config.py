@@ -68,7 +68,9 @@ def test_template_lists_every_option_and_loads(tmp_path):
 def test_every_field_has_help_and_a_valid_default():
     for f in dataclasses.fields(Config):
         assert f.metadata["help"].endswith("."), f.name
-        if f.metadata["choices"]:
+        if f.metadata["choices"] and isinstance(f.default, tuple):  # a list field (report_to): each item
+            assert set(f.default) <= set(f.metadata["choices"]), f.name
+        elif f.metadata["choices"]:
             assert f.default in f.metadata["choices"]
 
 

@@ -1,0 +1,63 @@
+"""Push to the Hub from the page: who may, with which token, and the sentence the page shows.
+
+The push runs in the app's own process with the token of whoever runs the app (`HF_TOKEN`, or their stored login),
+which never leaves that process: the training child of a shared server does not get it, and no answer contains it
+(`finetune.hub.describe_failure` masks it in error text). Who may push is `Access.may_push` (see `app.access`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from app.access import Access
+from app.jobs import JobStatus
+from finetune import hub
+from finetune.config import read_yaml, repo_id_problem
+from finetune.errors import ConfigError
+from finetune.events import EventLog, Pushed
+
+
+def push_finished_run(access: Access, status: JobStatus, user: str | None, repo: str, private: bool) -> str:
+    """Push the finished run of `status` to `repo` as `user`; the Markdown line that says how it went."""
+    if refusal := access.refusal(user) or access.push_refusal(user):
+        return f"⚠️ {refusal}"
+    if status.state != "done" or status.run_dir is None:
+        return "Nothing to push yet: train a run to the end first."
+    repo = (repo or "").strip()
+    if not repo:
+        return "⚠️ Give the repository to push to, such as your-name/my-model."
+    if problem := repo_id_problem(repo):
+        return f"⚠️ {problem.replace('`push_to_hub` must be', 'The repository must be')}"
+    token = hub.token()
+    if not token:
+        return ("⚠️ This server has no Hugging Face token: whoever runs the app sets HF_TOKEN (on a Space, as a "
+                "secret) to a token with write access.")
+    try:
+        hub.check_can_push(repo, token)
+    except ConfigError as e:
+        return f"⚠️ {e.problems[0]}"
+    log = EventLog(status.run_dir / "events.jsonl")
+    model_dir = str(status.run_dir / "model")
+    try:
+        result = hub.push_run(status.run_dir, repo, private=private, hub_token=token)
+    except hub.UPLOAD_ERRORS as e:
+        reason = hub.describe_failure(e, token)
+        log.emit(Pushed(repo_id=repo, model_dir=model_dir, error=reason))
+        return f"⚠️ Pushing to {repo} failed ({reason}). The model is unchanged in the run folder: try again."
+    log.emit(Pushed(repo_id=result.repo_id, model_dir=model_dir, url=result.url, commit=result.commit))
+    return f"Pushed to [{result.repo_id}]({result.url}) (commit `{result.commit[:7]}`)."
+
+
+def run_options(status: JobStatus) -> dict[str, Any]:
+    """The run's own `report_to` and `push_to_hub` (from its resolved config.yaml, else the launched one)."""
+    for path in (status.run_dir / "config.yaml" if status.run_dir else None, status.config_path):
+        if path is not None and Path(path).is_file():
+            try:
+                values = read_yaml(path)
+            except ConfigError:
+                continue
+            report_to = values.get("report_to") or []
+            return {"report_to": report_to.split(",") if isinstance(report_to, str) else list(report_to),
+                    "push_to_hub": values.get("push_to_hub")}
+    return {"report_to": [], "push_to_hub": None}
