@@ -181,7 +181,8 @@ class Access:
         if config.trust_remote_code:
             raise AccessError(NO_REMOTE_CODE)
         self.check_source(config.model, "model", readable)
-        for what in ("dataset", "eval_dataset"):
+        # A chat template is read into the saved tokenizer and shown in the preview: a file like any other.
+        for what in ("dataset", "eval_dataset", "chat_template"):
             self.check_source(getattr(config, what), what, readable)
 
 
