@@ -59,6 +59,7 @@ MODEL_PRESETS: dict[str, str] = {
     "FacebookAI/roberta-base": "classification",
     "answerdotai/ModernBERT-base": "classification",
     "HuggingFaceTB/SmolLM2-135M": "causal_lm",
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "causal_lm",  # a chat template: for conversation data
     "Qwen/Qwen2.5-0.5B": "causal_lm",
     "openai-community/gpt2": "causal_lm",
 }
