@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, run_train
 from test_chat import _chatml_tokenizer, _conversations, _tiny_chat_llama, _write_jsonl
 
-from app import jobs
+from app import jobs, views
 from app.access import Access, AccessError
 from app.handlers import Controller
 from app.jobs import JobManager
@@ -89,6 +89,11 @@ def test_try_it_chats_with_the_trained_model(tmp_path, chat_model):
                               command=["python"], pid=-1, proc=None, launched=time.time() - 60)
     (run / "events.jsonl").write_text((run / "events.jsonl").read_text() + json.dumps(
         {"event": "done", "time": time.time()}) + "\n")
+    start = {"event": "start", "time": 0, "step": 0, "total_steps": 1, "micro_batch_size": 4, "grad_accum_steps": 1,
+             "num_processes": 1, "effective_batch_size": 4, "precision": "fp32", "device": "cpu",
+             "dropped_rows": {"no_assistant_turn": 2}}
+    assert "training data: 2 conversation(s) left out: 2 because they have no assistant turn" in \
+        views.log_text(SimpleNamespace(events=[start], output_tail=""))
     first = ctl.try_it("good movie")
     assert first.message == "" and first.chat["visible"] and first.text == ""
     assert not first.generated["visible"] and not first.label["visible"]
