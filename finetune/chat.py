@@ -203,10 +203,15 @@ def describe_dropped(counts: dict[str, int]) -> str:
 
 def end_of_turn_ids(tokenizer: Any) -> list[int]:
     """The special tokens that end an assistant turn in this template (where generation should stop)."""
+    from jinja2 import TemplateError
+
     turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    prompt = tokenizer(_render(tokenizer, turns[:1], True), add_special_tokens=False)["input_ids"]
-    whole = tokenizer(_render(tokenizer, turns, False), add_special_tokens=False)["input_ids"]
-    found = [t for t in whole[len(prompt):] if t in special_ids(tokenizer)]
+    try:
+        prompt = tokenizer(_render(tokenizer, turns[:1], True), add_special_tokens=False)["input_ids"]
+        whole = tokenizer(_render(tokenizer, turns, False), add_special_tokens=False)["input_ids"]
+        found = [t for t in whole[len(prompt):] if t in special_ids(tokenizer)]
+    except (TemplateError, TypeError, ValueError):  # a template that wants more than this: stop at end of sequence
+        found = []
     ids = found[-1:] + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     return list(dict.fromkeys(ids))
 
@@ -214,8 +219,13 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
 def reply(model: Any, tokenizer: Any, turns: list[dict[str, Any]], max_new_tokens: int) -> str:
     """The model's next assistant turn after `turns`, generated greedily through the chat template."""
     import torch
+    from jinja2 import TemplateError
 
-    text = _render(tokenizer, turns, True)
+    try:
+        text = _render(tokenizer, turns, True)
+    except (TemplateError, TypeError, ValueError) as e:
+        raise DataError(f"The chat template cannot render this conversation ({str(e)[:200]}): check its roles and "
+                        "their order.") from None
     enc = tokenizer(text, add_special_tokens=False, return_tensors="pt")
     stop = end_of_turn_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0] if stop else None

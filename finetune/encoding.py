@@ -53,8 +53,9 @@ class Columns:
 class Encoded:
     """Tokenised samples in an Arrow-backed `datasets.Dataset`, with their lengths as one numpy array."""
 
-    def __init__(self, rows: Any, dropped: dict[str, int] | None = None) -> None:
+    def __init__(self, rows: Any, dropped: dict[str, int] | None = None, messages: str | None = None) -> None:
         self.rows = rows
+        self.messages = messages  # the conversation column these rows came from, if any
         self.dropped = dropped or {}  # conversations left out, per reason (see finetune.chat.DROPPED)
         self._arrow = rows.with_format("arrow")
         self.lengths: np.ndarray = pc.list_value_length(self._arrow["input_ids"]).to_numpy().astype(np.int32)
@@ -212,14 +213,14 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
                      remove_columns=table.column_names, features=_features(c, cols, tokenizer),
                      num_proc=workers if workers > 1 else None, new_fingerprint=key)  # num_proc=1 still uses a pool
     if cols.messages:
-        return _kept_conversations(rows, source)
+        return _kept_conversations(rows, source, cols.messages)
     data = Encoded(rows)
     if c.task == "causal_lm" and cols.prompt and len(data) and data.num_targets(list(range(len(data))), True) == 0:
         raise DataError(f"Every completion of {source!r} is cut off by max_length={c.max_length}: raise it.")
     return data
 
 
-def _kept_conversations(rows: Any, source: str) -> Encoded:
+def _kept_conversations(rows: Any, source: str, column: str) -> Encoded:
     """The conversations that have something to learn; the others are counted by reason, never trained as empty."""
     dropped = dropped_counts(rows.with_format("arrow")["dropped"])
     if dropped and sum(dropped.values()) == len(rows):
@@ -227,7 +228,7 @@ def _kept_conversations(rows: Any, source: str) -> Encoded:
                         f"({dropped_reasons(dropped)}): check `chat_template`, `train_on` and `max_length`.")
     if dropped:
         rows = rows.filter(_is_kept, input_columns=["dropped"], batched=True).flatten_indices()
-    return Encoded(rows.remove_columns("dropped"), dropped)
+    return Encoded(rows.remove_columns("dropped"), dropped, messages=column)
 
 
 def _is_kept(dropped: list[int]) -> list[bool]:

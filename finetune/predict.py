@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from finetune.chat import MESSAGES_NAMES, reply, require_template, turns_of
+from finetune.config import read_yaml
 from finetune.modeling import load_trained, resolve_model_dir, task_of
 
 
@@ -31,14 +33,17 @@ def conversation_of(text: str) -> list[dict[str, Any]]:
 def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool | None = None
             ) -> list[dict[str, Any]]:
     """Per text: the label with class probabilities (classification), the model's reply through its chat template
-    (a causal LM with one, unless `chat=False`; a text may be a JSON conversation), or a generated continuation."""
+    (a causal LM trained on conversations, or a model folder with a template, or `chat=True`; a text may be a JSON
+    conversation), or a generated continuation."""
     from transformers import AutoTokenizer
 
-    model_dir, _ = resolve_model_dir(target)
+    model_dir, run_dir = resolve_model_dir(target)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task = task_of(model_dir)
     model = load_trained(model_dir, task).eval()
-    if task == "causal_lm" and (chat or (chat is None and getattr(tokenizer, "chat_template", None))):
+    if chat is None:
+        chat = _trained_to_chat(tokenizer, run_dir)
+    if task == "causal_lm" and chat:
         require_template(tokenizer, str(model_dir))
         return [{"text": text, "reply": reply(model, tokenizer, conversation_of(text), max_new_tokens)}
                 for text in texts]
@@ -61,6 +66,13 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool 
             for t, p in zip(texts, probs, strict=True)]
 
 
+def _trained_to_chat(tokenizer: Any, run_dir: Path | None) -> bool:
+    """Whether to chat by default: a run that trained on conversations; a model folder that has a chat template."""
+    if run_dir is not None:
+        return bool(read_yaml(run_dir / "config.yaml").get("messages_column"))
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 @torch.inference_mode()
 def chat(target: str, turns: list[dict[str, Any]], max_new_tokens: int = 40) -> str:
     """The trained causal LM's next assistant turn after `turns`, through the chat template it was trained with."""
@@ -72,10 +84,3 @@ def chat(target: str, turns: list[dict[str, Any]], max_new_tokens: int = 40) -> 
     return reply(load_trained(model_dir, "causal_lm").eval(), tokenizer, turns, max_new_tokens)
 
 
-def can_chat(target: str) -> bool:
-    """Whether a run's (or folder's) model is a causal LM whose tokenizer has a chat template."""
-    from transformers import AutoTokenizer
-
-    model_dir, _ = resolve_model_dir(target)
-    return task_of(model_dir) == "causal_lm" and bool(
-        getattr(AutoTokenizer.from_pretrained(model_dir), "chat_template", None))

@@ -238,6 +238,9 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     tokenizer = load_tokenizer(c)
     with accelerator.main_process_first():  # the main process tokenises into the cache, the others read it
         train_data, eval_data, label_names = load_data(c, tokenizer, num_processes=accelerator.num_processes)
+    if c.messages_column is None and getattr(train_data, "messages", None):
+        # config.yaml says the run trained on conversations (and so `finetune predict` chats with its model).
+        c = c.replace(messages_column=train_data.messages)
     set_seed(c.seed)  # before the model is loaded: a new classification head is initialised from it
     # The plan needs the data (the worst-case length) but no weights: its dry run runs on fake tensors. The model
     # comes back loaded and prepared as the plan says (and, with the probe, measured).

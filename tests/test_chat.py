@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import ROOT, WORDS, _causal_tokenizer, _save, assert_same_weights, run_train, step_losses
 
 from finetune.cli import main
@@ -255,6 +256,7 @@ def test_cli_trains_on_a_jsonl_of_conversations_and_chats(capsys, tmp_path, tiny
                  if json.loads(line)["event"] == "start")
     assert start["dropped_rows"] == {"no_assistant_turn": 1} and start["num_train_samples"] == 14
     assert "<|im_start|>" in (run / "model" / "chat_template.jinja").read_text()  # saved with the model
+    assert yaml.safe_load((run / "config.yaml").read_text())["messages_column"] == "conversations"  # as resolved
     conversation = ('[{"role": "user", "content": "good"}, {"role": "assistant", "content": "bad"}, '
                     '{"role": "user", "content": "odd"}]')
     assert main(["predict", str(run), "hello there", conversation, "--max-new-tokens", "5"]) == 0
@@ -262,3 +264,14 @@ def test_cli_trains_on_a_jsonl_of_conversations_and_chats(capsys, tmp_path, tiny
     assert [r["text"] for r in replies] == ["hello there", conversation] and all("reply" in r for r in replies)
     assert main(["predict", str(run), "hello", "--no-chat", "--max-new-tokens", "3"]) == 0
     assert "generated" in json.loads(capsys.readouterr().out)
+
+
+def test_a_plain_text_run_continues_text_unless_asked_to_chat(tmp_path, chat_llama, lm_csv):
+    from finetune.predict import predict
+
+    run_train(tmp_path / "run", model=chat_llama, dataset=lm_csv, task="causal_lm", max_steps=1,
+              effective_batch_size=4)
+    assert set(predict(str(tmp_path / "run"), ["good"], max_new_tokens=2)[0]) == {"text", "generated"}
+    assert set(predict(str(tmp_path / "run"), ["good"], max_new_tokens=2, chat=True)[0]) == {"text", "reply"}
+    # A model folder (no run around it) with a template chats by default.
+    assert set(predict(chat_llama, ["good"], max_new_tokens=2)[0]) == {"text", "reply"}
