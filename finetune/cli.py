@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=40, help="Causal LM: tokens to generate.")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="Causal LM: answer each text (or JSON conversation) as the assistant, through the model's "
-                   "chat template (default: when it has one), or continue it as plain text (--no-chat).")
+                   "chat template, or continue it as plain text (--no-chat). Default: chat with a run that trained "
+                   "on conversations, or with a model folder that has a chat template.")
     p.set_defaults(func=cmd_predict)
     p = sub.add_parser("init", help="Write a commented example config.")
     p.add_argument("path", nargs="?", default="finetune.yaml")
