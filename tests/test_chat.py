@@ -257,6 +257,10 @@ def test_cli_trains_on_a_jsonl_of_conversations_and_chats(capsys, tmp_path, tiny
     assert start["dropped_rows"] == {"no_assistant_turn": 1} and start["num_train_samples"] == 14
     assert "<|im_start|>" in (run / "model" / "chat_template.jinja").read_text()  # saved with the model
     assert yaml.safe_load((run / "config.yaml").read_text())["messages_column"] == "conversations"  # as resolved
+    # `finetune eval` on conversations: the same masked targets, and the row without a reply left out again.
+    assert main(["eval", str(run), f"dataset={data}"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["samples"] == 14 and 0 < metrics["loss"] < 20
     conversation = ('[{"role": "user", "content": "good"}, {"role": "assistant", "content": "bad"}, '
                     '{"role": "user", "content": "odd"}]')
     assert main(["predict", str(run), "hello there", conversation, "--max-new-tokens", "5"]) == 0
