@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -233,25 +231,25 @@ def test_accumulation_is_exact_on_conversations(tmp_path, chat_llama):
     data = _write_jsonl(tmp_path / "chat.jsonl", _conversations(19))
     common = {"model": chat_llama, "dataset": data, "task": "causal_lm", "effective_batch_size": 8,
               "shuffle": False, "group_by_length": False, "max_length": 256, "learning_rate": 0.2}
-    big, big_events, _ = run_train(tmp_path / "big", micro_batch_size=8, **common)
-    acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=2, **common)
-    assert len(step_losses(big_events)) == 6  # 19 = 2 windows of 8 and a tail of 3, twice
+    big, big_events, _ = run_train(tmp_path / "big", micro_batch_size=8, epochs=1, **common)
+    acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=2, epochs=1, **common)
+    assert len(step_losses(big_events)) == 3  # 19 = 2 windows of 8 and a tail of 3
     assert_same_weights(big, acc)
     torch.testing.assert_close(step_losses(acc_events), step_losses(big_events), rtol=1e-5, atol=1e-6)
 
 
 def test_cli_trains_on_a_jsonl_of_conversations_and_chats(capsys, tmp_path, tiny_llama):
-    """A newcomer's path: a base model without a template, the shipped ChatML file, then chatting with the result."""
+    """A newcomer's path through the CLI's entry point: a base model without a template, the shipped ChatML file,
+    then evaluating and chatting with the result."""
     rows = [*_conversations(14), [{"role": "user", "content": "hello"}]]  # the last has nothing to learn
     data = _write_jsonl(tmp_path / "chat.jsonl", [_sharegpt(t) for t in rows], key="conversations")
     run = tmp_path / "run"
-    env_args = {"cwd": ROOT, "capture_output": True, "text": True,
-                "env": {**__import__("os").environ, "PYTHONPATH": str(ROOT)}}
-    done = subprocess.run([sys.executable, "-m", "finetune", "train", "-q", f"model={tiny_llama}",
-                           f"dataset={data}", "task=causal_lm", "chat_template=assets/chatml.jinja", "max_steps=2",
-                           "effective_batch_size=4", "eval_fraction=0", f"output_dir={run}"], **env_args)
-    assert done.returncode == 0, done.stderr
-    assert "note: training data: 1 conversation(s) left out: 1 because they have no assistant turn" in done.stderr
+    code = main(["train", f"model={tiny_llama}", f"dataset={data}", "task=causal_lm", "max_steps=2",
+                 f"chat_template={ROOT / 'assets' / 'chatml.jinja'}", "effective_batch_size=4", "eval_fraction=0",
+                 f"output_dir={run}", "-q"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "note: training data: 1 conversation(s) left out: 1 because they have no assistant turn" in err
     start = next(json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()
                  if json.loads(line)["event"] == "start")
     assert start["dropped_rows"] == {"no_assistant_turn": 1} and start["num_train_samples"] == 14
