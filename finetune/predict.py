@@ -68,7 +68,7 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool 
 
 def _trained_to_chat(tokenizer: Any, run_dir: Path | None) -> bool:
     """Whether to chat by default: a run that trained on conversations; a model folder that has a chat template."""
-    if run_dir is not None:
+    if run_dir is not None and (run_dir / "config.yaml").is_file():
         return bool(read_yaml(run_dir / "config.yaml").get("messages_column"))
     return bool(getattr(tokenizer, "chat_template", None))
 
