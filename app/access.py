@@ -211,7 +211,8 @@ class Access:
         if config.push_to_hub:
             raise AccessError(NO_PUSH_IN_RUN)
         self.check_source(config.model, "model", readable)
-        for what in ("dataset", "eval_dataset"):
+        # A chat template is read into the saved tokenizer and shown in the preview: a file like any other.
+        for what in ("dataset", "eval_dataset", "chat_template"):
             self.check_source(getattr(config, what), what, readable)
 
 

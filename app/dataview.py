@@ -168,7 +168,8 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
     except DataError as e:
         return DatasetView(columns, preview, len(head), kept, error=str(e), sampled=sampled)
     chosen = {"text_column": found.text, "text_pair_column": found.text_pair, "label_column": found.label,
-              "prompt_column": found.prompt, "completion_column": found.completion}
+              "prompt_column": found.prompt, "completion_column": found.completion,
+              "messages_column": found.messages}
     # The rows and the labels need one column of the whole file (of a hub dataset: of its sample).
     try:
         table = load(source, config_name, split or "train", columns=(found.label or columns[0],))
@@ -180,8 +181,8 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
 
 def _for_task(columns: dict[str, str], task: str) -> dict[str, str]:
     """Only the column options that belong to `task` (the config refuses the others)."""
-    wrong = ("prompt_column", "completion_column") if task == "classification" else ("label_column",
-                                                                                       "text_pair_column")
+    wrong = ("prompt_column", "completion_column", "messages_column") if task == "classification" else (
+        "label_column", "text_pair_column")
     return {k: v for k, v in columns.items() if k not in wrong}
 
 

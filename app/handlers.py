@@ -17,7 +17,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import cleanup, dataview, limits, publish, views
+from app import chatview, cleanup, dataview, limits, publish, views
 from app.access import Access, AccessError, new_run_name, resolve_output_dir
 from app.jobs import JobBusy, JobManager, JobStatus, zip_model
 from app.mapping import (
@@ -33,6 +33,7 @@ from app.mapping import (
     values_to_config,
 )
 from app.results import (
+    ChatExampleShown,
     DatasetShown,
     ExportShown,
     FormShown,
@@ -49,7 +50,7 @@ from finetune.rundir import RunDirError, check_run_dir, mark_run_dir
 
 PLAN_TIMEOUT_S = 120
 TASK_COLUMNS = {"classification": ("text_column", "text_pair_column", "label_column"),
-                "causal_lm": ("text_column", "prompt_column", "completion_column")}
+                "causal_lm": ("text_column", "prompt_column", "completion_column", "messages_column")}
 NONE_CHOICE = ("—", "")
 
 
@@ -161,6 +162,29 @@ class Controller:
         return UploadShown(dataset=source, eval_dataset="", eval_split="", eval_fraction=fraction,
                            data=DatasetShown(preview=data.preview, columns=data.columns, labels=labels,
                                              error=data.error))
+
+    def chat_example(self, source: str, config_name: str, split: str, task: str, column: str, model: str,
+                     chat_template: str, train_on: str, max_length: Any, *, request: Any = None) -> ChatExampleShown:
+        """For conversation data: the first conversation as the model sees it, the learned tokens highlighted."""
+        if task != "causal_lm" or not column or not source:
+            return ChatExampleShown()
+        user, refusal = self.who(request)
+        try:
+            if refusal:
+                raise AccessError(refusal)
+            self.access.check_source((source or "").strip(), "dataset", self._readable(user))
+            self.access.check_source((model or "").strip(), "model", ())
+            self.access.check_source((chat_template or "").strip(), "chat_template", self._readable(user))
+        except AccessError as e:
+            return ChatExampleShown(note=f"⚠️ {e}")
+        try:
+            length = int(max_length)
+        except (TypeError, ValueError):
+            length = FIELDS["max_length"].default
+        pieces, note = chatview.example(source.strip(), (config_name or "").strip() or None,
+                                        (split or "").strip() or "train", column, (model or "").strip(),
+                                        (chat_template or "").strip() or None, train_on or "assistant", length)
+        return ChatExampleShown(example=gr.update(value=pieces, visible=bool(pieces)), note=note)
 
     # --- plan
     def make_plan(self, config: Config, *, request: Any = None) -> dict[str, Any]:
@@ -375,11 +399,8 @@ class Controller:
         return shlex.join(["finetune", "train", _display_path(status.config_path), *extra])
 
     # --- results
-    def predict(self, text: str, *, request: Any = None) -> dict[str, Any]:
-        """The finished model on one text: {label, probabilities} or {generated}.
-
-        Raises `Unanswered` without a text or a finished model, and `finetune.modeling.ModelError` when the model
-        cannot be loaded."""
+    def _finished_run(self, text: str, request: Any) -> tuple[str, JobStatus]:
+        """The text cut to the Try it limit and the finished run of the user who asks, or `Unanswered`."""
         user, refusal = self.who(request)
         if refusal:
             raise Unanswered(refusal)
@@ -389,27 +410,49 @@ class Controller:
         status = self.jobs.status()
         if status.model_dir is None or not self.is_mine(status, user):
             raise Unanswered("No trained model yet: train (or resume) a run to the end first.")
+        return text, status
+
+    def predict(self, text: str, *, request: Any = None) -> dict[str, Any]:
+        """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
+        text is the user's turn) or {generated}.
+
+        Raises `Unanswered` without a text or a finished model, and `finetune.modeling.ModelError` when the model
+        cannot be loaded."""
+        text, status = self._finished_run(text, request)
         from finetune.predict import predict
 
         out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS)[0]
-        return {k: out[k] for k in ("label", "probabilities", "generated") if k in out}
+        return {k: out[k] for k in ("label", "probabilities", "generated", "reply") if k in out}
 
-    def try_it(self, text: str, *, request: Any = None) -> PredictionShown:
-        """Try it: label probabilities, or a generated continuation, of the finished model."""
+    def try_it(self, text: str, history: list[dict[str, Any]] | None = None, *, request: Any = None
+               ) -> PredictionShown:
+        """Try it: label probabilities, a generated continuation, or (a causal LM with a chat template) the next
+        turn of a chat with the finished model, through the template it was trained with."""
         from finetune.modeling import ModelError
+        from finetune.predict import chat
 
         try:
-            out = self.predict(text, request=request)
+            if history:  # a chat going on: the model answers the whole conversation
+                text, status = self._finished_run(text, request)
+                turns = [*chatview.history_turns(history), {"role": "user", "content": text}]
+                out = {"reply": chat(str(status.run_dir), turns, max_new_tokens=limits.MAX_NEW_TOKENS)}
+            else:
+                out = self.predict(text, request=request)
         except Unanswered as e:
             return PredictionShown(message=str(e))
         except ModelError as e:
             return PredictionShown(message=f"⚠️ {e}")
-        _, note = limits.truncate_try_text(text)
+        shown_text, note = limits.truncate_try_text(text)
         if "probabilities" in out:
             return PredictionShown(label=gr.update(value=out["probabilities"], visible=True),
-                                   generated=gr.update(visible=False), message=note)
-        return PredictionShown(label=gr.update(visible=False), generated=gr.update(value=out["generated"],
-                                                                                   visible=True), message=note)
+                                   generated=gr.update(visible=False), chat=gr.update(visible=False), message=note)
+        if "reply" in out:
+            shown = [*chatview.history_turns(history), {"role": "user", "content": shown_text},
+                     {"role": "assistant", "content": out["reply"]}]
+            return PredictionShown(label=gr.update(visible=False), generated=gr.update(visible=False),
+                                   chat=gr.update(value=shown, visible=True), text="", message=note)
+        return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False),
+                               generated=gr.update(value=out["generated"], visible=True), message=note)
 
     def push(self, repo: str, private: bool, *, request: Any = None) -> PushShown:
         """Push the finished run's model and its model card to `repo`, with the token of whoever runs the app (only

@@ -35,6 +35,7 @@ LABELS = {
     "text_column": "Text column",
     "text_pair_column": "Text pair column",
     "label_column": "Label column",
+    "messages_column": "Messages column",
     "memory_budget_gb": "Memory budget (GB)",
     "effective_batch_size": "Effective batch size",
     "micro_batch_size": "Micro-batch size",
@@ -47,7 +48,8 @@ LABELS = {
     "max_length": "Max length (tokens)",
 }
 ACRONYMS = {"lora": "LoRA", "lr": "LR", "gb": "GB", "r": "rank"}
-COLUMN_FIELDS = ("text_column", "text_pair_column", "label_column", "prompt_column", "completion_column")
+COLUMN_FIELDS = ("text_column", "text_pair_column", "label_column", "prompt_column", "completion_column",
+                 "messages_column")
 # Where a field sits on the page; fields not named here go by their schema group (main, data or advanced).
 SECTIONS = {
     "model": ("model", "task"),
@@ -66,6 +68,7 @@ MODEL_PRESETS: dict[str, str] = {
     "FacebookAI/roberta-base": "classification",
     "answerdotai/ModernBERT-base": "classification",
     "HuggingFaceTB/SmolLM2-135M": "causal_lm",
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "causal_lm",  # a chat template: for conversation data
     "Qwen/Qwen2.5-0.5B": "causal_lm",
     "openai-community/gpt2": "causal_lm",
 }

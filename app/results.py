@@ -115,10 +115,13 @@ class FormShown:
 
 @dataclass(frozen=True, kw_only=True)
 class PredictionShown:
-    """Try it: label probabilities or a generated continuation (the other one hidden), or a message."""
+    """Try it: label probabilities, a generated continuation or the chat with the model (the others hidden), or a
+    message; `text` clears the box once a chat message is answered."""
 
     label: Any = keep()
     generated: Any = keep()
+    chat: Any = keep()
+    text: Any = keep()
     message: str = ""
 
 
@@ -127,6 +130,14 @@ class PushShown:
     """Push to the Hub: how it went, in one line."""
 
     message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatExampleShown:
+    """Conversation data: the first conversation with its learned tokens highlighted (hidden for other data)."""
+
+    example: Any = hidden()
+    note: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -167,8 +167,10 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
     jobs = jobs or JobManager(runs_dir, env=access.child_env(os.environ) if access.shared else None,
                               max_run_s=server_limits.max_run_s)
     initial = initial_config(preset, memory, preset_base)
-    # The sample data the preset points at stays readable on a shared server.
-    samples = tuple(Path(p) for p in (initial.dataset, initial.eval_dataset) if p and Path(p).is_file())
+    # The sample data the preset points at stays readable on a shared server, and so does the shipped ChatML
+    # template (for conversation data on a model that has none).
+    shipped = [Path(preset_base or Path.cwd()) / "assets" / "chatml.jinja"]
+    samples = tuple(Path(p) for p in (initial.dataset, initial.eval_dataset, *shipped) if p and Path(p).is_file())
     controller = Controller(runs_dir, jobs, access=access, samples=samples, server_limits=server_limits)
     # The sample data is inspected before the page is served, so it opens with its preview and columns filled in
     # (a refresh on page load could finish after a quick upload and overwrite its preview).
@@ -205,6 +207,11 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                                            wrap=True, max_chars=60)
                     place("columns", per_row=3)
                     labels_md = gr.Markdown(labels_markdown(data), elem_id="label-counts")
+                    chat_note = gr.Markdown(elem_id="chat-example-note")
+                    chat_example = gr.HighlightedText(label="The first conversation as the model sees it (learned "
+                                                      "tokens highlighted)", color_map={"learned": "#22c55e"},
+                                                      show_legend=False, show_inline_category=False,
+                                                      show_whitespaces=False, visible=False, elem_id="chat-example")
                     with gr.Accordion("More data options", open=False):
                         place("data_more")
                 with gr.Column(variant="panel"):
@@ -263,6 +270,9 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                         push_private = gr.Checkbox(label="Private", value=True, scale=1)
                         push_btn = gr.Button("Push to the Hub", scale=1)
                     push_msg = gr.Markdown(elem_id="push-message")
+                    try_chat = gr.Chatbot(label="Chat with the trained model (through its chat template)",
+                                          visible=False, height=280, elem_id="try-chat")
+                    gr.ClearButton([try_chat], value="New chat", size="sm")
                 with gr.Column(variant="panel"):
                     gr.Markdown("### Reproduce")
                     with gr.Row():
@@ -287,7 +297,10 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                    "loss_curve": loss_plot, "log": log_box, "metrics": metrics, "run_dir": run_dir_box,
                    "download": download_btn, "stop_button": stop_btn, "resume_button": resume_btn,
                    "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo}
-        try_out = {"label": try_label, "generated": try_text, "message": try_msg}
+        try_out = {"label": try_label, "generated": try_text, "chat": try_chat, "text": try_box, "message": try_msg}
+        chat_in = [fields[n] for n in ("dataset", "dataset_config", "train_split", "task", "messages_column", "model",
+                                       "chat_template", "train_on", "max_length")]
+        chat_out = {"example": chat_example, "note": chat_note}
         # The page's own events are private: scripts get the named API of `app.api` instead. It is registered first,
         # so that its names are free (a private event still takes its function's name, e.g. `stop`).
         ScriptApi(controller).register()
@@ -313,10 +326,15 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         _on(demo.load, controller.poll, seen, run_out, show_progress="hidden", **private)
         _on(demo.load, controller.running_config, None, {"values": by_name, "note": repro_msg, "data": data_out},
             show_progress="hidden", **private)
-        _on(try_btn.click, controller.try_it, try_box, try_out, **private)
+        _on(try_btn.click, controller.try_it, [try_box, try_chat], try_out, **private)
+        _on(try_box.submit, controller.try_it, [try_box, try_chat], try_out, **private)
         _on(push_btn.click, controller.push, [push_repo, push_private], {"message": push_msg},
             concurrency_id="push", **private)
-        _on(try_box.submit, controller.try_it, try_box, try_out, **private)
+        # The example follows the data (its preview), the messages column, the model, the template and `train_on`.
+        for event in (preview.change, fields["messages_column"].change, fields["model"].change,
+                      fields["chat_template"].submit, fields["chat_template"].blur, fields["train_on"].change,
+                      fields["max_length"].blur, demo.load):
+            _on(event, controller.chat_example, chat_in, chat_out, show_progress="hidden", **private)
         _on(export_btn.click, controller.export, values, {"yaml": yaml_code, "file": config_file,
                                                           "command": command_box, "message": repro_msg}, **private)
         imported = _on(import_btn.upload, controller.import_config, import_btn,

@@ -9,6 +9,7 @@ from typing import Any
 import pandas as pd
 
 from app.jobs import JobStatus
+from finetune.chat import describe_dropped
 
 GIB = 1024**3
 MAX_PLOT_POINTS = 1000  # the whole curve is re-sent each update; beyond this, every k-th training step is shown
@@ -150,7 +151,10 @@ def _event_line(event: dict[str, Any], total: int | None) -> str | None:
         return (f"{clock} {what} at step {event['step']} of {event['total_steps']}: micro-batch "
                 f"{event['micro_batch_size']} × accumulation {event['grad_accum_steps']} × {event['num_processes']} "
                 "process(es) = "
-                f"{event['effective_batch_size']}, {event['precision']} on {event['device']}")
+                f"{event['effective_batch_size']}, {event['precision']} on {event['device']}"
+                + "".join(f"\n{clock} {what} data: {describe_dropped(event[key])}"
+                          for what, key in (("training", "dropped_rows"), ("evaluation", "dropped_eval_rows"))
+                          if event.get(key)))
     if kind == "step":
         return (f"{clock} step {event['step']}/{total or '?'} loss {event['loss']:.4f} lr {event['lr']:.2e} "
                 f"grad {event['grad_norm']:.3g} {event['samples_per_s']:.1f} samples/s")

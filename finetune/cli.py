@@ -46,9 +46,17 @@ def _load_config(args: argparse.Namespace) -> Config:
 
 
 def _print_note(event: Any) -> None:
-    """Say on stderr when the run does not distribute as the launcher asked (the start event's `note`)."""
-    if getattr(event, "event", None) == "start" and event.note:
+    """Say on stderr when the run does not distribute as the launcher asked (the start event's `note`), and which
+    conversations were left out of the data (its `dropped_rows`)."""
+    if getattr(event, "event", None) != "start":
+        return
+    if event.note:
         print(f"note: {event.note}", file=sys.stderr, flush=True)
+    from finetune.chat import describe_dropped
+
+    for what, counts in (("training", event.dropped_rows), ("evaluation", event.dropped_eval_rows)):
+        if counts:
+            print(f"note: {what} data: {describe_dropped(counts)}", file=sys.stderr, flush=True)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -94,7 +102,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         texts += [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not texts:
         raise ConfigError(["Nothing to predict: give texts as arguments or --file with one text per line."])
-    for result in predict(args.model, texts, max_new_tokens=args.max_new_tokens):
+    for result in predict(args.model, texts, max_new_tokens=args.max_new_tokens, chat=args.chat):
         print(json.dumps(result, ensure_ascii=False))
     return EXIT_OK
 
@@ -191,8 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("predict", help="Run a trained model on texts.")
     p.add_argument("model", help="A run directory or a model folder.")
     p.add_argument("texts", nargs="*", help="Texts to classify or continue.")
-    p.add_argument("--file", help="A file with one text per line.")
+    p.add_argument("--file", help="A file with one text (or JSON conversation) per line.")
     p.add_argument("--max-new-tokens", type=int, default=40, help="Causal LM: tokens to generate.")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="Causal LM: answer each text (or JSON conversation) as the assistant, through the model's "
+                   "chat template, or continue it as plain text (--no-chat). Default: chat with a run that trained "
+                   "on conversations, or with a model folder that has a chat template.")
     p.set_defaults(func=cmd_predict)
     p = sub.add_parser("push", help="Push a run's model, with a generated model card, to the Hugging Face Hub.",
                        description="Upload RUN_DIR's model/ (or LoRA adapter) and a generated README.md model card "

@@ -67,6 +67,15 @@ class Config:
                            "windows follow the stream's order (a seeded 10,000-row shuffle buffer, no length "
                            "grouping); needs `max_steps`, and `eval_fraction=0` or a separate evaluation set.",
                            group="data")
+    # --- chat data
+    messages_column: str | None = _opt(None, "Causal LM: column of conversations, each a list of {role, content} "
+                                       "(or ShareGPT {from, value}) turns rendered with the chat template (default: "
+                                       "'messages' or 'conversations').", group="data")
+    chat_template: str | None = _opt(None, "Jinja file with a chat template that replaces the tokenizer's own (saved "
+                                     "with the model, so that chatting with it uses the same one).", group="data")
+    train_on: str = _opt("assistant", "Conversations: which tokens are learned: every assistant turn, everything, "
+                         "or only the last assistant turn (each with its end-of-turn token).",
+                         choices=("assistant", "all", "last_assistant"), group="data")
     # --- experiment trackers and the Hub
     report_to: tuple[str, ...] = _opt((), "Experiment trackers that get the run's hyper-parameters, step and eval "
                                       "records (a list, or comma-separated; default none).", choices=TRACKERS)
@@ -273,6 +282,11 @@ def _cross_checks(c: Config) -> list[str]:
     if c.task == "causal_lm" and (c.label_column or c.text_pair_column):
         problems.append("`label_column`/`text_pair_column` are for task=classification; for causal_lm use "
                         "`text_column`, or `prompt_column` with `completion_column`.")
+    if c.messages_column and c.task != "causal_lm":
+        problems.append("`messages_column` is for task=causal_lm: conversations train a language model.")
+    if c.messages_column and (c.prompt_column or c.text_column):
+        problems.append("`messages_column` replaces `text_column` and `prompt_column`/`completion_column`: set "
+                        "only one of them.")
     if bool(c.prompt_column) != bool(c.completion_column):
         problems.append("`prompt_column` and `completion_column` go together: set both, or neither.")
     if c.overwrite and c.resume:

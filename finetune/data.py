@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow.compute as pc
 
 from finetune.batch import resolve_batch
+from finetune.chat import MESSAGES_NAMES
 from finetune.config import Config
 from finetune.encoding import IGNORE_INDEX, Columns, Encoded, collate, encode
 from finetune.errors import ConfigError, DataError
@@ -97,6 +98,9 @@ def resolve_columns(c: Config, columns: list[str]) -> Columns:
                      "text_column")
         pair = _pick(columns, c.text_pair_column, (), "Text pair", "text_pair_column") if c.text_pair_column else None
         return Columns(text=text, text_pair=pair, label=label)
+    if c.messages_column or (c.text_column is None and c.prompt_column is None
+                             and any(n in columns for n in MESSAGES_NAMES)):
+        return Columns(messages=_pick(columns, c.messages_column, MESSAGES_NAMES, "Messages", "messages_column"))
     if c.prompt_column or (c.text_column is None and {"prompt", "completion"} <= set(columns)):
         prompt = _pick(columns, c.prompt_column, ("prompt",), "Prompt", "prompt_column")
         completion = _pick(columns, c.completion_column, ("completion",), "Completion", "completion_column")

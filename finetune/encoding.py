@@ -1,8 +1,9 @@
 """Tokenised data kept in Arrow: tokenised once by `datasets.map`, cached on disk, memory-mapped, collated per batch.
 
 No Python list of the whole set is ever built. The encoded columns are `input_ids`, plus `token_type_ids` when the
-tokenizer makes them, `label` (classification) and `prompt_length` (prompt/completion causal LM): a causal LM's
-targets are the input ids themselves, so they are derived in `collate` rather than stored as a second copy.
+tokenizer makes them, `label` (classification), `prompt_length` (prompt/completion causal LM) and `loss_mask` with
+`num_targets` (conversations, `finetune.chat`): a causal LM's targets are the input ids themselves, so they are
+derived in `collate` rather than stored as a second copy.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from finetune.chat import (
+    check_conversations,
+    dropped_counts,
+    dropped_reasons,
+    encode_conversations,
+    require_template,
+)
 from finetune.config import Config
 from finetune.errors import DataError
 from finetune.windows import Windows, epoch_windows
@@ -39,17 +47,22 @@ class Columns:
     label: str | None = None
     prompt: str | None = None
     completion: str | None = None
+    messages: str | None = None
 
 
 class Encoded:
     """Tokenised samples in an Arrow-backed `datasets.Dataset`, with their lengths as one numpy array."""
 
-    def __init__(self, rows: Any) -> None:
+    def __init__(self, rows: Any, dropped: dict[str, int] | None = None, messages: str | None = None) -> None:
         self.rows = rows
+        self.messages = messages  # the conversation column these rows came from, if any
+        self.dropped = dropped or {}  # conversations left out, per reason (see finetune.chat.DROPPED)
         self._arrow = rows.with_format("arrow")
         self.lengths: np.ndarray = pc.list_value_length(self._arrow["input_ids"]).to_numpy().astype(np.int32)
         self._prompt = (self._arrow["prompt_length"].to_numpy() if "prompt_length" in rows.column_names
                         else np.zeros(len(rows), dtype=np.int32))
+        # Conversations count their learned targets at encode time: the window's count stays one array sum.
+        self._targets = (self._arrow["num_targets"].to_numpy() if "num_targets" in rows.column_names else None)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -66,6 +79,8 @@ class Encoded:
         """What the loss is averaged over: samples for classification, next-token targets for a causal LM."""
         if not causal:
             return len(indices)
+        if self._targets is not None:
+            return int(self._targets[indices].sum())
         # Positions 1.. of a sample are targets unless they belong to the prompt.
         return int(np.maximum(self.lengths[indices] - np.maximum(self._prompt[indices], 1), 0).sum())
 
@@ -100,8 +115,12 @@ def _label_key(v: Any) -> str:
 
 
 def _tokenize(batch: dict[str, list], *, tokenizer: Any, task: str, cols: dict[str, str | None], max_length: int,
-              label_index: dict[str, int] | None, eos: list[int]) -> dict[str, list]:
+              label_index: dict[str, int] | None, eos: list[int], chat: dict[str, Any] | None = None
+              ) -> dict[str, list]:
     """One batch of rows → its encoded columns (runs inside `datasets.map`, possibly in a worker process)."""
+    if cols["messages"]:
+        return encode_conversations(batch[cols["messages"]], tokenizer=tokenizer, train_on=chat["train_on"],
+                                    max_length=max_length)
     def texts(column: str) -> list[str]:
         return [str(v) for v in batch[column]]
 
@@ -131,6 +150,8 @@ def _features(c: Config, cols: Columns, tokenizer: Any) -> Any:
             spec["token_type_ids"] = List(Value("int8"))
     elif cols.prompt:
         spec["prompt_length"] = Value("int32")
+    elif cols.messages:
+        spec.update(loss_mask=List(Value("int8")), num_targets=Value("int32"), dropped=Value("int8"))
     return Features(spec)
 
 
@@ -178,6 +199,10 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     eos = [tokenizer.eos_token_id] if c.task == "causal_lm" and tokenizer.eos_token_id is not None else []
     settings = {"task": c.task, "cols": asdict(cols), "max_length": c.max_length, "eos": eos,
                 "label_index": {name: i for i, name in enumerate(label_names)} if label_names else None}
+    if cols.messages:
+        check_conversations(_file_column(table, cols.messages), cols.messages, source)
+        # The template is part of the key: the tokenizer's fingerprint covers its vocabulary, not its template.
+        settings |= {"eos": [], "chat": {"train_on": c.train_on, "template": require_template(tokenizer, c.model)}}
     # The cache key: the rows (datasets' fingerprint of the table: its files and every select/split applied) and
     # everything that changes their encoding. Computed here rather than by hashing the map function, whose
     # tokenizer argument hashes differently once it has been called.
@@ -187,10 +212,27 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     rows = table.map(_tokenize, batched=True, fn_kwargs={"tokenizer": tokenizer, **settings},
                      remove_columns=table.column_names, features=_features(c, cols, tokenizer),
                      num_proc=workers if workers > 1 else None, new_fingerprint=key)  # num_proc=1 still uses a pool
+    if cols.messages:
+        return _kept_conversations(rows, source, cols.messages)
     data = Encoded(rows)
     if c.task == "causal_lm" and cols.prompt and len(data) and data.num_targets(list(range(len(data))), True) == 0:
         raise DataError(f"Every completion of {source!r} is cut off by max_length={c.max_length}: raise it.")
     return data
+
+
+def _kept_conversations(rows: Any, source: str, column: str) -> Encoded:
+    """The conversations that have something to learn; the others are counted by reason, never trained as empty."""
+    dropped = dropped_counts(rows.with_format("arrow")["dropped"])
+    if dropped and sum(dropped.values()) == len(rows):
+        raise DataError(f"None of the {len(rows)} conversation(s) of {source!r} can be trained on "
+                        f"({dropped_reasons(dropped)}): check `chat_template`, `train_on` and `max_length`.")
+    if dropped:
+        rows = rows.filter(_is_kept, input_columns=["dropped"], batched=True).flatten_indices()
+    return Encoded(rows.remove_columns("dropped"), dropped, messages=column)
+
+
+def _is_kept(dropped: list[int]) -> list[bool]:
+    return [d == 0 for d in dropped]
 
 
 def collate(data: Any, indices: list[int], pad_id: int, causal: bool) -> dict[str, torch.Tensor]:
@@ -212,6 +254,10 @@ def collate(data: Any, indices: list[int], pad_id: int, causal: bool) -> dict[st
         if "prompt_length" in rows.column_names:
             prompt = rows.column("prompt_length").to_numpy()
             labels[np.arange(width) < prompt[:, None]] = IGNORE_INDEX
+        if "loss_mask" in rows.column_names:
+            learned = np.zeros_like(present)
+            learned[present] = rows.column("loss_mask").combine_chunks().flatten().to_numpy().astype(bool)
+            labels[~learned] = IGNORE_INDEX
         batch["labels"] = torch.from_numpy(labels)
     else:
         batch["labels"] = torch.from_numpy(rows.column("label").to_numpy().astype(np.int64))

@@ -65,6 +65,8 @@ def evaluate_saved(target: str, overrides: list[str]) -> dict[str, Any]:
     values = read_yaml(run_dir / "config.yaml") if run_dir else {"task": task_of(model_dir)}
     extra = parse_overrides(overrides)
     values.update(extra, model=str(model_dir), resume=False, overwrite=False)
+    if "chat_template" not in extra:  # the saved tokenizer carries the run's template; its file may be gone
+        values["chat_template"] = None
     if "dataset" in extra:  # a new dataset is evaluated whole, not split like the training data was
         values.update(eval_dataset=None, eval_fraction=0.0, eval_split=extra.get("eval_split"))
     cfg = from_dict(values)

@@ -39,6 +39,9 @@ class Start:
     distributed: str = "single"
     note: str | None = None
     startup_s: float | None = None
+    # Conversations left out because they have nothing to learn, per reason (finetune.chat.DROPPED); None if none.
+    dropped_rows: dict[str, int] | None = None
+    dropped_eval_rows: dict[str, int] | None = None
     event: str = "start"
 
 

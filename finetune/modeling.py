@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from finetune.chat import read_template
 from finetune.config import DEFAULT_MODEL, Config
 from finetune.errors import ModelError
 
@@ -44,7 +45,7 @@ def quiet_transformers() -> None:
 
 
 def load_tokenizer(c: Config) -> Any:
-    """The model's tokenizer; causal LMs without a pad token pad with their end-of-sequence token."""
+    """The model's tokenizer (with `chat_template` when given); without a pad token it pads with end-of-sequence."""
     from transformers import AutoTokenizer
 
     quiet_transformers()
@@ -53,6 +54,8 @@ def load_tokenizer(c: Config) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=c.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelError(_load_failure(c.model, e)) from None
+    if c.chat_template:  # saved with the tokenizer, so the trained model chats through the same template
+        tokenizer.chat_template = read_template(c.chat_template)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelError(f"The tokenizer of {c.model!r} has neither a pad nor an end-of-sequence token.")

@@ -80,7 +80,7 @@ class StreamWindows:
         rows = next(self._raw)
         self._next = w + 1
         self.data.current = self.data.encode_window(rows)
-        return list(range(len(rows)))
+        return list(range(len(self.data.current)))  # conversations with nothing to learn are left out
 
 
 def _raw_windows(stream: Any, size: int, *, seed: int, shuffle: bool) -> Iterator[list[dict[str, Any]]]:

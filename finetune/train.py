@@ -134,7 +134,9 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     s.log.emit(Start(total_steps=s.total_steps, steps_per_epoch=s.steps_per_epoch, num_train_samples=len(s.train_data),
                      num_eval_samples=len(s.eval_data or []), batch=s.batch, precision=precision_of(accelerator),
                      device=str(accelerator.device), run_dir=str(s.run_dir), step=p.step, resumed=c.resume,
-                     distributed=s.distributed, note=s.note, startup_s=seconds_since_process_start()))
+                     distributed=s.distributed, note=s.note, startup_s=seconds_since_process_start(),
+                     dropped_rows=getattr(s.train_data, "dropped", None) or None,
+                     dropped_eval_rows=getattr(s.eval_data, "dropped", None) or None))
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock
@@ -241,6 +243,9 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     tokenizer = load_tokenizer(c)
     with accelerator.main_process_first():  # the main process tokenises into the cache, the others read it
         train_data, eval_data, label_names = load_data(c, tokenizer, num_processes=accelerator.num_processes)
+    if c.messages_column is None and getattr(train_data, "messages", None):
+        # config.yaml says the run trained on conversations (and so `finetune predict` chats with its model).
+        c = c.replace(messages_column=train_data.messages)
     set_seed(c.seed)  # before the model is loaded: a new classification head is initialised from it
     # The plan needs the data (the worst-case length) but no weights: its dry run runs on fake tensors. The model
     # comes back loaded and prepared as the plan says (and, with the probe, measured).

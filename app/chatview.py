@@ -1,0 +1,73 @@
+"""Conversation data in the app: the first conversation as the model sees it, with the learned tokens highlighted,
+and the chat history of *Try it* as turns for the model.
+
+The example is rendered by the same code that encodes the training data (`finetune.chat.encode_conversations`), with
+the model's tokenizer and the form's `chat_template`, `train_on` and `max_length`.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from app import dataview
+from finetune.chat import DROPPED, DROPPED_WORDS, encode_conversations, require_template, turns_of
+from finetune.config import Config
+from finetune.errors import InputError
+
+LEARNED = "learned"
+
+
+def _stamp(path: str | None) -> Any:
+    file = Path(path).expanduser() if path else None
+    return (file.stat().st_size, file.stat().st_mtime_ns) if file and file.is_file() else None
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model: str, chat_template: str | None, stamp: Any) -> Any:
+    # `stamp` (size and mtime of the template file) makes an edited template load again.
+    from finetune.modeling import load_tokenizer
+
+    return load_tokenizer(Config(model=model, task="causal_lm", chat_template=chat_template))
+
+
+def example(source: str, config_name: str | None, split: str, column: str, model: str, chat_template: str | None,
+            train_on: str, max_length: int) -> tuple[list[tuple[str, str | None]], str]:
+    """The first conversation of the data as (text, "learned" or None) pieces, and a note (why nothing is learned,
+    or why it cannot be shown)."""
+    try:
+        head = dataview.load(source, config_name, split, head=1)
+        tokenizer = _tokenizer(model, chat_template or None, _stamp(chat_template))
+        require_template(tokenizer, model)
+    except InputError as e:
+        return [], f"⚠️ {e}"
+    if column not in head.column_names or not len(head):
+        return [], ""
+    value = head[0][column]
+    if turns_of(value) is None:
+        return [], "⚠️ The first row is not a conversation (a list of {role, content} or {from, value} turns)."
+    out = encode_conversations([value], tokenizer=tokenizer, train_on=train_on, max_length=max_length)
+    reason = out["dropped"][0]
+    if reason:
+        return [], f"⚠️ The first conversation is left out of training: {DROPPED_WORDS[DROPPED[reason]]}."
+    ids, mask = out["input_ids"][0], out["loss_mask"][0]
+    pieces: list[tuple[str, str | None]] = []
+    start = 0
+    for end in range(1, len(ids) + 1):  # one piece per run of learned (or not learned) tokens
+        if end == len(ids) or mask[end] != mask[start]:
+            pieces.append((tokenizer.decode(ids[start:end]), LEARNED if mask[start] else None))
+            start = end
+    learned = sum(mask[1:])
+    return pieces, f"{learned} of its {len(ids)} tokens are learned (highlighted): `train_on: {train_on}`."
+
+
+def history_turns(history: list[dict[str, Any]] | None) -> list[dict[str, str]]:
+    """The Chatbot's messages (Gradio 6 gives each content as a list of parts) as {role, content} turns."""
+    turns = []
+    for message in history or []:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        turns.append({"role": message.get("role", "user"), "content": str(content or "")})
+    return turns
