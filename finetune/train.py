@@ -134,7 +134,9 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     s.log.emit(Start(total_steps=s.total_steps, steps_per_epoch=s.steps_per_epoch, num_train_samples=len(s.train_data),
                      num_eval_samples=len(s.eval_data or []), batch=s.batch, precision=precision_of(accelerator),
                      device=str(accelerator.device), run_dir=str(s.run_dir), step=p.step, resumed=c.resume,
-                     distributed=s.distributed, note=s.note, startup_s=seconds_since_process_start()))
+                     distributed=s.distributed, note=s.note, startup_s=seconds_since_process_start(),
+                     segmentation=s.train_data.segmentation,
+                     eval_segmentation=s.eval_data.segmentation if s.eval_data is not None else None))
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock
