@@ -5,7 +5,8 @@ input row → several output rows). Consecutive blocks overlap by `context` toke
 next block, masked out of its loss (its `prompt_length`), so that the next block's first target is predicted from
 real context. With `chunk` the overlap is one token, with `sliding_window` it is `stride` tokens; either way every
 token of a document after its first is a target in exactly one block, and only the last block ends with EOS.
-`truncate` keeps the first block and drops the rest.
+`truncate` keeps the first block and drops the rest. (Classification and prompt/completion data are always
+truncated, in `finetune.encoding`: a label or a prompt belongs to the whole text.)
 
 Each output row records its `document` (the input row's index), its `segment` (position within the document) and,
 on a document's first block, `dropped_tokens` (tokens that no block holds), so the counts reported at the start of
