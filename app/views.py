@@ -10,6 +10,7 @@ import pandas as pd
 
 from app.jobs import JobStatus
 from finetune.chat import describe_dropped
+from finetune.segments import Segmentation
 
 GIB = 1024**3
 MAX_PLOT_POINTS = 1000  # the whole curve is re-sent each update; beyond this, every k-th training step is shown
@@ -95,21 +96,34 @@ def stats_markdown(status: JobStatus) -> str:
     return " · ".join(parts)
 
 
+def data_lines(facts: dict[str, Any] | None) -> list[str]:
+    """What `long_documents` did to the data, from a start event or a plan: one line per data set, then any
+    warning."""
+    lines, warnings = [], []
+    for name, key in (("training data", "segmentation"), ("evaluation data", "eval_segmentation")):
+        counts = (facts or {}).get(key)
+        if isinstance(counts, dict):
+            lines.append(f"{name}: {Segmentation(**counts).sentence()}")
+            warnings += [f"⚠️ {counts['warning']}"] if counts.get("warning") else []
+    return lines + warnings
+
+
 def status_markdown(status: JobStatus) -> str:
-    """One line on the run's state (with the error message of a failed run)."""
+    """One line on the run's state (with the error message of a failed run), then what became of its data."""
     title = STATE_TITLES.get(status.state, status.state)
     if status.state == "idle":
         return "**Ready.** Check the plan, then press *Start training*."
     where = f" — `{status.run_dir}`" if status.run_dir else ""
     text = f"**{title}**{where}"
+    data = "".join(f"\n\n{line}" for line in data_lines(status.last("start")))
     if status.state == "failed":
-        return f"{text}\n\n❌ {status.message or 'The run failed without a message; see the log below.'}"
+        return f"{text}\n\n❌ {status.message or 'The run failed without a message; see the log below.'}{data}"
     if status.state == "done":
         metrics = final_metrics(status)
         shown = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("accuracy", "macro_f1", "perplexity", "loss")
                           if isinstance(metrics.get(k), (int, float)))
-        return f"{text}{' — ' + shown if shown else ''}"
-    return f"{text}\n\n{status.message}" if status.message else text
+        return f"{text}{' — ' + shown if shown else ''}{data}"
+    return f"{text}\n\n{status.message}{data}" if status.message else text + data
 
 
 def hub_markdown(status: JobStatus, on_space: bool) -> str:
@@ -154,7 +168,8 @@ def _event_line(event: dict[str, Any], total: int | None) -> str | None:
                 f"{event['effective_batch_size']}, {event['precision']} on {event['device']}"
                 + "".join(f"\n{clock} {what} data: {describe_dropped(event[key])}"
                           for what, key in (("training", "dropped_rows"), ("evaluation", "dropped_eval_rows"))
-                          if event.get(key)))
+                          if event.get(key))
+                + "".join(f"\n{clock} {line}" for line in data_lines(event)))
     if kind == "step":
         return (f"{clock} step {event['step']}/{total or '?'} loss {event['loss']:.4f} lr {event['lr']:.2e} "
                 f"grad {event['grad_norm']:.3g} {event['samples_per_s']:.1f} samples/s")
@@ -208,6 +223,7 @@ def plan_markdown(plan: dict[str, Any]) -> str:
     breakdown = plan.get("breakdown") or {}
     if breakdown:
         lines.append(" · ".join(f"{term} {_size(b)}" for term, b in breakdown.items() if isinstance(b, (int, float))))
+    lines += data_lines(plan)  # `finetune plan --json` adds what long_documents does to the data
     lines += [f"- {note}" for note in plan.get("notes") or []]
     head = [line for line in lines if not line.startswith("- ")]
     notes = [line for line in lines if line.startswith("- ")]

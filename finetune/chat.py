@@ -132,7 +132,7 @@ def _learned_spans(tokenizer: Any, turns: list[dict[str, Any]], train_on: str) -
 
 def encode_conversations(values: list[Any], *, tokenizer: Any, train_on: str, max_length: int) -> dict[str, list]:
     """Conversations → `input_ids`, `loss_mask` (1 on learned tokens), `num_targets` (learned next-token targets)
-    and `dropped` (0, or the reason the row is left out: see DROPPED)."""
+    `dropped` (0, or the reason the row is left out: see DROPPED) and `dropped_tokens` (cut by `max_length`)."""
     from jinja2 import TemplateError
 
     specials = special_ids(tokenizer)
@@ -145,7 +145,7 @@ def encode_conversations(values: list[Any], *, tokenizer: Any, train_on: str, ma
     # One tokenizer call for every render of the batch: the fast tokenizer works through them in Rust.
     flat = [text for row in rows if not isinstance(row, int) for text in row[0]]
     ids = iter(tokenizer(flat, add_special_tokens=False)["input_ids"]) if flat else iter(())
-    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "num_targets": [], "dropped": []}
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "num_targets": [], "dropped": [], "dropped_tokens": []}
     for row in rows:
         if isinstance(row, int):
             full, mask, reason = [], [], row
@@ -154,6 +154,7 @@ def encode_conversations(values: list[Any], *, tokenizer: Any, train_on: str, ma
             full = next(ids)
             renders = [next(ids) for _ in texts[1:]]
             mask, reason = _mask(full, renders, learned, specials, train_on)
+        cut = max(len(full) - max_length, 0)
         full, mask = full[:max_length], mask[:max_length]
         targets = int(sum(mask[1:]))  # position 0 predicts nothing: targets are positions 1.. (the causal shift)
         if reason == 0 and targets == 0:
@@ -163,6 +164,7 @@ def encode_conversations(values: list[Any], *, tokenizer: Any, train_on: str, ma
         out["loss_mask"].append(mask if kept else [])
         out["num_targets"].append(targets if kept else 0)
         out["dropped"].append(reason)
+        out["dropped_tokens"].append(cut if kept else 0)
     return out
 
 

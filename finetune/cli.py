@@ -7,6 +7,7 @@ Exit codes: 0 done, 2 bad input (one sentence, no traceback, nothing overwritten
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -46,10 +47,16 @@ def _load_config(args: argparse.Namespace) -> Config:
 
 
 def _print_note(event: Any) -> None:
-    """Say on stderr when the run does not distribute as the launcher asked (the start event's `note`), and which
-    conversations were left out of the data (its `dropped_rows`)."""
+    """Say on stderr what the start event tells a user: what `long_documents` did to the data (and a warning when
+    most samples were cut), which conversations were left out (its `dropped_rows`), and when the run does not
+    distribute as the launcher asked (its `note`)."""
     if getattr(event, "event", None) != "start":
         return
+    for name, counts in (("training data", event.segmentation), ("evaluation data", event.eval_segmentation)):
+        if counts is not None:
+            print(f"{name}: {counts.sentence()}", file=sys.stderr, flush=True)
+            if counts.warning:
+                print(f"warning: {counts.warning}", file=sys.stderr, flush=True)
     if event.note:
         print(f"note: {event.note}", file=sys.stderr, flush=True)
     from finetune.chat import describe_dropped
@@ -119,13 +126,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # As a launcher would run it: FSDP when asked for (or accelerate's variable says so) and more than one process.
     distributed = args.distributed or requested_mode() or "ddp"
     distributed = "single" if args.num_processes == 1 else distributed
-    train_data, _, label_names = load_data(cfg, load_tokenizer(cfg), num_processes=args.num_processes)
+    train_data, eval_data, label_names = load_data(cfg, load_tokenizer(cfg), num_processes=args.num_processes)
     device = make_accelerator(resolve_precision(cfg.precision)).device  # where `finetune train` would probe
     plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device,
                        distributed=distributed)
     print(render(plan))
+    # What long_documents does to the data, beside the plan (the GUI shows it before a run starts).
+    data = {"segmentation": train_data.segmentation, "eval_segmentation": getattr(eval_data, "segmentation", None)}
+    for name, counts in zip(("training data", "evaluation data"), data.values(), strict=True):
+        if counts is not None:
+            print(f"{name}: {counts.sentence()}" + (f"\nwarning: {counts.warning}" if counts.warning else ""))
     if args.json:
-        write_json(Path(args.json), plan.to_dict())
+        write_json(Path(args.json), {**plan.to_dict(),
+                                     **{k: dataclasses.asdict(v) for k, v in data.items() if v is not None}})
     return EXIT_OK
 
 

@@ -24,6 +24,7 @@ DEFAULT_EFFECTIVE_BATCH = 32
 TASKS = ("classification", "causal_lm")
 # The experiment trackers accelerate can log to (its `LoggerType`, less `all`: a run names what it reports to).
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
+LONG_DOCUMENTS = ("auto", "truncate", "chunk", "sliding_window")
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min: float | None = None,
@@ -62,11 +63,20 @@ class Config:
     prompt_column: str | None = _opt(None, "Causal LM: prompt column, masked out of the loss.", group="data")
     completion_column: str | None = _opt(None, "Causal LM: completion column, the tokens that are learned.",
                                          group="data")
-    max_length: int = _opt(256, "Truncate inputs to this many tokens.", min=8, max=131072, group="data")
+    max_length: int = _opt(256, "Tokens per sample: a longer input is truncated or split as `long_documents` says.",
+                           min=8, max=131072, group="data")
     streaming: bool = _opt(False, "Read the training data as a stream, for data bigger than memory or disk: "
                            "windows follow the stream's order (a seeded 10,000-row shuffle buffer, no length "
                            "grouping); needs `max_steps`, and `eval_fraction=0` or a separate evaluation set.",
                            group="data")
+    # --- long documents
+    long_documents: str = _opt("auto", "What becomes of a text longer than `max_length`: truncate (the rest is "
+                               "dropped), chunk (consecutive blocks, every token learned once) or sliding_window "
+                               "(blocks that repeat `stride` tokens of the one before as context, not learned "
+                               "twice); auto = chunk for plain-text causal LM, truncate for classification and "
+                               "prompt/completion.", choices=LONG_DOCUMENTS, group="data")
+    stride: int | None = _opt(None, "long_documents=sliding_window: tokens of context each block repeats from the one "
+                              "before (default max_length // 4; below max_length).", min=1, max=131072, group="data")
     # --- chat data
     messages_column: str | None = _opt(None, "Causal LM: column of conversations, each a list of {role, content} "
                                        "(or ShareGPT {from, value}) turns rendered with the chat template (default: "
@@ -299,6 +309,7 @@ def _cross_checks(c: Config) -> list[str]:
                         "`eval_dataset` or `eval_split` (read whole, not streamed).")
     if c.push_to_hub and (problem := repo_id_problem(c.push_to_hub)):
         problems.append(problem)
+    problems += _long_document_checks(c)
     if c.max_steps is None and c.epochs <= 0:
         problems.append("`epochs` must be above 0 (or set `max_steps`).")
     return problems
@@ -314,6 +325,28 @@ def repo_id_problem(repo_id: str) -> str | None:
         return (f"`push_to_hub` must be a Hub repository id such as 'your-name/my-model' (letters, digits, '-', '_', "
                 f"'.'; at most 96 characters), not {repo_id!r}.")
     return None
+def split_refusal(mode: str, task: str) -> str:
+    """Why `long_documents=mode` (chunk or sliding_window) cannot split this kind of data."""
+    if task == "classification":
+        return (f"`long_documents={mode}` is for plain-text causal LM: a classification label belongs to the whole "
+                "text, so its parts cannot each carry it; use long_documents=truncate (or auto).")
+    return (f"`long_documents={mode}` is for plain text: a part of a completion (or of a conversation) split from "
+            "its prompt would be learned without it; use long_documents=truncate (or auto) for prompt/completion and "
+            "conversation data.")
+
+
+def _long_document_checks(c: Config) -> list[str]:
+    problems = []
+    kept_whole = c.task == "classification" or c.prompt_column or c.messages_column
+    if c.long_documents in ("chunk", "sliding_window") and kept_whole:
+        problems.append(split_refusal(c.long_documents, c.task))
+    if c.stride is not None and c.long_documents != "sliding_window":
+        problems.append(f"`stride` applies only to long_documents=sliding_window, not {c.long_documents}: remove "
+                        "it, or set long_documents=sliding_window.")
+    elif c.stride is not None and c.stride >= c.max_length:
+        problems.append(f"`stride` ({c.stride}) must be below `max_length` ({c.max_length}): each block must "
+                        "learn at least one token that the block before it did not.")
+    return problems
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """Tokenised data kept in Arrow: tokenised once by `datasets.map`, cached on disk, memory-mapped, collated per batch.
 
 No Python list of the whole set is ever built. The encoded columns are `input_ids`, plus `token_type_ids` when the
-tokenizer makes them, `label` (classification), `prompt_length` (prompt/completion causal LM) and `loss_mask` with
-`num_targets` (conversations, `finetune.chat`): a causal LM's targets are the input ids themselves, so they are
-derived in `collate` rather than stored as a second copy.
+tokenizer makes them, `label` (classification), `prompt_length` (causal LM: the tokens at the start of a row that
+are masked out of the loss, a prompt or the context a block repeats from the one before) and, for conversations
+(`finetune.chat`), `loss_mask` with `num_targets`: a causal LM's targets are the input ids themselves, so they are
+derived in `collate` rather than stored as a second copy. `document`, `segment` and `dropped_tokens` say where each
+row came from (`finetune.segments`).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from finetune.chat import (
 )
 from finetune.config import Config
 from finetune.errors import DataError
+from finetune.segments import Segmentation, context_tokens, count_segments, resolve_mode, split_documents
 from finetune.windows import Windows, epoch_windows
 
 IGNORE_INDEX = -100
 # Bump when encode() changes what it stores, so that caches written by an older version are not reused.
-ENCODING_VERSION = 1
+ENCODING_VERSION = 3
 # Below this many rows per process, starting worker processes costs more than it saves.
 ROWS_PER_PROCESS = 50_000
 MAX_PROCESSES = 8
@@ -53,8 +56,10 @@ class Columns:
 class Encoded:
     """Tokenised samples in an Arrow-backed `datasets.Dataset`, with their lengths as one numpy array."""
 
-    def __init__(self, rows: Any, dropped: dict[str, int] | None = None, messages: str | None = None) -> None:
+    def __init__(self, rows: Any, segmentation: Segmentation | None = None, dropped: dict[str, int] | None = None,
+                 messages: str | None = None) -> None:
         self.rows = rows
+        self.segmentation = segmentation  # what `long_documents` did to the input rows
         self.messages = messages  # the conversation column these rows came from, if any
         self.dropped = dropped or {}  # conversations left out, per reason (see finetune.chat.DROPPED)
         self._arrow = rows.with_format("arrow")
@@ -114,30 +119,46 @@ def _label_key(v: Any) -> str:
     return str(int(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
 
-def _tokenize(batch: dict[str, list], *, tokenizer: Any, task: str, cols: dict[str, str | None], max_length: int,
-              label_index: dict[str, int] | None, eos: list[int], chat: dict[str, Any] | None = None
-              ) -> dict[str, list]:
-    """One batch of rows → its encoded columns (runs inside `datasets.map`, possibly in a worker process)."""
-    if cols["messages"]:
-        return encode_conversations(batch[cols["messages"]], tokenizer=tokenizer, train_on=chat["train_on"],
-                                    max_length=max_length)
+def _tokenize(batch: dict[str, list], indices: list[int], *, tokenizer: Any, task: str, cols: dict[str, str | None],
+              max_length: int, label_index: dict[str, int] | None, eos: list[int], mode: str,
+              context: int, chat: dict[str, Any] | None = None) -> dict[str, list]:
+    """One batch of rows → its encoded rows (runs inside `datasets.map`, possibly in a worker process); a long
+    plain text may give several rows (`finetune.segments`)."""
+    if cols["messages"]:  # conversations keep truncation: a turn cut from its conversation means nothing alone
+        out = encode_conversations(batch[cols["messages"]], tokenizer=tokenizer, train_on=chat["train_on"],
+                                   max_length=max_length)
+        return {**out, "prompt_length": [0] * len(indices), "document": indices, "segment": [0] * len(indices)}
     def texts(column: str) -> list[str]:
         return [str(v) for v in batch[column]]
 
+    # Whole documents first (no truncation; `verbose=False`: a text longer than the model's limit is expected).
+    whole = {"add_special_tokens": True, "verbose": False}
     if task == "classification":
-        pairs = texts(cols["text_pair"]) if cols["text_pair"] else None
-        enc = tokenizer(texts(cols["text"]), pairs, truncation=True, max_length=max_length)
-        out = {"input_ids": enc["input_ids"], "label": [label_index[_label_key(v)] for v in batch[cols["label"]]]}
+        first, pairs = texts(cols["text"]), texts(cols["text_pair"]) if cols["text_pair"] else None
+        enc = dict(tokenizer(first, pairs, **whole))
+        full = [len(x) for x in enc["input_ids"]]
+        long = [i for i, n in enumerate(full) if n > max_length]
+        if long:  # only the long rows are tokenised again, cut as the tokenizer's truncation rule says
+            cut = tokenizer([first[i] for i in long], [pairs[i] for i in long] if pairs else None,
+                            truncation=True, max_length=max_length)
+            for key in enc:
+                for j, i in enumerate(long):
+                    enc[key][i] = cut[key][j]
+        out = {"input_ids": enc["input_ids"], "label": [label_index[_label_key(v)] for v in batch[cols["label"]]],
+               "document": indices, "segment": [0] * len(full),
+               "dropped_tokens": [max(n - max_length, 0) for n in full]}
         if "token_type_ids" in enc:
             out["token_type_ids"] = enc["token_type_ids"]
         return out
     if cols["prompt"]:
-        prompts = tokenizer(texts(cols["prompt"]), add_special_tokens=True)["input_ids"]
-        completions = tokenizer(texts(cols["completion"]), add_special_tokens=False)["input_ids"]
-        return {"input_ids": [(p + comp + eos)[:max_length] for p, comp in zip(prompts, completions, strict=True)],
-                "prompt_length": [len(p) for p in prompts]}
-    enc = tokenizer(texts(cols["text"]), truncation=True, max_length=max(max_length - 1, 2))
-    return {"input_ids": [(x + eos)[:max_length] for x in enc["input_ids"]]}
+        prompts = tokenizer(texts(cols["prompt"]), **whole)["input_ids"]
+        completions = tokenizer(texts(cols["completion"]), **{**whole, "add_special_tokens": False})["input_ids"]
+        docs = [p + comp + eos for p, comp in zip(prompts, completions, strict=True)]
+        return {"input_ids": [d[:max_length] for d in docs], "prompt_length": [len(p) for p in prompts],
+                "document": indices, "segment": [0] * len(docs),
+                "dropped_tokens": [max(len(d) - max_length, 0) for d in docs]}
+    docs = [x + eos for x in tokenizer(texts(cols["text"]), **whole)["input_ids"]]
+    return split_documents(docs, indices, max_length, context, truncate=mode == "truncate")
 
 
 def _features(c: Config, cols: Columns, tokenizer: Any) -> Any:
@@ -148,10 +169,11 @@ def _features(c: Config, cols: Columns, tokenizer: Any) -> Any:
         spec["label"] = Value("int64")
         if "token_type_ids" in tokenizer.model_input_names:
             spec["token_type_ids"] = List(Value("int8"))
-    elif cols.prompt:
+    else:  # tokens at the start of a row masked out of the loss: a prompt, or context repeated from the block before
         spec["prompt_length"] = Value("int32")
-    elif cols.messages:
-        spec.update(loss_mask=List(Value("int8")), num_targets=Value("int32"), dropped=Value("int8"))
+        if cols.messages:
+            spec.update(loss_mask=List(Value("int8")), num_targets=Value("int32"), dropped=Value("int8"))
+    spec.update(document=Value("int64"), segment=Value("int32"), dropped_tokens=Value("int32"))
     return Features(spec)
 
 
@@ -197,8 +219,10 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     if c.task == "classification":
         check_labels(table, cols.label, label_names, source)
     eos = [tokenizer.eos_token_id] if c.task == "causal_lm" and tokenizer.eos_token_id is not None else []
+    mode = resolve_mode(c, plain_text=not (cols.prompt or cols.messages))
     settings = {"task": c.task, "cols": asdict(cols), "max_length": c.max_length, "eos": eos,
-                "label_index": {name: i for i, name in enumerate(label_names)} if label_names else None}
+                "label_index": {name: i for i, name in enumerate(label_names)} if label_names else None,
+                "mode": mode, "context": context_tokens(c, mode)}
     if cols.messages:
         check_conversations(_file_column(table, cols.messages), cols.messages, source)
         # The template is part of the key: the tokenizer's fingerprint covers its vocabulary, not its template.
@@ -209,18 +233,18 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     key = hashlib.sha256(json.dumps([ENCODING_VERSION, table._fingerprint, settings, tokenizer_fingerprint(tokenizer)],
                                     sort_keys=True).encode()).hexdigest()[:32]
     workers = num_processes_for(len(table)) if table.cache_files else 1
-    rows = table.map(_tokenize, batched=True, fn_kwargs={"tokenizer": tokenizer, **settings},
+    rows = table.map(_tokenize, batched=True, with_indices=True, fn_kwargs={"tokenizer": tokenizer, **settings},
                      remove_columns=table.column_names, features=_features(c, cols, tokenizer),
                      num_proc=workers if workers > 1 else None, new_fingerprint=key)  # num_proc=1 still uses a pool
     if cols.messages:
-        return _kept_conversations(rows, source, cols.messages)
-    data = Encoded(rows)
+        return _kept_conversations(rows, source, cols.messages, mode, c.max_length)
+    data = Encoded(rows, count_segments(rows, mode, c.max_length, splittable=c.task == "causal_lm" and not cols.prompt))
     if c.task == "causal_lm" and cols.prompt and len(data) and data.num_targets(list(range(len(data))), True) == 0:
         raise DataError(f"Every completion of {source!r} is cut off by max_length={c.max_length}: raise it.")
     return data
 
 
-def _kept_conversations(rows: Any, source: str, column: str) -> Encoded:
+def _kept_conversations(rows: Any, source: str, column: str, mode: str, max_length: int) -> Encoded:
     """The conversations that have something to learn; the others are counted by reason, never trained as empty."""
     dropped = dropped_counts(rows.with_format("arrow")["dropped"])
     if dropped and sum(dropped.values()) == len(rows):
@@ -228,7 +252,8 @@ def _kept_conversations(rows: Any, source: str, column: str) -> Encoded:
                         f"({dropped_reasons(dropped)}): check `chat_template`, `train_on` and `max_length`.")
     if dropped:
         rows = rows.filter(_is_kept, input_columns=["dropped"], batched=True).flatten_indices()
-    return Encoded(rows.remove_columns("dropped"), dropped, messages=column)
+    rows = rows.remove_columns("dropped")
+    return Encoded(rows, count_segments(rows, mode, max_length, splittable=False), dropped, messages=column)
 
 
 def _is_kept(dropped: list[int]) -> list[bool]:

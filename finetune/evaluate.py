@@ -87,4 +87,6 @@ def evaluate_saved(target: str, overrides: list[str]) -> dict[str, Any]:
     model = accelerator.prepare(model)
     metrics = evaluate(model, eval_data, causal=cfg.task == "causal_lm", num_labels=len(labels or []),
                        batch_size=64, pad_id=tokenizer.pad_token_id, accelerator=accelerator)
-    return {"model": str(model_dir), "samples": len(eval_data), **metrics}
+    counts = eval_data.segmentation
+    return {"model": str(model_dir), "samples": len(eval_data), "documents": counts.documents,
+            "long_documents": counts.mode, **metrics}

@@ -18,13 +18,16 @@ from typing import Any
 
 from finetune.batch import BatchSplit
 from finetune.errors import describe, exit_code
+from finetune.segments import Segmentation
 
 
 @dataclass(frozen=True, kw_only=True)
 class Start:
     """A run began (or resumed at `step`); `distributed` is how it really runs (single, ddp, fsdp, deepspeed),
     `note` says when that is not what the launcher asked for, and `startup_s` is how many seconds passed from the
-    start of the process to this event (imports, data, plan, model)."""
+    start of the process to this event (imports, data, plan, model). `segmentation` and `eval_segmentation` say
+    what `long_documents` did to the training and evaluation data (None for a stream, whose counts are unknown
+    before it is read); their `warning` is set when most samples were truncated."""
 
     total_steps: int
     steps_per_epoch: int
@@ -42,6 +45,8 @@ class Start:
     # Conversations left out because they have nothing to learn, per reason (finetune.chat.DROPPED); None if none.
     dropped_rows: dict[str, int] | None = None
     dropped_eval_rows: dict[str, int] | None = None
+    segmentation: Segmentation | None = None
+    eval_segmentation: Segmentation | None = None
     event: str = "start"
 
 

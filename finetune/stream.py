@@ -31,6 +31,10 @@ class StreamData:
     for the window that `StreamWindows` last handed out.
     """
 
+    # A stream is segmented a window at a time (a window's documents may give more samples than the window's size);
+    # its counts are not known before it has been read.
+    segmentation = None
+
     def __init__(self, stream: Any, encode_window: Callable[[list[dict[str, Any]]], Encoded], *,
                  num_samples: int) -> None:
         self.stream, self.encode_window, self.num_samples = stream, encode_window, num_samples
@@ -80,7 +84,8 @@ class StreamWindows:
         rows = next(self._raw)
         self._next = w + 1
         self.data.current = self.data.encode_window(rows)
-        return list(range(len(self.data.current)))  # conversations with nothing to learn are left out
+        # The window's samples: its documents' blocks, less conversations with nothing to learn.
+        return list(range(len(self.data.current)))
 
 
 def _raw_windows(stream: Any, size: int, *, seed: int, shuffle: bool) -> Iterator[list[dict[str, Any]]]:

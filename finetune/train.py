@@ -136,7 +136,9 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                      device=str(accelerator.device), run_dir=str(s.run_dir), step=p.step, resumed=c.resume,
                      distributed=s.distributed, note=s.note, startup_s=seconds_since_process_start(),
                      dropped_rows=getattr(s.train_data, "dropped", None) or None,
-                     dropped_eval_rows=getattr(s.eval_data, "dropped", None) or None))
+                     dropped_eval_rows=getattr(s.eval_data, "dropped", None) or None,
+                     segmentation=s.train_data.segmentation,
+                     eval_segmentation=s.eval_data.segmentation if s.eval_data is not None else None))
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock

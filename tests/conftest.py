@@ -170,6 +170,20 @@ def prompt_csv(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def long_csv(tmp_path_factory) -> str:
+    """13 texts of 3 to 300 words for causal LM: at max_length=32 most are split into several blocks, the longest
+    into ten (long_documents)."""
+    rng = random.Random(4)
+    path = tmp_path_factory.mktemp("data") / "long.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text"])
+        for n in [3, 300, 20, 70, 150, 29, 30, 31, 90, 5, 200, 45, 61]:
+            w.writerow([_sentence(rng, n)])
+    return str(path)
+
+
 def run_train(out: Path, **values):
     """Train in-process with test defaults (SGD, no warm-up, fp32, one process); returns (weights, events)."""
     from finetune.train import train

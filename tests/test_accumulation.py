@@ -42,15 +42,27 @@ def test_clipping_once_per_window_on_the_summed_gradient(tmp_path, tiny_bert, cl
     assert any(not torch.allclose(unclipped[k], big[k]) for k in big)
 
 
+# Long texts split into blocks of 32 (long_documents): 41 blocks with chunk, 49 with a sliding window of stride 8,
+# each a tail window of 1 after windows of 8; targets are counted after the split.
+LONG = {"max_length": 32, "shuffle": True, "group_by_length": True}
+
+
 @pytest.mark.parametrize("model_fixture", ["tiny_gpt2", "tiny_llama"])
-@pytest.mark.parametrize("data_fixture", ["lm_csv", "prompt_csv"])
-def test_causal_lm_token_level_accumulation_equals_big_batch(tmp_path, request, model_fixture, data_fixture):
+@pytest.mark.parametrize(("data_fixture", "data_values"), [
+    ("lm_csv", {}), ("prompt_csv", {}), ("long_csv", {**LONG, "long_documents": "chunk"}),
+    ("long_csv", {**LONG, "long_documents": "sliding_window", "stride": 8})],
+    ids=["lm_csv", "prompt_csv", "long_csv-chunk", "long_csv-sliding_window"])
+def test_causal_lm_token_level_accumulation_equals_big_batch(tmp_path, request, model_fixture, data_fixture,
+                                                             data_values):
     model, dataset = request.getfixturevalue(model_fixture), request.getfixturevalue(data_fixture)
     common = {"model": model, "dataset": dataset, "task": "causal_lm", "effective_batch_size": 8,
               "max_grad_norm": 1.0, "shuffle": False, "group_by_length": False, "max_length": 128,
-              "learning_rate": 0.2}
+              "learning_rate": 0.2, **data_values}
     big, big_events, _ = run_train(tmp_path / "big", micro_batch_size=8, **common)
     acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=2, **common)
+    if data_values:
+        assert big_events[0]["segmentation"]["samples"] % 8 == 1  # a tail window of one block
+        assert big_events[0]["segmentation"]["split"] == 9
     assert_same_weights(big, acc)
     torch.testing.assert_close(step_losses(acc_events), step_losses(big_events), rtol=1e-5, atol=1e-6)
 

@@ -31,13 +31,21 @@ def launch_two(tmp_path, values: dict, mode: tuple[str, ...] = ("--multi_gpu",))
     return proc, tmp_path / "two"
 
 
-@pytest.mark.parametrize("case", ["classification", "causal_lm_tail_smaller_than_processes"])
+@pytest.mark.parametrize("case", ["classification", "causal_lm_tail_smaller_than_processes",
+                                  "long_documents_sliding_window"])
 def test_two_processes_equal_one(tmp_path, request, case):
     if case == "classification":
         # 37 samples in windows of 16: the tail of 5 splits 3 + 2 over the processes.
         values = {"model": request.getfixturevalue("tiny_bert"), "dataset": request.getfixturevalue("cls_csv"),
                   "effective_batch_size": 16, "shuffle": True, "group_by_length": True}
         two_micro, one_micro = 4, 16
+    elif case == "long_documents_sliding_window":
+        # 13 texts split into 49 blocks of at most 32 tokens, each repeating 8 of context: windows of 8 blocks, the
+        # tail a single block (one process has nothing); targets are counted after the split, over both processes.
+        values = {"model": request.getfixturevalue("tiny_llama"), "dataset": request.getfixturevalue("long_csv"),
+                  "task": "causal_lm", "effective_batch_size": 8, "max_length": 32,
+                  "long_documents": "sliding_window", "stride": 8, "shuffle": True, "group_by_length": True}
+        two_micro, one_micro = 2, 8
     else:
         # 19 prompt/completion pairs in windows of 6: the tail holds a single pair, so one process has nothing.
         values = {"model": request.getfixturevalue("tiny_gpt2"), "dataset": request.getfixturevalue("prompt_csv"),
@@ -52,6 +60,8 @@ def test_two_processes_equal_one(tmp_path, request, case):
     assert (start["num_processes"], start["micro_batch_size"], start["grad_accum_steps"]) == (2, two_micro, accum)
     assert_same_weights(load_weights(two_dir), one)
     torch.testing.assert_close(step_losses(two_events), step_losses(one_events), rtol=1e-5, atol=1e-6)
+    if case == "long_documents_sliding_window":
+        assert start["segmentation"] == one_events[0]["segmentation"] and start["segmentation"]["samples"] == 49
     # Only the main process writes: one start record, one done record, one result printed.
     assert [e["event"] for e in two_events].count("start") == 1
     assert [e["event"] for e in two_events].count("done") == 1

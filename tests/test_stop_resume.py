@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 from conftest import assert_same_weights, load_weights, step_losses
 
@@ -25,12 +26,22 @@ def _config(tmp_path, model, dataset, name, **extra):
                       "save_every": 2, "logging_every": 1, **extra})
 
 
-def test_stop_then_resume_equals_uninterrupted(tmp_path, tiny_bert_dropout, cls_csv):
-    full = train(_config(tmp_path, tiny_bert_dropout, cls_csv, "full"))
+# classification: 37 samples, 3 windows of 16 per epoch. long_documents: 13 texts split into 41 blocks of at most
+# 32 tokens (chunk), also 3 windows per epoch; the order of blocks must come back the same after a resume.
+CASES = {"classification": ("tiny_bert_dropout", "cls_csv", {}),
+         "long_documents": ("tiny_llama", "long_csv", {"task": "causal_lm", "max_length": 32,
+                                                       "long_documents": "chunk"})}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_stop_then_resume_equals_uninterrupted(tmp_path, request, case):
+    model_fixture, data_fixture, extra = CASES[case]
+    model, dataset = request.getfixturevalue(model_fixture), request.getfixturevalue(data_fixture)
+    full = train(_config(tmp_path, model, dataset, "full", **extra))
     assert full.status == "done" and full.step == 9
 
     stop = StopFlag()
-    stopped = train(_config(tmp_path, tiny_bert_dropout, cls_csv, "cut"), stop=stop,
+    stopped = train(_config(tmp_path, model, dataset, "cut", **extra), stop=stop,
                     callbacks=[lambda e: stop.request() if isinstance(e, Step) and e.step == 4 else None])
     assert stopped.status == "stopped" and stopped.step == 4  # mid-epoch: epoch 1, window 1 of 3
     events = read_events(tmp_path / "cut" / "events.jsonl")
@@ -38,13 +49,16 @@ def test_stop_then_resume_equals_uninterrupted(tmp_path, tiny_bert_dropout, cls_
     assert not (tmp_path / "cut" / "model").exists()
     assert checkpoints(tmp_path / "cut")[-1].name == "step-0000004"
 
-    resumed = train(_config(tmp_path, tiny_bert_dropout, cls_csv, "cut", resume=True))
+    resumed = train(_config(tmp_path, model, dataset, "cut", resume=True, **extra))
     assert resumed.status == "done" and resumed.step == 9
     assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
     cut_events = read_events(tmp_path / "cut" / "events.jsonl")
     assert step_losses(cut_events) == step_losses(read_events(tmp_path / "full" / "events.jsonl"))
     assert [e["resumed"] for e in cut_events if e["event"] == "start"] == [False, True]
     assert len(checkpoints(tmp_path / "cut")) <= 3  # only the last few are kept
+    if case == "long_documents":
+        starts = [e for e in cut_events if e["event"] == "start"]
+        assert starts[0]["segmentation"] == starts[1]["segmentation"] and starts[0]["segmentation"]["samples"] == 41
 
 
 def test_sigint_stops_cleanly_and_resume_finishes(tmp_path, tiny_bert, cls_csv):
