@@ -137,7 +137,9 @@ def test_classification_and_prompt_completion_keep_truncation_and_count_it(tmp_p
 @pytest.mark.parametrize(("values", "words"), [
     ({"long_documents": "chunk"}, "a classification label belongs to the whole text"),
     ({"task": "causal_lm", "prompt_column": "p", "completion_column": "c", "long_documents": "sliding_window"},
-     "learned without the prompt"),
+     "split from its prompt would be learned without it"),
+    ({"task": "causal_lm", "messages_column": "messages", "long_documents": "chunk"},
+     "for prompt/completion and conversation data"),
     ({"task": "causal_lm", "long_documents": "sliding_window", "stride": 32, "max_length": 32},
      "`stride` (32) must be below `max_length` (32)"),
     ({"task": "causal_lm", "stride": 4}, "`stride` applies only to long_documents=sliding_window, not auto"),
@@ -155,7 +157,7 @@ def test_guessed_prompt_completion_columns_refuse_splitting(tmp_path, capsys):
     path = tmp_path / "pc.jsonl"
     path.write_text(json.dumps({"prompt": "a b", "completion": "c d"}) + "\n")
     assert main(["plan", f"dataset={path}", "task=causal_lm", "long_documents=chunk", "eval_fraction=0"]) == 2
-    assert "learned without the prompt" in capsys.readouterr().err
+    assert "split from its prompt would be learned without it" in capsys.readouterr().err
 
 
 @pytest.fixture
