@@ -65,6 +65,10 @@ class Config:
                            "windows follow the stream's order (a seeded 10,000-row shuffle buffer, no length "
                            "grouping); needs `max_steps`, and `eval_fraction=0` or a separate evaluation set.",
                            group="data")
+    # --- packing
+    packing: bool = _opt(False, "Causal LM: pack samples into rows of `max_length` (best-fit decreasing), each "
+                         "sample attending only to itself (position ids restart per sample); the loss is that of "
+                         "the unpacked samples, and the batch sizes count packed rows.", group="data")
     # --- where the run goes
     output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).")
     overwrite: bool = _opt(False, "Replace an existing run in `output_dir`.")
@@ -252,6 +256,11 @@ def _cross_checks(c: Config) -> list[str]:
     if c.streaming and c.eval_fraction > 0 and not (c.eval_dataset or c.eval_split):
         problems.append("`streaming=true` cannot hold out `eval_fraction` of a stream: set eval_fraction=0, or give "
                         "`eval_dataset` or `eval_split` (read whole, not streamed).")
+    if c.packing and c.task != "causal_lm":
+        problems.append("`packing=true` is for task=causal_lm: a classifier takes one sample per row.")
+    if c.packing and c.streaming:
+        problems.append("`packing=true` packs the whole tokenised set once and cannot pack a stream: set "
+                        "streaming=false or packing=false.")
     if c.max_steps is None and c.epochs <= 0:
         problems.append("`epochs` must be above 0 (or set `max_steps`).")
     return problems

@@ -50,6 +50,8 @@ class Encoded:
         self.lengths: np.ndarray = pc.list_value_length(self._arrow["input_ids"]).to_numpy().astype(np.int32)
         self._prompt = (self._arrow["prompt_length"].to_numpy() if "prompt_length" in rows.column_names
                         else np.zeros(len(rows), dtype=np.int32))
+        # Packed rows (finetune/packing.py) store their samples' target count: several prompts per row.
+        self._targets = self._arrow["num_targets"].to_numpy() if "num_targets" in rows.column_names else None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -66,6 +68,8 @@ class Encoded:
         """What the loss is averaged over: samples for classification, next-token targets for a causal LM."""
         if not causal:
             return len(indices)
+        if self._targets is not None:
+            return int(self._targets[indices].sum())
         # Positions 1.. of a sample are targets unless they belong to the prompt.
         return int(np.maximum(self.lengths[indices] - np.maximum(self._prompt[indices], 1), 0).sum())
 
@@ -196,6 +200,10 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
 def collate(data: Any, indices: list[int], pad_id: int, causal: bool) -> dict[str, torch.Tensor]:
     """A right-padded micro-batch of these samples (padding only to the longest of them), from Arrow rows."""
     rows = data.columns(indices)
+    if "segment_lengths" in rows.column_names:  # packed rows: position ids, no attention mask
+        from finetune.packing import packed_batch
+
+        return packed_batch(rows, pad_id)
     ids = rows.column("input_ids").combine_chunks()
     lengths = pc.list_value_length(ids).to_numpy()
     width = int(lengths.max())

@@ -1,0 +1,211 @@
+"""Packing for causal LM (`packing: true`): tokenised samples packed into rows of `max_length`, best-fit decreasing.
+
+A packed row is the sample unit that windows, micro-batches, the planner and resume work with. Inside a row every
+sample attends only to itself: its position ids restart at 0, and the row is passed with `position_ids` and no
+attention mask, from which transformers' `masking_utils` builds a block-diagonal causal mask (eager, sdpa, flex) or
+flash attention's sequence boundaries. The first token of each sample carries no label, so no sample is predicted
+from the one before it, and a row's targets are exactly its samples' unpacked targets (`num_targets`, stored per
+row): the window loss is unchanged. The packed rows are written once next to the encoding, in Arrow, and reused.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from finetune.config import Config
+from finetune.encoding import IGNORE_INDEX, Encoded
+from finetune.errors import ConfigError, ModelError
+from finetune.modeling import resolve_model_path
+
+# Bump when pack() changes what it stores, so that packed rows written by an older version are not reused.
+PACKING_VERSION = 1
+# The encoded columns packing knows how to carry into a row; another column (a new encoding's) must be taught here
+# rather than silently dropped.
+PACKABLE_COLUMNS = {"input_ids", "prompt_length"}
+# Layer kinds that attend with a mask. Any other kind (linear attention, Mamba, convolution, recurrent blocks)
+# carries state from one token to the next, across a sample boundary, whatever the position ids say.
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+# Architectures (transformers 5.24) built wholly or partly of such layers, for configs that do not list layer_types.
+SEQUENTIAL_MODELS = {
+    "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe", "mamba",
+    "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_next", "qwen3_5", "qwen3_5_moe", "recurrent_gemma", "rwkv",
+    "xlstm", "zamba", "zamba2",
+}
+
+
+def check_architecture(c: Config) -> None:
+    """A `ModelError` when the model has layers that packing cannot keep samples apart in (read from its config,
+    before any weight is loaded)."""
+    from transformers import AutoConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(resolve_model_path(c.model), trust_remote_code=c.trust_remote_code)
+    except (OSError, ValueError):
+        return  # loading the model reports what is wrong with it
+    name = c.model
+    kinds = set(getattr(model_config, "layer_types", None) or ())
+    other = sorted(str(k) for k in kinds - ATTENTION_LAYERS)
+    model_type = getattr(model_config, "model_type", "")
+    if other or model_type in SEQUENTIAL_MODELS:
+        what = f"{', '.join(other)} layers" if other else f"{model_type} layers"
+        raise ModelError(f"packing=true cannot keep samples apart in {name!r}: its {what} carry state from one "
+                         "token to the next across sample boundaries; set packing=false.")
+
+
+def check_keeps_samples_apart(model: Any, name: str) -> None:
+    """A `ModelError` unless the loaded model gives a sample the same logits alone and packed behind another.
+
+    This is what packing relies on, checked on the model and attention implementation the run trains with (two
+    short samples, one forward each, no gradients, the global random state untouched)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    generator = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(0, vocab, (n,), generator=generator) for n in (7, 5))
+    device = next(model.parameters()).device
+    ids = torch.cat([first, second])[None].to(device)
+    positions = torch.cat([torch.arange(7), torch.arange(5)])[None].to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = model(input_ids=second[None].to(device), use_cache=False).logits[0].float()
+            packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, 7:].float()
+    finally:
+        model.train(was_training)
+    gap = (packed - alone).abs().max().item()
+    if not gap <= 1e-3 * max(1.0, alone.abs().max().item()):
+        attention = getattr(model.config, "_attn_implementation", None) or "its attention"
+        raise ModelError(f"packing=true cannot keep samples apart in {name!r}: with {attention} a sample's logits "
+                         f"change by {gap:.3g} when another sample precedes it in the row; set packing=false.")
+
+
+def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of at most `capacity` tokens: samples longest first, each into the fullest row it still fits in.
+
+    Returns the sample indices in row order and each row's offsets into them (`rows + 1` of them); deterministic.
+    Open rows are kept by remaining room (a sorted list of the distinct rooms), so each sample costs one bisect."""
+    lengths = np.asarray(lengths)
+    if len(lengths) and int(lengths.max()) > capacity:
+        raise ValueError(f"a sample of {int(lengths.max())} tokens does not fit a row of {capacity}")
+    order = np.argsort(-lengths, kind="stable")
+    row_of = np.empty(len(lengths), dtype=np.int64)
+    rooms: list[int] = []  # distinct remaining rooms of open rows, ascending
+    rows_with: dict[int, list[int]] = {}  # remaining room -> the open rows that have it
+    num_rows = 0
+    for i, n in zip(order.tolist(), lengths[order].tolist(), strict=True):
+        k = bisect.bisect_left(rooms, n)
+        if k == len(rooms):  # fits no open row: open one
+            row, room = num_rows, capacity - n
+            num_rows += 1
+        else:
+            old = rooms[k]
+            row, room = rows_with[old].pop(), old - n
+            if not rows_with[old]:
+                del rooms[k], rows_with[old]
+        row_of[i] = row
+        if room > 0:
+            if room not in rows_with:
+                bisect.insort(rooms, room)
+                rows_with[room] = []
+            rows_with[room].append(row)
+    # Members grouped by row, in the order they went in (longest first): a stable sort of the rows they went to.
+    packed_order = order[np.argsort(row_of[order], kind="stable")]
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(row_of, minlength=num_rows))])
+    return packed_order, offsets
+
+
+def _gather(batch: pa.Table, *, source: Encoded) -> pa.Table:
+    """One batch of rows (their member samples) → the packed columns (runs inside `datasets.map`)."""
+    members = batch.column("members").combine_chunks()
+    starts = members.offsets.to_numpy()
+    starts = starts - starts[0]
+    samples = source.columns(members.flatten().to_numpy().tolist())
+    ids = samples.column("input_ids").combine_chunks()
+    lengths = pc.list_value_length(ids).to_numpy().astype(np.int32)
+    prompts = samples.column("prompt_length").to_numpy().astype(np.int32) if "prompt_length" in \
+        samples.column_names else np.zeros(len(lengths), dtype=np.int32)
+    token_starts = np.concatenate([[0], np.cumsum(lengths)])[starts]
+    # A sample's targets are its tokens from max(prompt, 1) on, as unpacked (collate masks each sample's first).
+    targets = np.concatenate([[0], np.cumsum(np.maximum(lengths - np.maximum(prompts, 1), 0))])[starts]
+    out = {"input_ids": pa.ListArray.from_arrays(pa.array(token_starts, pa.int32()), ids.flatten()),
+           "segment_lengths": pa.ListArray.from_arrays(pa.array(starts, pa.int32()), pa.array(lengths)),
+           "num_targets": pa.array(np.diff(targets).astype(np.int32))}
+    if "prompt_length" in samples.column_names:
+        out["segment_prompts"] = pa.ListArray.from_arrays(pa.array(starts, pa.int32()), pa.array(prompts))
+    return pa.table(out)
+
+
+def _features(prompted: bool) -> Any:
+    from datasets import Features, List, Value
+
+    spec = {"input_ids": List(Value("int32")), "segment_lengths": List(Value("int32")),
+            "num_targets": Value("int32")}
+    if prompted:
+        spec["segment_prompts"] = List(Value("int32"))
+    return Features(spec)
+
+
+def pack(data: Encoded, max_length: int) -> Encoded:
+    """The encoded samples packed into rows of at most `max_length` tokens, read from the cache when the same
+    encoding was packed before (the packed rows are written beside it)."""
+    import datasets
+
+    unknown = sorted(set(data.rows.column_names) - PACKABLE_COLUMNS)
+    if unknown:
+        raise ConfigError([f"packing=true does not support data encoded with {', '.join(unknown)}: set "
+                           "packing=false."])
+    order, offsets = best_fit_decreasing(data.lengths, max_length)
+    members = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(order, pa.int64()))
+    bins = datasets.Dataset(datasets.table.InMemoryTable(pa.table({"members": members})))
+    key = hashlib.sha256(json.dumps([PACKING_VERSION, data.rows._fingerprint, max_length]).encode()).hexdigest()[:32]
+    cache_file = None
+    if data.rows.cache_files:  # beside the encoding it packs, in the datasets cache; in memory for in-memory data
+        cache_file = str(Path(data.rows.cache_files[0]["filename"]).parent / f"packed-{key}.arrow")
+    rows = bins.with_format("arrow").map(
+        _gather, batched=True, batch_size=1000, fn_kwargs={"source": data}, remove_columns=["members"],
+        features=_features("prompt_length" in data.rows.column_names), cache_file_name=cache_file,
+        new_fingerprint=key)
+    return Encoded(rows.with_format(None))
+
+
+def packing_note(data: Encoded, max_length: int) -> str:
+    """What packing made of the training data, for the plan's notes."""
+    samples = pc.sum(pc.list_value_length(data.rows.with_format("arrow")["segment_lengths"])).as_py() or 0
+    filled = float(data.lengths.sum()) / max(len(data) * max_length, 1)
+    return (f"Packing: {samples:,} samples in {len(data):,} rows of at most {max_length} tokens ({filled:.1%} "
+            "filled); batch sizes count rows.")
+
+
+def packed_batch(rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
+    """A micro-batch of packed rows: input ids right-padded to the longest row, position ids restarting at every
+    sample (and at the padding), labels with each sample's first token and its prompt masked; no attention mask,
+    so that the model builds the block-diagonal mask from the position ids."""
+    ids = rows.column("input_ids").combine_chunks()
+    lengths = pc.list_value_length(ids).to_numpy()
+    width = int(lengths.max())
+    present = np.arange(width) < lengths[:, None]  # row-major, like the flattened values
+    flat_ids = ids.flatten().to_numpy().astype(np.int64)
+    segments = rows.column("segment_lengths").combine_chunks().flatten().to_numpy().astype(np.int64)
+    segment_starts = np.concatenate([[0], np.cumsum(segments)[:-1]])
+    positions = np.arange(len(flat_ids)) - np.repeat(segment_starts, segments)
+    prompts = rows.column("segment_prompts").combine_chunks().flatten().to_numpy() if "segment_prompts" in \
+        rows.column_names else np.zeros(len(segments), dtype=np.int64)
+    learned = positions >= np.repeat(np.maximum(prompts, 1), segments)
+
+    input_ids = np.full((len(lengths), width), pad_id, dtype=np.int64)
+    input_ids[present] = flat_ids
+    # Padding restarts its positions too: it is a sequence of its own, which no real token can see (causal, after).
+    position_ids = np.arange(width)[None, :] - lengths[:, None]
+    position_ids[present] = positions
+    labels = np.full_like(input_ids, IGNORE_INDEX)
+    labels[present] = np.where(learned, flat_ids, IGNORE_INDEX)
+    return {"input_ids": torch.from_numpy(input_ids), "position_ids": torch.from_numpy(position_ids),
+            "labels": torch.from_numpy(labels)}
