@@ -19,6 +19,7 @@ from finetune.batch import resolve_batch
 from finetune.config import Config
 from finetune.encoding import IGNORE_INDEX, Columns, Encoded, collate, encode
 from finetune.errors import ConfigError, DataError
+from finetune.packing import check_architecture, pack
 from finetune.stream import StreamData
 from finetune.windows import epoch_windows, micro_batches, windows_per_epoch
 
@@ -139,8 +140,6 @@ def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
         raise ConfigError(["No `dataset` given: set dataset=<file or hub id> (for example "
                            "dataset=assets/sst2_sample.csv)."])
     if c.packing:  # before anything is tokenised: some architectures cannot keep packed samples apart
-        from finetune.packing import check_architecture
-
         check_architecture(c)
     if c.streaming:
         return _load_stream(c, tokenizer, resolve_batch(c, num_processes).effective_batch_size)
@@ -157,8 +156,6 @@ def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
         table, eval_table = parts["train"], parts["test"]
     train_data = encode(table, cols, c, tokenizer, names, c.dataset)
     if c.packing:  # the packed row becomes the sample unit of windows, micro-batches and the plan
-        from finetune.packing import pack
-
         train_data = pack(train_data, c.max_length)
     eval_data = encode(eval_table, cols, c, tokenizer, names, c.eval_dataset or c.dataset) \
         if eval_table is not None else None

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import torch
 
 from finetune.config import Config
-from finetune.encoding import IGNORE_INDEX, Encoded
+from finetune.encoding import Encoded
 from finetune.errors import ConfigError, ModelError
 from finetune.modeling import resolve_model_path
 
@@ -182,30 +182,3 @@ def packing_note(data: Encoded, max_length: int) -> str:
     filled = float(data.lengths.sum()) / max(len(data) * max_length, 1)
     return (f"Packing: {samples:,} samples in {len(data):,} rows of at most {max_length} tokens ({filled:.1%} "
             "filled); batch sizes count rows.")
-
-
-def packed_batch(rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
-    """A micro-batch of packed rows: input ids right-padded to the longest row, position ids restarting at every
-    sample (and at the padding), labels with each sample's first token and its prompt masked; no attention mask,
-    so that the model builds the block-diagonal mask from the position ids."""
-    ids = rows.column("input_ids").combine_chunks()
-    lengths = pc.list_value_length(ids).to_numpy()
-    width = int(lengths.max())
-    present = np.arange(width) < lengths[:, None]  # row-major, like the flattened values
-    flat_ids = ids.flatten().to_numpy().astype(np.int64)
-    segments = rows.column("segment_lengths").combine_chunks().flatten().to_numpy().astype(np.int64)
-    segment_starts = np.concatenate([[0], np.cumsum(segments)[:-1]])
-    positions = np.arange(len(flat_ids)) - np.repeat(segment_starts, segments)
-    prompts = rows.column("segment_prompts").combine_chunks().flatten().to_numpy() if "segment_prompts" in \
-        rows.column_names else np.zeros(len(segments), dtype=np.int64)
-    learned = positions >= np.repeat(np.maximum(prompts, 1), segments)
-
-    input_ids = np.full((len(lengths), width), pad_id, dtype=np.int64)
-    input_ids[present] = flat_ids
-    # Padding restarts its positions too: it is a sequence of its own, which no real token can see (causal, after).
-    position_ids = np.arange(width)[None, :] - lengths[:, None]
-    position_ids[present] = positions
-    labels = np.full_like(input_ids, IGNORE_INDEX)
-    labels[present] = np.where(learned, flat_ids, IGNORE_INDEX)
-    return {"input_ids": torch.from_numpy(input_ids), "position_ids": torch.from_numpy(position_ids),
-            "labels": torch.from_numpy(labels)}

@@ -72,30 +72,28 @@ def _window_loss_and_grad(model, data, micro_batches, pad_id):
     return total / count, count, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("dataset", ["lm_csv", "prompt_csv"])
-def test_packed_window_has_the_unpacked_loss_and_gradient(request, tiny_llama, attention, dataset):
+def test_packed_window_has_the_unpacked_loss_and_gradient(request, tiny_llama, dataset):
     path = request.getfixturevalue(dataset)
     plain, packed = _data(tiny_llama, path, False), _data(tiny_llama, path, True)
     assert len(packed) < len(plain)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation=attention)
     pad = AutoTokenizer.from_pretrained(tiny_llama).pad_token_id
     # One window holding every sample: unpacked in micro-batches of 4 samples, packed in micro-batches of 2 rows.
     samples, rows = list(range(len(plain))), list(range(len(packed)))
-    loss, count, grads = _window_loss_and_grad(model, plain, [samples[i: i + 4] for i in range(0, len(samples), 4)],
-                                               pad)
-    p_loss, p_count, p_grads = _window_loss_and_grad(model, packed, [rows[i: i + 2] for i in range(0, len(rows), 2)],
-                                                     pad)
-    assert p_count == count
-    assert p_loss == pytest.approx(loss, rel=1e-5)
-    for name in grads:
-        torch.testing.assert_close(p_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    for attention in ("eager", "sdpa"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation=attention)
+        loss, count, grads = _window_loss_and_grad(model, plain, [samples[i: i + 4] for i in range(0, len(samples), 4)],
+                                                   pad)
+        p_loss, p_count, p_grads = _window_loss_and_grad(model, packed,
+                                                         [rows[i: i + 2] for i in range(0, len(rows), 2)], pad)
+        assert p_count == count
+        assert p_loss == pytest.approx(loss, rel=1e-5), attention
+        for name in grads:
+            torch.testing.assert_close(p_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=f"{attention} {name}")
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_no_attention_across_samples_in_a_row(tiny_llama, lm_csv, attention):
+def test_no_attention_across_samples_in_a_row(tiny_llama, lm_csv):
     packed = _data(tiny_llama, lm_csv, True)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation=attention).eval()
     pad = AutoTokenizer.from_pretrained(tiny_llama).pad_token_id
     segments = packed.rows["segment_lengths"]
     row = next(r for r, s in enumerate(segments) if len(s) >= 3)
@@ -103,12 +101,14 @@ def test_no_attention_across_samples_in_a_row(tiny_llama, lm_csv, attention):
     first = segments[row][0]
     changed = batch["input_ids"].clone()
     changed[0, :first] = torch.randint(1000, 2000, (first,))  # another sample A, same length
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        again = model(input_ids=changed, position_ids=batch["position_ids"], use_cache=False).logits
-    assert not torch.allclose(logits[0, :first], again[0, :first])
-    torch.testing.assert_close(again[0, first:], logits[0, first:], rtol=0, atol=1e-5)  # the later samples
-    torch.testing.assert_close(again[1], logits[1], rtol=0, atol=0)  # and the other row
+    for attention in ("eager", "sdpa"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation=attention).eval()
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+            again = model(input_ids=changed, position_ids=batch["position_ids"], use_cache=False).logits
+        assert not torch.allclose(logits[0, :first], again[0, :first])
+        torch.testing.assert_close(again[0, first:], logits[0, first:], rtol=0, atol=1e-5)  # the later samples
+        torch.testing.assert_close(again[1], logits[1], rtol=0, atol=0)  # and the other row
 
 
 def test_labels_and_positions_of_a_packed_row(tiny_llama, prompt_csv):
