@@ -15,8 +15,8 @@ Each window is one micro-batch (no accumulation), so padding costs compute direc
 training tokens per second of the run's training loop (`metrics.json`'s train_seconds); *padding* is the share of
 the token slots of all micro-batches that are padding, from the same windows and micro-batches the loop trains on.
 
-    python bench/packing.py                      # 600 pairs, max_length 512 (a few minutes on 2 CPU cores)
-    python bench/packing.py --samples 200        # quicker
+    python bench/packing.py                      # 300 pairs, max_length 512 (a few minutes on 2 CPU cores)
+    python bench/packing.py --samples 100        # quicker
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def run(values: dict[str, object], out: Path, env: dict[str, str]) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=600)
+    parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--batch", type=int, default=16, help="samples per window, unpacked")
     parser.add_argument("--rows", type=int, default=4, help="rows per window, packed")

@@ -34,6 +34,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "prompt_column": {"task": "causal_lm", "completion_column": "answer"},
     "completion_column": {"task": "causal_lm", "prompt_column": "question"},
     "streaming": {"max_steps": 10, "eval_fraction": 0.0},
+    "packing": {"task": "causal_lm"},
 }
 
 
