@@ -36,8 +36,9 @@ PACKABLE_COLUMNS = {"input_ids", "prompt_length"}
 ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
 # Architectures (transformers 5.24) built wholly or partly of such layers, for configs that do not list layer_types.
 SEQUENTIAL_MODELS = {
-    "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe", "mamba",
-    "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_next", "qwen3_5", "qwen3_5_moe", "recurrent_gemma", "rwkv",
+    "bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "glm5_next", "granitemoehybrid", "inkling", "inkling2",
+    "inkling2_loop", "jamba", "kimi_linear", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2",
+    "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp", "recurrent_gemma", "rwkv",
     "xlstm", "zamba", "zamba2",
 }
 
