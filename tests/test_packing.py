@@ -160,7 +160,9 @@ def test_refused_where_samples_cannot_be_kept_apart(tmp_path, tiny_llama, lm_csv
     with pytest.raises(ModelError, match="packing=true cannot keep samples apart.*mamba"):
         _data(str(mamba), lm_csv, True)
     hybrid = tmp_path / "hybrid"  # any architecture whose layer_types lists a layer that is not attention
-    AutoConfig.from_pretrained(tiny_llama, layer_types=["full_attention", "conv"]).save_pretrained(hybrid)
+    config = AutoConfig.from_pretrained(tiny_llama)
+    config.layer_types = ["full_attention", "conv"]
+    config.save_pretrained(hybrid)
     AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(hybrid)
     with pytest.raises(ModelError, match="its conv layers carry state"):
         _data(str(hybrid), lm_csv, True)
