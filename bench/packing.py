@@ -66,6 +66,20 @@ def make_model(path: Path) -> None:
     tok.save_pretrained(path)
 
 
+def sample_lengths(values: dict[str, object]) -> str:
+    """The tokenised samples' lengths, as a line."""
+    from transformers import AutoTokenizer
+
+    from finetune.config import from_dict
+    from finetune.data import load_data
+
+    c = from_dict({**values, "packing": False})
+    lengths = load_data(c, AutoTokenizer.from_pretrained(c.model))[0].lengths
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99]).astype(int)
+    return (f"sample lengths in tokens: median {p50}, mean {lengths.mean():.0f}, 90th percentile {p90}, 99th {p99}, "
+            f"max {lengths.max()} (cut at {c.max_length}: {int((lengths == c.max_length).sum())} samples)")
+
+
 def padding(values: dict[str, object]) -> tuple[float, int, int]:
     """(padding share of the micro-batches' token slots, rows, samples) for one epoch of this configuration."""
     from transformers import AutoTokenizer
@@ -126,7 +140,7 @@ def main() -> None:
             "packed": {"packing": True, "effective_batch_size": args.rows, "micro_batch_size": args.rows},
         }
         print(f"{args.samples} prompt/completion pairs, max_length {args.max_length}, tiny Llama on "
-              f"{len(os.sched_getaffinity(0))} CPU core(s), fp32, one epoch\n")
+              f"{len(os.sched_getaffinity(0))} CPU core(s), fp32, one epoch; {sample_lengths(base)}\n")
         print("| configuration | rows (samples) | optimizer steps | padding | real tokens | train s | tokens/s |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for name, extra in configs.items():

@@ -186,7 +186,10 @@ def test_refused_where_the_attention_ignores_position_ids(tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
     check_keeps_samples_apart(model, "tiny")
     model.set_attn_implementation("causal_only")
-    with pytest.raises(ModelError, match="with causal_only a sample's logits change"):
+    with pytest.raises(ModelError, match="with causal_only attention a sample's logits change"):
+        check_keeps_samples_apart(model, "tiny")
+    model.config._attn_implementation = "flash_attention_2"  # refused before any forward: it needs a GPU
+    with pytest.raises(ModelError, match="separates only in micro-batches of one row"):
         check_keeps_samples_apart(model, "tiny")
 
 
