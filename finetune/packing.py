@@ -58,7 +58,7 @@ def check_architecture(c: Config) -> None:
     other = sorted(str(k) for k in kinds - ATTENTION_LAYERS)
     model_type = getattr(model_config, "model_type", "")
     if other or model_type in SEQUENTIAL_MODELS:
-        what = f"{', '.join(other)} layers" if other else f"{model_type} layers"
+        what = f"{model_type} layers" if model_type in SEQUENTIAL_MODELS else f"{', '.join(other)} layers"
         raise ModelError(f"packing=true cannot keep samples apart in {name!r}: its {what} carry state from one "
                          "token to the next across sample boundaries; set packing=false.")
 
