@@ -92,6 +92,10 @@ class Config:
     push_to_hub: str | None = _opt(None, "Hub repository (user/name) to push the final model and its model card to "
                                    "when the run ends; the token comes from HF_TOKEN.", group="advanced")
     hub_private: bool = _opt(True, "Create the `push_to_hub` repository as private.", group="advanced")
+    # --- packing
+    packing: bool = _opt(False, "Causal LM: pack samples into rows of `max_length` (best-fit decreasing), each "
+                         "sample attending only to itself (position ids restart per sample); the loss is that of "
+                         "the unpacked samples, and the batch sizes count packed rows.", group="data")
     # --- where the run goes
     output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).")
     overwrite: bool = _opt(False, "Replace an existing run in `output_dir`.")
@@ -310,6 +314,11 @@ def _cross_checks(c: Config) -> list[str]:
     if c.push_to_hub and (problem := repo_id_problem(c.push_to_hub)):
         problems.append(problem)
     problems += _long_document_checks(c)
+    if c.packing and c.task != "causal_lm":
+        problems.append("`packing=true` is for task=causal_lm: a classifier takes one sample per row.")
+    if c.packing and c.streaming:
+        problems.append("`packing=true` packs the whole tokenised set once and cannot pack a stream: set "
+                        "streaming=false or packing=false.")
     if c.max_steps is None and c.epochs <= 0:
         problems.append("`epochs` must be above 0 (or set `max_steps`).")
     return problems

@@ -20,6 +20,7 @@ from finetune.chat import MESSAGES_NAMES
 from finetune.config import Config
 from finetune.encoding import IGNORE_INDEX, Columns, Encoded, collate, encode
 from finetune.errors import ConfigError, DataError
+from finetune.packing import check_architecture, pack
 from finetune.stream import StreamData
 from finetune.windows import epoch_windows, micro_batches, windows_per_epoch
 
@@ -142,6 +143,8 @@ def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
     if not c.dataset:
         raise ConfigError(["No `dataset` given: set dataset=<file or hub id> (for example "
                            "dataset=assets/sst2_sample.csv)."])
+    if c.packing:  # before anything is tokenised: some architectures cannot keep packed samples apart
+        check_architecture(c)
     if c.streaming:
         return _load_stream(c, tokenizer, resolve_batch(c, num_processes).effective_batch_size)
     table = load_table(c.dataset, c.dataset_config, c.train_split)
@@ -156,6 +159,8 @@ def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
         parts = table.train_test_split(test_size=c.eval_fraction, seed=c.seed)
         table, eval_table = parts["train"], parts["test"]
     train_data = encode(table, cols, c, tokenizer, names, c.dataset)
+    if c.packing:  # the packed row becomes the sample unit of windows, micro-batches and the plan
+        train_data = pack(train_data, c.max_length)
     eval_data = encode(eval_table, cols, c, tokenizer, names, c.eval_dataset or c.dataset) \
         if eval_table is not None else None
     return train_data, eval_data, names

@@ -5,7 +5,7 @@ tokenizer makes them, `label` (classification), `prompt_length` (causal LM: the 
 are masked out of the loss, a prompt or the context a block repeats from the one before) and, for conversations
 (`finetune.chat`), `loss_mask` with `num_targets`: a causal LM's targets are the input ids themselves, so they are
 derived in `collate` rather than stored as a second copy. `document`, `segment` and `dropped_tokens` say where each
-row came from (`finetune.segments`).
+row came from (`finetune.segments`). Rows packed by `finetune.packing` are collated here too (`packed_batch`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class Encoded:
         self.lengths: np.ndarray = pc.list_value_length(self._arrow["input_ids"]).to_numpy().astype(np.int32)
         self._prompt = (self._arrow["prompt_length"].to_numpy() if "prompt_length" in rows.column_names
                         else np.zeros(len(rows), dtype=np.int32))
-        # Conversations count their learned targets at encode time: the window's count stays one array sum.
+        # Conversations and packed rows count their targets when they are written: the window's count stays one
+        # array sum.
         self._targets = (self._arrow["num_targets"].to_numpy() if "num_targets" in rows.column_names else None)
 
     def __len__(self) -> int:
@@ -263,6 +264,8 @@ def _is_kept(dropped: list[int]) -> list[bool]:
 def collate(data: Any, indices: list[int], pad_id: int, causal: bool) -> dict[str, torch.Tensor]:
     """A right-padded micro-batch of these samples (padding only to the longest of them), from Arrow rows."""
     rows = data.columns(indices)
+    if "segment_lengths" in rows.column_names:  # packed rows (finetune/packing.py)
+        return packed_batch(rows, pad_id)
     ids = rows.column("input_ids").combine_chunks()
     lengths = pc.list_value_length(ids).to_numpy()
     width = int(lengths.max())
@@ -287,3 +290,32 @@ def collate(data: Any, indices: list[int], pad_id: int, causal: bool) -> dict[st
     else:
         batch["labels"] = torch.from_numpy(rows.column("label").to_numpy().astype(np.int64))
     return batch
+
+
+def packed_batch(rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
+    """A micro-batch of packed rows: input ids right-padded to the longest row, position ids restarting at every
+    sample (and at the padding), labels with each sample's first token and its prompt masked; no attention mask,
+    so that the model builds the block-diagonal mask from the position ids."""
+    ids = rows.column("input_ids").combine_chunks()
+    lengths = pc.list_value_length(ids).to_numpy()
+    width = int(lengths.max())
+    present = np.arange(width) < lengths[:, None]  # row-major, like the flattened values
+    flat_ids = ids.flatten().to_numpy().astype(np.int64)
+    segments = rows.column("segment_lengths").combine_chunks().flatten().to_numpy().astype(np.int64)
+    segment_starts = np.concatenate([[0], np.cumsum(segments)[:-1]])
+    positions = np.arange(len(flat_ids)) - np.repeat(segment_starts, segments)
+    prompts = rows.column("segment_prompts").combine_chunks().flatten().to_numpy() if "segment_prompts" in \
+        rows.column_names else np.zeros(len(segments), dtype=np.int64)
+    learned = positions >= np.repeat(np.maximum(prompts, 1), segments)
+    if "loss_mask" in rows.column_names:  # conversations: only their learned tokens
+        learned &= rows.column("loss_mask").combine_chunks().flatten().to_numpy().astype(bool)
+
+    input_ids = np.full((len(lengths), width), pad_id, dtype=np.int64)
+    input_ids[present] = flat_ids
+    # Padding restarts its positions too: it is a sequence of its own, which no real token can see (causal, after).
+    position_ids = np.arange(width)[None, :] - lengths[:, None]
+    position_ids[present] = positions
+    labels = np.full_like(input_ids, IGNORE_INDEX)
+    labels[present] = np.where(learned, flat_ids, IGNORE_INDEX)
+    return {"input_ids": torch.from_numpy(input_ids), "position_ids": torch.from_numpy(position_ids),
+            "labels": torch.from_numpy(labels)}

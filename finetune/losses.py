@@ -17,7 +17,10 @@ def loss_sum(model: Any, batch: dict[str, torch.Tensor], causal: bool) -> tuple[
     """
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits.float()
+    # Packed rows come with position ids and no attention mask. transformers builds the block-diagonal mask from
+    # them only without a cache, and a causal LM makes one by default (config.use_cache), even in training.
+    extra = {"use_cache": False} if "position_ids" in inputs else {}
+    logits = model(**inputs, **extra).logits.float()
     if causal:
         # Position t predicts token t+1. Shift the labels, not the logits: slicing the (b, s, vocab) logits would
         # copy the largest tensor of a small LM's step.

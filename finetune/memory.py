@@ -124,10 +124,18 @@ def _adapters_stay_where_made() -> Iterator[None]:
         yield
 
 
-def synthetic_batch(model: Any, micro: int, tokens: int, causal: bool, device: Any = None) -> dict[str, Any]:
-    """A worst-case micro-batch of random token ids: `micro` samples of `tokens` tokens, every one attended."""
+def synthetic_batch(model: Any, micro: int, tokens: int, causal: bool, device: Any = None, packed: bool = False
+                    ) -> dict[str, Any]:
+    """A worst-case micro-batch of random token ids: `micro` samples of `tokens` tokens, every one attended.
+
+    `packed`: rows of two packed samples (position ids restarting, no attention mask), as `packing` trains them;
+    more than one sample per row is what makes the model build a full block-diagonal mask."""
     ids = torch.randint(3, max(getattr(model.config, "vocab_size", 0) or 0, 4), (micro, tokens), device=device)
     labels = ids if causal else torch.zeros(micro, dtype=torch.long, device=device)
+    if packed:
+        half = tokens // 2
+        positions = torch.cat([torch.arange(half, device=device), torch.arange(tokens - half, device=device)])
+        return {"input_ids": ids, "position_ids": positions.expand(micro, -1), "labels": labels}
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
@@ -144,7 +152,8 @@ def _micro_steps(model: Any, next_batch: Callable[[], dict[str, Any]], causal: b
         del loss
 
 
-def dry_run(skeleton: Skeleton, causal: bool, micro: int, tokens: int, accum: int, precision: str) -> int:
+def dry_run(skeleton: Skeleton, causal: bool, micro: int, tokens: int, accum: int, precision: str,
+            packed: bool = False) -> int:
     """Peak bytes that one window's forward and backward add on top of weights and optimizer state.
 
     Autocast acts on fake tensors as on real ones, so mixed precision keeps exactly the half- and full-precision
@@ -152,7 +161,7 @@ def dry_run(skeleton: Skeleton, causal: bool, micro: int, tokens: int, accum: in
     model = skeleton.model
     model.train()
     with skeleton.fake_mode:
-        batch = synthetic_batch(model, micro, tokens, causal)
+        batch = synthetic_batch(model, micro, tokens, causal, packed=packed)
     try:
         with skeleton.fake_mode, LiveTensorTracker() as tracker:
             _micro_steps(model, lambda: batch, causal, accum, precision, "cpu")
@@ -174,8 +183,8 @@ def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int
     optimizer = make_optimizer(c.replace(learning_rate=0.0), model)
 
     def window() -> None:
-        _micro_steps(model, lambda: synthetic_batch(model, micro, tokens, causal, device), causal, accum,
-                     precision, device.type)
+        _micro_steps(model, lambda: synthetic_batch(model, micro, tokens, causal, device, packed=c.packing),
+                     causal, accum, precision, device.type)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -103,7 +103,7 @@ def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens:
     gradients = _bytes(p for p in params if p.requires_grad)
     state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
     terms = {"weights": _bytes(params), "optimizer_state": int(state_per_byte * gradients)}
-    window = dry_run(skeleton, causal, micro, tokens, accum, precision)
+    window = dry_run(skeleton, causal, micro, tokens, accum, precision, packed=c.packing)
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
     # activations at the end of forward and the gradients at the end of backward), logits and activations.
     vocab = getattr(getattr(skeleton.model, "config", None), "vocab_size", 0) or 0

@@ -31,6 +31,7 @@ from finetune.evaluate import evaluate
 from finetune.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
 from finetune.modeling import load_tokenizer, save_model
 from finetune.optim import make_optimizer, make_scheduler
+from finetune.packing import check_keeps_samples_apart, packing_note
 from finetune.planner import plan_run
 from finetune.runtime import (
     distributed_mode,
@@ -258,6 +259,9 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
                            device=accelerator.device, load=True, distributed=mode)
     if note:
         plan = dataclasses.replace(plan, notes=(note, *plan.notes))
+    if c.packing:
+        check_keeps_samples_apart(model, c.model)
+        plan = dataclasses.replace(plan, notes=(*plan.notes, packing_note(train_data, c.max_length)))
     c = plan.apply(c)
     steps_per_epoch = windows_per_epoch(len(train_data), plan.batch.effective_batch_size)
     total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))

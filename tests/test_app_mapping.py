@@ -36,6 +36,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "streaming": {"max_steps": 10, "eval_fraction": 0.0},
     "messages_column": {"task": "causal_lm"},
     "stride": {"task": "causal_lm", "long_documents": "sliding_window"},
+    "packing": {"task": "causal_lm"},
 }
 
 
