@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, WORDS, _causal_tokenizer, _save, assert_same_weights, run_train, step_losses
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.cli import main
 from finetune.config import from_dict
@@ -277,3 +278,30 @@ def test_a_plain_text_run_continues_text_unless_asked_to_chat(tmp_path, chat_lla
     assert set(predict(str(tmp_path / "run"), ["good"], max_new_tokens=2, chat=True)[0]) == {"text", "reply"}
     # A model folder (no run around it) with a template chats by default.
     assert set(predict(chat_llama, ["good"], max_new_tokens=2)[0]) == {"text", "reply"}
+
+
+def test_packed_conversations_have_the_unpacked_loss_and_gradient(tmp_path, chat_llama):
+    # Packing carries each conversation's loss mask and target count into its row: one window of packed rows has
+    # the loss and gradient of the same conversations unpacked, and only assistant tokens are targets in both.
+    from test_packing import _window_loss_and_grad
+
+    data = _write_jsonl(tmp_path / "chat.jsonl", _conversations(12))
+    tok = AutoTokenizer.from_pretrained(chat_llama)
+
+    def load(packing: bool):
+        c = from_dict({"model": chat_llama, "dataset": data, "task": "causal_lm", "max_length": 256,
+                       "eval_fraction": 0, "packing": packing})
+        return load_data(c, tok)[0]
+
+    plain, packed = load(False), load(True)
+    assert len(packed) < len(plain) and packed.dropped == plain.dropped
+    model = AutoModelForCausalLM.from_pretrained(chat_llama, attn_implementation="sdpa")
+    samples, rows = list(range(len(plain))), list(range(len(packed)))
+    loss, count, grads = _window_loss_and_grad(model, plain, [samples[i: i + 4] for i in range(0, len(samples), 4)],
+                                               tok.pad_token_id)
+    p_loss, p_count, p_grads = _window_loss_and_grad(model, packed, [rows[i: i + 2] for i in range(0, len(rows), 2)],
+                                                     tok.pad_token_id)
+    assert p_count == count
+    assert p_loss == pytest.approx(loss, rel=1e-5)
+    for name in grads:
+        torch.testing.assert_close(p_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
