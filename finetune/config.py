@@ -65,6 +65,15 @@ class Config:
                            "windows follow the stream's order (a seeded 10,000-row shuffle buffer, no length "
                            "grouping); needs `max_steps`, and `eval_fraction=0` or a separate evaluation set.",
                            group="data")
+    # --- segment recurrence (truncated BPTT, issue #8)
+    segment_recurrence: bool = _opt(False, "Causal LM: train on whole documents segment by segment (`max_length` "
+                                    "tokens each), each segment attending to the detached keys/values of up to "
+                                    "`memory_length` earlier tokens; backward stops at segment boundaries "
+                                    "(truncated BPTT).", group="advanced")
+    memory_length: int | None = _opt(None, "Segment recurrence: tokens of detached context carried from earlier "
+                                     "segments (default: max_length).", min=1, max=1_048_576, group="advanced")
+    max_document_length: int | None = _opt(None, "Segment recurrence: cut documents to this many tokens (default: "
+                                           "whole documents).", min=8, max=100_000_000, group="advanced")
     # --- where the run goes
     output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).")
     overwrite: bool = _opt(False, "Replace an existing run in `output_dir`.")
@@ -254,6 +263,23 @@ def _cross_checks(c: Config) -> list[str]:
                         "`eval_dataset` or `eval_split` (read whole, not streamed).")
     if c.max_steps is None and c.epochs <= 0:
         problems.append("`epochs` must be above 0 (or set `max_steps`).")
+    return problems + _recurrence_checks(c)
+
+
+def _recurrence_checks(c: Config) -> list[str]:
+    problems = []
+    if not c.segment_recurrence:
+        for key in ("memory_length", "max_document_length"):
+            if getattr(c, key) is not None:
+                problems.append(f"`{key}` only applies with segment_recurrence=true: set that too, or drop `{key}`.")
+        return problems
+    if c.task != "causal_lm":
+        problems.append("`segment_recurrence=true` is for task=causal_lm: a classifier reads each text whole; turn "
+                        "it off.")
+    if c.gradient_checkpointing == "true":
+        problems.append("`segment_recurrence=true` cannot use gradient_checkpointing: transformers drops the carried "
+                        "cache under checkpointing (with only a warning), so segments would train without their "
+                        "memory; set gradient_checkpointing=false or auto.")
     return problems
 
 

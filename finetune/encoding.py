@@ -121,6 +121,25 @@ def _tokenize(batch: dict[str, list], *, tokenizer: Any, task: str, cols: dict[s
     return {"input_ids": [(x + eos)[:max_length] for x in enc["input_ids"]]}
 
 
+def _tokenize_documents(batch: dict[str, list], *, tokenizer: Any, task: str, cols: dict[str, str | None],
+                        max_length: int | None, label_index: dict[str, int] | None, eos: list[int]
+                        ) -> dict[str, list]:
+    """Whole causal-LM documents for segment recurrence, cut only at `max_length` (the optional
+    `max_document_length`): the training loop splits them into segments itself."""
+    def texts(column: str) -> list[str]:
+        return [str(v) for v in batch[column]]
+
+    cap = max_length or None
+    if cols["prompt"]:
+        prompts = tokenizer(texts(cols["prompt"]), add_special_tokens=True)["input_ids"]
+        completions = tokenizer(texts(cols["completion"]), add_special_tokens=False)["input_ids"]
+        return {"input_ids": [(p + comp + eos)[:cap] for p, comp in zip(prompts, completions, strict=True)],
+                "prompt_length": [len(p) for p in prompts]}
+    # verbose=False: a document longer than the model's own maximum is the point here, not a mistake.
+    enc = tokenizer(texts(cols["text"]), verbose=False)
+    return {"input_ids": [(x + eos)[:cap] for x in enc["input_ids"]]}
+
+
 def _features(c: Config, cols: Columns, tokenizer: Any) -> Any:
     from datasets import Features, List, Value
 
@@ -176,20 +195,25 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     if c.task == "classification":
         check_labels(table, cols.label, label_names, source)
     eos = [tokenizer.eos_token_id] if c.task == "causal_lm" and tokenizer.eos_token_id is not None else []
-    settings = {"task": c.task, "cols": asdict(cols), "max_length": c.max_length, "eos": eos,
+    documents = c.segment_recurrence and c.task == "causal_lm"
+    settings = {"task": c.task, "cols": asdict(cols), "eos": eos,
+                "max_length": (c.max_document_length or 0) if documents else c.max_length,
                 "label_index": {name: i for i, name in enumerate(label_names)} if label_names else None}
     # The cache key: the rows (datasets' fingerprint of the table: its files and every select/split applied) and
     # everything that changes their encoding. Computed here rather than by hashing the map function, whose
     # tokenizer argument hashes differently once it has been called.
-    key = hashlib.sha256(json.dumps([ENCODING_VERSION, table._fingerprint, settings, tokenizer_fingerprint(tokenizer)],
+    key = hashlib.sha256(json.dumps([ENCODING_VERSION, table._fingerprint, settings, tokenizer_fingerprint(tokenizer)]
+                                    + (["documents"] if documents else []),
                                     sort_keys=True).encode()).hexdigest()[:32]
     workers = num_processes_for(len(table)) if table.cache_files else 1
-    rows = table.map(_tokenize, batched=True, fn_kwargs={"tokenizer": tokenizer, **settings},
+    tokenize = _tokenize_documents if documents else _tokenize
+    rows = table.map(tokenize, batched=True, fn_kwargs={"tokenizer": tokenizer, **settings},
                      remove_columns=table.column_names, features=_features(c, cols, tokenizer),
                      num_proc=workers if workers > 1 else None, new_fingerprint=key)  # num_proc=1 still uses a pool
     data = Encoded(rows)
     if c.task == "causal_lm" and cols.prompt and len(data) and data.num_targets(list(range(len(data))), True) == 0:
-        raise DataError(f"Every completion of {source!r} is cut off by max_length={c.max_length}: raise it.")
+        cut = f"max_document_length={c.max_document_length}" if documents else f"max_length={c.max_length}"
+        raise DataError(f"Every completion of {source!r} is cut off by {cut}: raise it.")
     return data
 
 
