@@ -2,12 +2,12 @@
 full backprop over the whole document.
 
 Each document is `--length` words over a tiny word-level vocabulary: a key (one of 16 key words) first, filler
-words after it, and every `--every` words the marker `recall` followed by the key again. The key is far behind
-every recall: more than one segment back, thousands of tokens with the defaults' `--length 2048`. A tiny Llama
-(trained from scratch, the same seed and initial weights for every mode) is trained with `finetune.train` as
-(a) truncation at `max_length` (the recalls past it are lost), (b) chunks of `max_length` (every token is trained,
-but a chunk cannot see the key), (c) `segment_recurrence` with `max_length` segments and a memory covering the
-document, and (d) full backprop over the whole document (`max_length` = the document).
+words after it, and every `--every` words the marker `recall` followed by the key again. Every recall is in a later
+segment than the key and any earlier answer (the last recall of a default 1,024-token document is 900 tokens after
+the key). A tiny Llama (trained from scratch, the same seed and initial weights for every mode) is trained with
+`finetune.train` as (a) truncation at `max_length` (the recalls past it are lost), (b) chunks of `max_length`
+(every token is trained, but a chunk cannot see the key), (c) `segment_recurrence` with `max_length` segments and a
+memory covering the document, and (d) full backprop over the whole document (`max_length` = the document).
 
 Printed per mode: the recall loss and accuracy on held-out documents (the token after each `recall` marker: only a
 model that sees the key can predict it; chance is ln 16 = 2.77), the loss over all tokens (filler is uniform, so
@@ -15,7 +15,7 @@ ln(filler words) is its floor), each read the way the mode trains (a and b: chun
 memory, d: whole documents), the peak of live tensors of one training window (weights, AdamW state, the window's
 forward and backward: the live-tensor tracker of finetune/memory.py), the plan's predicted peak, and the time.
 
-    python bench/long_range.py            # the defaults: a few minutes on 2 cores
+    python bench/long_range.py --jobs 4   # the defaults, the four modes at once
     python bench/long_range.py --quick    # a smoke run
 """
 
@@ -25,6 +25,7 @@ import argparse
 import csv
 import json
 import math
+import multiprocessing
 import random
 import tempfile
 import time
@@ -157,22 +158,43 @@ def window_peak(model: torch.nn.Module, data, mode: str, segment: int, micro: in
     return static + tracker.peak
 
 
+def run_mode(name: str, values: dict, work: Path, eval_ids: torch.Tensor, segment: int, batch: int, lr: float,
+             threads: int) -> dict:
+    """Train one mode with `finetune.train`, then measure it (runs in its own process with --jobs)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    cfg = from_dict({**values, "output_dir": str(work / name)})
+    start = time.perf_counter()
+    result = train(cfg)
+    seconds = time.perf_counter() - start
+    model = AutoModelForCausalLM.from_pretrained(work / name / "model")
+    metrics = evaluate(model, eval_ids, name if name in ("recurrence", "full") else "blocks", segment)
+    peak = window_peak(model, load_data(cfg, load_tokenizer(cfg))[0], name, segment, batch, lr)
+    plan = json.loads((work / name / "plan.json").read_text())
+    row = {"mode": name, **metrics, "peak_mib": peak / 2**20, "plan_mib": plan["predicted_peak_bytes"] / 2**20,
+           "seconds": seconds, "steps": result.step}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--length", type=int, default=2048, help="words (= tokens) per document")
+    parser.add_argument("--length", type=int, default=1024, help="words (= tokens) per document")
     parser.add_argument("--segment", type=int, default=256, help="max_length: segment, chunk and truncation length")
-    parser.add_argument("--every", type=int, default=300, help="a recall every this many words")
-    parser.add_argument("--docs", type=int, default=96, help="training documents")
-    parser.add_argument("--steps", type=int, default=120, help="optimizer steps per mode")
-    parser.add_argument("--batch", type=int, default=8, help="effective batch (documents, or chunks for b)")
+    parser.add_argument("--every", type=int, default=300, help="a recall every this many words (keep it above "
+                        "--segment, so that no chunk holds a recall and an earlier answer)")
+    parser.add_argument("--docs", type=int, default=256, help="training documents")
+    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per mode")
+    parser.add_argument("--batch", type=int, default=16, help="effective batch (documents, or chunks for b)")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--jobs", type=int, default=1, help="modes trained at once, each in its own process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: short documents, few steps")
     parser.add_argument("--modes", default="truncate,chunk,recurrence,full")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if args.quick:
         args.length, args.segment, args.every, args.docs, args.steps = 512, 128, 150, 32, 10
-    torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="long_range_"))
     make_model(work / "model")
     rng = random.Random(0)
@@ -180,7 +202,7 @@ def main() -> None:
     eval_docs = [document(rng, args.length - 2, args.every) for _ in range(32)]
     write_csv(work / "train.csv", train_docs)
     write_csv(work / "chunks.csv", chunked(train_docs, args.segment))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(work / "model")
     eval_ids = torch.tensor([tok(" ".join(d))["input_ids"] for d in eval_docs])
@@ -195,22 +217,14 @@ def main() -> None:
                        "memory_length": args.length},
         "full": {"dataset": str(work / "train.csv"), "max_length": args.length},
     }
-    rows = []
-    for name in args.modes.split(","):
-        out = work / name
-        start = time.perf_counter()
-        result = train(from_dict({**common, **modes[name], "output_dir": str(out)}))
-        seconds = time.perf_counter() - start
-        model = AutoModelForCausalLM.from_pretrained(out / "model")
-        read_as = name if name in ("recurrence", "full") else "blocks"
-        metrics = evaluate(model, eval_ids, read_as, args.segment)
-        cfg = from_dict({**common, **modes[name], "output_dir": str(out)})
-        data = load_data(cfg, load_tokenizer(cfg))[0]
-        peak = window_peak(model, data, name, args.segment, args.batch, args.lr)
-        plan = json.loads((out / "plan.json").read_text())
-        rows.append({"mode": name, **metrics, "peak_mib": peak / 2**20,
-                     "plan_mib": plan["predicted_peak_bytes"] / 2**20, "seconds": seconds, "steps": result.step})
-        print(json.dumps(rows[-1]), flush=True)
+    names = args.modes.split(",")
+    jobs = [(n, {**common, **modes[n]}, work, eval_ids, args.segment, args.batch, args.lr,
+             max(1, 2 // args.jobs)) for n in names]
+    if args.jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            rows = pool.starmap(run_mode, jobs)
+    else:
+        rows = [run_mode(*job) for job in jobs]
     print(f"\n{args.length}-token documents, max_length {args.segment}, a recall every {args.every} tokens, "
           f"{args.steps} steps of {args.batch}; chance recall loss ln 16 = {math.log(16):.2f}, all-token floor "
           f"≈ ln {len(FILLER)} = {math.log(len(FILLER)):.2f}\n")
