@@ -154,7 +154,10 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     memory, segments = None, 1
     recurrence = Recurrence.of(c)
     if recurrence:  # activations are one segment's; the cache carries up to memory_length earlier tokens
-        longest, tokens = tokens, min(tokens, recurrence.segment_length)
+        # A stream's documents are not known yet: plan for the full memory (or max_document_length's).
+        longest = tokens if len(lengths) else (c.max_document_length or recurrence.segment_length
+                                               + recurrence.memory_length)
+        tokens = min(longest, recurrence.segment_length)
         memory, segments = recurrence.memory_reached(longest), recurrence.num_segments(longest)
         notes.append(f"Segment recurrence: the longest document ({longest} tokens) is {segments} segment(s) of up "
                      f"to {tokens} tokens, each carrying a cache of up to {memory} earlier tokens.")
@@ -234,8 +237,10 @@ def refine_with_probe(plan: Plan, model: Any, c: Config, longest: int | None = N
     planned = plan.apply(c)  # measure with what training will use (the plan's optimizer, precision)
 
     recurrence = Recurrence.of(c)
-    memory = recurrence.memory_reached(longest or plan.worst_case_tokens) if recurrence else None
-    segments = recurrence.num_segments(longest or plan.worst_case_tokens) if recurrence else 1
+    memory, segments = None, 1
+    if recurrence:  # unknown lengths (a stream): the full memory, as the dry run assumed
+        longest = longest or c.max_document_length or recurrence.segment_length + recurrence.memory_length
+        memory, segments = recurrence.memory_reached(longest), recurrence.num_segments(longest)
 
     def measured(b: int) -> int:
         return measure_window(model, planned, micro=b, tokens=plan.worst_case_tokens,
@@ -287,7 +292,7 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
     model = prepare_for_training(load_model(c, label_names), c, checkpointing=plan.gradient_checkpointing,
                                  lora=plan.lora)
     if probe:
-        plan = refine_with_probe(plan, model.to(device), c, longest=worst_case_tokens(c, lengths))
+        plan = refine_with_probe(plan, model.to(device), c, longest=int(max(lengths)) if len(lengths) else None)
     return plan, model
 
 

@@ -177,8 +177,12 @@ def check_run(c: Config, lengths: Any) -> None:
 
     from finetune.modeling import resolve_model_path
 
-    longest = int(np.max(lengths)) if len(lengths) else (c.max_document_length or c.max_length)
     model_config = AutoConfig.from_pretrained(resolve_model_path(c.model), trust_remote_code=c.trust_remote_code)
+    limit = absolute_position_limit(model_config)
+    if not len(lengths) and c.max_document_length is None and limit is not None:  # a stream: lengths unknown
+        raise ModelError(f"segment_recurrence=true with streamed data needs max_document_length (at most {limit}) "
+                         "for a model with learned absolute positions: documents of unknown length could pass them.")
+    longest = int(np.max(lengths)) if len(lengths) else (c.max_document_length or c.max_length)
     check_model_config(model_config, longest)
 
 

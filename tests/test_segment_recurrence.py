@@ -284,6 +284,17 @@ def test_stop_and_resume_is_exact(tmp_path, tiny_llama, lm_csv):
     assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
 
 
+def test_streamed_documents_train_like_documents_in_memory(tmp_path, tiny_llama, lm_csv):
+    values = {**RECURRENT, "shuffle": False, "group_by_length": False, "max_steps": 3, "micro_batch_size": 4}
+    memory, memory_events, _ = run_train(tmp_path / "memory", model=tiny_llama, dataset=lm_csv, **values)
+    streamed, streamed_events, _ = run_train(tmp_path / "stream", model=tiny_llama, dataset=lm_csv, streaming=True,
+                                             **values)
+    assert_same_weights(streamed, memory)
+    assert step_losses(streamed_events) == pytest.approx(step_losses(memory_events), rel=1e-6)
+    plan = json.loads((tmp_path / "stream" / "plan.json").read_text())
+    assert plan["breakdown"]["carried_cache"] > 0  # lengths unknown: planned for the whole memory
+
+
 def test_lora_trains_with_recurrence(tmp_path, tiny_llama, lm_csv):
     result = train(from_dict({"model": tiny_llama, "dataset": lm_csv, "output_dir": str(tmp_path / "lora"),
                               "micro_batch_size": 4, "lora": "true", "max_steps": 2, "precision": "fp32",
