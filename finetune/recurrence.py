@@ -111,9 +111,19 @@ def segment_loss_sum(model: Any, input_ids: torch.Tensor, labels: torch.Tensor, 
                            reduction="sum")
 
 
+def no_single_token_tail(batch: dict[str, torch.Tensor], recurrence: Recurrence) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's input ids and labels, one padding column wider if the last segment would be one token: a
+    one-token call takes Mamba2's decoding path, which writes its state in place and breaks backward. Padding after
+    every document changes no result."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    if ids.size(1) % recurrence.segment_length == 1 and recurrence.segment_length > 1:
+        ids, labels = F.pad(ids, (0, 1), value=0), F.pad(labels, (0, 1), value=IGNORE_INDEX)
+    return ids, labels
+
+
 def document_loss_sum(model: Any, batch: dict[str, torch.Tensor], recurrence: Recurrence) -> torch.Tensor:
     """A micro-batch's loss sum segment by segment, without backward (evaluation)."""
-    ids, labels = batch["input_ids"], batch["labels"]
+    ids, labels = no_single_token_tail(batch, recurrence)
     cache, total = recurrence.new_cache(model), torch.zeros((), dtype=torch.float64, device=ids.device)
     for start, end in recurrence.segments(ids.size(1)):
         total += segment_loss_sum(model, ids, labels, start, end, cache).double()
@@ -139,11 +149,11 @@ def backward_window(model: Any, micro: list[list[int]], collate_fn: Callable[[li
     scale = weight * steps * dist.num_processes / max(count, 1)
     loss_total = torch.zeros((), dtype=torch.float64, device=dist.device)
     for mb in micro:
-        batch = {k: v.to(dist.device) for k, v in collate_fn(mb).items()}
+        ids, labels = no_single_token_tail({k: v.to(dist.device) for k, v in collate_fn(mb).items()}, recurrence)
         cache = recurrence.new_cache(model)  # a fresh state for every micro-batch of documents
-        for start, end in recurrence.segments(batch["input_ids"].size(1)):
+        for start, end in recurrence.segments(ids.size(1)):
             with dist.accumulate(model):
-                loss = segment_loss_sum(model, batch["input_ids"], batch["labels"], start, end, cache)
+                loss = segment_loss_sum(model, ids, labels, start, end, cache)
                 dist.backward(loss * scale)
             detach_cache(cache)
             loss_total += loss.detach().double() * weight

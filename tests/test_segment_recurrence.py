@@ -184,7 +184,7 @@ def _reference_tbptt_gradient(model, ids, labels, segment, count):
     model.zero_grad()
     for start in range(0, ids.size(1), segment):
         end = min(start + segment, ids.size(1))
-        memory = DynamicCache()
+        memory = DynamicCache(config=model.config)
         if start:
             with torch.no_grad():
                 model(input_ids=ids[:, :start], cache=memory, use_cache=True)
@@ -196,22 +196,39 @@ def _reference_tbptt_gradient(model, ids, labels, segment, count):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_gradient_equals_the_textbook_detaching_loop_and_differs_from_full_backprop():
-    model = _llama()
-    ids = torch.randint(0, 97, (2, 33), generator=torch.Generator().manual_seed(4))
+@pytest.mark.parametrize("make", [_llama, _mamba2], ids=["llama", "mamba2"])
+def test_gradient_equals_the_textbook_detaching_loop_and_differs_from_full_backprop(make):
+    model = make()
+    ids = torch.randint(0, 97, (2, 34), generator=torch.Generator().manual_seed(4))
     labels = ids.clone()
     labels[1, 20:] = IGNORE_INDEX  # a shorter second document, right-padded
     count = int((labels[:, 1:] != IGNORE_INDEX).sum())
     reference = _reference_tbptt_gradient(model, ids, labels, 8, count)
     model.zero_grad()
     batch = {"input_ids": ids, "labels": labels}
-    backward_window(model, [[0, 1]], lambda mb: batch, count, OneProcess(), Recurrence(8, 64), np.array([33, 20]))
+    backward_window(model, [[0, 1]], lambda mb: batch, count, OneProcess(), Recurrence(8, 64), np.array([34, 20]))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, reference[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     # Negative control: backprop through the whole document is a different gradient.
     model.zero_grad()
     (loss_sum(model, {**batch, "attention_mask": torch.ones_like(ids)}, True)[0] / count).backward()
     assert any(not torch.allclose(p.grad, reference[n], atol=1e-6) for n, p in model.named_parameters())
+
+
+def test_a_one_token_last_segment_trains_mamba2():
+    """33 tokens in segments of 8 would leave a one-token segment, which Mamba2 runs on its in-place decoding path:
+    the loop pads one column instead, with the same result as padding by hand."""
+    model = _mamba2()
+    ids = torch.randint(0, 97, (2, 33), generator=torch.Generator().manual_seed(7))
+    grads = []
+    for batch in ({"input_ids": ids, "labels": ids},
+                  {"input_ids": F.pad(ids, (0, 3)), "labels": F.pad(ids, (0, 3), value=IGNORE_INDEX)}):
+        model.zero_grad()
+        backward_window(model, [[0, 1]], lambda mb, b=batch: b, 64, OneProcess(), Recurrence(8, 64),
+                        np.array([33, 33]))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_padding_changes_nothing():
@@ -256,6 +273,25 @@ def test_micro_batches_of_documents_train_like_one_batch(tmp_path, tiny_llama, l
     plain, _, _ = run_train(tmp_path / "plain", model=tiny_llama, dataset=lm_csv, micro_batch_size=8,
                             **{**RECURRENT, "segment_recurrence": False, "memory_length": None, "max_length": 128})
     assert any(not torch.allclose(plain[k], one[k], atol=1e-6) for k in one)  # it is not the plain run
+
+
+def test_mamba2_micro_batches_train_like_one_batch(tmp_path, lm_csv):
+    from conftest import _causal_tokenizer
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    tok = _causal_tokenizer()
+    path = tmp_path / "mamba2"
+    Mamba2ForCausalLM(Mamba2Config(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                                   state_size=8, n_groups=1, expand=2, chunk_size=8, conv_kernel=4,
+                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(path)
+    tok.save_pretrained(path)
+    values = {**RECURRENT, "max_steps": 2}
+    one, one_events, _ = run_train(tmp_path / "one", model=str(path), dataset=lm_csv, micro_batch_size=8, **values)
+    split, split_events, _ = run_train(tmp_path / "split", model=str(path), dataset=lm_csv, micro_batch_size=2,
+                                       **values)
+    torch.testing.assert_close(step_losses(split_events), step_losses(one_events), rtol=1e-5, atol=1e-6)
+    assert_same_weights(split, one)
 
 
 def test_two_processes_equal_one(tmp_path, tiny_llama, lm_csv):
