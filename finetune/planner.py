@@ -23,7 +23,7 @@ from finetune.config import Config
 from finetune.errors import PlanError
 from finetune.memory import Skeleton, dry_run, dry_run_segments, measure_window, model_skeleton
 from finetune.modeling import load_model, prepare_for_training
-from finetune.recurrence import Recurrence
+from finetune.recurrence import Recurrence, check_run
 from finetune.runtime import device_memory, resolve_precision
 
 GIB = 2**30
@@ -281,6 +281,8 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
 
     Returns the plan and the model loaded for it, prepared for training (checkpointing, LoRA). The model is loaded
     when the probe needs it or `load` asks for it; a dry run alone reads no weights (None)."""
+    if c.segment_recurrence:  # refuse a model that would train silently wrong before planning for it
+        check_run(c, lengths)
     plan = _dry_run_plan(c, lengths, len(label_names or []), num_processes=num_processes, distributed=distributed)
     probe = probe_enabled(c)
     if probe and distributed == "fsdp":  # the probe trains the whole model on one device: what FSDP is there to avoid

@@ -32,7 +32,7 @@ from finetune.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, St
 from finetune.modeling import load_tokenizer, save_model
 from finetune.optim import make_optimizer, make_scheduler
 from finetune.planner import plan_run
-from finetune.recurrence import Recurrence, check_run, self_check
+from finetune.recurrence import Recurrence, self_check
 from finetune.recurrence import backward_window as recurrent_backward_window
 from finetune.runtime import (
     distributed_mode,
@@ -242,9 +242,7 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     tokenizer = load_tokenizer(c)
     with accelerator.main_process_first():  # the main process tokenises into the cache, the others read it
         train_data, eval_data, label_names = load_data(c, tokenizer, num_processes=accelerator.num_processes)
-    recurrence = Recurrence.of(c)
-    if recurrence:
-        check_run(c, train_data.lengths)
+    recurrence = Recurrence.of(c)  # plan_run refuses the models it would train silently wrong
     set_seed(c.seed)  # before the model is loaded: a new classification head is initialised from it
     # The plan needs the data (the worst-case length) but no weights: its dry run runs on fake tensors. The model
     # comes back loaded and prepared as the plan says (and, with the probe, measured).

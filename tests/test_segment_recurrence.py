@@ -439,6 +439,10 @@ def test_model_refusals(capsys, tmp_path, base, kind):
     err = capsys.readouterr().err
     assert code == 2 and expected in err and "Traceback" not in err and err.count("\n") == 1
     assert not (tmp_path / "run" / "plan.json").exists()  # refused before the plan or any weight
+    if kind == "gpt2":  # `finetune plan` refuses it too
+        plan_args = [a for a in base if not a.startswith(("output_dir", "epochs"))]
+        assert main(["plan", *plan_args, f"model={tmp_path / kind}"]) == 2
+        assert expected in capsys.readouterr().err
 
 
 def test_plan_json_names_the_mode(tmp_path, tiny_llama, lm_csv):
