@@ -96,6 +96,15 @@ class Config:
     packing: bool = _opt(False, "Causal LM: pack samples into rows of `max_length` (best-fit decreasing), each "
                          "sample attending only to itself (position ids restart per sample); the loss is that of "
                          "the unpacked samples, and the batch sizes count packed rows.", group="data")
+    # --- segment recurrence (truncated BPTT, issue #8)
+    segment_recurrence: bool = _opt(False, "Causal LM: train on whole documents segment by segment (`max_length` "
+                                    "tokens each), each segment attending to the detached keys/values of up to "
+                                    "`memory_length` earlier tokens; backward stops at segment boundaries "
+                                    "(truncated BPTT).", group="advanced")
+    memory_length: int | None = _opt(None, "Segment recurrence: tokens of detached context carried from earlier "
+                                     "segments (default: max_length).", min=1, max=1_048_576, group="advanced")
+    max_document_length: int | None = _opt(None, "Segment recurrence: cut documents to this many tokens (default: "
+                                           "whole documents).", min=8, max=100_000_000, group="advanced")
     # --- where the run goes
     output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).")
     overwrite: bool = _opt(False, "Replace an existing run in `output_dir`.")
@@ -321,6 +330,32 @@ def _cross_checks(c: Config) -> list[str]:
                         "streaming=false or packing=false.")
     if c.max_steps is None and c.epochs <= 0:
         problems.append("`epochs` must be above 0 (or set `max_steps`).")
+    return problems + _recurrence_checks(c)
+
+
+def _recurrence_checks(c: Config) -> list[str]:
+    problems = []
+    if not c.segment_recurrence:
+        for key in ("memory_length", "max_document_length"):
+            if getattr(c, key) is not None:
+                problems.append(f"`{key}` only applies with segment_recurrence=true: set that too, or drop `{key}`.")
+        return problems
+    if c.task != "causal_lm":
+        problems.append("`segment_recurrence=true` is for task=causal_lm: a classifier reads each text whole; turn "
+                        "it off.")
+    if c.gradient_checkpointing == "true":
+        problems.append("`segment_recurrence=true` cannot use gradient_checkpointing: transformers drops the carried "
+                        "cache under checkpointing (with only a warning), so segments would train without their "
+                        "memory; set gradient_checkpointing=false or auto.")
+    if c.long_documents in ("chunk", "sliding_window"):
+        problems.append(f"`segment_recurrence=true` reads each document whole, segment by segment with its memory: "
+                        f"it cannot be combined with long_documents={c.long_documents}; set long_documents=auto.")
+    if c.packing:
+        problems.append("`segment_recurrence=true` carries a document's memory from one segment to the next, which "
+                        "packed rows of several samples cannot: set packing=false.")
+    if c.messages_column:
+        problems.append("`segment_recurrence=true` is for long plain-text or prompt/completion documents, not "
+                        "conversations: turn it off for `messages_column` data.")
     return problems
 
 

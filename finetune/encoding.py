@@ -29,7 +29,7 @@ from finetune.chat import (
     require_template,
 )
 from finetune.config import Config
-from finetune.errors import DataError
+from finetune.errors import ConfigError, DataError
 from finetune.segments import Segmentation, context_tokens, count_segments, resolve_mode, split_documents
 from finetune.windows import Windows, epoch_windows
 
@@ -162,10 +162,31 @@ def _tokenize(batch: dict[str, list], indices: list[int], *, tokenizer: Any, tas
     return split_documents(docs, indices, max_length, context, truncate=mode == "truncate")
 
 
-def _features(c: Config, cols: Columns, tokenizer: Any) -> Any:
+def _tokenize_documents(batch: dict[str, list], *, tokenizer: Any, task: str, cols: dict[str, str | None],
+                        max_length: int | None, label_index: dict[str, int] | None, eos: list[int]
+                        ) -> dict[str, list]:
+    """Whole causal-LM documents for segment recurrence, cut only at `max_length` (the optional
+    `max_document_length`): the training loop splits them into segments itself."""
+    def texts(column: str) -> list[str]:
+        return [str(v) for v in batch[column]]
+
+    cap = max_length or None
+    if cols["prompt"]:
+        prompts = tokenizer(texts(cols["prompt"]), add_special_tokens=True)["input_ids"]
+        completions = tokenizer(texts(cols["completion"]), add_special_tokens=False)["input_ids"]
+        return {"input_ids": [(p + comp + eos)[:cap] for p, comp in zip(prompts, completions, strict=True)],
+                "prompt_length": [len(p) for p in prompts]}
+    # verbose=False: a document longer than the model's own maximum is the point here, not a mistake.
+    enc = tokenizer(texts(cols["text"]), verbose=False)
+    return {"input_ids": [(x + eos)[:cap] for x in enc["input_ids"]]}
+
+
+def _features(c: Config, cols: Columns, tokenizer: Any, documents: bool = False) -> Any:
     from datasets import Features, List, Value
 
     spec = {"input_ids": List(Value("int32"))}
+    if documents:  # segment recurrence: whole documents (`_tokenize_documents`)
+        return Features({**spec, "prompt_length": Value("int32")} if cols.prompt else spec)
     if c.task == "classification":
         spec["label"] = Value("int64")
         if "token_type_ids" in tokenizer.model_input_names:
@@ -220,10 +241,17 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     if c.task == "classification":
         check_labels(table, cols.label, label_names, source)
     eos = [tokenizer.eos_token_id] if c.task == "causal_lm" and tokenizer.eos_token_id is not None else []
-    mode = resolve_mode(c, plain_text=not (cols.prompt or cols.messages))
+    documents = c.segment_recurrence and c.task == "causal_lm"  # whole documents, split by the loop itself
+    if documents and cols.messages:  # a conversation column guessed from the data
+        raise ConfigError(["`segment_recurrence=true` is for long plain-text or prompt/completion documents, not "
+                           "conversations: turn it off for `messages_column` data."])
+    mode = "whole" if documents else resolve_mode(c, plain_text=not (cols.prompt or cols.messages))
     settings = {"task": c.task, "cols": asdict(cols), "max_length": c.max_length, "eos": eos,
                 "label_index": {name: i for i, name in enumerate(label_names)} if label_names else None,
                 "mode": mode, "context": context_tokens(c, mode)}
+    if documents:
+        settings = {"task": c.task, "cols": asdict(cols), "eos": eos, "max_length": c.max_document_length or 0,
+                    "label_index": settings["label_index"]}
     if cols.messages:
         check_conversations(_file_column(table, cols.messages), cols.messages, source)
         # The template is part of the key: the tokenizer's fingerprint covers its vocabulary, not its template.
@@ -231,17 +259,23 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     # The cache key: the rows (datasets' fingerprint of the table: its files and every select/split applied) and
     # everything that changes their encoding. Computed here rather than by hashing the map function, whose
     # tokenizer argument hashes differently once it has been called.
-    key = hashlib.sha256(json.dumps([ENCODING_VERSION, table._fingerprint, settings, tokenizer_fingerprint(tokenizer)],
+    key = hashlib.sha256(json.dumps([ENCODING_VERSION, table._fingerprint, settings, tokenizer_fingerprint(tokenizer)]
+                                    + (["documents"] if documents else []),
                                     sort_keys=True).encode()).hexdigest()[:32]
     workers = num_processes_for(len(table)) if table.cache_files else 1
-    rows = table.map(_tokenize, batched=True, with_indices=True, fn_kwargs={"tokenizer": tokenizer, **settings},
-                     remove_columns=table.column_names, features=_features(c, cols, tokenizer),
+    tokenize = _tokenize_documents if documents else _tokenize
+    rows = table.map(tokenize, batched=True, with_indices=not documents,
+                     fn_kwargs={"tokenizer": tokenizer, **settings},
+                     remove_columns=table.column_names, features=_features(c, cols, tokenizer, documents),
                      num_proc=workers if workers > 1 else None, new_fingerprint=key)  # num_proc=1 still uses a pool
     if cols.messages:
         return _kept_conversations(rows, source, cols.messages, mode, c.max_length)
-    data = Encoded(rows, count_segments(rows, mode, c.max_length, splittable=c.task == "causal_lm" and not cols.prompt))
+    counts = None if documents else count_segments(rows, mode, c.max_length,
+                                                   splittable=c.task == "causal_lm" and not cols.prompt)
+    data = Encoded(rows, counts)
     if c.task == "causal_lm" and cols.prompt and len(data) and data.num_targets(list(range(len(data))), True) == 0:
-        raise DataError(f"Every completion of {source!r} is cut off by max_length={c.max_length}: raise it.")
+        cut = f"max_document_length={c.max_document_length}" if documents else f"max_length={c.max_length}"
+        raise DataError(f"Every completion of {source!r} is cut off by {cut}: raise it.")
     return data
 
 

@@ -12,12 +12,14 @@ from finetune.config import ConfigError, from_dict, parse_overrides, read_yaml
 from finetune.data import IGNORE_INDEX, Encoded, collate, encode, load_data, load_table, resolve_columns
 from finetune.losses import loss_sum
 from finetune.modeling import load_tokenizer, load_trained, resolve_model_dir, saved_label_names, task_of
+from finetune.recurrence import Recurrence, document_loss_sum
 
 
 @torch.inference_mode()
 def evaluate(model: Any, data: Encoded, *, causal: bool, num_labels: int, batch_size: int, pad_id: int,
-             accelerator: Any) -> dict[str, float]:
-    """Accuracy and macro-F1 (classification) or loss and perplexity (causal LM) over all processes."""
+             accelerator: Any, recurrence: Recurrence | None = None) -> dict[str, float]:
+    """Accuracy and macro-F1 (classification) or loss and perplexity (causal LM) over all processes; with
+    `recurrence`, documents are read segment by segment as in training."""
     was_training = model.training
     model.eval()
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -29,7 +31,10 @@ def evaluate(model: Any, data: Encoded, *, causal: bool, num_labels: int, batch_
     for s in range(0, len(mine), batch_size):
         idx = mine[s: s + batch_size]
         batch = {k: v.to(device) for k, v in collate(data, idx, pad_id, causal).items()}
-        loss, logits = loss_sum(model, batch, causal)
+        if recurrence:
+            loss = document_loss_sum(model, batch, recurrence)
+        else:
+            loss, logits = loss_sum(model, batch, causal)
         total[0] += loss.double()
         if causal:
             total[1] += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
@@ -86,7 +91,8 @@ def evaluate_saved(target: str, overrides: list[str]) -> dict[str, Any]:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model = accelerator.prepare(model)
     metrics = evaluate(model, eval_data, causal=cfg.task == "causal_lm", num_labels=len(labels or []),
-                       batch_size=64, pad_id=tokenizer.pad_token_id, accelerator=accelerator)
-    counts = eval_data.segmentation
-    return {"model": str(model_dir), "samples": len(eval_data), "documents": counts.documents,
-            "long_documents": counts.mode, **metrics}
+                       batch_size=64, pad_id=tokenizer.pad_token_id, accelerator=accelerator,
+                       recurrence=Recurrence.of(cfg))
+    counts = eval_data.segmentation  # None for whole documents read segment by segment
+    split = {"documents": counts.documents, "long_documents": counts.mode} if counts is not None else {}
+    return {"model": str(model_dir), "samples": len(eval_data), **split, **metrics}

@@ -152,6 +152,61 @@ def _micro_steps(model: Any, next_batch: Callable[[], dict[str, Any]], causal: b
         del loss
 
 
+def _segment_steps(model: Any, ids_of: Callable[[int], torch.Tensor], segment: int, memory: int, steps: int,
+                   precision: str, device_type: str) -> int:
+    """Segment recurrence's micro steps at their worst: the cache filled with `memory` tokens by earlier segments
+    (without a graph, as detached), then `steps` segments forward and backward (two stand for any number, as in
+    `_micro_steps`). Returns the carried cache's bytes."""
+    from finetune.recurrence import Recurrence, detach_cache, segment_loss_sum
+
+    half = HALF_DTYPES.get(precision)
+    recurrence = Recurrence(segment, max(memory, 1))
+    cache = recurrence.new_cache(model)
+    with torch.autocast(device_type, dtype=half or torch.float32, enabled=half is not None):
+        with torch.no_grad():
+            for start, end in recurrence.segments(memory):
+                model(input_ids=ids_of(end - start), cache=cache, use_cache=True)
+                detach_cache(cache)
+        carried = tensor_bytes(_cache_tensors(cache))
+        for _ in range(min(steps, 2)):
+            ids = ids_of(segment + 1)
+            loss = segment_loss_sum(model, ids, ids, 0, segment, cache)
+            loss.backward()
+            del loss
+            detach_cache(cache)
+    return carried
+
+
+def _cache_tensors(cache: Any) -> list[torch.Tensor]:
+    tensors = []
+    for layer in cache.layers:
+        tensors += [getattr(layer, name, None) for name in ("keys", "values")]
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            tensors += list((states or {}).values())
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def dry_run_segments(skeleton: Skeleton, micro: int, segment: int, memory: int, steps: int, precision: str
+                     ) -> tuple[int, int]:
+    """`dry_run` for segment recurrence: peak bytes of a window's segments at full memory, and the carried cache's
+    bytes (part of that peak)."""
+    model = skeleton.model
+    model.train()
+    vocab = max(getattr(model.config, "vocab_size", 0) or 0, 4)
+
+    def ids_of(n: int) -> torch.Tensor:
+        with skeleton.fake_mode:
+            return torch.randint(3, vocab, (micro, n))
+
+    try:
+        with skeleton.fake_mode, LiveTensorTracker() as tracker:
+            carried = _segment_steps(model, ids_of, segment, memory, steps, precision, "cpu")
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    return tracker.peak, carried
+
+
 def dry_run(skeleton: Skeleton, causal: bool, micro: int, tokens: int, accum: int, precision: str,
             packed: bool = False) -> int:
     """Peak bytes that one window's forward and backward add on top of weights and optimizer state.
@@ -171,8 +226,10 @@ def dry_run(skeleton: Skeleton, causal: bool, micro: int, tokens: int, accum: in
     return tracker.peak
 
 
-def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int, precision: str) -> int:
-    """Measured peak bytes of one real window (forward, backward, optimizer step) at the worst-case length.
+def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int, precision: str,
+                   memory: int | None = None) -> int:
+    """Measured peak bytes of one real window (forward, backward, optimizer step) at the worst-case length; with
+    `memory`, of segment recurrence's segments of `tokens` carrying `memory` tokens (`accum` micro steps).
 
     The weights do not change (the probe's own optimizer runs at learning rate 0 and is thrown away) and the
     random state is restored, so training afterwards is exactly what it would have been."""
@@ -183,8 +240,13 @@ def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int
     optimizer = make_optimizer(c.replace(learning_rate=0.0), model)
 
     def window() -> None:
-        _micro_steps(model, lambda: synthetic_batch(model, micro, tokens, causal, device, packed=c.packing),
-                     causal, accum, precision, device.type)
+        if memory is not None:
+            vocab = max(getattr(model.config, "vocab_size", 0) or 0, 4)
+            _segment_steps(model, lambda n: torch.randint(3, vocab, (micro, n), device=device), tokens, memory,
+                           accum, precision, device.type)
+        else:
+            _micro_steps(model, lambda: synthetic_batch(model, micro, tokens, causal, device, packed=c.packing),
+                         causal, accum, precision, device.type)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

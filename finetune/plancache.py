@@ -26,8 +26,8 @@ from finetune.modeling import resolve_model_path
 # The options make_plan reads (directly or through the skeleton it builds); anything else cannot change a plan.
 PLAN_OPTIONS = ("task", "max_length", "effective_batch_size", "micro_batch_size", "grad_accum_steps",
                 "memory_budget_gb", "gradient_checkpointing", "lora", "lora_r", "lora_alpha", "lora_dropout",
-                "lora_target_modules", "optimizer", "precision", "packing")
-PLANNING_CODE = ("planner.py", "memory.py", "modeling.py", "losses.py", "batch.py")
+                "lora_target_modules", "optimizer", "precision", "packing", "segment_recurrence", "memory_length")
+PLANNING_CODE = ("planner.py", "memory.py", "modeling.py", "losses.py", "batch.py", "recurrence.py", "packing.py")
 LIBRARIES = ("torch", "transformers", "peft")
 
 

@@ -21,8 +21,9 @@ from finetune import plancache
 from finetune.batch import BatchSplit, divisors, resolve_batch
 from finetune.config import Config
 from finetune.errors import PlanError
-from finetune.memory import Skeleton, dry_run, measure_window, model_skeleton
+from finetune.memory import Skeleton, dry_run, dry_run_segments, measure_window, model_skeleton
 from finetune.modeling import load_model, prepare_for_training
+from finetune.recurrence import Recurrence, check_run
 from finetune.runtime import device_memory, resolve_precision
 
 GIB = 2**30
@@ -96,20 +97,27 @@ def overhead(tensors: int, device: str) -> int:
 
 
 def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens: int, accum: int, precision: str,
-             optimizer: str, device: str, shards: int = 1) -> dict[str, int]:
+             optimizer: str, device: str, shards: int = 1, memory: int | None = None) -> dict[str, int]:
     """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
-    optimizer state over `shards` processes."""
+    optimizer state over `shards` processes. With `memory` (segment recurrence), `tokens` is one segment and
+    `accum` its micro steps, which carry a cache of `memory` earlier tokens."""
     params = list(skeleton.model.parameters())
     gradients = _bytes(p for p in params if p.requires_grad)
     state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
     terms = {"weights": _bytes(params), "optimizer_state": int(state_per_byte * gradients)}
-    window = dry_run(skeleton, causal, micro, tokens, accum, precision, packed=c.packing)
+    carried = 0
+    if memory is None:
+        window = dry_run(skeleton, causal, micro, tokens, accum, precision, packed=c.packing)
+    else:
+        window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
     # activations at the end of forward and the gradients at the end of backward), logits and activations.
     vocab = getattr(getattr(skeleton.model, "config", None), "vocab_size", 0) or 0
     terms["gradients"] = min(gradients, window)
     terms["logits"] = min(2 * micro * tokens * vocab * 4 if causal else 0, window - terms["gradients"])
-    terms["activations"] = window - terms["gradients"] - terms["logits"]
+    if memory is not None:  # memory_length tokens × layers × KV heads × head dim × 2 × dtype bytes × micro-batch
+        terms["carried_cache"] = carried
+    terms["activations"] = window - terms["gradients"] - terms["logits"] - carried
     # Each process keeps 1/N of every parameter, its gradient and its optimizer state; activations and logits
     # belong to the process's own micro-batch and are not sharded.
     for term in SHARDED_TERMS:
@@ -143,6 +151,16 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     batch = resolve_batch(c, num_processes)
     candidates = _micro_candidates(c, batch)
     notes: list[str] = []
+    memory, segments = None, 1
+    recurrence = Recurrence.of(c)
+    if recurrence:  # activations are one segment's; the cache carries up to memory_length earlier tokens
+        # A stream's documents are not known yet: plan for the full memory (or max_document_length's).
+        longest = tokens if len(lengths) else (c.max_document_length or recurrence.segment_length
+                                               + recurrence.memory_length)
+        tokens = min(longest, recurrence.segment_length)
+        memory, segments = recurrence.memory_reached(longest), recurrence.num_segments(longest)
+        notes.append(f"Segment recurrence: the longest document ({longest} tokens) is {segments} segment(s) of up "
+                     f"to {tokens} tokens, each carrying a cache of up to {memory} earlier tokens.")
     shards = num_processes if distributed == "fsdp" else 1
     if shards > 1:
         notes.append(f"Weights, gradients and optimizer state sharded over {shards} processes (FSDP): each holds "
@@ -155,8 +173,8 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
         def peak_of(micro: int, skeleton: Skeleton = skeleton, level: str = level, optimizer: str = optimizer
                     ) -> tuple[int, dict[str, int]]:
             terms = estimate(skeleton, c, causal=causal, micro=micro, tokens=tokens,
-                             accum=batch.per_process // micro, precision=precision, optimizer=optimizer,
-                             device=device_name, shards=shards)
+                             accum=batch.per_process // micro * segments, precision=precision, optimizer=optimizer,
+                             device=device_name, shards=shards, memory=memory)
             tried.append(Attempt(level, micro, sum(terms.values())))
             return sum(terms.values()), terms
 
@@ -207,19 +225,27 @@ def probe_enabled(c: Config) -> bool:
     return c.plan_probe == "true" or (c.plan_probe == "auto" and torch.cuda.is_available())
 
 
-def refine_with_probe(plan: Plan, model: Any, c: Config) -> Plan:
+def refine_with_probe(plan: Plan, model: Any, c: Config, longest: int | None = None) -> Plan:
     """Correct a dry-run plan with measured peaks at two micro-batch sizes (fit peak = α + β·micro).
 
-    `c` is the config the plan was made from: where it leaves the split open, a smaller micro-batch may be chosen."""
+    `c` is the config the plan was made from: where it leaves the split open, a smaller micro-batch may be chosen.
+    With segment recurrence, `longest` (the longest document) sets the segments and the carried memory."""
     candidates = _micro_candidates(c, plan.batch)
     upper = plan.batch.micro_batch_size
     lower = next((d for d in candidates if d < upper), None)
     sizes = [b for b in (lower, upper) if b]
     planned = plan.apply(c)  # measure with what training will use (the plan's optimizer, precision)
 
+    recurrence = Recurrence.of(c)
+    memory, segments = None, 1
+    if recurrence:  # unknown lengths (a stream): the full memory, as the dry run assumed
+        longest = longest or c.max_document_length or recurrence.segment_length + recurrence.memory_length
+        memory, segments = recurrence.memory_reached(longest), recurrence.num_segments(longest)
+
     def measured(b: int) -> int:
         return measure_window(model, planned, micro=b, tokens=plan.worst_case_tokens,
-                              accum=max(plan.batch.per_process // b, 1), precision=plan.precision)
+                              accum=max(plan.batch.per_process // b, 1) * segments, precision=plan.precision,
+                              memory=memory)
 
     points = {b: measured(b) for b in sizes}
     if len(points) == 2:
@@ -235,6 +261,8 @@ def refine_with_probe(plan: Plan, model: Any, c: Config) -> Plan:
             # The measured total, split like the dry run: the fixed terms stay, the rest is activations.
             breakdown = {k: plan.breakdown[k] for k in ("weights", "optimizer_state", "gradients")}
             breakdown["logits"] = plan.breakdown["logits"] * b // upper
+            if "carried_cache" in plan.breakdown:
+                breakdown["carried_cache"] = plan.breakdown["carried_cache"] * b // upper
             breakdown["activations"] = max(0, tensors - sum(breakdown.values()))
             breakdown["overhead"] = extra
             note = f"Probe measured {_gib(points[upper])} at micro-batch {upper} (dry run: {_gib(tensors_dry)})."
@@ -253,6 +281,8 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
 
     Returns the plan and the model loaded for it, prepared for training (checkpointing, LoRA). The model is loaded
     when the probe needs it or `load` asks for it; a dry run alone reads no weights (None)."""
+    if c.segment_recurrence:  # refuse a model that would train silently wrong before planning for it
+        check_run(c, lengths)
     plan = _dry_run_plan(c, lengths, len(label_names or []), num_processes=num_processes, distributed=distributed)
     probe = probe_enabled(c)
     if probe and distributed == "fsdp":  # the probe trains the whole model on one device: what FSDP is there to avoid
@@ -264,7 +294,7 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
     model = prepare_for_training(load_model(c, label_names), c, checkpointing=plan.gradient_checkpointing,
                                  lora=plan.lora)
     if probe:
-        plan = refine_with_probe(plan, model.to(device), c)
+        plan = refine_with_probe(plan, model.to(device), c, longest=int(max(lengths)) if len(lengths) else None)
     return plan, model
 
 
@@ -287,7 +317,9 @@ def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_process
 
 def _levels(c: Config, notes: list[str]) -> list[tuple[str, bool, str, bool]]:
     """The escalation ladder as (name, checkpointing, optimizer, lora), respecting what the user fixed."""
-    ckpt_allowed = c.gradient_checkpointing != "false"
+    ckpt_allowed = c.gradient_checkpointing != "false" and not c.segment_recurrence
+    if c.segment_recurrence and c.gradient_checkpointing == "auto":
+        notes.append("Gradient checkpointing not considered: it drops segment recurrence's carried cache.")
     lora_allowed = c.lora != "false"
     base_ckpt = c.gradient_checkpointing == "true"
     base_lora = c.lora == "true"

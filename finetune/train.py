@@ -33,6 +33,8 @@ from finetune.modeling import load_tokenizer, save_model
 from finetune.optim import make_optimizer, make_scheduler
 from finetune.packing import check_keeps_samples_apart, packing_note
 from finetune.planner import plan_run
+from finetune.recurrence import Recurrence, self_check
+from finetune.recurrence import backward_window as recurrent_backward_window
 from finetune.runtime import (
     distributed_mode,
     fallback_note,
@@ -116,6 +118,7 @@ class Setup:
     log: EventLog
     distributed: str = "single"  # how the run really distributes: single, ddp, fsdp or deepspeed
     note: str | None = None  # when that is not what the launcher asked for
+    recurrence: Recurrence | None = None  # segment recurrence (truncated BPTT), when on
 
     @property
     def causal(self) -> bool:
@@ -207,6 +210,9 @@ def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
     def collate_fn(mb: list[int]) -> dict[str, torch.Tensor]:
         return collate(s.train_data, mb, s.tokenizer.pad_token_id, s.causal)
 
+    if s.recurrence:
+        return recurrent_backward_window(s.model, micro, collate_fn, count, accelerator, s.recurrence, lengths,
+                                         weight=weight), count
     return backward_window(s.model, micro, collate_fn, count, accelerator, causal=s.causal, weight=weight), count
 
 
@@ -249,6 +255,7 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     if c.messages_column is None and getattr(train_data, "messages", None):
         # config.yaml says the run trained on conversations (and so `finetune predict` chats with its model).
         c = c.replace(messages_column=train_data.messages)
+    recurrence = Recurrence.of(c)  # plan_run refuses the models it would train silently wrong
     set_seed(c.seed)  # before the model is loaded: a new classification head is initialised from it
     # The plan needs the data (the worst-case length) but no weights: its dry run runs on fake tensors. The model
     # comes back loaded and prepared as the plan says (and, with the probe, measured).
@@ -263,6 +270,8 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
         check_keeps_samples_apart(model, c.model)
         plan = dataclasses.replace(plan, notes=(*plan.notes, packing_note(train_data, c.max_length)))
     c = plan.apply(c)
+    if recurrence:
+        self_check(model, recurrence)
     steps_per_epoch = windows_per_epoch(len(train_data), plan.batch.effective_batch_size)
     total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
     optimizer = make_optimizer(c, model)
@@ -290,7 +299,7 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     return Setup(config=c, accelerator=accelerator, batch=plan.batch, run_dir=run_dir, tokenizer=tokenizer,
                  train_data=train_data, eval_data=eval_data, label_names=label_names, model=model,
                  optimizer=optimizer, scheduler=scheduler, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                 progress=progress, log=log, distributed=mode, note=note)
+                 progress=progress, log=log, distributed=mode, note=note, recurrence=recurrence)
 
 
 def _global_count(s: Setup, indices: list[int]) -> int:
@@ -313,7 +322,7 @@ def _evaluate(s: Setup, epoch: float) -> dict[str, float]:
         return {}
     metrics = evaluate(s.model, s.eval_data, causal=s.causal, num_labels=len(s.label_names or []),
                        batch_size=_eval_batch_size(s), pad_id=s.tokenizer.pad_token_id,
-                       accelerator=s.accelerator)
+                       accelerator=s.accelerator, recurrence=s.recurrence)
     s.log.emit(Eval(step=s.progress.step, epoch=round(epoch, 4), metrics=metrics))
     return metrics
 
