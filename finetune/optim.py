@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,11 +29,24 @@ def make_optimizer(c: Config, model: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=c.learning_rate)
 
 
+def warmup_factor(step: int, *, schedule: str, warmup: int, total: int) -> float:
+    """The learning rate's multiplier at optimizer step `step`: linear warm-up from 0, then linear decay to 0,
+    a half cosine to 0, or constant; transformers' `get_scheduler` formulas (tests/test_startup.py pins them)."""
+    if step < warmup:
+        return step / max(1, warmup)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "cosine":
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
 def make_scheduler(c: Config, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
     """The LR schedule, sized in optimizer steps (it must step once per optimizer step, so keep it out of
     `accelerator.prepare`, which would step it once per process)."""
-    from transformers import get_scheduler
-
-    name = {"constant": "constant_with_warmup"}.get(c.lr_scheduler, c.lr_scheduler)
-    return get_scheduler(name, optimizer, num_warmup_steps=round(c.warmup_ratio * total_steps),
-                         num_training_steps=total_steps)
+    # A torch LambdaLR, as transformers' get_scheduler builds it, without importing transformers.optimization:
+    # that module imports transformers.trainer_utils and with it peft, a tenth of a second of every start.
+    factor = partial(warmup_factor, schedule=c.lr_scheduler, warmup=round(c.warmup_ratio * total_steps),
+                     total=total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
