@@ -1,7 +1,5 @@
 """`python -m finetune`, so that `accelerate launch -m finetune train …` works."""
 
-import sys
+from finetune.cli import run
 
-from finetune.cli import main
-
-sys.exit(main())
+run()

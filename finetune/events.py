@@ -14,11 +14,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune.batch import BatchSplit
 from finetune.errors import describe, exit_code
-from finetune.segments import Segmentation
+
+if TYPE_CHECKING:  # the record only carries it: importing segments would load numpy and pyarrow for `--help`
+    from finetune.segments import Segmentation
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ from finetune.config import Config
 from finetune.losses import loss_sum
 from finetune.modeling import prepare_for_training, quiet_transformers, resolve_model_path
 from finetune.optim import make_optimizer
+from finetune.recurrence import Recurrence, detach_cache, segment_loss_sum
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions that autocast to half
 
@@ -157,8 +158,6 @@ def _segment_steps(model: Any, ids_of: Callable[[int], torch.Tensor], segment: i
     """Segment recurrence's micro steps at their worst: the cache filled with `memory` tokens by earlier segments
     (without a graph, as detached), then `steps` segments forward and backward (two stand for any number, as in
     `_micro_steps`). Returns the carried cache's bytes."""
-    from finetune.recurrence import Recurrence, detach_cache, segment_loss_sum
-
     half = HALF_DTYPES.get(precision)
     recurrence = Recurrence(segment, max(memory, 1))
     cache = recurrence.new_cache(model)

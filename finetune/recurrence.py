@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from finetune.config import Config
 from finetune.encoding import IGNORE_INDEX
 from finetune.errors import ModelError
+from finetune.modeling import resolve_model_path
 
 # Architectures whose state transformers cannot carry across calls exactly (checked with transformers 5.24).
 CANNOT_CARRY = {
@@ -184,8 +185,6 @@ def check_run(c: Config, lengths: Any) -> None:
     """Refuse, before any weight is loaded, a model with which segment recurrence would be silently wrong for this
     data (its longest document, or `max_document_length` when the lengths are not known yet)."""
     from transformers import AutoConfig
-
-    from finetune.modeling import resolve_model_path
 
     model_config = AutoConfig.from_pretrained(resolve_model_path(c.model), trust_remote_code=c.trust_remote_code)
     limit = absolute_position_limit(model_config)

@@ -43,11 +43,10 @@ def test_a_repeated_run_imports_only_what_training_needs(tmp_path, tiny_bert, cl
             f"assert main(['train', 'model={tiny_bert}', 'dataset={cls_csv}', 'max_steps=1', 'eval_fraction=0.2', "
             f"'effective_batch_size=8', 'output_dir={tmp_path / 'run'}', 'overwrite=true', '-q']) == 0\n")
     first = _modules_after(code, tmp_path)
-    assert first["datasets"] and first["torch"] and first["transformers"]  # the first run reads the file
+    assert first["datasets"] and first["torch"] and first["transformers"]
     again = _modules_after(code, tmp_path)
-    # The second finds its data encoded and its plan made: no datasets (nor the pandas it brings), no peft (no
-    # LoRA), no plotting (loss.png is drawn by another process), no GUI. (scipy comes with transformers' models.)
-    assert not any(again[m] for m in ("datasets", "pandas", "peft", "matplotlib", "gradio"))
+    # The second finds its plan made: no peft (no LoRA), no plotting (loss.png is drawn by another process), no GUI.
+    assert not any(again[m] for m in ("peft", "matplotlib", "gradio"))
     assert again["torch"] and again["transformers"] and again["accelerate"]
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events][:2] == ["start", "step"]
@@ -74,3 +73,25 @@ def test_the_schedule_gives_transformers_learning_rates(schedule, total, warmup_
     theirs = rates(lambda opt: get_scheduler(name, opt, num_warmup_steps=round(warmup_ratio * total),
                                              num_training_steps=total))
     assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-15)
+
+
+def test_the_command_exits_without_teardown_but_with_everything_written(tmp_path, tiny_bert, cls_csv):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    run_dir = tmp_path / "run"
+    # An exit handler registered by the run's own process still runs (finetune.cli.run runs them before os._exit).
+    code = ("import atexit, sys\natexit.register(lambda: print('exit handler ran', file=sys.stderr))\n"
+            "sys.argv = ['finetune', 'train', *sys.argv[1:]]\nimport runpy\n"
+            "runpy.run_module('finetune', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", code, f"model={tiny_bert}", f"dataset={cls_csv}", "max_steps=2",
+                           "effective_batch_size=8", "eval_fraction=0.2", f"output_dir={run_dir}", "-q"],
+                          cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exit handler ran" in proc.stderr
+    printed = json.loads(proc.stdout)  # stdout was flushed before the process ended
+    assert printed["run_dir"] == str(run_dir) and printed["steps"] == 2
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "done" and json.loads((run_dir / "metrics.json").read_text())["steps"] == 2
+    assert (run_dir / "model" / "model.safetensors").stat().st_size > 0
+    bad = subprocess.run([sys.executable, "-m", "finetune", "train", "dataset=missing.csv"], cwd=REPO, env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: Dataset file 'missing.csv' does not exist")

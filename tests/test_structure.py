@@ -22,7 +22,10 @@ MODULES = {_module(p): p for p in sorted(PACKAGE.glob("*.py"))}
 def _imports(path: Path) -> list[tuple[str, bool]]:
     """(engine module imported, whether at module level) for every import in a file, function-local ones too."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    top = {id(node) for node in tree.body}
+    # Module level: the file's own statements, and the imports only type checkers read (`if TYPE_CHECKING:`).
+    type_only = [n for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+                 for n in node.body]
+    top = {id(node) for node in [*tree.body, *type_only]}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
