@@ -37,6 +37,9 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "messages_column": {"task": "causal_lm"},
     "stride": {"task": "causal_lm", "long_documents": "sliding_window"},
     "packing": {"task": "causal_lm"},
+    "segment_recurrence": {"task": "causal_lm", "gradient_checkpointing": "false"},
+    "memory_length": {"task": "causal_lm", "segment_recurrence": True},
+    "max_document_length": {"task": "causal_lm", "segment_recurrence": True},
 }
 
 
