@@ -91,9 +91,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
         if not p.is_file():
             raise ConfigError([f"Input file {args.file!r} does not exist."])
         texts += [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    task_name = args.task
+    if texts and texts[0].startswith("task="):  # `finetune predict RUN task=<name> TEXT…`, as eval takes it
+        task_name, texts = texts[0].removeprefix("task="), texts[1:]
     if not texts:
         raise ConfigError(["Nothing to predict: give texts as arguments or --file with one text per line."])
-    for result in predict(args.model, texts, max_new_tokens=args.max_new_tokens):
+    for result in predict(args.model, texts, max_new_tokens=args.max_new_tokens, task_name=task_name):
         print(json.dumps(result, ensure_ascii=False))
     return EXIT_OK
 
@@ -171,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("texts", nargs="*", help="Texts to classify or continue.")
     p.add_argument("--file", help="A file with one text per line.")
     p.add_argument("--max-new-tokens", type=int, default=40, help="Causal LM: tokens to generate.")
+    p.add_argument("--task", help="Multi-task model: the task to use (also given as task=<name> before the texts).")
     p.set_defaults(func=cmd_predict)
     p = sub.add_parser("init", help="Write a commented example config.")
     p.add_argument("path", nargs="?", default="finetune.yaml")

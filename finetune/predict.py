@@ -6,15 +6,19 @@ from typing import Any
 
 import torch
 
+from finetune.heads import task_model_dir
 from finetune.modeling import load_trained, resolve_model_dir, task_of
 
 
 @torch.inference_mode()
-def predict(target: str, texts: list[str], max_new_tokens: int = 40) -> list[dict[str, Any]]:
-    """Per text: the label with class probabilities (classification), or a generated continuation (causal LM)."""
+def predict(target: str, texts: list[str], max_new_tokens: int = 40, task_name: str | None = None
+            ) -> list[dict[str, Any]]:
+    """Per text: the label with class probabilities (classification), or a generated continuation (causal LM).
+    A multi-task model needs `task_name`: that task's head, or its prompt prefix before each text."""
     from transformers import AutoTokenizer
 
-    model_dir, _ = resolve_model_dir(target)
+    model_dir, entry = task_model_dir(resolve_model_dir(target)[0], task_name)
+    prefix = (entry or {}).get("prompt_prefix") or ""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task = task_of(model_dir)
     model = load_trained(model_dir, task).eval()
@@ -22,7 +26,7 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40) -> list[dic
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         out = []
         for text in texts:
-            enc = tokenizer(text, return_tensors="pt")
+            enc = tokenizer(prefix + text, return_tensors="pt")
             ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
             out.append({"text": text, "generated": tokenizer.decode(ids[0, enc["input_ids"].shape[1]:],
                                                                     skip_special_tokens=True)})

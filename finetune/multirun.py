@@ -1,0 +1,113 @@
+"""What a multi-task run adds to the loop's setup, evaluation and saving (the loop itself is `finetune.train`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.config import Config
+from finetune.errors import PlanError
+from finetune.evaluate import evaluate
+from finetune.heads import MultiHeadModel, build_multihead, save_multihead, save_tasks_file
+from finetune.modeling import load_model, prepare_for_training, save_model
+from finetune.multitask import MultiData, TaskData
+from finetune.planner import Plan, plan_run
+
+# Bytes a trained parameter costs beyond its forward: its gradient and the optimizer's state (fp32).
+STATE_BYTES = {"sgd": 8, "adamw": 16, "adamw_8bit": 10}
+
+
+def plan_tasks(c: Config, data: MultiData, *, num_processes: int, distributed: str) -> Plan:
+    """The plan of the largest single task's graph: a micro-batch holds one task and is back-propagated on its
+    own, so the activations are one micro-batch's at the longest length of any task, never the sum over tasks."""
+    most_labels = max(data.tasks, key=lambda t: len(t.label_names or []))
+    # The probe would run one task's model only; the dry run on fake tensors plans for every task's worst case.
+    single = most_labels.config.replace(plan_probe="false")
+    plan, _ = plan_run(single, data.lengths, most_labels.label_names, num_processes=num_processes, device=None,
+                       distributed=distributed)
+    if plan.lora:
+        raise PlanError(["The plan needs LoRA to fit, which multi-task training does not offer yet: raise "
+                         "memory_budget_gb, lower max_length, or set gradient_checkpointing=true."])
+    shares = ", ".join(f"{name} {share:.1%}" for name, share in data.shares().items())
+    note = (f"Multi-task ({len(data.tasks)} tasks, mixing={c.mixing}): planned for the largest single task's graph "
+            "(each micro-batch holds one task and is back-propagated on its own), at the longest sample of any task"
+            f"; each task's share of a window: {shares}.")
+    return dataclasses.replace(plan, notes=(*plan.notes, note))
+
+
+def with_head_memory(plan: Plan, model: Any, optimizer: str) -> Plan:
+    """The plan with the other tasks' heads added: their weights, gradients and optimizer state stay in memory."""
+    if not isinstance(model, MultiHeadModel):
+        return plan
+    names = list(model.tasks)
+    params = sum(p.numel() for name in names[1:] for head in model.heads(name) for p in head.parameters())
+    extra = params * STATE_BYTES.get(optimizer, 16)
+    breakdown = {**plan.breakdown, "other_task_heads": extra}
+    return dataclasses.replace(plan, breakdown=breakdown, predicted_peak_bytes=plan.predicted_peak_bytes + extra)
+
+
+def load_multitask_model(c: Config, tasks: list[TaskData], plan: Plan) -> Any:
+    """The shared model: one head per task on one encoder (classification) or one causal LM for every task."""
+    first = prepare_for_training(load_model(tasks[0].config, tasks[0].label_names), c,
+                                 checkpointing=plan.gradient_checkpointing, lora=False)
+    if c.task == "causal_lm":
+        return first
+    return build_multihead(first, {t.spec.name: t.label_names for t in tasks})
+
+
+def evaluate_tasks(model: Any, data: MultiData, *, causal: bool, batch_size: int, pad_id: int, accelerator: Any
+                   ) -> dict[str, float]:
+    """Each task's metrics as `<task>/<metric>`, and their mean weighted by the tasks' `weight` as `<metric>`."""
+    inner = accelerator.unwrap_model(model)
+    out: dict[str, float] = {}
+    per_task: list[tuple[float, dict[str, float]]] = []
+    for t in data.tasks:
+        if t.eval is None or len(t.eval) == 0:
+            continue
+        view = inner.tasks[t.spec.name] if isinstance(inner, MultiHeadModel) else inner
+        was = view.training
+        metrics = evaluate(view, t.eval, causal=causal, num_labels=len(t.label_names or []), batch_size=batch_size,
+                           pad_id=pad_id, accelerator=accelerator)
+        view.train(was)
+        out.update({f"{t.spec.name}/{k}": v for k, v in metrics.items()})
+        per_task.append((t.spec.weight, metrics))
+    total = sum(w for w, _ in per_task)
+    if per_task and total > 0:
+        for key in per_task[0][1]:
+            out[key] = sum(w * m[key] for w, m in per_task) / total
+    return out
+
+
+def task_summary(data: MultiData) -> list[dict[str, Any]]:
+    """The tasks as `tasks.json` records them: name, weight, share of a window, labels or prompt prefix."""
+    out = []
+    for t, share in zip(data.tasks, data.shares().values(), strict=True):
+        entry: dict[str, Any] = {"name": t.spec.name, "weight": t.spec.weight, "share": share}
+        if t.label_names is not None:
+            entry["labels"] = t.label_names
+        if t.spec.prompt_prefix:
+            entry["prompt_prefix"] = t.spec.prompt_prefix
+        out.append(entry)
+    return out
+
+
+def save_multitask(model: Any, tokenizer: Any, run_dir: Path, data: MultiData) -> Path:
+    """The final model: a folder per task (classification) or one shared causal LM, and model/tasks.json."""
+    if isinstance(model, MultiHeadModel):
+        return save_multihead(model, tokenizer, run_dir, task_summary(data))
+    path = save_model(model, tokenizer, run_dir)
+    save_tasks_file(path, task_summary(data), causal=True)
+    return path
+
+
+def window_losses(sums: torch.Tensor, counts: list[int], data: MultiData, accelerator: Any
+                  ) -> tuple[float, dict[str, float]]:
+    """The window loss Σₜ wₜ · (sum of task t's losses) / Nₜ, and each present task's mean loss."""
+    total = accelerator.reduce(sums, "sum") if accelerator.num_processes > 1 else sums
+    per_task = {t.spec.name: (total[i] / n).item() for i, (t, n) in enumerate(zip(data.tasks, counts, strict=True))
+                if n > 0}
+    loss = sum(t.spec.weight * per_task[t.spec.name] for t in data.tasks if t.spec.name in per_task)
+    return float(loss), per_task
