@@ -394,11 +394,12 @@ def _finish(s: Setup, seconds: float) -> RunResult:
     # Sharded parameters are gathered into one full state dict on the main process first; every process must take
     # part in the gathering. Unsharded models save their own parameters.
     state_dict = accelerator.get_state_dict(s.model) if s.distributed in ("fsdp", "deepspeed") else None
-    if accelerator.is_main_process and s.multitask:
-        save_multitask(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, s.train_data)
-    elif accelerator.is_main_process:
-        save_model(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora,
-                   state_dict=state_dict)
+    if accelerator.is_main_process:
+        if s.multitask:  # a folder per task (or one shared causal LM) and model/tasks.json
+            save_multitask(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, s.train_data)
+        else:
+            save_model(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora,
+                       state_dict=state_dict)
         summary = {**metrics, "steps": p.step, "samples": p.samples, "skipped_steps": p.skipped,
                    "train_seconds": round(seconds, 2), "train_samples_per_s": round(p.samples / max(seconds, 1e-9), 2)}
         rundir.write_json(s.run_dir / "metrics.json", summary)
