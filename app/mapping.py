@@ -48,6 +48,7 @@ SECTIONS = {
     "batch": ("memory_budget_gb", "effective_batch_size", "micro_batch_size", "grad_accum_steps"),
     "run": ("output_dir", "overwrite", "resume"),
     "memory": ("gradient_checkpointing", "lora"),
+    "tasks": ("tasks", "mixing", "mixing_temperature", "mixing_cap"),
 }
 GROUP_SECTIONS = {"main": "training", "data": "data_more", "advanced": "advanced"}
 # Presets offered in the Model dropdown (free text is allowed too): the bundled MiniLM first, then hub ids.
