@@ -75,9 +75,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Run `finetune eval RUN_OR_MODEL [key=value …]`."""
-    from finetune.evaluate import evaluate_saved
+    from finetune.taskuse import evaluate_target
 
-    print(json.dumps(evaluate_saved(args.target, args.overrides), indent=2))
+    print(json.dumps(evaluate_target(args.target, args.overrides), indent=2))
     return EXIT_OK
 
 

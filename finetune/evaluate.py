@@ -10,7 +10,6 @@ import torch
 
 from finetune.config import ConfigError, from_dict, parse_overrides, read_yaml
 from finetune.data import IGNORE_INDEX, Encoded, collate, encode, load_data, load_table, resolve_columns
-from finetune.heads import read_tasks_file
 from finetune.losses import loss_sum
 from finetune.modeling import load_tokenizer, load_trained, resolve_model_dir, saved_label_names, task_of
 
@@ -64,10 +63,6 @@ def evaluate_saved(target: str, overrides: list[str]) -> dict[str, Any]:
 
     model_dir, run_dir = resolve_model_dir(target)
     extra = parse_overrides(overrides)
-    if read_tasks_file(model_dir) is not None:  # a multi-task model: `task=<name>` picks the task
-        from finetune.taskuse import evaluate_task
-
-        return evaluate_task(model_dir, run_dir, extra)
     values = read_yaml(run_dir / "config.yaml") if run_dir else {"task": task_of(model_dir)}
     values.update(extra, model=str(model_dir), resume=False, overwrite=False)
     if "dataset" in extra:  # a new dataset is evaluated whole, not split like the training data was

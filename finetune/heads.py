@@ -72,6 +72,33 @@ class MultiHeadModel(nn.Module):
         return out
 
 
+def add_body_lora(model: MultiHeadModel, c: Any) -> Any:
+    """LoRA adapters on the shared encoder only (once: it is one module), every task head fully trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    first = next(iter(model.tasks))
+    prefix = f"tasks.{first}.{model.body_name}."
+    wanted = None if c.lora_target_modules == "all-linear" else \
+        {t.strip() for t in c.lora_target_modules.split(",") if t.strip()}
+    # Full names, so that no head layer is adapted; named_modules() lists the shared encoder once, under `first`.
+    targets = [name for name, m in model.named_modules() if name.startswith(prefix) and isinstance(m, nn.Linear)
+               and (wanted is None or name.rsplit(".", 1)[-1] in wanted)]
+    if not targets:
+        raise ModelError(f"No linear layer of the shared encoder matches lora_target_modules="
+                         f"{c.lora_target_modules!r}: name some (for example query,value) or use all-linear.")
+    peft_model = get_peft_model(model, LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
+                                                  target_modules=targets))
+    for name in model.tasks:
+        for head in model.heads(name):
+            head.requires_grad_(True)
+    return peft_model
+
+
+def unwrap_multihead(model: Any) -> Any:
+    """The `MultiHeadModel` inside a LoRA wrapper, or `model` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _resize_head(model: nn.Module, body: nn.Module, old: int, names: list[str]) -> None:
     """Give `model`'s head (a copy of another task's) an output layer for `names` and fresh initial weights."""
     body_modules = {id(m) for m in body.modules()}

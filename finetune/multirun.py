@@ -9,9 +9,15 @@ from typing import Any
 import torch
 
 from finetune.config import Config
-from finetune.errors import PlanError
 from finetune.evaluate import evaluate
-from finetune.heads import MultiHeadModel, build_multihead, save_multihead, save_tasks_file
+from finetune.heads import (
+    MultiHeadModel,
+    add_body_lora,
+    build_multihead,
+    save_multihead,
+    save_tasks_file,
+    unwrap_multihead,
+)
 from finetune.modeling import load_model, prepare_for_training, save_model
 from finetune.multitask import MultiData, TaskData
 from finetune.planner import Plan, plan_run
@@ -28,9 +34,6 @@ def plan_tasks(c: Config, data: MultiData, *, num_processes: int, distributed: s
     single = most_labels.config.replace(plan_probe="false")
     plan, _ = plan_run(single, data.lengths, most_labels.label_names, num_processes=num_processes, device=None,
                        distributed=distributed)
-    if plan.lora:
-        raise PlanError(["The plan needs LoRA to fit, which multi-task training does not offer yet: raise "
-                         "memory_budget_gb, lower max_length, or set gradient_checkpointing=true."])
     shares = ", ".join(f"{name} {share:.1%}" for name, share in data.shares().items())
     note = (f"Multi-task ({len(data.tasks)} tasks, mixing={c.mixing}): planned for the largest single task's graph "
             "(each micro-batch holds one task and is back-propagated on its own), at the longest sample of any task"
@@ -40,6 +43,7 @@ def plan_tasks(c: Config, data: MultiData, *, num_processes: int, distributed: s
 
 def with_head_memory(plan: Plan, model: Any, optimizer: str) -> Plan:
     """The plan with the other tasks' heads added: their weights, gradients and optimizer state stay in memory."""
+    model = unwrap_multihead(model)
     if not isinstance(model, MultiHeadModel):
         return plan
     names = list(model.tasks)
@@ -50,18 +54,21 @@ def with_head_memory(plan: Plan, model: Any, optimizer: str) -> Plan:
 
 
 def load_multitask_model(c: Config, tasks: list[TaskData], plan: Plan) -> Any:
-    """The shared model: one head per task on one encoder (classification) or one causal LM for every task."""
+    """The shared model: one head per task on one encoder (classification) or one causal LM for every task; with
+    LoRA, adapters on the shared body and every head fully trained."""
+    causal = c.task == "causal_lm"
     first = prepare_for_training(load_model(tasks[0].config, tasks[0].label_names), c,
-                                 checkpointing=plan.gradient_checkpointing, lora=False)
-    if c.task == "causal_lm":
+                                 checkpointing=plan.gradient_checkpointing, lora=plan.lora and causal)
+    if causal:
         return first
-    return build_multihead(first, {t.spec.name: t.label_names for t in tasks})
+    model = build_multihead(first, {t.spec.name: t.label_names for t in tasks})
+    return add_body_lora(model, c) if plan.lora else model
 
 
 def evaluate_tasks(model: Any, data: MultiData, *, causal: bool, batch_size: int, pad_id: int, accelerator: Any
                    ) -> dict[str, float]:
     """Each task's metrics as `<task>/<metric>`, and their mean weighted by the tasks' `weight` as `<metric>`."""
-    inner = accelerator.unwrap_model(model)
+    inner = unwrap_multihead(accelerator.unwrap_model(model))
     out: dict[str, float] = {}
     per_task: list[tuple[float, dict[str, float]]] = []
     for t in data.tasks:
@@ -96,9 +103,11 @@ def task_summary(data: MultiData) -> list[dict[str, Any]]:
 
 def save_multitask(model: Any, tokenizer: Any, run_dir: Path, data: MultiData) -> Path:
     """The final model: a folder per task (classification) or one shared causal LM, and model/tasks.json."""
-    if isinstance(model, MultiHeadModel):
-        return save_multihead(model, tokenizer, run_dir, task_summary(data))
-    path = save_model(model, tokenizer, run_dir)
+    if isinstance(unwrap_multihead(model), MultiHeadModel):
+        # LoRA is merged into the shared body first: each task's folder is then a plain Transformers model.
+        merged = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+        return save_multihead(merged, tokenizer, run_dir, task_summary(data))
+    path = save_model(model, tokenizer, run_dir, merge_lora=True)
     save_tasks_file(path, task_summary(data), causal=True)
     return path
 

@@ -18,7 +18,7 @@ from finetune.data import collate, label_names_of, load_table, resolve_columns
 from finetune.encoding import Columns, Encoded, encode
 from finetune.errors import DataError, InputError
 from finetune.tasks import TaskSpec, single_task_values
-from finetune.windows import Windows, epoch_windows
+from finetune.windows import Windows, epoch_windows, micro_batches
 
 PREFIXED_PROMPT = "__finetune_prompt"  # the column a causal LM task's `prompt_prefix` is written to
 
@@ -174,8 +174,6 @@ def task_micro_batches(data: MultiData, window: list[int], micro_batch_size: int
                        ) -> tuple[list[tuple[int, list[int]]], float]:
     """This process's micro-batches of a window as (task, samples), one task each, and their weight (1, or 0 for
     a stand-in when the window leaves this process nothing)."""
-    from finetune.windows import micro_batches
-
     micro = [(t, mb) for t, group in enumerate(data.by_task(window))
              for mb in micro_batches(group, data.lengths, micro_batch_size, rank, num_processes)]
     if not micro:

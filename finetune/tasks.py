@@ -155,9 +155,6 @@ def check_tasks(c: Any) -> list[str]:
                         "into the task entries.")
     if c.streaming:
         problems.append("`streaming=true` does not combine with `tasks` yet: read the tasks' data whole.")
-    if c.lora == "true":
-        problems.append("`lora=true` does not combine with `tasks` yet: set lora=false or auto, and "
-                        "gradient_checkpointing=true if memory is short.")
     if c.mixing == "manual":
         missing = [t.name for t in tasks if t.probability is None]
         total = sum(t.probability or 0.0 for t in tasks)

@@ -7,14 +7,22 @@ from typing import Any
 
 import torch
 
-from finetune.config import ConfigError, from_dict, read_yaml
+from finetune.config import ConfigError, from_dict, parse_overrides, read_yaml
 from finetune.data import load_table, resolve_columns
 from finetune.encoding import encode
-from finetune.evaluate import evaluate
-from finetune.heads import task_model_dir
-from finetune.modeling import load_tokenizer, load_trained, task_of
+from finetune.evaluate import evaluate, evaluate_saved
+from finetune.heads import read_tasks_file, task_model_dir
+from finetune.modeling import load_tokenizer, load_trained, resolve_model_dir, task_of
 from finetune.multitask import load_task, with_prefix
 from finetune.tasks import single_task_values
+
+
+def evaluate_target(target: str, overrides: list[str]) -> dict[str, Any]:
+    """`finetune eval`: a multi-task model's task (`task=<name>`), or any other model as `evaluate_saved` does."""
+    model_dir, run_dir = resolve_model_dir(target)
+    if read_tasks_file(model_dir) is None:
+        return evaluate_saved(target, overrides)
+    return evaluate_task(model_dir, run_dir, parse_overrides(overrides))
 
 
 def evaluate_task(model_dir: Path, run_dir: Path | None, extra: dict[str, Any]) -> dict[str, Any]:

@@ -304,3 +304,21 @@ def test_config_refusals_name_the_task():
     assert from_dict(yaml.safe_load(c.to_yaml())) == c
     assert yaml.safe_load(c.to_yaml())["tasks"] == [{"name": "a", "dataset": "a", "weight": 2.0},
                                                     {"name": "b", "dataset": "b"}]
+
+
+def test_lora_adapts_the_shared_body_and_trains_every_head(tmp_path, tiny_bert, cls_csv, topic_csv):
+    got, events, _ = run_multi(tmp_path / "run", model=tiny_bert, tasks=two_tasks(cls_csv, topic_csv), lora="true",
+                               effective_batch_size=8, max_steps=4, learning_rate=0.05)
+    base = load_file(str(Path(tiny_bert) / "model.safetensors"))
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["lora"] is True and "largest single task's graph" in plan["notes"][-1]
+    assert plan["breakdown"]["other_task_heads"] > 0
+    # Merged into the one shared body: both tasks' folders hold the same encoder, adapted where LoRA sits.
+    for key in [k for k in base if k.startswith("bert.")]:
+        torch.testing.assert_close(got[f"sent/{key}"], got[f"topic/{key}"])
+    query = "bert.encoder.layer.0.attention.self.query.weight"
+    assert not torch.allclose(got[f"sent/{query}"], base[query])
+    torch.testing.assert_close(got["sent/bert.embeddings.word_embeddings.weight"],
+                               base["bert.embeddings.word_embeddings.weight"])  # not adapted, frozen
+    assert not torch.allclose(got["sent/classifier.weight"], base["classifier.weight"])  # the head is trained
+    assert got["topic/classifier.weight"].shape[0] == 3
