@@ -113,10 +113,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # As a launcher would run it: FSDP when asked for (or accelerate's variable says so) and more than one process.
     distributed = args.distributed or requested_mode() or "ddp"
     distributed = "single" if args.num_processes == 1 else distributed
-    train_data, _, label_names = load_data(cfg, load_tokenizer(cfg), num_processes=args.num_processes)
-    device = make_accelerator(resolve_precision(cfg.precision)).device  # where `finetune train` would probe
-    plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device,
-                       distributed=distributed)
+    if cfg.tasks:  # multi-task: the largest single task's graph (finetune.multirun)
+        from finetune.multirun import plan_tasks
+        from finetune.multitask import MultiData, load_tasks
+
+        data = MultiData(cfg, load_tasks(cfg, load_tokenizer(cfg)))
+        plan = plan_tasks(cfg, data, num_processes=args.num_processes, distributed=distributed)
+    else:
+        train_data, _, label_names = load_data(cfg, load_tokenizer(cfg), num_processes=args.num_processes)
+        device = make_accelerator(resolve_precision(cfg.precision)).device  # where `finetune train` would probe
+        plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device,
+                           distributed=distributed)
     print(render(plan))
     if args.json:
         write_json(Path(args.json), plan.to_dict())

@@ -9,8 +9,6 @@ from __future__ import annotations
 import csv
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -220,7 +218,17 @@ def test_stop_and_resume_equal_an_uninterrupted_run(tmp_path, tiny_bert_dropout,
 
 # --- the saved model, evaluation and prediction --------------------------------------------------------------------
 
-def test_each_task_saves_a_plain_transformers_model_and_eval_predict_take_task(tmp_path, tiny_bert, cls_csv,
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`finetune ARGS…` in this process (no interpreter start-up): exit code, stdout, stderr."""
+    from finetune.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_each_task_saves_a_plain_transformers_model_and_eval_predict_take_task(tmp_path, capsys, tiny_bert, cls_csv,
                                                                                topic_csv):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -238,17 +246,14 @@ def test_each_task_saves_a_plain_transformers_model_and_eval_predict_take_task(t
     tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "model" / "topic")
     assert topic(**tok(["good movie"], return_tensors="pt")).logits.shape == (1, 3)
 
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "finetune", *args], capture_output=True, text=True, timeout=300)
-
-    out = cli("eval", str(tmp_path / "run"), "task=topic")
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["accuracy"] == pytest.approx(metrics["topic/accuracy"])
-    out = cli("predict", str(tmp_path / "run"), "task=topic", "good movie")
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["label"] in ("long", "mid", "short")
-    out = cli("predict", str(tmp_path / "run"), "good movie")
-    assert out.returncode == 2 and "task=<name>, one of: sent, topic" in out.stderr
+    code, out, err = cli(capsys, "eval", str(tmp_path / "run"), "task=topic")
+    assert code == 0, err
+    assert json.loads(out)["accuracy"] == pytest.approx(metrics["topic/accuracy"])
+    code, out, err = cli(capsys, "predict", str(tmp_path / "run"), "task=topic", "good movie")
+    assert code == 0, err
+    assert json.loads(out)["label"] in ("long", "mid", "short")
+    code, out, err = cli(capsys, "predict", str(tmp_path / "run"), "good movie")
+    assert code == 2 and "task=<name>, one of: sent, topic" in err
 
 
 # --- bad input ------------------------------------------------------------------------------------------------------
@@ -260,8 +265,8 @@ def test_each_task_saves_a_plain_transformers_model_and_eval_predict_take_task(t
     ("missing_column", "Task 'topic': label column 'nope' is not in the data"),
     ("no_rows", "Task 'empty': dataset"),
 ])
-def test_bad_input_is_one_sentence_exit_2_and_overwrites_nothing(tmp_path, tiny_bert, cls_csv, topic_csv, case,
-                                                                  message):
+def test_bad_input_is_one_sentence_exit_2_and_overwrites_nothing(tmp_path, capsys, tiny_bert, cls_csv, topic_csv,
+                                                                  case, message):
     tasks = two_tasks(cls_csv, topic_csv)
     extra = {}
     if case == "duplicate":
@@ -282,11 +287,10 @@ def test_bad_input_is_one_sentence_exit_2_and_overwrites_nothing(tmp_path, tiny_
     (run_dir / "keep.txt").write_text("mine")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"model": tiny_bert, "tasks": tasks, "output_dir": str(tmp_path / "new"), **extra}))
-    out = subprocess.run([sys.executable, "-m", "finetune", "train", str(cfg), "-q"], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 2, out.stderr
-    assert message in out.stderr and "Traceback" not in out.stderr
-    assert out.stderr.strip().count("\n") == 0  # one sentence
+    code, _, err = cli(capsys, "train", str(cfg), "-q")
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert err.strip().count("\n") == 0  # one sentence
     assert not (tmp_path / "new" / "config.yaml").exists() and (run_dir / "keep.txt").read_text() == "mine"
 
 
@@ -322,3 +326,13 @@ def test_lora_adapts_the_shared_body_and_trains_every_head(tmp_path, tiny_bert, 
                                base["bert.embeddings.word_embeddings.weight"])  # not adapted, frozen
     assert not torch.allclose(got["sent/classifier.weight"], base["classifier.weight"])  # the head is trained
     assert got["topic/classifier.weight"].shape[0] == 3
+
+
+def test_plan_command_plans_the_largest_single_task(tmp_path, capsys, tiny_bert, cls_csv, topic_csv):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": tiny_bert, "tasks": two_tasks(cls_csv, topic_csv), "eval_fraction": 0}))
+    code, out, err = cli(capsys, "plan", str(cfg), "--json", str(tmp_path / "plan.json"))
+    assert code == 0, err
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["notes"][-1].endswith("each task's share of a window: sent 61.7%, topic 38.3%.")
+    assert "largest single task's graph" in out
