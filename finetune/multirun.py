@@ -19,8 +19,9 @@ from finetune.heads import (
     unwrap_multihead,
 )
 from finetune.modeling import load_model, prepare_for_training, save_model
-from finetune.multitask import MultiData, TaskData
+from finetune.multitask import MultiData, TaskData, task_counts, task_micro_batches
 from finetune.planner import Plan, plan_run
+from finetune.step import backward_tasks
 
 # Bytes a trained parameter costs beyond its forward: its gradient and the optimizer's state (fp32).
 STATE_BYTES = {"sgd": 8, "adamw": 16, "adamw_8bit": 10}
@@ -110,6 +111,22 @@ def save_multitask(model: Any, tokenizer: Any, run_dir: Path, data: MultiData) -
     path = save_model(model, tokenizer, run_dir, merge_lora=True)
     save_tasks_file(path, task_summary(data), causal=True)
     return path
+
+
+def backward_multitask(model: Any, data: MultiData, window: list[int], micro_batch_size: int, accelerator: Any, *,
+                       pad_id: int, causal: bool) -> tuple[torch.Tensor, list[int]]:
+    """A multi-task window's gradient: one task per micro-batch, each task's loss normalised by its own count;
+    returns this process's loss sum per task and each task's count over the whole window."""
+    micro, weight = task_micro_batches(data, window, micro_batch_size, accelerator.process_index,
+                                       accelerator.num_processes)
+    counts = task_counts(data, window, causal)  # the whole window's: every process knows it before any backward
+
+    def collate_fn(task: int, mb: list[int]) -> dict[str, torch.Tensor]:
+        return data.collate(task, mb, pad_id, causal)
+
+    sums = backward_tasks(model, micro, collate_fn, counts, [t.spec.weight for t in data.tasks], accelerator,
+                          causal=causal, task_names=None if causal else data.names, weight=weight)
+    return sums, counts
 
 
 def window_losses(sums: torch.Tensor, counts: list[int], data: MultiData, accelerator: Any

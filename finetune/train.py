@@ -31,6 +31,7 @@ from finetune.evaluate import evaluate
 from finetune.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
 from finetune.modeling import load_tokenizer, save_model
 from finetune.multirun import (
+    backward_multitask,
     evaluate_tasks,
     load_multitask_model,
     plan_tasks,
@@ -38,7 +39,7 @@ from finetune.multirun import (
     window_losses,
     with_head_memory,
 )
-from finetune.multitask import MultiData, load_tasks, task_counts, task_micro_batches
+from finetune.multitask import MultiData, load_tasks
 from finetune.optim import make_optimizer, make_scheduler
 from finetune.planner import plan_run
 from finetune.runtime import (
@@ -50,7 +51,7 @@ from finetune.runtime import (
     resolve_precision,
     seconds_since_process_start,
 )
-from finetune.step import backward_tasks, backward_window, optimizer_step, share_of
+from finetune.step import backward_window, optimizer_step, share_of
 from finetune.stream import StreamData
 
 MAX_SKIPPED_IN_A_ROW = 25
@@ -220,20 +221,9 @@ def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
 
 
 def _backward_tasks(s: Setup, window: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """A multi-task window's gradient: one task per micro-batch, each task's loss normalised by its own count;
-    returns this process's loss sum per task and each task's count over the whole window."""
-    accelerator, data = s.accelerator, s.train_data
-    micro, weight = task_micro_batches(data, window, s.batch.micro_batch_size, accelerator.process_index,
-                                       accelerator.num_processes)
-    counts = task_counts(data, window, s.causal)  # the whole window's: every process knows it before any backward
-
-    def collate_fn(task: int, mb: list[int]) -> dict[str, torch.Tensor]:
-        return data.collate(task, mb, s.tokenizer.pad_token_id, s.causal)
-
-    names = None if s.causal else data.names
-    sums = backward_tasks(s.model, micro, collate_fn, counts, [t.spec.weight for t in data.tasks], accelerator,
-                          causal=s.causal, task_names=names, weight=weight)
-    return sums, counts
+    """A multi-task window's gradient (`finetune.multirun.backward_multitask`): per-task loss sums and counts."""
+    return backward_multitask(s.model, s.train_data, window, s.batch.micro_batch_size, s.accelerator,
+                              pad_id=s.tokenizer.pad_token_id, causal=s.causal)
 
 
 def _back_off(s: Setup) -> None:
