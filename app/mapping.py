@@ -25,6 +25,7 @@ from finetune.config import (
     is_list_field,
     read_yaml,
 )
+from finetune.tasks import parse_tasks
 
 FIELD_NAMES: tuple[str, ...] = tuple(FIELDS)
 # Labels that people and browser tests look for; every other field is labelled from its name.
@@ -58,6 +59,7 @@ SECTIONS = {
     "batch": ("memory_budget_gb", "effective_batch_size", "micro_batch_size", "grad_accum_steps"),
     "run": ("output_dir", "overwrite", "resume"),
     "memory": ("gradient_checkpointing", "lora"),
+    "tasks": ("tasks", "mixing", "mixing_temperature", "mixing_cap"),
 }
 GROUP_SECTIONS = {"main": "training", "data": "data_more", "advanced": "advanced"}
 # Presets offered in the Model dropdown (free text is allowed too): the bundled MiniLM first, then hub ids.
@@ -79,7 +81,7 @@ class WidgetSpec:
     """How one config field is shown: widget kind, label, help and bounds, all from the schema."""
 
     name: str
-    kind: str  # checkbox, choice, multi (several of the choices), model, column, int, float, text
+    kind: str  # checkbox, choice, multi (several of the choices), model, column, int, float, text, tasks
     label: str
     info: str
     default: Any  # the schema default, as the widget holds it
@@ -113,6 +115,8 @@ def _kind(name: str) -> str:
         return "model"
     if name in COLUMN_FIELDS:
         return "column"
+    if name == "tasks":
+        return "tasks"
     if is_list_field(name):
         return "multi"
     if base is bool:
@@ -167,12 +171,17 @@ def to_widget(name: str, value: Any) -> Any:
         return list(value or ())
     if kind in ("checkbox", "choice") or (kind in ("int", "float") and not field_type(name)[1]):
         return value
+    if kind == "tasks":  # the task list as the YAML a config file holds (app/tasksview.py shows it as a table)
+        return "" if not value else yaml.safe_dump([t.to_dict() for t in value], sort_keys=False,
+                                                   allow_unicode=True)
     return "" if value is None else str(value)
 
 
 def from_widget(name: str, value: Any) -> Any:
     """A widget's value as a config value, unvalidated: `from_dict` checks it and words the errors."""
     kind = _kind(name)
+    if kind == "tasks":
+        return tasks_from_widget(value)
     if kind == "multi" and isinstance(value, (list, tuple)):
         return tuple(value)
     if isinstance(value, str):
@@ -188,6 +197,20 @@ def from_widget(name: str, value: Any) -> Any:
     if kind == "int" and isinstance(value, float) and value.is_integer():
         return int(value)
     return value
+
+
+def tasks_from_widget(value: Any) -> Any:
+    """The Tasks widget's YAML as TaskSpecs when it reads as valid entries, else as it is (for the config to word
+    the error)."""
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+    specs, problems = parse_tasks(value)
+    return value if problems else specs
 
 
 SPECS: dict[str, WidgetSpec] = {name: spec(name) for name in FIELD_NAMES}

@@ -27,7 +27,11 @@ from app.mapping import (
     preset_config,
     to_widget,
 )
+from app.tasksview import tasks_frame
 from finetune.config import Config, from_dict
+
+TASK_FIELDS = ("tasks", "mixing", "mixing_temperature", "mixing_cap")  # what the Tasks table is drawn from
+TASKS_PLACEHOLDER = "- name: sentiment\n  dataset: reviews.csv\n- name: topic\n  dataset: news.csv\n  weight: 0.5"
 
 CSS = """
 .ft-progress { display: flex; align-items: center; gap: 12px; }
@@ -86,6 +90,8 @@ def _widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: Dat
             choices.append((value, value))
         return gr.Dropdown(choices, allow_custom_value=True, visible=spec.name in TASK_COLUMNS.get(task, ()),
                            **{**common, "value": value})
+    if spec.kind == "tasks":  # YAML, as in a config file; the Tasks table below shows what it means
+        return gr.Textbox(lines=6, max_lines=30, placeholder=TASKS_PLACEHOLDER, **common)
     if spec.kind in ("int", "float") and spec.optional:
         return gr.Textbox(placeholder="empty: default", **common)
     if spec.kind in ("int", "float"):
@@ -214,6 +220,12 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                                                       show_whitespaces=False, visible=False, elem_id="chat-example")
                     with gr.Accordion("More data options", open=False):
                         place("data_more")
+                    with gr.Accordion("Several datasets at once (multi-task)", open=bool(initial.tasks)):
+                        place("tasks", per_row=1)
+                        tasks_note = gr.Markdown(elem_classes="ft-error", elem_id="tasks-note")
+                        tasks_table = gr.Dataframe(tasks_frame(*[to_widget(n, getattr(initial, n))
+                                                                 for n in TASK_FIELDS])[0],
+                                                   label="Tasks", interactive=False, elem_id="tasks-table")
                 with gr.Column(variant="panel"):
                     gr.Markdown("### 3 · Memory budget and batch")
                     place("batch", per_row=2)
@@ -315,6 +327,9 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
             _on(fields[name].blur, controller.refresh_dataset, data_in, data_out, **private)
         for name in COLUMN_FIELDS:
             _on(fields[name].input, controller.refresh_dataset, data_in, data_out, **private)
+        task_inputs = [fields[n] for n in TASK_FIELDS]
+        for name in TASK_FIELDS:
+            fields[name].change(tasks_frame, task_inputs, [tasks_table, tasks_note], **private)
         _on(upload.upload, controller.on_upload, [upload, *data_in[1:]], upload_out, **private)
         _on(plan_btn.click, controller.plan, values, {"text": plan_md, "chart": plan_plot, "error": plan_error},
             concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, **private)

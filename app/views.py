@@ -36,8 +36,20 @@ def loss_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
         stride = -(-len(train) // MAX_PLOT_POINTS)
         train = train[::stride] + ([train[-1]] if (len(train) - 1) % stride else [])
     rows = [(s, float(v), "train") for s, v in train] + [(s, float(v), "eval") for s, v in evals]
+    rows += _task_rows(events)
     frame = pd.DataFrame(rows, columns=["step", "loss", "split"])
     return frame.astype({"step": "int64", "loss": "float64", "split": "str"})
+
+
+def _task_rows(events: list[dict[str, Any]]) -> list[tuple[int, float, str]]:
+    """A multi-task run's curves: each task's training loss (`train/<task>`) and evaluation loss (`eval/<task>`)."""
+    steps = [e for e in events if e.get("event") == "step" and e.get("task_losses")]
+    if len(steps) > MAX_PLOT_POINTS:
+        steps = steps[:: -(-len(steps) // MAX_PLOT_POINTS)]
+    rows = [(e["step"], float(v), f"train/{task}") for e in steps for task, v in e["task_losses"].items()]
+    rows += [(e["step"], float(v), f"eval/{key.removesuffix('/loss')}") for e in events if e.get("event") == "eval"
+             for key, v in e.get("metrics", {}).items() if key.endswith("/loss")]
+    return rows
 
 
 def eta_seconds(events: list[dict[str, Any]]) -> float | None:

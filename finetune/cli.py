@@ -93,9 +93,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Run `finetune eval RUN_OR_MODEL [key=value …]`."""
-    from finetune.evaluate import evaluate_saved
+    from finetune.taskuse import evaluate_target
 
-    print(json.dumps(evaluate_saved(args.target, args.overrides), indent=2))
+    print(json.dumps(evaluate_target(args.target, args.overrides), indent=2))
     return EXIT_OK
 
 
@@ -109,9 +109,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
         if not p.is_file():
             raise ConfigError([f"Input file {args.file!r} does not exist."])
         texts += [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    task_name = args.task
+    if texts and texts[0].startswith("task="):  # `finetune predict RUN task=<name> TEXT…`, as eval takes it
+        task_name, texts = texts[0].removeprefix("task="), texts[1:]
     if not texts:
         raise ConfigError(["Nothing to predict: give texts as arguments or --file with one text per line."])
-    for result in predict(args.model, texts, max_new_tokens=args.max_new_tokens, chat=args.chat):
+    for result in predict(args.model, texts, max_new_tokens=args.max_new_tokens, chat=args.chat,
+                          task_name=task_name):
         print(json.dumps(result, ensure_ascii=False))
     return EXIT_OK
 
@@ -128,13 +132,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # As a launcher would run it: FSDP when asked for (or accelerate's variable says so) and more than one process.
     distributed = args.distributed or requested_mode() or "ddp"
     distributed = "single" if args.num_processes == 1 else distributed
-    train_data, eval_data, label_names = load_data(cfg, load_tokenizer(cfg), num_processes=args.num_processes)
-    device = make_accelerator(resolve_precision(cfg.precision)).device  # where `finetune train` would probe
-    plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device,
-                       distributed=distributed)
+    if cfg.tasks:  # multi-task: the largest single task's graph (finetune.multirun)
+        from finetune.multirun import plan_tasks
+        from finetune.multitask import MultiData, load_tasks
+
+        data = MultiData(cfg, load_tasks(cfg, load_tokenizer(cfg)))
+        plan = plan_tasks(cfg, data, num_processes=args.num_processes, distributed=distributed)
+        train_data = eval_data = None
+    else:
+        train_data, eval_data, label_names = load_data(cfg, load_tokenizer(cfg), num_processes=args.num_processes)
+        device = make_accelerator(resolve_precision(cfg.precision)).device  # where `finetune train` would probe
+        plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device,
+                           distributed=distributed)
     print(render(plan))
     # What long_documents does to the data, beside the plan (the GUI shows it before a run starts).
-    data = {"segmentation": train_data.segmentation, "eval_segmentation": getattr(eval_data, "segmentation", None)}
+    data = {"segmentation": getattr(train_data, "segmentation", None),
+            "eval_segmentation": getattr(eval_data, "segmentation", None)}
     for name, counts in zip(("training data", "evaluation data"), data.values(), strict=True):
         if counts is not None:
             print(f"{name}: {counts.sentence()}" + (f"\nwarning: {counts.warning}" if counts.warning else ""))
@@ -220,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Causal LM: answer each text (or JSON conversation) as the assistant, through the model's "
                    "chat template, or continue it as plain text (--no-chat). Default: chat with a run that trained "
                    "on conversations, or with a model folder that has a chat template.")
+    p.add_argument("--task", help="Multi-task model: the task to use (also given as task=<name> before the texts).")
     p.set_defaults(func=cmd_predict)
     p = sub.add_parser("push", help="Push a run's model, with a generated model card, to the Hugging Face Hub.",
                        description="Upload RUN_DIR's model/ (or LoRA adapter) and a generated README.md model card "

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from finetune.errors import ConfigError
+from finetune.tasks import MIXINGS, TaskSpec, check_tasks, parse_tasks
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 DEFAULT_EFFECTIVE_BATCH = 32
@@ -25,6 +26,13 @@ TASKS = ("classification", "causal_lm")
 # The experiment trackers accelerate can log to (its `LoggerType`, less `all`: a run names what it reports to).
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
 LONG_DOCUMENTS = ("auto", "truncate", "chunk", "sliding_window")
+TASKS_EXAMPLE = """tasks:              # instead of `dataset`; every task has its own columns and labels
+  - name: sentiment
+    dataset: reviews.csv
+    label_column: label
+  - name: topic
+    dataset: news.csv
+    weight: 0.5        # its loss counts half"""
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min: float | None = None,
@@ -105,6 +113,19 @@ class Config:
                                      "segments (default: max_length).", min=1, max=1_048_576, group="advanced")
     max_document_length: int | None = _opt(None, "Segment recurrence: cut documents to this many tokens (default: "
                                            "whole documents).", min=8, max=100_000_000, group="advanced")
+    # --- multi-task training (issue #10)
+    tasks: tuple[TaskSpec, ...] | None = _opt(None, "Several datasets trained at once, one entry per task (`name`, "
+                                              "`dataset`, its columns and splits, `weight`, `probability`, "
+                                              "`prompt_prefix`): one shared model, one graph in memory at a "
+                                              "time. See README, Multi-task training.", group="data")
+    mixing: str = _opt("proportional", "How windows draw from the tasks: proportional (every sample once per "
+                       "epoch), temperature (p ∝ n^(1/T)), round_robin (equal shares) or manual (each task's "
+                       "`probability`).", choices=MIXINGS, group="data")
+    mixing_temperature: float = _opt(2.0, "Temperature T of mixing=temperature (1 = proportional; larger evens "
+                                     "the tasks out).", min=1.0, max=1000.0, group="data")
+    mixing_cap: int | None = _opt(None, "Count a task as at most this many samples when mixing proportional or "
+                                  "by temperature (T5's cap: a huge task does not drown the others).", min=1,
+                                  group="data")
     # --- where the run goes
     output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).")
     overwrite: bool = _opt(False, "Replace an existing run in `output_dir`.")
@@ -162,7 +183,10 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain YAML-able values, in schema order (a list field as a list)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        if self.tasks is not None:  # a list of compact mappings, as a person writes them (YAML has no tuples)
+            values["tasks"] = [t.to_dict() for t in self.tasks]
+        return values
 
     def to_yaml(self) -> str:
         """The config as the YAML `finetune train` reads back."""
@@ -188,7 +212,8 @@ def field_type(name: str) -> tuple[type, bool]:
 
 def is_list_field(name: str) -> bool:
     """Whether field `name` holds a list of names (`report_to`) rather than one value."""
-    return typing.get_origin(field_type(name)[0]) is tuple
+    base = field_type(name)[0]
+    return typing.get_origin(base) is tuple and typing.get_args(base)[0] is str  # not `tasks`, a list of mappings
 
 
 def _coerce_list(name: str, value: Any) -> tuple[Any, str | None]:
@@ -284,6 +309,10 @@ def from_dict(values: dict[str, Any]) -> Config:
         if key not in FIELDS:
             problems.append(unknown_key_message(str(key)))
             continue
+        if key == "tasks":  # the one structured option: a list of task mappings, checked entry by entry
+            clean["tasks"], errors = parse_tasks(raw)
+            problems += errors
+            continue
         value, error = _coerce(key, raw)
         error = error or _check_field(key, value)
         if error:
@@ -291,7 +320,7 @@ def from_dict(values: dict[str, Any]) -> Config:
         else:
             clean[key] = value
     config = Config(**clean)
-    problems += _cross_checks(config)
+    problems += _cross_checks(config) + (check_tasks(config) if config.tasks else [])
     if problems:
         raise ConfigError(problems)
     return config
@@ -452,6 +481,8 @@ def template() -> str:
         if f.name == "dataset":
             value = "dataset: assets/sst2_sample.csv"
         lines.append(value if f.default is not None or f.name == "dataset" else f"# {value}")
+        if f.name == "tasks":  # a list is easier to copy than to describe
+            lines[-1:] = [f"# {line}" for line in TASKS_EXAMPLE.splitlines()]
         lines.append("")
     return "\n".join(lines)
 

@@ -67,8 +67,8 @@ def evaluate_saved(target: str, overrides: list[str]) -> dict[str, Any]:
     from accelerate import Accelerator
 
     model_dir, run_dir = resolve_model_dir(target)
-    values = read_yaml(run_dir / "config.yaml") if run_dir else {"task": task_of(model_dir)}
     extra = parse_overrides(overrides)
+    values = read_yaml(run_dir / "config.yaml") if run_dir else {"task": task_of(model_dir)}
     values.update(extra, model=str(model_dir), resume=False, overwrite=False)
     if "chat_template" not in extra:  # the saved tokenizer carries the run's template; its file may be gone
         values["chat_template"] = None

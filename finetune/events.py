@@ -49,6 +49,7 @@ class Start:
     dropped_eval_rows: dict[str, int] | None = None
     segmentation: Segmentation | None = None
     eval_segmentation: Segmentation | None = None
+    tasks: dict[str, float] | None = None  # multi-task runs: each task's expected share of a window
     event: str = "start"
 
 
@@ -65,6 +66,7 @@ class Step:
     tokens: int
     skipped: int
     samples_per_s: float
+    task_losses: dict[str, float] | None = None  # multi-task runs: each task's mean loss in the window
     event: str = "step"
 
 
@@ -139,6 +141,9 @@ class Error:
     event: str = "error"
 
 
+# Fields that only some runs have (multi-task), left out of the records of the others.
+OMITTED_WHEN_NONE = frozenset({"task_losses", "tasks"})
+
 Event = Start | Step | Backoff | Eval | Checkpoint | Stopped | Done | Pushed | Error
 
 
@@ -147,7 +152,7 @@ def to_record(event: Event) -> dict[str, Any]:
     written flat, as top-level keys."""
     record: dict[str, Any] = {"event": event.event, "time": round(time.time(), 3)}
     for name, value in dataclasses.asdict(event).items():
-        if name == "event":
+        if name == "event" or (name in OMITTED_WHEN_NONE and value is None):
             continue
         if isinstance(getattr(event, name), BatchSplit):
             record.update(value)

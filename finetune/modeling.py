@@ -160,9 +160,10 @@ def load_trained(model_dir: Path, task: str) -> Any:
 def resolve_model_dir(target: str) -> tuple[Path, Path | None]:
     """(model folder, run directory or None) for a run directory or a saved model folder."""
     path = Path(target).expanduser()
-    if (path / "model" / "config.json").is_file() or (path / "model" / "adapter_config.json").is_file():
+    saved = ("config.json", "adapter_config.json", "tasks.json")  # tasks.json: a multi-task model (finetune.heads)
+    if any((path / "model" / name).is_file() for name in saved):
         return path / "model", path
-    if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
+    if any((path / name).is_file() for name in saved):
         return path, None
     if (path / "config.yaml").is_file():
         raise ModelError(f"The run in {target!r} has no final model yet (it stopped or is still training): resume "

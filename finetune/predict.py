@@ -10,6 +10,7 @@ import torch
 
 from finetune.chat import MESSAGES_NAMES, reply, require_template, turns_of
 from finetune.config import read_yaml
+from finetune.heads import task_model_dir
 from finetune.modeling import load_trained, resolve_model_dir, task_of
 
 
@@ -30,14 +31,17 @@ def conversation_of(text: str) -> list[dict[str, Any]]:
 
 
 @torch.inference_mode()
-def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool | None = None
-            ) -> list[dict[str, Any]]:
+def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool | None = None,
+            task_name: str | None = None) -> list[dict[str, Any]]:
     """Per text: the label with class probabilities (classification), the model's reply through its chat template
     (a causal LM trained on conversations, or a model folder with a template, or `chat=True`; a text may be a JSON
-    conversation), or a generated continuation."""
+    conversation), or a generated continuation. A multi-task model needs `task_name`: that task's head, or its
+    prompt prefix before each text."""
     from transformers import AutoTokenizer
 
     model_dir, run_dir = resolve_model_dir(target)
+    model_dir, entry = task_model_dir(model_dir, task_name)
+    prefix = (entry or {}).get("prompt_prefix") or ""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task = task_of(model_dir)
     model = load_trained(model_dir, task).eval()
@@ -51,7 +55,7 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         out = []
         for text in texts:
-            enc = tokenizer(text, return_tensors="pt")
+            enc = tokenizer(prefix + text, return_tensors="pt")
             # Only what every causal LM takes: a BERT-style tokenizer also returns token_type_ids, which Llama refuses.
             ids = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
                                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)

@@ -7,6 +7,7 @@ can run them on a model sharded by torch's `fully_shard`, with no accelerate lau
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -64,6 +65,30 @@ def backward_window(model: Any, micro: list[list[int]], collate_fn: Callable[[li
             dist.backward(loss * scale)
             loss_total += loss.detach().double() * weight
     return loss_total
+
+
+def backward_tasks(model: Any, micro: list[tuple[int, list[int]]],
+                   collate_fn: Callable[[int, list[int]], dict[str, torch.Tensor]], counts: list[int],
+                   weights: list[float], dist: Distributed, *, causal: bool, task_names: list[str] | None = None,
+                   weight: float = 1.0) -> torch.Tensor:
+    """`backward_window` for a multi-task window: each micro-batch holds one task and is back-propagated on its own
+    (one task's graph in memory at a time), leaving Σₜ wₜ · sum(losses of task t) / Nₜ as the window's gradient,
+    with `counts` the Nₜ over all processes. Returns this process's loss sum per task (float64).
+
+    `task_names` given, the model is called with `task=<name>` (one head per task); else all tasks share it."""
+    dist.gradient_accumulation_steps = len(micro)
+    dist.step = 0
+    sums = torch.zeros(len(counts), dtype=torch.float64, device=dist.device)
+    for t, mb in micro:
+        # The same undoing of accelerate's 1/k and the processes' average as in backward_window, per task.
+        scale = weight * weights[t] * len(micro) * dist.num_processes / max(counts[t], 1)
+        forward = functools.partial(model, task=task_names[t]) if task_names else model
+        with dist.accumulate(model):
+            batch = collate_fn(t, mb)
+            loss, _ = loss_sum(forward, {k: v.to(dist.device) for k, v in batch.items()}, causal)
+            dist.backward(loss * scale)
+            sums[t] += loss.detach().double() * weight
+    return sums
 
 
 def optimizer_step(params: list[torch.Tensor], optimizer: Any, scheduler: Any, dist: Distributed,

@@ -30,6 +30,16 @@ from finetune.errors import RunDirError, TrainingError
 from finetune.evaluate import evaluate
 from finetune.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
 from finetune.modeling import load_tokenizer, save_model
+from finetune.multirun import (
+    backward_multitask,
+    evaluate_tasks,
+    load_multitask_model,
+    plan_tasks,
+    save_multitask,
+    window_losses,
+    with_head_memory,
+)
+from finetune.multitask import MultiData, load_tasks
 from finetune.optim import make_optimizer, make_scheduler
 from finetune.packing import check_keeps_samples_apart, packing_note
 from finetune.planner import plan_run
@@ -106,7 +116,7 @@ class Setup:
     batch: BatchSplit
     run_dir: Path
     tokenizer: Any
-    train_data: Encoded | StreamData
+    train_data: Encoded | StreamData | MultiData
     eval_data: Encoded | None
     label_names: list[str] | None
     model: Any
@@ -123,6 +133,10 @@ class Setup:
     @property
     def causal(self) -> bool:
         return self.config.task == "causal_lm"
+
+    @property
+    def multitask(self) -> bool:
+        return isinstance(self.train_data, MultiData)
 
 
 def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Callable[[Event], None]] | None = None
@@ -141,8 +155,9 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                      distributed=s.distributed, note=s.note, startup_s=seconds_since_process_start(),
                      dropped_rows=getattr(s.train_data, "dropped", None) or None,
                      dropped_eval_rows=getattr(s.eval_data, "dropped", None) or None,
-                     segmentation=s.train_data.segmentation,
-                     eval_segmentation=s.eval_data.segmentation if s.eval_data is not None else None))
+                     segmentation=getattr(s.train_data, "segmentation", None),
+                     eval_segmentation=getattr(s.eval_data, "segmentation", None),
+                     tasks=s.train_data.shares() if s.multitask else None))
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock
@@ -154,13 +169,16 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                 window = windows[w]
                 while True:
                     try:
-                        window_loss_sum, count = _backward_window(s, window)
+                        window_loss_sum, count = (_backward_tasks if s.multitask else _backward_window)(s, window)
                         break
                     except torch.OutOfMemoryError:
                         _back_off(s)  # the same window again with half the micro-batch: same gradient, less memory
                 lr = scheduler.get_last_lr()[0]
                 grad_norm, skipped = optimizer_step(params, optimizer, scheduler, accelerator, c.max_grad_norm)
-                window_loss = (accelerator.reduce(window_loss_sum, "sum") / max(count, 1)).item()
+                if s.multitask:
+                    window_loss, task_losses = window_losses(window_loss_sum, count, s.train_data, accelerator)
+                else:
+                    window_loss, task_losses = (accelerator.reduce(window_loss_sum, "sum") / max(count, 1)).item(), None
                 p.step += 1
                 p.samples += len(window)
                 p.tokens += s.train_data.num_tokens(window)
@@ -180,7 +198,7 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                     clock, clock_samples = now, p.samples
                     s.log.emit(Step(step=p.step, epoch=round(epoch_progress, 4), loss=window_loss,
                                     grad_norm=float(grad_norm), lr=lr, samples=p.samples, tokens=p.tokens,
-                                    skipped=p.skipped, samples_per_s=round(rate, 2)))
+                                    skipped=p.skipped, samples_per_s=round(rate, 2), task_losses=task_losses))
                 if c.eval_every and p.step % c.eval_every == 0 and p.step < s.total_steps:
                     _evaluate(s, epoch_progress)
                 if c.save_every and p.step % c.save_every == 0 and p.step < s.total_steps:
@@ -214,6 +232,12 @@ def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
         return recurrent_backward_window(s.model, micro, collate_fn, count, accelerator, s.recurrence, lengths,
                                          weight=weight), count
     return backward_window(s.model, micro, collate_fn, count, accelerator, causal=s.causal, weight=weight), count
+
+
+def _backward_tasks(s: Setup, window: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """A multi-task window's gradient (`finetune.multirun.backward_multitask`): per-task loss sums and counts."""
+    return backward_multitask(s.model, s.train_data, window, s.batch.micro_batch_size, s.accelerator,
+                              pad_id=s.tokenizer.pad_token_id, causal=s.causal)
 
 
 def _back_off(s: Setup) -> None:
@@ -251,7 +275,10 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
         c = rundir.resumed_config(c, run_dir)
     tokenizer = load_tokenizer(c)
     with accelerator.main_process_first():  # the main process tokenises into the cache, the others read it
-        train_data, eval_data, label_names = load_data(c, tokenizer, num_processes=accelerator.num_processes)
+        if c.tasks:
+            train_data, eval_data, label_names = MultiData(c, load_tasks(c, tokenizer)), None, None
+        else:
+            train_data, eval_data, label_names = load_data(c, tokenizer, num_processes=accelerator.num_processes)
     if c.messages_column is None and getattr(train_data, "messages", None):
         # config.yaml says the run trained on conversations (and so `finetune predict` chats with its model).
         c = c.replace(messages_column=train_data.messages)
@@ -262,8 +289,13 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     # Before prepare() the mode is what accelerate's state says; the note says when that is not what was asked for.
     mode = distributed_mode(accelerator)
     note = fallback_note(requested_mode(), mode, accelerator.num_processes, accelerator.device.type)
-    plan, model = plan_run(c, train_data.lengths, label_names, num_processes=accelerator.num_processes,
-                           device=accelerator.device, load=True, distributed=mode)
+    if c.tasks:  # planned for the largest single task's graph; the shared model is loaded after the plan
+        plan = plan_tasks(c, train_data, num_processes=accelerator.num_processes, distributed=mode)
+        model = load_multitask_model(c, train_data.tasks, plan)
+        plan = with_head_memory(plan, model, c.optimizer)
+    else:
+        plan, model = plan_run(c, train_data.lengths, label_names, num_processes=accelerator.num_processes,
+                               device=accelerator.device, load=True, distributed=mode)
     if note:
         plan = dataclasses.replace(plan, notes=(note, *plan.notes))
     if c.packing:
@@ -318,6 +350,12 @@ def _stop_requested(stop: StopFlag, accelerator: Any) -> bool:
 
 
 def _evaluate(s: Setup, epoch: float) -> dict[str, float]:
+    if s.multitask:
+        metrics = evaluate_tasks(s.model, s.train_data, causal=s.causal, batch_size=_eval_batch_size(s),
+                                 pad_id=s.tokenizer.pad_token_id, accelerator=s.accelerator)
+        if metrics:
+            s.log.emit(Eval(step=s.progress.step, epoch=round(epoch, 4), metrics=metrics))
+        return metrics
     if s.eval_data is None or len(s.eval_data) == 0:
         return {}
     metrics = evaluate(s.model, s.eval_data, causal=s.causal, num_labels=len(s.label_names or []),
@@ -373,8 +411,11 @@ def _finish(s: Setup, seconds: float) -> RunResult:
     # part in the gathering. Unsharded models save their own parameters.
     state_dict = accelerator.get_state_dict(s.model) if s.distributed in ("fsdp", "deepspeed") else None
     if accelerator.is_main_process:
-        save_model(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora,
-                   state_dict=state_dict)
+        if s.multitask:  # a folder per task (or one shared causal LM) and model/tasks.json
+            save_multitask(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, s.train_data)
+        else:
+            save_model(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora,
+                       state_dict=state_dict)
         summary = {**metrics, "steps": p.step, "samples": p.samples, "skipped_steps": p.skipped,
                    "train_seconds": round(seconds, 2), "train_samples_per_s": round(p.samples / max(seconds, 1e-9), 2)}
         rundir.write_json(s.run_dir / "metrics.json", summary)

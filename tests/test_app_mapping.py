@@ -41,10 +41,15 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "memory_length": {"task": "causal_lm", "segment_recurrence": True},
     "max_document_length": {"task": "causal_lm", "segment_recurrence": True},
 }
+# Structured options, which the schema's type and bounds cannot derive a sample for.
+SAMPLES: dict[str, Any] = {"tasks": [{"name": "a", "dataset": "a.csv"}, {"name": "b", "dataset": "b.csv",
+                                                                        "weight": 0.5}]}
 
 
 def sample(name: str) -> Any:
     """A valid value for field `name` that differs from its default, derived from the schema's type and bounds."""
+    if name in SAMPLES:
+        return SAMPLES[name]
     meta, default = FIELDS[name].metadata, FIELDS[name].default
     base, _ = field_type(name)
     lo, hi = meta["min"], meta["max"]
@@ -191,7 +196,7 @@ def test_page_opens_with_the_bundled_model_on_the_sample_data(built):
 def test_export_then_import_through_the_handlers(tmp_path):
     ctl = Controller(tmp_path, JobManager(tmp_path / "runs"))
     # Every field changed at once, but for those the cross-checks forbid together with the others.
-    clash = {*COMPANIONS, "resume", "task", "eval_fraction"}
+    clash = {*COMPANIONS, "resume", "task", "eval_fraction", "tasks"}  # tasks: each names its own data
     config = from_dict({name: sample(name) for name in FIELD_NAMES if name not in clash})
     exported = ctl.export(*config_to_values(config))
     assert Path(exported.file).read_text() == exported.yaml
