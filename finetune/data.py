@@ -147,6 +147,18 @@ def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
         check_architecture(c)
     if c.streaming:
         return _load_stream(c, tokenizer, resolve_batch(c, num_processes).effective_batch_size)
+    table, cols, names, eval_table = load_tables(c)
+    train_data = encode(table, cols, c, tokenizer, names, c.dataset)
+    if c.packing:  # the packed row becomes the sample unit of windows, micro-batches and the plan
+        train_data = pack(train_data, c.max_length)
+    eval_data = encode(eval_table, cols, c, tokenizer, names, c.eval_dataset or c.dataset) \
+        if eval_table is not None else None
+    return train_data, eval_data, names
+
+
+def load_tables(c: Config) -> tuple[Any, Columns, list[str] | None, Any | None]:
+    """The training rows (after `max_train_samples` and the hold-out), their columns, the class names and the
+    evaluation rows (a separate set, a split, the hold-out, or None), untokenised."""
     table = load_table(c.dataset, c.dataset_config, c.train_split)
     cols = resolve_columns(c, list(table.column_names))
     if c.max_train_samples:
@@ -158,12 +170,7 @@ def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
     if eval_table is None and c.eval_fraction > 0 and len(table) >= 10:
         parts = table.train_test_split(test_size=c.eval_fraction, seed=c.seed)
         table, eval_table = parts["train"], parts["test"]
-    train_data = encode(table, cols, c, tokenizer, names, c.dataset)
-    if c.packing:  # the packed row becomes the sample unit of windows, micro-batches and the plan
-        train_data = pack(train_data, c.max_length)
-    eval_data = encode(eval_table, cols, c, tokenizer, names, c.eval_dataset or c.dataset) \
-        if eval_table is not None else None
-    return train_data, eval_data, names
+    return table, cols, names, eval_table
 
 
 def _eval_table(c: Config, cols: Columns) -> Any | None:

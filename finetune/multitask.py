@@ -13,8 +13,7 @@ from typing import Any
 import numpy as np
 
 from finetune.config import Config, from_dict
-from finetune.data import _eval_table as eval_table_of
-from finetune.data import collate, label_names_of, load_table, resolve_columns
+from finetune.data import collate, load_tables
 from finetune.encoding import Columns, Encoded, encode
 from finetune.errors import DataError, InputError
 from finetune.tasks import TaskSpec, single_task_values
@@ -54,15 +53,7 @@ def with_prefix(table: Any, cols: Columns, prefix: str) -> tuple[Any, Columns]:
 def load_task(c: Config, spec: TaskSpec, tokenizer: Any) -> TaskData:
     """One task's data, as `load_data` reads a one-dataset config, with its prompt prefix applied."""
     tc = task_config(c, spec)
-    table = load_table(tc.dataset, tc.dataset_config, tc.train_split)
-    cols = resolve_columns(tc, list(table.column_names))
-    if tc.max_train_samples:
-        table = table.select(range(min(tc.max_train_samples, len(table))))
-    names = label_names_of(table, cols.label, tc.dataset) if c.task == "classification" else None
-    held = eval_table_of(tc, cols)
-    if held is None and tc.eval_fraction > 0 and len(table) >= 10:
-        parts = table.train_test_split(test_size=tc.eval_fraction, seed=tc.seed)
-        table, held = parts["train"], parts["test"]
+    table, cols, names, held = load_tables(tc)
     enc_cols = cols
     if spec.prompt_prefix:
         table, enc_cols = with_prefix(table, cols, spec.prompt_prefix)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from finetune import encoding
 from finetune.config import from_dict
 from finetune.events import read_events
 from finetune.modeling import resolve_model_path
@@ -253,3 +254,17 @@ def served_app(folder: Path, **env: str) -> Iterator[tuple[str, Path]]:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture
+def tokenize_calls(monkeypatch) -> list[int]:
+    """The number of rows each call of the tokenising map function saw (the function runs in-process)."""
+    calls: list[int] = []
+    real = encoding._tokenize
+
+    def counting(batch, *args, **kwargs):
+        calls.append(len(next(iter(batch.values()))))
+        return real(batch, *args, **kwargs)
+
+    monkeypatch.setattr(encoding, "_tokenize", counting)
+    return calls

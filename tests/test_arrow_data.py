@@ -12,23 +12,8 @@ import pytest
 import torch
 from conftest import bundled_tokenizer
 
-from finetune import encoding
 from finetune.config import from_dict
 from finetune.data import IGNORE_INDEX, collate, load_data
-
-
-@pytest.fixture
-def tokenize_calls(monkeypatch) -> list[int]:
-    """The number of rows each call of the tokenising map function saw (the function runs in-process)."""
-    calls: list[int] = []
-    real = encoding._tokenize
-
-    def counting(batch, *args, **kwargs):
-        calls.append(len(next(iter(batch.values()))))
-        return real(batch, *args, **kwargs)
-
-    monkeypatch.setattr(encoding, "_tokenize", counting)
-    return calls
 
 
 def test_a_second_load_reuses_the_cache_and_a_changed_setting_does_not(tmp_path, tokenize_calls):

@@ -15,7 +15,6 @@ from conftest import _causal_tokenizer, assert_same_weights, bundled_tokenizer, 
 
 from app import views
 from app.jobs import JobStatus
-from finetune import encoding
 from finetune.cli import main
 from finetune.config import ConfigError, from_dict
 from finetune.data import IGNORE_INDEX, collate, load_data
@@ -158,19 +157,6 @@ def test_guessed_prompt_completion_columns_refuse_splitting(tmp_path, capsys):
     path.write_text(json.dumps({"prompt": "a b", "completion": "c d"}) + "\n")
     assert main(["plan", f"dataset={path}", "task=causal_lm", "long_documents=chunk", "eval_fraction=0"]) == 2
     assert "split from its prompt would be learned without it" in capsys.readouterr().err
-
-
-@pytest.fixture
-def tokenize_calls(monkeypatch) -> list[int]:
-    calls: list[int] = []
-    real = encoding._tokenize
-
-    def counting(batch, *args, **kwargs):
-        calls.append(len(next(iter(batch.values()))))
-        return real(batch, *args, **kwargs)
-
-    monkeypatch.setattr(encoding, "_tokenize", counting)
-    return calls
 
 
 def test_the_cache_is_reused_with_its_counts_and_a_changed_mode_tokenises_again(tmp_path, tokenize_calls):
