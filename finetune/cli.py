@@ -77,7 +77,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     stop = StopFlag()
     previous = _install_stop_handlers(stop)
     try:
-        result = train(cfg, stop=stop, callbacks=[ProgressBar(disable=args.quiet), _print_note])
+        # The notes first: printed after the bar is drawn, they would land on its line.
+        result = train(cfg, stop=stop, callbacks=[_print_note, ProgressBar(disable=args.quiet)])
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
