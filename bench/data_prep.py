@@ -5,7 +5,8 @@ The data is SST-2's `train.tsv` (60,614 rows) repeated 1, 10 and 100 times into 
 cache folder: the *first* run reads the TSV into Arrow and tokenises it, the *second* finds both in the cache.
 
 - `finetune`: `load_data` (max_length=128, eval_fraction=0, the bundled MiniLM tokenizer), the epoch's windows
-  (`Encoded.windows`, length grouping on) and the first micro-batch collated from Arrow.
+  (`Encoded.windows`, length grouping on) and the first micro-batch collated from Arrow. Its second run memory-maps
+  the encoded Arrow files without reading or checking the TSV again (finetune/datacache.py).
 - `plain`: `load_dataset("csv", ...)`, `Dataset.map(tokenizer(truncation=True, max_length=128), batched=True)`
   with the same number of processes, and `DataCollatorWithPadding` on the first 32 rows.
 
@@ -69,7 +70,10 @@ def run_child(pipeline: str, data: Path, cache: Path) -> dict[str, float]:
     """Run one preparation in a fresh process; its wall seconds and the peak PSS (GB) of its process tree."""
     import psutil
 
-    env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "PYTHONPATH": str(REPO_ROOT)}
+    # The datasets cache and finetune's own (the entries that let a second run skip reading and checking the file,
+    # finetune/datacache.py) both live in the run's fresh folder.
+    env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "XDG_CACHE_HOME": str(cache / "xdg"),
+           "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen([sys.executable, __file__, "--child", pipeline, "--data", str(data)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     root, peak = psutil.Process(proc.pid), 0

@@ -1,7 +1,8 @@
 """Loading and checking the data, and tokenising it into Arrow (`finetune.encoding`) or reading it as a stream.
 
 A file or hub dataset becomes a memory-mapped `datasets.Dataset`; its columns are checked, its labels named and its
-rows tokenised once, in Arrow, into a cache that the next run with the same rows and settings reuses. With
+rows tokenised once, in Arrow, into a cache that the next run with the same rows and settings reuses (from a local
+file, without reading or checking the file again: `finetune.datacache`). With
 `streaming: true` the training rows are read as a stream instead (`finetune.stream`). The window order lives in
 `finetune.windows`.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
+from finetune import datacache
 from finetune.batch import resolve_batch
 from finetune.chat import MESSAGES_NAMES
 from finetune.config import Config
@@ -147,12 +149,17 @@ def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
         check_architecture(c)
     if c.streaming:
         return _load_stream(c, tokenizer, resolve_batch(c, num_processes).effective_batch_size)
+    key = datacache.data_key(c, tokenizer)
+    cached = datacache.load(key)
+    if cached is not None:  # the same files and settings were loaded, checked and encoded before
+        return cached
     table, cols, names, eval_table = load_tables(c)
     train_data = encode(table, cols, c, tokenizer, names, c.dataset)
     if c.packing:  # the packed row becomes the sample unit of windows, micro-batches and the plan
         train_data = pack(train_data, c.max_length)
     eval_data = encode(eval_table, cols, c, tokenizer, names, c.eval_dataset or c.dataset) \
         if eval_table is not None else None
+    datacache.save(key, train_data, eval_data, names)
     return train_data, eval_data, names
 
 

@@ -53,29 +53,73 @@ class Columns:
     messages: str | None = None
 
 
-class Encoded:
-    """Tokenised samples in an Arrow-backed `datasets.Dataset`, with their lengths as one numpy array."""
+def numpy_of(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """An integer Arrow column as a numpy array, read in place. (pyarrow's `to_numpy` and `pa.array` import
+    pandas, half a second of a start that otherwise never needs it.)"""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if array.null_count or not pa.types.is_integer(array.type):
+        return array.to_numpy(zero_copy_only=False)  # not a column that encode() writes
+    sign = "u" if pa.types.is_unsigned_integer(array.type) else ""
+    dtype = np.dtype(f"{sign}int{array.type.bit_width}")
+    if len(array) == 0:
+        return np.empty(0, dtype=dtype)
+    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
 
-    def __init__(self, rows: Any, segmentation: Segmentation | None = None, dropped: dict[str, int] | None = None,
-                 messages: str | None = None) -> None:
-        self.rows = rows
+
+class Encoded:
+    """Tokenised samples as an Arrow table (memory-mapped from the cache files where there are any), with their
+    lengths as one numpy array."""
+
+    def __init__(self, table: pa.Table, files: list[str] | tuple[str, ...] = (), *,
+                 segmentation: Segmentation | None = None, dropped: dict[str, int] | None = None,
+                 messages: str | None = None, rows: Any = None) -> None:
+        self.table = table
+        self.files = list(files)  # the cache files the table is read from (none for data held in memory)
         self.segmentation = segmentation  # what `long_documents` did to the input rows
         self.messages = messages  # the conversation column these rows came from, if any
         self.dropped = dropped or {}  # conversations left out, per reason (see finetune.chat.DROPPED)
-        self._arrow = rows.with_format("arrow")
-        self.lengths: np.ndarray = pc.list_value_length(self._arrow["input_ids"]).to_numpy().astype(np.int32)
-        self._prompt = (self._arrow["prompt_length"].to_numpy() if "prompt_length" in rows.column_names
-                        else np.zeros(len(rows), dtype=np.int32))
+        self._rows = rows
+        self._batches: list[pa.RecordBatch] = []
+        self._starts: np.ndarray | None = None  # where each record batch starts, for `columns`
+        self.lengths: np.ndarray = numpy_of(pc.list_value_length(table["input_ids"])).astype(np.int32)
+        self._prompt = (numpy_of(table["prompt_length"]) if "prompt_length" in table.column_names
+                        else np.zeros(len(table), dtype=np.int32))
         # Conversations and packed rows count their targets when they are written: the window's count stays one
         # array sum.
-        self._targets = (self._arrow["num_targets"].to_numpy() if "num_targets" in rows.column_names else None)
+        self._targets = numpy_of(table["num_targets"]) if "num_targets" in table.column_names else None
+
+    @classmethod
+    def from_dataset(cls, rows: Any, *, segmentation: Segmentation | None = None,
+                     dropped: dict[str, int] | None = None, messages: str | None = None) -> Encoded:
+        """The encoding held by a `datasets.Dataset` (the output of `encode`'s map, or of packing)."""
+        return cls(rows.with_format("arrow")[:], [f["filename"] for f in rows.cache_files],
+                   segmentation=segmentation, dropped=dropped, messages=messages, rows=rows.with_format(None))
+
+    @property
+    def rows(self) -> Any:
+        """These samples as a `datasets.Dataset`, built on first use (training reads `table`, which needs no
+        `datasets` import)."""
+        if self._rows is None:
+            import datasets
+
+            self._rows = (datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in self.files])
+                          if self.files else datasets.Dataset(datasets.table.InMemoryTable(self.table)))
+        return self._rows
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.table.num_rows
 
     def columns(self, indices: list[int]) -> pa.Table:
         """These samples' encoded columns, in this order."""
-        return self._arrow[indices]
+        # One-row slices of the record batches that hold them, found by binary search over where each batch starts
+        # (datasets' fast_gather): `Table.take` on a table of thousands of batches costs 0.1 s per micro-batch.
+        if self._starts is None:
+            self._batches = self.table.to_batches()
+            self._starts = np.cumsum([0] + [len(b) for b in self._batches])
+        rows = np.asarray(indices, dtype=np.int64)
+        which = np.searchsorted(self._starts, rows, side="right") - 1
+        picked = [self._batches[b].slice(i - self._starts[b], 1) for b, i in zip(which, rows, strict=True)]
+        return pa.Table.from_batches(picked, schema=self.table.schema)
 
     def num_tokens(self, indices: list[int]) -> int:
         """Tokens in these samples."""
@@ -103,11 +147,19 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         from datasets.fingerprint import Hasher
 
         return Hasher.hash(tokenizer)
-    state = json.loads(backend.to_str())
-    # Truncation and padding are set per call (the call's own arguments), not part of what the tokenizer is.
-    state.pop("truncation", None)
-    state.pop("padding", None)
-    return hashlib.sha256(json.dumps([type(tokenizer).__name__, state], sort_keys=True).encode()).hexdigest()
+    # Truncation and padding are set per call (the call's own arguments), not part of what the tokenizer is: its
+    # serialisation is taken without them (hashing the text as it is: parsing and re-sorting its JSON took 0.05 s).
+    truncation, padding = backend.truncation, backend.padding
+    backend.no_truncation()
+    backend.no_padding()
+    try:
+        state = backend.to_str()
+    finally:
+        if truncation:
+            backend.enable_truncation(**truncation)
+        if padding:
+            backend.enable_padding(**padding)
+    return hashlib.sha256(f"{type(tokenizer).__name__}\n{state}".encode()).hexdigest()
 
 
 def num_processes_for(rows: int) -> int:
@@ -272,7 +324,7 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
         return _kept_conversations(rows, source, cols.messages, mode, c.max_length)
     counts = None if documents else count_segments(rows, mode, c.max_length,
                                                    splittable=c.task == "causal_lm" and not cols.prompt)
-    data = Encoded(rows, counts)
+    data = Encoded.from_dataset(rows, segmentation=counts)
     if c.task == "causal_lm" and cols.prompt and len(data) and data.num_targets(list(range(len(data))), True) == 0:
         cut = f"max_document_length={c.max_document_length}" if documents else f"max_length={c.max_length}"
         raise DataError(f"Every completion of {source!r} is cut off by {cut}: raise it.")
@@ -288,7 +340,8 @@ def _kept_conversations(rows: Any, source: str, column: str, mode: str, max_leng
     if dropped:
         rows = rows.filter(_is_kept, input_columns=["dropped"], batched=True).flatten_indices()
     rows = rows.remove_columns("dropped")
-    return Encoded(rows, count_segments(rows, mode, max_length, splittable=False), dropped, messages=column)
+    return Encoded.from_dataset(rows, segmentation=count_segments(rows, mode, max_length, splittable=False),
+                                dropped=dropped, messages=column)
 
 
 def _is_kept(dropped: list[int]) -> list[bool]:
@@ -301,28 +354,28 @@ def collate(data: Any, indices: list[int], pad_id: int, causal: bool) -> dict[st
     if "segment_lengths" in rows.column_names:  # packed rows (finetune/packing.py)
         return packed_batch(rows, pad_id)
     ids = rows.column("input_ids").combine_chunks()
-    lengths = pc.list_value_length(ids).to_numpy()
+    lengths = numpy_of(pc.list_value_length(ids))
     width = int(lengths.max())
     present = np.arange(width) < lengths[:, None]  # row-major, like the flattened values
     input_ids = np.full((len(indices), width), pad_id, dtype=np.int64)
-    input_ids[present] = ids.flatten().to_numpy()
+    input_ids[present] = numpy_of(ids.flatten())
     batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(present.astype(np.int64))}
     if "token_type_ids" in rows.column_names:
         types = np.zeros_like(input_ids)
-        types[present] = rows.column("token_type_ids").combine_chunks().flatten().to_numpy()
+        types[present] = numpy_of(rows.column("token_type_ids").combine_chunks().flatten())
         batch["token_type_ids"] = torch.from_numpy(types)
     if causal:
         labels = np.where(present, input_ids, IGNORE_INDEX)
         if "prompt_length" in rows.column_names:
-            prompt = rows.column("prompt_length").to_numpy()
+            prompt = numpy_of(rows.column("prompt_length"))
             labels[np.arange(width) < prompt[:, None]] = IGNORE_INDEX
         if "loss_mask" in rows.column_names:
             learned = np.zeros_like(present)
-            learned[present] = rows.column("loss_mask").combine_chunks().flatten().to_numpy().astype(bool)
+            learned[present] = numpy_of(rows.column("loss_mask").combine_chunks().flatten()).astype(bool)
             labels[~learned] = IGNORE_INDEX
         batch["labels"] = torch.from_numpy(labels)
     else:
-        batch["labels"] = torch.from_numpy(rows.column("label").to_numpy().astype(np.int64))
+        batch["labels"] = torch.from_numpy(numpy_of(rows.column("label")).astype(np.int64))
     return batch
 
 
@@ -331,18 +384,18 @@ def packed_batch(rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
     sample (and at the padding), labels with each sample's first token and its prompt masked; no attention mask,
     so that the model builds the block-diagonal mask from the position ids."""
     ids = rows.column("input_ids").combine_chunks()
-    lengths = pc.list_value_length(ids).to_numpy()
+    lengths = numpy_of(pc.list_value_length(ids))
     width = int(lengths.max())
     present = np.arange(width) < lengths[:, None]  # row-major, like the flattened values
-    flat_ids = ids.flatten().to_numpy().astype(np.int64)
-    segments = rows.column("segment_lengths").combine_chunks().flatten().to_numpy().astype(np.int64)
+    flat_ids = numpy_of(ids.flatten()).astype(np.int64)
+    segments = numpy_of(rows.column("segment_lengths").combine_chunks().flatten()).astype(np.int64)
     segment_starts = np.concatenate([[0], np.cumsum(segments)[:-1]])
     positions = np.arange(len(flat_ids)) - np.repeat(segment_starts, segments)
-    prompts = rows.column("segment_prompts").combine_chunks().flatten().to_numpy() if "segment_prompts" in \
+    prompts = numpy_of(rows.column("segment_prompts").combine_chunks().flatten()) if "segment_prompts" in \
         rows.column_names else np.zeros(len(segments), dtype=np.int64)
     learned = positions >= np.repeat(np.maximum(prompts, 1), segments)
     if "loss_mask" in rows.column_names:  # conversations: only their learned tokens
-        learned &= rows.column("loss_mask").combine_chunks().flatten().to_numpy().astype(bool)
+        learned &= numpy_of(rows.column("loss_mask").combine_chunks().flatten()).astype(bool)
 
     input_ids = np.full((len(lengths), width), pad_id, dtype=np.int64)
     input_ids[present] = flat_ids

@@ -177,7 +177,7 @@ def pack(data: Encoded, max_length: int) -> Encoded:
     encoding was packed before (the packed rows are written beside it)."""
     import datasets
 
-    unknown = sorted(set(data.rows.column_names) - PACKABLE_COLUMNS)
+    unknown = sorted(set(data.table.column_names) - PACKABLE_COLUMNS)
     if unknown:
         raise ConfigError([f"packing=true does not support data encoded with {', '.join(unknown)}: set "
                            "packing=false."])
@@ -190,13 +190,13 @@ def pack(data: Encoded, max_length: int) -> Encoded:
         cache_file = str(Path(data.rows.cache_files[0]["filename"]).parent / f"packed-{key}.arrow")
     rows = bins.with_format("arrow").map(
         _gather, batched=True, batch_size=1000, fn_kwargs={"source": data}, remove_columns=["members"],
-        features=_features(data.rows.column_names), cache_file_name=cache_file, new_fingerprint=key)
-    return Encoded(rows.with_format(None), data.segmentation, data.dropped, messages=data.messages)
+        features=_features(data.table.column_names), cache_file_name=cache_file, new_fingerprint=key)
+    return Encoded.from_dataset(rows, segmentation=data.segmentation, dropped=data.dropped, messages=data.messages)
 
 
 def packing_note(data: Encoded, max_length: int) -> str:
     """What packing made of the training data, for the plan's notes."""
-    samples = pc.sum(pc.list_value_length(data.rows.with_format("arrow")["segment_lengths"])).as_py() or 0
+    samples = pc.sum(pc.list_value_length(data.table["segment_lengths"])).as_py() or 0
     filled = float(data.lengths.sum()) / max(len(data) * max_length, 1)
     return (f"Packing: {samples:,} samples in {len(data):,} rows of at most {max_length} tokens ({filled:.1%} "
             "filled); batch sizes count rows.")
