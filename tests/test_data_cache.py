@@ -157,3 +157,29 @@ def test_rows_are_gathered_across_record_batches_in_the_order_asked():
     batch = encoding.collate(data, order, 0, causal=False)
     assert batch["labels"].tolist() == order and batch["input_ids"][0].tolist() == [49] * 5
     assert np.array_equal(batch["attention_mask"].sum(1).numpy(), [1 + i % 5 for i in order])
+
+
+def test_a_hit_keeps_what_loading_said_about_the_rows(tmp_path, full_path_calls, tiny_llama, long_csv):
+    """Long documents' segmentation, the conversations left out and packed rows come back from an entry as they
+    were made."""
+    from test_chat import _chatml_tokenizer, _conversations, _tiny_chat_llama, _write_jsonl
+    from transformers import AutoTokenizer
+
+    split = from_dict({"model": tiny_llama, "dataset": long_csv, "task": "causal_lm", "max_length": 32,
+                       "eval_fraction": 0, "long_documents": "chunk"})
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    first, again = (data.load_data(split, tok)[0] for _ in range(2))
+    assert len(full_path_calls) == 1 and first.segmentation.split > 0
+    assert again.segmentation == first.segmentation and again.table.equals(first.table)
+
+    model = _tiny_chat_llama(_chatml_tokenizer(), tmp_path / "chat_llama")
+    rows = [*_conversations(10), [{"role": "user", "content": "hello"}]]  # the last has no reply to learn
+    chat = from_dict({"model": model, "dataset": _write_jsonl(tmp_path / "chat.jsonl", rows), "task": "causal_lm",
+                      "max_length": 256, "eval_fraction": 0, "packing": True})
+    tok = AutoTokenizer.from_pretrained(model)
+    first, again = (data.load_data(chat, tok)[0] for _ in range(2))
+    assert len(full_path_calls) == 2 and first.dropped == {"no_assistant_turn": 1}
+    assert (again.dropped, again.messages, again.segmentation) == (first.dropped, "messages", first.segmentation)
+    assert "segment_lengths" in again.table.column_names and again.table.equals(first.table)
+    batch, reference = (encoding.collate(d, [1, 0], tok.pad_token_id, causal=True) for d in (again, first))
+    assert all(batch[k].equal(reference[k]) for k in reference)
