@@ -27,6 +27,9 @@ TASKS = ("classification", "causal_lm")
 # The experiment trackers accelerate can log to (its `LoggerType`, less `all`: a run names what it reports to).
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
 LONG_DOCUMENTS = ("auto", "truncate", "chunk", "sliding_window")
+# Refused where the column is set (here) and where it is guessed from the data (finetune.encoding).
+RECURRENCE_NOT_FOR_CONVERSATIONS = ("`segment_recurrence=true` is for long plain-text or prompt/completion documents, "
+                                    "not conversations: turn it off for `messages_column` data.")
 TASKS_EXAMPLE = """tasks:              # instead of `dataset`; every task has its own columns and labels
   - name: sentiment
     dataset: reviews.csv
@@ -389,8 +392,7 @@ def _recurrence_checks(c: Config) -> list[str]:
         problems.append("`segment_recurrence=true` carries a document's memory from one segment to the next, which "
                         "packed rows of several samples cannot: set packing=false.")
     if c.messages_column:
-        problems.append("`segment_recurrence=true` is for long plain-text or prompt/completion documents, not "
-                        "conversations: turn it off for `messages_column` data.")
+        problems.append(RECURRENCE_NOT_FOR_CONVERSATIONS)
     return problems
 
 

@@ -28,7 +28,7 @@ from finetune.chat import (
     encode_conversations,
     require_template,
 )
-from finetune.config import Config
+from finetune.config import RECURRENCE_NOT_FOR_CONVERSATIONS, Config
 from finetune.errors import ConfigError, DataError
 from finetune.segments import Segmentation, context_tokens, count_segments, resolve_mode, split_documents
 from finetune.windows import Windows, epoch_windows
@@ -295,8 +295,7 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     eos = [tokenizer.eos_token_id] if c.task == "causal_lm" and tokenizer.eos_token_id is not None else []
     documents = c.segment_recurrence and c.task == "causal_lm"  # whole documents, split by the loop itself
     if documents and cols.messages:  # a conversation column guessed from the data
-        raise ConfigError(["`segment_recurrence=true` is for long plain-text or prompt/completion documents, not "
-                           "conversations: turn it off for `messages_column` data."])
+        raise ConfigError([RECURRENCE_NOT_FOR_CONVERSATIONS])
     mode = "whole" if documents else resolve_mode(c, plain_text=not (cols.prompt or cols.messages))
     settings = {"task": c.task, "cols": asdict(cols), "max_length": c.max_length, "eos": eos,
                 "label_index": {name: i for i, name in enumerate(label_names)} if label_names else None,
