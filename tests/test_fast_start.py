@@ -43,10 +43,11 @@ def test_a_repeated_run_imports_only_what_training_needs(tmp_path, tiny_bert, cl
             f"assert main(['train', 'model={tiny_bert}', 'dataset={cls_csv}', 'max_steps=1', 'eval_fraction=0.2', "
             f"'effective_batch_size=8', 'output_dir={tmp_path / 'run'}', 'overwrite=true', '-q']) == 0\n")
     first = _modules_after(code, tmp_path)
-    assert first["datasets"] and first["torch"] and first["transformers"]
+    assert first["datasets"] and first["torch"] and first["transformers"]  # the first run reads the file
     again = _modules_after(code, tmp_path)
-    # The second finds its plan made: no peft (no LoRA), no plotting (loss.png is drawn by another process), no GUI.
-    assert not any(again[m] for m in ("peft", "matplotlib", "gradio"))
+    # The second finds its data encoded and its plan made: no datasets (nor the pandas it brings), no peft (no
+    # LoRA), no plotting (loss.png is drawn by another process), no GUI. (scipy comes with transformers' models.)
+    assert not any(again[m] for m in ("datasets", "pandas", "peft", "matplotlib", "gradio"))
     assert again["torch"] and again["transformers"] and again["accelerate"]
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events][:2] == ["start", "step"]
