@@ -1,4 +1,5 @@
-"""The app's scripting API: `start`, `plan`, `status`, `stop` and `predict`, with named parameters and results.
+"""The app's scripting API: `start`, `plan`, `status`, `stop`, `predict` and `push`, with named parameters and
+results.
 
 A script passes a run's config as one value, YAML text or a mapping of the config's options, and gets JSON back
 (see "Scripting the app" in the README). The endpoints call the same `Controller` methods as the page's buttons,
@@ -41,6 +42,15 @@ class StatusResult(TypedDict):
     command: str
 
 
+class PushResult(TypedDict):
+    """Whether the finished run's model reached the Hub, where, and a message (the reason, when it did not)."""
+
+    pushed: bool
+    url: str | None
+    commit: str | None
+    message: str
+
+
 class ScriptApi:
     """The endpoints of one app, bound to its controller."""
 
@@ -55,6 +65,7 @@ class ScriptApi:
         gr.api(self.status, api_name="status", concurrency_limit=None)
         gr.api(self.stop, api_name="stop", concurrency_limit=None)
         gr.api(self.predict, api_name="predict")
+        gr.api(self.push, api_name="push", concurrency_id="push", concurrency_limit=1)
 
     def start(self, config: str | dict[str, Any], request: gr.Request) -> StartResult:
         """Start training `config` (YAML text, or a mapping of config options) as a `finetune train` child process."""
@@ -106,3 +117,10 @@ class ScriptApi:
             return self.controller.predict(text, request=request)
         except (Unanswered, ModelError) as e:
             return {"error": str(e)}
+
+    def push(self, repo: str, private: bool, request: gr.Request) -> PushResult:
+        """Push the finished run's model and its model card to the Hub repository `repo` (created private when
+        `private`), with the token of whoever runs the app, as the Push button does."""
+        outcome = self.controller.push_run(repo, private, request=request)
+        message = outcome.message.removeprefix("⚠️ ")
+        return PushResult(pushed=outcome.url is not None, url=outcome.url, commit=outcome.commit, message=message)

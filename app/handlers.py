@@ -455,13 +455,17 @@ class Controller:
                                generated=gr.update(value=out["generated"], visible=True), message=note)
 
     def push(self, repo: str, private: bool, *, request: Any = None) -> PushShown:
+        """Push the finished run's model and its model card to `repo` (the Push button)."""
+        return PushShown(message=self.push_run(repo, private, request=request).message)
+
+    def push_run(self, repo: str, private: bool, *, request: Any = None) -> publish.PushOutcome:
         """Push the finished run's model and its model card to `repo`, with the token of whoever runs the app (only
         for those `Access.may_push` allows; see `app.publish`)."""
         user, _ = self.who(request)
         status = self.jobs.status()
         if status.state != "idle" and not self.is_mine(status, user):
-            return PushShown(message="⚠️ Only the one who started the run can push it.")
-        return PushShown(message=publish.push_finished_run(self.access, status, user, repo, bool(private)))
+            return publish.PushOutcome("⚠️ Only the one who started the run can push it.")
+        return publish.push_finished_run(self.access, status, user, repo, bool(private))
 
     # --- reproducibility
     def export(self, *values: Any) -> ExportShown:

@@ -7,6 +7,7 @@ which never leaves that process: the training child of a shared server does not 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,25 +19,35 @@ from finetune.errors import ConfigError
 from finetune.events import EventLog, Pushed
 
 
-def push_finished_run(access: Access, status: JobStatus, user: str | None, repo: str, private: bool) -> str:
-    """Push the finished run of `status` to `repo` as `user`; the Markdown line that says how it went."""
+@dataclass(frozen=True)
+class PushOutcome:
+    """How a push went: the Markdown line the page shows and, when it went through, where the model now is."""
+
+    message: str
+    url: str | None = None
+    commit: str | None = None
+
+
+def push_finished_run(access: Access, status: JobStatus, user: str | None, repo: str, private: bool
+                      ) -> PushOutcome:
+    """Push the finished run of `status` to `repo` as `user`."""
     if refusal := access.refusal(user) or access.push_refusal(user):
-        return f"⚠️ {refusal}"
+        return PushOutcome(f"⚠️ {refusal}")
     if status.state != "done" or status.run_dir is None:
-        return "Nothing to push yet: train a run to the end first."
+        return PushOutcome("Nothing to push yet: train a run to the end first.")
     repo = (repo or "").strip()
     if not repo:
-        return "⚠️ Give the repository to push to, such as your-name/my-model."
+        return PushOutcome("⚠️ Give the repository to push to, such as your-name/my-model.")
     if problem := repo_id_problem(repo):
-        return f"⚠️ {problem.replace('`push_to_hub` must be', 'The repository must be')}"
+        return PushOutcome(f"⚠️ {problem.replace('`push_to_hub` must be', 'The repository must be')}")
     token = hub.token()
     if not token:
-        return ("⚠️ This server has no Hugging Face token: whoever runs the app sets HF_TOKEN (on a Space, as a "
-                "secret) to a token with write access.")
+        return PushOutcome("⚠️ This server has no Hugging Face token: whoever runs the app sets HF_TOKEN (on a "
+                           "Space, as a secret) to a token with write access.")
     try:
         hub.check_can_push(repo, token)
     except ConfigError as e:
-        return f"⚠️ {e.problems[0]}"
+        return PushOutcome(f"⚠️ {e.problems[0]}")
     log = EventLog(status.run_dir / "events.jsonl")
     model_dir = str(status.run_dir / "model")
     try:
@@ -44,9 +55,11 @@ def push_finished_run(access: Access, status: JobStatus, user: str | None, repo:
     except hub.UPLOAD_ERRORS as e:
         reason = hub.describe_failure(e, token)
         log.emit(Pushed(repo_id=repo, model_dir=model_dir, error=reason))
-        return f"⚠️ Pushing to {repo} failed ({reason}). The model is unchanged in the run folder: try again."
+        return PushOutcome(f"⚠️ Pushing to {repo} failed ({reason}). The model is unchanged in the run folder: try "
+                           "again.")
     log.emit(Pushed(repo_id=result.repo_id, model_dir=model_dir, url=result.url, commit=result.commit))
-    return f"Pushed to [{result.repo_id}]({result.url}) (commit `{result.commit[:7]}`)."
+    return PushOutcome(f"Pushed to [{result.repo_id}]({result.url}) (commit `{result.commit[:7]}`).", result.url,
+                       result.commit)
 
 
 def run_options(status: JobStatus) -> dict[str, Any]:

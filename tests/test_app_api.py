@@ -10,7 +10,8 @@ import yaml
 from conftest import served_app
 
 pytestmark = pytest.mark.slow
-ENDPOINTS = {"/start": ["config"], "/plan": ["config"], "/status": [], "/stop": [], "/predict": ["text"]}
+ENDPOINTS = {"/start": ["config"], "/plan": ["config"], "/status": [], "/stop": [], "/predict": ["text"],
+             "/push": ["repo", "private"]}
 
 
 @pytest.fixture

@@ -307,3 +307,33 @@ def test_an_unreachable_hub_passes_the_check_and_fails_the_push_with_exit_3(fini
     assert e.value.exit_code == 3 and f"the model is saved in {run / 'model'}" in str(e.value)
     assert read_events(run / "events.jsonl")[-1]["event"] == "push"
     assert (run / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_script_pushes_the_finished_run_through_the_api(tmp_path, tiny_bert, cls_csv):
+    from conftest import served_app
+    from gradio_client import Client
+
+    env = {"HF_TOKEN": "hf_write", "HF_HUB_OFFLINE": "0", "HF_TOKEN_PATH": str(tmp_path / "no-stored-token"),
+           "OMP_NUM_THREADS": "1"}
+    with fake_hub() as hub, served_app(tmp_path, HF_ENDPOINT=hub.url, **env) as (url, _):
+        client = Client(url, verbose=False)
+        early = client.predict(repo="alice/m", private=True, api_name="/push")
+        assert early == {"pushed": False, "url": None, "commit": None,
+                         "message": "Nothing to push yet: train a run to the end first."}
+        config = {"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 8, "eval_fraction": 0.0,
+                  "max_steps": 2}
+        assert client.predict(config=config, api_name="/start")["started"]
+        deadline = time.time() + 90
+        while (status := client.predict(api_name="/status"))["state"] in ("starting", "running"):
+            assert time.time() < deadline, status
+            time.sleep(0.5)
+        assert status["state"] == "done", status
+        bad = client.predict(repo="alice/bad name", private=True, api_name="/push")
+        assert not bad["pushed"] and bad["message"].startswith("The repository must be a Hub repository id")
+        pushed = client.predict(repo="alice/m", private=True, api_name="/push")
+    assert pushed["pushed"] and pushed["url"] == f"{hub.url}/alice/m" and pushed["commit"].startswith("0000000")
+    assert pushed["message"] == f"Pushed to [alice/m]({hub.url}/alice/m) (commit `0000000`)."
+    assert hub.repos["alice/m"]["visibility"] == "private"
+    assert set(hub.repos["alice/m"]["files"]) >= {"README.md", "model.safetensors"}
+    assert "hf_write" not in json.dumps([early, bad, pushed])
