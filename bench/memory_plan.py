@@ -9,7 +9,7 @@ rows (1,024 and 2,048 tokens; sdpa and eager attention; micro-batches with and w
   the weights and optimizer state), on a GPU `torch.cuda.max_memory_allocated` (pass --device cuda).
 It prints one table with the error of each row (target: within ±10 % on CPU, never more than 5 % under).
 
-    python bench/memory_plan.py                 # the whole matrix on CPU (about ten minutes)
+    python bench/memory_plan.py                 # the whole matrix on CPU (about a quarter of an hour)
     python bench/memory_plan.py --quick         # fewer rows
     python bench/memory_plan.py --device cuda   # on a GPU
     python bench/memory_plan.py --gpu-budget 2  # on a GPU: the plan for 2 GiB trains under a 2 GiB memory cap
