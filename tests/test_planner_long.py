@@ -68,7 +68,27 @@ def test_plan_pads_only_when_samples_differ_in_length(long_llama):
     uneven = make_plan(c, [TOKENS] * 7 + [300], 0, device=CPU)
     assert (even.batch.micro_batch_size, even.padded, uneven.padded) == (4, False, True)
     assert uneven.predicted_peak_bytes > even.predicted_peak_bytes
-    assert "4 × 1024 tokens, padded" in render(uneven) and "padded" not in render(even).split("device")[0]
+    assert _worst_case_line(uneven).endswith("4 × 1024 tokens, padded")
+    assert _worst_case_line(even).endswith("4 × 1024 tokens")
     one = c.replace(effective_batch_size=1)  # a micro-batch of one sample is never padded
     assert make_plan(one, [TOKENS, 300], 0, device=CPU).predicted_peak_bytes == \
         make_plan(one, [TOKENS, TOKENS], 0, device=CPU).predicted_peak_bytes
+
+
+def _worst_case_line(plan) -> str:
+    return next(line for line in render(plan).splitlines() if line.startswith("worst-case micro-batch"))
+
+
+def test_the_probe_measures_the_padded_case_the_plan_made(long_llama):
+    from transformers import AutoModelForCausalLM
+
+    from finetune.planner import refine_with_probe
+
+    c = _config(long_llama, effective_batch_size=4, micro_batch_size=4)
+    real = AutoModelForCausalLM.from_pretrained(long_llama)
+    for lengths in ([TOKENS] * 8, [TOKENS] * 7 + [300]):
+        plan = make_plan(c, lengths, 0, device=CPU)
+        probed = refine_with_probe(plan, real, c)
+        assert probed.method == "probe" and probed.padded == plan.padded
+        error = (plan.predicted_peak_bytes - probed.predicted_peak_bytes) / probed.predicted_peak_bytes
+        assert -0.05 <= error <= 0.10, (lengths[-1], plan.predicted_peak_bytes, probed.predicted_peak_bytes)
