@@ -1,14 +1,15 @@
 """Benchmark: the planner's predicted peak against the measured peak of real training windows.
 
 For each row of a matrix of models (the bundled MiniLM; tiny and small BERT, GPT-2 and Llama configurations built
-from a config), sequence lengths, micro-batch sizes, accumulation, precision and gradient checkpointing, it
+from a config), sequence lengths, micro-batch sizes, accumulation, precision and gradient checkpointing, plus long
+rows (1,024 and 2,048 tokens; sdpa and eager attention; micro-batches with and without padding), it
 - predicts the peak with the planner's dry run (`finetune.planner.estimate`, fake tensors, no weights), and
 - measures one real window (forward, backward, fused AdamW step, after a warm-up window) with the engine's loss,
   as the planner's probe does (`finetune.memory.measure_window`): on a CPU the live-tensor peak (the tracker plus
   the weights and optimizer state), on a GPU `torch.cuda.max_memory_allocated` (pass --device cuda).
 It prints one table with the error of each row (target: within ±10 % on CPU, never more than 5 % under).
 
-    python bench/memory_plan.py                 # the whole matrix on CPU (a few minutes)
+    python bench/memory_plan.py                 # the whole matrix on CPU (about a quarter of an hour)
     python bench/memory_plan.py --quick         # fewer rows
     python bench/memory_plan.py --device cuda   # on a GPU
     python bench/memory_plan.py --gpu-budget 2  # on a GPU: the plan for 2 GiB trains under a 2 GiB memory cap
@@ -46,7 +47,18 @@ def model_configs() -> dict[str, tuple[str, object | None]]:
         "GPT-2 small-ish": ("causal_lm", GPT2Config(vocab_size=50257, n_embd=384, n_layer=4, n_head=6)),
         "Llama tiny": ("causal_lm", LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688,
                                                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)),
+        # Long rows only: GPT-2 with room for 2,048 positions, and bench/long_range.py's model, whose small
+        # vocabulary leaves attention (and its mask) the largest part of a long window.
+        "GPT-2 tiny 2k": ("causal_lm", GPT2Config(vocab_size=50257, n_embd=128, n_layer=2, n_head=2,
+                                                  n_positions=2048)),
+        "Llama long-range": ("causal_lm", LlamaConfig(vocab_size=68, hidden_size=64, intermediate_size=128,
+                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                      num_key_value_heads=2, max_position_embeddings=4096)),
     }
+
+
+SHORT_MODELS = ("MiniLM-L6 (bundled)", "BERT tiny", "BERT small", "GPT-2 tiny", "GPT-2 small-ish", "Llama tiny")
+LONG_MODELS = ("GPT-2 tiny 2k", "Llama tiny", "Llama long-range")
 
 
 @dataclass
@@ -57,6 +69,8 @@ class Row:
     accum: int
     precision: str
     checkpointing: bool
+    attention: str
+    padded: bool
     predicted_mib: float
     measured_mib: float
 
@@ -80,38 +94,50 @@ def save_model_folder(name: str, task: str, hf_config: object | None, root: Path
 
 
 def measure(path: str, task: str, micro: int, tokens: int, accum: int, precision: str, ckpt: bool,
-            device: str) -> int:
+            device: str, attention: str, padded: bool) -> int:
     """Peak bytes of a real window on `device`, measured the way the planner's probe measures it."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
     kwargs = {} if task == "causal_lm" else {"num_labels": 2}
     c = from_dict({"model": path, "task": task})
-    model = prepare_for_training(auto.from_pretrained(path, dtype=torch.float32, **kwargs), c, checkpointing=ckpt,
-                                 lora=False).to(device)
-    return measure_window(model, c, micro=micro, tokens=tokens, accum=accum, precision=precision)
+    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attention, **kwargs)
+    model = prepare_for_training(model, c, checkpointing=ckpt, lora=False).to(device)
+    return measure_window(model, c, micro=micro, tokens=tokens, accum=accum, precision=precision, padded=padded)
 
 
 def predict(path: str, task: str, micro: int, tokens: int, accum: int, precision: str, ckpt: bool,
-            device: str) -> int:
+            attention: str, padded: bool) -> int:
     """The planner's dry-run peak of the same window, without the device overhead term."""
     c = from_dict({"model": path, "task": task})
     skeleton = model_skeleton(c, 2, checkpointing=ckpt, lora=False)
+    # finetune trains with the model's default implementation (sdpa where supported); eager rows stand for
+    # models whose default is eager.
+    skeleton.model.set_attn_implementation(attention)
     terms = estimate(skeleton, c, causal=task == "causal_lm", micro=micro, tokens=tokens, accum=accum,
-                     precision=precision, optimizer="adamw", device="cpu")
+                     precision=precision, optimizer="adamw", device="cpu", padded=padded)
     return sum(v for k, v in terms.items() if k != "overhead")
 
 
 def matrix(quick: bool, precisions: list[str]) -> list[tuple]:
-    """(model, tokens, micro, accum, precision, checkpointing) rows."""
+    """(model, tokens, micro, accum, precision, checkpointing, attention, padded) rows: the short ones (sdpa, every
+    sample of the longest length), then the long ones."""
     rows = []
-    for name in model_configs():
+    for name in SHORT_MODELS:
         lengths = (128,) if quick else (64, 256)
         for tokens in lengths:
             for micro, accum in ((1, 1), (4, 1), (4, 2)) if not quick else ((4, 2),):
                 for ckpt in (False, True):
                     for precision in precisions:
-                        rows.append((name, tokens, micro, accum, precision, ckpt))
+                        rows.append((name, tokens, micro, accum, precision, ckpt, "sdpa", False))
+    if quick:  # the window where the mask once made the prediction 86 % too large
+        return rows + [("Llama long-range", 1024, 4, 1, precisions[0], False, "sdpa", False)]
+    for name in LONG_MODELS:
+        for tokens in (1024, 2048):
+            for micro, padded in ((1, False), (4, False), (4, True)):
+                for attention in ("sdpa", "eager"):
+                    for precision in precisions:
+                        rows.append((name, tokens, micro, 1, precision, False, attention, padded))
     return rows
 
 
@@ -158,22 +184,28 @@ def main(argv: list[str] | None = None) -> int:
         return check_budget_on_gpu(args.gpu_budget, args.config)
     configs = model_configs()
     results: list[Row] = []
-    print("| model | tokens | micro × accum | precision | checkpointing | predicted MiB | measured MiB | error |")
-    print("|---|---:|---:|---|---|---:|---:|---:|")
-    for name, tokens, micro, accum, precision, ckpt in matrix(args.quick, args.precision):
+    print("| model | tokens | micro × accum | precision | checkpointing | attention | padded | predicted MiB "
+          "| measured MiB | error |")
+    print("|---|---:|---:|---|---|---|---|---:|---:|---:|")
+    for name, tokens, micro, accum, precision, ckpt, attention, padded in matrix(args.quick, args.precision):
         task, hf_config = configs[name]
         path = save_model_folder(name, task, hf_config, args.cache)
-        row = Row(name, tokens, micro, accum, precision, ckpt,
-                  predict(path, task, micro, tokens, accum, precision, ckpt, args.device) / MIB,
-                  measure(path, task, micro, tokens, accum, precision, ckpt, args.device) / MIB)
+        row = Row(name, tokens, micro, accum, precision, ckpt, attention, padded,
+                  predict(path, task, micro, tokens, accum, precision, ckpt, attention, padded) / MIB,
+                  measure(path, task, micro, tokens, accum, precision, ckpt, args.device, attention, padded) / MIB)
         results.append(row)
-        print(f"| {name} | {tokens} | {micro} × {accum} | {precision} | {'on' if ckpt else 'off'} | "
-              f"{row.predicted_mib:.1f} | {row.measured_mib:.1f} | {row.error:+.1%} |", flush=True)
+        print(f"| {name} | {tokens} | {micro} × {accum} | {precision} | {'on' if ckpt else 'off'} | {attention} | "
+              f"{'yes' if padded else 'no'} | {row.predicted_mib:.1f} | {row.measured_mib:.1f} | {row.error:+.1%} |",
+              flush=True)
     worst_over = max(r.error for r in results)
     worst_under = min(r.error for r in results)
     within = sum(-0.05 <= r.error <= 0.10 for r in results)
     print(f"\n{within}/{len(results)} rows within -5 %/+10 %; largest over-prediction {worst_over:+.1%}, "
           f"largest under-prediction {worst_under:+.1%} ({args.device}, torch {torch.__version__})")
+    long = [r for r in results if r.tokens >= 1024]
+    if long:
+        print(f"long rows (1,024 tokens and more): {sum(-0.05 <= r.error <= 0.10 for r in long)}/{len(long)} within, "
+              f"from {min(r.error for r in long):+.1%} to {max(r.error for r in long):+.1%}")
     if args.json:
         args.json.write_text(json.dumps([{**asdict(r), "error": r.error} for r in results], indent=2))
     return 0

@@ -18,7 +18,7 @@ from typing import Any
 from unittest import mock
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -125,10 +125,14 @@ def _adapters_stay_where_made() -> Iterator[None]:
         yield
 
 
-def synthetic_batch(model: Any, micro: int, tokens: int, causal: bool, device: Any = None, packed: bool = False
-                    ) -> dict[str, Any]:
-    """A worst-case micro-batch of random token ids: `micro` samples of `tokens` tokens, every one attended.
+def synthetic_batch(model: Any, micro: int, tokens: int, causal: bool, device: Any = None, packed: bool = False,
+                    padded: bool = False) -> dict[str, Any]:
+    """A worst-case micro-batch of random token ids: `micro` samples of `tokens` tokens.
 
+    `padded`: the last sample's last token is padding, as in any micro-batch whose samples differ in length; then
+    the model builds a 4-D attention mask (B × 1 × L × L, kept for the backward by sdpa), which it skips when every
+    token is attended. transformers cannot read a fake mask's values (`is_tracing` is true for fake tensors) and
+    always builds it, so an unpadded fake batch has no mask at all: what transformers does with an all-ones one.
     `packed`: rows of two packed samples (position ids restarting, no attention mask), as `packing` trains them;
     more than one sample per row is what makes the model build a full block-diagonal mask."""
     ids = torch.randint(3, max(getattr(model.config, "vocab_size", 0) or 0, 4), (micro, tokens), device=device)
@@ -137,7 +141,12 @@ def synthetic_batch(model: Any, micro: int, tokens: int, causal: bool, device: A
         half = tokens // 2
         positions = torch.cat([torch.arange(half, device=device), torch.arange(tokens - half, device=device)])
         return {"input_ids": ids, "position_ids": positions.expand(micro, -1), "labels": labels}
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[-1, -1] = 0
+    elif isinstance(ids, FakeTensor):
+        return {"input_ids": ids, "labels": labels}
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def _micro_steps(model: Any, next_batch: Callable[[], dict[str, Any]], causal: bool, accum: int, precision: str,
@@ -207,15 +216,16 @@ def dry_run_segments(skeleton: Skeleton, micro: int, segment: int, memory: int, 
 
 
 def dry_run(skeleton: Skeleton, causal: bool, micro: int, tokens: int, accum: int, precision: str,
-            packed: bool = False) -> int:
-    """Peak bytes that one window's forward and backward add on top of weights and optimizer state.
+            packed: bool = False, padded: bool = False) -> int:
+    """Peak bytes that one window's forward and backward add on top of weights and optimizer state (`padded`: see
+    `synthetic_batch`).
 
     Autocast acts on fake tensors as on real ones, so mixed precision keeps exactly the half- and full-precision
     tensors a real run keeps."""
     model = skeleton.model
     model.train()
     with skeleton.fake_mode:
-        batch = synthetic_batch(model, micro, tokens, causal, packed=packed)
+        batch = synthetic_batch(model, micro, tokens, causal, packed=packed, padded=padded)
     try:
         with skeleton.fake_mode, LiveTensorTracker() as tracker:
             _micro_steps(model, lambda: batch, causal, accum, precision, "cpu")
@@ -226,9 +236,10 @@ def dry_run(skeleton: Skeleton, causal: bool, micro: int, tokens: int, accum: in
 
 
 def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int, precision: str,
-                   memory: int | None = None) -> int:
-    """Measured peak bytes of one real window (forward, backward, optimizer step) at the worst-case length; with
-    `memory`, of segment recurrence's segments of `tokens` carrying `memory` tokens (`accum` micro steps).
+                   memory: int | None = None, padded: bool = False) -> int:
+    """Measured peak bytes of one real window (forward, backward, optimizer step) at the worst-case length
+    (`padded`: see `synthetic_batch`); with `memory`, of segment recurrence's segments of `tokens` carrying
+    `memory` tokens (`accum` micro steps).
 
     The weights do not change (the probe's own optimizer runs at learning rate 0 and is thrown away) and the
     random state is restored, so training afterwards is exactly what it would have been."""
@@ -244,8 +255,10 @@ def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int
             _segment_steps(model, lambda n: torch.randint(3, vocab, (micro, n), device=device), tokens, memory,
                            accum, precision, device.type)
         else:
-            _micro_steps(model, lambda: synthetic_batch(model, micro, tokens, causal, device, packed=c.packing),
-                         causal, accum, precision, device.type)
+            def batch() -> dict[str, Any]:
+                return synthetic_batch(model, micro, tokens, causal, device, packed=c.packing, padded=padded)
+
+            _micro_steps(model, batch, causal, accum, precision, device.type)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -50,6 +50,7 @@ class Plan:
     method: str  # "dry-run", "cached dry-run" (an identical earlier plan's, see plancache.py) or "probe"
     notes: tuple[str, ...] = field(default=())
     distributed: str = "single"  # single, ddp, fsdp or deepspeed: fsdp divides the sharded terms by the processes
+    padded: bool = False  # samples differ in length: a worst-case micro-batch of 2 or more holds padding
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -97,17 +98,19 @@ def overhead(tensors: int, device: str) -> int:
 
 
 def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens: int, accum: int, precision: str,
-             optimizer: str, device: str, shards: int = 1, memory: int | None = None) -> dict[str, int]:
+             optimizer: str, device: str, shards: int = 1, memory: int | None = None, padded: bool = False
+             ) -> dict[str, int]:
     """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
     optimizer state over `shards` processes. With `memory` (segment recurrence), `tokens` is one segment and
-    `accum` its micro steps, which carry a cache of `memory` earlier tokens."""
+    `accum` its micro steps, which carry a cache of `memory` earlier tokens. `padded`: the micro-batch holds
+    padding, so the model builds an attention mask (see `synthetic_batch`)."""
     params = list(skeleton.model.parameters())
     gradients = _bytes(p for p in params if p.requires_grad)
     state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
     terms = {"weights": _bytes(params), "optimizer_state": int(state_per_byte * gradients)}
     carried = 0
     if memory is None:
-        window = dry_run(skeleton, causal, micro, tokens, accum, precision, packed=c.packing)
+        window = dry_run(skeleton, causal, micro, tokens, accum, precision, packed=c.packing, padded=padded)
     else:
         window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
@@ -139,6 +142,13 @@ def worst_case_tokens(c: Config, lengths: Any) -> int:
     return int(max(lengths)) if len(lengths) else c.max_length
 
 
+def may_pad(lengths: Any) -> bool:
+    """Whether the samples differ in length (or are not known yet, a stream), so that a micro-batch of two or more
+    holding the longest can be padded: the worst case then carries the attention mask that padding makes the model
+    build, and an unpadded one does not."""
+    return not len(lengths) or int(min(lengths)) < int(max(lengths))
+
+
 def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int = 1,
               device: tuple[str, int] | None = None, distributed: str = "single") -> Plan:
     """Choose the largest micro-batch that divides the effective batch and fits, escalating in a fixed order;
@@ -147,6 +157,7 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     precision = resolve_precision(c.precision)
     causal = c.task == "causal_lm"
     tokens = worst_case_tokens(c, lengths)
+    uneven = may_pad(lengths)
     budget = int(c.memory_budget_gb * GIB) if c.memory_budget_gb else None
     batch = resolve_batch(c, num_processes)
     candidates = _micro_candidates(c, batch)
@@ -174,7 +185,7 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                     ) -> tuple[int, dict[str, int]]:
             terms = estimate(skeleton, c, causal=causal, micro=micro, tokens=tokens,
                              accum=batch.per_process // micro * segments, precision=precision, optimizer=optimizer,
-                             device=device_name, shards=shards, memory=memory)
+                             device=device_name, shards=shards, memory=memory, padded=uneven and micro > 1)
             tried.append(Attempt(level, micro, sum(terms.values())))
             return sum(terms.values()), terms
 
@@ -209,7 +220,7 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
         return Plan(batch=batch.with_micro(chosen), precision=precision, gradient_checkpointing=checkpointing,
                     lora=lora, optimizer=optimizer, budget_bytes=budget, predicted_peak_bytes=peak, breakdown=terms,
                     device=device_name, worst_case_tokens=tokens, method="dry-run", notes=tuple(notes),
-                    distributed=distributed)
+                    distributed=distributed, padded=uneven)
     best = min(tried, key=lambda attempt: attempt.peak)
     hint = " (or drop micro_batch_size/grad_accum_steps so the planner may split the batch)" if len(candidates) == 1 \
         else ""
@@ -245,7 +256,7 @@ def refine_with_probe(plan: Plan, model: Any, c: Config, longest: int | None = N
     def measured(b: int) -> int:
         return measure_window(model, planned, micro=b, tokens=plan.worst_case_tokens,
                               accum=max(plan.batch.per_process // b, 1) * segments, precision=plan.precision,
-                              memory=memory)
+                              memory=memory, padded=plan.padded and b > 1)
 
     points = {b: measured(b) for b in sizes}
     if len(points) == 2:
@@ -303,6 +314,7 @@ def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_process
     device = device_memory()
     key = plancache.plan_key(c, tokens=worst_case_tokens(c, lengths), num_labels=num_labels,
                              num_processes=num_processes, distributed=distributed, device=device[0],
+                             padded=may_pad(lengths),
                              eight_bit=_has_8bit_optimizer())
     cached = plancache.load(key)
     if cached is not None:
@@ -352,7 +364,8 @@ def render(plan: Plan) -> str:
         ("gradient checkpointing", "on" if plan.gradient_checkpointing else "off"),
         ("LoRA", "on" if plan.lora else "off"),
         ("optimizer", plan.optimizer),
-        ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"),
+        ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"
+                                   + (", padded" if plan.padded and b.micro_batch_size > 1 else "")),
         ("device", plan.device),
         ("budget", budget),
         ("predicted peak", f"{_gib(plan.predicted_peak_bytes)} ({plan.method})"),
