@@ -229,7 +229,8 @@ def plan_markdown(plan: dict[str, Any]) -> str:
     if isinstance(peak, (int, float)):
         share = f" ({100 * peak / budget:.0f} % of the {budget / GIB:.2f} GiB budget)" if budget else ""
         method = f", {plan['method']}" if plan.get("method") else ""
-        tokens = f" · worst-case micro-batch {micro} × {plan['worst_case_tokens']} tokens" \
+        padded = ", padded" if plan.get("padded") and isinstance(micro, int) and micro > 1 else ""
+        tokens = f" · worst-case micro-batch {micro} × {plan['worst_case_tokens']} tokens{padded}" \
             if plan.get("worst_case_tokens") else ""
         lines.append(f"predicted peak **{peak / GIB:.2f} GiB**{share}{method}{tokens}")
     breakdown = plan.get("breakdown") or {}

@@ -85,6 +85,12 @@ def test_plan_is_shown_as_batch_arithmetic_and_a_bar_against_the_budget():
     assert "predicted peak **6.00 GiB** (75 % of the 8.00 GiB budget)" in text
     assert "- gradient checkpointing: the plan without it needs 9.1 GiB" in text
     assert "weights 1.00 GiB · gradients 1.00 GiB · optimizer_state 2.00 GiB · activations 2.00 GiB" in text
+    # Samples of different lengths: the worst case the planner counted holds padding (and its attention mask).
+    assert "worst-case micro-batch 4 × 512 tokens, padded" in views.plan_markdown({**PLAN, "worst_case_tokens": 512,
+                                                                                   "padded": True})
+    assert "× 512 tokens, padded" not in views.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": False})
+    assert "× 512 tokens, padded" not in views.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": True,
+                                                              "micro_batch_size": 1})
     frame = views.plan_frame(PLAN)
     assert frame.part.tolist() == ["weights", "gradients", "optimizer_state", "activations", "predicted peak",
                                    "budget"]
