@@ -85,9 +85,9 @@ def _read(part: dict[str, Any] | None) -> Encoded | None:
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
     if table.num_rows != part["rows"] or "input_ids" not in table.column_names:
         raise ValueError("the cache file does not hold the rows the entry describes")
-    segmentation = part.get("segmentation")
+    segmentation = part["segmentation"]
     return Encoded(table, part["files"], segmentation=Segmentation(**segmentation) if segmentation else None,
-                   dropped=part.get("dropped"), messages=part.get("messages"))
+                   dropped=part["dropped"], messages=part["messages"])
 
 
 def load(key: str | None) -> tuple[Encoded, Encoded | None, list[str] | None] | None:
@@ -110,8 +110,7 @@ def _part(data: Encoded | None) -> dict[str, Any] | None:
 
 def save(key: str | None, train: Encoded, evaluation: Encoded | None, label_names: list[str] | None) -> None:
     """Remember where this encoding lives; data held only in memory (no cache files) is not remembered."""
-    if key is None or not isinstance(train, Encoded) or not train.files or \
-            (evaluation is not None and not evaluation.files):
+    if key is None or not train.files or (evaluation is not None and not evaluation.files):
         return
     path = cache_dir() / f"{key}.json"
     # Processes of a launch may write the same entry at once: each writes its own file and renames it.
