@@ -17,12 +17,15 @@ import yaml
 from app.limits import config_size_problem, short_problems
 from finetune.config import (
     FIELDS,
+    YAML_TOO_BIG,
     Config,
     ConfigError,
+    YamlTooBig,
     field_type,
     format_bound,
     from_dict,
     is_list_field,
+    load_yaml,
     read_yaml,
 )
 from finetune.tasks import parse_tasks
@@ -201,12 +204,14 @@ def from_widget(name: str, value: Any) -> Any:
 
 def tasks_from_widget(value: Any) -> Any:
     """The Tasks widget's YAML as TaskSpecs when it reads as valid entries, else as it is (for the config to word
-    the error)."""
+    the error); a `ConfigError` when its aliases expand too far."""
     if isinstance(value, str):
         if not value.strip():
             return None
         try:
-            value = yaml.safe_load(value)
+            value = load_yaml(value)
+        except YamlTooBig:
+            raise ConfigError([YAML_TOO_BIG]) from None
         except yaml.YAMLError:
             return value
     specs, problems = parse_tasks(value)
@@ -258,7 +263,9 @@ def parse_config_yaml(text: str) -> Config:
     if too_big := config_size_problem(text):
         raise ConfigError([too_big])
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except YamlTooBig:
+        raise ConfigError([YAML_TOO_BIG]) from None
     except yaml.YAMLError:
         raise ConfigError(["The config is not valid YAML: fix its syntax."]) from None
     if data is None:

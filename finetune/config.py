@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, summary
 from finetune.tasks import MIXINGS, TaskSpec, check_tasks, parse_tasks
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
@@ -231,7 +231,7 @@ def _coerce_list(name: str, value: Any) -> tuple[Any, str | None]:
         return (), None
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
-        return None, f"`{name}` must be a list of names or a comma-separated string, not {value!r}."
+        return None, f"`{name}` must be a list of names or a comma-separated string, not {summary(value)}."
     names = [i.strip() for i in items if i.strip() and i.strip().lower() not in ("none", "null")]
     return tuple(dict.fromkeys(names)), None
 
@@ -253,28 +253,28 @@ def _coerce(name: str, value: Any) -> tuple[Any, str | None]:
             return True, None
         if text in ("false", "no", "off", "0"):
             return False, None
-        return None, f"`{name}` must be true or false, not {value!r}."
+        return None, f"`{name}` must be true or false, not {summary(value)}."
+    if isinstance(value, (dict, list, tuple)):  # before str(): an aliased list's text can take gigabytes
+        return None, f"`{name}` must be a single value, not {summary(value)}."
     if base is int:
         if isinstance(value, bool):
-            return None, f"`{name}` must be a whole number, not {value!r}."
+            return None, f"`{name}` must be a whole number, not {summary(value)}."
         if isinstance(value, float) and value.is_integer():
             return int(value), None
         try:
             return int(str(value).strip()), None
         except ValueError:
-            return None, f"`{name}` must be a whole number, not {value!r}."
+            return None, f"`{name}` must be a whole number, not {summary(value)}."
     if base is float:
         if isinstance(value, bool):
-            return None, f"`{name}` must be a number, not {value!r}."
+            return None, f"`{name}` must be a number, not {summary(value)}."
         try:
             number = float(value)
         except (TypeError, ValueError):
-            return None, f"`{name}` must be a number, not {value!r}."
+            return None, f"`{name}` must be a number, not {summary(value)}."
         if not math.isfinite(number):
-            return None, f"`{name}` must be a finite number, not {value!r}."
+            return None, f"`{name}` must be a finite number, not {summary(value)}."
         return number, None
-    if isinstance(value, (dict, list)):
-        return None, f"`{name}` must be a single value, not {type(value).__name__}."
     if isinstance(value, bool):  # YAML reads `lora: true` as a boolean; the choice is spelled "true"
         return str(value).lower(), None
     return str(value), None
@@ -292,22 +292,23 @@ def _check_field(name: str, value: Any) -> str | None:
     if isinstance(value, tuple):
         unknown = [v for v in value if v not in meta["choices"]]
         if unknown:
-            return f"`{name}` takes {', '.join(meta['choices'])}, not {', '.join(map(repr, unknown))}."
+            return f"`{name}` takes {', '.join(meta['choices'])}, not {', '.join(map(summary, unknown[:5]))}."
         return None
     if meta["choices"] and value not in meta["choices"]:
-        return f"`{name}` must be one of {', '.join(meta['choices'])}, not {value!r}."
+        return f"`{name}` must be one of {', '.join(meta['choices'])}, not {summary(value)}."
     if meta["min"] is not None and value < meta["min"]:
-        return f"`{name}` must be at least {format_bound(meta['min'])}, not {value!r}."
+        return f"`{name}` must be at least {format_bound(meta['min'])}, not {summary(value)}."
     if meta["max"] is not None and value > meta["max"]:
-        return f"`{name}` must be at most {format_bound(meta['max'])}, not {value!r}."
+        return f"`{name}` must be at most {format_bound(meta['max'])}, not {summary(value)}."
     return None
 
 
 def unknown_key_message(key: str) -> str:
     """One sentence for an unknown key, with the closest known name when there is one."""
-    close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key[:100], FIELDS, n=1, cutoff=0.6)
     hint = f" Did you mean `{close[0]}`?" if close else " Run `finetune init` to see every option."
-    return f"Unknown option `{key}`.{hint}"
+    shown = key if len(key) <= 60 else key[:59] + "…"
+    return f"Unknown option `{shown}`.{hint}"
 
 
 def from_dict(values: dict[str, Any]) -> Config:
@@ -430,6 +431,47 @@ def _long_document_checks(c: Config) -> list[str]:
     return problems
 
 
+MAX_YAML_NODES = 10_000  # values of a config once its aliases are expanded; a real one has a few hundred
+YAML_TOO_BIG = (f"The config's YAML expands to more than {MAX_YAML_NODES:,} values (through `&anchor`/`*alias` "
+                "references): write the values out.")
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a document whose aliases expand past `MAX_YAML_NODES` values, before it
+    is constructed: nested aliases grow ninefold per level, and a 450-byte bomb would otherwise become a list whose
+    text (in any message or copy) takes gigabytes and minutes."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        if _expanded_size(node, {}) > MAX_YAML_NODES:
+            raise YamlTooBig(YAML_TOO_BIG)
+        return super().construct_document(node)
+
+
+class YamlTooBig(yaml.YAMLError):
+    """A YAML document larger than `MAX_YAML_NODES` values once expanded."""
+
+
+def _expanded_size(node: yaml.Node, seen: dict[int, int]) -> int:
+    """Values in `node` with every alias expanded, counted once per distinct node (linear in the text's size)."""
+    if id(node) in seen:
+        return seen[id(node)]
+    seen[id(node)] = MAX_YAML_NODES + 1  # a node inside itself (a recursive alias) is too big
+    if isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, seen) + _expanded_size(v, seen) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(v, seen) for v in node.value)
+    else:
+        size = 1
+    seen[id(node)] = size = min(size, MAX_YAML_NODES + 1)
+    return size
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text as Python values, safely (no tags that run code) and bounded (`MAX_YAML_NODES`); raises
+    `yaml.YAMLError` (`YamlTooBig` when the aliases expand too far)."""
+    return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """`["lr=1", "x=y"]` → a dict; values are read as YAML scalars, so `0.5` is a number and `true` a bool."""
     out: dict[str, Any] = {}
@@ -440,7 +482,9 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             problems.append(f"Override {pair!r} is not of the form key=value.")
             continue
         try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            out[key.strip()] = load_yaml(raw) if raw.strip() else None
+        except YamlTooBig:
+            problems.append(YAML_TOO_BIG)
         except yaml.YAMLError:
             out[key.strip()] = raw
     if problems:
@@ -454,7 +498,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError([f"Config file {str(path)!r} does not exist; `finetune init` writes an example."])
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
+    except YamlTooBig:
+        raise ConfigError([f"Config file {str(path)!r}: {YAML_TOO_BIG[0].lower()}{YAML_TOO_BIG[1:]}"]) from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         where = getattr(e, "problem_mark", None)
         line = f" (line {where.line + 1})" if where else ""

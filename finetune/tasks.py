@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from finetune.errors import summary
+
 MIXINGS = ("proportional", "temperature", "round_robin", "manual")
 CLASSIFICATION_ONLY = ("text_pair_column", "label_column")
 CAUSAL_ONLY = ("prompt_column", "completion_column", "prompt_prefix")
@@ -60,24 +62,24 @@ def _value(where: str, key: str, raw: Any) -> tuple[Any, str | None]:
     if key == "max_train_samples":
         if isinstance(raw, bool) or not (isinstance(raw, int) or (isinstance(raw, float) and raw.is_integer())) \
                 or raw < 1:
-            return None, f"{where}: `max_train_samples` must be a whole number of at least 1, not {raw!r}."
+            return None, f"{where}: `max_train_samples` must be a whole number of at least 1, not {summary(raw)}."
         return int(raw), None
     if isinstance(raw, bool):
-        return None, f"{where}: `{key}` must be a number, not {raw!r}."
+        return None, f"{where}: `{key}` must be a number, not {summary(raw)}."
     try:
         number = float(raw)
     except (TypeError, ValueError):
-        return None, f"{where}: `{key}` must be a number, not {raw!r}."
+        return None, f"{where}: `{key}` must be a number, not {summary(raw)}."
     if not math.isfinite(number) or number < 0 or (key == "probability" and number > 1):
         bound = "between 0 and 1" if key == "probability" else "a finite number of at least 0"
-        return None, f"{where}: `{key}` must be {bound}, not {raw!r}."
+        return None, f"{where}: `{key}` must be {bound}, not {summary(raw)}."
     return number, None
 
 
 def parse_task(index: int, raw: Any) -> tuple[TaskSpec | None, list[str]]:
     """Entry `index` of `tasks:` as a `TaskSpec`, or the sentences that say what is wrong with it."""
     label = raw.get("name") if isinstance(raw, dict) and isinstance(raw.get("name"), str) else None
-    where = f"Task {label!r}" if label else f"Task {index + 1} of `tasks`"
+    where = f"Task {summary(label)}" if label else f"Task {index + 1} of `tasks`"
     if not isinstance(raw, dict):
         return None, [f"{where} must be a mapping with at least `name` and `dataset`, not {type(raw).__name__}."]
     problems, clean = [], {}
@@ -94,7 +96,7 @@ def parse_task(index: int, raw: Any) -> tuple[TaskSpec | None, list[str]]:
             clean[key] = value
     problems += [f"{where} needs `{key}`." for key in ("name", "dataset") if key not in clean and key not in raw]
     if clean.get("task") not in (None, "classification", "causal_lm"):
-        problems.append(f"{where}: `task` must be classification or causal_lm, not {clean['task']!r}.")
+        problems.append(f"{where}: `task` must be classification or causal_lm, not {summary(clean['task'])}.")
     if problems:
         return None, problems
     return TaskSpec(**clean), []
@@ -107,7 +109,7 @@ def parse_tasks(raw: Any) -> tuple[tuple[TaskSpec, ...] | None, list[str]]:
     if isinstance(raw, dict):
         return None, ["`tasks` must be a list of mappings (`- name: …` lines), not a single mapping."]
     if not isinstance(raw, (list, tuple)):
-        return None, [f"`tasks` must be a list of mappings, each with `name` and `dataset`, not {raw!r}."]
+        return None, [f"`tasks` must be a list of mappings, each with `name` and `dataset`, not {summary(raw)}."]
     specs, problems = [], []
     for i, entry in enumerate(raw):
         spec, errors = parse_task(i, entry.to_dict() if isinstance(entry, TaskSpec) else entry)
