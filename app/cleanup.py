@@ -110,6 +110,34 @@ def tidy(runs_dir: Path, keep_days: float | None, *, keep: Path | None = None, g
     return deleted
 
 
+def upload_quota_problem(runs_dir: Path, folder: Path, new: Path, quota: str | None) -> str | None:
+    """Make room in `folder` (one user's uploads) for the file `new` under `quota` (a size such as "1gb"): delete
+    that user's oldest uploads that no kept run's config names; why `new` cannot be kept when that is not enough
+    (None when it fits, or there is no quota)."""
+    from app.limits import size_bytes
+
+    limit = size_bytes(quota)
+    if limit is None:
+        return None
+    size = new.stat().st_size if new.is_file() else 0
+    kept = sorted((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime) \
+        if folder.is_dir() else []
+    used = sum(p.stat().st_size for p in kept)
+    if used + size > limit:
+        referenced = _referenced(runs_dir) + "\n".join(p.read_text(encoding="utf-8", errors="replace")
+                                                       for p in runs_dir.glob("*/*/*.yaml") if p.is_file())
+        for old in kept:
+            if used + size <= limit:
+                break
+            if old.name not in referenced:
+                used -= old.stat().st_size
+                old.unlink(missing_ok=True)
+    if used + size <= limit:
+        return None
+    return (f"This upload ({size / 1e6:,.1f} MB) does not fit in your upload quota of {quota}: your runs use "
+            f"{used / 1e6:,.1f} MB of uploads; upload a smaller file, or wait until old runs are cleaned up.")
+
+
 def gradio_temp_dir() -> Path | None:
     """Where Gradio keeps its temporary files (the server sets GRADIO_TEMP_DIR before Gradio starts)."""
     value = os.environ.get("GRADIO_TEMP_DIR")

@@ -43,10 +43,13 @@ from app.results import (
     RunShown,
     Started,
     TaskGuess,
+    TasksShown,
     UploadShown,
 )
+from app.tasksview import tasks_config, tasks_frame
 from finetune.config import FIELDS, Config, ConfigError, from_dict
 from finetune.rundir import RunDirError, check_run_dir, mark_run_dir
+from finetune.tasks import single_task_values
 
 PLAN_TIMEOUT_S = 120
 TASK_COLUMNS = {"classification": ("text_column", "text_pair_column", "label_column"),
@@ -87,6 +90,15 @@ class Controller:
         """The user behind `request` and why they may not train ("" when they may)."""
         user = self.access.identify(request)
         return user, self.access.refusal(user)
+
+    def admit(self, request: Any, args: tuple[Any, ...], gate: str = "signed_in") -> str:
+        """The door of every page event (see `app.ui._on`): "" when the event may run, else why not. Inputs over
+        `limits.MAX_INPUT_CHARS` are refused for everyone; with `gate` "signed_in" (every event that reads a file
+        or a visitor's input) so is a caller who may not train. "public" events (progress, Stop, the form of one's
+        own run) check ownership themselves."""
+        if over := limits.input_size_problem(args):
+            return over
+        return "" if gate == "public" else self.who(request)[1]
 
     def _readable(self, user: str | None) -> tuple[Path, ...]:
         return (self.access.uploads(self.runs_dir, user).resolve(), *self.samples)
@@ -143,6 +155,21 @@ class Controller:
         return DatasetShown(preview=view.preview, columns=updates, labels=dataview.labels_markdown(view),
                             error=f"⚠️ {view.error}" if view.error else "")
 
+    def tasks_table(self, text: str, mixing: str, temperature: Any, cap: Any, *, request: Any = None) -> TasksShown:
+        """The Tasks table of the multi-task YAML: each task's data, columns, weight and share, after the same file
+        policy as a run (a task's `dataset` is a file like any other)."""
+        user, refusal = self.who(request)
+        try:
+            if refusal:
+                raise AccessError(refusal)
+            self.access.check_config(tasks_config(text, mixing, temperature, cap), self._readable(user))
+        except AccessError as e:
+            return TasksShown(table=tasks_frame("", mixing, temperature, cap)[0], note=f"⚠️ {e}")
+        except ConfigError:
+            pass  # the table words the config's own problem
+        table, note = tasks_frame(text, mixing, temperature, cap)
+        return TasksShown(table=table, note=note)
+
     def on_upload(self, uploaded: str | None, config_name: str, split: str, task: str, *columns: str,
                   request: Any = None) -> UploadShown:
         """Keep a stable copy of the uploaded file, point `dataset` at it and preview it.
@@ -154,7 +181,11 @@ class Controller:
         user, refusal = self.who(request)
         if refusal:
             return UploadShown(data=self.refresh_dataset("", "", split, task, *columns, request=request))
-        source = _display_path(dataview.keep_upload(uploaded, self.access.uploads(self.runs_dir, user)))
+        folder = self.access.uploads(self.runs_dir, user)
+        if over := cleanup.upload_quota_problem(self.runs_dir, folder, Path(uploaded), self.limits.upload_quota):
+            Path(uploaded).unlink(missing_ok=True)  # Gradio's copy: refused, so not kept either
+            return UploadShown(data=DatasetShown(preview=gr.skip(), columns={}, labels="", error=f"⚠️ {over}"))
+        source = _display_path(dataview.keep_upload(uploaded, folder))
         data = self.refresh_dataset(source, "", split, task, *columns, request=request)
         fraction = FIELDS["eval_fraction"].default
         note = f"Evaluation: {fraction:.0%} of this file is held out (More data options sets another evaluation set)."
@@ -257,14 +288,12 @@ class Controller:
             # The app writes only inside its runs folder (the CLI keeps its freedom on the command line).
             run_dir = resolve_output_dir(config.output_dir, home) or self._new_run_dir(home)
         except AccessError as e:
-            about_data = str(e).startswith("`dataset`")
+            about_data = str(e).startswith(("`dataset`", "`tasks["))
             return Started(started=False, message=str(e), data_error=str(e) if about_data else "")
         if refused := self._server_refuses(config):
             return Started(started=False, message=refused)
-        view = dataview.inspect(config.dataset, config.dataset_config, config.train_split, config.task,
-                                {c: getattr(config, c) for c in COLUMN_FIELDS})
-        if view.error:
-            return Started(started=False, message=view.error, data_error=view.error)
+        if problem := self._data_problem(config):
+            return Started(started=False, message=problem, data_error=problem)
         config = from_dict({**changed_options(config), "output_dir": _display_path(run_dir)})
         try:
             run_dir = check_run_dir(config)
@@ -281,6 +310,22 @@ class Controller:
             return Started(started=False, message=str(e))
         return Started(started=True, message=f"Started. Reproduce from a terminal with `{command}`.",
                        run_dir=_display_path(run_dir), command=command)
+
+    @staticmethod
+    def _data_problem(config: Config) -> str:
+        """Why the data of `config` cannot train (its first problem), checked as the preview checks it: the one
+        dataset, or each task's of a multi-task config; "" when it can."""
+        if not config.tasks:
+            view = dataview.inspect(config.dataset, config.dataset_config, config.train_split, config.task,
+                                    {c: getattr(config, c) for c in COLUMN_FIELDS})
+            return view.error
+        for t in config.tasks:
+            values = single_task_values(config, t)
+            view = dataview.inspect(t.dataset, t.dataset_config, t.train_split, config.task,
+                                    {c: values.get(c) for c in COLUMN_FIELDS})
+            if view.error:
+                return f"Task {t.name!r}: {view.error}"
+        return ""
 
     def _server_refuses(self, config: Config | None) -> str:
         """Why this server will not start `config` (its limits, its disk), after deleting what its clean-up policy
@@ -390,6 +435,10 @@ class Controller:
         return FormShown(values=dict(zip(FIELD_NAMES, config_to_values(config), strict=True)), data=data,
                          note=f"The form shows the run in progress (`{_display_path(status.config_path)}`).")
 
+    def clear_note(self, *, request: Any = None) -> str:
+        """Empty the model's note (after an import: the imported model may differ)."""
+        return ""
+
     @staticmethod
     def command(status: JobStatus) -> str:
         """The command that reproduces the current (or last) run from a terminal; "" before any run."""
@@ -468,7 +517,7 @@ class Controller:
         return publish.push_finished_run(self.access, status, user, repo, bool(private))
 
     # --- reproducibility
-    def export(self, *values: Any) -> ExportShown:
+    def export(self, *values: Any, request: Any = None) -> ExportShown:
         """The form as the YAML a CLI user would write, a file to download and the command that runs it."""
         try:
             config = values_to_config(values)
@@ -481,7 +530,7 @@ class Controller:
                            command="finetune train finetune-config.yaml",
                            message="Exported: download the file, or copy the YAML.")
 
-    def import_config(self, uploaded: str | None) -> FormShown:
+    def import_config(self, uploaded: str | None, *, request: Any = None) -> FormShown:
         """Fill every widget from a YAML config (its errors are the config's own)."""
         if not uploaded:
             return FormShown()

@@ -40,6 +40,14 @@ class DatasetShown:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TasksShown:
+    """The Tasks table of a multi-task config and its note (the config's sentence, or why it is refused)."""
+
+    table: Any
+    note: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class UploadShown:
     """An upload: the dataset field points at the kept copy, evaluation goes back to a hold-out, and its preview."""
 

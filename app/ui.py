@@ -91,12 +91,13 @@ def _widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: Dat
         return gr.Dropdown(choices, allow_custom_value=True, visible=spec.name in TASK_COLUMNS.get(task, ()),
                            **{**common, "value": value})
     if spec.kind == "tasks":  # YAML, as in a config file; the Tasks table below shows what it means
-        return gr.Textbox(lines=6, max_lines=30, placeholder=TASKS_PLACEHOLDER, **common)
+        return gr.Textbox(lines=6, max_lines=30, placeholder=TASKS_PLACEHOLDER, max_length=limits.MAX_CONFIG_BYTES,
+                          **common)
     if spec.kind in ("int", "float") and spec.optional:
-        return gr.Textbox(placeholder="empty: default", **common)
+        return gr.Textbox(placeholder="empty: default", max_length=100, **common)
     if spec.kind in ("int", "float"):
         return gr.Number(precision=0 if spec.kind == "int" else None, step=spec.step, **common)
-    return gr.Textbox(**common)
+    return gr.Textbox(max_length=limits.MAX_INPUT_CHARS, **common)
 
 
 def _grid(specs: list[WidgetSpec], fields: dict, initial: Config, memory: DeviceMemory | None, data: DatasetView,
@@ -134,26 +135,34 @@ def _updates(result: Any, targets: Targets) -> dict[gr.components.Component, Any
     return out
 
 
-def _on(event: Callable[..., Any], handler: Callable[..., Any], inputs: Any, targets: Targets,
-        **kwargs: Any) -> Any:
-    """Wire `handler` to `event`, its named result going to the components of `targets`; the handler gets the
-    request too (who asks, on a shared server)."""
+GATES = ("signed_in", "quiet", "public")
+
+
+def _on(event: Callable[..., Any], handler: Callable[..., Any], inputs: Any, targets: Targets, *,
+        gate: str = "signed_in", **kwargs: Any) -> Any:
+    """Wire `handler` (a `Controller` method) to `event`, its named result going to the components of `targets`;
+    the handler gets the request too (who asks, on a shared server).
+
+    Every page event passes `Controller.admit` first: inputs too large are refused, and so, unless `gate` is
+    "public", is a caller who may not train: with an error (Gradio's toast), or silently for a "quiet" event that
+    runs by itself (on page load). tests/test_app_access.py walks the Blocks' events to check that none goes
+    around it."""
+    controller = handler.__self__
 
     # Gradio passes the request to a leading parameter typed gr.Request. Nothing to update is Gradio's skip: an
     # empty dict would read as one value for the first output.
     def run(request: gr.Request, *args: Any) -> Any:
-        return _updates(handler(*args, request=request), targets) or gr.skip()
+        if refusal := controller.admit(request, args, gate):
+            if gate == "quiet":
+                return gr.skip()
+            raise gr.Error(refusal)
+        result = handler(*args, request=request)
+        if not targets:
+            return result
+        return _updates(result, targets) or gr.skip()
 
-    return event(run, inputs, _components(targets), **kwargs)
-
-
-def _asking(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """`handler` with no inputs but the request."""
-
-    def run(request: gr.Request) -> Any:
-        return handler(request=request)
-
-    return run
+    run.gate, run.handler = gate, handler  # what the event walk of the tests reads
+    return event(run, inputs, _components(targets) if targets else kwargs.pop("outputs"), **kwargs)
 
 
 def initial_config(preset: Path | None, memory: DeviceMemory | None, base: Path | None = None) -> Config:
@@ -270,6 +279,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                     download_btn = gr.DownloadButton("Download model", interactive=False)
                     with gr.Row():
                         try_box = gr.Textbox(label="Try it", placeholder="Type a text for the trained model",
+                                             max_length=limits.MAX_INPUT_CHARS,
                                              scale=4)
                         try_btn = gr.Button("Predict", scale=1)
                     try_msg = gr.Markdown()
@@ -278,6 +288,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                     hub_md = gr.Markdown(elem_id="hub-note")
                     with gr.Row():
                         push_repo = gr.Textbox(label="Hub repository", placeholder="your-name/my-model", scale=3,
+                                               max_length=200,
                                                elem_id="push-repo")
                         push_private = gr.Checkbox(label="Private", value=True, scale=1)
                         push_btn = gr.Button("Push to the Hub", scale=1)
@@ -329,18 +340,21 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
             _on(fields[name].input, controller.refresh_dataset, data_in, data_out, **private)
         task_inputs = [fields[n] for n in TASK_FIELDS]
         for name in TASK_FIELDS:
-            fields[name].change(tasks_frame, task_inputs, [tasks_table, tasks_note], **private)
+            _on(fields[name].change, controller.tasks_table, task_inputs, {"table": tasks_table, "note": tasks_note},
+                gate="quiet", **private)
         _on(upload.upload, controller.on_upload, [upload, *data_in[1:]], upload_out, **private)
         _on(plan_btn.click, controller.plan, values, {"text": plan_md, "chart": plan_plot, "error": plan_error},
             concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, **private)
         _on(start_btn.click, controller.start, values, {"note": run_msg, "dataset_note": data_error}, **private)
-        stop_btn.click(_asking(controller.stop), None, run_msg, concurrency_limit=None, **private)
-        resume_btn.click(_asking(controller.resume), None, run_msg, **private)
-        _on(timer.tick, controller.poll, seen, run_out, concurrency_limit=None, show_progress="hidden", **private)
-        # A reload (or a second tab) shows the running job at once rather than at the next tick.
-        _on(demo.load, controller.poll, seen, run_out, show_progress="hidden", **private)
-        _on(demo.load, controller.running_config, None, {"values": by_name, "note": repro_msg, "data": data_out},
+        _on(stop_btn.click, controller.stop, None, {}, outputs=run_msg, gate="public", concurrency_limit=None,
+            **private)
+        _on(resume_btn.click, controller.resume, None, {}, outputs=run_msg, **private)
+        _on(timer.tick, controller.poll, seen, run_out, gate="public", concurrency_limit=None,
             show_progress="hidden", **private)
+        # A reload (or a second tab) shows the running job at once rather than at the next tick.
+        _on(demo.load, controller.poll, seen, run_out, gate="public", show_progress="hidden", **private)
+        _on(demo.load, controller.running_config, None, {"values": by_name, "note": repro_msg, "data": data_out},
+            gate="public", show_progress="hidden", **private)
         _on(try_btn.click, controller.try_it, [try_box, try_chat], try_out, **private)
         _on(try_box.submit, controller.try_it, [try_box, try_chat], try_out, **private)
         _on(push_btn.click, controller.push, [push_repo, push_private], {"message": push_msg},
@@ -349,12 +363,12 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         for event in (preview.change, fields["messages_column"].change, fields["model"].change,
                       fields["chat_template"].submit, fields["chat_template"].blur, fields["train_on"].change,
                       fields["max_length"].blur, demo.load):
-            _on(event, controller.chat_example, chat_in, chat_out, show_progress="hidden", **private)
+            _on(event, controller.chat_example, chat_in, chat_out, gate="quiet", show_progress="hidden", **private)
         _on(export_btn.click, controller.export, values, {"yaml": yaml_code, "file": config_file,
                                                           "command": command_box, "message": repro_msg}, **private)
         imported = _on(import_btn.upload, controller.import_config, import_btn,
                        {"values": by_name, "note": repro_msg, "yaml": yaml_code}, **private)
         refreshed = _on(imported.then, controller.refresh_dataset, data_in, data_out, show_progress="hidden",
                         **private)
-        refreshed.then(lambda: "", None, model_note, **private)
+        _on(refreshed.then, controller.clear_note, None, {}, outputs=model_note, gate="public", **private)
     return App(demo, fields, jobs)

@@ -40,9 +40,10 @@ TASKS_EXAMPLE = """tasks:              # instead of `dataset`; every task has it
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min: float | None = None,
-         max: float | None = None, group: str = "main") -> Any:
-    """A field with the metadata the CLI template, README table and GUI are built from."""
-    meta = {"help": help, "choices": choices, "min": min, "max": max, "group": group}
+         max: float | None = None, group: str = "main", source: str | None = None) -> Any:
+    """A field with the metadata the CLI template, README table and GUI are built from; `source` marks a value
+    that names something to read or write (see `SOURCE_KINDS`), which a shared server checks (`sources`)."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "group": group, "source": source}
     return field(default=default, metadata=meta)
 
 
@@ -52,15 +53,15 @@ class Config:
 
     # --- what to train on
     model: str = _opt(DEFAULT_MODEL, "Hub id or local folder of a Transformers model; the default is the bundled "
-                      "MiniLM-L6 (works offline).")
+                      "MiniLM-L6 (works offline).", source="model")
     task: str = _opt("classification", "What the model learns: text classification or causal language modelling.",
                      choices=TASKS)
-    dataset: str | None = _opt(None, "Hub dataset id or a local .csv/.tsv/.json/.jsonl/.parquet file.")
+    dataset: str | None = _opt(None, "Hub dataset id or a local .csv/.tsv/.json/.jsonl/.parquet file.", source="data")
     dataset_config: str | None = _opt(None, "Hub dataset configuration name (for example 'sst2' of 'glue').",
                                       group="data")
     train_split: str = _opt("train", "Split of `dataset` to train on.", group="data")
     eval_dataset: str | None = _opt(None, "Separate evaluation file or hub id (same columns as the training data).",
-                                    group="data")
+                                    group="data", source="data")
     eval_split: str | None = _opt(None, "Split to evaluate on (of `eval_dataset`, else of `dataset`).", group="data")
     eval_fraction: float = _opt(0.1, "Share of the training data held out for evaluation when neither "
                                 "`eval_dataset` nor `eval_split` is given (0 = no evaluation).", min=0.0, max=0.5,
@@ -94,7 +95,8 @@ class Config:
                                        "(or ShareGPT {from, value}) turns rendered with the chat template (default: "
                                        "'messages' or 'conversations').", group="data")
     chat_template: str | None = _opt(None, "Jinja file with a chat template that replaces the tokenizer's own (saved "
-                                     "with the model, so that chatting with it uses the same one).", group="data")
+                                     "with the model, so that chatting with it uses the same one).", group="data",
+                                     source="file")
     train_on: str = _opt("assistant", "Conversations: which tokens are learned: every assistant turn, everything, "
                          "or only the last assistant turn (each with its end-of-turn token).",
                          choices=("assistant", "all", "last_assistant"), group="data")
@@ -131,7 +133,7 @@ class Config:
                                   "by temperature (T5's cap: a huge task does not drown the others).", min=1,
                                   group="data")
     # --- where the run goes
-    output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).")
+    output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).", source="output")
     overwrite: bool = _opt(False, "Replace an existing run in `output_dir`.")
     resume: bool = _opt(False, "Continue the run in `output_dir` from its latest checkpoint.")
     # --- batch arithmetic: any two of these three determine the third
@@ -202,6 +204,30 @@ class Config:
 
 
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in fields(Config)}
+
+
+# What a `source` field names: a hub model id or a model folder; a hub dataset id or a data file; a file (a chat
+# template); the run's own folder.
+SOURCE_KINDS = ("model", "data", "file", "output")
+
+
+def sources(value: Any, where: str = "") -> list[tuple[str, str, str]]:
+    """Every value of a config (or of a `TaskSpec`, or a tuple of them) that names something to read or write, as
+    (where, kind, value): found by walking the schema's `source` metadata, nested entries (each task of `tasks`)
+    included, so that a field added later is checked as soon as it says what it names."""
+    if isinstance(value, tuple):
+        return [found for item in value for found in sources(item, f"{where}[{getattr(item, 'name', '')}]")]
+    if not dataclasses.is_dataclass(value):
+        return []
+    found = []
+    for f in fields(value):
+        item = getattr(value, f.name)
+        name = f"{where}.{f.name}" if where else f.name
+        if f.metadata.get("source") and isinstance(item, str):
+            found.append((name, f.metadata["source"], item))
+        elif isinstance(item, tuple) or dataclasses.is_dataclass(item):
+            found += sources(item, name)
+    return found
 
 
 @functools.cache
@@ -277,6 +303,8 @@ def _coerce(name: str, value: Any) -> tuple[Any, str | None]:
         return number, None
     if isinstance(value, bool):  # YAML reads `lora: true` as a boolean; the choice is spelled "true"
         return str(value).lower(), None
+    if "\x00" in str(value):  # no file, column or hub id has one, and the OS refuses it in a path with a traceback
+        return None, f"`{name}` may not contain a null character."
     return str(value), None
 
 

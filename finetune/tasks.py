@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from finetune.errors import summary
@@ -24,11 +24,11 @@ class TaskSpec:
     """One task of a multi-task run: its data, columns, loss weight and (manual mixing) sampling probability."""
 
     name: str
-    dataset: str
+    dataset: str = field(metadata={"source": "data"})  # a shared server checks it (`finetune.config.sources`)
     task: str | None = None  # classification or causal_lm; every entry must agree with the run's `task`
     dataset_config: str | None = None
     train_split: str = "train"
-    eval_dataset: str | None = None
+    eval_dataset: str | None = field(default=None, metadata={"source": "data"})
     eval_split: str | None = None
     max_train_samples: int | None = None
     text_column: str | None = None
@@ -58,6 +58,8 @@ def _value(where: str, key: str, raw: Any) -> tuple[Any, str | None]:
     if key in _STRINGS:
         if isinstance(raw, (dict, list)):
             return None, f"{where}: `{key}` must be a single value, not {type(raw).__name__}."
+        if "\x00" in str(raw):
+            return None, f"{where}: `{key}` may not contain a null character."
         return str(raw), None
     if key == "max_train_samples":
         if isinstance(raw, bool) or not (isinstance(raw, int) or (isinstance(raw, float) and raw.is_integer())) \
