@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.config import DEFAULT_MODEL, Config
+from finetune.config.schema import DEFAULT_MODEL, Config
 
 ANYONE = "anyone"  # the one user of an `open` server
 USERS_VAR, PASSWORD_VAR, ALLOWED_VAR = "FINETUNE_USERS", "FINETUNE_PASSWORD", "FINETUNE_ALLOWED_USERS"
@@ -186,9 +186,9 @@ class Access:
 
     def check_source(self, source: str | None, what: str, readable: tuple[Path, ...]) -> None:
         """Refuse a local file or folder outside `readable` (the user's uploads, the sample data) when shared."""
-        # Here, not at the top: finetune.data imports torch, and `finetune --help` builds the `ui` parser from
+        # Here, not at the top: finetune.data.load imports torch, and `finetune --help` builds the `ui` parser from
         # app.server, which imports this module (3 s of torch for a help text).
-        from finetune.data import is_local
+        from finetune.data.load import is_local
 
         if not self.shared or not source or (what != "model" and not is_local(source)):
             return
@@ -217,7 +217,7 @@ class Access:
 
 
 def _model_is_local(name: str) -> bool:
-    # The same test as `finetune.modeling.resolve_model_path`.
+    # The same test as `finetune.models.load.resolve_model_path`.
     return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
