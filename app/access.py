@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.config import DEFAULT_MODEL, Config, sources
+from finetune.config.schema import DEFAULT_MODEL, Config, sources
 from finetune.errors import summary
 
 ANYONE = "anyone"  # the one user of an `open` server
@@ -188,13 +188,13 @@ class Access:
 
     def check_source(self, source: str | None, what: str, readable: tuple[Path, ...], kind: str | None = None
                      ) -> None:
-        """Refuse, when shared, a source of `kind` (model, data, file: `finetune.config.SOURCE_KINDS`) named
+        """Refuse, when shared, a source of `kind` (model, data, file: `finetune.config.schema.SOURCE_KINDS`) named
         `what` that the user may not read: a local model folder; a local file or folder outside `readable` (the
         user's uploads, the sample data), or a `datasets` builder name (`csv`, `text`, …, which reads files from the
         server's folders); any file but those for a `file` (a chat template). `kind` defaults to `what`'s own."""
-        # Here, not at the top: finetune.data imports torch, and `finetune --help` builds the `ui` parser from
+        # Here, not at the top: finetune.data.load imports torch, and `finetune --help` builds the `ui` parser from
         # app.server, which imports this module (3 s of torch for a help text).
-        from finetune.data import builder_names, is_local
+        from finetune.data.load import builder_names, is_local
 
         kind = kind or ("model" if what == "model" else "file" if what == "chat_template" else "data")
         if not self.shared or not source:
@@ -234,7 +234,7 @@ class Access:
 
 
 def _model_is_local(name: str) -> bool:
-    # The same test as `finetune.modeling.resolve_model_path`.
+    # The same test as `finetune.models.load.resolve_model_path`.
     return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
 
 

@@ -16,7 +16,7 @@ import gradio as gr
 from app import limits, views
 from app.handlers import Controller, Unanswered
 from app.mapping import parse_config, problems_text
-from finetune.config import ConfigError
+from finetune.config.schema import ConfigError
 
 
 class StartResult(TypedDict):
@@ -111,7 +111,7 @@ class ScriptApi:
 
     def predict(self, text: str, request: gr.Request) -> dict[str, Any]:
         """The finished run's model on `text`: {label, probabilities}, {generated}, or {"error": message}."""
-        from finetune.modeling import ModelError
+        from finetune.models.load import ModelError
 
         try:
             return self.controller.predict(text, request=request)

@@ -1,8 +1,9 @@
 """Conversation data in the app: the first conversation as the model sees it, with the learned tokens highlighted,
 and the chat history of *Try it* as turns for the model.
 
-The example is rendered by the same code that encodes the training data (`finetune.chat.encode_conversations`), with
-the model's tokenizer and the form's `chat_template`, `train_on` and `max_length`.
+The example is rendered by the same code that encodes the training data
+(`finetune.data.chat.encode_conversations`), with the model's tokenizer and the form's `chat_template`, `train_on`
+and `max_length`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from app import dataview
-from finetune.chat import DROPPED, DROPPED_WORDS, encode_conversations, require_template, turns_of
-from finetune.config import Config
+from finetune.config.schema import Config
+from finetune.data.chat import DROPPED, DROPPED_WORDS, encode_conversations, require_template, turns_of
 from finetune.errors import InputError
 
 LEARNED = "learned"
@@ -27,7 +28,7 @@ def _stamp(path: str | None) -> Any:
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model: str, chat_template: str | None, stamp: Any) -> Any:
     # `stamp` (size and mtime of the template file) makes an edited template load again.
-    from finetune.modeling import load_tokenizer
+    from finetune.models.load import load_tokenizer
 
     return load_tokenizer(Config(model=model, task="causal_lm", chat_template=chat_template))
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from finetune.rundir import MARKER
+from finetune.run.rundir import MARKER
 
 DAY_S = 86400.0
 GRADIO_KEEP_S = DAY_S  # Gradio's copies of uploads and served files

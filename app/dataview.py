@@ -23,8 +23,8 @@ from typing import Any
 import pandas as pd
 
 from app.mapping import COLUMN_FIELDS
-from finetune.config import Config
-from finetune.data import DataError, is_local, label_counts, label_names_of, load_table, resolve_columns
+from finetune.config.schema import Config
+from finetune.data.load import DataError, is_local, label_counts, label_names_of, load_table, resolve_columns
 
 PREVIEW_ROWS = 5
 UPLOAD_TYPES = [".csv", ".tsv", ".json", ".jsonl", ".parquet"]

@@ -47,9 +47,9 @@ from app.results import (
     UploadShown,
 )
 from app.tasksview import tasks_config, tasks_frame
-from finetune.config import FIELDS, Config, ConfigError, from_dict
-from finetune.rundir import RunDirError, check_run_dir, mark_run_dir
-from finetune.tasks import single_task_values
+from finetune.config.multitask import single_task_values
+from finetune.config.schema import FIELDS, Config, ConfigError, from_dict
+from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
 PLAN_TIMEOUT_S = 120
 TASK_COLUMNS = {"classification": ("text_column", "text_pair_column", "label_column"),
@@ -465,10 +465,10 @@ class Controller:
         """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
         text is the user's turn) or {generated}.
 
-        Raises `Unanswered` without a text or a finished model, and `finetune.modeling.ModelError` when the model
+        Raises `Unanswered` without a text or a finished model, and `finetune.models.load.ModelError` when the model
         cannot be loaded."""
         text, status = self._finished_run(text, request)
-        from finetune.predict import predict
+        from finetune.use.predict import predict
 
         out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS)[0]
         return {k: out[k] for k in ("label", "probabilities", "generated", "reply") if k in out}
@@ -477,8 +477,8 @@ class Controller:
                ) -> PredictionShown:
         """Try it: label probabilities, a generated continuation, or (a causal LM with a chat template) the next
         turn of a chat with the finished model, through the template it was trained with."""
-        from finetune.modeling import ModelError
-        from finetune.predict import chat
+        from finetune.models.load import ModelError
+        from finetune.use.predict import chat
 
         try:
             if history:  # a chat going on: the model answers the whole conversation

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 
 from app.tail import EventTail, error_from_output, session_output
-from finetune.rundir import checkpoints, write_json
+from finetune.run.rundir import checkpoints, write_json
 
 # After a Stop, how long the child may take to finish its optimizer step and write the checkpoint before it is
 # killed: long windows of a big model and a multi-GB optimizer state take minutes; a second Stop kills at once.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.config import Config
+from finetune.config.schema import Config
 
 MAX_PROBLEMS = 5  # problems shown of a config error; the rest are counted
 MAX_PROBLEM_CHARS = 200

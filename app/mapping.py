@@ -1,4 +1,4 @@
-"""Widgets ↔ config, as pure functions: one widget per field of `finetune.config.Config`, in schema order.
+"""Widgets ↔ config, as pure functions: one widget per field of `finetune.config.schema.Config`, in schema order.
 
 Everything here is generated from `FIELDS` (label, help, choices, bounds, default, group), so a field added to the
 schema gets a widget, a place on the page and a round trip through Export/Import config without touching the GUI.
@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 from app.limits import config_size_problem, short_problems
-from finetune.config import (
+from finetune.config.multitask import parse_tasks
+from finetune.config.schema import (
     FIELDS,
     YAML_TOO_BIG,
     Config,
@@ -28,7 +29,6 @@ from finetune.config import (
     load_yaml,
     read_yaml,
 )
-from finetune.tasks import parse_tasks
 
 FIELD_NAMES: tuple[str, ...] = tuple(FIELDS)
 # Labels that people and browser tests look for; every other field is labelled from its name.

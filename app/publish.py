@@ -2,7 +2,7 @@
 
 The push runs in the app's own process with the token of whoever runs the app (`HF_TOKEN`, or their stored login),
 which never leaves that process: the training child of a shared server does not get it, and no answer contains it
-(`finetune.hub.describe_failure` masks it in error text). Who may push is `Access.may_push` (see `app.access`).
+(`finetune.run.hub.describe_failure` masks it in error text). Who may push is `Access.may_push` (see `app.access`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 from app.access import Access
 from app.jobs import JobStatus
-from finetune import hub
-from finetune.config import read_yaml, repo_id_problem
+from finetune.config.schema import read_yaml, repo_id_problem
 from finetune.errors import ConfigError
-from finetune.events import EventLog, Pushed
+from finetune.run import hub
+from finetune.run.events import EventLog, Pushed
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The Tasks table of a multi-task config: each task's data, columns, weight and resulting share of a window.
 
 A pure function of the form's values (the `tasks` YAML and the mixing options), so it is tested without a browser;
-the shares are those the run will use (`finetune.multitask.mixing_probabilities`), counted from the tasks' files.
+the shares are those the run will use (`finetune.data.multitask.mixing_probabilities`), counted from the tasks' files.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 import pandas as pd
 
 from app.mapping import problems_text, tasks_from_widget
-from finetune.config import Config, ConfigError, from_dict
+from finetune.config.schema import Config, ConfigError, from_dict
+from finetune.data.multitask import mixing_probabilities
 from finetune.errors import InputError
-from finetune.multitask import mixing_probabilities
 
 COLUMNS = ["task", "dataset", "columns", "weight", "rows", "share of a window"]
 COLUMN_KEYS = ("text_column", "text_pair_column", "label_column", "prompt_column", "completion_column")
@@ -21,7 +21,7 @@ COLUMN_KEYS = ("text_column", "text_pair_column", "label_column", "prompt_column
 
 def _rows(spec: Any) -> int | None:
     """Training rows of a task's data (local files and cached hub datasets), or None when it cannot be read."""
-    from finetune.data import load_table
+    from finetune.data.load import load_table
 
     try:
         n = len(load_table(spec.dataset, spec.dataset_config, spec.train_split))

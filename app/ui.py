@@ -28,7 +28,7 @@ from app.mapping import (
     to_widget,
 )
 from app.tasksview import tasks_frame
-from finetune.config import Config, from_dict
+from finetune.config.schema import Config, from_dict
 
 TASK_FIELDS = ("tasks", "mixing", "mixing_temperature", "mixing_cap")  # what the Tasks table is drawn from
 TASKS_PLACEHOLDER = "- name: sentiment\n  dataset: reviews.csv\n- name: topic\n  dataset: news.csv\n  weight: 0.5"

@@ -9,8 +9,8 @@ from typing import Any
 import pandas as pd
 
 from app.jobs import JobStatus
-from finetune.chat import describe_dropped
-from finetune.segments import Segmentation
+from finetune.data.chat import describe_dropped
+from finetune.data.segments import Segmentation
 
 GIB = 1024**3
 MAX_PLOT_POINTS = 1000  # the whole curve is re-sent each update; beyond this, every k-th training step is shown
@@ -153,7 +153,7 @@ def hub_markdown(status: JobStatus, on_space: bool) -> str:
 
 def trackers_markdown(report_to: list[str], run_dir: Any) -> str:
     """How to open the run's local tracker dashboards, as commands to type where the app runs."""
-    from finetune.tracking import dashboard_command
+    from finetune.run.tracking import dashboard_command
 
     commands = dashboard_command(report_to, run_dir) if run_dir else []
     others = [t for t in report_to if t not in ("tensorboard", "trackio")]

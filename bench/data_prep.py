@@ -6,7 +6,7 @@ cache folder: the *first* run reads the TSV into Arrow and tokenises it, the *se
 
 - `finetune`: `load_data` (max_length=128, eval_fraction=0, the bundled MiniLM tokenizer), the epoch's windows
   (`Encoded.windows`, length grouping on) and the first micro-batch collated from Arrow. Its second run memory-maps
-  the encoded Arrow files without reading or checking the TSV again (finetune/datacache.py).
+  the encoded Arrow files without reading or checking the TSV again (finetune/data/cache.py).
 - `plain`: `load_dataset("csv", ...)`, `Dataset.map(tokenizer(truncation=True, max_length=128), batched=True)`
   with the same number of processes, and `DataCollatorWithPadding` on the first 32 rows.
 
@@ -40,16 +40,16 @@ def child(pipeline: str, data: str) -> None:
     """Prepare the data once in this process and print the seconds it took (the parent measures memory)."""
     from transformers import AutoTokenizer
 
-    from finetune.modeling import resolve_model_path
+    from finetune.models.load import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("bundled:all-MiniLM-L6-v2"))
     # Every child imports the same libraries, so that the baseline child's peak is theirs.
     import datasets
     from transformers import DataCollatorWithPadding
 
-    from finetune.config import from_dict
-    from finetune.data import collate, load_data, micro_batches
-    from finetune.encoding import num_processes_for
+    from finetune.config.schema import from_dict
+    from finetune.data.encoding import num_processes_for
+    from finetune.data.load import collate, load_data, micro_batches
 
     start = time.perf_counter()
     if pipeline == "plain":
@@ -71,7 +71,7 @@ def run_child(pipeline: str, data: Path, cache: Path) -> dict[str, float]:
     import psutil
 
     # The datasets cache and finetune's own (the entries that let a second run skip reading and checking the file,
-    # finetune/datacache.py) both live in the run's fresh folder.
+    # finetune/data/cache.py) both live in the run's fresh folder.
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "XDG_CACHE_HOME": str(cache / "xdg"),
            "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen([sys.executable, __file__, "--child", pipeline, "--data", str(data)],

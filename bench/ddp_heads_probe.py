@@ -1,7 +1,7 @@
 """Probe of the DDP trap with one head per task (issue #10): two gloo processes, a shared body and two heads, each
 process back-propagating one task per micro-batch under `no_sync` except the last, with DDP's default
 `find_unused_parameters=False`. Prints the largest difference from the one-process gradient, without and with
-every head in every graph (weight zero when unused), which is what `finetune.heads.MultiHeadModel` does.
+every head in every graph (weight zero when unused), which is what `finetune.models.heads.MultiHeadModel` does.
 
     python bench/ddp_heads_probe.py
 """

@@ -5,7 +5,7 @@ Each document is `--length` words over a tiny word-level vocabulary: a key (one 
 words, and every `--every` words the marker `recall` followed by the key again. Most recalls can copy the previous
 answer from a few dozen tokens back (*near* recalls: they teach the copying); the first recall of each block of
 `max_length` tokens can only be answered from an earlier block (*far* recalls). A tiny Llama (trained from scratch,
-the same seed and initial weights for every mode) is trained with `finetune.train` as (a) truncation at
+the same seed and initial weights for every mode) is trained with `finetune.train.loop` as (a) truncation at
 `max_length` (everything past it is lost), (b) chunks of `max_length` (every token is trained, but a chunk cannot
 see an earlier one), (c) `segment_recurrence` with `max_length` segments and a memory covering the document, and
 (d) full backprop over the whole document (`max_length` = the document).
@@ -14,7 +14,7 @@ Printed per mode: the far and near recall loss and accuracy on held-out document
 marker; chance is ln 16 = 2.77 and 1/16), the loss over all tokens (the filler is a cycle, learnt in a few dozen
 steps), each read the way the mode trains (a and b: blocks of `max_length` with no memory, c: segments with memory,
 d: whole documents), the peak of live tensors of one training window (weights, AdamW state, the window's forward
-and backward: the live-tensor tracker of finetune/memory.py), the plan's predicted peak, and the training time
+and backward: the live-tensor tracker of finetune/plan/memory.py), the plan's predicted peak, and the training time
 (noisy on a shared machine).
 
     python bench/long_range.py --jobs 4   # the defaults, the four modes at once
@@ -37,14 +37,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from finetune.config import from_dict
-from finetune.data import collate, load_data
-from finetune.memory import LiveTensorTracker, tensor_bytes
-from finetune.modeling import load_tokenizer
-from finetune.recurrence import Recurrence
-from finetune.recurrence import backward_window as recurrent_backward_window
-from finetune.step import backward_window
-from finetune.train import train
+from finetune.config.schema import from_dict
+from finetune.data.load import collate, load_data
+from finetune.engine.recurrence import Recurrence
+from finetune.engine.recurrence import backward_window as recurrent_backward_window
+from finetune.engine.step import backward_window
+from finetune.models.load import load_tokenizer
+from finetune.plan.memory import LiveTensorTracker, tensor_bytes
+from finetune.train.loop import train
 
 KEYS = [f"key{i}" for i in range(16)]
 FILLER = [f"w{i}" for i in range(48)]
@@ -178,7 +178,7 @@ def window_peak(model: torch.nn.Module, data, mode: str, segment: int, micro: in
 
 def run_mode(name: str, values: dict, work: Path, eval_ids: torch.Tensor, segment: int, batch: int, lr: float,
              threads: int) -> dict:
-    """Train one mode with `finetune.train`, then measure it (runs in its own process with --jobs)."""
+    """Train one mode with `finetune.train.loop`, then measure it (runs in its own process with --jobs)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)

@@ -3,9 +3,9 @@
 For each row of a matrix of models (the bundled MiniLM; tiny and small BERT, GPT-2 and Llama configurations built
 from a config), sequence lengths, micro-batch sizes, accumulation, precision and gradient checkpointing, plus long
 rows (1,024 and 2,048 tokens; sdpa and eager attention; micro-batches with and without padding), it
-- predicts the peak with the planner's dry run (`finetune.planner.estimate`, fake tensors, no weights), and
+- predicts the peak with the planner's dry run (`finetune.plan.planner.estimate`, fake tensors, no weights), and
 - measures one real window (forward, backward, fused AdamW step, after a warm-up window) with the engine's loss,
-  as the planner's probe does (`finetune.memory.measure_window`): on a CPU the live-tensor peak (the tracker plus
+  as the planner's probe does (`finetune.plan.memory.measure_window`): on a CPU the live-tensor peak (the tracker plus
   the weights and optimizer state), on a GPU `torch.cuda.max_memory_allocated` (pass --device cuda).
 It prints one table with the error of each row (target: within ±10 % on CPU, never more than 5 % under).
 
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from finetune.config import from_dict
-from finetune.memory import measure_window, model_skeleton
-from finetune.modeling import prepare_for_training, quiet_transformers, resolve_model_path
-from finetune.planner import estimate
+from finetune.config.schema import from_dict
+from finetune.models.load import prepare_for_training, quiet_transformers, resolve_model_path
+from finetune.plan.memory import measure_window, model_skeleton
+from finetune.plan.planner import estimate
 
 MIB = 2**20
 
@@ -144,8 +144,8 @@ def matrix(quick: bool, precisions: list[str]) -> list[tuple]:
 def check_budget_on_gpu(budget_gb: float, config_path: str) -> int:
     """GPU only: plan `config_path` for `budget_gb`, cap this process at that budget with
     `torch.cuda.set_per_process_memory_fraction`, and run `finetune train` on the plan; report OOM or success."""
-    from finetune.config import load
-    from finetune.train import train
+    from finetune.config.schema import load
+    from finetune.train.loop import train
 
     if not torch.cuda.is_available():
         print("--gpu-budget needs a CUDA GPU.", file=sys.stderr)

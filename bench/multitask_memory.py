@@ -1,8 +1,8 @@
 """Peak live memory of a multi-task window: one task's graph at a time (what finetune does) vs summing the tasks'
 losses before one backward (the naive way), side by side, with each task's graph alone for comparison.
 
-Three classification tasks on one shared encoder (finetune.heads.MultiHeadModel), one micro-batch each of
-different lengths. Counted with finetune.memory.LiveTensorTracker: the bytes of every tensor torch creates while it
+Three classification tasks on one shared encoder (finetune.models.heads.MultiHeadModel), one micro-batch each of
+different lengths. Counted with finetune.plan.memory.LiveTensorTracker: the bytes of every tensor torch creates while it
 runs (activations, gradients, temporaries), not the weights, which exist before. CPU, fp32.
 
     python bench/multitask_memory.py [--model bundled:all-MiniLM-L6-v2] [--batch 16]
@@ -16,10 +16,10 @@ import gc
 import torch
 import torch.nn.functional as F
 
-from finetune.config import from_dict
-from finetune.heads import build_multihead
-from finetune.memory import LiveTensorTracker
-from finetune.modeling import load_model
+from finetune.config.schema import from_dict
+from finetune.models.heads import build_multihead
+from finetune.models.load import load_model
+from finetune.plan.memory import LiveTensorTracker
 
 TASKS = {"sentiment": (2, 128), "topic": (4, 96), "nli": (3, 64)}  # name: (labels, tokens per sample)
 

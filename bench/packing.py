@@ -54,7 +54,7 @@ def make_model(path: Path) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from finetune.modeling import resolve_model_path
+    from finetune.models.load import resolve_model_path
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(resolve_model_path("bundled:all-MiniLM-L6-v2"))
@@ -70,8 +70,8 @@ def sample_lengths(values: dict[str, object]) -> str:
     """The tokenised samples' lengths, as a line."""
     from transformers import AutoTokenizer
 
-    from finetune.config import from_dict
-    from finetune.data import load_data
+    from finetune.config.schema import from_dict
+    from finetune.data.load import load_data
 
     c = from_dict({**values, "packing": False})
     lengths = load_data(c, AutoTokenizer.from_pretrained(c.model))[0].lengths
@@ -84,9 +84,9 @@ def padding(values: dict[str, object]) -> tuple[float, int, int]:
     """(padding share of the micro-batches' token slots, rows, samples) for one epoch of this configuration."""
     from transformers import AutoTokenizer
 
-    from finetune.config import from_dict
-    from finetune.data import load_data
-    from finetune.step import share_of
+    from finetune.config.schema import from_dict
+    from finetune.data.load import load_data
+    from finetune.engine.step import share_of
 
     c = from_dict(values)
     data = load_data(c, AutoTokenizer.from_pretrained(c.model))[0]

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from finetune.config import Config, ConfigError, load
+from finetune.config.schema import Config, ConfigError, load
 from finetune.errors import FinetuneError, describe
 
 # Only the light modules above load at start: each command imports the engine (torch, transformers, …) inside its
@@ -61,7 +61,7 @@ def _print_note(event: Any) -> None:
                 print(f"warning: {counts.warning}", file=sys.stderr, flush=True)
     if event.note:
         print(f"note: {event.note}", file=sys.stderr, flush=True)
-    from finetune.chat import describe_dropped
+    from finetune.data.chat import describe_dropped
 
     for what, counts in (("training", event.dropped_rows), ("evaluation", event.dropped_eval_rows)):
         if counts:
@@ -70,8 +70,8 @@ def _print_note(event: Any) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run `finetune train CONFIG [key=value …]`."""
-    from finetune.events import ProgressBar
-    from finetune.train import StopFlag, train
+    from finetune.run.events import ProgressBar
+    from finetune.train.loop import StopFlag, train
 
     cfg = _load_config(args)
     stop = StopFlag()
@@ -94,7 +94,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Run `finetune eval RUN_OR_MODEL [key=value …]`."""
-    from finetune.taskuse import evaluate_target
+    from finetune.use.taskuse import evaluate_target
 
     print(json.dumps(evaluate_target(args.target, args.overrides), indent=2))
     return EXIT_OK
@@ -102,7 +102,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Run `finetune predict MODEL TEXT… | --file F`."""
-    from finetune.predict import predict
+    from finetune.use.predict import predict
 
     texts = list(args.texts)
     if args.file:
@@ -123,19 +123,19 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run `finetune plan [CONFIG] [key=value …]`: print the plan and optionally write plan.json."""
-    from finetune.data import load_data
-    from finetune.modeling import load_tokenizer
-    from finetune.planner import plan_run, render
-    from finetune.rundir import write_json
-    from finetune.runtime import make_accelerator, requested_mode, resolve_precision
+    from finetune.data.load import load_data
+    from finetune.engine.runtime import make_accelerator, requested_mode, resolve_precision
+    from finetune.models.load import load_tokenizer
+    from finetune.plan.planner import plan_run, render
+    from finetune.run.rundir import write_json
 
     cfg = _load_config(args)
     # As a launcher would run it: FSDP when asked for (or accelerate's variable says so) and more than one process.
     distributed = args.distributed or requested_mode() or "ddp"
     distributed = "single" if args.num_processes == 1 else distributed
-    if cfg.tasks:  # multi-task: the largest single task's graph (finetune.multirun)
-        from finetune.multirun import plan_tasks
-        from finetune.multitask import MultiData, load_tasks
+    if cfg.tasks:  # multi-task: the largest single task's graph (finetune.train.multitask)
+        from finetune.data.multitask import MultiData, load_tasks
+        from finetune.train.multitask import plan_tasks
 
         data = MultiData(cfg, load_tasks(cfg, load_tokenizer(cfg)))
         plan = plan_tasks(cfg, data, num_processes=args.num_processes, distributed=distributed)
@@ -160,10 +160,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_push(args: argparse.Namespace) -> int:
     """Run `finetune push RUN_DIR REPO`: the run's model and its model card to the Hub."""
-    from finetune import hub
-    from finetune.config import repo_id_problem
+    from finetune.config.schema import repo_id_problem
     from finetune.errors import PushError
-    from finetune.modeling import resolve_model_dir
+    from finetune.models.load import resolve_model_dir
+    from finetune.run import hub
 
     if problem := repo_id_problem(args.repo):
         raise ConfigError([problem.replace("`push_to_hub`", "REPO")])
@@ -181,7 +181,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 def cmd_init(args: argparse.Namespace) -> int:
     """Write a commented example config."""
-    from finetune.config import template
+    from finetune.config.schema import template
 
     out = Path(args.path)
     if out.exists() and not args.force:

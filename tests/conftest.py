@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune import encoding
-from finetune.config import from_dict
-from finetune.events import read_events
-from finetune.modeling import resolve_model_path
+from finetune.config.schema import from_dict
+from finetune.data import encoding
+from finetune.models.load import resolve_model_path
+from finetune.run.events import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("good bad great awful fine movie plot actor scene story music dull bright long short funny sad odd warm "
@@ -42,7 +42,7 @@ def fresh_accelerate_state():
 
 @pytest.fixture(autouse=True)
 def own_plan_cache(tmp_path, monkeypatch):
-    """Each test plans afresh: reused plans (finetune/plancache.py) go to a cache folder of its own, here and in
+    """Each test plans afresh: reused plans (finetune/plan/cache.py) go to a cache folder of its own, here and in
     the processes it starts."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
@@ -187,7 +187,7 @@ def long_csv(tmp_path_factory) -> str:
 
 def run_train(out: Path, **values):
     """Train in-process with test defaults (SGD, no warm-up, fp32, one process); returns (weights, events)."""
-    from finetune.train import train
+    from finetune.train.loop import train
 
     base = {"output_dir": str(out), "optimizer": "sgd", "learning_rate": 0.5, "warmup_ratio": 0.0,
             "lr_scheduler": "linear", "weight_decay": 0.0, "eval_fraction": 0.0, "precision": "fp32",

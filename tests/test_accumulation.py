@@ -7,8 +7,8 @@ import torch
 from conftest import assert_same_weights, run_train, step_losses
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from finetune.config import from_dict
-from finetune.data import collate, epoch_windows, load_data, micro_batches
+from finetune.config.schema import from_dict
+from finetune.data.load import collate, epoch_windows, load_data, micro_batches
 
 
 def _grad_norms(events):

@@ -22,7 +22,7 @@ from app.api import ScriptApi
 from app.handlers import Controller
 from app.jobs import JobManager
 from app.mapping import COLUMN_FIELDS
-from finetune.config import from_dict
+from finetune.config.schema import from_dict
 
 ALICE, BOB, ANON = (SimpleNamespace(username=name) for name in ("alice", "bob", None))
 PASSWORDS = Access("password", accounts=(("alice", "a-secret"), ("bob", "b-secret")))

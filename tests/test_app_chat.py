@@ -19,7 +19,7 @@ from app.access import Access, AccessError
 from app.handlers import Controller
 from app.jobs import JobManager
 from app.mapping import COLUMN_FIELDS, SPECS
-from finetune.config import from_dict
+from finetune.config.schema import from_dict
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from conftest import served_app
 
 from app.handlers import Controller
 from app.jobs import KILLED, JobManager
-from finetune.events import read_events
-from finetune.rundir import checkpoints
+from finetune.run.events import read_events
+from finetune.run.rundir import checkpoints
 
 pytestmark = pytest.mark.slow
 

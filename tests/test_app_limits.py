@@ -21,9 +21,9 @@ from app.api import ScriptApi
 from app.handlers import Controller
 from app.jobs import KILLED, JobManager, zip_model
 from app.mapping import FIELD_NAMES, config_to_values, problems_text
-from finetune.batch import resolve_batch
-from finetune.config import Config, ConfigError, from_dict
-from finetune.rundir import MARKER
+from finetune.config.batch import resolve_batch
+from finetune.config.schema import Config, ConfigError, from_dict
+from finetune.run.rundir import MARKER
 
 ABSURD = {"effective_batch_size": 10**12, "micro_batch_size": 7}
 
@@ -192,7 +192,7 @@ def test_a_local_preview_writes_nothing_into_the_datasets_cache(tmp_path, monkey
 
 
 def test_try_it_truncates_a_long_text_and_says_so(tmp_path, monkeypatch):
-    import finetune.predict
+    import finetune.use.predict
 
     seen = {}
 
@@ -200,7 +200,7 @@ def test_try_it_truncates_a_long_text_and_says_so(tmp_path, monkeypatch):
         seen.update(texts=texts, max_new_tokens=max_new_tokens)
         return [{"label": "pos", "probabilities": {"pos": 0.9, "neg": 0.1}}]
 
-    monkeypatch.setattr(finetune.predict, "predict", fake_predict)
+    monkeypatch.setattr(finetune.use.predict, "predict", fake_predict)
     ctl = _controller(tmp_path)
     run = tmp_path / "runs" / "r"
     (run / "model").mkdir(parents=True)

@@ -27,7 +27,7 @@ from app.mapping import (
     values_to_config,
     values_to_dict,
 )
-from finetune.config import FIELDS, Config, ConfigError, field_type, from_dict
+from finetune.config.schema import FIELDS, Config, ConfigError, field_type, from_dict
 
 # Options the config only accepts together with others (its cross-checks).
 COMPANIONS: dict[str, dict[str, Any]] = {
@@ -100,7 +100,7 @@ def test_field_round_trips_through_widgets_and_yaml(name, tmp_path):
     # Export config writes the file Import config and `finetune train` read back.
     path = tmp_path / "exported.yaml"
     path.write_text(text)
-    from finetune.config import load
+    from finetune.config.schema import load
 
     assert load(path) == config
 

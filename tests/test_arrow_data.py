@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import bundled_tokenizer
 
-from finetune.config import from_dict
-from finetune.data import IGNORE_INDEX, collate, load_data
+from finetune.config.schema import from_dict
+from finetune.data.load import IGNORE_INDEX, collate, load_data
 
 
 def test_a_second_load_reuses_the_cache_and_a_changed_setting_does_not(tmp_path, tokenize_calls):

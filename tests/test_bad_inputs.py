@@ -119,12 +119,12 @@ def test_overwrite_replaces_every_file_a_run_writes(capsys, tmp_path, base):
 
 def test_a_failure_after_the_start_is_the_runs_last_event(capsys, monkeypatch, tmp_path, base):
     from finetune.errors import TrainingError
-    from finetune.events import read_events
+    from finetune.run.events import read_events
 
     def broken(model, batch, causal):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("finetune.step.loss_sum", broken)
+    monkeypatch.setattr("finetune.engine.step.loss_sum", broken)
     with pytest.raises(RuntimeError, match="boom"):  # an internal error keeps its traceback
         _run(capsys, *base)
     last = read_events(tmp_path / "run" / "events.jsonl")[-1]
@@ -133,7 +133,7 @@ def test_a_failure_after_the_start_is_the_runs_last_event(capsys, monkeypatch, t
     def diverged(model, batch, causal):
         raise TrainingError("training diverged")
 
-    monkeypatch.setattr("finetune.step.loss_sum", diverged)
+    monkeypatch.setattr("finetune.engine.step.loss_sum", diverged)
     code, err = _run(capsys, *base, "overwrite=true")
     # What the run said when it started (the data's segmentation), then the failure in one line.
     assert code == 1 and err.endswith("\nerror: training diverged\n") and err.count("error:") == 1

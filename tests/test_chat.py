@@ -14,8 +14,8 @@ from conftest import ROOT, WORDS, _causal_tokenizer, _save, assert_same_weights,
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.cli import main
-from finetune.config import from_dict
-from finetune.data import IGNORE_INDEX, collate, load_data
+from finetune.config.schema import from_dict
+from finetune.data.load import IGNORE_INDEX, collate, load_data
 from finetune.errors import ConfigError, DataError, ModelError
 
 CHATML = (ROOT / "assets" / "chatml.jinja").read_text()
@@ -115,7 +115,7 @@ def _sharegpt(turns: list[dict[str, str]]) -> list[dict[str, str]]:
 
 
 def _encoded(tmp_path: Path, tok, rows: list, key: str = "messages", **values):
-    from finetune.data import encode, load_table, resolve_columns
+    from finetune.data.load import encode, load_table, resolve_columns
 
     c = from_dict({"task": "causal_lm", "max_length": 512, **values})
     table = load_table(_write_jsonl(tmp_path / f"{key}.jsonl", rows, key))
@@ -200,7 +200,7 @@ def test_refusals(tmp_path, tiny_llama):
         _encoded(tmp_path, tok, [_conversations(1)[0], []])
     data = _write_jsonl(tmp_path / "chat.jsonl", _conversations(4))
     c = from_dict({"task": "causal_lm", "model": tiny_llama, "dataset": data})
-    from finetune.modeling import load_tokenizer
+    from finetune.models.load import load_tokenizer
 
     with pytest.raises(ModelError, match="has no chat template .* set `chat_template`"):
         load_data(c, load_tokenizer(c))
@@ -270,7 +270,7 @@ def test_cli_trains_on_a_jsonl_of_conversations_and_chats(capsys, tmp_path, tiny
 
 
 def test_a_plain_text_run_continues_text_unless_asked_to_chat(tmp_path, chat_llama, lm_csv):
-    from finetune.predict import predict
+    from finetune.use.predict import predict
 
     run_train(tmp_path / "run", model=chat_llama, dataset=lm_csv, task="causal_lm", max_steps=1,
               effective_batch_size=4)

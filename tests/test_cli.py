@@ -11,7 +11,7 @@ from conftest import ROOT, run_train
 from transformers import AutoModelForSequenceClassification
 
 from finetune.cli import main
-from finetune.config import load, markdown_table
+from finetune.config.schema import load, markdown_table
 
 
 def test_init_writes_a_config_that_trains(tmp_path, capsys):
@@ -61,7 +61,7 @@ def test_predict_generates_with_a_causal_lm(tmp_path, capsys, tiny_gpt2, lm_csv)
 def test_readme_option_table_matches_the_schema():
     readme = (ROOT / "README.md").read_text()
     table = readme.split("<!-- options -->\n", 1)[1].split("\n<!-- /options -->", 1)[0]
-    assert table == markdown_table(), "regenerate with: python -m finetune.config"
+    assert table == markdown_table(), "regenerate with: python -m finetune.config.schema"
 
 
 def test_readme_commands_are_real():

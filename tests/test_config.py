@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import yaml
 
-from finetune.batch import divisors, resolve_batch
-from finetune.config import FIELDS, Config, ConfigError, from_dict, load, template
+from finetune.config.batch import divisors, resolve_batch
+from finetune.config.schema import FIELDS, Config, ConfigError, from_dict, load, template
 
 
 def test_defaults_are_valid_and_round_trip_through_yaml():

@@ -13,16 +13,17 @@ import torch
 import yaml
 from conftest import assert_same_weights, load_weights
 
-from finetune import rundir
-from finetune.config import from_dict
-from finetune.events import Error, EventLog, Step, read_events
-from finetune.train import StopFlag, train
+from finetune.config.schema import from_dict
+from finetune.run import rundir
+from finetune.run.events import Error, EventLog, Step, read_events
+from finetune.train.loop import StopFlag, train
 
 # Dies as the OOM killer would kill it (SIGKILL, no clean-up) in the middle of its second checkpoint: every file of
 # that checkpoint is written but one, and the rename that would make it visible never happens.
 KILL_MID_CHECKPOINT = textwrap.dedent("""
     import os, signal, sys
-    from finetune import cli, rundir
+    from finetune import cli
+    from finetune.run import rundir
 
     commit, calls = rundir.commit_checkpoint, []
 

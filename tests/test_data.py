@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import bundled_tokenizer, run_train
 
-from finetune.config import from_dict
-from finetune.data import IGNORE_INDEX, DataError, collate, epoch_windows, load_data, load_table, micro_batches
+from finetune.config.schema import from_dict
+from finetune.data.load import IGNORE_INDEX, DataError, collate, epoch_windows, load_data, load_table, micro_batches
 
 
 def test_windows_do_not_depend_on_the_micro_batch_split():

@@ -1,4 +1,4 @@
-"""The data cache's fast path (finetune/datacache.py): a second load of the same local files and settings reads the
+"""The data cache's fast path (finetune/data/cache.py): a second load of the same local files and settings reads the
 encoded Arrow files without reading or checking the source again, and anything the checks depend on sends it back
 to the full path."""
 
@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 from conftest import bundled_tokenizer
 
-from finetune import data, datacache, encoding
-from finetune.config import from_dict
+from finetune.config.schema import from_dict
+from finetune.data import cache as datacache
+from finetune.data import encoding
+from finetune.data import load as data
 from finetune.errors import DataError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,7 +110,7 @@ def test_a_cache_hit_imports_neither_datasets_nor_pandas(tmp_path):
     path = _write(tmp_path / "d.csv")
     script = ("import sys, json; sys.path.insert(0, 'tests')\n"
               "from conftest import bundled_tokenizer\n"
-              "from finetune.config import from_dict\nfrom finetune.data import load_data, collate\n"
+              "from finetune.config.schema import from_dict\nfrom finetune.data.load import load_data, collate\n"
               f"train, _, _ = load_data(from_dict({{'dataset': {path!r}, 'eval_fraction': 0}}), bundled_tokenizer())\n"
               "collate(train, [0, 1], 0, causal=False)\n"
               "print(json.dumps({m: m in sys.modules for m in ('datasets', 'pandas')}))\n")

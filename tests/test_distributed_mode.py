@@ -10,7 +10,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from finetune.runtime import distributed_mode, fallback_note, is_sharded, requested_mode
+from finetune.engine.runtime import distributed_mode, fallback_note, is_sharded, requested_mode
 
 
 def _accelerator(kind: DistributedType, n: int) -> SimpleNamespace:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.config import from_dict
-from finetune.optim import make_scheduler
+from finetune.config.schema import from_dict
+from finetune.engine.optim import make_scheduler
 
 REPO = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "transformers", "accelerate", "datasets", "peft", "pyarrow", "pandas", "scipy", "matplotlib",

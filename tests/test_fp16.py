@@ -9,10 +9,10 @@ import torch
 from accelerate import Accelerator
 from conftest import run_train
 
+from finetune.engine.losses import loss_sum
+from finetune.engine.runtime import resolve_precision
 from finetune.errors import ConfigError, TrainingError
-from finetune.losses import loss_sum
-from finetune.runtime import resolve_precision
-from finetune.train import MAX_SKIPPED_IN_A_ROW
+from finetune.train.loop import MAX_SKIPPED_IN_A_ROW
 
 
 class CpuFp16Accelerator(Accelerator):
@@ -40,7 +40,7 @@ def fp16_cpu(monkeypatch):
         made.append(CpuFp16Accelerator())
         return made[-1]
 
-    monkeypatch.setattr("finetune.train.make_accelerator", make)
+    monkeypatch.setattr("finetune.train.loop.make_accelerator", make)
     return made
 
 
@@ -54,7 +54,7 @@ def _overflow_on(monkeypatch, calls_to_poison):
         loss, logits = loss_sum(model, batch, causal)
         return (loss * float("inf") if calls_to_poison(call) else loss), logits
 
-    monkeypatch.setattr("finetune.step.loss_sum", poisoned)
+    monkeypatch.setattr("finetune.engine.step.loss_sum", poisoned)
     return snapshots
 
 

@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import assert_same_weights, load_weights
 
-from finetune.data import IGNORE_INDEX
-from finetune.step import backward_window, optimizer_step, share_of
+from finetune.data.load import IGNORE_INDEX
+from finetune.engine.step import backward_window, optimizer_step, share_of
 
 # 9 samples in windows of 4: two full windows, then a tail of 1, smaller than the number of processes (one process
 # joins with a weight-0 stand-in). Two epochs: 6 optimizer steps; the checkpoint is taken after step 3.
@@ -144,8 +144,8 @@ def run(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from transformers import AutoTokenizer
 
-    from finetune.modeling import save_model
-    from finetune.runtime import is_sharded
+    from finetune.engine.runtime import is_sharded
+    from finetune.models.load import save_model
 
     torch.set_num_threads(1)
     sharded = world > 1

@@ -16,10 +16,10 @@ from conftest import _causal_tokenizer, assert_same_weights, bundled_tokenizer, 
 from app import views
 from app.jobs import JobStatus
 from finetune.cli import main
-from finetune.config import ConfigError, from_dict
-from finetune.data import IGNORE_INDEX, collate, load_data
-from finetune.planner import worst_case_tokens
-from finetune.segments import block_starts
+from finetune.config.schema import ConfigError, from_dict
+from finetune.data.load import IGNORE_INDEX, collate, load_data
+from finetune.data.segments import block_starts
+from finetune.plan.planner import worst_case_tokens
 
 
 def _load(path: str, **values):

@@ -13,7 +13,7 @@ import torch
 import yaml
 from conftest import assert_same_weights, load_weights, run_train, step_losses
 
-from finetune.events import read_events
+from finetune.run.events import read_events
 
 COMMON = {"optimizer": "sgd", "learning_rate": 0.5, "warmup_ratio": 0.0, "weight_decay": 0.0, "eval_fraction": 0.0,
           "precision": "fp32", "epochs": 2, "logging_every": 1, "max_grad_norm": 1.0}

@@ -19,11 +19,11 @@ from conftest import _sentence, assert_same_weights, run_train, step_losses
 from safetensors.torch import load_file
 from test_multiprocess import launch_two
 
-from finetune.config import ConfigError, from_dict
-from finetune.events import Step, read_events
-from finetune.losses import loss_sum
-from finetune.multitask import MultiData, load_tasks, mixing_probabilities, task_micro_batches
-from finetune.train import StopFlag, train
+from finetune.config.schema import ConfigError, from_dict
+from finetune.data.multitask import MultiData, load_tasks, mixing_probabilities, task_micro_batches
+from finetune.engine.losses import loss_sum
+from finetune.run.events import Step, read_events
+from finetune.train.loop import StopFlag, train
 
 SGD = {"optimizer": "sgd", "learning_rate": 0.5, "warmup_ratio": 0.0, "weight_decay": 0.0, "eval_fraction": 0.0,
        "precision": "fp32", "logging_every": 1}
@@ -112,7 +112,7 @@ def _reference(tmp_path, values: dict, steps: int) -> tuple[dict[str, torch.Tens
     from accelerate.utils import set_seed
     from transformers import AutoTokenizer
 
-    from finetune.multirun import load_multitask_model, plan_tasks
+    from finetune.train.multitask import load_multitask_model, plan_tasks
 
     c = from_dict({**SGD, **values, "output_dir": str(tmp_path / "ref")})
     tok = AutoTokenizer.from_pretrained(c.model)

@@ -8,7 +8,7 @@ import pytest
 from app.mapping import FIELD_NAMES, SPECS, config_to_values, values_to_config
 from app.tasksview import tasks_frame
 from app.views import loss_frame
-from finetune.config import from_dict
+from finetune.config.schema import from_dict
 
 TASKS_YAML = "- name: a\n  dataset: {a}\n- name: b\n  dataset: {b}\n  label_column: topic\n  weight: 0.5\n"
 

@@ -12,11 +12,11 @@ import torch
 from conftest import ROOT, assert_same_weights, load_weights, run_train, step_losses
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune.config import from_dict
-from finetune.data import collate, load_data
+from finetune.config.schema import from_dict
+from finetune.data.load import collate, load_data
+from finetune.data.packing import best_fit_decreasing, check_keeps_samples_apart
+from finetune.engine.losses import loss_sum
 from finetune.errors import ConfigError, ModelError
-from finetune.losses import loss_sum
-from finetune.packing import best_fit_decreasing, check_keeps_samples_apart
 
 LM = {"task": "causal_lm", "eval_fraction": 0.0, "max_length": 64}
 
@@ -218,8 +218,8 @@ def test_packed_rows_are_cached(tiny_llama, lm_csv):
 
 
 def test_plan_is_for_packed_rows(tiny_llama):
-    from finetune.memory import measure_window, model_skeleton
-    from finetune.planner import estimate
+    from finetune.plan.memory import measure_window, model_skeleton
+    from finetune.plan.planner import estimate
 
     c = from_dict({"model": tiny_llama, "dataset": "x.csv", "packing": True, **LM})
     skeleton = model_skeleton(c, 0, checkpointing=False, lora=False)
@@ -235,8 +235,8 @@ def test_plan_is_for_packed_rows(tiny_llama):
 
 
 def test_stop_then_resume_with_packing_equals_uninterrupted(tmp_path, tiny_llama, lm_csv):
-    from finetune.events import Step, read_events
-    from finetune.train import StopFlag, train
+    from finetune.run.events import Step, read_events
+    from finetune.train.loop import StopFlag, train
 
     def config(name, **extra):
         # AdamW and a warm-up schedule over shuffled, length-grouped packed rows: resume continues with the next row

@@ -9,12 +9,12 @@ import pytest
 import torch
 from conftest import assert_same_weights, run_train, step_losses
 
-from finetune.config import from_dict
+from finetune.config.schema import from_dict
+from finetune.engine.losses import loss_sum
 from finetune.errors import TrainingError
-from finetune.losses import loss_sum
-from finetune.memory import LiveTensorTracker, measure_window, model_skeleton, tensor_bytes
-from finetune.planner import GIB, PlanError, estimate, make_plan, render
-from finetune.train import train
+from finetune.plan.memory import LiveTensorTracker, measure_window, model_skeleton, tensor_bytes
+from finetune.plan.planner import GIB, PlanError, estimate, make_plan, render
+from finetune.train.loop import train
 
 CPU = ("cpu", 24 * GIB)
 
@@ -126,7 +126,7 @@ def test_oom_back_off_keeps_the_same_weights(tmp_path, monkeypatch, tiny_bert, c
             raise torch.OutOfMemoryError("simulated: micro-batch too large")
         return loss_sum(model, batch, causal)
 
-    monkeypatch.setattr("finetune.step.loss_sum", small_device)  # the loop's loss only, not the planner's
+    monkeypatch.setattr("finetune.engine.step.loss_sum", small_device)  # the loop's loss only, not the planner's
     backed, events, _ = run_train(tmp_path / "oom", **common)
     backoffs = [e for e in events if e["event"] == "backoff"]
     assert [(e["micro_batch_size"], e["grad_accum_steps"]) for e in backoffs] == [(4, 4), (2, 8)]
@@ -134,7 +134,7 @@ def test_oom_back_off_keeps_the_same_weights(tmp_path, monkeypatch, tiny_bert, c
     assert_same_weights(backed, reference)
     torch.testing.assert_close(step_losses(events), step_losses(ref_events), rtol=1e-5, atol=1e-6)
 
-    monkeypatch.setattr("finetune.step.loss_sum",
+    monkeypatch.setattr("finetune.engine.step.loss_sum",
                         lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("always")))
     with pytest.raises(TrainingError, match="even at micro_batch_size=1"):
         run_train(tmp_path / "hopeless", **common)

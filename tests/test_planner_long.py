@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.config import from_dict
-from finetune.memory import measure_window, model_skeleton
-from finetune.planner import GIB, estimate, make_plan, may_pad, render
+from finetune.config.schema import from_dict
+from finetune.plan.memory import measure_window, model_skeleton
+from finetune.plan.planner import GIB, estimate, make_plan, may_pad, render
 
 CPU = ("cpu", 24 * GIB)
 TOKENS = 1024
@@ -82,7 +82,7 @@ def _worst_case_line(plan) -> str:
 def test_the_probe_measures_the_padded_case_the_plan_made(long_llama):
     from transformers import AutoModelForCausalLM
 
-    from finetune.planner import refine_with_probe
+    from finetune.plan.planner import refine_with_probe
 
     c = _config(long_llama, effective_batch_size=4, micro_batch_size=4)
     real = AutoModelForCausalLM.from_pretrained(long_llama)

@@ -24,10 +24,10 @@ from app import views
 from app.access import Access, AccessError
 from app.handlers import Controller
 from app.jobs import JobStatus
-from finetune.config import ConfigError, from_dict
-from finetune.events import read_events
-from finetune.hub import check_can_push
-from finetune.modelcard import metadata, render
+from finetune.config.schema import ConfigError, from_dict
+from finetune.run.events import read_events
+from finetune.run.hub import check_can_push
+from finetune.run.modelcard import metadata, render
 
 
 def _env(hub_url: str, tmp_path: Path, token: str | None = "hf_write") -> dict[str, str]:
@@ -293,8 +293,8 @@ def test_an_unreachable_hub_passes_the_check_and_fails_the_push_with_exit_3(fini
     import huggingface_hub
 
     from finetune.errors import PushError
-    from finetune.events import EventLog
-    from finetune.hub import push_after_training
+    from finetune.run.events import EventLog
+    from finetune.run.hub import push_after_training
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)

@@ -16,14 +16,10 @@ import torch.nn.functional as F
 from conftest import assert_same_weights, load_weights, run_train, step_losses
 
 from finetune.cli import main
-from finetune.config import from_dict
-from finetune.encoding import IGNORE_INDEX
-from finetune.errors import ModelError
-from finetune.events import Step, read_events
-from finetune.losses import loss_sum
-from finetune.memory import LiveTensorTracker, model_skeleton, tensor_bytes
-from finetune.planner import make_plan
-from finetune.recurrence import (
+from finetune.config.schema import from_dict
+from finetune.data.encoding import IGNORE_INDEX
+from finetune.engine.losses import loss_sum
+from finetune.engine.recurrence import (
     Recurrence,
     backward_window,
     check_model_config,
@@ -31,7 +27,11 @@ from finetune.recurrence import (
     document_loss_sum,
     self_check,
 )
-from finetune.train import StopFlag, train
+from finetune.errors import ModelError
+from finetune.plan.memory import LiveTensorTracker, model_skeleton, tensor_bytes
+from finetune.plan.planner import make_plan
+from finetune.run.events import Step, read_events
+from finetune.train.loop import StopFlag, train
 
 CPU = ("cpu", 64 * 2**30)
 

@@ -9,10 +9,10 @@ import time
 import pytest
 from conftest import run_train
 
-from finetune import planner
-from finetune.config import from_dict
-from finetune.rundir import plot_loss_in_background
-from finetune.runtime import seconds_since_process_start
+from finetune.config.schema import from_dict
+from finetune.engine.runtime import seconds_since_process_start
+from finetune.plan import planner
+from finetune.run.rundir import plot_loss_in_background
 
 CPU = ("cpu", 64 * 2**30)
 

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from conftest import assert_same_weights, load_weights, step_losses
 
-from finetune.config import from_dict
-from finetune.events import Step, read_events
-from finetune.rundir import checkpoints
-from finetune.train import StopFlag, train
+from finetune.config.schema import from_dict
+from finetune.run.events import Step, read_events
+from finetune.run.rundir import checkpoints
+from finetune.train.loop import StopFlag, train
 
 
 def _config(tmp_path, model, dataset, name, **extra):

@@ -9,9 +9,9 @@ import sys
 import torch
 from conftest import assert_same_weights, load_weights, run_train, step_losses
 
-from finetune.config import from_dict
-from finetune.events import Step, read_events
-from finetune.train import StopFlag, train
+from finetune.config.schema import from_dict
+from finetune.run.events import Step, read_events
+from finetune.train.loop import StopFlag, train
 
 # cls_csv has 37 rows: windows of 16 are 16, 16, 5 | 16, 16, ... so 5 steps cross the end of the first pass.
 STREAM = {"streaming": True, "max_steps": 5, "effective_batch_size": 16, "max_grad_norm": 0.0}

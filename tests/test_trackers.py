@@ -11,9 +11,9 @@ import pytest
 import yaml
 from conftest import run_train
 
-from finetune import tracking
-from finetune.config import ConfigError, from_dict, markdown_table, template
+from finetune.config.schema import ConfigError, from_dict, markdown_table, template
 from finetune.errors import ConfigError as InputConfigError
+from finetune.run import tracking
 
 
 def test_report_to_takes_a_list_a_comma_separated_string_or_nothing():
@@ -108,7 +108,7 @@ def test_tensorboard_gets_the_step_losses_and_eval_metrics_of_events_jsonl(tmp_p
 
 def test_resume_keeps_logging_to_the_same_folder(tmp_path, cls_csv, tiny_bert):
     """A stopped run resumed with report_to logs its remaining steps beside the first ones."""
-    from finetune.train import StopFlag, train
+    from finetune.train.loop import StopFlag, train
 
     out = tmp_path / "run"
     values = {"model": tiny_bert, "dataset": cls_csv, "output_dir": str(out), "optimizer": "sgd",

@@ -1,0 +1,1 @@
+"""The configuration: the one typed, frozen schema, batch arithmetic and multi-task specs."""

@@ -1,0 +1,254 @@
+"""Loading and checking the data, and tokenising it into Arrow (`finetune.data.encoding`) or reading it as a stream.
+
+A file or hub dataset becomes a memory-mapped `datasets.Dataset`; its columns are checked, its labels named and its
+rows tokenised once, in Arrow, into a cache that the next run with the same rows and settings reuses (from a local
+file, without reading or checking the file again: `finetune.data.cache`). With
+`streaming: true` the training rows are read as a stream instead (`finetune.data.stream`). The window order lives in
+`finetune.data.windows`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+
+from finetune.config.batch import resolve_batch
+from finetune.config.schema import Config
+from finetune.data import cache as datacache
+from finetune.data.chat import MESSAGES_NAMES
+from finetune.data.encoding import IGNORE_INDEX, Columns, Encoded, collate, encode
+from finetune.data.packing import check_architecture, pack
+from finetune.data.stream import StreamData
+from finetune.data.windows import epoch_windows, micro_batches, windows_per_epoch
+from finetune.errors import ConfigError, DataError
+
+__all__ = ["IGNORE_INDEX", "Columns", "DataError", "Encoded", "collate", "encode", "epoch_windows", "load_data",
+           "load_table", "micro_batches", "resolve_columns", "windows_per_epoch"]
+
+FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+TEXT_NAMES = ("text", "sentence", "sentence1", "content", "review", "document", "question")
+PAIR_NAMES = ("text_pair", "sentence2")
+LABEL_NAMES = ("label", "labels", "class", "target")
+# A stream's class names, when its features do not list them, are the distinct labels of its first rows.
+LABEL_PEEK = 10_000
+
+
+@functools.cache
+def builder_names() -> frozenset[str]:
+    """The names `datasets.load_dataset` takes as its own file builders (csv, json, text, parquet, imagefolder, …):
+    each reads files from the working folder when given no `data_files`, so none of them is a hub dataset id.
+
+    Read from the installed package's `packaged_modules` folder, without importing `datasets` (a repeated run's
+    fast path imports neither datasets nor pandas)."""
+    spec = importlib.util.find_spec("datasets")
+    names = {"csv", "json", "text", "parquet", "arrow", "pandas", "imagefolder", "audiofolder", "videofolder",
+             "webdataset", "xml", "sql", "generator", "spark", "cache"}  # if the folder cannot be read
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        folder = Path(root) / "packaged_modules"
+        if folder.is_dir():
+            names.update(p.name for p in folder.iterdir() if p.is_dir() and (p / f"{p.name}.py").is_file())
+    return frozenset(names)
+
+
+def is_local(source: str) -> bool:
+    """Whether `source` names a file on disk rather than a hub dataset id (a `datasets` builder name such as `csv`
+    counts as local: it would read files from the working folder)."""
+    if source.lower() in builder_names() or "\x00" in source:
+        return True
+    try:
+        exists = Path(source).exists()
+    except (OSError, ValueError):  # a name too long or with a null byte is no hub id either
+        return True
+    return Path(source).suffix.lower() in FILE_FORMATS or exists or source.startswith((".", "/", "~"))
+
+
+def load_table(source: str, config_name: str | None = None, split: str = "train", *, streaming: bool = False
+               ) -> Any:
+    """A `datasets.Dataset` from a local file or a hub dataset id (an `IterableDataset` when `streaming`)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    # A failed read is reported once, in our words; datasets would also log it at ERROR level.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    if is_local(source):
+        path = Path(source).expanduser()
+        fmt = FILE_FORMATS.get(path.suffix.lower())
+        if source.lower() in builder_names() and not path.is_file():
+            raise DataError(f"{source!r} is the name of a `datasets` file builder, not a dataset: give the path of "
+                            "your file (such as data.csv) or a hub dataset id.")
+        if not path.is_file():
+            raise DataError(f"Dataset file {source!r} does not exist: check the path.")
+        if fmt is None:
+            raise DataError(f"Dataset file {source!r} has an unknown type: use .csv, .tsv, .json, .jsonl or .parquet.")
+        kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+        try:
+            table = datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=streaming,
+                                          **kwargs)
+        except Exception as e:  # datasets raises many types for a malformed file; all mean the same to a user
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise DataError(f"Dataset file {source!r} could not be read as {path.suffix} ({reason}): check its "
+                            "format.") from None
+    else:
+        try:
+            table = datasets.load_dataset(source, config_name, split=split, streaming=streaming)
+        except ValueError as e:
+            raise DataError(f"Dataset {source!r} could not be loaded: {str(e).splitlines()[0][:300]}") from None
+        except (OSError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:
+            raise DataError(f"Dataset {source!r} is neither a local file nor reachable on the Hugging Face Hub "
+                            f"({type(e).__name__}): check the name, or give a .csv/.tsv/.json/.jsonl/.parquet "
+                            "file.") from None
+    if not streaming and len(table) == 0:
+        raise DataError(f"Dataset {source!r} has no rows.")
+    return table
+
+
+def _pick(columns: list[str], wanted: str | None, guesses: tuple[str, ...], what: str, key: str) -> str:
+    if wanted is not None:
+        if wanted not in columns:
+            raise DataError(f"{what} column {wanted!r} is not in the data; its columns are: {', '.join(columns)}. "
+                            f"Set `{key}` to one of them.")
+        return wanted
+    for name in guesses:
+        if name in columns:
+            return name
+    raise DataError(f"No {what.lower()} column found (looked for {', '.join(guesses)}); the data's columns are: "
+                    f"{', '.join(columns)}. Set `{key}`.")
+
+
+def resolve_columns(c: Config, columns: list[str]) -> Columns:
+    """The columns to use, from the config or guessed from common names; a `DataError` naming what is missing."""
+    if c.task == "classification":
+        label = _pick(columns, c.label_column, LABEL_NAMES, "Label", "label_column")
+        others = tuple(n for n in columns if n != label)
+        text = _pick(columns, c.text_column, TEXT_NAMES + (others if len(others) == 1 else ()), "Text",
+                     "text_column")
+        pair = _pick(columns, c.text_pair_column, (), "Text pair", "text_pair_column") if c.text_pair_column else None
+        return Columns(text=text, text_pair=pair, label=label)
+    if c.messages_column or (c.text_column is None and c.prompt_column is None
+                             and any(n in columns for n in MESSAGES_NAMES)):
+        return Columns(messages=_pick(columns, c.messages_column, MESSAGES_NAMES, "Messages", "messages_column"))
+    if c.prompt_column or (c.text_column is None and {"prompt", "completion"} <= set(columns)):
+        prompt = _pick(columns, c.prompt_column, ("prompt",), "Prompt", "prompt_column")
+        completion = _pick(columns, c.completion_column, ("completion",), "Completion", "completion_column")
+        return Columns(prompt=prompt, completion=completion)
+    return Columns(text=_pick(columns, c.text_column, TEXT_NAMES, "Text", "text_column"))
+
+
+def label_names_of(table: Any, column: str, source: str) -> list[str]:
+    """The class names, in id order: a `ClassLabel`'s names, else the sorted distinct values."""
+    feature = table.features.get(column)
+    if getattr(feature, "names", None):
+        return list(feature.names)
+    # Counted in Arrow: only the distinct values ever become Python objects.
+    col = table.with_format("arrow")[column]
+    if col.null_count:
+        first = pc.index(pc.is_null(col), True).as_py()
+        raise DataError(f"Label column {column!r} of {source!r} has empty values (first at row {first + 1}): fill "
+                        "or remove those rows.")
+    values = pc.unique(col).to_pylist()
+    if all(isinstance(v, bool) for v in values):
+        return ["False", "True"]
+    if all(isinstance(v, int) for v in values):
+        distinct = [str(v) for v in sorted(set(values))]
+    elif any(isinstance(v, float) and not float(v).is_integer() for v in values):
+        raise DataError(f"Label column {column!r} of {source!r} holds fractional numbers; classification needs "
+                        "classes (integers or strings).")
+    else:
+        distinct = sorted({str(int(v)) if isinstance(v, float) else str(v) for v in values})
+    if len(distinct) < 2:
+        raise DataError(f"Label column {column!r} of {source!r} has only one class ({distinct[0]!r}): "
+                        "classification needs at least two.")
+    return distinct
+
+
+def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
+              ) -> tuple[Encoded | StreamData, Encoded | None, list[str] | None]:
+    """Training and evaluation data, tokenised, and the class names (classification). A stream's length is the
+    samples that `max_steps` windows read, which depends on the effective batch and so on `num_processes`."""
+    if not c.dataset:
+        raise ConfigError(["No `dataset` given: set dataset=<file or hub id> (for example "
+                           "dataset=assets/sst2_sample.csv)."])
+    if c.packing:  # before anything is tokenised: some architectures cannot keep packed samples apart
+        check_architecture(c)
+    if c.streaming:
+        return _load_stream(c, tokenizer, resolve_batch(c, num_processes).effective_batch_size)
+    key = datacache.data_key(c, tokenizer)
+    cached = datacache.load(key)
+    if cached is not None:  # the same files and settings were loaded, checked and encoded before
+        return cached
+    table, cols, names, eval_table = load_tables(c)
+    train_data = encode(table, cols, c, tokenizer, names, c.dataset)
+    if c.packing:  # the packed row becomes the sample unit of windows, micro-batches and the plan
+        train_data = pack(train_data, c.max_length)
+    eval_data = encode(eval_table, cols, c, tokenizer, names, c.eval_dataset or c.dataset) \
+        if eval_table is not None else None
+    datacache.save(key, train_data, eval_data, names)
+    return train_data, eval_data, names
+
+
+def load_tables(c: Config) -> tuple[Any, Columns, list[str] | None, Any | None]:
+    """The training rows (after `max_train_samples` and the hold-out), their columns, the class names and the
+    evaluation rows (a separate set, a split, the hold-out, or None), untokenised."""
+    table = load_table(c.dataset, c.dataset_config, c.train_split)
+    cols = resolve_columns(c, list(table.column_names))
+    if c.max_train_samples:
+        table = table.select(range(min(c.max_train_samples, len(table))))
+    # Named before the hold-out is split off: a split table is read through an index, and its distinct labels
+    # would need a copy of the column.
+    names = label_names_of(table, cols.label, c.dataset) if c.task == "classification" else None
+    eval_table = _eval_table(c, cols)
+    if eval_table is None and c.eval_fraction > 0 and len(table) >= 10:
+        parts = table.train_test_split(test_size=c.eval_fraction, seed=c.seed)
+        table, eval_table = parts["train"], parts["test"]
+    return table, cols, names, eval_table
+
+
+def _eval_table(c: Config, cols: Columns) -> Any | None:
+    """The separate evaluation table (`eval_dataset`/`eval_split`, never streamed), with the training columns."""
+    if not (c.eval_dataset or c.eval_split):
+        return None
+    eval_table = load_table(c.eval_dataset or c.dataset, c.dataset_config, c.eval_split or "train")
+    missing = [x for x in dataclasses.astuple(cols) if x and x not in eval_table.column_names]
+    if missing:
+        raise DataError(f"The evaluation data lacks column(s) {', '.join(missing)}; its columns are: "
+                        f"{', '.join(eval_table.column_names)}.")
+    return eval_table
+
+
+def _load_stream(c: Config, tokenizer: Any, window_size: int) -> tuple[StreamData, Encoded | None, list[str] | None]:
+    """Training rows read as a stream and tokenised a window at a time; evaluation data read whole."""
+    import datasets
+
+    stream = load_table(c.dataset, c.dataset_config, c.train_split, streaming=True)
+    if c.max_train_samples:
+        stream = stream.take(c.max_train_samples)
+    head = list(itertools.islice(stream, LABEL_PEEK if c.task == "classification" else 1))
+    if not head:
+        raise DataError(f"Dataset {c.dataset!r} has no rows.")
+    cols = resolve_columns(c, list(head[0]))
+    names = None
+    if c.task == "classification":
+        feature = (stream.features or {}).get(cols.label)
+        names = list(feature.names) if getattr(feature, "names", None) else \
+            label_names_of(datasets.Dataset.from_list(head), cols.label, c.dataset)
+    eval_table = _eval_table(c, cols)
+
+    def encode_window(rows: list[dict[str, Any]]) -> Encoded:
+        return encode(datasets.Dataset.from_list(rows, features=stream.features), cols, c, tokenizer, names,
+                      c.dataset)
+
+    eval_data = encode(eval_table, cols, c, tokenizer, names, c.eval_dataset or c.dataset) \
+        if eval_table is not None else None
+    return StreamData(stream, encode_window, num_samples=c.max_steps * window_size), eval_data, names
+
+
+def label_counts(table: Any, column: str) -> dict[str, int]:
+    """How many rows each label value has, most frequent first (for previews and messages); counted in Arrow."""
+    counts = pc.value_counts(table.with_format("arrow")[column]).to_pylist()
+    return {str(c["values"]): c["counts"] for c in sorted(counts, key=lambda c: -c["counts"])}

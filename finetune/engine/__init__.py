@@ -1,0 +1,1 @@
+"""The window's arithmetic: exact loss sums, backward, optimizer step, evaluation, device and precision."""

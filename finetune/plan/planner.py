@@ -1,0 +1,383 @@
+"""From a memory budget and an effective batch to a training plan: micro-batch, accumulation, precision,
+checkpointing, LoRA, and the predicted peak with its breakdown (contract: docs/memory.md).
+
+The estimate is a *dry run*: the real model is built as fake tensors (shapes, dtypes and a device, no data and no
+weights) and one accumulation window's forward and backward run on it at the worst-case length under the
+live-tensor tracker. That follows the model's actual implementation (attention kernel, loss, saved tensors), so it
+needs no per-architecture constants; on a CPU it matches measured live-tensor peaks to a few per cent. A real
+device can keep different tensors (GPU attention kernels, allocator slack), which the optional probe measures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from finetune.config.batch import BatchSplit, divisors, resolve_batch
+from finetune.config.schema import Config
+from finetune.engine.recurrence import Recurrence, check_run
+from finetune.engine.runtime import device_memory, resolve_precision
+from finetune.errors import PlanError
+from finetune.models.load import load_model, prepare_for_training
+from finetune.plan import cache as plancache
+from finetune.plan.memory import Skeleton, dry_run, dry_run_segments, measure_window, model_skeleton
+
+GIB = 2**30
+SAFETY = 0.95  # plan to 95 % of the budget: the estimate aims at ±5 % on a GPU
+CUDA_CONTEXT = 512 * 2**20  # the CUDA context and kernels, outside the allocator's counts
+ALLOCATOR_SLACK = 0.10  # reserved − allocated in training: PyTorch's caching allocator fragments
+CPU_RUNTIME = 0  # live tensors only: the process's own footprint is not the model's
+SHARDED_TERMS = ("weights", "gradients", "optimizer_state")  # what FSDP splits over the processes
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How to train within the budget: the batch split, what saves memory, and the predicted peak."""
+
+    batch: BatchSplit
+    precision: str
+    gradient_checkpointing: bool
+    lora: bool
+    optimizer: str
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+    breakdown: dict[str, int]
+    device: str
+    worst_case_tokens: int
+    method: str  # "dry-run", "cached dry-run" (an identical earlier plan's, see plancache.py) or "probe"
+    notes: tuple[str, ...] = field(default=())
+    distributed: str = "single"  # single, ddp, fsdp or deepspeed: fsdp divides the sharded terms by the processes
+    padded: bool = False  # samples differ in length: a worst-case micro-batch of 2 or more holds padding
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
+        d = dataclasses.asdict(self)
+        return {**d.pop("batch"), **d, "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """The plan that `to_dict` wrote."""
+        batch = BatchSplit(**{f.name: d[f.name] for f in dataclasses.fields(BatchSplit)})
+        rest = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d and f.name != "batch"}
+        return cls(**{**rest, "batch": batch, "notes": tuple(d.get("notes", ()))})
+
+    def apply(self, c: Config) -> Config:
+        """The config with the plan's choices filled in (what `finetune train` then runs)."""
+        return c.replace(micro_batch_size=self.batch.micro_batch_size, grad_accum_steps=self.batch.grad_accum_steps,
+                         effective_batch_size=self.batch.effective_batch_size, precision=self.precision,
+                         gradient_checkpointing=str(self.gradient_checkpointing).lower(),
+                         lora=str(self.lora).lower(), optimizer=self.optimizer)
+
+
+class Attempt(NamedTuple):
+    """One configuration the planner estimated: escalation level, micro-batch size and predicted peak."""
+
+    level: str
+    micro: int
+    peak: int
+
+
+def _has_8bit_optimizer() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _bytes(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def overhead(tensors: int, device: str) -> int:
+    """Bytes the device needs beyond the live tensors: the CUDA context and the allocator's slack."""
+    return CUDA_CONTEXT + int(ALLOCATOR_SLACK * tensors) if device.startswith("cuda") else CPU_RUNTIME
+
+
+def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens: int, accum: int, precision: str,
+             optimizer: str, device: str, shards: int = 1, memory: int | None = None, padded: bool = False
+             ) -> dict[str, int]:
+    """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
+    optimizer state over `shards` processes. With `memory` (segment recurrence), `tokens` is one segment and
+    `accum` its micro steps, which carry a cache of `memory` earlier tokens. `padded`: the micro-batch holds
+    padding, so the model builds an attention mask (see `synthetic_batch`)."""
+    params = list(skeleton.model.parameters())
+    gradients = _bytes(p for p in params if p.requires_grad)
+    state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
+    terms = {"weights": _bytes(params), "optimizer_state": int(state_per_byte * gradients)}
+    carried = 0
+    if memory is None:
+        window = dry_run(skeleton, causal, micro, tokens, accum, precision, packed=c.packing, padded=padded)
+    else:
+        window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
+    # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
+    # activations at the end of forward and the gradients at the end of backward), logits and activations.
+    vocab = getattr(getattr(skeleton.model, "config", None), "vocab_size", 0) or 0
+    terms["gradients"] = min(gradients, window)
+    terms["logits"] = min(2 * micro * tokens * vocab * 4 if causal else 0, window - terms["gradients"])
+    if memory is not None:  # memory_length tokens × layers × KV heads × head dim × 2 × dtype bytes × micro-batch
+        terms["carried_cache"] = carried
+    terms["activations"] = window - terms["gradients"] - terms["logits"] - carried
+    # Each process keeps 1/N of every parameter, its gradient and its optimizer state; activations and logits
+    # belong to the process's own micro-batch and are not sharded.
+    for term in SHARDED_TERMS:
+        terms[term] = math.ceil(terms[term] / shards)
+    terms["overhead"] = overhead(sum(terms.values()), device)
+    return terms
+
+
+def _micro_candidates(c: Config, batch: BatchSplit) -> list[int]:
+    """Micro-batch sizes to consider, largest first: every divisor of a process's share, or the user's own."""
+    if c.micro_batch_size or c.grad_accum_steps:
+        return [batch.micro_batch_size]  # the user fixed the split: check it, don't change it
+    return divisors(batch.per_process)[::-1]
+
+
+def worst_case_tokens(c: Config, lengths: Any) -> int:
+    """The longest sample (a list or a numpy array of lengths), or `max_length` when the lengths are not known yet
+    (a stream before its first window)."""
+    # numpy's max: Python's iterates a 6 M-sample array element by element (a quarter of a second per pass).
+    return int(np.max(lengths)) if len(lengths) else c.max_length
+
+
+def may_pad(lengths: Any) -> bool:
+    """Whether the samples differ in length (or are not known yet, a stream), so that a micro-batch of two or more
+    holding the longest can be padded: the worst case then carries the attention mask that padding makes the model
+    build, and an unpadded one does not."""
+    return not len(lengths) or int(np.min(lengths)) < int(np.max(lengths))
+
+
+def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int = 1,
+              device: tuple[str, int] | None = None, distributed: str = "single") -> Plan:
+    """Choose the largest micro-batch that divides the effective batch and fits, escalating in a fixed order;
+    `distributed` is how the run will distribute (fsdp shards weights, gradients and optimizer state)."""
+    device_name, device_total = device or device_memory()
+    precision = resolve_precision(c.precision)
+    causal = c.task == "causal_lm"
+    tokens = worst_case_tokens(c, lengths)
+    uneven = may_pad(lengths)
+    budget = int(c.memory_budget_gb * GIB) if c.memory_budget_gb else None
+    batch = resolve_batch(c, num_processes)
+    candidates = _micro_candidates(c, batch)
+    notes: list[str] = []
+    memory, segments = None, 1
+    recurrence = Recurrence.of(c)
+    if recurrence:  # activations are one segment's; the cache carries up to memory_length earlier tokens
+        # A stream's documents are not known yet: plan for the full memory (or max_document_length's).
+        longest = tokens if len(lengths) else (c.max_document_length or recurrence.segment_length
+                                               + recurrence.memory_length)
+        tokens = min(longest, recurrence.segment_length)
+        memory, segments = recurrence.memory_reached(longest), recurrence.num_segments(longest)
+        notes.append(f"Segment recurrence: the longest document ({longest} tokens) is {segments} segment(s) of up "
+                     f"to {tokens} tokens, each carrying a cache of up to {memory} earlier tokens.")
+    shards = num_processes if distributed == "fsdp" else 1
+    if shards > 1:
+        notes.append(f"Weights, gradients and optimizer state sharded over {shards} processes (FSDP): each holds "
+                     f"1/{shards} of them; activations are per process (a layer's parameters are gathered while it "
+                     "runs, which the plan does not count).")
+    tried: list[Attempt] = []
+    for level, checkpointing, optimizer, lora in _levels(c, notes):
+        skeleton = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora)
+
+        def peak_of(micro: int, skeleton: Skeleton = skeleton, level: str = level, optimizer: str = optimizer
+                    ) -> tuple[int, dict[str, int]]:
+            terms = estimate(skeleton, c, causal=causal, micro=micro, tokens=tokens,
+                             accum=batch.per_process // micro * segments, precision=precision, optimizer=optimizer,
+                             device=device_name, shards=shards, memory=memory, padded=uneven and micro > 1)
+            tried.append(Attempt(level, micro, sum(terms.values())))
+            return sum(terms.values()), terms
+
+        def fits(peak: int) -> bool:
+            return budget is None or peak <= SAFETY * budget
+
+        # Without accumulation (the largest micro-batch) no gradients are resident during the forward, so that
+        # plan can need less than a smaller micro-batch with accumulation. Among the plans with accumulation the
+        # peak grows with the micro-batch: binary search between the two ends.
+        if budget is None or fits(peak_of(candidates[0])[0]):
+            chosen = candidates[0]
+        elif len(candidates) == 1 or not fits(peak_of(candidates[-1])[0]):
+            continue  # not even the smallest micro-batch fits: next level
+        else:
+            fitting, lo, hi = len(candidates) - 1, 1, len(candidates) - 2
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                if fits(peak_of(candidates[mid])[0]):
+                    fitting, hi = mid, mid - 1
+                else:
+                    lo = mid + 1
+            chosen = candidates[fitting]
+        peak, terms = peak_of(chosen)
+        if level != "plain":
+            smallest: dict[str, int] = {}
+            for earlier in tried:
+                if earlier.level != level:
+                    smallest[earlier.level] = min(earlier.peak, smallest.get(earlier.level, earlier.peak))
+            steps = "; ".join(f"{name} needs {_gib(p)}" for name, p in smallest.items())
+            notes.append(f"Escalated to {level}, since the smallest plan of each earlier step does not fit "
+                         f"{SAFETY:.0%} of the budget ({steps}).")
+        return Plan(batch=batch.with_micro(chosen), precision=precision, gradient_checkpointing=checkpointing,
+                    lora=lora, optimizer=optimizer, budget_bytes=budget, predicted_peak_bytes=peak, breakdown=terms,
+                    device=device_name, worst_case_tokens=tokens, method="dry-run", notes=tuple(notes),
+                    distributed=distributed, padded=uneven)
+    best = min(tried, key=lambda attempt: attempt.peak)
+    hint = " (or drop micro_batch_size/grad_accum_steps so the planner may split the batch)" if len(candidates) == 1 \
+        else ""
+    raise PlanError([f"Nothing fits memory_budget_gb={c.memory_budget_gb:g}: the smallest plan tried "
+                     f"({best.level}, micro-batch {best.micro}) needs {_gib(best.peak)} at the longest sample of "
+                     f"{tokens} tokens, so use a budget of at least "
+                     f"{math.ceil(best.peak / SAFETY / GIB * 100) / 100:g} GiB, a smaller max_length, or a smaller "
+                     f"model{hint}."])
+
+
+def probe_enabled(c: Config) -> bool:
+    """`plan_probe`: auto measures on a GPU (where kernels and the allocator differ from the dry run)."""
+    return c.plan_probe == "true" or (c.plan_probe == "auto" and torch.cuda.is_available())
+
+
+def refine_with_probe(plan: Plan, model: Any, c: Config, longest: int | None = None) -> Plan:
+    """Correct a dry-run plan with measured peaks at two micro-batch sizes (fit peak = α + β·micro).
+
+    `c` is the config the plan was made from: where it leaves the split open, a smaller micro-batch may be chosen.
+    With segment recurrence, `longest` (the longest document) sets the segments and the carried memory."""
+    candidates = _micro_candidates(c, plan.batch)
+    upper = plan.batch.micro_batch_size
+    lower = next((d for d in candidates if d < upper), None)
+    sizes = [b for b in (lower, upper) if b]
+    planned = plan.apply(c)  # measure with what training will use (the plan's optimizer, precision)
+
+    recurrence = Recurrence.of(c)
+    memory, segments = None, 1
+    if recurrence:  # unknown lengths (a stream): the full memory, as the dry run assumed
+        longest = longest or c.max_document_length or recurrence.segment_length + recurrence.memory_length
+        memory, segments = recurrence.memory_reached(longest), recurrence.num_segments(longest)
+
+    def measured(b: int) -> int:
+        return measure_window(model, planned, micro=b, tokens=plan.worst_case_tokens,
+                              accum=max(plan.batch.per_process // b, 1) * segments, precision=plan.precision,
+                              memory=memory, padded=plan.padded and b > 1)
+
+    points = {b: measured(b) for b in sizes}
+    if len(points) == 2:
+        slope = (points[upper] - points[lower]) / (upper - lower)
+        fit = {b: points[lower] + slope * (b - lower) for b in candidates}
+    else:
+        fit = {upper: points[upper]}
+    tensors_dry = plan.predicted_peak_bytes - plan.breakdown["overhead"]
+    for b in sorted((b for b in fit if b <= upper), reverse=True):
+        tensors = int(max(fit[b], points.get(b, 0)))
+        extra = overhead(tensors, plan.device)
+        if plan.budget_bytes is None or tensors + extra <= SAFETY * plan.budget_bytes:
+            # The measured total, split like the dry run: the fixed terms stay, the rest is activations.
+            breakdown = {k: plan.breakdown[k] for k in ("weights", "optimizer_state", "gradients")}
+            breakdown["logits"] = plan.breakdown["logits"] * b // upper
+            if "carried_cache" in plan.breakdown:
+                breakdown["carried_cache"] = plan.breakdown["carried_cache"] * b // upper
+            breakdown["activations"] = max(0, tensors - sum(breakdown.values()))
+            breakdown["overhead"] = extra
+            note = f"Probe measured {_gib(points[upper])} at micro-batch {upper} (dry run: {_gib(tensors_dry)})."
+            return dataclasses.replace(plan, batch=plan.batch.with_micro(b),
+                                       predicted_peak_bytes=sum(breakdown.values()), breakdown=breakdown,
+                                       method="probe", notes=plan.notes + (note,))
+    raise PlanError([f"The probe measured {_gib(points[min(points)])} at micro-batch {min(points)}, over "
+                     f"{SAFETY:.0%} of memory_budget_gb={c.memory_budget_gb:g}: raise the budget, lower max_length, or "
+                     "set gradient_checkpointing=true or lora=true."])
+
+
+def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, num_processes: int, device: Any,
+             load: bool = False, distributed: str = "single") -> tuple[Plan, Any | None]:
+    """The plan a run trains with (what `finetune train` and `finetune plan` both use): the dry run, then, when
+    `plan_probe` is on, the probe on the real model at `device`.
+
+    Returns the plan and the model loaded for it, prepared for training (checkpointing, LoRA). The model is loaded
+    when the probe needs it or `load` asks for it; a dry run alone reads no weights (None)."""
+    if c.segment_recurrence:  # refuse a model that would train silently wrong before planning for it
+        check_run(c, lengths)
+    plan = _dry_run_plan(c, lengths, len(label_names or []), num_processes=num_processes, distributed=distributed)
+    probe = probe_enabled(c)
+    if probe and distributed == "fsdp":  # the probe trains the whole model on one device: what FSDP is there to avoid
+        probe = False
+        plan = dataclasses.replace(plan, notes=(*plan.notes, "Probe skipped under FSDP: it would put the whole "
+                                                "model on one device."))
+    if not (probe or load):
+        return plan, None
+    model = prepare_for_training(load_model(c, label_names), c, checkpointing=plan.gradient_checkpointing,
+                                 lora=plan.lora)
+    if probe:
+        plan = refine_with_probe(plan, model.to(device), c, longest=int(max(lengths)) if len(lengths) else None)
+    return plan, model
+
+
+def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int, distributed: str) -> Plan:
+    """`make_plan`, or the same plan read back when nothing it depends on has changed since it was last made."""
+    device = device_memory()
+    key = plancache.plan_key(c, tokens=worst_case_tokens(c, lengths), num_labels=num_labels,
+                             num_processes=num_processes, distributed=distributed, device=device[0],
+                             padded=may_pad(lengths),
+                             eight_bit=_has_8bit_optimizer())
+    cached = plancache.load(key)
+    if cached is not None:
+        try:
+            return dataclasses.replace(Plan.from_dict(cached), method="cached dry-run")
+        except (KeyError, TypeError):  # written by another version of Plan: plan again
+            pass
+    plan = make_plan(c, lengths, num_labels, num_processes=num_processes, device=device, distributed=distributed)
+    plancache.save(key, plan.to_dict())
+    return plan
+
+
+def _levels(c: Config, notes: list[str]) -> list[tuple[str, bool, str, bool]]:
+    """The escalation ladder as (name, checkpointing, optimizer, lora), respecting what the user fixed."""
+    ckpt_allowed = c.gradient_checkpointing != "false" and not c.segment_recurrence
+    if c.segment_recurrence and c.gradient_checkpointing == "auto":
+        notes.append("Gradient checkpointing not considered: it drops segment recurrence's carried cache.")
+    lora_allowed = c.lora != "false"
+    base_ckpt = c.gradient_checkpointing == "true"
+    base_lora = c.lora == "true"
+    eight_bit = c.optimizer == "adamw" and _has_8bit_optimizer()
+    if c.optimizer == "adamw" and not eight_bit:
+        notes.append("8-bit AdamW skipped: it needs bitsandbytes on a CUDA GPU.")
+    ladder = [("plain", base_ckpt, c.optimizer, base_lora)]
+    if ckpt_allowed and not base_ckpt:
+        ladder.append(("gradient checkpointing", True, c.optimizer, base_lora))
+    if eight_bit:
+        ladder.append(("8-bit optimizer", ckpt_allowed, "adamw_8bit", base_lora))
+    if lora_allowed and not base_lora:
+        ladder.append(("LoRA", ckpt_allowed, "adamw_8bit" if eight_bit else c.optimizer, True))
+    return ladder
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def render(plan: Plan) -> str:
+    """The plan as a readable table."""
+    b = plan.batch
+    budget = _gib(plan.budget_bytes) if plan.budget_bytes else "none given"
+    rows = [
+        ("batch", f"{b.micro_batch_size} micro × {b.grad_accum_steps} accumulation × {b.num_processes} "
+                  f"process(es) = {b.effective_batch_size} effective"),
+        ("distributed", plan.distributed),
+        ("precision", plan.precision),
+        ("gradient checkpointing", "on" if plan.gradient_checkpointing else "off"),
+        ("LoRA", "on" if plan.lora else "off"),
+        ("optimizer", plan.optimizer),
+        ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"
+                                   + (", padded" if plan.padded and b.micro_batch_size > 1 else "")),
+        ("device", plan.device),
+        ("budget", budget),
+        ("predicted peak", f"{_gib(plan.predicted_peak_bytes)} ({plan.method})"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines.append("")
+    total = max(plan.predicted_peak_bytes, 1)
+    for term, value in plan.breakdown.items():
+        bar = "█" * round(30 * value / total)
+        lines.append(f"  {term.ljust(16)} {value / 2**20:10.1f} MiB  {bar}")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

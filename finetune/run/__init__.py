@@ -1,0 +1,1 @@
+"""The run directory: config, plan, events, checkpoints, trackers, the model card and the Hub."""

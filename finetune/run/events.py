@@ -1,0 +1,240 @@
+"""The typed event stream of a run: `events.jsonl` for the GUI and scripts, a progress bar for the terminal.
+
+Each line of `events.jsonl` is one JSON object with `event` in start, step, backoff, eval, checkpoint, stopped, done,
+push, error and `time` (Unix seconds). Tests and the GUI read these records, never printed text. A checkpoint's path is
+`checkpoint` in every record that names one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetune.config.batch import BatchSplit
+from finetune.errors import describe, exit_code
+
+if TYPE_CHECKING:  # the record only carries it: importing segments would load numpy and pyarrow for `--help`
+    from finetune.data.segments import Segmentation
+
+
+@dataclass(frozen=True, kw_only=True)
+class Start:
+    """A run began (or resumed at `step`); `distributed` is how it really runs (single, ddp, fsdp, deepspeed),
+    `note` says when that is not what the launcher asked for, and `startup_s` is how many seconds passed from the
+    start of the process to this event (imports, data, plan, model). `segmentation` and `eval_segmentation` say
+    what `long_documents` did to the training and evaluation data (None for a stream, whose counts are unknown
+    before it is read); their `warning` is set when most samples were truncated."""
+
+    total_steps: int
+    steps_per_epoch: int
+    num_train_samples: int
+    num_eval_samples: int
+    batch: BatchSplit  # written flat: micro_batch_size, grad_accum_steps, num_processes, effective_batch_size
+    precision: str
+    device: str
+    run_dir: str
+    step: int = 0
+    resumed: bool = False
+    distributed: str = "single"
+    note: str | None = None
+    startup_s: float | None = None
+    # Conversations left out because they have nothing to learn, per reason (finetune.data.chat.DROPPED); None if none.
+    dropped_rows: dict[str, int] | None = None
+    dropped_eval_rows: dict[str, int] | None = None
+    segmentation: Segmentation | None = None
+    eval_segmentation: Segmentation | None = None
+    tasks: dict[str, float] | None = None  # multi-task runs: each task's expected share of a window
+    event: str = "start"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """One optimizer step; `loss` is the exact window loss, `grad_norm` the norm before clipping."""
+
+    step: int
+    epoch: float
+    loss: float
+    grad_norm: float
+    lr: float
+    samples: int
+    tokens: int
+    skipped: int
+    samples_per_s: float
+    task_losses: dict[str, float] | None = None  # multi-task runs: each task's mean loss in the window
+    event: str = "step"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backoff:
+    """Out of memory: optimizer step `step` is retried with a halved micro-batch and doubled accumulation."""
+
+    step: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    message: str
+    event: str = "backoff"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eval:
+    """Evaluation metrics after optimizer step `step`."""
+
+    step: int
+    epoch: float
+    metrics: dict[str, float]
+    event: str = "eval"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    """A resumable checkpoint was written."""
+
+    step: int
+    checkpoint: str
+    event: str = "checkpoint"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stopped:
+    """The run stopped on request after a finished optimizer step; `resume=true` continues it."""
+
+    step: int
+    checkpoint: str
+    event: str = "stopped"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Done:
+    """The run finished; `metrics` are the final evaluation and training figures."""
+
+    step: int
+    metrics: dict[str, float]
+    model_dir: str
+    event: str = "done"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pushed:
+    """After `done`, with `push_to_hub`: the model and its card went to `url` (commit `commit`), or `error` says why
+    not; the model stays in `model_dir` either way."""
+
+    repo_id: str
+    model_dir: str
+    url: str | None = None
+    commit: str | None = None
+    error: str | None = None
+    event: str = "push"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Error:
+    """The run failed; `message` is the sentence shown to the user."""
+
+    message: str
+    exit_code: int = 1
+    event: str = "error"
+
+
+# Fields that only some runs have (multi-task), left out of the records of the others.
+OMITTED_WHEN_NONE = frozenset({"task_losses", "tasks"})
+
+Event = Start | Step | Backoff | Eval | Checkpoint | Stopped | Done | Pushed | Error
+
+
+def to_record(event: Event) -> dict[str, Any]:
+    """The JSON object written for an event, with `event` first and a timestamp; a batch split's numbers are
+    written flat, as top-level keys."""
+    record: dict[str, Any] = {"event": event.event, "time": round(time.time(), 3)}
+    for name, value in dataclasses.asdict(event).items():
+        if name == "event" or (name in OMITTED_WHEN_NONE and value is None):
+            continue
+        if isinstance(getattr(event, name), BatchSplit):
+            record.update(value)
+        else:
+            record[name] = value
+    return record
+
+
+@dataclass
+class EventLog:
+    """Sends each event to `events.jsonl` (if a path is given) and to any callbacks, in order."""
+
+    path: Path | None = None
+    callbacks: list[Callable[[Event], None]] = field(default_factory=list)
+    _line_ends: bool = field(default=False, init=False, repr=False)
+
+    def emit(self, event: Event) -> None:
+        """Record one event."""
+        if self.path is not None:
+            with open(self.path, "a", encoding="utf-8") as f:
+                # A process killed mid-write leaves a cut-off last line: start a fresh one, or the first record
+                # of this session would be glued to it and lost.
+                prefix = "" if self._line_ends or not _ends_mid_line(self.path) else "\n"
+                f.write(prefix + json.dumps(to_record(event)) + "\n")
+            self._line_ends = True
+        for callback in self.callbacks:
+            callback(event)
+
+    @contextlib.contextmanager
+    def recording_failures(self) -> Iterator[None]:
+        """Record an exception raised inside as the run's `error` event (message and exit code), then re-raise."""
+        try:
+            yield
+        except Exception as e:
+            self.emit(Error(message=describe(e), exit_code=exit_code(e)))
+            raise
+
+
+def _ends_mid_line(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
+    except OSError:  # missing or empty
+        return False
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """The records of an `events.jsonl` file (a partly written last line is skipped)."""
+    records = []
+    p = Path(path)
+    if not p.is_file():
+        return records
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class ProgressBar:
+    """A tqdm bar fed by step events: loss, lr and samples/s."""
+
+    def __init__(self, disable: bool = False):
+        self._bar: Any = None
+        self._disable = disable
+
+    def __call__(self, event: Event) -> None:
+        from tqdm.auto import tqdm
+
+        if self._disable:
+            return
+        if isinstance(event, Start):
+            self._bar = tqdm(total=event.total_steps, initial=event.step, unit="step", dynamic_ncols=True)
+        elif isinstance(event, Step) and self._bar is not None:
+            self._bar.update(event.step - self._bar.n)
+            self._bar.set_postfix(loss=f"{event.loss:.4f}", lr=f"{event.lr:.2e}", sps=f"{event.samples_per_s:.1f}")
+        elif isinstance(event, Backoff) and self._bar is not None:
+            self._bar.write(f"step {event.step}: {event.message}")
+        elif isinstance(event, Eval) and self._bar is not None:
+            self._bar.write(f"step {event.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in event.metrics.items()))
+        elif isinstance(event, (Stopped, Done, Error)) and self._bar is not None:
+            self._bar.close()
+            self._bar = None

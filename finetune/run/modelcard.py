@@ -1,0 +1,201 @@
+"""The model card (README.md) pushed with a run's model: Hub metadata and the page a user would write by hand.
+
+Everything comes from the run directory: `config.yaml` (what was trained, on what, how), `events.jsonl` (the data
+sizes, the batch split, the evaluations), `metrics.json` (the final figures) and the saved model (labels, adapter).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from finetune.config.schema import DEFAULT_MODEL, FIELDS, Config, from_dict, read_yaml
+from finetune.run.events import read_events
+
+# The bundled model is this Hub model, shipped in a pip package.
+BUNDLED_HUB_ID, BUNDLED_LICENSE = "sentence-transformers/all-MiniLM-L6-v2", "apache-2.0"
+PIPELINES = {"classification": "text-classification", "causal_lm": "text-generation"}
+PEFT_CLASSES = {"classification": "AutoPeftModelForSequenceClassification", "causal_lm": "AutoPeftModelForCausalLM"}
+HYPERPARAMETERS = ("learning_rate", "lr_scheduler", "warmup_ratio", "weight_decay", "optimizer", "max_grad_norm",
+                   "epochs", "max_steps", "max_length", "precision", "gradient_checkpointing", "seed")
+LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+
+
+def base_model_id(model: str) -> str | None:
+    """The Hub id of the model a run started from; None for a local folder (the Hub's metadata names hub ids)."""
+    if model == DEFAULT_MODEL:
+        return BUNDLED_HUB_ID
+    if Path(model).expanduser().exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        return None
+    return model
+
+
+def dataset_id(dataset: str | None) -> str | None:
+    """The Hub id of a run's dataset; None for a local file."""
+    if not dataset or Path(dataset).expanduser().exists() or Path(dataset).suffix.lower() in (
+            ".csv", ".tsv", ".json", ".jsonl", ".parquet"):
+        return None
+    return dataset
+
+
+def metadata(c: Config, *, adapter: bool, license: str | None, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The card's YAML front matter: base model, dataset, task, license, library and the final evaluation."""
+    base, data = base_model_id(c.model), dataset_id(c.dataset)
+    license = license or (BUNDLED_LICENSE if c.model == DEFAULT_MODEL else None)
+    meta: dict[str, Any] = {"library_name": "peft" if adapter else "transformers"}
+    if license:
+        meta["license"] = license
+    if base:
+        meta["base_model"] = base
+        meta["base_model_relation"] = "adapter" if adapter else "finetune"
+    if data:
+        meta["datasets"] = [data]
+    meta["pipeline_tag"] = PIPELINES[c.task]
+    meta["tags"] = ["finetune", PIPELINES[c.task], *(["lora"] if adapter else [])]
+    scores = [{"type": k, "value": v} for k, v in metrics.items() if k in ("accuracy", "macro_f1", "loss",
+                                                                           "perplexity")]
+    if data and scores:  # model-index needs a Hub dataset to point at
+        source = {"type": data, "name": data, **({"config": c.dataset_config} if c.dataset_config else {}),
+                  "split": c.eval_split or c.train_split}
+        meta["model-index"] = [{"name": "model", "results": [{"task": {"type": PIPELINES[c.task]},
+                                                              "dataset": source, "metrics": scores}]}]
+    return meta
+
+
+def render(run_dir: Path, model_dir: Path, repo_id: str, *, license: str | None = None) -> str:
+    """The README.md of `repo_id` for the model in `model_dir`, trained by the run in `run_dir`."""
+    c = from_dict(read_yaml(run_dir / "config.yaml"))
+    adapter = (model_dir / "adapter_config.json").is_file()
+    metrics_path = run_dir / "metrics.json"
+    metrics = json.loads(metrics_path.read_text(encoding="utf-8")) if metrics_path.is_file() else {}
+    events = read_events(run_dir / "events.jsonl")
+    start = next((e for e in reversed(events) if e.get("event") == "start"), {})
+    evals = [e for e in events if e.get("event") == "eval"]
+    front = yaml.safe_dump(metadata(c, adapter=adapter, license=license, metrics=metrics), sort_keys=False,
+                           allow_unicode=True)
+    sections = [f"# {repo_id.split('/')[-1]}", _summary(c, adapter), _results(metrics, evals),
+                _usage(c, repo_id, adapter), _data(c, start, model_dir), _procedure(c, start, metrics, run_dir),
+                _reproduce(c), _versions(adapter)]
+    return f"---\n{front}---\n\n" + "\n\n".join(s for s in sections if s) + "\n"
+
+
+def _link(hub_id: str | None, text: str, kind: str = "") -> str:
+    return f"[{text}](https://huggingface.co/{kind}{hub_id})" if hub_id else f"`{text}`"
+
+
+def _summary(c: Config, adapter: bool) -> str:
+    base = base_model_id(c.model)
+    model = _link(base, base or Path(c.model).name)
+    data = _link(dataset_id(c.dataset), _shown(c.dataset) or "", "datasets/") if c.dataset else "its own data"
+    what = {"classification": "text classification", "causal_lm": "causal language modelling"}[c.task]
+    kind = "A LoRA adapter for" if adapter else "A fine-tuned version of"
+    return f"{kind} {model}, trained for {what} on {data} with finetune (exact gradient accumulation on accelerate)."
+
+
+def _results(metrics: dict[str, Any], evals: list[dict[str, Any]]) -> str:
+    shown = {k: v for k, v in metrics.items() if k in ("accuracy", "macro_f1", "loss", "perplexity")}
+    if not shown:
+        return "## Results\n\nNo evaluation data was held out for this run."
+    rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in shown.items())
+    text = ("## Results\n\nOn the evaluation data, after the last optimizer step:\n\n| metric | value |\n"
+            f"| --- | ---: |\n{rows}")
+    if len(evals) > 1:
+        names = list(evals[-1]["metrics"])
+        head = "| step | epoch | " + " | ".join(names) + " |\n| ---: | ---: |" + " ---: |" * len(names)
+        lines = [f"| {e['step']} | {e['epoch']:.2f} | " + " | ".join(f"{e['metrics'].get(n, float('nan')):.4f}"
+                                                                      for n in names) + " |" for e in evals]
+        text += "\n\nDuring training:\n\n" + head + "\n" + "\n".join(lines)
+    return text
+
+
+def _usage(c: Config, repo_id: str, adapter: bool) -> str:
+    example = "I loved this film." if c.task == "classification" else "Once upon a time"
+    if not adapter:
+        code = (f'from transformers import pipeline\n\npipe = pipeline("{PIPELINES[c.task]}", model="{repo_id}")\n'
+                f'print(pipe("{example}"))')
+    else:
+        cls = PEFT_CLASSES[c.task]
+        code = (f'from peft import {cls}\nfrom transformers import AutoTokenizer\n\n'
+                f'model = {cls}.from_pretrained("{repo_id}")\ntokenizer = AutoTokenizer.from_pretrained("{repo_id}")')
+    note = ""
+    if adapter and base_model_id(c.model) != c.model:
+        note = ("\n\nThe adapter was trained on a local copy of the base model: if `from_pretrained` cannot find it, "
+                "set `base_model_name_or_path` in `adapter_config.json` to "
+                f"`{base_model_id(c.model) or 'the base model'}`.")
+    return f"## How to use\n\n```python\n{code}\n```{note}"
+
+
+def _data(c: Config, start: dict[str, Any], model_dir: Path) -> str:
+    lines = [f"- dataset: `{_shown(c.dataset)}`" + (f" (config `{c.dataset_config}`)" if c.dataset_config else "")
+             + f", split `{c.train_split}`"]
+    if start:
+        lines.append(f"- {start.get('num_train_samples', '?')} training and {start.get('num_eval_samples', '?')} "
+                     "evaluation samples")
+    evaluation = (f"`{_shown(c.eval_dataset)}`" if c.eval_dataset else f"split `{c.eval_split}`" if c.eval_split
+                  else f"a {c.eval_fraction:.0%} hold-out of the training data")
+    lines.append(f"- evaluated on {evaluation}")
+    columns = [f"{k} `{getattr(c, k)}`" for k in ("text_column", "text_pair_column", "label_column",
+                                                  "prompt_column", "completion_column") if getattr(c, k)]
+    if columns:
+        lines.append("- columns: " + ", ".join(columns))
+    config_file = model_dir / "config.json"
+    labels = json.loads(config_file.read_text(encoding="utf-8")).get("id2label") if config_file.is_file() else None
+    if c.task == "classification" and labels:
+        lines.append("- labels: " + ", ".join(f"`{labels[k]}`" for k in sorted(labels, key=int)))
+    if c.task == "causal_lm" and c.prompt_column:
+        lines.append("- the prompt tokens are masked out of the loss: only the completion is learned")
+    return "## Training data\n\n" + "\n".join(lines)
+
+
+def _procedure(c: Config, start: dict[str, Any], metrics: dict[str, Any], run_dir: Path) -> str:
+    rows = [(k, getattr(c, k)) for k in HYPERPARAMETERS if getattr(c, k) is not None
+            and not (k == "epochs" and c.max_steps)]
+    if start:
+        rows.insert(0, ("batch", f"{start['micro_batch_size']} per micro-batch × {start['grad_accum_steps']} "
+                                 f"accumulated × {start['num_processes']} process(es) = "
+                                 f"{start['effective_batch_size']} samples per optimizer step"))
+        rows.append(("optimizer steps", start.get("total_steps")))
+    if (run_dir / "model" / "adapter_config.json").is_file() or (run_dir / "adapter").is_dir():
+        rows += [(k, getattr(c, k)) for k in LORA_KEYS]
+    for key in ("train_seconds", "train_samples_per_s"):
+        if key in metrics:
+            rows.append((key.replace("_", " "), metrics[key]))
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    plot = "\n\n![Training and evaluation loss per optimizer step](loss.png)" if (
+        run_dir / "model" / "loss.png").is_file() else ""
+    return (f"## Training procedure\n\nEvery optimizer step's loss is the exact mean over its samples' targets, "
+            f"whatever the split into micro-batches.\n\n| setting | value |\n| --- | --- |\n{table}{plot}")
+
+
+def _shown(source: str | None) -> str | None:
+    """A data source as the card names it: a hub id as it is, a local file by its name (never a server's path)."""
+    return source if source is None or dataset_id(source) else Path(source).name
+
+
+def _reproduce(c: Config) -> str:
+    options = {k: v for k, v in c.to_dict().items() if k not in ("output_dir", "overwrite", "resume")
+               and v != (list(FIELDS[k].default) if isinstance(FIELDS[k].default, tuple) else FIELDS[k].default)}
+    for key in ("dataset", "eval_dataset"):
+        if options.get(key):
+            options[key] = _shown(options[key])
+    if base_model_id(c.model) is None:
+        options["model"] = Path(c.model).name
+    text = yaml.safe_dump(options, sort_keys=False, allow_unicode=True)
+    return (f"## Reproduce\n\nWith finetune installed, save this as `config.yaml` and run `finetune train "
+            f"config.yaml`:\n\n```yaml\n{text.rstrip()}\n```")
+
+
+def _versions(adapter: bool) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = ["finetune", "transformers", "torch", "accelerate", "datasets", *(["peft"] if adapter else [])]
+    lines = []
+    for name in names:
+        try:
+            lines.append(f"- {name} {version(name)}")
+        except PackageNotFoundError:
+            continue
+    return "## Framework versions\n\n" + "\n".join(lines)

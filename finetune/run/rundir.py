@@ -1,0 +1,209 @@
+"""The run directory: what is in it, when it may be replaced or resumed, checkpoints and the loss curve.
+
+    output_dir/
+      config.yaml    resolved config (all three batch numbers filled in)
+      events.jsonl   the event stream
+      .finetune-run  the tool's marker: only a folder that has it may be overwritten
+      checkpoints/   step-0000100/ ... (accelerate save_state + trainer_state.json), the last few kept; a checkpoint
+                     is written as step-…/.partial and renamed when complete, so a crash never leaves a half one
+      model/         final model + tokenizer (from_pretrained-loadable), or a LoRA adapter
+      adapter/       the LoRA adapter, when merge_lora put the merged model in model/
+      metrics.json   final evaluation and training figures
+      loss.png       the loss curve, drawn from events.jsonl by a background process when the run ends
+      tensorboard/   TensorBoard event files, with report_to=tensorboard
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from finetune.config.schema import Config, from_dict, read_yaml
+from finetune.errors import RunDirError
+from finetune.run.events import read_events
+
+KEEP_CHECKPOINTS = 3
+MARKER = ".finetune-run"
+PARTIAL = ".partial"  # suffix of a checkpoint being written
+TRAINER_STATE = "trainer_state.json"  # progress and LR schedule, as JSON: resuming never unpickles them
+# What a launcher (the app) puts in a run folder before `finetune train` starts in it: the config it launched with
+# and the child's printed output. They belong to the launch, so a new run may start beside them and
+# `overwrite` keeps them.
+LAUNCH_FILES = ("launch.yaml", "launch.log")
+RUN_FILES = (MARKER, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter", "metrics.json",
+             "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "wandb", "mlruns", *LAUNCH_FILES)
+# Options that may differ when resuming: they change reporting, not the numbers.
+RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every", "report_to",
+                     "push_to_hub", "hub_private"}
+
+
+def default_output_dir() -> str:
+    """runs/<local date-time>, unique to the second."""
+    return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first (a half-written `….partial` one is not among them)."""
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and re.fullmatch(r"step-\d{7}", p.name))
+
+
+def partial_checkpoint(path: Path) -> Path:
+    """Where checkpoint `path` is written before it is complete."""
+    return path.with_name(path.name + PARTIAL)
+
+
+def commit_checkpoint(partial: Path, path: Path) -> None:
+    """Make a fully written checkpoint visible under its final name (one rename: never half there)."""
+    if path.exists():  # the same step saved again (a stop right after a periodic save)
+        shutil.rmtree(path)
+    os.replace(partial, path)
+
+
+def remove_partial_checkpoints(run_dir: Path) -> None:
+    """Delete what a crash (or a full disk) left half-written."""
+    folder = run_dir / "checkpoints"
+    if folder.is_dir():
+        for p in folder.glob(f"step-*{PARTIAL}"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint after optimizer step `step` goes."""
+    return run_dir / "checkpoints" / f"step-{step:07d}"
+
+
+def prune_checkpoints(run_dir: Path, keep: int = KEEP_CHECKPOINTS) -> None:
+    """Delete all but the newest `keep` checkpoints."""
+    for old in checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def is_finished(run_dir: Path) -> bool:
+    """Whether the directory holds a run that completed."""
+    return (run_dir / "metrics.json").is_file() or any(r.get("event") == "done"
+                                                       for r in read_events(run_dir / "events.jsonl"))
+
+
+def check_run_dir(c: Config) -> Path:
+    """Decide, before anything is loaded, whether `output_dir` can take this run; never deletes anything."""
+    run_dir = Path(c.output_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"output_dir {c.output_dir!r} is a file: choose a directory.")
+    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    foreign = [e for e in entries if e not in RUN_FILES]
+    unmarked = entries and not (run_dir / MARKER).is_file()
+    if c.resume:
+        if not checkpoints(run_dir):
+            raise RunDirError(f"Nothing to resume in {c.output_dir!r}: it has no checkpoint. Start it without "
+                              "resume=true.")
+        if is_finished(run_dir):
+            raise RunDirError(f"The run in {c.output_dir!r} already finished: nothing to resume. Use another "
+                              "output_dir, or overwrite=true to train it again.")
+        return run_dir
+    if set(entries) <= {MARKER, *LAUNCH_FILES}:
+        return run_dir
+    if foreign or unmarked:
+        shown = ", ".join((foreign or entries)[:3]) + (", …" if len(foreign or entries) > 3 else "")
+        raise RunDirError(f"output_dir {c.output_dir!r} already holds files that finetune did not write ({shown}): "
+                          "choose an empty or new directory.")
+    if c.overwrite:
+        return run_dir
+    if is_finished(run_dir):
+        raise RunDirError(f"output_dir {c.output_dir!r} holds a finished run: choose another output_dir, or set "
+                          "overwrite=true to replace it.")
+    if checkpoints(run_dir):
+        raise RunDirError(f"output_dir {c.output_dir!r} holds an unfinished run: set resume=true to continue it, "
+                          "or overwrite=true to start again.")
+    raise RunDirError(f"output_dir {c.output_dir!r} holds an earlier run that never got to a checkpoint: set "
+                      "overwrite=true to replace it.")
+
+
+def resumed_config(c: Config, run_dir: Path) -> Config:
+    """The run's own resolved config for a resume; options left unset or `auto` take the run's values, and an
+    explicit difference in anything that changes the numbers is refused."""
+    saved = read_yaml(run_dir / "config.yaml")
+    mine = c.to_dict()
+    changed = [f"{k}: {saved[k]!r} → {mine[k]!r}" for k in mine
+               if k not in RESUME_MAY_CHANGE and k in saved and mine[k] not in (None, "auto") and saved[k] != mine[k]]
+    if changed:
+        raise RunDirError(f"resume=true needs the run's own settings, but these differ ({'; '.join(changed[:3])}): "
+                          f"resume with `finetune train {run_dir / 'config.yaml'} resume=true`.")
+    return from_dict({**saved, **{k: mine[k] for k in RESUME_MAY_CHANGE}, "overwrite": False})
+
+
+def mark_run_dir(run_dir: Path) -> None:
+    """Create the run directory with the tool's marker (what allows a later `overwrite=true` to replace it)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / MARKER, {"tool": "finetune", "created": round(time.time(), 3)})
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """Remove an earlier run's files (only the ones a run writes) before `overwrite=true` starts anew.
+
+    `check_run_dir` has made sure the folder carries the marker and nothing else than run files."""
+    for name in RUN_FILES:
+        if name in LAUNCH_FILES:
+            continue
+        p = run_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def plot_loss(events_path: Path, out: Path) -> None:
+    """loss.png: the training loss per optimizer step and the evaluation loss, from events.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_events(events_path)
+    train = [(r["step"], r["loss"]) for r in records if r["event"] == "step"]
+    evals = [(r["step"], r["metrics"]["loss"]) for r in records if r["event"] == "eval" and "loss" in r["metrics"]]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train, strict=False), label="train", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals, strict=False), "o-", label="eval")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out.with_name(out.name + ".tmp")  # renamed when complete: a reader never sees half a picture
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    tmp.replace(out)
+
+
+def plot_loss_in_background(run_dir: Path) -> subprocess.Popen:
+    """Draw run_dir/loss.png in a separate process that outlives this one: matplotlib's import and drawing take
+    about 1.6 s, which a finished run should not wait for. Returns the process (tests wait for it)."""
+    # The child runs this same copy of finetune, whichever one is installed.
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.Popen([sys.executable, "-m", "finetune.run.rundir", "plot", str(run_dir)], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # a Ctrl-C meant for the terminal's command does not reach it
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["plot"]:
+    plot_loss(Path(sys.argv[2]) / "events.jsonl", Path(sys.argv[2]) / "loss.png")

@@ -1,0 +1,1 @@
+"""The training loop and its setup (only the CLI imports it)."""

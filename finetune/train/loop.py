@@ -1,0 +1,427 @@
+"""The training loop: exact gradient accumulation on accelerate (the contract is docs/training.md).
+
+One optimizer step trains on one *window* of samples. Each process takes its share of the window, computes the
+*sum* of per-sample (or per-target-token) losses micro-batch by micro-batch, and scales it by the number of targets
+in the whole window over all processes, counted before the window starts. So a window of k micro-batches of B gives
+the gradient of one batch of k·B, a short last window is normalised by its real size, and padding or masked prompt
+tokens never shift the weights of the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import broadcast_object_list, set_seed
+
+from finetune.config.batch import BatchSplit, divisors, resolve_batch
+from finetune.config.schema import Config
+from finetune.data.load import Encoded, collate, load_data, windows_per_epoch
+from finetune.data.multitask import MultiData, load_tasks
+from finetune.data.packing import check_keeps_samples_apart, packing_note
+from finetune.data.stream import StreamData
+from finetune.engine.evaluate import evaluate
+from finetune.engine.optim import make_optimizer, make_scheduler
+from finetune.engine.recurrence import Recurrence, self_check
+from finetune.engine.recurrence import backward_window as recurrent_backward_window
+from finetune.engine.runtime import (
+    distributed_mode,
+    fallback_note,
+    make_accelerator,
+    precision_of,
+    requested_mode,
+    resolve_precision,
+    seconds_since_process_start,
+)
+from finetune.engine.step import backward_window, optimizer_step, share_of
+from finetune.errors import RunDirError, TrainingError
+from finetune.models.load import load_tokenizer, save_model
+from finetune.plan.planner import plan_run
+from finetune.run import hub, rundir, tracking
+from finetune.run.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
+from finetune.train.multitask import (
+    backward_multitask,
+    evaluate_tasks,
+    load_multitask_model,
+    plan_tasks,
+    save_multitask,
+    window_losses,
+    with_head_memory,
+)
+
+MAX_SKIPPED_IN_A_ROW = 25
+# Evaluation batches, in micro-batches. Inference keeps no activations for a backward: a training micro-batch holds
+# every layer's activations at once, an inference batch about one layer's at a time, so a classifier evaluates 4
+# micro-batches at once within the plan's memory (fewer, larger batches: faster on a CPU). With checkpointing the
+# training micro-batch kept only each layer's input, and a causal LM's logits grow with the batch: 2, as before.
+EVAL_BATCHES_LARGE, EVAL_BATCHES = 4, 2
+
+
+class StopFlag:
+    """Cooperative cancellation, checked once per optimizer step (set from a signal handler or the GUI)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def request(self) -> None:
+        """Ask the loop to stop after the current optimizer step."""
+        self.requested = True
+
+
+@dataclass
+class Progress:
+    """Where the run is; saved in every checkpoint so that a resumed run continues with the very next window."""
+
+    step: int = 0
+    epoch: int = 0
+    window: int = 0  # next window of `epoch`
+    samples: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    skipped_in_a_row: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    """How a run ended: `status` is done or stopped."""
+
+    status: str
+    run_dir: Path
+    step: int
+    metrics: dict[str, float]
+    is_main_process: bool = True
+
+
+@dataclass(kw_only=True)
+class Setup:
+    """Everything the loop needs, built by `setup()`; `batch` is the split in use (an OOM back-off changes it)."""
+
+    config: Config
+    accelerator: Any
+    batch: BatchSplit
+    run_dir: Path
+    tokenizer: Any
+    train_data: Encoded | StreamData | MultiData
+    eval_data: Encoded | None
+    label_names: list[str] | None
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    total_steps: int
+    steps_per_epoch: int
+    progress: Progress
+    log: EventLog
+    distributed: str = "single"  # how the run really distributes: single, ddp, fsdp or deepspeed
+    note: str | None = None  # when that is not what the launcher asked for
+    recurrence: Recurrence | None = None  # segment recurrence (truncated BPTT), when on
+
+    @property
+    def causal(self) -> bool:
+        return self.config.task == "causal_lm"
+
+    @property
+    def multitask(self) -> bool:
+        return isinstance(self.train_data, MultiData)
+
+
+def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Callable[[Event], None]] | None = None
+          ) -> RunResult:
+    """Fine-tune as `config` says; returns when done or stopped. Raises an `InputError` (ConfigError, DataError,
+    ModelError, RunDirError, PlanError) for bad input, before any weight is loaded where possible, and
+    TrainingError when training cannot go on; once the run has started, a failure is also its `error` event."""
+    s = setup(config, callbacks or [])
+    c, accelerator, p = s.config, s.accelerator, s.progress
+    model, optimizer, scheduler = s.model, s.optimizer, s.scheduler
+    stop = stop or StopFlag()
+    params = [q for q in model.parameters() if q.requires_grad]
+    s.log.emit(Start(total_steps=s.total_steps, steps_per_epoch=s.steps_per_epoch, num_train_samples=len(s.train_data),
+                     num_eval_samples=len(s.eval_data or []), batch=s.batch, precision=precision_of(accelerator),
+                     device=str(accelerator.device), run_dir=str(s.run_dir), step=p.step, resumed=c.resume,
+                     distributed=s.distributed, note=s.note, startup_s=seconds_since_process_start(),
+                     dropped_rows=getattr(s.train_data, "dropped", None) or None,
+                     dropped_eval_rows=getattr(s.eval_data, "dropped", None) or None,
+                     segmentation=getattr(s.train_data, "segmentation", None),
+                     eval_segmentation=getattr(s.eval_data, "segmentation", None),
+                     tasks=s.train_data.shares() if s.multitask else None))
+    model.train()
+    clock, clock_samples = time.perf_counter(), p.samples
+    train_start = clock
+    with s.log.recording_failures():
+        while p.step < s.total_steps:
+            windows = s.train_data.windows(s.batch.effective_batch_size, seed=c.seed, epoch=p.epoch,
+                                           shuffle=c.shuffle, group_by_length=c.group_by_length)
+            for w in range(p.window, len(windows)):
+                window = windows[w]
+                while True:
+                    try:
+                        window_loss_sum, count = (_backward_tasks if s.multitask else _backward_window)(s, window)
+                        break
+                    except torch.OutOfMemoryError:
+                        _back_off(s)  # the same window again with half the micro-batch: same gradient, less memory
+                lr = scheduler.get_last_lr()[0]
+                grad_norm, skipped = optimizer_step(params, optimizer, scheduler, accelerator, c.max_grad_norm)
+                if s.multitask:
+                    window_loss, task_losses = window_losses(window_loss_sum, count, s.train_data, accelerator)
+                else:
+                    window_loss, task_losses = (accelerator.reduce(window_loss_sum, "sum") / max(count, 1)).item(), None
+                p.step += 1
+                p.samples += len(window)
+                p.tokens += s.train_data.num_tokens(window)
+                p.skipped += int(skipped)
+                p.skipped_in_a_row = p.skipped_in_a_row + 1 if skipped else 0
+                p.window = w + 1
+                epoch_progress = p.epoch + p.window / len(windows)  # fractional: 1.5 is halfway through epoch 2
+                if p.window == len(windows):
+                    p.epoch, p.window = p.epoch + 1, 0
+                if p.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                    raise TrainingError(f"fp16 overflowed on {p.skipped_in_a_row} optimizer steps in a row (loss "
+                                        f"{window_loss:.4g}): training diverged. Lower learning_rate, or use "
+                                        "precision=bf16 or fp32.")
+                if p.step % c.logging_every == 0 or p.step == s.total_steps:
+                    now = time.perf_counter()
+                    rate = (p.samples - clock_samples) / max(now - clock, 1e-9)
+                    clock, clock_samples = now, p.samples
+                    s.log.emit(Step(step=p.step, epoch=round(epoch_progress, 4), loss=window_loss,
+                                    grad_norm=float(grad_norm), lr=lr, samples=p.samples, tokens=p.tokens,
+                                    skipped=p.skipped, samples_per_s=round(rate, 2), task_losses=task_losses))
+                if c.eval_every and p.step % c.eval_every == 0 and p.step < s.total_steps:
+                    _evaluate(s, epoch_progress)
+                if c.save_every and p.step % c.save_every == 0 and p.step < s.total_steps:
+                    _save_checkpoint(s)
+                if _stop_requested(stop, accelerator) and p.step < s.total_steps:
+                    path = _save_checkpoint(s)
+                    s.log.emit(Stopped(step=p.step, checkpoint=str(path)))
+                    return RunResult(status="stopped", run_dir=s.run_dir, step=p.step, metrics={},
+                                     is_main_process=accelerator.is_main_process)
+                if p.step >= s.total_steps:
+                    break
+        result = _finish(s, time.perf_counter() - train_start)
+    if c.push_to_hub and result.is_main_process:  # after `done`: a failed upload leaves the saved model as it is
+        hub.push_after_training(s.run_dir, c, s.log)
+    return result
+
+
+def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
+    """Accumulate one window's gradient; returns this process's loss sum and the window's global target count."""
+    accelerator, lengths = s.accelerator, s.train_data.lengths
+    micro, weight = share_of(window, lengths, s.batch.micro_batch_size, accelerator.process_index,
+                             accelerator.num_processes)
+    # Count the window's targets over all processes *before* its first backward: every micro-batch's loss sum is
+    # divided by this one number, which is what makes k·B and (B, k) identical.
+    count = _global_count(s, [i for mb in micro for i in mb] if weight else [])  # a stand-in counts for nothing
+
+    def collate_fn(mb: list[int]) -> dict[str, torch.Tensor]:
+        return collate(s.train_data, mb, s.tokenizer.pad_token_id, s.causal)
+
+    if s.recurrence:
+        return recurrent_backward_window(s.model, micro, collate_fn, count, accelerator, s.recurrence, lengths,
+                                         weight=weight), count
+    return backward_window(s.model, micro, collate_fn, count, accelerator, causal=s.causal, weight=weight), count
+
+
+def _backward_tasks(s: Setup, window: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """A multi-task window's gradient (`finetune.train.multitask.backward_multitask`): per-task loss sums and counts."""
+    return backward_multitask(s.model, s.train_data, window, s.batch.micro_batch_size, s.accelerator,
+                              pad_id=s.tokenizer.pad_token_id, causal=s.causal)
+
+
+def _back_off(s: Setup) -> None:
+    """After an out-of-memory error: drop the partial gradient and halve the micro-batch (doubling accumulation)."""
+    s.optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    old = s.batch
+    if s.accelerator.num_processes > 1:
+        # Another process may already wait in the gradient all-reduce; they cannot re-split together.
+        raise TrainingError(f"Out of memory at micro_batch_size={old.micro_batch_size} with several processes: set "
+                            "a smaller micro_batch_size or memory_budget_gb and restart (resume=true keeps progress).")
+    smaller = next((d for d in reversed(divisors(old.per_process)) if d <= old.micro_batch_size // 2), None)
+    if smaller is None:
+        raise TrainingError("Out of memory even at micro_batch_size=1: lower max_length, set lora=true or "
+                            "gradient_checkpointing=true, or use a smaller model or a larger device.")
+    s.batch = new = old.with_micro(smaller)
+    s.log.emit(Backoff(step=s.progress.step + 1, micro_batch_size=new.micro_batch_size,
+                       grad_accum_steps=new.grad_accum_steps,
+                       message=f"out of memory at micro_batch_size={old.micro_batch_size}; retrying the step with "
+                       f"{new.micro_batch_size} × {new.grad_accum_steps} (same effective batch and result)"))
+
+
+def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
+    """Accelerator, run directory, data, plan, model, optimizer and schedule, in fail-fast order."""
+    tracking.check_available(c.report_to)  # a missing tracker package, or a push that cannot work, before any data
+    hub.check_push(c)
+    accelerator = make_accelerator(resolve_precision(c.precision))
+    if c.output_dir is None:  # every process must agree on the same timestamped directory
+        c = c.replace(output_dir=broadcast_object_list([rundir.default_output_dir()])[0])
+    resolve_batch(c, accelerator.num_processes)  # refuse impossible batch arithmetic before anything is loaded
+    run_dir = rundir.check_run_dir(c)
+    if c.resume:
+        c = rundir.resumed_config(c, run_dir)
+    tokenizer = load_tokenizer(c)
+    with accelerator.main_process_first():  # the main process tokenises into the cache, the others read it
+        if c.tasks:
+            train_data, eval_data, label_names = MultiData(c, load_tasks(c, tokenizer)), None, None
+        else:
+            train_data, eval_data, label_names = load_data(c, tokenizer, num_processes=accelerator.num_processes)
+    if c.messages_column is None and getattr(train_data, "messages", None):
+        # config.yaml says the run trained on conversations (and so `finetune predict` chats with its model).
+        c = c.replace(messages_column=train_data.messages)
+    recurrence = Recurrence.of(c)  # plan_run refuses the models it would train silently wrong
+    set_seed(c.seed)  # before the model is loaded: a new classification head is initialised from it
+    # The plan needs the data (the worst-case length) but no weights: its dry run runs on fake tensors. The model
+    # comes back loaded and prepared as the plan says (and, with the probe, measured).
+    # Before prepare() the mode is what accelerate's state says; the note says when that is not what was asked for.
+    mode = distributed_mode(accelerator)
+    note = fallback_note(requested_mode(), mode, accelerator.num_processes, accelerator.device.type)
+    if c.tasks:  # planned for the largest single task's graph; the shared model is loaded after the plan
+        plan = plan_tasks(c, train_data, num_processes=accelerator.num_processes, distributed=mode)
+        model = load_multitask_model(c, train_data.tasks, plan)
+        plan = with_head_memory(plan, model, c.optimizer)
+    else:
+        plan, model = plan_run(c, train_data.lengths, label_names, num_processes=accelerator.num_processes,
+                               device=accelerator.device, load=True, distributed=mode)
+    if note:
+        plan = dataclasses.replace(plan, notes=(note, *plan.notes))
+    if c.packing:
+        check_keeps_samples_apart(model, c.model)
+        plan = dataclasses.replace(plan, notes=(*plan.notes, packing_note(train_data, c.max_length)))
+    c = plan.apply(c)
+    if recurrence:
+        self_check(model, recurrence)
+    steps_per_epoch = windows_per_epoch(len(train_data), plan.batch.effective_batch_size)
+    total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
+    optimizer = make_optimizer(c, model)
+    scheduler = make_scheduler(c, optimizer, total_steps)
+    # The scheduler stays out of prepare(): a prepared scheduler steps once per process per optimizer step.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    mode = distributed_mode(accelerator, model)  # what prepare() really did: fsdp only if parameters are sharded
+    progress = Progress()
+
+    trackers = tracking.sinks(accelerator, c, run_dir)  # the trackers get the records events.jsonl gets
+    log = EventLog(run_dir / "events.jsonl" if accelerator.is_main_process else None,
+                   [*callbacks, *trackers] if accelerator.is_main_process else [])
+    if c.resume:
+        if accelerator.is_main_process:
+            rundir.remove_partial_checkpoints(run_dir)
+        _load_checkpoint(accelerator, rundir.checkpoints(run_dir)[-1], scheduler, progress)
+    elif accelerator.is_main_process:
+        rundir.clear_run_dir(run_dir) if c.overwrite else None
+        rundir.mark_run_dir(run_dir)
+        # The saved config describes the run, not this invocation: `finetune train config.yaml resume=true`
+        # continues it and a plain `finetune train config.yaml` refuses to overwrite it.
+        (run_dir / "config.yaml").write_text(c.replace(overwrite=False, resume=False).to_yaml(), encoding="utf-8")
+        rundir.write_json(run_dir / "plan.json", plan.to_dict())
+    accelerator.wait_for_everyone()
+    return Setup(config=c, accelerator=accelerator, batch=plan.batch, run_dir=run_dir, tokenizer=tokenizer,
+                 train_data=train_data, eval_data=eval_data, label_names=label_names, model=model,
+                 optimizer=optimizer, scheduler=scheduler, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                 progress=progress, log=log, distributed=mode, note=note, recurrence=recurrence)
+
+
+def _global_count(s: Setup, indices: list[int]) -> int:
+    local = s.train_data.num_targets(indices, s.causal)
+    if s.accelerator.num_processes == 1:
+        return local
+    return int(s.accelerator.reduce(torch.tensor(local, device=s.accelerator.device), "sum").item())
+
+
+def _stop_requested(stop: StopFlag, accelerator: Any) -> bool:
+    if accelerator.num_processes == 1:
+        return stop.requested
+    # Any process that was signalled stops them all, at the same step.
+    flag = torch.tensor(int(stop.requested), device=accelerator.device)
+    return bool(accelerator.reduce(flag, "sum").item())
+
+
+def _evaluate(s: Setup, epoch: float) -> dict[str, float]:
+    if s.multitask:
+        metrics = evaluate_tasks(s.model, s.train_data, causal=s.causal, batch_size=_eval_batch_size(s),
+                                 pad_id=s.tokenizer.pad_token_id, accelerator=s.accelerator)
+        if metrics:
+            s.log.emit(Eval(step=s.progress.step, epoch=round(epoch, 4), metrics=metrics))
+        return metrics
+    if s.eval_data is None or len(s.eval_data) == 0:
+        return {}
+    metrics = evaluate(s.model, s.eval_data, causal=s.causal, num_labels=len(s.label_names or []),
+                       batch_size=_eval_batch_size(s), pad_id=s.tokenizer.pad_token_id,
+                       accelerator=s.accelerator, recurrence=s.recurrence)
+    s.log.emit(Eval(step=s.progress.step, epoch=round(epoch, 4), metrics=metrics))
+    return metrics
+
+
+def _eval_batch_size(s: Setup) -> int:
+    large = not s.causal and s.config.gradient_checkpointing != "true"
+    return (EVAL_BATCHES_LARGE if large else EVAL_BATCHES) * s.batch.micro_batch_size
+
+
+def _save_checkpoint(s: Setup) -> Path:
+    """Write a checkpoint under a temporary name and rename it once every process has written its part, so a
+    crash or a full disk mid-save leaves the previous checkpoint as the newest complete one."""
+    accelerator = s.accelerator
+    path = rundir.checkpoint_path(s.run_dir, s.progress.step)
+    partial = rundir.partial_checkpoint(path)
+    accelerator.save_state(str(partial))
+    if accelerator.is_main_process:
+        # The loop's own state as JSON, not registered with accelerate, which would pickle it.
+        rundir.write_json(partial / rundir.TRAINER_STATE, {"progress": s.progress.state_dict(),
+                                                            "scheduler": s.scheduler.state_dict()})
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        rundir.commit_checkpoint(partial, path)
+        rundir.prune_checkpoints(s.run_dir)
+        s.log.emit(Checkpoint(step=s.progress.step, checkpoint=str(path)))
+    accelerator.wait_for_everyone()
+    return path
+
+
+def _load_checkpoint(accelerator: Any, path: Path, scheduler: Any, progress: Progress) -> None:
+    """Restore model, optimizer, scaler and random state (accelerate, no pickled objects) and the loop's state."""
+    state_file = path / rundir.TRAINER_STATE
+    if not state_file.is_file():
+        raise RunDirError(f"Checkpoint {str(path)!r} has no {rundir.TRAINER_STATE} (it was written by an "
+                                 "older version of finetune): start the run again with overwrite=true.")
+    accelerator.load_state(str(path))
+    state = json.loads(state_file.read_text(encoding="utf-8"))
+    progress.load_state_dict(state["progress"])
+    scheduler.load_state_dict(state["scheduler"])
+
+
+def _finish(s: Setup, seconds: float) -> RunResult:
+    p, accelerator = s.progress, s.accelerator
+    metrics = _evaluate(s, p.epoch + p.window / max(s.steps_per_epoch, 1))
+    _save_checkpoint(s)
+    model_dir = s.run_dir / "model"
+    # Sharded parameters are gathered into one full state dict on the main process first; every process must take
+    # part in the gathering. Unsharded models save their own parameters.
+    state_dict = accelerator.get_state_dict(s.model) if s.distributed in ("fsdp", "deepspeed") else None
+    if accelerator.is_main_process:
+        if s.multitask:  # a folder per task (or one shared causal LM) and model/tasks.json
+            save_multitask(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, s.train_data)
+        else:
+            save_model(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora,
+                       state_dict=state_dict)
+        summary = {**metrics, "steps": p.step, "samples": p.samples, "skipped_steps": p.skipped,
+                   "train_seconds": round(seconds, 2), "train_samples_per_s": round(p.samples / max(seconds, 1e-9), 2)}
+        rundir.write_json(s.run_dir / "metrics.json", summary)
+        s.log.emit(Done(step=p.step, metrics=summary, model_dir=str(model_dir)))
+        rundir.plot_loss_in_background(s.run_dir)
+        metrics = summary
+    accelerator.wait_for_everyone()
+    return RunResult(status="done", run_dir=s.run_dir, step=p.step, metrics=metrics,
+                     is_main_process=accelerator.is_main_process)

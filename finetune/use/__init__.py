@@ -1,0 +1,1 @@
+"""Using a trained run: prediction and evaluation of saved models."""

@@ -1,0 +1,90 @@
+"""Using a trained model: `finetune predict`, and chatting with a model trained on conversations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.config.schema import read_yaml
+from finetune.data.chat import MESSAGES_NAMES, reply, require_template, turns_of
+from finetune.models.heads import task_model_dir
+from finetune.models.load import load_trained, resolve_model_dir, task_of
+
+
+def conversation_of(text: str) -> list[dict[str, Any]]:
+    """The turns a chat input stands for: a JSON conversation (a list of turns, or an object with a `messages`
+    list) as it is, anything else as one user turn."""
+    if text.lstrip()[:1] in ("[", "{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if isinstance(value, dict):
+            value = next((value[k] for k in MESSAGES_NAMES if k in value), None)
+        turns = turns_of(value) if value is not None else None
+        if turns:
+            return turns
+    return [{"role": "user", "content": text}]
+
+
+@torch.inference_mode()
+def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool | None = None,
+            task_name: str | None = None) -> list[dict[str, Any]]:
+    """Per text: the label with class probabilities (classification), the model's reply through its chat template
+    (a causal LM trained on conversations, or a model folder with a template, or `chat=True`; a text may be a JSON
+    conversation), or a generated continuation. A multi-task model needs `task_name`: that task's head, or its
+    prompt prefix before each text."""
+    from transformers import AutoTokenizer
+
+    model_dir, run_dir = resolve_model_dir(target)
+    model_dir, entry = task_model_dir(model_dir, task_name)
+    prefix = (entry or {}).get("prompt_prefix") or ""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    task = task_of(model_dir)
+    model = load_trained(model_dir, task).eval()
+    if chat is None:
+        chat = _trained_to_chat(tokenizer, run_dir)
+    if task == "causal_lm" and chat:
+        require_template(tokenizer, str(model_dir))
+        return [{"text": text, "reply": reply(model, tokenizer, conversation_of(text), max_new_tokens)}
+                for text in texts]
+    if task == "causal_lm":
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        out = []
+        for text in texts:
+            enc = tokenizer(prefix + text, return_tensors="pt")
+            # Only what every causal LM takes: a BERT-style tokenizer also returns token_type_ids, which Llama refuses.
+            ids = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            out.append({"text": text, "generated": tokenizer.decode(ids[0, enc["input_ids"].shape[1]:],
+                                                                    skip_special_tokens=True)})
+        return out
+    enc = tokenizer(texts, padding=True, truncation=True, max_length=512, return_tensors="pt")
+    probs = model(**enc).logits.float().softmax(-1)
+    names = model.config.id2label
+    return [{"text": t, "label": names[int(p.argmax())],
+             "probabilities": {names[i]: round(float(v), 4) for i, v in enumerate(p)}}
+            for t, p in zip(texts, probs, strict=True)]
+
+
+def _trained_to_chat(tokenizer: Any, run_dir: Path | None) -> bool:
+    """Whether to chat by default: a run that trained on conversations; a model folder that has a chat template."""
+    if run_dir is not None and (run_dir / "config.yaml").is_file():
+        return bool(read_yaml(run_dir / "config.yaml").get("messages_column"))
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+@torch.inference_mode()
+def chat(target: str, turns: list[dict[str, Any]], max_new_tokens: int = 40) -> str:
+    """The trained causal LM's next assistant turn after `turns`, through the chat template it was trained with."""
+    from transformers import AutoTokenizer
+
+    model_dir, _ = resolve_model_dir(target)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    require_template(tokenizer, str(model_dir))
+    return reply(load_trained(model_dir, "causal_lm").eval(), tokenizer, turns, max_new_tokens)
+
+
