@@ -13,7 +13,6 @@ import io
 import itertools
 import os
 import shutil
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 
 import pandas as pd
 
+from app import worker
 from app.mapping import COLUMN_FIELDS
 from finetune.config.schema import Config
 from finetune.data.load import DataError, is_local, label_counts, label_names_of, load_table, resolve_columns
@@ -109,25 +109,13 @@ def _hub_sample(source: str, config_name: str | None, split: str) -> Any:
 
 
 def _within(timeout_s: float, what: str, work: Callable[[], Any]) -> Any:
-    """`work()` in a daemon thread; a `DataError` when it has not answered within `timeout_s` (the thread is left
-    to finish on its own, so a hung request cannot hold the server's worker, or its exit)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = work()
-        except BaseException as e:  # handed to the caller's thread, which raises it
-            box["error"] = e
-
-    worker = threading.Thread(target=run, daemon=True, name="hub-preview")
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
+    """`work()` in a forked child (`app.worker`); a `DataError` when it has not answered within `timeout_s`, and
+    the child is killed then: a hub search that hangs does not go on holding a core after its answer."""
+    try:
+        return worker.bounded(work, timeout_s, f"Dataset {what!r}")
+    except worker.Overrun:
         raise DataError(f"Dataset {what!r}: the hub did not answer within {timeout_s:g} s; check the id, or try "
-                        "again later.")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+                        "again later.") from None
 
 
 @functools.lru_cache(maxsize=8)

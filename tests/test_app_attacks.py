@@ -266,3 +266,31 @@ def test_start_takes_a_multi_task_config(shared):
     bad = ctl.start_run(_config(tasks=[{"name": "a", "dataset": uploads["bob"]}, {"name": "b", "dataset": missing}]),
                         request=BOB)
     assert not bad.started and bad.message == f"Task 'b': Dataset file {missing!r} does not exist: check the path."
+
+
+# --- 4. a chat template that loops
+LOOPING = ("{% for m in messages %}{% for i in range(100000) %}{% for j in range(400) %}{% endfor %}{% endfor %}"
+           "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_looping_chat_template_is_stopped_within_a_second(tmp_path, tiny_gpt2):
+    import multiprocessing
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    ctl = Controller(tmp_path / "runs", JobManager(tmp_path / "runs"))
+
+    def example(template: str):
+        path = tmp_path / f"template-{len(template)}.csv"  # uploaded under a data extension: its text is Jinja
+        path.write_text(template)
+        return ctl.chat_example(str(data), "", "train", "causal_lm", "messages", tiny_gpt2, str(path),
+                                "assistant", 64)
+
+    assert example(CHATML).note.endswith("tokens are learned (highlighted): `train_on: assistant`.")
+    shown, seconds = _timed(lambda: example(LOOPING))
+    assert seconds < 1.0 and shown.note == (
+        "⚠️ Rendering the first conversation with the chat template took longer than 0.5 s and was stopped. A "
+        "template that loops this long would not finish a dataset: simplify it.")
+    assert not [c for c in multiprocessing.active_children() if c.name == "finetune-bounded"]
