@@ -294,3 +294,37 @@ def test_a_looping_chat_template_is_stopped_within_a_second(tmp_path, tiny_gpt2)
         "⚠️ Rendering the first conversation with the chat template took longer than 0.5 s and was stopped. A "
         "template that loops this long would not finish a dataset: simplify it.")
     assert not [c for c in multiprocessing.active_children() if c.name == "finetune-bounded"]
+
+
+# --- 7. wide files and huge cells
+def test_a_wide_file_is_refused_before_its_rows_are_read_and_cells_are_cut(shared, tmp_path):
+    from app import dataview
+
+    ctl, _ = shared
+    none = [""] * len(COLUMN_FIELDS)
+
+    def upload(name: str, text: str):
+        src = tmp_path / f"gradio-{name}" / name
+        src.parent.mkdir()
+        src.write_text(text)
+        return _timed(lambda: ctl.on_upload(str(src), "", "train", "classification", *none, request=BOB))
+
+    n = 200_000
+    shown, seconds = upload("wide.csv", ",".join(f"c{i}" for i in range(n)) + "\n" + ",".join(["1"] * n) + "\n")
+    kept = Path(shown.dataset).name  # the upload's kept name: wide-<hash>.csv
+    assert seconds < 2.0 and shown.data.error == (
+        f"⚠️ The first line of {kept!r} is longer than 64 KB: the app previews files with a header (CSV) or a first "
+        "record (JSON lines) shorter than that.")
+    n = 5000
+    shown, _ = upload("wide2.csv", ",".join(f"c{i}" for i in range(n)) + "\n" + ",".join(["1"] * n) + "\n")
+    assert shown.data.error == (f"⚠️ {Path(shown.dataset).name!r} has 5,000 columns; the app reads files of at "
+                                "most 1,000 columns: keep only the columns you train on.")
+    labels = "".join(f"row {i},label-{i}\n" for i in range(500))
+    shown, _ = upload("cell.csv", "text,label\n" + "x" * 2_000_000 + ",a\n" + labels)
+    cells = shown.data.preview.to_numpy().ravel()
+    assert max(len(str(c)) for c in cells) == dataview.MAX_CELL_CHARS and str(cells[0]).endswith("…")
+    assert len(shown.data.labels) < 2000 and "(471 more)" in shown.data.labels
+    n = 800  # within the limit, but only the first 50 columns are previewed and 30 named
+    shown, _ = upload("many.csv", ",".join(f"c{i}" for i in range(n)) + ",text\n" + "1," * n + "hello\n")
+    assert shown.data.preview.shape[1] == dataview.MAX_PREVIEW_COLUMNS
+    assert len(shown.data.error.removeprefix("⚠️ ")) == dataview.MAX_ERROR_CHARS
