@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from finetune.errors import RunDirError, TrainingError
 from finetune.models.load import load_tokenizer, save_model
 from finetune.plan.planner import plan_run
 from finetune.run import hub, rundir, tracking
-from finetune.run.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
+from finetune.run.events import Backoff, Checkpoint, Done, Error, Eval, Event, EventLog, Start, Step, Stopped
 from finetune.train.multitask import (
     backward_multitask,
     evaluate_tasks,
@@ -161,7 +162,9 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock
-    with s.log.recording_failures():
+    # Outside the failure record: writing the error event to a full disk fails again, and is then said in words.
+    with rundir.disk_full_is_one_sentence(s.run_dir, lambda m: s.log.emit(Error(message=m, exit_code=1))), \
+            s.log.recording_failures():
         while p.step < s.total_steps:
             windows = s.train_data.windows(s.batch.effective_batch_size, seed=c.seed, epoch=p.epoch,
                                            shuffle=c.shuffle, group_by_length=c.group_by_length)
@@ -321,7 +324,10 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
             rundir.remove_partial_checkpoints(run_dir)
         _load_checkpoint(accelerator, rundir.checkpoints(run_dir)[-1], scheduler, progress)
     elif accelerator.is_main_process:
-        rundir.clear_run_dir(run_dir) if c.overwrite else None
+        if c.overwrite and (kept := rundir.clear_run_dir(run_dir)):
+            shown = ", ".join(str(k.relative_to(run_dir)) for k in kept[:3]) + (", …" if len(kept) > 3 else "")
+            print(f"note: overwrite kept {len(kept)} file(s) that finetune did not write: {shown}", file=sys.stderr,
+                  flush=True)
         rundir.mark_run_dir(run_dir)
         # The saved config describes the run, not this invocation: `finetune train config.yaml resume=true`
         # continues it and a plain `finetune train config.yaml` refuses to overwrite it.
@@ -385,6 +391,7 @@ def _save_checkpoint(s: Setup) -> Path:
     if accelerator.is_main_process:
         rundir.commit_checkpoint(partial, path)
         rundir.prune_checkpoints(s.run_dir)
+        rundir.record_written(s.run_dir, "checkpoints")
         s.log.emit(Checkpoint(step=s.progress.step, checkpoint=str(path)))
     accelerator.wait_for_everyone()
     return path
@@ -416,6 +423,8 @@ def _finish(s: Setup, seconds: float) -> RunResult:
         else:
             save_model(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora,
                        state_dict=state_dict)
+        for folder in ("model", "adapter"):
+            rundir.record_written(s.run_dir, folder)
         summary = {**metrics, "steps": p.step, "samples": p.samples, "skipped_steps": p.skipped,
                    "train_seconds": round(seconds, 2), "train_samples_per_s": round(p.samples / max(seconds, 1e-9), 2)}
         rundir.write_json(s.run_dir / "metrics.json", summary)
