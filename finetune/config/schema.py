@@ -20,10 +20,11 @@ import yaml
 
 from finetune.config.multitask import MIXINGS, TaskSpec, check_tasks, parse_tasks
 from finetune.errors import ConfigError
+from finetune.kinds import registry as kinds
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 DEFAULT_EFFECTIVE_BATCH = 32
-TASKS = ("classification", "causal_lm")
+TASKS = kinds.names()  # the task kinds (finetune.kinds.registry)
 # The experiment trackers accelerate can log to (its `LoggerType`, less `all`: a run names what it reports to).
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
 LONG_DOCUMENTS = ("auto", "truncate", "chunk", "sliding_window")
@@ -335,16 +336,13 @@ def from_dict(values: dict[str, Any]) -> Config:
     return config
 
 
+COLUMN_KEYS = tuple(f.name for f in fields(Config) if f.name.endswith("_column"))  # what a task kind reads
+
+
 def _cross_checks(c: Config) -> list[str]:
     problems = []
-    if c.task == "classification" and (c.prompt_column or c.completion_column):
-        problems.append("`prompt_column`/`completion_column` are for task=causal_lm; for classification use "
-                        "`text_column` and `label_column`.")
-    if c.task == "causal_lm" and (c.label_column or c.text_pair_column):
-        problems.append("`label_column`/`text_pair_column` are for task=classification; for causal_lm use "
-                        "`text_column`, or `prompt_column` with `completion_column`.")
-    if c.messages_column and c.task != "causal_lm":
-        problems.append("`messages_column` is for task=causal_lm: conversations train a language model.")
+    if c.task in TASKS:  # another kind's columns (an unknown task is refused on its own)
+        problems += kinds.column_problems(c.task, {key: getattr(c, key) for key in COLUMN_KEYS})
     if c.messages_column and (c.prompt_column or c.text_column):
         problems.append("`messages_column` replaces `text_column` and `prompt_column`/`completion_column`: set "
                         "only one of them.")

@@ -43,6 +43,8 @@ from finetune.engine.runtime import (
 )
 from finetune.engine.step import backward_window, optimizer_step, share_of
 from finetune.errors import RunDirError, TrainingError
+from finetune.kinds.base import TaskKind
+from finetune.kinds.registry import kind as kind_named
 from finetune.models.load import load_tokenizer, save_model
 from finetune.plan.planner import plan_run
 from finetune.run import hub, rundir, tracking
@@ -131,8 +133,9 @@ class Setup:
     recurrence: Recurrence | None = None  # segment recurrence (truncated BPTT), when on
 
     @property
-    def causal(self) -> bool:
-        return self.config.task == "causal_lm"
+    def kind(self) -> TaskKind:
+        """The task kind: what the loss, its target count, the labels and the metrics are."""
+        return kind_named(self.config.task)
 
     @property
     def multitask(self) -> bool:
@@ -226,18 +229,18 @@ def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
     count = _global_count(s, [i for mb in micro for i in mb] if weight else [])  # a stand-in counts for nothing
 
     def collate_fn(mb: list[int]) -> dict[str, torch.Tensor]:
-        return collate(s.train_data, mb, s.tokenizer.pad_token_id, s.causal)
+        return collate(s.train_data, mb, s.tokenizer.pad_token_id, s.kind)
 
     if s.recurrence:
         return recurrent_backward_window(s.model, micro, collate_fn, count, accelerator, s.recurrence, lengths,
                                          weight=weight), count
-    return backward_window(s.model, micro, collate_fn, count, accelerator, causal=s.causal, weight=weight), count
+    return backward_window(s.model, micro, collate_fn, count, accelerator, kind=s.kind, weight=weight), count
 
 
 def _backward_tasks(s: Setup, window: list[int]) -> tuple[torch.Tensor, list[int]]:
     """A multi-task window's gradient (`finetune.train.multitask.backward_multitask`): per-task loss sums and counts."""
     return backward_multitask(s.model, s.train_data, window, s.batch.micro_batch_size, s.accelerator,
-                              pad_id=s.tokenizer.pad_token_id, causal=s.causal)
+                              pad_id=s.tokenizer.pad_token_id, kind=s.kind)
 
 
 def _back_off(s: Setup) -> None:
@@ -335,7 +338,7 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
 
 
 def _global_count(s: Setup, indices: list[int]) -> int:
-    local = s.train_data.num_targets(indices, s.causal)
+    local = s.train_data.num_targets(indices, s.kind)
     if s.accelerator.num_processes == 1:
         return local
     return int(s.accelerator.reduce(torch.tensor(local, device=s.accelerator.device), "sum").item())
@@ -351,14 +354,14 @@ def _stop_requested(stop: StopFlag, accelerator: Any) -> bool:
 
 def _evaluate(s: Setup, epoch: float) -> dict[str, float]:
     if s.multitask:
-        metrics = evaluate_tasks(s.model, s.train_data, causal=s.causal, batch_size=_eval_batch_size(s),
+        metrics = evaluate_tasks(s.model, s.train_data, kind=s.kind, batch_size=_eval_batch_size(s),
                                  pad_id=s.tokenizer.pad_token_id, accelerator=s.accelerator)
         if metrics:
             s.log.emit(Eval(step=s.progress.step, epoch=round(epoch, 4), metrics=metrics))
         return metrics
     if s.eval_data is None or len(s.eval_data) == 0:
         return {}
-    metrics = evaluate(s.model, s.eval_data, causal=s.causal, num_labels=len(s.label_names or []),
+    metrics = evaluate(s.model, s.eval_data, kind=s.kind, label_names=s.label_names,
                        batch_size=_eval_batch_size(s), pad_id=s.tokenizer.pad_token_id,
                        accelerator=s.accelerator, recurrence=s.recurrence)
     s.log.emit(Eval(step=s.progress.step, epoch=round(epoch, 4), metrics=metrics))
@@ -366,7 +369,8 @@ def _evaluate(s: Setup, epoch: float) -> dict[str, float]:
 
 
 def _eval_batch_size(s: Setup) -> int:
-    large = not s.causal and s.config.gradient_checkpointing != "true"
+    # Logits over a vocabulary grow with the batch; a kind whose logits the planner does not count has small ones.
+    large = s.kind.logits_bytes(1, 1, 1, 1) == 0 and s.config.gradient_checkpointing != "true"
     return (EVAL_BATCHES_LARGE if large else EVAL_BATCHES) * s.batch.micro_batch_size
 
 

@@ -13,6 +13,7 @@ from finetune.data.encoding import encode
 from finetune.data.load import load_table, resolve_columns
 from finetune.data.multitask import load_task, with_prefix
 from finetune.engine.evaluate import evaluate, evaluate_saved
+from finetune.kinds.registry import kind as kind_named
 from finetune.models.heads import read_tasks_file, task_model_dir
 from finetune.models.load import load_tokenizer, load_trained, resolve_model_dir, task_of
 
@@ -61,6 +62,6 @@ def evaluate_task(model_dir: Path, run_dir: Path | None, extra: dict[str, Any]) 
     model = load_trained(folder, kind)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model = accelerator.prepare(model)
-    metrics = evaluate(model, data, causal=kind == "causal_lm", num_labels=len(labels or []), batch_size=64,
+    metrics = evaluate(model, data, kind=kind_named(kind), label_names=labels, batch_size=64,
                        pad_id=tokenizer.pad_token_id, accelerator=accelerator)
     return {"model": str(folder), "task": name, "samples": len(data), **metrics}
