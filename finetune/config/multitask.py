@@ -151,8 +151,6 @@ def check_tasks(c: Any) -> list[str]:
                         f"trains {ka} tasks or {kb} tasks, not both.")
     elif kinds and kinds != {c.task}:
         problems.append(f"The tasks are {kinds.pop()} but `task` is {c.task}: set task={tasks[0].task}.")
-    elif c.task not in MULTITASK_KINDS and c.task in registry.names():
-        problems.append(f"task={c.task} does not combine with `tasks` yet: train each dataset as a run of its own.")
     wrong = _unused_keys(c.task)
     for t in tasks:
         given = [k for k in wrong if getattr(t, k)]
@@ -168,17 +166,7 @@ def check_tasks(c: Any) -> list[str]:
     if shared:
         problems.append(f"With `tasks`, each task names its own data: move {', '.join(f'`{k}`' for k in shared)} "
                         "into the task entries.")
-    if c.streaming:
-        problems.append("`streaming=true` does not combine with `tasks` yet: read the tasks' data whole.")
-    if c.messages_column is not None:
-        problems.append("Conversation data (`messages_column`) does not combine with `tasks` yet: train on the "
-                        "conversations as a run of their own.")
-    if c.packing:
-        problems.append("`packing=true` does not combine with `tasks` yet (a packed row would mix tasks, and each "
-                        "micro-batch holds one): set packing=false.")
-    if c.segment_recurrence:
-        problems.append("`segment_recurrence=true` does not combine with `tasks` yet: train the long documents as "
-                        "a run of their own.")
+    # streaming, conversations, packing and segment recurrence with `tasks`: finetune.config.exclusions
     if c.mixing == "manual":
         missing = [t.name for t in tasks if t.probability is None]
         total = sum(t.probability or 0.0 for t in tasks)

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from finetune.config.schema import RECURRENCE_NOT_FOR_CONVERSATIONS, Config
+from finetune.config.exclusions import RECURRENCE_NOT_FOR_CONVERSATIONS, takes
+from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.data.chat import dropped_counts, dropped_reasons, require_template
 from finetune.data.segments import Segmentation, context_tokens, count_segments, resolve_mode
@@ -214,7 +215,7 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
         if column:
             check_strings(table, column, source)
     eos = kind.end_of_document(tokenizer)
-    documents = c.segment_recurrence and c.task == "causal_lm"  # whole documents, split by the loop itself
+    documents = c.segment_recurrence and takes(c.task, "segment_recurrence")  # whole documents, split by the loop
     if documents and cols.messages:  # a conversation column guessed from the data
         raise ConfigError([RECURRENCE_NOT_FOR_CONVERSATIONS])
     mode = "whole" if documents else resolve_mode(c, plain_text=not (cols.prompt or cols.messages))
@@ -245,7 +246,7 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     if cols.messages:
         return _kept_conversations(rows, source, cols.messages, mode, c.max_length)
     counts = None if documents else count_segments(rows, mode, c.max_length,
-                                                   splittable=c.task == "causal_lm" and not cols.prompt)
+                                                   splittable=takes(c.task, "split_documents") and not cols.prompt)
     data = Encoded.from_dataset(rows, segmentation=counts)
     kind.check_encoded(data, cols, c, source, documents)
     return data

@@ -3,7 +3,7 @@ without importing it (its columns, their rules and help, its Hugging Face names)
 
 Importing this module imports nothing heavy (`finetune --help` stays fast: tests/test_fast_start.py): a kind's
 module, which brings torch, is imported by `kind()` when a run, an evaluation or a prediction needs it. Adding a kind
-is one entry here and one module that defines `KIND` (see docs/task-kinds.md).
+is one entry here and one module that defines `KIND` (see docs/task-kind-protocol.md).
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ class Entry:
     # In a multi-task run: "heads" (one head per task on a shared body), "shared" (one model, a prompt prefix per
     # task), or "" (not a task of a multi-task run).
     multitask: str = ""
+    # The optional features it takes (finetune.config.exclusions.KIND_FEATURES: packing, segment_recurrence,
+    # split_documents) and, for those it does not, why not (the end of the refusal's sentence).
+    features: tuple[str, ...] = ()
+    refusals: dict[str, str] = field(default_factory=dict)
     problem_type: str | None = None  # the saved config's `problem_type` this kind needs (regression's, say)
 
 
@@ -47,7 +51,11 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           auto_model="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS",
           peft_auto_model="AutoPeftModelForSequenceClassification", pipeline_tag="text-classification",
           architectures=("ForSequenceClassification",), example="I loved this film.", has_labels=True,
-          multitask="heads"),
+          multitask="heads",
+          refusals={"packing": "a classifier takes one sample per row",
+                    "segment_recurrence": "a classifier reads each text whole; turn it off",
+                    "split_documents": "a classification label belongs to the whole text, so its parts cannot each "
+                                       "carry it"}),
     Entry(name="causal_lm", module="finetune.kinds.causal_lm", summary="causal language modelling",
           columns=("text_column", "prompt_column", "completion_column", "messages_column"),
           own_columns=(("prompt_column", "completion_column"), ("messages_column",)),
@@ -55,7 +63,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           column_reasons={"messages_column": "conversations train a language model"},
           auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
           pipeline_tag="text-generation", architectures=("ForCausalLM", "LMHeadModel"), example="Once upon a time",
-          multitask="shared"),
+          multitask="shared", features=("packing", "segment_recurrence", "split_documents")),
 )}
 DEFAULT = "classification"
 
