@@ -5,7 +5,7 @@ A kind owns its columns and their rules, its label names, the encoding of a batc
 the label part of collation, its target count (what a window's loss sum is divided by: exact accumulation rests on
 it), its loss sum, its metrics (sums reduced over processes, then finalised), the labels of the planner's synthetic
 batch and its logits' size, prediction output, and its Hugging Face names (in its registry entry, as strings).
-How to add one: docs/task-kinds.md.
+How to add one: docs/task-kind-protocol.md.
 """
 
 from __future__ import annotations
