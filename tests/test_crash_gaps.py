@@ -18,7 +18,7 @@ FULL_DISK = textwrap.dedent("""
     import errno, sys
     from finetune import cli
     from finetune.run import rundir
-    import finetune.train.loop as loop
+    import finetune.train.variants as variants
 
     target, nth = sys.argv[1], int(sys.argv[2])
     calls = []
@@ -38,7 +38,7 @@ FULL_DISK = textwrap.dedent("""
             raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
                                "data/0: file write failed")
 
-        loop.save_model = full
+        variants.save_model = full
     sys.exit(cli.main(sys.argv[3:]))
 """)
 
