@@ -468,7 +468,7 @@ class Controller:
         return publish.push_finished_run(self.access, status, user, repo, bool(private))
 
     # --- reproducibility
-    def export(self, *values: Any) -> ExportShown:
+    def export(self, *values: Any, request: Any = None) -> ExportShown:
         """The form as the YAML a CLI user would write, a file to download and the command that runs it."""
         try:
             config = values_to_config(values)
@@ -481,7 +481,7 @@ class Controller:
                            command="finetune train finetune-config.yaml",
                            message="Exported: download the file, or copy the YAML.")
 
-    def import_config(self, uploaded: str | None) -> FormShown:
+    def import_config(self, uploaded: str | None, *, request: Any = None) -> FormShown:
         """Fill every widget from a YAML config (its errors are the config's own)."""
         if not uploaded:
             return FormShown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,6 +139,11 @@ def _on(event: Callable[..., Any], handler: Callable[..., Any], inputs: Any, tar
         **kwargs: Any) -> Any:
     """Wire `handler` to `event`, its named result going to the components of `targets`; the handler gets the
     request too (who asks, on a shared server)."""
+
+    # Checked when the page is built, not when a button is pressed: a handler without `request` would turn its
+    # outputs into Gradio's red "Error" badge only in the browser.
+    if "request" not in inspect.signature(handler).parameters:
+        raise TypeError(f"{getattr(handler, '__qualname__', handler)} is wired to the page but takes no request=")
 
     # Gradio passes the request to a leading parameter typed gr.Request. Nothing to update is Gradio's skip: an
     # empty dict would read as one value for the first output.

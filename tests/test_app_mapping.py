@@ -238,3 +238,20 @@ def test_named_results_go_to_the_widgets_named_for_their_fields():
     shown = UploadShown(dataset="a.csv", data=DatasetShown(preview=None, columns={}, labels="3 rows", error=""))
     # A column not named in the group keeps its dropdown; every other field goes to its widget.
     assert _updates(shown, targets) == {dataset: "a.csv", preview: None, labels: "3 rows", error: ""}
+
+
+def test_a_handler_without_request_cannot_be_wired_to_the_page():
+    """`ui._on` passes the request to every handler; one that cannot take it fails when the page is built (Export
+    and Import config once failed only in the browser, as a red Error badge)."""
+    import gradio as gr
+
+    from app.ui import _on
+
+    def no_request(path: str) -> dict:
+        return {}
+
+    with gr.Blocks():
+        button = gr.Button()
+        with pytest.raises(TypeError, match="no_request is wired to the page but takes no request="):
+            _on(button.click, no_request, None, {})
+        _on(button.click, Controller(Path("runs"), JobManager(Path("runs"))).export, None, {})
