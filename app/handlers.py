@@ -349,7 +349,7 @@ class Controller:
         options = publish.run_options(status) if status.run_dir else {"report_to": [], "push_to_hub": None}
         return RunShown(signature=signature, status=text,
                         progress=views.progress_html(status), stats=views.stats_markdown(status),
-                        loss_curve=frame if len(frame) else None, log=views.log_text(status),
+                        loss_curve=views.loss_chart_html(frame) if len(frame) else None, log=views.log_text(status),
                         metrics=views.final_metrics(status) or None, run_dir=str(status.run_dir or ""),
                         download=download, stop_button=gr.update(interactive=status.active),
                         resume_button=gr.update(visible=status.resumable),

@@ -39,6 +39,10 @@ CSS = """
 .ft-progress progress { flex: 1; height: 18px; accent-color: var(--color-accent); }
 .ft-progress span { white-space: nowrap; font-variant-numeric: tabular-nums; }
 .ft-error p { color: var(--error-text-color, #b91c1c); }
+.ft-chart svg { width: 100%; height: auto; display: block; }
+.ft-chart svg text { font-size: 12px; fill: var(--body-text-color, #1f2937); }
+.ft-legend { display: flex; gap: 16px; flex-wrap: wrap; font-size: 13px; }
+.ft-key { display: inline-flex; align-items: center; gap: 6px; }
 """
 # Gradio names number boxes and dropdowns by their label alone (aria-label) but a text box by its whole <label>,
 # help text included; give text boxes the same short name, so people with screen readers (and browser tests that
@@ -262,12 +266,11 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                     progress = gr.HTML(elem_id="run-progress")
                     stats_md = gr.Markdown(elem_id="run-stats")
                     trackers_md = gr.Markdown(elem_id="run-trackers")
-                    # Starts as None, never as an empty frame: a plot first drawn empty draws later lines with no
-                    # colour at all (Gradio 6.31).
-                    loss_plot = gr.LinePlot(None, x="step", y="loss", color="split", height=260,
-                                            label="Loss per optimizer step (blue: train; orange: eval, when "
-                                                  "Eval every is set)",
-                                            color_map={"train": "#2563eb", "eval": "#f97316"}, elem_id="loss-plot")
+                    # Drawn by the app (app.views.loss_chart_html), not gr.LinePlot: Gradio 6.31 fixes a plot's
+                    # colours from its first data (an eval split that comes later got no colour until a reload) and
+                    # cuts its legend off below the frame.
+                    loss_plot = gr.HTML(label="Loss per optimizer step", show_label=True, container=True,
+                                        elem_id="loss-plot")
                     log_box = gr.Textbox(label="Log", lines=12, max_lines=12, autoscroll=True, interactive=False)
                 with gr.Column(variant="panel"):
                     gr.Markdown("### Results")

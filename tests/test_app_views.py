@@ -33,6 +33,19 @@ def test_loss_frame_is_long_format_with_train_and_eval():
     assert frame[frame.split == "eval"].loss.tolist() == [0.45, 0.225]
 
 
+def test_loss_chart_draws_every_split_from_the_first_update_and_eval_as_points():
+    import re
+
+    chart = views.loss_chart_html(views.loss_frame(_events(4, evals=(4,))))  # one eval so far: still visible
+    train = re.search(r'<path data-split="train" d="([^"]+)"', chart).group(1)
+    assert train.count("M") + train.count("L") == 4
+    assert len(re.findall(r'<circle data-split="eval"', chart)) == 1
+    assert 'stroke="#1d4ed8"' in chart and 'fill="#c2410c"' in chart  # each split its own colour, from the start
+    legend = chart[chart.index('class="ft-legend"'):chart.index("<svg viewBox")]
+    assert ">train</span>" in legend and ">eval</span>" in legend  # outside the plot's frame: never cut off
+    assert views.loss_chart_html(views.loss_frame([])) == ""
+
+
 def test_long_curves_are_thinned_but_keep_their_last_step():
     frame = views.loss_frame(_events(2500, total=2500))
     train = frame[frame.split == "train"].step.tolist()

@@ -54,9 +54,9 @@ def _choose(page, label: str, option: str) -> None:
     page.locator(f"[id='{box.get_attribute('aria-controls')}']").get_by_role("option", name=option, exact=True).click()
 
 
-# Points drawn in the loss chart: Vega draws each split as one SVG path; count the vertices of the visible ones
-# (a path without a stroke colour is drawn but cannot be seen).
-POINTS_JS = """() => [...document.querySelectorAll('#loss-plot .mark-line path')]
+# Points drawn in the loss chart: each split is one SVG path; count the vertices of the visible ones (a path
+# without a stroke colour is drawn but cannot be seen).
+POINTS_JS = """() => [...document.querySelectorAll('#loss-plot path[data-split]')]
     .filter((p) => p.getAttribute('stroke'))
     .reduce((n, p) => n + ((p.getAttribute('d') || '').match(/[ML]/g) || []).length, 0)"""
 
