@@ -222,6 +222,11 @@ def test_start_refuses_bad_input_before_anything_runs(tmp_path):
     refused = ctl.start(*values)
     assert not refused.started and "`learning_rate` must be at least 0" in refused.note
     assert ctl.jobs.status().state == "idle" and not list(runs.glob("*.yaml"))
+    ids = tmp_path / "ids.csv"  # no text column: the only other column, a number, is not taken for the text
+    ids.write_text("id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(20)))
+    refused = ctl.start(*config_to_values(from_dict({"dataset": str(ids), "label_column": "label"})))
+    assert not refused.started and "Text column `id`" in refused.dataset_note and "holds numbers" in refused.note
+    assert ctl.jobs.status().state == "idle" and not any(runs.iterdir())
 
 
 def test_named_results_go_to_the_widgets_named_for_their_fields():

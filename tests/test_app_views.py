@@ -132,6 +132,26 @@ def test_dataset_block_errors_are_one_sentence_next_to_the_field(tmp_path, cls_c
     assert causal.error == "" and causal.chosen["text_column"] == "sentence" and not causal.chosen["label_column"]
 
 
+def test_a_text_column_of_numbers_or_ids_is_refused_and_conversations_suggest_causal_lm(tmp_path, cls_csv):
+    numbers = tmp_path / "numbers.csv"
+    numbers.write_text("id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(20)))
+    refused = dataview.inspect(str(numbers), None, "train", "classification", {"label_column": "label"})
+    assert refused.error == ("Text column `id` (guessed: it is the only column beside the label) holds numbers, not "
+                             "text: pick the column with the text under Text column, or add one to the file.")
+    codes = tmp_path / "codes.csv"
+    codes.write_text("sku,review,label\n" + "".join(f"A-{i:04d},meh {i},{i % 2}\n" for i in range(20)))
+    chosen = dataview.inspect(str(codes), None, "train", "classification", {"text_column": "sku"})
+    assert chosen.error.startswith("Text column `sku` looks like ids (one distinct code per row)")
+    assert dataview.inspect(str(codes), None, "train", "classification", {"text_column": "review"}).error == ""
+    assert dataview.inspect(cls_csv, None, "train", "classification", {}).error == ""  # real text passes
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    assert dataview.inspect(str(chat), None, "train", "classification", {}).error == (
+        "Column `messages` holds conversations, which a classifier cannot learn from: set Task to causal_lm and "
+        "pick a causal LM model (one with a chat template) to fine-tune on them.")
+    assert dataview.inspect(str(chat), None, "train", "causal_lm", {}).error == ""
+
+
 def test_uploads_are_kept_once_under_a_content_hash(tmp_path):
     a = tmp_path / "in" / "data.csv"
     a.parent.mkdir()
