@@ -43,6 +43,7 @@ from app.results import (
     RunShown,
     Started,
     TaskGuess,
+    TryPanel,
     UploadShown,
 )
 from finetune.config.schema import FIELDS, Config, ConfigError, from_dict
@@ -342,6 +343,8 @@ class Controller:
         if seen == signature:
             return RunShown()
         model_dir = status.model_dir
+        changed_run = not isinstance(seen, (list, tuple)) or list(seen[:1]) + list(seen[2:3]) != [
+            str(status.run_dir), status.state]
         download = (gr.update(value=self._handout(zip_model(model_dir, status.run_dir / "model.zip")), interactive=True)
                     if status.state == "done" and model_dir is not None else gr.update(value=None, interactive=False))
         command = self.command(status)
@@ -356,7 +359,26 @@ class Controller:
                         command=command if command else gr.skip(),
                         trackers=views.trackers_markdown(options["report_to"], status.run_dir),
                         hub_note=views.hub_markdown(status, on_space=self.access.mode == "space"),
-                        push_repo=options["push_to_hub"] or gr.skip())
+                        push_repo=options["push_to_hub"] or gr.skip(),
+                        try_panel=self.try_panel(status, new_model=not isinstance(seen, (list, tuple))
+                                                 or seen[0] != str(status.run_dir) or status.state == "done")
+                        if changed_run else None)
+
+    @staticmethod
+    def try_panel(status: JobStatus, *, new_model: bool) -> TryPanel:
+        """Try it for `status`: the chat box (a run trained on conversations) or the text box, Predict enabled once
+        the model is finished; a new model clears the last one's chat, prediction and message."""
+        kind = views.try_kind(status)
+        chat = kind == "chat"
+        cleared = {"label": gr.update(value=None, visible=False), "generated": gr.update(value="", visible=False),
+                   "message": ""} if new_model else {}
+        ready = kind is not None
+        return TryPanel(chat=gr.update(visible=chat, **({"value": []} if new_model else {})),
+                        new_chat=gr.update(visible=chat), push=gr.update(interactive=ready),
+                        button=gr.update(interactive=ready, value="Send" if chat else "Predict"),
+                        text=gr.update(label="Your message" if chat else "Try it",
+                                       placeholder="Write to the trained model" if chat
+                                       else "Type a text for the trained model"), **cleared)
 
     def _handout(self, path: Path) -> str:
         """A path the download button may take: Gradio copies a returned file into its cache (under a path nobody
@@ -447,8 +469,13 @@ class Controller:
             return PredictionShown(label=gr.update(value=out["probabilities"], visible=True),
                                    generated=gr.update(visible=False), chat=gr.update(visible=False), message=note)
         if "reply" in out:
+            reply = out["reply"]
+            if not reply.strip():  # an empty bubble reads as a broken page
+                reply = "*(no reply)*"
+                note = " ".join(n for n in (note, "The model answered with nothing: it may need more training, or "
+                                            "more data.") if n)
             shown = [*chatview.history_turns(history), {"role": "user", "content": shown_text},
-                     {"role": "assistant", "content": out["reply"]}]
+                     {"role": "assistant", "content": reply}]
             return PredictionShown(label=gr.update(visible=False), generated=gr.update(visible=False),
                                    chat=gr.update(value=shown, visible=True), text="", message=note)
         return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False),

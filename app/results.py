@@ -83,6 +83,21 @@ class Started:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TryPanel:
+    """Try it, set when the run (or its state) changes: a chat box for a run trained on conversations, a text box for
+    the others, Predict only once a model is finished; a new run's model starts a new chat."""
+
+    chat: Any = keep()
+    label: Any = keep()
+    generated: Any = keep()
+    button: Any = keep()
+    new_chat: Any = keep()
+    text: Any = keep()
+    message: Any = keep()
+    push: Any = keep()  # Push, like Predict, acts only on a finished model
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunShown:
     """The run panel and results, refreshed by the poll; all left as they are when nothing changed."""
 
@@ -101,6 +116,7 @@ class RunShown:
     trackers: Any = keep()  # how to open the run's TensorBoard / trackio dashboard
     hub_note: Any = keep()  # the last push, or (on a Space) the advice to push
     push_repo: Any = keep()  # the repository box, filled from the run's push_to_hub
+    try_panel: TryPanel | None = None  # None: Try it stays as it is
 
 
 @dataclass(frozen=True, kw_only=True)

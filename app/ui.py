@@ -277,11 +277,16 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                     metrics = gr.JSON(label="Final metrics", open=True)
                     run_dir_box = gr.Textbox(label="Run directory", interactive=False)
                     download_btn = gr.DownloadButton("Download model", interactive=False)
+                    # Try it: a chat box for a run trained on conversations, a text box for the others (the poll
+                    # switches them when a run finishes; see Controller.try_panel).
+                    try_chat = gr.Chatbot(label="Chat with the trained model (through its chat template)",
+                                          visible=False, height=280, elem_id="try-chat")
                     with gr.Row():
                         try_box = gr.Textbox(label="Try it", placeholder="Type a text for the trained model",
-                                             scale=4)
-                        try_btn = gr.Button("Predict", scale=1)
-                    try_msg = gr.Markdown()
+                                             scale=4, elem_id="try-box")
+                        try_btn = gr.Button("Predict", scale=1, interactive=False, elem_id="try-button")
+                    new_chat = gr.ClearButton([try_chat], value="New chat", size="sm", visible=False)
+                    try_msg = gr.Markdown(elem_id="try-message")
                     try_label = gr.Label(label="Prediction", num_top_classes=5, visible=False, elem_id="prediction")
                     try_text = gr.Textbox(label="Generated continuation", visible=False, interactive=False)
                     hub_md = gr.Markdown(elem_id="hub-note")
@@ -289,11 +294,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                         push_repo = gr.Textbox(label="Hub repository", placeholder="your-name/my-model", scale=3,
                                                elem_id="push-repo")
                         push_private = gr.Checkbox(label="Private", value=True, scale=1)
-                        push_btn = gr.Button("Push to the Hub", scale=1)
+                        push_btn = gr.Button("Push to the Hub", scale=1, interactive=False)
                     push_msg = gr.Markdown(elem_id="push-message")
-                    try_chat = gr.Chatbot(label="Chat with the trained model (through its chat template)",
-                                          visible=False, height=280, elem_id="try-chat")
-                    gr.ClearButton([try_chat], value="New chat", size="sm")
                 with gr.Column(variant="panel"):
                     gr.Markdown("### Reproduce")
                     with gr.Row():
@@ -317,7 +319,9 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         run_out = {"signature": seen, "status": status_md, "progress": progress, "stats": stats_md,
                    "loss_curve": loss_plot, "log": log_box, "metrics": metrics, "run_dir": run_dir_box,
                    "download": download_btn, "stop_button": stop_btn, "resume_button": resume_btn,
-                   "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo}
+                   "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo,
+                   "try_panel": {"chat": try_chat, "label": try_label, "generated": try_text, "button": try_btn,
+                                 "new_chat": new_chat, "text": try_box, "message": try_msg, "push": push_btn}}
         try_out = {"label": try_label, "generated": try_text, "chat": try_chat, "text": try_box, "message": try_msg}
         chat_in = [fields[n] for n in ("dataset", "dataset_config", "train_split", "task", "messages_column", "model",
                                        "chat_template", "train_on", "max_length")]

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from app.jobs import JobStatus
+from finetune.config.schema import read_yaml
 from finetune.data.chat import describe_dropped
 from finetune.data.segments import Segmentation
 
@@ -208,6 +209,19 @@ def status_markdown(status: JobStatus) -> str:
                           if isinstance(metrics.get(k), (int, float)))
         return f"{text}{' — ' + shown if shown else ''}{data}"
     return f"{text}\n\n{status.message}{data}" if status.message else text + data
+
+
+def try_kind(status: JobStatus) -> str | None:
+    """What Try it offers for the finished run: "chat" (a causal LM trained on conversations, answered through its
+    chat template, as `finetune predict` decides), "generate" (another causal LM), "classify", or None before a
+    finished model."""
+    if status.model_dir is None or status.run_dir is None:
+        return None
+    config = status.run_dir / "config.yaml"
+    options = read_yaml(config) if config.is_file() else {}
+    if options.get("task", "classification") != "causal_lm":
+        return "classify"
+    return "chat" if options.get("messages_column") else "generate"
 
 
 def hub_markdown(status: JobStatus, on_space: bool) -> str:

@@ -190,3 +190,21 @@ def test_the_childs_message_is_taken_from_this_session_of_the_log(tmp_path):
     assert "old problem" not in output
     assert error_from_output(output) == "2 problems in the config:\n  - `a` is bad.\n  - `b` is bad."
     assert error_from_output("Traceback (most recent call last):\n  ...\nRuntimeError: boom") == "RuntimeError: boom"
+
+
+def test_try_it_offers_a_chat_only_for_a_finished_run_trained_on_conversations(tmp_path):
+    from app.handlers import Controller
+
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    done = JobStatus(state="done", run_dir=run)
+    (run / "config.yaml").write_text("task: classification\n")
+    assert views.try_kind(done) == "classify"
+    (run / "config.yaml").write_text("task: causal_lm\nmessages_column: messages\n")
+    assert views.try_kind(done) == "chat"
+    (run / "config.yaml").write_text("task: causal_lm\ntext_column: text\n")
+    assert views.try_kind(done) == "generate"
+    assert views.try_kind(JobStatus(state="running", run_dir=run)) is None  # no finished model yet
+    before = Controller.try_panel(JobStatus(state="idle"), new_model=True)
+    assert before.button["interactive"] is False and before.push["interactive"] is False
+    assert before.chat["visible"] is False and before.new_chat["visible"] is False
