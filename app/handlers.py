@@ -26,6 +26,7 @@ from app.mapping import (
     changed_options,
     config_to_values,
     config_yaml,
+    in_form_words,
     infer_task,
     load_config_file,
     problems_markdown,
@@ -53,6 +54,8 @@ PLAN_TIMEOUT_S = 120
 TASK_COLUMNS = {"classification": ("text_column", "text_pair_column", "label_column"),
                 "causal_lm": ("text_column", "prompt_column", "completion_column", "messages_column")}
 NONE_CHOICE = ("—", "")
+RUN_FOLDER_FIELDS = ("output_dir", "overwrite", "resume")  # where a run goes: never carried into the next one
+TERMINAL = ("stopped", "done", "failed")
 
 
 class Unanswered(RuntimeError):
@@ -66,6 +69,13 @@ def _display_path(path: Path | str) -> str:
         return str(given.resolve().relative_to(Path.cwd().resolve())) if given.is_absolute() else str(given)
     except ValueError:
         return str(given)
+
+
+def _run_dir_words(error: RunDirError, config: Config) -> str:
+    """A refused run folder in the form's words ("tick Overwrite", not `overwrite=true`), with the way out that the
+    CLI's message cannot name: a new run needs no Output dir at all."""
+    text = in_form_words(str(error))
+    return text if config.resume else f"{text} Or clear **Output dir** (under Training) for a new run."
 
 
 class Controller:
@@ -142,7 +152,7 @@ class Controller:
                 choices.append((value, value))  # an imported mapping stays visible until the data is there
             updates[name] = gr.update(choices=choices, value=value or "", visible=name in shown)
         return DatasetShown(preview=view.preview, columns=updates, labels=dataview.labels_markdown(view),
-                            error=f"⚠️ {view.error}" if view.error else "")
+                            error=f"⚠️ {in_form_words(view.error)}" if view.error else "")
 
     def on_upload(self, uploaded: str | None, config_name: str, split: str, task: str, *columns: str,
                   request: Any = None) -> UploadShown:
@@ -229,7 +239,7 @@ class Controller:
         except ConfigError as e:
             return PlanShown(error=problems_markdown(e))
         except Unanswered as e:
-            return PlanShown(error=f"⚠️ {e}")
+            return PlanShown(error=f"⚠️ {in_form_words(str(e))}")
         frame = views.plan_frame(plan)
         return PlanShown(text=views.plan_markdown(plan), chart=gr.update(value=frame, sort=list(frame.part),
                                                                          visible=True))
@@ -270,7 +280,7 @@ class Controller:
         try:
             run_dir = check_run_dir(config)
         except RunDirError as e:
-            return Started(started=False, message=str(e))
+            return Started(started=False, message=str(e), form_message=_run_dir_words(e, config))
         config_path = run_dir / "launch.yaml"
         command = f"finetune train {_display_path(config_path)}"
         mark_run_dir(run_dir)
@@ -362,7 +372,10 @@ class Controller:
                         push_repo=options["push_to_hub"] or gr.skip(),
                         try_panel=self.try_panel(status, new_model=not isinstance(seen, (list, tuple))
                                                  or seen[0] != str(status.run_dir) or status.state == "done")
-                        if changed_run else None)
+                        if changed_run else None,
+                        # "Started…", "Stopping…" and the like answered an action on this run: its end replaces them.
+                        note="" if changed_run and status.state in TERMINAL and isinstance(seen, (list, tuple))
+                        else gr.skip())
 
     @staticmethod
     def try_panel(status: JobStatus, *, new_model: bool) -> TryPanel:
@@ -398,19 +411,23 @@ class Controller:
         return str(out)
 
     def running_config(self, *, request: Any = None) -> FormShown:
-        """On page load: the form (and its dataset preview) shows the config of the run in progress to its owner."""
+        """On page load: the form (and its dataset preview) shows the config of the owner's current or last run, as
+        the Run panel does, clearly labelled; its run folder is left out, so the next Start makes a new run rather
+        than meeting the running one's folder."""
         user = self.access.identify(request)
         status = self.jobs.status()
-        if not status.active or status.config_path is None or not self.is_mine(status, user):
+        if status.config_path is None or not self.is_mine(status, user):
             return FormShown()
         try:
             config = load_config_file(status.config_path)
         except ConfigError:  # a config the app did not write, which no longer validates: keep the form
             return FormShown()
+        config = from_dict({k: v for k, v in changed_options(config).items() if k not in RUN_FOLDER_FIELDS})
         data = self.refresh_dataset(config.dataset or "", config.dataset_config or "", config.train_split,
                                     config.task, *[getattr(config, c) or "" for c in COLUMN_FIELDS], request=request)
         return FormShown(values=dict(zip(FIELD_NAMES, config_to_values(config), strict=True)), data=data,
-                         note=f"The form shows the run in progress (`{_display_path(status.config_path)}`).")
+                         note=f"The form shows the settings of run `{_display_path(status.run_dir)}`. Start makes a "
+                              "new run (in a new folder) from them.")
 
     @staticmethod
     def command(status: JobStatus) -> str:
@@ -516,7 +533,7 @@ class Controller:
             return FormShown(note=f"⚠️ {too_big}")
         try:
             config = load_config_file(uploaded)
-        except ConfigError as e:
-            return FormShown(note=problems_markdown(e))
+        except ConfigError as e:  # in the file's words (its keys), not the form's: the file is what to fix
+            return FormShown(note=f"⚠️ {problems_text(e)}")
         return FormShown(values=dict(zip(FIELD_NAMES, config_to_values(config), strict=True)),
                          note=f"Imported `{Path(uploaded).name}`.", yaml=config_yaml(config))

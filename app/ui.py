@@ -206,6 +206,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
             gr.LoginButton("Sign in with Hugging Face to train")
         with gr.Row(equal_height=False):
             with gr.Column(scale=5):
+                form_note = gr.Markdown(elem_id="form-note")  # where the form's values came from, after a reload
                 with gr.Column(variant="panel"):
                     gr.Markdown("### 1 · Model")
                     place("model", per_row=2)
@@ -321,7 +322,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                    "download": download_btn, "stop_button": stop_btn, "resume_button": resume_btn,
                    "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo,
                    "try_panel": {"chat": try_chat, "label": try_label, "generated": try_text, "button": try_btn,
-                                 "new_chat": new_chat, "text": try_box, "message": try_msg, "push": push_btn}}
+                                 "new_chat": new_chat, "text": try_box, "message": try_msg, "push": push_btn},
+                   "note": run_msg}
         try_out = {"label": try_label, "generated": try_text, "chat": try_chat, "text": try_box, "message": try_msg}
         chat_in = [fields[n] for n in ("dataset", "dataset_config", "train_split", "task", "messages_column", "model",
                                        "chat_template", "train_on", "max_length")]
@@ -352,7 +354,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         _on(timer.tick, controller.poll, seen, run_out, concurrency_limit=None, show_progress="hidden", **private)
         # A reload (or a second tab) shows the running job at once rather than at the next tick.
         _on(demo.load, controller.poll, seen, run_out, show_progress="hidden", **private)
-        _on(demo.load, controller.running_config, None, {"values": by_name, "note": repro_msg, "data": data_out},
+        _on(demo.load, controller.running_config, None, {"values": by_name, "note": form_note, "data": data_out},
             show_progress="hidden", **private)
         _on(try_btn.click, controller.try_it, [try_box, try_chat], try_out, **private)
         _on(try_box.submit, controller.try_it, [try_box, try_chat], try_out, **private)

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from app.jobs import JobStatus
+from app.mapping import in_form_words
 from finetune.config.schema import read_yaml
 from finetune.data.chat import describe_dropped
 from finetune.data.segments import Segmentation
@@ -199,10 +200,13 @@ def status_markdown(status: JobStatus) -> str:
     if status.state == "idle":
         return "**Ready.** Check the plan, then press *Start training*."
     where = f" — `{status.run_dir}`" if status.run_dir else ""
-    text = f"**{title}**{where}"
+    # An ended run says so: a refusal of the next Start, shown beside it, is not read as this run's news.
+    text = f"Last run: **{title}**{where}" if status.state in ("stopped", "done", "failed") else f"**{title}**{where}"
     data = "".join(f"\n\n{line}" for line in data_lines(status.last("start")))
     if status.state == "failed":
-        return f"{text}\n\n❌ {status.message or 'The run failed without a message; see the log below.'}{data}"
+        message = in_form_words(status.message) if status.message else \
+            "The run failed without a message; see the log below."
+        return f"{text}\n\n❌ {message}{data}"
     if status.state == "done":
         metrics = final_metrics(status)
         shown = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("accuracy", "macro_f1", "perplexity", "loss")
@@ -289,7 +293,8 @@ def _event_line(event: dict[str, Any], total: int | None) -> str | None:
 
 def log_text(status: JobStatus, lines: int = 12) -> str:
     """The last events as readable lines, then whatever the child printed (warnings, errors)."""
-    total = None
+    # The total comes from the latest start, which may be older than the events shown (not "step 193/?").
+    total = next((e["total_steps"] for e in reversed(status.events) if e.get("event") == "start"), None)
     out = []
     for e in status.events[-200:]:
         if e.get("event") == "start":
