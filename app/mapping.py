@@ -138,11 +138,16 @@ def _section(name: str) -> str:
     return GROUP_SECTIONS.get(FIELDS[name].metadata.get("group", "main"), "advanced")
 
 
+# Bounds that the config's cross-checks narrow beyond the field's own (`epochs` 0 is refused unless Max steps is
+# set): the help states the rule a value meets, not the bare schema minimum.
+BOUND_WORDS = {"epochs": "> 0 unless Max steps is set"}
+
+
 def _info(name: str) -> str:
     meta = FIELDS[name].metadata
     bounds = []
-    if meta["min"] is not None:
-        bounds.append(f"≥ {format_bound(meta['min'])}")
+    if name in BOUND_WORDS or meta["min"] is not None:
+        bounds.append(BOUND_WORDS.get(name) or f"≥ {format_bound(meta['min'])}")
     if meta["max"] is not None:
         bounds.append(f"≤ {format_bound(meta['max'])}")
     suffix = f" ({', '.join(bounds)})" if bounds and _kind(name) in ("int", "float") else ""

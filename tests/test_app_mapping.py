@@ -16,6 +16,7 @@ from app.device import DeviceMemory
 from app.handlers import Controller
 from app.jobs import JobManager
 from app.mapping import (
+    BOUND_WORDS,
     FIELD_NAMES,
     MODEL_PRESETS,
     SPECS,
@@ -77,7 +78,7 @@ def test_every_field_has_a_widget_from_the_schema():
         assert meta["help"] in spec.info and f"[{name}]" in spec.info
         assert spec.choices == (tuple(meta["choices"]) if meta["choices"] else None)
         assert (spec.minimum, spec.maximum) == (meta["min"], meta["max"])
-        if spec.kind in ("int", "float") and meta["min"] is not None:
+        if spec.kind in ("int", "float") and meta["min"] is not None and name not in BOUND_WORDS:
             assert f"≥ {meta['min']:g}" in spec.info  # the bounds are shown, not only enforced
         assert from_widget(name, spec.default) == FIELDS[name].default
     labels = [s.label for s in SPECS.values()]
@@ -246,6 +247,13 @@ def test_named_results_go_to_the_widgets_named_for_their_fields():
     shown = UploadShown(dataset="a.csv", data=DatasetShown(preview=None, columns={}, labels="3 rows", error=""))
     # A column not named in the group keeps its dropdown; every other field goes to its widget.
     assert _updates(shown, targets) == {dataset: "a.csv", preview: None, labels: "3 rows", error: ""}
+
+
+def test_the_epochs_help_states_the_rule_the_config_checks():
+    assert "(> 0 unless Max steps is set, ≤ 10,000)" in SPECS["epochs"].info and "≥ 0" not in SPECS["epochs"].info
+    with pytest.raises(ConfigError, match="`epochs` must be above 0"):
+        from_dict({"epochs": 0})
+    assert from_dict({"epochs": 0, "max_steps": 5}).max_steps == 5
 
 
 def test_a_handler_without_request_cannot_be_wired_to_the_page():
