@@ -51,6 +51,9 @@ from finetune.config.schema import FIELDS, Config, ConfigError, from_dict
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
 PLAN_TIMEOUT_S = 120
+PLAN_MEMO = 16  # plans (or planner errors) kept per app, by config: Start reuses what Plan just answered
+PLANNER_SLOW = "The planner took longer than"
+PROBE_OFF = "Estimated without a measured probe while a run is training."
 TASK_COLUMNS = {"classification": ("text_column", "text_pair_column", "label_column"),
                 "causal_lm": ("text_column", "prompt_column", "completion_column", "messages_column")}
 NONE_CHOICE = ("—", "")
@@ -92,6 +95,7 @@ class Controller:
         self.samples = tuple(Path(p).resolve() for p in samples)  # the app's own sample data, readable by all
         self.limits = server_limits
         self._downloads: Path | None = None  # where finished zips are handed out from, when the runs are elsewhere
+        self._plans: dict[tuple, dict[str, Any] | str] = {}  # see make_plan
 
     # --- who asks
     def who(self, request: Any) -> tuple[str | None, str]:
@@ -209,6 +213,34 @@ class Controller:
             raise Unanswered(str(e)) from None
         if over := limits.check(config, self.limits):
             raise Unanswered(" ".join(over))
+        key = self._plan_key(config, user)
+        if key in self._plans:  # Plan, then Start on the same form: one planner run, not two
+            answer = self._plans[key]
+            if isinstance(answer, str):
+                raise Unanswered(answer)
+            return dict(answer)
+        try:
+            plan = self._run_planner(config)
+        except Unanswered as e:
+            if not str(e).startswith(PLANNER_SLOW):
+                self._remember(key, str(e))
+            raise
+        if not plan.get("notes") or PROBE_OFF not in plan["notes"]:
+            self._remember(key, plan)
+        return plan
+
+    def _plan_key(self, config: Config, user: str | None) -> tuple:
+        options = {k: v for k, v in changed_options(config).items() if k not in RUN_FOLDER_FIELDS}
+        files = tuple(dataview._stamp(str(p)) for p in (config.dataset, config.eval_dataset) if p)
+        return user, config_yaml(from_dict(options)), files
+
+    def _remember(self, key: tuple, answer: dict[str, Any] | str) -> None:
+        self._plans[key] = answer
+        while len(self._plans) > PLAN_MEMO:
+            self._plans.pop(next(iter(self._plans)))
+
+    def _run_planner(self, config: Config) -> dict[str, Any]:
+        """`finetune plan --json` in a child process."""
         extra = []
         if self.jobs.status().active and "plan_probe" in FIELDS:
             # A measured probe would train on the device the running job is using: estimate without one.
@@ -221,7 +253,7 @@ class Controller:
                                        str(out_path)], capture_output=True, text=True, timeout=PLAN_TIMEOUT_S,
                                       env=self.access.child_env(os.environ))
             except subprocess.TimeoutExpired:
-                raise Unanswered(f"The planner took longer than {PLAN_TIMEOUT_S} s.") from None
+                raise Unanswered(f"{PLANNER_SLOW} {PLAN_TIMEOUT_S} s.") from None
             if proc.returncode != 0 or not out_path.is_file():
                 text = (proc.stderr or proc.stdout).strip().splitlines()
                 message = next((line[len("error: "):] for line in reversed(text) if line.startswith("error: ")),
@@ -229,7 +261,7 @@ class Controller:
                 raise Unanswered(limits.short_text(message or (text[-1] if text else "The planner failed.")))
             plan = json.loads(out_path.read_text(encoding="utf-8"))
         if extra:
-            plan["notes"] = [*plan.get("notes", []), "Estimated without a measured probe while a run is training."]
+            plan["notes"] = [*plan.get("notes", []), PROBE_OFF]
         return plan
 
     def plan(self, *values: Any, request: Any = None) -> PlanShown:
@@ -276,6 +308,15 @@ class Controller:
                                 {c: getattr(config, c) for c in COLUMN_FIELDS})
         if view.error:
             return Started(started=False, message=view.error, data_error=view.error)
+        if config.memory_budget_gb is not None:
+            # The plan's checks before any folder is made: an impossible budget is refused here, in the form,
+            # rather than by the run a few seconds after it started.
+            try:
+                self.make_plan(config, request=request)
+            except Unanswered as e:
+                if not str(e).startswith(PLANNER_SLOW):  # a slow planner is no reason to refuse: the run plans too
+                    return Started(started=False, message=str(e),
+                                   form_message=f"Not started (nothing was written): {in_form_words(str(e))}")
         config = from_dict({**changed_options(config), "output_dir": _display_path(run_dir)})
         try:
             run_dir = check_run_dir(config)

@@ -326,3 +326,19 @@ def test_a_reload_shows_the_runs_settings_without_its_folder_and_old_notes_go_wh
                                                   "checkpoint": str(run / "checkpoints" / "step-3")}) + "\n")
     assert ctl.poll((str(run), 0, "stopping")).note == ""
     assert ctl.poll(ctl.poll(None).signature).note == gr.skip()
+
+
+def test_start_runs_the_plans_checks_first_and_refuses_an_impossible_budget_without_a_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs = Path("runs")
+    ctl = Controller(runs, JobManager(runs))
+    config = from_dict({"dataset": str(ROOT / "assets" / "sst2_sample.csv"), "memory_budget_gb": 0.01})
+    planned = ctl.plan(*config_to_values(config))
+    assert planned.error.startswith("⚠️ Nothing fits **Memory budget (GB)** 0.01:")
+    calls = []
+    monkeypatch.setattr(ctl, "_run_planner", lambda c: calls.append(c))  # Start reuses Plan's answer
+    refused = ctl.start(*config_to_values(config))
+    assert not refused.started and refused.note.startswith(
+        "⚠️ Not started (nothing was written): Nothing fits **Memory budget (GB)** 0.01:")
+    assert "memory_budget_gb=0.01" in refused.message and calls == []  # the API keeps the planner's words
+    assert ctl.jobs.status().state == "idle" and not [p for p in runs.glob("*") if p.name != "uploads"]

@@ -107,7 +107,7 @@ def test_new_user_trains_stops_resumes_and_downloads(server, tmp_path):
 
         # Start. While the child loads the model: a second Start says why it cannot start, and a reload re-attaches.
         page.get_by_role("button", name="Start training", exact=True).click()
-        expect(page.locator("#run-message")).to_contain_text("finetune train", timeout=30_000)
+        expect(page.locator("#run-message")).to_contain_text("finetune train", timeout=120_000)
         page.get_by_role("button", name="Start training", exact=True).click()
         expect(page.locator("#run-message")).to_contain_text("A run is in progress", timeout=30_000)
         page.reload()

@@ -42,7 +42,8 @@ def test_bob_sees_only_that_alices_run_is_in_progress(tmp_path):
         alice.get_by_label("Effective batch size", exact=True).fill("8")
         alice.get_by_label("Max steps", exact=True).fill("400")
         alice.get_by_role("button", name="Start training", exact=True).click()
-        expect(alice.locator("#run-message")).to_contain_text("finetune train runs/alice/", timeout=30_000)
+        # Start plans first (the planner may take a while on a busy machine).
+        expect(alice.locator("#run-message")).to_contain_text("finetune train runs/alice/", timeout=120_000)
         expect(alice.locator("#run-status")).to_contain_text("Training", timeout=90_000)
         expect(alice.locator("#run-progress")).to_contain_text("/ 400", timeout=60_000)
 
