@@ -113,6 +113,7 @@ class RunShown:
     metrics: Any = keep()
     run_dir: Any = keep()
     download: Any = keep()
+    start_button: Any = keep()  # disabled while the user's own run is active (someone else's: Start says why not)
     stop_button: Any = keep()
     resume_button: Any = keep()
     command: Any = keep()

@@ -319,7 +319,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                       "eval_split": fields["eval_split"], "eval_fraction": fields["eval_fraction"], "data": data_out}
         run_out = {"signature": seen, "status": status_md, "progress": progress, "stats": stats_md,
                    "loss_curve": loss_plot, "log": log_box, "metrics": metrics, "run_dir": run_dir_box,
-                   "download": download_btn, "stop_button": stop_btn, "resume_button": resume_btn,
+                   "download": download_btn, "start_button": start_btn, "stop_button": stop_btn,
+                   "resume_button": resume_btn,
                    "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo,
                    "try_panel": {"chat": try_chat, "label": try_label, "generated": try_text, "button": try_btn,
                                  "new_chat": new_chat, "text": try_box, "message": try_msg, "push": push_btn},
