@@ -1,0 +1,117 @@
+"""Every control of the page, pressed through the page: one server, one tiny run, Chromium.
+
+Each of the app's buttons is pressed once in a state where it is enabled (and checked to be disabled where it cannot
+act); after each press the page shows no Gradio "Error" badge and, at the end, the app's log holds no traceback.
+The handlers' own tests call them from Python; only this test catches a handler that cannot take what the page
+sends (Export and Import config once could not take the request). A button added to the page and not pressed here
+fails the last check.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ROOT, served_app
+from test_browser import CHROMIUM, _browser_or_skip
+
+pytestmark = pytest.mark.slow
+# The app's own buttons (gr.Button, gr.UploadButton, gr.DownloadButton, gr.ClearButton), visible ones only; Gradio's
+# chrome (copy, fullscreen, settings, the file box's own upload area) is not the app's.
+APP_BUTTONS_JS = """() => [...document.querySelectorAll('button')]
+    .filter((b) => b.offsetParent !== null && /\\b(primary|secondary|stop)\\b/.test(b.className))
+    .map((b) => b.innerText.trim())"""
+
+
+def _no_error(page, log, after: str) -> None:
+    """No red Error badge on any output, no error toast, no traceback in the app's log."""
+    badges = page.locator("span.error").filter(has_text="Error")
+    assert badges.count() == 0, f"an Error badge after {after}"
+    text = log.read_text(encoding="utf-8", errors="replace")
+    assert "Traceback" not in text, f"a traceback in the app log after {after}:\n{text[-3000:]}"
+
+
+def test_every_button_is_pressed_once_without_an_error(tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    _browser_or_skip()
+    data = tmp_path / "tiny.csv"
+    data.write_text("".join((ROOT / "assets" / "sst2_sample.csv").read_text().splitlines(keepends=True)[:41]))
+    # What Import config fills the form with: a run long enough to press Stop in, short enough to resume to the end.
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"dataset: {data}\ntext_column: sentence\nlabel_column: label\nmax_length: 32\n"
+                      "effective_batch_size: 4\nmax_steps: 30\neval_every: 10\nmemory_budget_gb: 4\n"
+                      "learning_rate: 1.0e-4\n")
+    log = tmp_path / "app.log"
+    pressed: list[str] = []
+    with served_app(tmp_path, log=log, OMP_NUM_THREADS="1") as (url, runs), sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                     args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+        page.goto(url)
+        expect(page.get_by_label("Model", exact=True)).to_have_value("bundled:all-MiniLM-L6-v2", timeout=60_000)
+
+        def button(name: str):
+            return page.get_by_role("button", name=name, exact=True)
+
+        def press(name: str) -> None:
+            expect(button(name)).to_be_enabled(timeout=60_000)
+            button(name).click()
+            pressed.append(name)
+
+        # Before any run: only what can act is enabled.
+        for name in ("Stop", "Download model", "Predict", "Push to the Hub"):
+            expect(button(name)).to_be_disabled()
+        expect(button("New chat")).to_be_hidden()
+        expect(button("Resume")).to_be_hidden()
+        for section in ("More data options", "Several datasets at once (multi-task)", "Advanced"):
+            page.get_by_role("button", name=section).click()
+        _no_error(page, log, "opening the sections")
+
+        # Upload a dataset (the file box), export the form, import a config (the form fills from it).
+        with page.expect_file_chooser() as chooser:
+            page.locator("#upload-dataset").get_by_role("button").first.click()
+        chooser.value.set_files(str(data))
+        expect(page.locator("#label-counts")).to_contain_text("40 rows · 2 labels", timeout=60_000)
+        press("Export config")
+        expect(page.locator("#repro-message")).to_contain_text("Exported", timeout=30_000)
+        _no_error(page, log, "Export config")
+        with page.expect_file_chooser() as chooser:
+            press("Import config")
+        chooser.value.set_files(str(config))
+        expect(page.locator("#repro-message")).to_contain_text("Imported tiny.yaml", timeout=30_000)
+        expect(page.get_by_label("Max steps", exact=True)).to_have_value("30")
+        _no_error(page, log, "Import config")
+
+        press("Plan")
+        expect(page.locator("#plan")).to_contain_text("effective batch 4", timeout=180_000)
+        _no_error(page, log, "Plan")
+
+        # Start (Plan's answer is reused), then Stop mid-run, Resume to the end.
+        press("Start training")
+        expect(page.locator("#run-message")).to_contain_text("finetune train", timeout=60_000)
+        expect(button("Start training")).to_be_disabled(timeout=30_000)
+        expect(page.locator("#run-progress")).to_contain_text("step ", timeout=120_000)
+        press("Stop")
+        expect(page.locator("#run-status")).to_contain_text("Stopped", timeout=120_000)
+        expect(page.locator("#run-message")).to_have_text("", timeout=30_000)  # "Stopping…" is gone
+        _no_error(page, log, "Stop")
+        press("Resume")
+        expect(page.locator("#run-status")).to_contain_text("Done", timeout=180_000)
+        _no_error(page, log, "Resume")
+
+        # A finished model: download it, try it, push it (no repository given: the push says so, in one line).
+        with page.expect_download(timeout=60_000) as download:
+            press("Download model")
+        assert download.value.suggested_filename.endswith(".zip")
+        page.get_by_label("Try it", exact=True).fill("a gripping, beautiful film")
+        press("Predict")
+        expect(page.locator("#prediction")).to_contain_text("%", timeout=60_000)
+        press("Push to the Hub")
+        expect(page.locator("#push-message")).to_contain_text("Give the repository", timeout=30_000)
+        _no_error(page, log, "Download, Predict and Push")
+
+        # Every button of the app on the page now was pressed (New chat shows only for chat runs).
+        shown = set(page.evaluate(APP_BUTTONS_JS))
+        assert shown - set(pressed) == set(), f"buttons never pressed: {shown - set(pressed)}"
+        browser.close()
+    _no_error_in_log = "Traceback" not in log.read_text(encoding="utf-8", errors="replace")
+    assert _no_error_in_log, log.read_text()[-3000:]
