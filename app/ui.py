@@ -39,6 +39,12 @@ CSS = """
 .ft-progress progress { flex: 1; height: 18px; accent-color: var(--color-accent); }
 .ft-progress span { white-space: nowrap; font-variant-numeric: tabular-nums; }
 .ft-error p { color: var(--error-text-color, #b91c1c); }
+/* WCAG AA: help text 4.5:1 (Gradio's grey is 1.9:1 on white), white on the Start button 4.5:1 (2.8:1 on its orange). */
+.info-text { color: #4b5563 !important; }
+.dark .info-text { color: #d1d5db !important; }
+button.primary { background: #c2410c !important; color: #fff !important; }
+button.primary:hover:not(:disabled) { background: #9a3412 !important; }
+button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !important; }
 .ft-chart svg { width: 100%; height: auto; display: block; }
 .ft-chart svg text { font-size: 12px; fill: var(--body-text-color, #1f2937); }
 .ft-legend { display: flex; gap: 16px; flex-wrap: wrap; font-size: 13px; }

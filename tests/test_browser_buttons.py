@@ -21,6 +21,29 @@ APP_BUTTONS_JS = """() => [...document.querySelectorAll('button')]
     .map((b) => b.innerText.trim())"""
 
 
+COLOURS_JS = """() => {
+  const info = document.querySelector('#field-epochs .info-text');
+  const start = [...document.querySelectorAll('button.primary')][0];
+  const page = getComputedStyle(document.querySelector('.gradio-container')).backgroundColor;
+  return {info: getComputedStyle(info).color, page, start: getComputedStyle(start).color,
+          start_bg: getComputedStyle(start).backgroundColor};
+}"""
+
+
+def _contrast(a: str, b: str) -> float:
+    """WCAG contrast ratio of two CSS rgb()/rgba() colours (a transparent background reads as white)."""
+    def luminance(css: str) -> float:
+        parts = [float(x) for x in css[css.index("(") + 1:-1].split(",")]
+        if len(parts) == 4 and parts[3] == 0:
+            parts = [255.0, 255.0, 255.0]
+        rgb = [c / 255 for c in parts[:3]]
+        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
 def _no_error(page, log, after: str) -> None:
     """No red Error badge on any output, no error toast, no traceback in the app's log."""
     badges = page.locator("span.error").filter(has_text="Error")
@@ -56,6 +79,11 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
             expect(button(name)).to_be_enabled(timeout=60_000)
             button(name).click()
             pressed.append(name)
+
+        # Help text and the Start button are readable (WCAG AA: 4.5:1).
+        colours = page.evaluate(COLOURS_JS)
+        assert _contrast(colours["info"], colours["page"]) >= 4.5, colours
+        assert _contrast(colours["start"], colours["start_bg"]) >= 4.5, colours
 
         # Before any run: only what can act is enabled.
         for name in ("Stop", "Download model", "Predict", "Push to the Hub"):
