@@ -110,7 +110,7 @@ def loss_chart_html(frame: pd.DataFrame) -> str:
         f'<span class="ft-key"><svg width="22" height="10" aria-hidden="true"><line x1="1" x2="21" y1="5" y2="5" '
         f'stroke="{_colour(s, splits)}" stroke-width="3"{key_dash if s.startswith("eval") else ""}/></svg>'
         f'{html.escape(s)}</span>' for s in splits)
-    return (f'<div class="ft-chart"><div class="ft-legend">{legend}</div>'
+    return (f'<div class="ft-chart"><div class="ft-legend"><b>Loss per optimizer step</b> {legend}</div>'
             f'<svg viewBox="0 0 {CHART_W} {CHART_H}" role="img" aria-label="Loss per optimizer step: '
             f'{html.escape(", ".join(splits))}">{"".join(parts)}</svg></div>')
 

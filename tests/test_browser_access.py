@@ -53,8 +53,11 @@ def test_bob_sees_only_that_alices_run_is_in_progress(tmp_path):
         expect(bob.get_by_label("Run directory", exact=True)).to_have_value("")
         expect(bob.get_by_label("Log", exact=True)).to_have_value("")
         expect(bob.get_by_role("button", name="Stop", exact=True)).to_be_disabled()
-        expect(bob.get_by_role("button", name="Download model")).to_be_disabled()
-        assert "alice" not in bob.locator("body").inner_text()
+        for tab in ("Try it", "Export", "Train"):  # each tab shows only its own step
+            bob.get_by_role("tab", name=tab, exact=True).click()
+            if tab == "Export":
+                expect(bob.get_by_role("button", name="Download model")).to_be_disabled()
+            assert "alice" not in bob.locator("body").inner_text()
         bob.get_by_role("button", name="Start training", exact=True).click()
         expect(bob.locator("#run-message")).to_contain_text("A run is in progress (step", timeout=30_000)
         bob.screenshot(path=os.environ.get("FINETUNE_ACCESS_SCREENSHOT") or str(tmp_path / "bob.png"),

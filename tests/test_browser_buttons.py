@@ -1,4 +1,5 @@
 """Every control of the page, pressed through the page: one server, one tiny run, Chromium.
+Set FINETUNE_TAB_SCREENSHOTS=folder to also save each tab at 1,400 and 400 px (the README's are made this way).
 
 Each of the app's buttons is pressed once in a state where it is enabled (and checked to be disabled where it cannot
 act); after each press the page shows no Gradio "Error" badge and, at the end, the app's log holds no traceback.
@@ -8,6 +9,8 @@ fails the last check.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from conftest import ROOT, served_app
@@ -75,21 +78,35 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         def button(name: str):
             return page.get_by_role("button", name=name, exact=True)
 
+        shown: set[str] = set()
+
+        def tab(name: str) -> None:
+            """Open a step's tab and note the app's buttons it shows."""
+            page.get_by_role("tab", name=name, exact=True).click()
+            page.wait_for_timeout(300)
+            shown.update(page.evaluate(APP_BUTTONS_JS))
+
         def press(name: str) -> None:
             expect(button(name)).to_be_enabled(timeout=60_000)
             button(name).click()
             pressed.append(name)
 
         # Help text and the Start button are readable (WCAG AA: 4.5:1).
+        expect(page.get_by_role("button", name="Start training", exact=True)).to_be_visible(timeout=30_000)
         colours = page.evaluate(COLOURS_JS)
         assert _contrast(colours["info"], colours["page"]) >= 4.5, colours
         assert _contrast(colours["start"], colours["start_bg"]) >= 4.5, colours
 
-        # Before any run: only what can act is enabled.
-        for name in ("Stop", "Download model", "Predict", "Push to the Hub"):
-            expect(button(name)).to_be_disabled()
-        expect(button("New chat")).to_be_hidden()
+        # Before any run: only what can act is enabled, in each tab.
+        expect(button("Stop")).to_be_disabled()
         expect(button("Resume")).to_be_hidden()
+        tab("Try it")
+        expect(button("Predict")).to_be_disabled()
+        expect(button("New chat")).to_be_hidden()
+        tab("Export")
+        for name in ("Download model", "Push to the Hub"):
+            expect(button(name)).to_be_disabled()
+        tab("Train")
         for section in ("More data options", "Several datasets at once (multi-task)", "Advanced"):
             page.get_by_role("button", name=section).click()
         _no_error(page, log, "opening the sections")
@@ -99,6 +116,7 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
             page.locator("#upload-dataset").get_by_role("button").first.click()
         chooser.value.set_files(str(data))
         expect(page.locator("#label-counts")).to_contain_text("40 rows · 2 labels", timeout=60_000)
+        tab("Export")
         press("Export config")
         expect(page.locator("#repro-message")).to_contain_text("Exported", timeout=30_000)
         _no_error(page, log, "Export config")
@@ -106,8 +124,9 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
             press("Import config")
         chooser.value.set_files(str(config))
         expect(page.locator("#repro-message")).to_contain_text("Imported tiny.yaml", timeout=30_000)
-        expect(page.get_by_label("Max steps", exact=True)).to_have_value("30")
         _no_error(page, log, "Import config")
+        tab("Train")
+        expect(page.get_by_label("Max steps", exact=True)).to_have_value("30")
 
         press("Plan")
         expect(page.locator("#plan")).to_contain_text("effective batch 4", timeout=180_000)
@@ -127,18 +146,29 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         _no_error(page, log, "Resume")
 
         # A finished model: download it, try it, push it (no repository given: the push says so, in one line).
-        with page.expect_download(timeout=60_000) as download:
-            press("Download model")
-        assert download.value.suggested_filename.endswith(".zip")
+        shown.update(page.evaluate(APP_BUTTONS_JS))
+        tab("Try it")
         page.get_by_label("Try it", exact=True).fill("a gripping, beautiful film")
         press("Predict")
         expect(page.locator("#prediction")).to_contain_text("%", timeout=60_000)
+        tab("Export")
+        with page.expect_download(timeout=60_000) as download:
+            press("Download model")
+        assert download.value.suggested_filename.endswith(".zip")
         press("Push to the Hub")
         expect(page.locator("#push-message")).to_contain_text("Give the repository", timeout=30_000)
         _no_error(page, log, "Download, Predict and Push")
 
-        # Every button of the app on the page now was pressed (New chat shows only for chat runs).
-        shown = set(page.evaluate(APP_BUTTONS_JS))
+        if folder := os.environ.get("FINETUNE_TAB_SCREENSHOTS"):  # the README's screenshots: each tab, two widths
+            for width, height in ((1400, 900), (400, 860)):
+                page.set_viewport_size({"width": width, "height": height})
+                for name in ("Train", "Try it", "Export"):
+                    tab(name)
+                    page.evaluate("window.scrollTo(0, 0)")
+                    page.screenshot(path=f"{folder}/tab-{name.lower().replace(' ', '-')}-{width}.png")
+            page.set_viewport_size({"width": 1400, "height": 1000})
+
+        # Every button of the app that any tab showed was pressed (New chat shows only for chat runs).
         assert shown - set(pressed) == set(), f"buttons never pressed: {shown - set(pressed)}"
         browser.close()
     _no_error_in_log = "Traceback" not in log.read_text(encoding="utf-8", errors="replace")
