@@ -48,14 +48,14 @@ from app.results import (
     UploadShown,
 )
 from finetune.config.schema import FIELDS, Config, ConfigError, from_dict
+from finetune.kinds import registry as kinds
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
 PLAN_TIMEOUT_S = 120
 PLAN_MEMO = 16  # plans (or planner errors) kept per app, by config: Start reuses what Plan just answered
 PLANNER_SLOW = "The planner took longer than"
 PROBE_OFF = "Estimated without a measured probe while a run is training."
-TASK_COLUMNS = {"classification": ("text_column", "text_pair_column", "label_column"),
-                "causal_lm": ("text_column", "prompt_column", "completion_column", "messages_column")}
+TASK_COLUMNS = {name: kinds.entry(name).columns for name in kinds.names()}  # the column widgets each kind shows
 NONE_CHOICE = ("—", "")
 RUN_FOLDER_FIELDS = ("output_dir", "overwrite", "resume")  # where a run goes: never carried into the next one
 TERMINAL = ("stopped", "done", "failed")
