@@ -13,6 +13,7 @@ import hashlib
 import io
 import itertools
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from app import worker
 from app.limits import short_text
 from app.mapping import COLUMN_FIELDS
 from finetune.config.schema import Config
+from finetune.data.chat import MESSAGES_NAMES
 from finetune.data.load import DataError, is_local, label_counts, label_names_of, load_table, resolve_columns
 from finetune.kinds import registry as kinds
 
@@ -41,6 +43,10 @@ MAX_PREVIEW_COLUMNS = 50
 MAX_CELL_CHARS = 300
 MAX_LISTED = 30  # labels or column names listed under the preview
 MAX_ERROR_CHARS = 600  # a data error lists the columns that exist: at most this much of it
+SANITY_ROWS = 200  # rows of a text column read to tell text from numbers or ids
+ID_LIKE = re.compile(r"^[A-Za-z0-9_.:#/-]{1,64}$")
+TEXT_ROLES = {"text_column": "Text column", "text_pair_column": "Text pair column", "prompt_column": "Prompt column",
+              "completion_column": "Completion column"}
 
 
 @dataclass(frozen=True)
@@ -212,8 +218,11 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
     try:
         found = resolve_columns(Config(task=task, **kept), columns)
     except DataError as e:
-        return DatasetView(columns, preview, len(head), kept, error=_said(e), sampled=sampled)
+        return DatasetView(columns, preview, len(head), kept, error=_conversation_hint(head, task) or _said(e),
+                           sampled=sampled)
     chosen = {f"{role}_column": column for role, column in dataclasses.asdict(found).items()}
+    if problem := _text_problem(source, config_name, split or "train", chosen, kept):
+        return DatasetView(columns, preview, len(head), chosen, error=problem, sampled=sampled)
     # The rows and the labels need one column of the whole file (of a hub dataset: of its sample).
     try:
         table = load(source, config_name, split or "train", columns=(found.label or columns[0],))
@@ -237,6 +246,44 @@ def _short_cells(frame: pd.DataFrame) -> pd.DataFrame:
         return value if text is None or len(text) <= MAX_CELL_CHARS else text[:MAX_CELL_CHARS - 1] + "…"
 
     return frame.map(cut) if len(frame) else frame
+
+
+def _conversation_hint(head: Any, task: str) -> str:
+    """For conversation data under a classification model: the advice to switch to causal LM ("" otherwise)."""
+    if task != "classification":
+        return ""
+    for name in head.column_names:
+        first = head[0][name] if len(head) else None
+        turns = isinstance(first, list) and first and all(isinstance(t, dict) and "role" in t for t in first)
+        if name in MESSAGES_NAMES or turns:
+            return (f"Column `{name}` holds conversations, which a classifier cannot learn from: set Task to "
+                    "causal_lm and pick a causal LM model (one with a chat template) to fine-tune on them.")
+    return ""
+
+
+def _text_problem(source: str, config_name: str | None, split: str, chosen: dict[str, str | None],
+                  given: dict[str, str]) -> str:
+    """Why a text column cannot be the text ("" when it can): numbers, or ids (one distinct short token per row);
+    a guessed column (the only one left beside the label) says so."""
+    for role, what in TEXT_ROLES.items():
+        column = chosen.get(role)
+        if not column:
+            continue
+        try:
+            table = load(source, config_name, split, columns=(column,), head=SANITY_ROWS)
+        except DataError:
+            return ""  # the full check below words the problem
+        values = [v for v in table[column][:SANITY_ROWS] if v is not None]
+        how = "" if given.get(role) == column else " (guessed: it is the only column beside the label)"
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return (f"{what} `{column}`{how} holds numbers, not text: pick the column with the text under {what}, "
+                    "or add one to the file.")
+        strings = [v for v in values if isinstance(v, str)]
+        if len(strings) >= 2 and len(set(strings)) == len(strings) and all(
+                ID_LIKE.match(v) and any(ch.isdigit() for ch in v) for v in strings):
+            return (f"{what} `{column}`{how} looks like ids (one distinct code per row), not text: pick the column "
+                    f"with the text under {what}, or add one to the file.")
+    return ""
 
 
 def _for_task(columns: dict[str, str], task: str) -> dict[str, str]:
