@@ -16,7 +16,7 @@ from app.access import AccessError, resolve_output_dir
 from app.api import ScriptApi
 from app.handlers import Controller
 from app.jobs import JobManager
-from app.mapping import COLUMN_FIELDS, parse_config
+from app.mapping import COLUMN_FIELDS, in_form_words, parse_config
 from app.ui import GATES, build
 from finetune.config.schema import ConfigError, from_dict, sources
 from finetune.data.load import builder_names, is_local
@@ -116,7 +116,7 @@ def test_builder_names_are_never_hub_ids(shared, tmp_path):
         message = (f"`dataset` {name!r} is the name of a `datasets` file builder, which reads files from the "
                    "server's folders: upload your file, or give a Hugging Face hub dataset id.")
         shown = ctl.refresh_dataset(name, "", "train", "classification", *[""] * len(COLUMN_FIELDS), request=BOB)
-        assert shown.error == f"⚠️ {message}" and shown.preview.empty
+        assert shown.error == f"⚠️ {in_form_words(message)}" and shown.preview.empty
         started = ctl.start_run(_config(dataset=name), request=BOB)
         assert not started.started and started.message == message
     # On the command line too, `dataset: csv` is a mistake worded as one, not a search of the working folder.
