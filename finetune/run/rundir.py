@@ -11,6 +11,7 @@
       metrics.json   final evaluation and training figures
       loss.png       the loss curve, drawn from events.jsonl by a background process when the run ends
       tensorboard/   TensorBoard event files, with report_to=tensorboard
+      export/        what `finetune export` wrote: merged/ (a transformers folder), *.gguf, Modelfile, export.json
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ TRAINER_STATE = "trainer_state.json"  # progress and LR schedule, as JSON: resum
 # `overwrite` keeps them.
 LAUNCH_FILES = ("launch.yaml", "launch.log")
 RUN_FILES = (MARKER, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter", "metrics.json",
-             "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "wandb", "mlruns", *LAUNCH_FILES)
+             "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "export", "wandb", "mlruns", *LAUNCH_FILES)
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every", "report_to",
                      "push_to_hub", "hub_private"}
