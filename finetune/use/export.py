@@ -134,7 +134,9 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
     parameters = parameter_count(model_dir)
     _check_disk(out_dir, parameters, dtype, quant)
     converter = None
-    if fmt == "gguf":
+    if fmt == "gguf" and _reusable(out_dir, model_dir, dtype):  # converted before, from the same model: no re-check
+        converter = llamacpp.converter(llama_cpp)
+    elif fmt == "gguf":
         converter = llamacpp.converter(llama_cpp)
         arch = _architecture(model_dir)
         if arch not in llamacpp.supported_architectures(converter):
@@ -157,13 +159,17 @@ def export(target: str, *, fmt: str = "merged", quant: str | None = None, out: s
                    llama_cpp=llama_cpp)
     started = time.perf_counter()
     plan.out.mkdir(parents=True, exist_ok=True)
-    merged = write_merged(plan.model_dir, plan.out / MERGED_DIR, plan.task, plan.dtype, plan.chat,
-                          base=str(read_yaml(plan.run_dir / "config.yaml").get("model") or ""))
+    merged, f16 = plan.out / MERGED_DIR, plan.out / "model-f16.gguf"
+    # Another quant of a run exported before reuses its merged folder and f16 GGUF (the quantizer starts from it).
+    reuse = plan.format == "gguf" and _reusable(plan.out, plan.model_dir, plan.dtype)
+    if not reuse:
+        write_merged(plan.model_dir, merged, plan.task, plan.dtype, plan.chat,
+                     base=str(read_yaml(plan.run_dir / "config.yaml").get("model") or ""))
     gguf = modelfile = report = None
     if plan.format == "gguf":
-        f16 = plan.out / "model-f16.gguf"
-        llamacpp.convert(plan.converter, merged, f16)
-        llamacpp.mark_end_of_turn(plan.converter, f16, stop_ids(merged))
+        if not reuse:
+            llamacpp.convert(plan.converter, merged, f16)
+            llamacpp.mark_end_of_turn(plan.converter, f16, stop_ids(merged))
         gguf = f16 if plan.quant == "f16" else llamacpp.quantize(f16, plan.out / f"model-{plan.quant}.gguf",
                                                                    plan.quant)
         if plan.ollama:
@@ -174,7 +180,8 @@ def export(target: str, *, fmt: str = "merged", quant: str | None = None, out: s
         write_json(plan.out / f"check-{plan.quant}.json", report)
     result = ExportResult(out=plan.out, format=plan.format, quant=plan.quant, merged=merged, gguf=gguf,
                           modelfile=modelfile, seconds=seconds, check=report)
-    write_json(plan.out / RECORD, result.to_dict())
+    write_json(plan.out / RECORD, {**result.to_dict(), "dtype": plan.dtype, "source": _source_stamp(plan.model_dir),
+                                   "reused_f16": reuse})
     EventLog(plan.run_dir / "events.jsonl").emit(Exported(format=plan.format, quant=plan.quant,
                                                           path=str(gguf or merged), seconds=seconds, check=report))
     return result
@@ -423,6 +430,19 @@ def _architecture(model_dir: Path) -> str:
     if not archs:
         raise ModelError(f"{model_dir / 'config.json'} names no architecture: it was not saved by a run.")
     return archs[0]
+
+
+def _source_stamp(model_dir: Path) -> float:
+    """When the run's model was last written (a later training run in the same folder makes exports stale)."""
+    return max(p.stat().st_mtime for p in model_dir.iterdir() if p.is_file())
+
+
+def _reusable(out: Path, model_dir: Path, dtype: str) -> bool:
+    """Whether `out` holds a merged folder and f16 GGUF exported from this very model in this dtype."""
+    record = _json(out / RECORD)
+    return (record.get("source") == _source_stamp(model_dir) and record.get("dtype") == dtype
+            and (out / MERGED_DIR / "config.json").is_file() and (out / "model-f16.gguf").is_file()
+            and bool(record.get("gguf")))
 
 
 def _json(path: Path) -> dict[str, Any]:

@@ -212,8 +212,9 @@ def quiet(log: Path | None = None) -> Any:
     saved = os.dup(2)
     target = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(target, 2)
-    try:
-        yield
+    try:  # llama-cpp-python also forwards some of llama.cpp's notes to Python's sys.stderr
+        with open(os.dup(target), "a", encoding="utf-8") as python_side, contextlib.redirect_stderr(python_side):
+            yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)
@@ -235,7 +236,8 @@ def end_of_generation(gguf_path: Path) -> list[int]:
     model = _load(gguf_path, vocab_only=True)
     vocab = model._model.vocab
     found = [i for i in range(model.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]
-    model.close()
+    with quiet(gguf_path.with_name("llama.cpp.log")):
+        model.close()
     return found
 
 
@@ -288,4 +290,5 @@ def greedy(gguf_path: Path, text: str, prompt: list[int], n_tokens: int, teacher
                 "prompt_tokens": model.tokenize(text.encode("utf-8"), add_bos=True, special=True),
                 "chat_template": model.metadata.get("tokenizer.chat_template")}
     finally:
-        model.close()
+        with quiet(gguf_path.with_name("llama.cpp.log")):
+            model.close()
