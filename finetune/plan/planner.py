@@ -23,6 +23,8 @@ from finetune.config.schema import Config
 from finetune.engine.recurrence import Recurrence, check_run
 from finetune.engine.runtime import device_memory, resolve_precision
 from finetune.errors import PlanError
+from finetune.kinds.base import TaskKind
+from finetune.kinds.registry import kind as kind_named
 from finetune.models.load import load_model, prepare_for_training
 from finetune.plan import cache as plancache
 from finetune.plan.memory import Skeleton, dry_run, dry_run_segments, measure_window, model_skeleton
@@ -98,7 +100,7 @@ def overhead(tensors: int, device: str) -> int:
     return CUDA_CONTEXT + int(ALLOCATOR_SLACK * tensors) if device.startswith("cuda") else CPU_RUNTIME
 
 
-def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens: int, accum: int, precision: str,
+def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, tokens: int, accum: int, precision: str,
              optimizer: str, device: str, shards: int = 1, memory: int | None = None, padded: bool = False
              ) -> dict[str, int]:
     """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
@@ -111,14 +113,16 @@ def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens:
     terms = {"weights": _bytes(params), "optimizer_state": int(state_per_byte * gradients)}
     carried = 0
     if memory is None:
-        window = dry_run(skeleton, causal, micro, tokens, accum, precision, packed=c.packing, padded=padded)
+        window = dry_run(skeleton, kind, micro, tokens, accum, precision, packed=c.packing, padded=padded)
     else:
         window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
     # activations at the end of forward and the gradients at the end of backward), logits and activations.
-    vocab = getattr(getattr(skeleton.model, "config", None), "vocab_size", 0) or 0
+    model_config = getattr(skeleton.model, "config", None)
+    vocab = getattr(model_config, "vocab_size", 0) or 0
     terms["gradients"] = min(gradients, window)
-    terms["logits"] = min(2 * micro * tokens * vocab * 4 if causal else 0, window - terms["gradients"])
+    logits = kind.logits_bytes(micro, tokens, vocab, getattr(model_config, "num_labels", 0))
+    terms["logits"] = min(logits, window - terms["gradients"])
     if memory is not None:  # memory_length tokens × layers × KV heads × head dim × 2 × dtype bytes × micro-batch
         terms["carried_cache"] = carried
     terms["activations"] = window - terms["gradients"] - terms["logits"] - carried
@@ -157,7 +161,7 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     `distributed` is how the run will distribute (fsdp shards weights, gradients and optimizer state)."""
     device_name, device_total = device or device_memory()
     precision = resolve_precision(c.precision)
-    causal = c.task == "causal_lm"
+    kind = kind_named(c.task)
     tokens = worst_case_tokens(c, lengths)
     uneven = may_pad(lengths)
     budget = int(c.memory_budget_gb * GIB) if c.memory_budget_gb else None
@@ -185,7 +189,7 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
 
         def peak_of(micro: int, skeleton: Skeleton = skeleton, level: str = level, optimizer: str = optimizer
                     ) -> tuple[int, dict[str, int]]:
-            terms = estimate(skeleton, c, causal=causal, micro=micro, tokens=tokens,
+            terms = estimate(skeleton, c, kind=kind, micro=micro, tokens=tokens,
                              accum=batch.per_process // micro * segments, precision=precision, optimizer=optimizer,
                              device=device_name, shards=shards, memory=memory, padded=uneven and micro > 1)
             tried.append(Attempt(level, micro, sum(terms.values())))
