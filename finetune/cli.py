@@ -1,4 +1,4 @@
-"""`finetune` command line: train, plan, eval, predict, push, init, ui.
+"""`finetune` command line: train, plan, eval, predict, export, push, init, ui.
 
 Exit codes: 0 done, 2 bad input (one sentence, no traceback, nothing overwritten), 130 stopped, 1 internal error,
 3 trained and saved but the push to the Hub failed.
@@ -179,6 +179,22 @@ def cmd_push(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Run `finetune export RUN [--format merged|gguf] [--quant …] [--ollama] [--out DIR]`."""
+    from finetune.use.export import describe_check, export
+    from finetune.use.ollama import create_command
+
+    result = export(args.run_dir, fmt=args.format, quant=args.quant, out=args.out, ollama_file=args.ollama,
+                    dtype=args.dtype, check=args.check, check_tokens=args.check_tokens, llama_cpp=args.llama_cpp)
+    if result.check is not None:
+        print(describe_check(result.check), file=sys.stderr)
+    if result.modelfile is not None:
+        name = Path(args.run_dir).resolve().name
+        print(f"Make it an Ollama model with: {create_command(result.modelfile, name)}", file=sys.stderr)
+    print(json.dumps(result.to_dict(), indent=2))
+    return EXIT_OK
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     """Write a commented example config."""
     from finetune.config.schema import template
@@ -244,6 +260,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("repo", help="Hub repository id, e.g. your-name/my-model.")
     p.add_argument("--public", action="store_true", help="Create the repository as public (default: private).")
     p.set_defaults(func=cmd_push)
+    p = sub.add_parser("export", help="Export a finished run for local inference: merged weights or a GGUF.",
+                       description="Write RUN's model as a plain transformers folder with the adapter merged in "
+                       "(--format merged), or as a GGUF for llama.cpp and Ollama made by llama.cpp's own converter "
+                       "and quantizer (--format gguf), with the chat template and end-of-turn token it trained "
+                       "with; a GGUF is then checked against transformers (greedy tokens, stopping).")
+    p.add_argument("run_dir", help="A finished run's directory.")
+    p.add_argument("--format", choices=["merged", "gguf"], default="merged", help="What to write (default: merged).")
+    p.add_argument("--quant", choices=["f16", "q8_0", "q4_k_m"], default=None,
+                   help="GGUF: the number format (default: f16; q8_0 and q4_k_m are quantized from it).")
+    p.add_argument("--ollama", action="store_true", help="GGUF: also write an Ollama Modelfile beside it.")
+    p.add_argument("--out", help="Where to write (default: RUN/export/).")
+    p.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"], default="auto",
+                   help="The merged weights' dtype (default: the base model's half dtype, else float16).")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="GGUF: compare llama.cpp's greedy tokens with transformers' (default: on).")
+    p.add_argument("--check-tokens", type=int, default=32, help="GGUF: tokens the check generates (default: 32).")
+    p.add_argument("--llama-cpp", help="A llama.cpp checkout whose convert_hf_to_gguf.py to use (default: the one "
+                   "of the installed llama-cpp-python release).")
+    p.set_defaults(func=cmd_export)
     p = sub.add_parser("init", help="Write a commented example config.")
     p.add_argument("path", nargs="?", default="finetune.yaml")
     p.add_argument("--force", action="store_true", help="Replace an existing file.")

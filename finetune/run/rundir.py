@@ -11,6 +11,7 @@
       metrics.json   final evaluation and training figures
       loss.png       the loss curve, drawn from events.jsonl by a background process when the run ends
       tensorboard/   TensorBoard event files, with report_to=tensorboard
+      export/        what `finetune export` wrote: merged/ (a transformers folder), *.gguf, Modelfile, export.json
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ LAUNCH_FILES = ("launch.yaml", "launch.log")
 MANIFEST = ".finetune-files.json"
 MANIFEST_DIRS = ("checkpoints", "model", "adapter")
 RUN_FILES = (MARKER, MANIFEST, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter",
-             "metrics.json", "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "wandb", "mlruns", *LAUNCH_FILES)
+             "metrics.json", "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "export",
+             "wandb", "mlruns", *LAUNCH_FILES)
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every", "report_to",
                      "push_to_hub", "hub_private"}
