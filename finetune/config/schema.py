@@ -245,6 +245,9 @@ def _coerce(name: str, value: Any) -> tuple[Any, str | None]:
     if is_list_field(name):
         return _coerce_list(name, value)
     base, optional = field_type(name)
+    choices = FIELDS[name].metadata["choices"] or ()
+    if isinstance(value, str) and value.strip().lower() == "none" and "none" in choices:
+        return "none", None  # a choice spelled "none" (quantization) is that choice, not a missing value
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         if optional:
             return None, None

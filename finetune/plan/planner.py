@@ -234,11 +234,11 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                     lo = mid + 1
             chosen = candidates[fitting]
         peak, terms = peak_of(chosen)
-        if level != "plain":
-            smallest: dict[str, int] = {}
-            for earlier in tried:
-                if earlier.level != level:
-                    smallest[earlier.level] = min(earlier.peak, smallest.get(earlier.level, earlier.peak))
+        smallest: dict[str, int] = {}
+        for earlier in tried:
+            if earlier.level != level:
+                smallest[earlier.level] = min(earlier.peak, smallest.get(earlier.level, earlier.peak))
+        if smallest:
             steps = "; ".join(f"{name} needs {_gib(p)}" for name, p in smallest.items())
             notes.append(f"Escalated to {level}, since the smallest plan of each earlier step does not fit "
                          f"{SAFETY:.0%} of the budget ({steps}).")
@@ -390,9 +390,13 @@ def _levels(c: Config, notes: list[str], *, cuda: bool = False, precision: str =
                              "finetune[quantization]`, or set quantization=none."])
         if c.lora == "auto":
             notes.append(f"LoRA on: quantization={c.quantization} trains adapters on a frozen quantized base.")
-        ladder = [Level("plain", base_ckpt, c.optimizer, True, c.quantization)]
+        name = f"{c.quantization[0]}-bit base"
+        ladder = [Level(name, base_ckpt, c.optimizer, True, c.quantization)]
         if ckpt_allowed and not base_ckpt:
-            ladder.append(Level("gradient checkpointing", True, c.optimizer, True, c.quantization))
+            ladder.append(Level(f"{name} with gradient checkpointing", True, c.optimizer, True, c.quantization))
+        if eight_bit:
+            ladder.append(Level(f"{name} with 8-bit AdamW", ckpt_allowed or base_ckpt, "adamw_8bit", True,
+                                c.quantization))
         return ladder
     ladder = [Level("plain", base_ckpt, c.optimizer, base_lora)]
     if ckpt_allowed and not base_ckpt:
