@@ -125,3 +125,38 @@ def test_quantization_implies_lora_and_causal_lm(llama64, short_lm):
         from_dict({**_common(llama64, short_lm, "4bit"), "lora": "false"})
     with pytest.raises(ConfigError, match="is for task=causal_lm"):
         from_dict({"model": llama64, "dataset": short_lm, "quantization": "8bit"})
+
+
+def _stored_bytes(model) -> int:
+    """Bytes a loaded model really holds: its parameters and buffers, and each 4-bit weight's quantization state."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        state = getattr(t, "quant_state", None)
+        if state is not None:
+            for q in [state.absmax, state.code, *([state.state2.absmax, state.state2.code] if state.nested else [])]:
+                seen[q.untyped_storage()._cdata] = q.untyped_storage().nbytes()
+        scales = getattr(t, "SCB", None)
+        if scales is not None:
+            seen[scales.untyped_storage()._cdata] = scales.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_planned_weights_are_what_bitsandbytes_stores(llama64, short_lm, quantization):
+    from finetune.models import quantize
+    from finetune.models.load import load_model, prepare_for_training
+    from finetune.plan.memory import model_skeleton
+
+    c = from_dict({**_common(llama64, short_lm, quantization), "lora": "true"})
+    skeleton = model_skeleton(c, 0, checkpointing=False, lora=True)
+    planned = quantize.weight_bytes(skeleton.model, quantization)
+    real = prepare_for_training(load_model(c), c, checkpointing=False, lora=True)
+    quantized = [m for m in real.modules() if type(m).__module__.startswith("bitsandbytes")
+                 and type(m).__name__ in ("Linear4bit", "Linear8bitLt")]  # not peft's LoRA wrappers
+    assert len(quantized) == 14  # 7 linear layers in each of 2 blocks; the output head stays unquantized
+    assert real.get_base_model().lm_head.weight.dtype == torch.float32
+    assert sum(planned.values()) == pytest.approx(_stored_bytes(real), rel=0.01)
+    # Quantized, the 14 linear layers take an eighth (4-bit) or a quarter (8-bit) of their fp32 bytes, plus constants.
+    fp32 = sum(m.in_features * m.out_features * 4 for m in quantized)
+    assert planned["quantized_weights"] == fp32 // (8 if quantization == "4bit" else 4)

@@ -112,13 +112,13 @@ def overhead(tensors: int, device: str) -> int:
 
 def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens: int, accum: int, precision: str,
              optimizer: str, device: str, shards: int = 1, memory: int | None = None, padded: bool = False,
-             quantization: str = "none") -> dict[str, int]:
+             quantization: str = "none", windows: dict[tuple, tuple[int, int]] | None = None) -> dict[str, int]:
     """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
     optimizer state over `shards` processes. With `memory` (segment recurrence), `tokens` is one segment and
     `accum` its micro steps, which carry a cache of `memory` earlier tokens. `padded`: the micro-batch holds
     padding, so the model builds an attention mask (see `synthetic_batch`). `quantization` (8bit, 4bit): the
     skeleton's base linear layers are stored quantized (`quantize.weight_bytes`), and each is dequantized to the
-    compute dtype for its matmul, one at a time."""
+    compute dtype for its matmul, one at a time. `windows` keeps dry runs already made, by skeleton and shape."""
     params = list(skeleton.model.parameters())
     gradients = _bytes(p for p in params if p.requires_grad)
     state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
@@ -128,11 +128,16 @@ def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens:
     else:
         terms = {"weights": _bytes(params)}
     terms["optimizer_state"] = int(state_per_byte * gradients)
-    carried = 0
-    if memory is None:
-        window = dry_run(skeleton, causal, micro, tokens, accum, precision, packed=c.packing, padded=padded)
+    key = (id(skeleton), micro, tokens, min(accum, 2), precision, memory, padded)
+    if windows is not None and key in windows:
+        window, carried = windows[key]
+    elif memory is None:
+        window, carried = dry_run(skeleton, causal, micro, tokens, accum, precision, packed=c.packing,
+                                  padded=padded), 0
     else:
         window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
+    if windows is not None:
+        windows[key] = window, carried
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
     # activations at the end of forward and the gradients at the end of backward), logits and activations.
     vocab = getattr(getattr(skeleton.model, "config", None), "vocab_size", 0) or 0
@@ -202,17 +207,30 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                      f"1/{shards} of them; activations are per process (a layer's parameters are gathered while it "
                      "runs, which the plan does not count).")
     tried: list[Attempt] = []
+    skeletons: dict[tuple[bool, bool], Skeleton] = {}
+    windows: dict[tuple, tuple[int, int]] = {}
     for step in _levels(c, notes, cuda=cuda, precision=precision, shards=shards):
         level, checkpointing, optimizer, lora = step.name, step.checkpointing, step.optimizer, step.lora
-        skeleton = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora, precision=precision)
+        # Rungs that differ only in the optimizer or in how the frozen base is stored share the skeleton and its
+        # dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds to build.
+        if (checkpointing, lora) not in skeletons:
+            skeletons[checkpointing, lora] = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora,
+                                                            precision=precision)
+        skeleton = skeletons[checkpointing, lora]
 
-        def peak_of(micro: int, skeleton: Skeleton = skeleton, step: Level = step) -> tuple[int, dict[str, int]]:
+        known: dict[int, tuple[int, dict[str, int]]] = {}
+
+        def peak_of(micro: int, skeleton: Skeleton = skeleton, step: Level = step,
+                    known: dict[int, tuple[int, dict[str, int]]] = known) -> tuple[int, dict[str, int]]:
+            if micro in known:  # the chosen micro-batch was estimated while searching: one dry run each
+                return known[micro]
             terms = estimate(skeleton, c, causal=causal, micro=micro, tokens=tokens,
                              accum=batch.per_process // micro * segments, precision=precision,
                              optimizer=step.optimizer, device=device_name, shards=shards, memory=memory,
-                             padded=uneven and micro > 1, quantization=step.quantization)
+                             padded=uneven and micro > 1, quantization=step.quantization, windows=windows)
             tried.append(Attempt(step.name, micro, sum(terms.values())))
-            return sum(terms.values()), terms
+            known[micro] = sum(terms.values()), terms
+            return known[micro]
 
         def fits(peak: int) -> bool:
             return budget is None or peak <= SAFETY * budget
