@@ -2,7 +2,7 @@
 results.
 
 A script passes a run's config as one value, YAML text or a mapping of the config's options, and gets JSON back
-(see "Scripting the app" in the README). The endpoints call the same `Controller` methods as the page's buttons,
+(see "Scripting the app" in docs/app.md). The endpoints call the same `Controller` methods as the page's buttons,
 with the caller's request, so that on a shared server a script sees and steers only its own user's run.
 """
 

@@ -1,8 +1,9 @@
 """Benchmark: data preparation time and peak memory, `finetune` against a plain `datasets.map` pipeline.
 
-The data is SST-2's `train.tsv` (60,614 rows) repeated 1, 10 and 100 times into a temporary folder (60 k, 600 k and
-6 M rows). For each size and each pipeline, a fresh child process prepares the data twice against one new datasets
-cache folder: the *first* run reads the TSV into Arrow and tokenises it, the *second* finds both in the cache.
+The data is SST-2's `train.tsv` (from the hub's glue/sst2, 67,349 rows, or `--data`; the recorded run used a copy
+with 60,614 rows: 60 k, 600 k and 6 M rows) repeated 1, 10 and 100 times into a temporary folder. For each size and
+each pipeline, a fresh child process prepares the data twice against one new datasets cache folder: the *first* run
+reads the TSV into Arrow and tokenises it, the *second* finds both in the cache.
 
 - `finetune`: `load_data` (max_length=128, eval_fraction=0, the bundled MiniLM tokenizer), the epoch's windows
   (`Encoded.windows`, length grouping on) and the first micro-batch collated from Arrow. Its second run memory-maps
@@ -15,8 +16,9 @@ share it, so forked workers do not count the parent's pages again) over the chil
 every 50 ms, minus the peak of a baseline child that only imports the same libraries and loads the tokenizer: the
 figure is the data's own. Time is the preparation's wall time inside the child (imports and tokenizer loading excluded).
 
-    python bench/data_prep.py                       # 60 k, 600 k and 6 M rows (several minutes)
-    python bench/data_prep.py --repeats 1 10        # only 60 k and 600 k
+    python bench/data_prep.py                       # SST-2 from the hub, repeated 1, 10 and 100 times (minutes)
+    python bench/data_prep.py --repeats 1 10        # only x1 and x10
+    python bench/data_prep.py --data path/to/sst2   # a folder of train.tsv and validation.tsv instead of the hub
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from sst2_data import add_data_argument, sst2_folder
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = (REPO_ROOT.parent / "shared" / "data" / "sst2" / "train.tsv").resolve()
 MAX_LENGTH = 128
 
 
@@ -74,7 +77,7 @@ def run_child(pipeline: str, data: Path, cache: Path) -> dict[str, float]:
     # finetune/data/cache.py) both live in the run's fresh folder.
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "XDG_CACHE_HOME": str(cache / "xdg"),
            "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen([sys.executable, __file__, "--child", pipeline, "--data", str(data)],
+    proc = subprocess.Popen([sys.executable, __file__, "--child", pipeline, "--child-data", str(data)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     root, peak = psutil.Process(proc.pid), 0
     while proc.poll() is None:
@@ -104,19 +107,21 @@ def build(source: Path, repeats: int, folder: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", choices=("plain", "finetune", "baseline"), help=argparse.SUPPRESS)
-    parser.add_argument("--data", default=str(DEFAULT_DATA), help="SST-2 train.tsv")
+    parser.add_argument("--child-data", help=argparse.SUPPRESS)  # the TSV file a child prepares
+    add_data_argument(parser)
     parser.add_argument("--repeats", type=int, nargs="+", default=[1, 10, 100])
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.data)
-    rows = sum(1 for _ in open(args.data, encoding="utf-8")) - 1
+        return child(args.child, args.child_data)
+    source = sst2_folder(args.data) / "train.tsv"
+    rows = sum(1 for _ in open(source, encoding="utf-8")) - 1
     results = []
     with tempfile.TemporaryDirectory(prefix="data_prep_") as tmp:
-        base = run_child("baseline", Path(args.data), Path(tmp) / "cache-baseline")
+        base = run_child("baseline", source, Path(tmp) / "cache-baseline")
         print(f"baseline (imports + tokenizer): {base['peak_gb']:.2f} GB", flush=True)
         for repeats in args.repeats:
-            data = build(Path(args.data), repeats, Path(tmp))
+            data = build(source, repeats, Path(tmp))
             for pipeline in ("finetune", "plain"):
                 cache = Path(tmp) / f"cache-{pipeline}-{repeats}"
                 for run in ("first", "second"):

@@ -5,7 +5,10 @@ The second task, `negation`: does the text hold a negation (not, n't, no, never,
 nor, without)? Its labels come from the words, so any copy of SST-2 makes it; its training rows are other rows than
 the sentiment task's. Evaluation: SST-2's validation split, for both tasks.
 
-    python bench/multitask_sst2.py [--data ../shared/data/sst2] [--rows 2000] [--steps 60]
+    python bench/multitask_sst2.py [--data FOLDER] [--rows 2000] [--steps 60]
+
+SST-2 comes from the Hugging Face Hub's glue/sst2 unless `--data` names a folder of train.tsv and validation.tsv
+(bench/sst2_data.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from sst2_data import add_data_argument, sst2_folder
 
 NEGATIONS = {"not", "n't", "no", "never", "nothing", "nobody", "none", "neither", "nor", "without"}
 
@@ -51,11 +56,12 @@ def train(config: dict, folder: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"))
+    add_data_argument(parser)
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
-    train_rows, val_rows = rows(Path(args.data) / "train.tsv"), rows(Path(args.data) / "validation.tsv")
+    data = sst2_folder(args.data)
+    train_rows, val_rows = rows(data / "train.tsv"), rows(data / "validation.tsv")
     folder = Path(tempfile.mkdtemp(prefix="mt-sst2-"))
     files = {"sentiment": (write(folder / "sent_train.csv", train_rows[: args.rows]),
                            write(folder / "sent_val.csv", val_rows)),

@@ -20,12 +20,14 @@ rate 1e-4, seed 42, no evaluation or checkpoints during training,
 `report_to="none"`; inputs tokenized with the model's tokenizer (truncation to 128 tokens) and padded per batch by
 `DataCollatorWithPadding`. The thread count is left as torch sets it.
 
-Run from anywhere (the data directory defaults to ../shared/data/sst2 next to the repository root):
+Run from anywhere. SST-2 comes from the Hugging Face Hub's glue/sst2 (exported once to TSV files,
+bench/sst2_data.py), or from `--data FOLDER` with its train.tsv and validation.tsv:
 
     python bench/trainer_vs_finetune.py                        # both tools, 8000 training rows
     python bench/trainer_vs_finetune.py --train-samples 300    # a quick smoke run
     python bench/trainer_vs_finetune.py --only finetune --json results.json
     python bench/trainer_vs_finetune.py --only trainer finetune --repeat 3   # medians of 3 runs each
+    python bench/trainer_vs_finetune.py --data path/to/sst2    # a local copy instead of the hub
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from sst2_data import add_data_argument, sst2_folder
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA_DIR = (REPO_ROOT.parent / "shared" / "data" / "sst2").resolve()
 # Trainer with its default random sampling (the issue's 224 s baseline) and with length grouping ("the speed to beat").
 TOOLS = ("trainer-random", "trainer", "finetune")
 
@@ -216,8 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train-samples", type=int, default=8000, help="Train on the first N rows (default 8000).")
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                        help=f"Folder with SST-2's train.tsv and validation.tsv (default {DEFAULT_DATA_DIR}).")
+    add_data_argument(parser, "--data-dir")
     parser.add_argument("--only", choices=TOOLS, nargs="+", help="Run only these tools.")
     parser.add_argument("--repeat", type=int, default=1, help="Run the tools N times, interleaved; report medians.")
     parser.add_argument("--finetune-first", action="store_true", help="Run finetune before Trainer.")
@@ -225,9 +227,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.train_samples < 1:
         parser.error("--train-samples must be at least 1.")
-    for name in ("train.tsv", "validation.tsv"):
-        if not (args.data_dir / name).is_file():
-            parser.error(f"{args.data_dir / name} does not exist: pass --data-dir.")
     return args
 
 
@@ -237,12 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     tools = list(reversed(tools)) if args.finetune_first else tools
     runners = {"trainer": run_trainer, "finetune": run_finetune,
                "trainer-random": lambda *a: run_trainer(*a, sampling="random")}
-    eval_tsv = (args.data_dir / "validation.tsv").resolve()
+    data = sst2_folder(args.data)
+    eval_tsv = data / "validation.tsv"
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="bench-trainer-vs-finetune-") as tmp:
         workdir = Path(tmp)
         train_tsv = workdir / f"sst2_train_first{args.train_samples}.tsv"
-        n_train = write_first_rows(args.data_dir / "train.tsv", train_tsv, args.train_samples)
+        n_train = write_first_rows(data / "train.tsv", train_tsv, args.train_samples)
         with eval_tsv.open(encoding="utf-8") as f:
             n_eval = sum(1 for _ in f) - 1
         print(f"Training rows: {n_train}; validation rows: {n_eval}; order: {', '.join(tools)}", flush=True)

@@ -289,9 +289,9 @@ def run() -> None:
     """The `finetune` command (`python -m finetune`): `main`, then exit without tearing the interpreter down."""
     code = main()
     # Once a command has returned, every file it wrote is closed; what is left is unloading torch, transformers and
-    # thousands of modules one by one, which took longer than a whole optimizer step (README, "Speed and
-    # accuracy"). Threads are waited for and exit handlers (logging, multiprocessing, temporary folders) run as
-    # at a normal exit; only that teardown is skipped.
+    # thousands of modules one by one, which took longer than a whole optimizer step (docs/benchmarks.md, "Step 1
+    # against a bare transformers script"). Threads are waited for and exit handlers (logging, multiprocessing,
+    # temporary folders) run as at a normal exit; only that teardown is skipped.
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()

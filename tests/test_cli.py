@@ -1,4 +1,5 @@
-"""The CLI's other commands (init, eval, predict), the demo config, and the README's generated option table."""
+"""The CLI's other commands (init, eval, predict), the demo config, and the generated option table of
+docs/configuration.md."""
 
 from __future__ import annotations
 
@@ -58,10 +59,10 @@ def test_predict_generates_with_a_causal_lm(tmp_path, capsys, tiny_gpt2, lm_csv)
     assert metrics["long_documents"] == "chunk" and metrics["samples"] > 27
 
 
-def test_readme_option_table_matches_the_schema():
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("<!-- options -->\n", 1)[1].split("\n<!-- /options -->", 1)[0]
-    assert table == markdown_table(), "regenerate with: python -m finetune.config.schema"
+def test_the_configuration_reference_matches_the_schema():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    table = page.split("<!-- options -->\n", 1)[1].split("\n<!-- /options -->", 1)[0]
+    assert table == markdown_table(), "regenerate docs/configuration.md's table: python -m finetune.config.schema"
 
 
 def test_readme_commands_are_real():

@@ -1,7 +1,8 @@
 """The one typed, frozen configuration schema: YAML files, `key=value` overrides, validation.
 
 Every public option is a field of `Config`. Its metadata (help text, choices, bounds) is what the CLI's `init`
-template, the README's option table and the GUI's widgets are generated from, so defaults live here and only here.
+template, the option table of docs/configuration.md and the GUI's widgets are generated from, so defaults live here
+and only here.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ TASKS_EXAMPLE = """tasks:              # instead of `dataset`; every task has it
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min: float | None = None,
          max: float | None = None, group: str = "main") -> Any:
-    """A field with the metadata the CLI template, README table and GUI are built from."""
+    """A field with the metadata the CLI template, the option table and the GUI are built from."""
     meta = {"help": help, "choices": choices, "min": min, "max": max, "group": group}
     return field(default=default, metadata=meta)
 
@@ -121,7 +122,7 @@ class Config:
     tasks: tuple[TaskSpec, ...] | None = _opt(None, "Several datasets trained at once, one entry per task (`name`, "
                                               "`dataset`, its columns and splits, `weight`, `probability`, "
                                               "`prompt_prefix`): one shared model, one graph in memory at a "
-                                              "time. See README, Multi-task training.", group="data")
+                                              "time. See docs/multitask.md.", group="data")
     mixing: str = _opt("proportional", "How windows draw from the tasks: proportional (every sample once per "
                        "epoch), temperature (p ∝ n^(1/T)), round_robin (equal shares) or manual (each task's "
                        "`probability`).", choices=MIXINGS, group="data")
@@ -521,7 +522,7 @@ def template() -> str:
 
 
 def markdown_table() -> str:
-    """The README's option table, generated from the schema so that the two cannot drift apart."""
+    """The option table of docs/configuration.md, generated from the schema so that the two cannot drift apart."""
     rows = ["| option | default | meaning |", "| --- | --- | --- |"]
     for f in fields(Config):
         meta = f.metadata
@@ -532,5 +533,5 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # `python -m finetune.config.schema` prints the README's option table
+if __name__ == "__main__":  # `python -m finetune.config.schema` prints docs/configuration.md's option table
     print(markdown_table())
