@@ -39,13 +39,13 @@ def llama64(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def short_lm(tmp_path_factory) -> str:
-    """16 texts of 2 to 30 words: two windows of 8, short enough for a few seconds per run."""
+    """8 texts of 2 to 30 words: two windows of 4, short enough for a few seconds per run."""
     rng = random.Random(5)
     path = tmp_path_factory.mktemp("data") / "short.csv"
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["text"])
-        for _ in range(16):
+        for _ in range(8):
             w.writerow([" ".join(rng.choice(["good", "bad", "movie", "plot", "actor"])
                                  for _ in range(rng.choice([2, 10, 30])))])
     return str(path)
@@ -53,26 +53,27 @@ def short_lm(tmp_path_factory) -> str:
 
 def _common(model: str, data: str, quantization: str) -> dict:
     return {"model": model, "dataset": data, "task": "causal_lm", "quantization": quantization,
-            "effective_batch_size": 8, "max_length": 48, "optimizer": "adamw", "learning_rate": 1e-2,
+            "effective_batch_size": 4, "max_length": 40, "optimizer": "adamw", "learning_rate": 1e-2,
             "shuffle": False, "group_by_length": False, "epochs": 1, "lora_r": 4}
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_quantized_lora_accumulation_equals_big_batch_and_merges(tmp_path, llama64, short_lm, quantization):
     common = _common(llama64, short_lm, quantization)
-    big, big_events, _ = run_train(tmp_path / "big", micro_batch_size=8, merge_lora=True, **common)
-    acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=2, merge_lora=True, **common)
+    big, big_events, _ = run_train(tmp_path / "big", micro_batch_size=4, merge_lora=True, **common)
+    acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=1, merge_lora=True, **common)
     plan = json.loads((tmp_path / "big" / "plan.json").read_text())
     assert plan["quantization"] == quantization and plan["lora"] and "quantized_weights" in plan["breakdown"]
     assert acc_events[0]["grad_accum_steps"] == 4
     losses = step_losses(big_events)
     assert len(losses) == 2 and losses[1] < losses[0]
     torch.testing.assert_close(step_losses(acc_events), losses, rtol=1e-5, atol=1e-6)
-    assert_same_weights(big, acc)  # the merged models: dequantized base plus each run's adapter update
+    # The merged models (dequantized base plus each run's adapter update), to AdamW's magnified float rounding.
+    assert_same_weights(big, acc, rtol=1e-4, atol=1e-5)
 
     # The adapter alone equals its training (B, k) twin too, and is far from zero (it learned something).
     adapters = [load_file(str(tmp_path / run / "adapter" / "adapter_model.safetensors")) for run in ("big", "acc")]
-    assert_same_weights(*adapters, rtol=1e-4, atol=1e-5)  # AdamW's normalised step magnifies float rounding
+    assert_same_weights(*adapters, rtol=1e-4, atol=1e-5)
     assert max(v.abs().max().item() for k, v in adapters[0].items() if "lora_B" in k) > 1e-3
 
     # The merged model is plain transformers weights: no bitsandbytes, no quantization config.
@@ -102,7 +103,7 @@ def test_quantized_lora_accumulation_equals_big_batch_and_merges(tmp_path, llama
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_quantized_stop_then_resume_equals_uninterrupted(tmp_path, llama64, short_lm, quantization):
-    common = {**_common(llama64, short_lm, quantization), "micro_batch_size": 4, "epochs": 2, "save_every": 1,
+    common = {**_common(llama64, short_lm, quantization), "micro_batch_size": 2, "epochs": 2, "save_every": 1,
               "eval_fraction": 0.0, "output_dir": str(tmp_path / "full")}
     full = train(from_dict(common))
     assert full.status == "done" and full.step == 4
