@@ -145,6 +145,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         train_data, eval_data, label_names = load_data(cfg, load_tokenizer(cfg), num_processes=args.num_processes)
         # Where `finetune train` would probe (not for a device elsewhere: the dry run alone plans for it).
         device = None if planned else make_accelerator(resolve_precision(cfg.precision)).device
+        if args.longest:  # before the plan, so that a refusal still answers it
+            from finetune.plan.planner import longest_context
+
+            tokens, rung = longest_context(cfg, len(label_names or []), device=planned)
+            print(f"longest context: fits {cfg.memory_budget_gb:g} GiB up to {tokens} tokens at micro-batch 1 "
+                  f"({rung})")
         plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device,
                            distributed=distributed, planned_device=planned)
     print(render(plan))
@@ -235,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["here", "cuda"], default="here",
                    help="Plan for this machine (default) or for a CUDA GPU of memory_budget_gb GiB, from any machine "
                    "(its bf16 precision, CUDA context and allocator overhead counted).")
+    p.add_argument("--longest", action="store_true",
+                   help="Also print the largest max_length whose sample fits memory_budget_gb at micro-batch 1, on "
+                   "the cheapest rung of the ladder the config allows.")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("eval", help="Evaluate a run's model or a saved model.")
     p.add_argument("target", help="A run directory or a model folder.")

@@ -86,3 +86,24 @@ def test_llama3_8b_plans_for_a_cuda_gpu(tmp_path, capsys, llama3_8b, long_texts)
 def test_device_cuda_needs_a_budget(tmp_path, capsys, llama3_8b, long_texts):
     code = main(["plan", f"model={llama3_8b}", "task=causal_lm", f"dataset={long_texts}", "--device", "cuda"])
     assert code == 2 and "memory_budget_gb" in capsys.readouterr().err
+
+
+def test_longest_context_is_the_edge_of_what_fits(tmp_path, capsys):
+    """`--longest` answers the reverse question; its N fits the budget at micro-batch 1 and N + 1 does not."""
+    from transformers import LlamaConfig
+
+    from finetune.config.schema import from_dict
+    from finetune.errors import PlanError
+    from finetune.plan.planner import longest_context, make_plan
+
+    LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=8192).save_pretrained(tmp_path / "llama")
+    cpu = ("cpu", 64 * GIB)
+    c = from_dict({"model": str(tmp_path / "llama"), "task": "causal_lm", "dataset": "x.csv",
+                   "memory_budget_gb": 0.05, "effective_batch_size": 1, "lora": "false", "optimizer": "sgd",
+                   "gradient_checkpointing": "true", "quantization": "none", "max_length": 8192})
+    tokens, rung = longest_context(c, 0, device=cpu)
+    assert 64 < tokens < 8192 and rung == "plain"  # the only rung: every escalation is fixed
+    assert make_plan(c, [tokens], 0, device=cpu).predicted_peak_bytes <= 0.95 * 0.05 * GIB
+    with pytest.raises(PlanError):
+        make_plan(c, [tokens + 1], 0, device=cpu)

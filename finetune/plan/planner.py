@@ -278,6 +278,35 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                      f"model{hint}."])
 
 
+def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | None = None) -> tuple[int, str]:
+    """The reverse question: the largest `max_length` whose one sample fits the budget at micro-batch 1 on the
+    cheapest rung of the ladder that the config allows, and that rung's name (`finetune plan --longest`)."""
+    device_name, _ = device or device_memory()
+    cuda = device_name.startswith("cuda")
+    precision = resolve_precision(c.precision, cuda=cuda)
+    if not c.memory_budget_gb:
+        raise PlanError(["The longest context that fits needs a budget: set memory_budget_gb."])
+    budget = c.memory_budget_gb * GIB
+    step = _levels(c, [], cuda=cuda, precision=precision)[-1]
+    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
+    accum = resolve_batch(c, 1).per_process  # micro-batch 1: the whole batch accumulated
+    positions = getattr(skeleton.model.config, "max_position_embeddings", None) or c.max_length
+
+    def fits(tokens: int) -> bool:
+        terms = estimate(skeleton, c, causal=c.task == "causal_lm", micro=1, tokens=tokens, accum=accum,
+                         precision=precision, optimizer=step.optimizer, device=device_name,
+                         quantization=step.quantization)
+        return sum(terms.values()) <= SAFETY * budget
+
+    lo, hi = 0, min(positions, 131072)
+    if fits(hi):
+        return hi, step.name
+    while hi - lo > 1:  # fits(lo) is true (or lo is 0), fits(hi) is false
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, step.name
+
+
 def probe_enabled(c: Config) -> bool:
     """`plan_probe`: auto measures on a GPU (where kernels and the allocator differ from the dry run)."""
     return c.plan_probe == "true" or (c.plan_probe == "auto" and torch.cuda.is_available())
