@@ -7,6 +7,7 @@ streamed (its first rows only) in a worker with a timeout, never downloaded whol
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import io
@@ -25,6 +26,7 @@ import pandas as pd
 from app.mapping import COLUMN_FIELDS
 from finetune.config.schema import Config
 from finetune.data.load import DataError, is_local, label_counts, label_names_of, load_table, resolve_columns
+from finetune.kinds import registry as kinds
 
 PREVIEW_ROWS = 5
 UPLOAD_TYPES = [".csv", ".tsv", ".json", ".jsonl", ".parquet"]
@@ -167,9 +169,7 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
         found = resolve_columns(Config(task=task, **kept), columns)
     except DataError as e:
         return DatasetView(columns, preview, len(head), kept, error=str(e), sampled=sampled)
-    chosen = {"text_column": found.text, "text_pair_column": found.text_pair, "label_column": found.label,
-              "prompt_column": found.prompt, "completion_column": found.completion,
-              "messages_column": found.messages}
+    chosen = {f"{role}_column": column for role, column in dataclasses.asdict(found).items()}
     # The rows and the labels need one column of the whole file (of a hub dataset: of its sample).
     try:
         table = load(source, config_name, split or "train", columns=(found.label or columns[0],))
@@ -181,9 +181,8 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
 
 def _for_task(columns: dict[str, str], task: str) -> dict[str, str]:
     """Only the column options that belong to `task` (the config refuses the others)."""
-    wrong = ("prompt_column", "completion_column", "messages_column") if task == "classification" else (
-        "label_column", "text_pair_column")
-    return {k: v for k, v in columns.items() if k not in wrong}
+    allowed = kinds.entry(task).columns if task in kinds.names() else COLUMN_FIELDS
+    return {k: v for k, v in columns.items() if k in allowed}
 
 
 def _check(view: DatasetView, table: Any, source: str) -> DatasetView:

@@ -46,11 +46,11 @@ from app.results import (
     UploadShown,
 )
 from finetune.config.schema import FIELDS, Config, ConfigError, from_dict
+from finetune.kinds import registry as kinds
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
 PLAN_TIMEOUT_S = 120
-TASK_COLUMNS = {"classification": ("text_column", "text_pair_column", "label_column"),
-                "causal_lm": ("text_column", "prompt_column", "completion_column", "messages_column")}
+TASK_COLUMNS = {name: kinds.entry(name).columns for name in kinds.names()}  # the column widgets each kind shows
 NONE_CHOICE = ("—", "")
 
 

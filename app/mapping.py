@@ -26,6 +26,7 @@ from finetune.config.schema import (
     is_list_field,
     read_yaml,
 )
+from finetune.kinds import registry as kinds
 
 FIELD_NAMES: tuple[str, ...] = tuple(FIELDS)
 # Labels that people and browser tests look for; every other field is labelled from its name.
@@ -297,21 +298,17 @@ def problems_markdown(error: ConfigError) -> str:
 
 
 def infer_task(model: str) -> str | None:
-    """classification or causal_lm for a preset or a local model folder; None when it cannot be told offline."""
+    """The task kind of a preset or a local model folder; None when it cannot be told offline."""
     if model in MODEL_PRESETS:
         return MODEL_PRESETS[model]
     config = Path(model).expanduser() / "config.json"
     if not config.is_file():
         return None
     try:
-        archs = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
+        model_config = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        return "causal_lm"
-    if any(a.endswith("ForSequenceClassification") for a in archs):
-        return "classification"
-    return None
+    return kinds.kind_of_model_config(model_config, default=None) if isinstance(model_config, dict) else None
 
 
 def preset_config(path: str | Path, base: str | Path | None = None) -> Config:

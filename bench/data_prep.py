@@ -53,6 +53,7 @@ def child(pipeline: str, data: str) -> None:
     from finetune.config.schema import from_dict
     from finetune.data.encoding import num_processes_for
     from finetune.data.load import collate, load_data, micro_batches
+    from finetune.kinds.registry import kind
 
     start = time.perf_counter()
     if pipeline == "plain":
@@ -65,7 +66,7 @@ def child(pipeline: str, data: str) -> None:
         config = from_dict({"dataset": data, "max_length": MAX_LENGTH, "eval_fraction": 0})
         train, _, _ = load_data(config, tok)
         window = train.windows(32, seed=42, epoch=0, shuffle=True, group_by_length=True)[0]
-        collate(train, micro_batches(window, train.lengths, 32, 0, 1)[0], tok.pad_token_id, causal=False)
+        collate(train, micro_batches(window, train.lengths, 32, 0, 1)[0], tok.pad_token_id, kind("classification"))
     print(json.dumps({"seconds": time.perf_counter() - start}))
 
 

@@ -42,6 +42,7 @@ from finetune.data.load import collate, load_data
 from finetune.engine.recurrence import Recurrence
 from finetune.engine.recurrence import backward_window as recurrent_backward_window
 from finetune.engine.step import backward_window
+from finetune.kinds.registry import kind
 from finetune.models.load import load_tokenizer
 from finetune.plan.memory import LiveTensorTracker, tensor_bytes
 from finetune.train.loop import train
@@ -144,7 +145,7 @@ def window_peak(model: torch.nn.Module, data, mode: str, segment: int, micro: in
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=False)
     window = list(np.argsort(-data.lengths)[:micro])
-    count = data.num_targets(window, True)
+    count = data.num_targets(window, kind("causal_lm"))
 
     class One:
         num_processes, device, gradient_accumulation_steps, step, scaler = 1, torch.device("cpu"), 1, 0, None
@@ -158,14 +159,14 @@ def window_peak(model: torch.nn.Module, data, mode: str, segment: int, micro: in
             (loss / self.gradient_accumulation_steps).backward()
 
     def collate_fn(mb):
-        return collate(data, mb, 0, True)
+        return collate(data, mb, 0, kind("causal_lm"))
 
     def run() -> None:
         if mode == "recurrence":
             recurrent_backward_window(model, [window], collate_fn, count, One(), Recurrence(segment, 1 << 20),
                                       data.lengths)
         else:
-            backward_window(model, [window], collate_fn, count, One(), causal=True)
+            backward_window(model, [window], collate_fn, count, One(), kind=kind("causal_lm"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from finetune.config.schema import from_dict
+from finetune.kinds.registry import kind
 from finetune.models.load import prepare_for_training, quiet_transformers, resolve_model_path
 from finetune.plan.memory import measure_window, model_skeleton
 from finetune.plan.planner import estimate
@@ -114,7 +115,7 @@ def predict(path: str, task: str, micro: int, tokens: int, accum: int, precision
     # finetune trains with the model's default implementation (sdpa where supported); eager rows stand for
     # models whose default is eager.
     skeleton.model.set_attn_implementation(attention)
-    terms = estimate(skeleton, c, causal=task == "causal_lm", micro=micro, tokens=tokens, accum=accum,
+    terms = estimate(skeleton, c, kind=kind(task), micro=micro, tokens=tokens, accum=accum,
                      precision=precision, optimizer="adamw", device="cpu", padded=padded)
     return sum(v for k, v in terms.items() if k != "overhead")
 

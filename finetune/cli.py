@@ -94,7 +94,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Run `finetune eval RUN_OR_MODEL [key=value …]`."""
-    from finetune.use.taskuse import evaluate_target
+    from finetune.use.evaluate import evaluate_target
 
     print(json.dumps(evaluate_target(args.target, args.overrides), indent=2))
     return EXIT_OK

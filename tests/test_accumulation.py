@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from finetune.config.schema import from_dict
 from finetune.data.load import collate, epoch_windows, load_data, micro_batches
+from finetune.kinds.registry import kind
 
 
 def _grad_norms(events):
@@ -81,7 +82,7 @@ def _naive_train(model_dir: str, cfg_values: dict, micro: int, accum: int, causa
         for window in epoch_windows(lengths, micro * accum, seed=c.seed, epoch=epoch, shuffle=False,
                                       group_by_length=False):
             for mb in micro_batches(window, lengths, micro, 0, 1):
-                batch = collate(train_data, mb, tok.pad_token_id, causal)
+                batch = collate(train_data, mb, tok.pad_token_id, kind(c.task))
                 (model(**batch).loss / accum).backward()
             opt.step()
             opt.zero_grad()

@@ -14,6 +14,9 @@ from conftest import bundled_tokenizer
 
 from finetune.config.schema import from_dict
 from finetune.data.load import IGNORE_INDEX, collate, load_data
+from finetune.kinds.registry import kind
+
+CAUSAL = kind("causal_lm")
 
 
 def test_a_second_load_reuses_the_cache_and_a_changed_setting_does_not(tmp_path, tokenize_calls):
@@ -121,11 +124,11 @@ def test_collate_from_arrow_equals_the_former_collate(tmp_path, case):
     causal = case != "pairs"
     for _ in range(5):
         indices = rng.sample(range(23), rng.randint(1, 8))
-        new, old = collate(train, indices, tok.pad_token_id, causal), _old_collate(ids, targets, types, indices,
-                                                                                    tok.pad_token_id, causal)
+        new = collate(train, indices, tok.pad_token_id, kind("causal_lm" if causal else "classification"))
+        old = _old_collate(ids, targets, types, indices, tok.pad_token_id, causal)
         assert new.keys() == old.keys()
         for key in old:
             assert torch.equal(new[key], old[key]), key
         if causal:  # the count the loss is divided by, as the former targets gave it
-            assert train.num_targets(indices, True) == sum(sum(t != IGNORE_INDEX for t in targets[i][1:])
+            assert train.num_targets(indices, CAUSAL) == sum(sum(t != IGNORE_INDEX for t in targets[i][1:])
                                                            for i in indices)

@@ -121,7 +121,7 @@ def test_a_failure_after_the_start_is_the_runs_last_event(capsys, monkeypatch, t
     from finetune.errors import TrainingError
     from finetune.run.events import read_events
 
-    def broken(model, batch, causal):
+    def broken(model, batch, kind):
         raise RuntimeError("boom")
 
     monkeypatch.setattr("finetune.engine.step.loss_sum", broken)
@@ -130,7 +130,7 @@ def test_a_failure_after_the_start_is_the_runs_last_event(capsys, monkeypatch, t
     last = read_events(tmp_path / "run" / "events.jsonl")[-1]
     assert (last["event"], last["exit_code"], last["message"]) == ("error", 1, "RuntimeError: boom")
 
-    def diverged(model, batch, causal):
+    def diverged(model, batch, kind):
         raise TrainingError("training diverged")
 
     monkeypatch.setattr("finetune.engine.step.loss_sum", diverged)

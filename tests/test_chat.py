@@ -17,6 +17,7 @@ from finetune.cli import main
 from finetune.config.schema import from_dict
 from finetune.data.load import IGNORE_INDEX, collate, load_data
 from finetune.errors import ConfigError, DataError, ModelError
+from finetune.kinds.registry import kind
 
 CHATML = (ROOT / "assets" / "chatml.jinja").read_text()
 LLAMA3 = """{{- bos_token }}
@@ -32,6 +33,8 @@ STRICT = CHATML.replace("{%- for message in messages %}", "{%- for message in me
                         "== 'system' %}{{ raise_exception('no system turns') }}{%- endif %}")
 # Numbers turns from the end: an earlier turn renders differently once more follow (not incremental).
 COUNTDOWN = CHATML.replace("message['role'] + '\\n'", "message['role'] + ' ' + loop.revindex|string + '\\n'")
+
+CAUSAL = kind("causal_lm")
 
 
 def _chatml_tokenizer():
@@ -138,7 +141,7 @@ def test_exactly_the_assistant_tokens_carry_labels(tmp_path, style, train_on):
     conversations = _conversations(12)
     data = _encoded(tmp_path, tok, conversations, train_on=train_on)
     assert len(data) == len(conversations) and not data.dropped
-    batch = collate(data, list(range(len(data))), tok.pad_token_id, causal=True)
+    batch = collate(data, list(range(len(data))), tok.pad_token_id, CAUSAL)
     for row, turns in enumerate(conversations):
         ids, labels = batch["input_ids"][row], batch["labels"][row]
         present = batch["attention_mask"][row].bool()
@@ -160,7 +163,7 @@ def test_exactly_the_assistant_tokens_carry_labels(tmp_path, style, train_on):
             assert len(newline) == 1 and all(ids[e + 1] == newline[0] and labels[e + 1] == IGNORE_INDEX
                                              for e in ends if e + 1 < int(present.sum()))
     # The precomputed counts are what the loss divides by: the labelled next-token targets.
-    assert data.num_targets(list(range(len(data))), True) == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    assert data.num_targets(list(range(len(data))), CAUSAL) == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
 def test_sharegpt_spelling_encodes_like_role_and_content(tmp_path):
@@ -181,7 +184,7 @@ def test_rows_with_nothing_to_learn_are_left_out_and_counted(tmp_path):
     tok.chat_template = STRICT
     data = _encoded(tmp_path, tok, [*good, long_prompt, no_reply, system], max_length=32)
     assert data.dropped == {"cut_by_max_length": 1, "no_assistant_turn": 1, "template_error": 1}
-    assert len(data) == len(good) and min(data.num_targets([i], True) for i in range(len(data))) > 0
+    assert len(data) == len(good) and min(data.num_targets([i], CAUSAL) for i in range(len(data))) > 0
     tok.chat_template = COUNTDOWN
     with pytest.raises(DataError, match="2 because the template renders their turns differently"):
         _encoded(tmp_path, tok, good[:2])  # each earlier turn's render changes as turns follow

@@ -9,6 +9,10 @@ from conftest import bundled_tokenizer, run_train
 
 from finetune.config.schema import from_dict
 from finetune.data.load import IGNORE_INDEX, DataError, collate, epoch_windows, load_data, load_table, micro_batches
+from finetune.kinds.registry import kind
+
+CAUSAL = kind("causal_lm")
+CLASSIFICATION = kind("classification")
 
 
 def test_windows_do_not_depend_on_the_micro_batch_split():
@@ -73,7 +77,7 @@ def test_text_pairs_are_encoded_as_pairs(tmp_path):
                    "eval_fraction": 0})
     train, _, names = load_data(c, bundled_tokenizer())
     assert names == ["0", "1"]
-    assert set(collate(train, [0], 0, causal=False)["token_type_ids"][0].tolist()) == {0, 1}  # second segment
+    assert set(collate(train, [0], 0, CLASSIFICATION)["token_type_ids"][0].tolist()) == {0, 1}  # second segment
 
 
 def test_prompt_tokens_are_masked_out_of_the_loss(tmp_path):
@@ -85,11 +89,11 @@ def test_prompt_tokens_are_masked_out_of_the_loss(tmp_path):
     c = from_dict({"dataset": str(path), "task": "causal_lm", "eval_fraction": 0})
     train, _, _ = load_data(c, tok)
     prompt_len = len(tok("translate to french: cat")["input_ids"])
-    row = collate(train, [0], tok.pad_token_id, causal=True)
+    row = collate(train, [0], tok.pad_token_id, CAUSAL)
     targets, ids = row["labels"][0].tolist(), row["input_ids"][0].tolist()
     assert targets[:prompt_len] == [IGNORE_INDEX] * prompt_len
     assert targets[prompt_len:] == ids[prompt_len:]
-    assert train.num_targets([0], causal=True) == len(ids) - prompt_len
+    assert train.num_targets([0], CAUSAL) == len(ids) - prompt_len
 
 
 def test_eval_fraction_holds_out_a_deterministic_share(tmp_path, cls_csv):

@@ -20,8 +20,12 @@ from finetune.data import cache as datacache
 from finetune.data import encoding
 from finetune.data import load as data
 from finetune.errors import DataError
+from finetune.kinds.registry import kind
 
 REPO = Path(__file__).resolve().parent.parent
+
+CAUSAL = kind("causal_lm")
+CLASSIFICATION = kind("classification")
 
 
 def _write(path: Path, rows: int = 40, empty_at: int | None = None) -> str:
@@ -49,12 +53,12 @@ def test_a_second_load_skips_reading_and_checking_and_gives_the_same_data(tmp_pa
         raise AssertionError("a check ran again on a cache hit")
 
     monkeypatch.setattr(encoding, "check_strings", no_check)
-    monkeypatch.setattr(encoding, "check_labels", no_check)
+    monkeypatch.setattr(type(CLASSIFICATION), "check_rows", no_check)
     again, again_eval, again_names = data.load_data(from_dict(values), bundled_tokenizer())
     assert len(full_path_calls) == 1 and again_names == names == ["0", "1"]
     for new, old in ((again, first), (again_eval, first_eval)):
         assert new.table.equals(old.table) and new.lengths.tolist() == old.lengths.tolist()
-        batch, reference = (encoding.collate(d, [3, 0, 5], 0, causal=False) for d in (new, old))
+        batch, reference = (encoding.collate(d, [3, 0, 5], 0, CLASSIFICATION) for d in (new, old))
         assert all(batch[k].equal(reference[k]) for k in reference)
 
 
@@ -111,8 +115,9 @@ def test_a_cache_hit_imports_neither_datasets_nor_pandas(tmp_path):
     script = ("import sys, json; sys.path.insert(0, 'tests')\n"
               "from conftest import bundled_tokenizer\n"
               "from finetune.config.schema import from_dict\nfrom finetune.data.load import load_data, collate\n"
+              "from finetune.kinds.registry import kind\n"
               f"train, _, _ = load_data(from_dict({{'dataset': {path!r}, 'eval_fraction': 0}}), bundled_tokenizer())\n"
-              "collate(train, [0, 1], 0, causal=False)\n"
+              "collate(train, [0, 1], 0, kind('classification'))\n"
               "print(json.dumps({m: m in sys.modules for m in ('datasets', 'pandas')}))\n")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
 
@@ -156,7 +161,7 @@ def test_rows_are_gathered_across_record_batches_in_the_order_asked():
     order = [49, 0, 13, 7, 6, 14, 13, 35]
     assert data.columns(order).to_pylist() == table.take(pa.array(order)).to_pylist()
     assert data.lengths.tolist() == [1 + i % 5 for i in range(50)]
-    batch = encoding.collate(data, order, 0, causal=False)
+    batch = encoding.collate(data, order, 0, CLASSIFICATION)
     assert batch["labels"].tolist() == order and batch["input_ids"][0].tolist() == [49] * 5
     assert np.array_equal(batch["attention_mask"].sum(1).numpy(), [1 + i % 5 for i in order])
 
@@ -183,5 +188,5 @@ def test_a_hit_keeps_what_loading_said_about_the_rows(tmp_path, full_path_calls,
     assert len(full_path_calls) == 2 and first.dropped == {"no_assistant_turn": 1}
     assert (again.dropped, again.messages, again.segmentation) == (first.dropped, "messages", first.segmentation)
     assert "segment_lengths" in again.table.column_names and again.table.equals(first.table)
-    batch, reference = (encoding.collate(d, [1, 0], tok.pad_token_id, causal=True) for d in (again, first))
+    batch, reference = (encoding.collate(d, [1, 0], tok.pad_token_id, CAUSAL) for d in (again, first))
     assert all(batch[k].equal(reference[k]) for k in reference)

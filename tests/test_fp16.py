@@ -48,10 +48,10 @@ def _overflow_on(monkeypatch, calls_to_poison):
     """Make the loss infinite on the given micro steps (0-based), and snapshot a weight at each micro step."""
     snapshots = []
 
-    def poisoned(model, batch, causal):
+    def poisoned(model, batch, kind):
         call = len(snapshots)
         snapshots.append(next(model.parameters()).detach().clone())
-        loss, logits = loss_sum(model, batch, causal)
+        loss, logits = loss_sum(model, batch, kind)
         return (loss * float("inf") if calls_to_poison(call) else loss), logits
 
     monkeypatch.setattr("finetune.engine.step.loss_sum", poisoned)

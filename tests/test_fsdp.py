@@ -26,6 +26,7 @@ from conftest import assert_same_weights, load_weights
 
 from finetune.data.load import IGNORE_INDEX
 from finetune.engine.step import backward_window, optimizer_step, share_of
+from finetune.kinds.registry import kind
 
 # 9 samples in windows of 4: two full windows, then a tail of 1, smaller than the number of processes (one process
 # joins with a weight-0 stand-in). Two epochs: 6 optimizer steps; the checkpoint is taken after step 3.
@@ -33,6 +34,8 @@ LENGTHS = [3, 17, 5, 30, 8, 2, 12, 25, 6]
 WINDOW, EPOCHS, CHECKPOINT_AFTER = 4, 2, 3
 MAX_GRAD_NORM = 0.5  # small enough that every step clips
 LEARNING_RATE = {"sgd": 0.5, "adamw": 1e-3}
+
+CAUSAL = kind("causal_lm")
 
 
 class TorchDistributed:
@@ -117,7 +120,7 @@ def train_steps(model, optimizer, d: TorchDistributed, micro_batch_size: int, ra
         micro, weight = share_of(window, LENGTHS, micro_batch_size, rank, d.num_processes)
         local = sum(LENGTHS[i] - 1 for mb in micro for i in mb) if weight else 0
         count = int(d.reduce(torch.tensor(local), "sum").item())
-        loss_sum = backward_window(model, micro, lambda mb: collate(data, mb), count, d, causal=True, weight=weight)
+        loss_sum = backward_window(model, micro, lambda mb: collate(data, mb), count, d, kind=CAUSAL, weight=weight)
         grad_norm, skipped = optimizer_step(params, optimizer, None, d, MAX_GRAD_NORM)
         assert not skipped
         logged.append(((d.reduce(loss_sum, "sum") / count).item(), float(grad_norm)))

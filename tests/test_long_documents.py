@@ -19,7 +19,10 @@ from finetune.cli import main
 from finetune.config.schema import ConfigError, from_dict
 from finetune.data.load import IGNORE_INDEX, collate, load_data
 from finetune.data.segments import block_starts
+from finetune.kinds.registry import kind
 from finetune.plan.planner import worst_case_tokens
+
+CAUSAL = kind("causal_lm")
 
 
 def _load(path: str, **values):
@@ -37,7 +40,7 @@ def _documents(path: str) -> list[list[int]]:
 
 def _targets_by_document(data) -> dict[int, list[int]]:
     """The tokens each document's blocks learn, in block order, read off the collated labels."""
-    batch = collate(data, list(range(len(data))), 0, causal=True)
+    batch = collate(data, list(range(len(data))), 0, CAUSAL)
     rows = data.rows
     order = sorted(range(len(data)), key=lambda i: (rows[i]["document"], rows[i]["segment"]))
     out: dict[int, list[int]] = {}
@@ -57,19 +60,19 @@ def test_every_token_after_the_first_is_a_target_exactly_once(long_csv, mode):
     for d, doc in enumerate(docs):
         assert targets[d] == doc[1:], d  # nothing lost at a block boundary, nothing learned twice
     everything = list(range(len(data)))
-    assert data.num_targets(everything, causal=True) == sum(len(d) - 1 for d in docs)
+    assert data.num_targets(everything, CAUSAL) == sum(len(d) - 1 for d in docs)
     rng = random.Random(0)
     for _ in range(5):  # the count the window divides by agrees with the labels, for any set of rows
         some = rng.sample(everything, 7)
-        labels = collate(data, some, 0, causal=True)["labels"][:, 1:]
-        assert data.num_targets(some, causal=True) == int((labels != IGNORE_INDEX).sum())
+        labels = collate(data, some, 0, CAUSAL)["labels"][:, 1:]
+        assert data.num_targets(some, CAUSAL) == int((labels != IGNORE_INDEX).sum())
 
 
 def test_sliding_window_blocks_repeat_their_context_masked_and_only_the_last_ends_with_eos(long_csv):
     stride = 8
     data = _load(long_csv, long_documents="sliding_window", stride=stride)
     rows = data.rows.to_list()
-    labels = collate(data, list(range(len(rows))), 0, causal=True)["labels"]
+    labels = collate(data, list(range(len(rows))), 0, CAUSAL)["labels"]
     docs = _documents(long_csv)
     for d, doc in enumerate(docs):
         mine = sorted((r["segment"], i) for i, r in enumerate(rows) if r["document"] == d)

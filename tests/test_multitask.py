@@ -22,11 +22,14 @@ from test_multiprocess import launch_two
 from finetune.config.schema import ConfigError, from_dict
 from finetune.data.multitask import MultiData, load_tasks, mixing_probabilities, task_micro_batches
 from finetune.engine.losses import loss_sum
+from finetune.kinds.registry import kind
 from finetune.run.events import Step, read_events
 from finetune.train.loop import StopFlag, train
 
 SGD = {"optimizer": "sgd", "learning_rate": 0.5, "warmup_ratio": 0.0, "weight_decay": 0.0, "eval_fraction": 0.0,
        "precision": "fp32", "logging_every": 1}
+
+CLASSIFICATION = kind("classification")
 
 
 @pytest.fixture(scope="session")
@@ -129,8 +132,8 @@ def _reference(tmp_path, values: dict, steps: int) -> tuple[dict[str, torch.Tens
             for t, group in enumerate(data.by_task(window)):
                 if not group:
                     continue
-                batch = data.collate(t, group, tok.pad_token_id, False)
-                loss, _ = loss_sum(lambda **x: model(task=data.names[t], **x), batch, False)  # noqa: B023
+                batch = data.collate(t, group, tok.pad_token_id, CLASSIFICATION)
+                loss, _ = loss_sum(lambda **x: model(task=data.names[t], **x), batch, CLASSIFICATION)  # noqa: B023
                 total = total + data.tasks[t].spec.weight * loss / len(group)
             total.backward()
             opt.step()

@@ -17,8 +17,11 @@ from finetune.data.load import collate, load_data
 from finetune.data.packing import best_fit_decreasing, check_keeps_samples_apart
 from finetune.engine.losses import loss_sum
 from finetune.errors import ConfigError, ModelError
+from finetune.kinds.registry import kind
 
 LM = {"task": "causal_lm", "eval_fraction": 0.0, "max_length": 64}
+
+CAUSAL = kind("causal_lm")
 
 
 def _reference_bfd(lengths, capacity):
@@ -63,10 +66,10 @@ def _data(model, dataset, packing, **values):
 def _window_loss_and_grad(model, data, micro_batches, pad_id):
     """The window's loss and gradient as the loop makes them: loss sums over micro-batches / the target count."""
     model.zero_grad()
-    count = data.num_targets([i for mb in micro_batches for i in mb], True)
+    count = data.num_targets([i for mb in micro_batches for i in mb], CAUSAL)
     total = 0.0
     for mb in micro_batches:
-        loss, _ = loss_sum(model, collate(data, mb, pad_id, True), True)
+        loss, _ = loss_sum(model, collate(data, mb, pad_id, CAUSAL), CAUSAL)
         (loss / count).backward()
         total += loss.item()
     return total / count, count, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -97,7 +100,7 @@ def test_no_attention_across_samples_in_a_row(tiny_llama, lm_csv):
     pad = AutoTokenizer.from_pretrained(tiny_llama).pad_token_id
     segments = packed.rows["segment_lengths"]
     row = next(r for r, s in enumerate(segments) if len(s) >= 3)
-    batch = collate(packed, [row, (row + 1) % len(packed)], pad, True)
+    batch = collate(packed, [row, (row + 1) % len(packed)], pad, CAUSAL)
     first = segments[row][0]
     changed = batch["input_ids"].clone()
     changed[0, :first] = torch.randint(1000, 2000, (first,))  # another sample A, same length
@@ -113,7 +116,7 @@ def test_no_attention_across_samples_in_a_row(tiny_llama, lm_csv):
 
 def test_labels_and_positions_of_a_packed_row(tiny_llama, prompt_csv):
     packed = _data(tiny_llama, prompt_csv, True)
-    batch = collate(packed, [0], 0, True)
+    batch = collate(packed, [0], 0, CAUSAL)
     lengths, prompts = packed.rows[0]["segment_lengths"], packed.rows[0]["segment_prompts"]
     start = 0
     for n, p in zip(lengths, prompts, strict=True):
@@ -223,9 +226,9 @@ def test_plan_is_for_packed_rows(tiny_llama):
 
     c = from_dict({"model": tiny_llama, "dataset": "x.csv", "packing": True, **LM})
     skeleton = model_skeleton(c, 0, checkpointing=False, lora=False)
-    packed = estimate(skeleton, c, causal=True, micro=4, tokens=96, accum=2, precision="fp32", optimizer="adamw",
+    packed = estimate(skeleton, c, kind=CAUSAL, micro=4, tokens=96, accum=2, precision="fp32", optimizer="adamw",
                       device="cpu")
-    plain = estimate(skeleton, c.replace(packing=False), causal=True, micro=4, tokens=96, accum=2, precision="fp32",
+    plain = estimate(skeleton, c.replace(packing=False), kind=CAUSAL, micro=4, tokens=96, accum=2, precision="fp32",
                      optimizer="adamw", device="cpu")
     real = AutoModelForCausalLM.from_pretrained(tiny_llama)
     measured = measure_window(real, c, micro=4, tokens=96, accum=2, precision="fp32")

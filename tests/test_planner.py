@@ -12,6 +12,7 @@ from conftest import assert_same_weights, run_train, step_losses
 from finetune.config.schema import from_dict
 from finetune.engine.losses import loss_sum
 from finetune.errors import TrainingError
+from finetune.kinds.registry import kind
 from finetune.plan.memory import LiveTensorTracker, measure_window, model_skeleton, tensor_bytes
 from finetune.plan.planner import GIB, PlanError, estimate, make_plan, render
 from finetune.train.loop import train
@@ -47,7 +48,7 @@ def test_dry_run_predicts_the_measured_peak(request, model_fixture, task, micro,
     path = request.getfixturevalue(model_fixture)
     c = from_dict({"model": path, "task": task, "dataset": "x.csv"})
     skeleton = model_skeleton(c, 2, checkpointing=ckpt, lora=False)
-    terms = estimate(skeleton, c, causal=task == "causal_lm", micro=micro, tokens=96, accum=accum,
+    terms = estimate(skeleton, c, kind=kind(task), micro=micro, tokens=96, accum=accum,
                      precision="fp32", optimizer="adamw", device="cpu")
     auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
     real = auto.from_pretrained(path, **({} if task == "causal_lm" else {"num_labels": 2}))
@@ -126,10 +127,10 @@ def test_oom_back_off_keeps_the_same_weights(tmp_path, monkeypatch, tiny_bert, c
               "shuffle": True, "group_by_length": True}
     reference, ref_events, _ = run_train(tmp_path / "ref", **common)
 
-    def small_device(model, batch, causal):
+    def small_device(model, batch, kind):
         if len(batch["labels"]) > 2:
             raise torch.OutOfMemoryError("simulated: micro-batch too large")
-        return loss_sum(model, batch, causal)
+        return loss_sum(model, batch, kind)
 
     monkeypatch.setattr("finetune.engine.step.loss_sum", small_device)  # the loop's loss only, not the planner's
     backed, events, _ = run_train(tmp_path / "oom", **common)

@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from finetune.config.schema import from_dict
+from finetune.kinds.registry import kind
 from finetune.plan.memory import measure_window, model_skeleton
 from finetune.plan.planner import GIB, estimate, make_plan, may_pad, render
 
 CPU = ("cpu", 24 * GIB)
 TOKENS = 1024
+
+CAUSAL = kind("causal_lm")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def test_dry_run_predicts_the_measured_peak_at_1024_tokens(long_llama, padded):
 
     c = _config(long_llama)
     skeleton = model_skeleton(c, 0, checkpointing=False, lora=False)
-    terms = estimate(skeleton, c, causal=True, micro=4, tokens=TOKENS, accum=1, precision="fp32", optimizer="adamw",
+    terms = estimate(skeleton, c, kind=CAUSAL, micro=4, tokens=TOKENS, accum=1, precision="fp32", optimizer="adamw",
                      device="cpu", padded=padded)
     real = AutoModelForCausalLM.from_pretrained(long_llama)
     assert real.config._attn_implementation == "sdpa"
@@ -54,7 +57,7 @@ def test_padding_costs_the_attention_mask(long_llama):
     skeleton = model_skeleton(c, 0, checkpointing=False, lora=False)
 
     def activations(padded: bool) -> int:
-        return estimate(skeleton, c, causal=True, micro=4, tokens=TOKENS, accum=1, precision="fp32",
+        return estimate(skeleton, c, kind=CAUSAL, micro=4, tokens=TOKENS, accum=1, precision="fp32",
                         optimizer="adamw", device="cpu", padded=padded)["activations"]
 
     # At least one boolean B × L × L mask more (sdpa keeps a float copy per layer for the backward).

@@ -28,12 +28,15 @@ from finetune.engine.recurrence import (
     self_check,
 )
 from finetune.errors import ModelError
+from finetune.kinds.registry import kind
 from finetune.plan.memory import LiveTensorTracker, model_skeleton, tensor_bytes
 from finetune.plan.planner import make_plan
 from finetune.run.events import Step, read_events
 from finetune.train.loop import StopFlag, train
 
 CPU = ("cpu", 64 * 2**30)
+
+CAUSAL = kind("causal_lm")
 
 
 def _llama(**extra):
@@ -82,7 +85,7 @@ def test_segments_with_enough_memory_equal_a_full_forward(make):
     full = model(input_ids=ids).logits
     torch.testing.assert_close(_segmented_logits(model, ids, recurrence), full, rtol=1e-5, atol=1e-5)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    full_loss, _ = loss_sum(model, batch, causal=True)
+    full_loss, _ = loss_sum(model, batch, CAUSAL)
     with torch.no_grad():  # every next-token target counted once, the boundaries' included
         torch.testing.assert_close(document_loss_sum(model, batch, recurrence).float(), full_loss, rtol=1e-5,
                                    atol=1e-4)
@@ -211,7 +214,7 @@ def test_gradient_equals_the_textbook_detaching_loop_and_differs_from_full_backp
         torch.testing.assert_close(p.grad, reference[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     # Negative control: backprop through the whole document is a different gradient.
     model.zero_grad()
-    (loss_sum(model, {**batch, "attention_mask": torch.ones_like(ids)}, True)[0] / count).backward()
+    (loss_sum(model, {**batch, "attention_mask": torch.ones_like(ids)}, CAUSAL)[0] / count).backward()
     assert any(not torch.allclose(p.grad, reference[n], atol=1e-6) for n, p in model.named_parameters())
 
 

@@ -69,7 +69,8 @@ def _cycle() -> list[str] | None:
 
 def test_the_graph_sees_the_imports_it_should():
     assert "finetune.train.loop" in GRAPH["finetune.cli"]  # function-local
-    assert {"finetune.plan.planner", "finetune.data.load", "finetune.engine.step"} <= GRAPH["finetune.train.loop"]
+    assert {"finetune.train.variants", "finetune.data.load", "finetune.engine.step"} <= GRAPH["finetune.train.loop"]
+    assert "finetune.plan.planner" in GRAPH["finetune.train.variants"]
     assert "finetune.engine.losses" in GRAPH["finetune.engine.step"]
 
 
@@ -92,3 +93,26 @@ def test_the_errors_module_imports_nothing():
     tree = ast.parse((PACKAGE / "errors.py").read_text(encoding="utf-8"))
     imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert [ast.unparse(n) for n in imports] == ["from __future__ import annotations"]
+
+
+# The task-kind layer (finetune.kinds) sits below the data, the engine, the planner, the models and the loop, which
+# call it: it may import the configuration, the errors, and the data helpers that import nothing but those.
+KIND_LAYER_MAY_IMPORT = ("finetune.errors", "finetune.config.", "finetune.kinds.", "finetune.data.arrow",
+                         "finetune.data.chat", "finetune.data.segments")
+
+
+def test_the_task_kind_layer_imports_nothing_above_it():
+    kinds = [name for name in GRAPH if name.startswith("finetune.kinds.")]
+    assert {"finetune.kinds.base", "finetune.kinds.registry", "finetune.kinds.classification",
+            "finetune.kinds.causal_lm"} <= set(kinds)
+    above = sorted((name, target) for name in kinds for target in GRAPH[name]
+                   if not target.startswith(KIND_LAYER_MAY_IMPORT))
+    assert above == []
+    # The data helpers it uses stay below it too.
+    helpers = sorted((name, target) for name in ("finetune.data.arrow", "finetune.data.chat", "finetune.data.segments")
+                     for target in GRAPH[name] if not target.startswith(("finetune.errors", "finetune.config.")))
+    assert helpers == []
+
+
+def test_the_kind_registry_imports_no_kind():
+    assert GRAPH["finetune.kinds.registry"] == set()

@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from finetune.kinds import registry
+
 MIXINGS = ("proportional", "temperature", "round_robin", "manual")
-CLASSIFICATION_ONLY = ("text_pair_column", "label_column")
-CAUSAL_ONLY = ("prompt_column", "completion_column", "prompt_prefix")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class TaskSpec:
 
 
 TASK_KEYS = {f.name: f for f in fields(TaskSpec)}
+TASK_COLUMN_KEYS = tuple(k for k in TASK_KEYS if k.endswith("_column"))
+# The kinds a multi-task run trains (finetune.kinds.registry): one head per task, or one model shared by all.
+MULTITASK_KINDS = tuple(n for n in registry.names() if registry.entry(n).multitask)
 _STRINGS = {n for n, f in TASK_KEYS.items() if f.type in ("str", "str | None")}
 
 
@@ -93,8 +96,8 @@ def parse_task(index: int, raw: Any) -> tuple[TaskSpec | None, list[str]]:
         elif value is not None:
             clean[key] = value
     problems += [f"{where} needs `{key}`." for key in ("name", "dataset") if key not in clean and key not in raw]
-    if clean.get("task") not in (None, "classification", "causal_lm"):
-        problems.append(f"{where}: `task` must be classification or causal_lm, not {clean['task']!r}.")
+    if clean.get("task") not in (None, *MULTITASK_KINDS):
+        problems.append(f"{where}: `task` must be {' or '.join(MULTITASK_KINDS)}, not {clean['task']!r}.")
     if problems:
         return None, problems
     return TaskSpec(**clean), []
@@ -117,6 +120,16 @@ def parse_tasks(raw: Any) -> tuple[tuple[TaskSpec, ...] | None, list[str]]:
     return (tuple(specs) if not problems else None), problems
 
 
+def _unused_keys(task: str) -> tuple[str, ...]:
+    """The task entry's keys that kind `task` does not read: other kinds' columns, and `prompt_prefix` unless its
+    tasks share one model."""
+    if task not in registry.names():
+        return ()
+    e = registry.entry(task)
+    return tuple(k for k in TASK_COLUMN_KEYS if k not in e.columns) + \
+        (() if e.multitask == "shared" else ("prompt_prefix",))
+
+
 def check_tasks(c: Any) -> list[str]:
     """Cross-checks of a multi-task config (`c` is a `Config` with `tasks` set): one sentence per problem."""
     tasks: tuple[TaskSpec, ...] = c.tasks
@@ -132,13 +145,13 @@ def check_tasks(c: Any) -> list[str]:
                             "and metric keys).")
     kinds = {t.task for t in tasks if t.task}
     if len(kinds) > 1:
-        a = next(t for t in tasks if t.task == "classification")
-        b = next(t for t in tasks if t.task == "causal_lm")
-        problems.append(f"Tasks {a.name!r} (classification) and {b.name!r} (causal_lm) are of different kinds: a "
-                        "multi-task run trains classification tasks or causal_lm tasks, not both.")
+        ka, kb = [k for k in registry.names() if k in kinds][:2]
+        a, b = (next(t for t in tasks if t.task == k) for k in (ka, kb))
+        problems.append(f"Tasks {a.name!r} ({ka}) and {b.name!r} ({kb}) are of different kinds: a multi-task run "
+                        f"trains {ka} tasks or {kb} tasks, not both.")
     elif kinds and kinds != {c.task}:
         problems.append(f"The tasks are {kinds.pop()} but `task` is {c.task}: set task={tasks[0].task}.")
-    wrong = CAUSAL_ONLY if c.task == "classification" else CLASSIFICATION_ONLY
+    wrong = _unused_keys(c.task)
     for t in tasks:
         given = [k for k in wrong if getattr(t, k)]
         if given:
@@ -153,17 +166,7 @@ def check_tasks(c: Any) -> list[str]:
     if shared:
         problems.append(f"With `tasks`, each task names its own data: move {', '.join(f'`{k}`' for k in shared)} "
                         "into the task entries.")
-    if c.streaming:
-        problems.append("`streaming=true` does not combine with `tasks` yet: read the tasks' data whole.")
-    if c.messages_column is not None:
-        problems.append("Conversation data (`messages_column`) does not combine with `tasks` yet: train on the "
-                        "conversations as a run of their own.")
-    if c.packing:
-        problems.append("`packing=true` does not combine with `tasks` yet (a packed row would mix tasks, and each "
-                        "micro-batch holds one): set packing=false.")
-    if c.segment_recurrence:
-        problems.append("`segment_recurrence=true` does not combine with `tasks` yet: train the long documents as "
-                        "a run of their own.")
+    # streaming, conversations, packing and segment recurrence with `tasks`: finetune.config.exclusions
     if c.mixing == "manual":
         missing = [t.name for t in tasks if t.probability is None]
         total = sum(t.probability or 0.0 for t in tasks)

@@ -19,18 +19,17 @@ from typing import Any
 
 import yaml
 
+from finetune.config import exclusions
 from finetune.config.multitask import MIXINGS, TaskSpec, check_tasks, parse_tasks
 from finetune.errors import ConfigError
+from finetune.kinds import registry as kinds
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 DEFAULT_EFFECTIVE_BATCH = 32
-TASKS = ("classification", "causal_lm")
+TASKS = kinds.names()  # the task kinds (finetune.kinds.registry)
 # The experiment trackers accelerate can log to (its `LoggerType`, less `all`: a run names what it reports to).
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
 LONG_DOCUMENTS = ("auto", "truncate", "chunk", "sliding_window")
-# Refused where the column is set (here) and where it is guessed from the data (finetune.data.encoding).
-RECURRENCE_NOT_FOR_CONVERSATIONS = ("`segment_recurrence=true` is for long plain-text or prompt/completion documents, "
-                                    "not conversations: turn it off for `messages_column` data.")
 TASKS_EXAMPLE = """tasks:              # instead of `dataset`; every task has its own columns and labels
   - name: sentiment
     dataset: reviews.csv
@@ -343,23 +342,18 @@ def from_dict(values: dict[str, Any]) -> Config:
     return config
 
 
+COLUMN_KEYS = tuple(f.name for f in fields(Config) if f.name.endswith("_column"))  # what a task kind reads
+
+
 def _cross_checks(c: Config) -> list[str]:
     problems = []
-    if c.task == "classification" and (c.prompt_column or c.completion_column):
-        problems.append("`prompt_column`/`completion_column` are for task=causal_lm; for classification use "
-                        "`text_column` and `label_column`.")
-    if c.task == "causal_lm" and (c.label_column or c.text_pair_column):
-        problems.append("`label_column`/`text_pair_column` are for task=classification; for causal_lm use "
-                        "`text_column`, or `prompt_column` with `completion_column`.")
-    if c.messages_column and c.task != "causal_lm":
-        problems.append("`messages_column` is for task=causal_lm: conversations train a language model.")
+    if c.task in TASKS:  # another kind's columns (an unknown task is refused on its own)
+        problems += kinds.column_problems(c.task, {key: getattr(c, key) for key in COLUMN_KEYS})
     if c.messages_column and (c.prompt_column or c.text_column):
         problems.append("`messages_column` replaces `text_column` and `prompt_column`/`completion_column`: set "
                         "only one of them.")
     if bool(c.prompt_column) != bool(c.completion_column):
         problems.append("`prompt_column` and `completion_column` go together: set both, or neither.")
-    if c.overwrite and c.resume:
-        problems.append("`overwrite=true` and `resume=true` contradict each other: pick one.")
     if c.streaming and c.max_steps is None:
         problems.append("`streaming=true` needs `max_steps`: a stream's length is unknown, so epochs cannot be "
                         "counted.")
@@ -369,11 +363,7 @@ def _cross_checks(c: Config) -> list[str]:
     if c.push_to_hub and (problem := repo_id_problem(c.push_to_hub)):
         problems.append(problem)
     problems += _long_document_checks(c)
-    if c.packing and c.task != "causal_lm":
-        problems.append("`packing=true` is for task=causal_lm: a classifier takes one sample per row.")
-    if c.packing and c.streaming:
-        problems.append("`packing=true` packs the whole tokenised set once and cannot pack a stream: set "
-                        "streaming=false or packing=false.")
+    problems += exclusions.problems(c)  # the features that do not combine, and those a kind does not take
     problems += _quantization_checks(c)
     if c.max_steps is None and c.epochs <= 0:
         problems.append("`epochs` must be above 0 (or set `max_steps`).")
@@ -398,28 +388,10 @@ def _quantization_checks(c: Config) -> list[str]:
 
 
 def _recurrence_checks(c: Config) -> list[str]:
-    problems = []
-    if not c.segment_recurrence:
-        for key in ("memory_length", "max_document_length"):
-            if getattr(c, key) is not None:
-                problems.append(f"`{key}` only applies with segment_recurrence=true: set that too, or drop `{key}`.")
-        return problems
-    if c.task != "causal_lm":
-        problems.append("`segment_recurrence=true` is for task=causal_lm: a classifier reads each text whole; turn "
-                        "it off.")
-    if c.gradient_checkpointing == "true":
-        problems.append("`segment_recurrence=true` cannot use gradient_checkpointing: transformers drops the carried "
-                        "cache under checkpointing (with only a warning), so segments would train without their "
-                        "memory; set gradient_checkpointing=false or auto.")
-    if c.long_documents in ("chunk", "sliding_window"):
-        problems.append(f"`segment_recurrence=true` reads each document whole, segment by segment with its memory: "
-                        f"it cannot be combined with long_documents={c.long_documents}; set long_documents=auto.")
-    if c.packing:
-        problems.append("`segment_recurrence=true` carries a document's memory from one segment to the next, which "
-                        "packed rows of several samples cannot: set packing=false.")
-    if c.messages_column:
-        problems.append(RECURRENCE_NOT_FOR_CONVERSATIONS)
-    return problems
+    if c.segment_recurrence:  # what it does not combine with: finetune.config.exclusions
+        return []
+    return [f"`{key}` only applies with segment_recurrence=true: set that too, or drop `{key}`."
+            for key in ("memory_length", "max_document_length") if getattr(c, key) is not None]
 
 
 def repo_id_problem(repo_id: str) -> str | None:
@@ -432,21 +404,8 @@ def repo_id_problem(repo_id: str) -> str | None:
         return (f"`push_to_hub` must be a Hub repository id such as 'your-name/my-model' (letters, digits, '-', '_', "
                 f"'.'; at most 96 characters), not {repo_id!r}.")
     return None
-def split_refusal(mode: str, task: str) -> str:
-    """Why `long_documents=mode` (chunk or sliding_window) cannot split this kind of data."""
-    if task == "classification":
-        return (f"`long_documents={mode}` is for plain-text causal LM: a classification label belongs to the whole "
-                "text, so its parts cannot each carry it; use long_documents=truncate (or auto).")
-    return (f"`long_documents={mode}` is for plain text: a part of a completion (or of a conversation) split from "
-            "its prompt would be learned without it; use long_documents=truncate (or auto) for prompt/completion and "
-            "conversation data.")
-
-
 def _long_document_checks(c: Config) -> list[str]:
     problems = []
-    kept_whole = c.task == "classification" or c.prompt_column or c.messages_column
-    if c.long_documents in ("chunk", "sliding_window") and kept_whole:
-        problems.append(split_refusal(c.long_documents, c.task))
     if c.stride is not None and c.long_documents != "sliding_window":
         problems.append(f"`stride` applies only to long_documents=sliding_window, not {c.long_documents}: remove "
                         "it, or set long_documents=sliding_window.")

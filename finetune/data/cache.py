@@ -27,6 +27,7 @@ import pyarrow as pa
 from finetune.config.schema import Config
 from finetune.data.encoding import ENCODING_VERSION, Encoded, tokenizer_fingerprint
 from finetune.data.segments import Segmentation
+from finetune.kinds import registry as kinds
 
 # Every option load_data reads (tests/test_data_cache.py checks this list against the code of DATA_CODE).
 DATA_OPTIONS = ("task", "model", "trust_remote_code", "dataset", "dataset_config", "train_split", "eval_dataset",
@@ -37,7 +38,8 @@ DATA_OPTIONS = ("task", "model", "trust_remote_code", "dataset", "dataset_config
 # The modules whose code decides what load_data returns: a change to any of them never reuses an old entry.
 # Paths under finetune/.
 DATA_CODE = ("data/load.py", "data/encoding.py", "data/cache.py", "data/segments.py", "data/chat.py",
-             "data/packing.py")
+             "data/packing.py", "data/arrow.py", "kinds/base.py", "kinds/registry.py",
+             *(f"{e.module.removeprefix('finetune.').replace('.', '/')}.py" for e in kinds.ENTRIES.values()))
 
 
 def cache_dir() -> Path:

@@ -1,10 +1,9 @@
 """Tokenised data kept in Arrow: tokenised once by `datasets.map`, cached on disk, memory-mapped, collated per batch.
 
 No Python list of the whole set is ever built. The encoded columns are `input_ids`, plus `token_type_ids` when the
-tokenizer makes them, `label` (classification), `prompt_length` (causal LM: the tokens at the start of a row that
-are masked out of the loss, a prompt or the context a block repeats from the one before) and, for conversations
-(`finetune.data.chat`), `loss_mask` with `num_targets`: a causal LM's targets are the input ids themselves, so they are
-derived in `collate` rather than stored as a second copy. `document`, `segment` and `dropped_tokens` say where each
+tokenizer makes them, and the task kind's own columns (`finetune.kinds`: `label` for classification; `prompt_length`
+and, for conversations, `loss_mask` with `num_targets` for a causal LM, whose targets are the input ids themselves,
+derived in `collate` rather than stored as a second copy). `document`, `segment` and `dropped_tokens` say where each
 row came from (`finetune.data.segments`). Rows packed by `finetune.data.packing` are collated here too (`packed_batch`).
 """
 
@@ -13,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -21,49 +20,23 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from finetune.config.schema import RECURRENCE_NOT_FOR_CONVERSATIONS, Config
-from finetune.data.chat import (
-    check_conversations,
-    dropped_counts,
-    dropped_reasons,
-    encode_conversations,
-    require_template,
-)
-from finetune.data.segments import Segmentation, context_tokens, count_segments, resolve_mode, split_documents
+from finetune.config.exclusions import RECURRENCE_NOT_FOR_CONVERSATIONS, takes
+from finetune.config.schema import Config
+from finetune.data.arrow import numpy_of
+from finetune.data.chat import dropped_counts, dropped_reasons, require_template
+from finetune.data.segments import Segmentation, context_tokens, count_segments, resolve_mode
 from finetune.data.windows import Windows, epoch_windows
 from finetune.errors import ConfigError, DataError
+from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, TaskKind
+from finetune.kinds.registry import kind as kind_named
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "Columns", "Encoded", "collate", "encode", "numpy_of", "packed_batch"]
+
 # Bump when encode() changes what it stores, so that caches written by an older version are not reused.
 ENCODING_VERSION = 3
 # Below this many rows per process, starting worker processes costs more than it saves.
 ROWS_PER_PROCESS = 50_000
 MAX_PROCESSES = 8
-
-
-@dataclass(frozen=True)
-class Columns:
-    """Which data columns feed the model."""
-
-    text: str | None = None
-    text_pair: str | None = None
-    label: str | None = None
-    prompt: str | None = None
-    completion: str | None = None
-    messages: str | None = None
-
-
-def numpy_of(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """An integer Arrow column as a numpy array, read in place. (pyarrow's `to_numpy` and `pa.array` import
-    pandas, half a second of a start that otherwise never needs it.)"""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if array.null_count or not pa.types.is_integer(array.type):
-        return array.to_numpy(zero_copy_only=False)  # not a column that encode() writes
-    sign = "u" if pa.types.is_unsigned_integer(array.type) else ""
-    dtype = np.dtype(f"{sign}int{array.type.bit_width}")
-    if len(array) == 0:
-        return np.empty(0, dtype=dtype)
-    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
 
 
 class Encoded:
@@ -125,14 +98,19 @@ class Encoded:
         """Tokens in these samples."""
         return int(self.lengths[indices].sum())
 
-    def num_targets(self, indices: list[int], causal: bool) -> int:
-        """What the loss is averaged over: samples for classification, next-token targets for a causal LM."""
-        if not causal:
-            return len(indices)
-        if self._targets is not None:
-            return int(self._targets[indices].sum())
-        # Positions 1.. of a sample are targets unless they belong to the prompt.
-        return int(np.maximum(self.lengths[indices] - np.maximum(self._prompt[indices], 1), 0).sum())
+    @property
+    def stored_targets(self) -> np.ndarray | None:
+        """Each sample's targets as counted when it was written (a `num_targets` column), or None."""
+        return self._targets
+
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        """Each sample's leading tokens that are not targets (zeros without a `prompt_length` column)."""
+        return self._prompt
+
+    def num_targets(self, indices: list[int], kind: TaskKind) -> int:
+        """What the loss is averaged over, as the task kind counts it (samples, next-token targets, …)."""
+        return kind.num_targets(self, indices)
 
     def windows(self, size: int, *, seed: int, epoch: int, shuffle: bool, group_by_length: bool) -> Windows:
         """The epoch's order in windows of `size` (see `epoch_windows`)."""
@@ -168,50 +146,13 @@ def num_processes_for(rows: int) -> int:
     return max(1, min(cores, MAX_PROCESSES, rows // ROWS_PER_PROCESS))
 
 
-def _label_key(v: Any) -> str:
-    return str(int(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
-
-
 def _tokenize(batch: dict[str, list], indices: list[int], *, tokenizer: Any, task: str, cols: dict[str, str | None],
               max_length: int, label_index: dict[str, int] | None, eos: list[int], mode: str,
               context: int, chat: dict[str, Any] | None = None) -> dict[str, list]:
-    """One batch of rows → its encoded rows (runs inside `datasets.map`, possibly in a worker process); a long
-    plain text may give several rows (`finetune.data.segments`)."""
-    if cols["messages"]:  # conversations keep truncation: a turn cut from its conversation means nothing alone
-        out = encode_conversations(batch[cols["messages"]], tokenizer=tokenizer, train_on=chat["train_on"],
-                                   max_length=max_length)
-        return {**out, "prompt_length": [0] * len(indices), "document": indices, "segment": [0] * len(indices)}
-    def texts(column: str) -> list[str]:
-        return [str(v) for v in batch[column]]
-
-    # Whole documents first (no truncation; `verbose=False`: a text longer than the model's limit is expected).
-    whole = {"add_special_tokens": True, "verbose": False}
-    if task == "classification":
-        first, pairs = texts(cols["text"]), texts(cols["text_pair"]) if cols["text_pair"] else None
-        enc = dict(tokenizer(first, pairs, **whole))
-        full = [len(x) for x in enc["input_ids"]]
-        long = [i for i, n in enumerate(full) if n > max_length]
-        if long:  # only the long rows are tokenised again, cut as the tokenizer's truncation rule says
-            cut = tokenizer([first[i] for i in long], [pairs[i] for i in long] if pairs else None,
-                            truncation=True, max_length=max_length)
-            for key in enc:
-                for j, i in enumerate(long):
-                    enc[key][i] = cut[key][j]
-        out = {"input_ids": enc["input_ids"], "label": [label_index[_label_key(v)] for v in batch[cols["label"]]],
-               "document": indices, "segment": [0] * len(full),
-               "dropped_tokens": [max(n - max_length, 0) for n in full]}
-        if "token_type_ids" in enc:
-            out["token_type_ids"] = enc["token_type_ids"]
-        return out
-    if cols["prompt"]:
-        prompts = tokenizer(texts(cols["prompt"]), **whole)["input_ids"]
-        completions = tokenizer(texts(cols["completion"]), **{**whole, "add_special_tokens": False})["input_ids"]
-        docs = [p + comp + eos for p, comp in zip(prompts, completions, strict=True)]
-        return {"input_ids": [d[:max_length] for d in docs], "prompt_length": [len(p) for p in prompts],
-                "document": indices, "segment": [0] * len(docs),
-                "dropped_tokens": [max(len(d) - max_length, 0) for d in docs]}
-    docs = [x + eos for x in tokenizer(texts(cols["text"]), **whole)["input_ids"]]
-    return split_documents(docs, indices, max_length, context, truncate=mode == "truncate")
+    """One batch of rows → its encoded rows, as the task kind encodes them (runs inside `datasets.map`, possibly in
+    a worker process, which finds the kind by name); a long plain text may give several rows."""
+    return kind_named(task).encode_rows(batch, indices, Encoding(tokenizer, cols, max_length, label_index, eos, mode,
+                                                                 context, chat))
 
 
 def _tokenize_documents(batch: dict[str, list], *, tokenizer: Any, task: str, cols: dict[str, str | None],
@@ -233,20 +174,13 @@ def _tokenize_documents(batch: dict[str, list], *, tokenizer: Any, task: str, co
     return {"input_ids": [(x + eos)[:cap] for x in enc["input_ids"]]}
 
 
-def _features(c: Config, cols: Columns, tokenizer: Any, documents: bool = False) -> Any:
+def _features(kind: TaskKind, cols: Columns, tokenizer: Any, documents: bool = False) -> Any:
     from datasets import Features, List, Value
 
     spec = {"input_ids": List(Value("int32"))}
     if documents:  # segment recurrence: whole documents (`_tokenize_documents`)
         return Features({**spec, "prompt_length": Value("int32")} if cols.prompt else spec)
-    if c.task == "classification":
-        spec["label"] = Value("int64")
-        if "token_type_ids" in tokenizer.model_input_names:
-            spec["token_type_ids"] = List(Value("int8"))
-    else:  # tokens at the start of a row masked out of the loss: a prompt, or context repeated from the block before
-        spec["prompt_length"] = Value("int32")
-        if cols.messages:
-            spec.update(loss_mask=List(Value("int8")), num_targets=Value("int32"), dropped=Value("int8"))
+    spec.update(kind.features(cols, tokenizer))
     spec.update(document=Value("int64"), segment=Value("int32"), dropped_tokens=Value("int32"))
     return Features(spec)
 
@@ -273,30 +207,19 @@ def check_strings(table: Any, column: str, source: str) -> None:
                         "fill or remove those rows.")
 
 
-def check_labels(table: Any, column: str, label_names: list[str], source: str) -> None:
-    """A `DataError` naming the first label that is not among the training labels."""
-    col = _file_column(table, column)
-    known = set(label_names)
-    unknown = [v for v in pc.unique(col).to_pylist() if _label_key(v) not in known]
-    if unknown:
-        row = pc.index(col, unknown[0]).as_py()
-        raise DataError(f"Label {unknown[0]!r} at row {row + 1} of {source!r} is not among the training labels "
-                        f"({', '.join(label_names)}).")
-
-
 def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: list[str] | None,
            source: str) -> Encoded:
     """Tokenise a table for the configured task, or reuse the cached encoding of the same rows and settings."""
+    kind = kind_named(c.task)
     for column in (cols.text, cols.text_pair, cols.prompt, cols.completion):
         if column:
             check_strings(table, column, source)
-    if c.task == "classification":
-        check_labels(table, cols.label, label_names, source)
-    eos = [tokenizer.eos_token_id] if c.task == "causal_lm" and tokenizer.eos_token_id is not None else []
-    documents = c.segment_recurrence and c.task == "causal_lm"  # whole documents, split by the loop itself
+    eos = kind.end_of_document(tokenizer)
+    documents = c.segment_recurrence and takes(c.task, "segment_recurrence")  # whole documents, split by the loop
     if documents and cols.messages:  # a conversation column guessed from the data
         raise ConfigError([RECURRENCE_NOT_FOR_CONVERSATIONS])
     mode = "whole" if documents else resolve_mode(c, plain_text=not (cols.prompt or cols.messages))
+    kind.check_rows(table, cols, label_names, source)
     settings = {"task": c.task, "cols": asdict(cols), "max_length": c.max_length, "eos": eos,
                 "label_index": {name: i for i, name in enumerate(label_names)} if label_names else None,
                 "mode": mode, "context": context_tokens(c, mode)}
@@ -304,29 +227,28 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
         settings = {"task": c.task, "cols": asdict(cols), "eos": eos, "max_length": c.max_document_length or 0,
                     "label_index": settings["label_index"]}
     if cols.messages:
-        check_conversations(_file_column(table, cols.messages), cols.messages, source)
         # The template is part of the key: the tokenizer's fingerprint covers its vocabulary, not its template.
         settings |= {"eos": [], "chat": {"train_on": c.train_on, "template": require_template(tokenizer, c.model)}}
     # The cache key: the rows (datasets' fingerprint of the table: its files and every select/split applied) and
     # everything that changes their encoding. Computed here rather than by hashing the map function, whose
     # tokenizer argument hashes differently once it has been called.
-    key = hashlib.sha256(json.dumps([ENCODING_VERSION, table._fingerprint, settings, tokenizer_fingerprint(tokenizer)]
+    # The columns in use only: a kind that adds a field to `Columns` leaves the other kinds' keys as they were.
+    keyed = {**settings, "cols": {role: column for role, column in settings["cols"].items() if column}}
+    key = hashlib.sha256(json.dumps([ENCODING_VERSION, table._fingerprint, keyed, tokenizer_fingerprint(tokenizer)]
                                     + (["documents"] if documents else []),
                                     sort_keys=True).encode()).hexdigest()[:32]
     workers = num_processes_for(len(table)) if table.cache_files else 1
     tokenize = _tokenize_documents if documents else _tokenize
     rows = table.map(tokenize, batched=True, with_indices=not documents,
                      fn_kwargs={"tokenizer": tokenizer, **settings},
-                     remove_columns=table.column_names, features=_features(c, cols, tokenizer, documents),
+                     remove_columns=table.column_names, features=_features(kind, cols, tokenizer, documents),
                      num_proc=workers if workers > 1 else None, new_fingerprint=key)  # num_proc=1 still uses a pool
     if cols.messages:
         return _kept_conversations(rows, source, cols.messages, mode, c.max_length)
     counts = None if documents else count_segments(rows, mode, c.max_length,
-                                                   splittable=c.task == "causal_lm" and not cols.prompt)
+                                                   splittable=takes(c.task, "split_documents") and not cols.prompt)
     data = Encoded.from_dataset(rows, segmentation=counts)
-    if c.task == "causal_lm" and cols.prompt and len(data) and data.num_targets(list(range(len(data))), True) == 0:
-        cut = f"max_document_length={c.max_document_length}" if documents else f"max_length={c.max_length}"
-        raise DataError(f"Every completion of {source!r} is cut off by {cut}: raise it.")
+    kind.check_encoded(data, cols, c, source, documents)
     return data
 
 
@@ -347,8 +269,9 @@ def _is_kept(dropped: list[int]) -> list[bool]:
     return [d == 0 for d in dropped]
 
 
-def collate(data: Any, indices: list[int], pad_id: int, causal: bool) -> dict[str, torch.Tensor]:
-    """A right-padded micro-batch of these samples (padding only to the longest of them), from Arrow rows."""
+def collate(data: Any, indices: list[int], pad_id: int, kind: TaskKind) -> dict[str, torch.Tensor]:
+    """A right-padded micro-batch of these samples (padding only to the longest of them), from Arrow rows; the
+    labels are the task kind's."""
     rows = data.columns(indices)
     if "segment_lengths" in rows.column_names:  # packed rows (finetune/data/packing.py)
         return packed_batch(rows, pad_id)
@@ -363,18 +286,7 @@ def collate(data: Any, indices: list[int], pad_id: int, causal: bool) -> dict[st
         types = np.zeros_like(input_ids)
         types[present] = numpy_of(rows.column("token_type_ids").combine_chunks().flatten())
         batch["token_type_ids"] = torch.from_numpy(types)
-    if causal:
-        labels = np.where(present, input_ids, IGNORE_INDEX)
-        if "prompt_length" in rows.column_names:
-            prompt = numpy_of(rows.column("prompt_length"))
-            labels[np.arange(width) < prompt[:, None]] = IGNORE_INDEX
-        if "loss_mask" in rows.column_names:
-            learned = np.zeros_like(present)
-            learned[present] = numpy_of(rows.column("loss_mask").combine_chunks().flatten()).astype(bool)
-            labels[~learned] = IGNORE_INDEX
-        batch["labels"] = torch.from_numpy(labels)
-    else:
-        batch["labels"] = torch.from_numpy(numpy_of(rows.column("label")).astype(np.int64))
+    batch["labels"] = kind.collate_labels(rows, input_ids, present)
     return batch
 
 

@@ -19,20 +19,17 @@ import pyarrow.compute as pc
 from finetune.config.batch import resolve_batch
 from finetune.config.schema import Config
 from finetune.data import cache as datacache
-from finetune.data.chat import MESSAGES_NAMES
 from finetune.data.encoding import IGNORE_INDEX, Columns, Encoded, collate, encode
 from finetune.data.packing import check_architecture, pack
 from finetune.data.stream import StreamData
 from finetune.data.windows import epoch_windows, micro_batches, windows_per_epoch
 from finetune.errors import ConfigError, DataError
+from finetune.kinds.registry import entry, kind
 
 __all__ = ["IGNORE_INDEX", "Columns", "DataError", "Encoded", "collate", "encode", "epoch_windows", "load_data",
            "load_table", "micro_batches", "resolve_columns", "windows_per_epoch"]
 
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-TEXT_NAMES = ("text", "sentence", "sentence1", "content", "review", "document", "question")
-PAIR_NAMES = ("text_pair", "sentence2")
-LABEL_NAMES = ("label", "labels", "class", "target")
 # A stream's class names, when its features do not list them, are the distinct labels of its first rows.
 LABEL_PEEK = 10_000
 
@@ -79,63 +76,15 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
     return table
 
 
-def _pick(columns: list[str], wanted: str | None, guesses: tuple[str, ...], what: str, key: str) -> str:
-    if wanted is not None:
-        if wanted not in columns:
-            raise DataError(f"{what} column {wanted!r} is not in the data; its columns are: {', '.join(columns)}. "
-                            f"Set `{key}` to one of them.")
-        return wanted
-    for name in guesses:
-        if name in columns:
-            return name
-    raise DataError(f"No {what.lower()} column found (looked for {', '.join(guesses)}); the data's columns are: "
-                    f"{', '.join(columns)}. Set `{key}`.")
-
-
 def resolve_columns(c: Config, columns: list[str]) -> Columns:
-    """The columns to use, from the config or guessed from common names; a `DataError` naming what is missing."""
-    if c.task == "classification":
-        label = _pick(columns, c.label_column, LABEL_NAMES, "Label", "label_column")
-        others = tuple(n for n in columns if n != label)
-        text = _pick(columns, c.text_column, TEXT_NAMES + (others if len(others) == 1 else ()), "Text",
-                     "text_column")
-        pair = _pick(columns, c.text_pair_column, (), "Text pair", "text_pair_column") if c.text_pair_column else None
-        return Columns(text=text, text_pair=pair, label=label)
-    if c.messages_column or (c.text_column is None and c.prompt_column is None
-                             and any(n in columns for n in MESSAGES_NAMES)):
-        return Columns(messages=_pick(columns, c.messages_column, MESSAGES_NAMES, "Messages", "messages_column"))
-    if c.prompt_column or (c.text_column is None and {"prompt", "completion"} <= set(columns)):
-        prompt = _pick(columns, c.prompt_column, ("prompt",), "Prompt", "prompt_column")
-        completion = _pick(columns, c.completion_column, ("completion",), "Completion", "completion_column")
-        return Columns(prompt=prompt, completion=completion)
-    return Columns(text=_pick(columns, c.text_column, TEXT_NAMES, "Text", "text_column"))
+    """The columns to use, from the config or guessed from common names, as the task kind reads them; a `DataError`
+    naming what is missing."""
+    return kind(c.task).resolve_columns(c, columns)
 
 
 def label_names_of(table: Any, column: str, source: str) -> list[str]:
-    """The class names, in id order: a `ClassLabel`'s names, else the sorted distinct values."""
-    feature = table.features.get(column)
-    if getattr(feature, "names", None):
-        return list(feature.names)
-    # Counted in Arrow: only the distinct values ever become Python objects.
-    col = table.with_format("arrow")[column]
-    if col.null_count:
-        first = pc.index(pc.is_null(col), True).as_py()
-        raise DataError(f"Label column {column!r} of {source!r} has empty values (first at row {first + 1}): fill "
-                        "or remove those rows.")
-    values = pc.unique(col).to_pylist()
-    if all(isinstance(v, bool) for v in values):
-        return ["False", "True"]
-    if all(isinstance(v, int) for v in values):
-        distinct = [str(v) for v in sorted(set(values))]
-    elif any(isinstance(v, float) and not float(v).is_integer() for v in values):
-        raise DataError(f"Label column {column!r} of {source!r} holds fractional numbers; classification needs "
-                        "classes (integers or strings).")
-    else:
-        distinct = sorted({str(int(v)) if isinstance(v, float) else str(v) for v in values})
-    if len(distinct) < 2:
-        raise DataError(f"Label column {column!r} of {source!r} has only one class ({distinct[0]!r}): "
-                        "classification needs at least two.")
-    return distinct
+    """The class names of a label column, in id order: a `ClassLabel`'s names, else the sorted distinct values."""
+    return kind("classification").label_names(table, Columns(label=column), source)
 
 
 def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
@@ -172,7 +121,7 @@ def load_tables(c: Config) -> tuple[Any, Columns, list[str] | None, Any | None]:
         table = table.select(range(min(c.max_train_samples, len(table))))
     # Named before the hold-out is split off: a split table is read through an index, and its distinct labels
     # would need a copy of the column.
-    names = label_names_of(table, cols.label, c.dataset) if c.task == "classification" else None
+    names = kind(c.task).label_names(table, cols, c.dataset)
     eval_table = _eval_table(c, cols)
     if eval_table is None and c.eval_fraction > 0 and len(table) >= 10:
         parts = table.train_test_split(test_size=c.eval_fraction, seed=c.seed)
@@ -199,15 +148,13 @@ def _load_stream(c: Config, tokenizer: Any, window_size: int) -> tuple[StreamDat
     stream = load_table(c.dataset, c.dataset_config, c.train_split, streaming=True)
     if c.max_train_samples:
         stream = stream.take(c.max_train_samples)
-    head = list(itertools.islice(stream, LABEL_PEEK if c.task == "classification" else 1))
+    head = list(itertools.islice(stream, LABEL_PEEK if entry(c.task).has_labels else 1))
     if not head:
         raise DataError(f"Dataset {c.dataset!r} has no rows.")
     cols = resolve_columns(c, list(head[0]))
-    names = None
-    if c.task == "classification":
-        feature = (stream.features or {}).get(cols.label)
-        names = list(feature.names) if getattr(feature, "names", None) else \
-            label_names_of(datasets.Dataset.from_list(head), cols.label, c.dataset)
+    # A `ClassLabel` feature of the stream names the classes; else the first rows do.
+    names = kind(c.task).label_names(datasets.Dataset.from_list(head, features=stream.features), cols, c.dataset) \
+        if entry(c.task).has_labels else None
     eval_table = _eval_table(c, cols)
 
     def encode_window(rows: list[dict[str, Any]]) -> Encoded:

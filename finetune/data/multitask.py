@@ -18,6 +18,7 @@ from finetune.data.encoding import Columns, Encoded, encode
 from finetune.data.load import collate, load_tables
 from finetune.data.windows import Windows, epoch_windows, micro_batches
 from finetune.errors import DataError, InputError
+from finetune.kinds.base import TaskKind
 
 PREFIXED_PROMPT = "__finetune_prompt"  # the column a causal LM task's `prompt_prefix` is written to
 
@@ -124,14 +125,14 @@ class MultiData:
             groups[self.task_of[g]].append(g)
         return groups
 
-    def num_targets(self, task: int, indices: list[int], causal: bool) -> int:
+    def num_targets(self, task: int, indices: list[int], kind: TaskKind) -> int:
         """Task `task`'s targets among these of its global indices."""
-        return self.tasks[task].train.num_targets([g - int(self.offsets[task]) for g in indices], causal)
+        return self.tasks[task].train.num_targets([g - int(self.offsets[task]) for g in indices], kind)
 
-    def collate(self, task: int, indices: list[int], pad_id: int, causal: bool) -> dict[str, Any]:
+    def collate(self, task: int, indices: list[int], pad_id: int, kind: TaskKind) -> dict[str, Any]:
         """A padded micro-batch of task `task`'s samples, named by global index."""
         local = [g - int(self.offsets[task]) for g in indices]
-        return collate(self.tasks[task].train, local, pad_id, causal)
+        return collate(self.tasks[task].train, local, pad_id, kind)
 
     def windows(self, size: int, *, seed: int, epoch: int, shuffle: bool, group_by_length: bool) -> Windows:
         """The epoch's windows: proportional mixing uses every sample once (with the usual shuffling and length
@@ -172,6 +173,6 @@ def task_micro_batches(data: MultiData, window: list[int], micro_batch_size: int
     return micro, 1.0
 
 
-def task_counts(data: MultiData, window: list[int], causal: bool) -> list[int]:
+def task_counts(data: MultiData, window: list[int], kind: TaskKind) -> list[int]:
     """Each task's targets in the whole window: the same number on every process, known before any backward."""
-    return [data.num_targets(t, group, causal) if group else 0 for t, group in enumerate(data.by_task(window))]
+    return [data.num_targets(t, group, kind) if group else 0 for t, group in enumerate(data.by_task(window))]

@@ -22,19 +22,21 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from finetune.config.schema import Config, ConfigError, split_refusal
+from finetune.config.exclusions import split_refusal, takes
+from finetune.config.schema import Config, ConfigError
 
 # A warning is given when more than this share of the samples is truncated.
 MOSTLY_CUT = 0.5
 
 
 def resolve_mode(c: Config, plain_text: bool) -> str:
-    """The mode `long_documents` means for this data: `auto` is chunk for plain-text causal LM, else truncate."""
-    splittable = c.task == "causal_lm" and plain_text
+    """The mode `long_documents` means for this data: `auto` is chunk for plain text of a kind that splits documents
+    (causal LM), else truncate."""
+    splittable = takes(c.task, "split_documents") and plain_text
     if c.long_documents == "auto":
         return "chunk" if splittable else "truncate"
     if c.long_documents != "truncate" and not splittable:  # prompt/completion columns guessed from the data
-        raise ConfigError([split_refusal(c.long_documents, c.task)])
+        raise ConfigError([split_refusal(c)])
     return c.long_documents
 
 

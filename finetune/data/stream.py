@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from finetune.data.encoding import Encoded
 from finetune.errors import DataError
+from finetune.kinds.base import TaskKind
 
 # Samples the shuffle buffer holds: a wider buffer mixes more, at the cost of holding that many raw rows.
 SHUFFLE_BUFFER = 10_000
@@ -56,9 +57,9 @@ class StreamData:
         """Tokens in these samples of the current window."""
         return self.current.num_tokens(indices)
 
-    def num_targets(self, indices: list[int], causal: bool) -> int:
+    def num_targets(self, indices: list[int], kind: TaskKind) -> int:
         """What the loss of these samples of the current window is averaged over."""
-        return self.current.num_targets(indices, causal)
+        return self.current.num_targets(indices, kind)
 
     def windows(self, size: int, *, seed: int, epoch: int, shuffle: bool, group_by_length: bool) -> StreamWindows:
         """The run's windows of `size` from the stream; length grouping does not apply to a stream."""

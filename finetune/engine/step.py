@@ -16,6 +16,7 @@ import torch
 
 from finetune.data.windows import micro_batches
 from finetune.engine.losses import loss_sum
+from finetune.kinds.base import TaskKind
 
 
 class Distributed(Protocol):
@@ -48,7 +49,7 @@ def share_of(window: list[int], lengths: list[int], micro_batch_size: int, rank:
 
 
 def backward_window(model: Any, micro: list[list[int]], collate_fn: Callable[[list[int]], dict[str, torch.Tensor]],
-                    count: int, dist: Distributed, *, causal: bool, weight: float = 1.0) -> torch.Tensor:
+                    count: int, dist: Distributed, *, kind: TaskKind, weight: float = 1.0) -> torch.Tensor:
     """Forward and backward this process's micro-batches of one window, leaving the window's gradient
     `sum(losses) / count` in the parameters; returns this process's loss sum (`count` is over all processes)."""
     # accelerator.backward divides by gradient_accumulation_steps, and both DDP's all-reduce and FSDP's
@@ -61,7 +62,7 @@ def backward_window(model: Any, micro: list[list[int]], collate_fn: Callable[[li
     for mb in micro:
         with dist.accumulate(model):
             batch = collate_fn(mb)
-            loss, _ = loss_sum(model, {k: v.to(dist.device) for k, v in batch.items()}, causal)
+            loss, _ = loss_sum(model, {k: v.to(dist.device) for k, v in batch.items()}, kind)
             dist.backward(loss * scale)
             loss_total += loss.detach().double() * weight
     return loss_total
@@ -69,7 +70,7 @@ def backward_window(model: Any, micro: list[list[int]], collate_fn: Callable[[li
 
 def backward_tasks(model: Any, micro: list[tuple[int, list[int]]],
                    collate_fn: Callable[[int, list[int]], dict[str, torch.Tensor]], counts: list[int],
-                   weights: list[float], dist: Distributed, *, causal: bool, task_names: list[str] | None = None,
+                   weights: list[float], dist: Distributed, *, kind: TaskKind, task_names: list[str] | None = None,
                    weight: float = 1.0) -> torch.Tensor:
     """`backward_window` for a multi-task window: each micro-batch holds one task and is back-propagated on its own
     (one task's graph in memory at a time), leaving Σₜ wₜ · sum(losses of task t) / Nₜ as the window's gradient,
@@ -85,7 +86,7 @@ def backward_tasks(model: Any, micro: list[tuple[int, list[int]]],
         forward = functools.partial(model, task=task_names[t]) if task_names else model
         with dist.accumulate(model):
             batch = collate_fn(t, mb)
-            loss, _ = loss_sum(forward, {k: v.to(dist.device) for k, v in batch.items()}, causal)
+            loss, _ = loss_sum(forward, {k: v.to(dist.device) for k, v in batch.items()}, kind)
             dist.backward(loss * scale)
             sums[t] += loss.detach().double() * weight
     return sums

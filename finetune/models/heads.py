@@ -131,9 +131,9 @@ def build_multihead(first: nn.Module, label_names: dict[str, list[str]]) -> Mult
     return MultiHeadModel(models)
 
 
-def save_tasks_file(model_dir: Path, tasks: list[dict[str, Any]], *, causal: bool) -> None:
+def save_tasks_file(model_dir: Path, tasks: list[dict[str, Any]], *, shared: bool) -> None:
     """`model/tasks.json`: the tasks, their labels or prompt prefixes, and where each task's model is."""
-    layout = "one model, shared by every task (prepend the task's prompt_prefix)" if causal else \
+    layout = "one model, shared by every task (prepend the task's prompt_prefix)" if shared else \
         "one folder per task (model/<task>/), each a full model; every folder holds the same shared encoder"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / TASKS_FILE).write_text(json.dumps({"layout": layout, "tasks": tasks}, indent=2), encoding="utf-8")
@@ -145,7 +145,7 @@ def save_multihead(model: MultiHeadModel, tokenizer: Any, run_dir: Path, tasks: 
     for name, task_model in model.tasks.items():
         task_model.save_pretrained(model_dir / name, safe_serialization=True)
         tokenizer.save_pretrained(model_dir / name)
-    save_tasks_file(model_dir, tasks, causal=False)
+    save_tasks_file(model_dir, tasks, shared=False)
     return model_dir
 
 

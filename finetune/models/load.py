@@ -11,6 +11,8 @@ from finetune.config.schema import DEFAULT_MODEL, Config
 from finetune.data.chat import read_template
 from finetune.engine.runtime import resolve_precision
 from finetune.errors import ModelError
+from finetune.kinds.registry import entry, kind_of_model_config, kind_of_peft_task_type
+from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
 
 
@@ -63,10 +65,16 @@ def load_tokenizer(c: Config) -> Any:
     return tokenizer
 
 
-def load_model(c: Config, label_names: list[str] | None = None) -> Any:
-    """A classification or causal-LM model with safetensors weights; the classifier sized for `label_names`."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+def auto_class(task: str) -> Any:
+    """The transformers auto class of a task kind (AutoModelForSequenceClassification, AutoModelForCausalLM, …)."""
+    import transformers
 
+    return getattr(transformers, entry(task).auto_model)
+
+
+def load_model(c: Config, label_names: list[str] | None = None) -> Any:
+    """The task kind's model (its auto class and config, a classifier sized for `label_names`) with safetensors
+    weights."""
     quiet_transformers()
     path = resolve_model_path(c.model)
     # fp32 master weights whatever the checkpoint's dtype: mixed precision casts copies, the optimizer needs fp32.
@@ -74,13 +82,12 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
     kwargs: dict[str, Any] = {"trust_remote_code": c.trust_remote_code, "use_safetensors": True,
                               **quantize.load_kwargs(c.quantization, resolve_precision(c.precision),
                                                      c.lora == "true")}
+    kind = kind_named(c.task)
+    head = kind.model_kwargs(label_names)
+    if head:  # a head of the kind's own size replaces the checkpoint's
+        kwargs.update(head, ignore_mismatched_sizes=True)
     try:
-        if c.task == "classification":
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
-                label2id={n: i for i, n in enumerate(label_names)}, ignore_mismatched_sizes=True, **kwargs)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = auto_class(c.task).from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(_load_failure(c.model, e, c.task)) from None
     if model.config.pad_token_id is None:
@@ -97,7 +104,7 @@ def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bo
 
         targets = c.lora_target_modules
         modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-        task_type = "SEQ_CLS" if c.task == "classification" else "CAUSAL_LM"
+        task_type = entry(c.task).peft_task_type
         model = get_peft_model(model, LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
                                                  target_modules=modules, task_type=task_type))
         quantize.upcast_trainable(model)
@@ -150,10 +157,10 @@ def is_adapter(model_dir: Path) -> bool:
 
 def load_trained(model_dir: Path, task: str) -> Any:
     """A model saved by a run: full weights, or a LoRA adapter on its base model (with the run's labels)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
     quiet_transformers()
-    auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+    auto = auto_class(task)
     if not is_adapter(model_dir):
         return auto.from_pretrained(model_dir, use_safetensors=True)
     from peft import PeftModel
@@ -183,12 +190,11 @@ def resolve_model_dir(target: str) -> tuple[Path, Path | None]:
 
 
 def task_of(model_dir: Path) -> str:
-    """classification or causal_lm, from the saved model's architecture (or the adapter's task type)."""
+    """The task kind of a saved model, from its architecture (or the adapter's task type)."""
     if is_adapter(model_dir):
         task_type = json.loads((model_dir / "adapter_config.json").read_text(encoding="utf-8")).get("task_type")
-        return "causal_lm" if task_type == "CAUSAL_LM" else "classification"
-    archs = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
-    return "causal_lm" if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else "classification"
+        return kind_of_peft_task_type(task_type)
+    return kind_of_model_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
 
 
 def saved_label_names(model_dir: Path) -> list[str]:

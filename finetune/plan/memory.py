@@ -26,6 +26,8 @@ from finetune.config.schema import Config
 from finetune.engine.losses import loss_sum
 from finetune.engine.optim import make_optimizer
 from finetune.engine.recurrence import Recurrence, detach_cache, segment_loss_sum
+from finetune.kinds.base import TaskKind
+from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
 from finetune.models.load import prepare_for_training, quiet_transformers, resolve_model_path
 
@@ -89,13 +91,16 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
     """The configured model as fake tensors (shapes, dtypes and a device, no data and no weights read), with
     checkpointing and LoRA as asked; under LoRA with mixed precision the frozen base is in the half dtype, as
     `load_model` stores it (a quantized base is counted from these shapes: `quantize.weight_bytes`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    import transformers
+    from transformers import AutoConfig
 
     quiet_transformers()
     model_config = AutoConfig.from_pretrained(resolve_model_path(c.model), trust_remote_code=c.trust_remote_code)
-    if c.task == "classification":
-        model_config.num_labels = num_labels
-    auto = AutoModelForSequenceClassification if c.task == "classification" else AutoModelForCausalLM
+    kind = kind_named(c.task)
+    # The head's size is what the dry run needs (the label names only name its outputs).
+    for key, value in kind.model_kwargs([str(i) for i in range(num_labels)]).items():
+        setattr(model_config, key, value)
+    auto = getattr(transformers, kind.entry.auto_model)
     fake = FakeTensorMode()
     with fake, _adapters_stay_where_made():
         model = auto.from_config(model_config, trust_remote_code=c.trust_remote_code,
@@ -129,7 +134,7 @@ def _adapters_stay_where_made() -> Iterator[None]:
         yield
 
 
-def synthetic_batch(model: Any, micro: int, tokens: int, causal: bool, device: Any = None, packed: bool = False,
+def synthetic_batch(model: Any, micro: int, tokens: int, kind: TaskKind, device: Any = None, packed: bool = False,
                     padded: bool = False) -> dict[str, Any]:
     """A worst-case micro-batch of random token ids: `micro` samples of `tokens` tokens.
 
@@ -138,9 +143,10 @@ def synthetic_batch(model: Any, micro: int, tokens: int, causal: bool, device: A
     token is attended. transformers cannot read a fake mask's values (`is_tracing` is true for fake tensors) and
     always builds it, so an unpadded fake batch has no mask at all: what transformers does with an all-ones one.
     `packed`: rows of two packed samples (position ids restarting, no attention mask), as `packing` trains them;
-    more than one sample per row is what makes the model build a full block-diagonal mask."""
+    more than one sample per row is what makes the model build a full block-diagonal mask. The labels are the
+    task kind's (`synthetic_labels`)."""
     ids = torch.randint(3, max(getattr(model.config, "vocab_size", 0) or 0, 4), (micro, tokens), device=device)
-    labels = ids if causal else torch.zeros(micro, dtype=torch.long, device=device)
+    labels = kind.synthetic_labels(ids)
     if packed:
         half = tokens // 2
         positions = torch.cat([torch.arange(half, device=device), torch.arange(tokens - half, device=device)])
@@ -153,7 +159,7 @@ def synthetic_batch(model: Any, micro: int, tokens: int, causal: bool, device: A
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _micro_steps(model: Any, next_batch: Callable[[], dict[str, Any]], causal: bool, accum: int, precision: str,
+def _micro_steps(model: Any, next_batch: Callable[[], dict[str, Any]], kind: TaskKind, accum: int, precision: str,
                  device_type: str) -> None:
     """The forwards and backwards of a window. Two micro-batches stand for any window of k ≥ 2: from the second
     on, the window's gradients are resident and each micro-batch repeats the same pattern."""
@@ -161,7 +167,7 @@ def _micro_steps(model: Any, next_batch: Callable[[], dict[str, Any]], causal: b
     for _ in range(min(accum, 2)):
         batch = next_batch()
         with torch.autocast(device_type, dtype=half or torch.float32, enabled=half is not None):
-            loss, _ = loss_sum(model, batch, causal)
+            loss, _ = loss_sum(model, batch, kind)
         loss.backward()
         del loss
 
@@ -219,7 +225,7 @@ def dry_run_segments(skeleton: Skeleton, micro: int, segment: int, memory: int, 
     return tracker.peak, carried
 
 
-def dry_run(skeleton: Skeleton, causal: bool, micro: int, tokens: int, accum: int, precision: str,
+def dry_run(skeleton: Skeleton, kind: TaskKind, micro: int, tokens: int, accum: int, precision: str,
             packed: bool = False, padded: bool = False) -> int:
     """Peak bytes that one window's forward and backward add on top of weights and optimizer state (`padded`: see
     `synthetic_batch`).
@@ -229,10 +235,10 @@ def dry_run(skeleton: Skeleton, causal: bool, micro: int, tokens: int, accum: in
     model = skeleton.model
     model.train()
     with skeleton.fake_mode:
-        batch = synthetic_batch(model, micro, tokens, causal, packed=packed, padded=padded)
+        batch = synthetic_batch(model, micro, tokens, kind, packed=packed, padded=padded)
     try:
         with skeleton.fake_mode, LiveTensorTracker() as tracker:
-            _micro_steps(model, lambda: batch, causal, accum, precision, "cpu")
+            _micro_steps(model, lambda: batch, kind, accum, precision, "cpu")
     finally:
         for p in model.parameters():
             p.grad = None
@@ -247,7 +253,7 @@ def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int
 
     The weights do not change (the probe's own optimizer runs at learning rate 0 and is thrown away) and the
     random state is restored, so training afterwards is exactly what it would have been."""
-    causal = c.task == "causal_lm"
+    kind = kind_named(c.task)
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if cuda else None)
@@ -260,9 +266,9 @@ def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int
                            accum, precision, device.type)
         else:
             def batch() -> dict[str, Any]:
-                return synthetic_batch(model, micro, tokens, causal, device, packed=c.packing, padded=padded)
+                return synthetic_batch(model, micro, tokens, kind, device, packed=c.packing, padded=padded)
 
-            _micro_steps(model, batch, causal, accum, precision, device.type)
+            _micro_steps(model, batch, kind, accum, precision, device.type)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -23,6 +23,8 @@ from finetune.config.schema import Config
 from finetune.engine.recurrence import Recurrence, check_run
 from finetune.engine.runtime import device_memory, resolve_precision
 from finetune.errors import PlanError
+from finetune.kinds.base import TaskKind
+from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
 from finetune.models.load import load_model, prepare_for_training
 from finetune.plan import cache as plancache
@@ -110,7 +112,7 @@ def overhead(tensors: int, device: str) -> int:
     return CUDA_CONTEXT + int(ALLOCATOR_SLACK * tensors) if device.startswith("cuda") else CPU_RUNTIME
 
 
-def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens: int, accum: int, precision: str,
+def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, tokens: int, accum: int, precision: str,
              optimizer: str, device: str, shards: int = 1, memory: int | None = None, padded: bool = False,
              quantization: str = "none", windows: dict[tuple, tuple[int, int]] | None = None) -> dict[str, int]:
     """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
@@ -132,7 +134,7 @@ def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens:
     if windows is not None and key in windows:
         window, carried = windows[key]
     elif memory is None:
-        window, carried = dry_run(skeleton, causal, micro, tokens, accum, precision, packed=c.packing,
+        window, carried = dry_run(skeleton, kind, micro, tokens, accum, precision, packed=c.packing,
                                   padded=padded), 0
     else:
         window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
@@ -140,9 +142,11 @@ def estimate(skeleton: Skeleton, c: Config, *, causal: bool, micro: int, tokens:
         windows[key] = window, carried
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
     # activations at the end of forward and the gradients at the end of backward), logits and activations.
-    vocab = getattr(getattr(skeleton.model, "config", None), "vocab_size", 0) or 0
+    model_config = getattr(skeleton.model, "config", None)
+    vocab = getattr(model_config, "vocab_size", 0) or 0
     terms["gradients"] = min(gradients, window)
-    terms["logits"] = min(2 * micro * tokens * vocab * 4 if causal else 0, window - terms["gradients"])
+    logits = kind.logits_bytes(micro, tokens, vocab, getattr(model_config, "num_labels", 0))
+    terms["logits"] = min(logits, window - terms["gradients"])
     if memory is not None:  # memory_length tokens × layers × KV heads × head dim × 2 × dtype bytes × micro-batch
         terms["carried_cache"] = carried
     terms["activations"] = window - terms["gradients"] - terms["logits"] - carried
@@ -184,7 +188,7 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     device_name, device_total = device or device_memory()
     cuda = device_name.startswith("cuda")
     precision = resolve_precision(c.precision, cuda=cuda)
-    causal = c.task == "causal_lm"
+    kind = kind_named(c.task)
     tokens = worst_case_tokens(c, lengths)
     uneven = may_pad(lengths)
     budget = int(c.memory_budget_gb * GIB) if c.memory_budget_gb else None
@@ -224,7 +228,7 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                     known: dict[int, tuple[int, dict[str, int]]] = known) -> tuple[int, dict[str, int]]:
             if micro in known:  # the chosen micro-batch was estimated while searching: one dry run each
                 return known[micro]
-            terms = estimate(skeleton, c, causal=causal, micro=micro, tokens=tokens,
+            terms = estimate(skeleton, c, kind=kind, micro=micro, tokens=tokens,
                              accum=batch.per_process // micro * segments, precision=precision,
                              optimizer=step.optimizer, device=device_name, shards=shards, memory=memory,
                              padded=uneven and micro > 1, quantization=step.quantization, windows=windows)
@@ -293,7 +297,7 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
     positions = getattr(skeleton.model.config, "max_position_embeddings", None) or c.max_length
 
     def fits(tokens: int) -> bool:
-        terms = estimate(skeleton, c, causal=c.task == "causal_lm", micro=1, tokens=tokens, accum=accum,
+        terms = estimate(skeleton, c, kind=kind_named(c.task), micro=1, tokens=tokens, accum=accum,
                          precision=precision, optimizer=step.optimizer, device=device_name,
                          quantization=step.quantization)
         return sum(terms.values()) <= SAFETY * budget

@@ -13,12 +13,13 @@ from typing import Any
 import yaml
 
 from finetune.config.schema import DEFAULT_MODEL, FIELDS, Config, from_dict, read_yaml
+from finetune.kinds.registry import entry, names
 from finetune.run.events import read_events
 
 # The bundled model is this Hub model, shipped in a pip package.
 BUNDLED_HUB_ID, BUNDLED_LICENSE = "sentence-transformers/all-MiniLM-L6-v2", "apache-2.0"
-PIPELINES = {"classification": "text-classification", "causal_lm": "text-generation"}
-PEFT_CLASSES = {"classification": "AutoPeftModelForSequenceClassification", "causal_lm": "AutoPeftModelForCausalLM"}
+PIPELINES = {name: entry(name).pipeline_tag for name in names()}
+PEFT_CLASSES = {name: entry(name).peft_auto_model for name in names()}
 HYPERPARAMETERS = ("learning_rate", "lr_scheduler", "warmup_ratio", "weight_decay", "optimizer", "max_grad_norm",
                    "epochs", "max_steps", "max_length", "precision", "gradient_checkpointing", "seed")
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
@@ -90,7 +91,7 @@ def _summary(c: Config, adapter: bool) -> str:
     base = base_model_id(c.model)
     model = _link(base, base or Path(c.model).name)
     data = _link(dataset_id(c.dataset), _shown(c.dataset) or "", "datasets/") if c.dataset else "its own data"
-    what = {"classification": "text classification", "causal_lm": "causal language modelling"}[c.task]
+    what = entry(c.task).summary
     kind = "A LoRA adapter for" if adapter else "A fine-tuned version of"
     return f"{kind} {model}, trained for {what} on {data} with finetune (exact gradient accumulation on accelerate)."
 
@@ -112,7 +113,7 @@ def _results(metrics: dict[str, Any], evals: list[dict[str, Any]]) -> str:
 
 
 def _usage(c: Config, repo_id: str, adapter: bool) -> str:
-    example = "I loved this film." if c.task == "classification" else "Once upon a time"
+    example = entry(c.task).example
     if not adapter:
         code = (f'from transformers import pipeline\n\npipe = pipeline("{PIPELINES[c.task]}", model="{repo_id}")\n'
                 f'print(pipe("{example}"))')
@@ -143,9 +144,9 @@ def _data(c: Config, start: dict[str, Any], model_dir: Path) -> str:
         lines.append("- columns: " + ", ".join(columns))
     config_file = model_dir / "config.json"
     labels = json.loads(config_file.read_text(encoding="utf-8")).get("id2label") if config_file.is_file() else None
-    if c.task == "classification" and labels:
+    if entry(c.task).has_labels and labels:
         lines.append("- labels: " + ", ".join(f"`{labels[k]}`" for k in sorted(labels, key=int)))
-    if c.task == "causal_lm" and c.prompt_column:
+    if c.prompt_column:  # a causal LM's prompt/completion data
         lines.append("- the prompt tokens are masked out of the loss: only the completion is learned")
     return "## Training data\n\n" + "\n".join(lines)
 

@@ -24,14 +24,10 @@ from accelerate.utils import broadcast_object_list, set_seed
 
 from finetune.config.batch import BatchSplit, divisors, resolve_batch
 from finetune.config.schema import Config
-from finetune.data.load import Encoded, collate, load_data, windows_per_epoch
-from finetune.data.multitask import MultiData, load_tasks
-from finetune.data.packing import check_keeps_samples_apart, packing_note
+from finetune.data.load import Encoded, windows_per_epoch
+from finetune.data.multitask import MultiData
 from finetune.data.stream import StreamData
-from finetune.engine.evaluate import evaluate
 from finetune.engine.optim import make_optimizer, make_scheduler
-from finetune.engine.recurrence import Recurrence, self_check
-from finetune.engine.recurrence import backward_window as recurrent_backward_window
 from finetune.engine.runtime import (
     distributed_mode,
     fallback_note,
@@ -41,21 +37,14 @@ from finetune.engine.runtime import (
     resolve_precision,
     seconds_since_process_start,
 )
-from finetune.engine.step import backward_window, optimizer_step, share_of
+from finetune.engine.step import optimizer_step
 from finetune.errors import RunDirError, TrainingError
-from finetune.models.load import load_tokenizer, save_model
-from finetune.plan.planner import plan_run
+from finetune.kinds.base import TaskKind
+from finetune.kinds.registry import kind as kind_named
+from finetune.models.load import load_tokenizer
 from finetune.run import hub, rundir, tracking
 from finetune.run.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
-from finetune.train.multitask import (
-    backward_multitask,
-    evaluate_tasks,
-    load_multitask_model,
-    plan_tasks,
-    save_multitask,
-    window_losses,
-    with_head_memory,
-)
+from finetune.train.variants import Variant, variant_of
 
 MAX_SKIPPED_IN_A_ROW = 25
 # Evaluation batches, in micro-batches. Inference keeps no activations for a backward: a training micro-batch holds
@@ -126,17 +115,22 @@ class Setup:
     steps_per_epoch: int
     progress: Progress
     log: EventLog
+    variant: Variant  # one task, segment recurrence or multi-task (finetune.train.variants)
     distributed: str = "single"  # how the run really distributes: single, ddp, fsdp or deepspeed
     note: str | None = None  # when that is not what the launcher asked for
-    recurrence: Recurrence | None = None  # segment recurrence (truncated BPTT), when on
 
     @property
-    def causal(self) -> bool:
-        return self.config.task == "causal_lm"
+    def kind(self) -> TaskKind:
+        """The task kind: what the loss, its target count, the labels and the metrics are."""
+        return kind_named(self.config.task)
 
     @property
-    def multitask(self) -> bool:
-        return isinstance(self.train_data, MultiData)
+    def eval_batch_size(self) -> int:
+        """Samples per evaluation batch (see EVAL_BATCHES)."""
+        # Logits over a vocabulary grow with the batch; a kind whose logits the planner does not count has small
+        # ones.
+        large = self.kind.logits_bytes(1, 1, 1, 1) == 0 and self.config.gradient_checkpointing != "true"
+        return (EVAL_BATCHES_LARGE if large else EVAL_BATCHES) * self.batch.micro_batch_size
 
 
 def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Callable[[Event], None]] | None = None
@@ -157,7 +151,7 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                      dropped_eval_rows=getattr(s.eval_data, "dropped", None) or None,
                      segmentation=getattr(s.train_data, "segmentation", None),
                      eval_segmentation=getattr(s.eval_data, "segmentation", None),
-                     tasks=s.train_data.shares() if s.multitask else None))
+                     tasks=s.variant.shares(s)))
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock
@@ -169,16 +163,13 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                 window = windows[w]
                 while True:
                     try:
-                        window_loss_sum, count = (_backward_tasks if s.multitask else _backward_window)(s, window)
+                        window_loss_sum, count = s.variant.backward(s, window)
                         break
                     except torch.OutOfMemoryError:
                         _back_off(s)  # the same window again with half the micro-batch: same gradient, less memory
                 lr = scheduler.get_last_lr()[0]
                 grad_norm, skipped = optimizer_step(params, optimizer, scheduler, accelerator, c.max_grad_norm)
-                if s.multitask:
-                    window_loss, task_losses = window_losses(window_loss_sum, count, s.train_data, accelerator)
-                else:
-                    window_loss, task_losses = (accelerator.reduce(window_loss_sum, "sum") / max(count, 1)).item(), None
+                window_loss, task_losses = s.variant.window_loss(s, window_loss_sum, count)
                 p.step += 1
                 p.samples += len(window)
                 p.tokens += s.train_data.num_tokens(window)
@@ -216,30 +207,6 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     return result
 
 
-def _backward_window(s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
-    """Accumulate one window's gradient; returns this process's loss sum and the window's global target count."""
-    accelerator, lengths = s.accelerator, s.train_data.lengths
-    micro, weight = share_of(window, lengths, s.batch.micro_batch_size, accelerator.process_index,
-                             accelerator.num_processes)
-    # Count the window's targets over all processes *before* its first backward: every micro-batch's loss sum is
-    # divided by this one number, which is what makes k·B and (B, k) identical.
-    count = _global_count(s, [i for mb in micro for i in mb] if weight else [])  # a stand-in counts for nothing
-
-    def collate_fn(mb: list[int]) -> dict[str, torch.Tensor]:
-        return collate(s.train_data, mb, s.tokenizer.pad_token_id, s.causal)
-
-    if s.recurrence:
-        return recurrent_backward_window(s.model, micro, collate_fn, count, accelerator, s.recurrence, lengths,
-                                         weight=weight), count
-    return backward_window(s.model, micro, collate_fn, count, accelerator, causal=s.causal, weight=weight), count
-
-
-def _backward_tasks(s: Setup, window: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """A multi-task window's gradient (`finetune.train.multitask.backward_multitask`): per-task loss sums and counts."""
-    return backward_multitask(s.model, s.train_data, window, s.batch.micro_batch_size, s.accelerator,
-                              pad_id=s.tokenizer.pad_token_id, causal=s.causal)
-
-
 def _back_off(s: Setup) -> None:
     """After an out-of-memory error: drop the partial gradient and halve the micro-batch (doubling accumulation)."""
     s.optimizer.zero_grad(set_to_none=True)
@@ -263,7 +230,8 @@ def _back_off(s: Setup) -> None:
 
 
 def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
-    """Accelerator, run directory, data, plan, model, optimizer and schedule, in fail-fast order."""
+    """Accelerator, run directory, data, plan, model, optimizer and schedule, in fail-fast order; the variant of
+    the loop (one task, segment recurrence, multi-task) loads the data and the model its own way."""
     tracking.check_available(c.report_to)  # a missing tracker package, or a push that cannot work, before any data
     hub.check_push(c)
     accelerator = make_accelerator(resolve_precision(c.precision))
@@ -273,37 +241,23 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     run_dir = rundir.check_run_dir(c)
     if c.resume:
         c = rundir.resumed_config(c, run_dir)
+    variant = variant_of(c)
     tokenizer = load_tokenizer(c)
     with accelerator.main_process_first():  # the main process tokenises into the cache, the others read it
-        if c.tasks:
-            train_data, eval_data, label_names = MultiData(c, load_tasks(c, tokenizer)), None, None
-        else:
-            train_data, eval_data, label_names = load_data(c, tokenizer, num_processes=accelerator.num_processes)
+        train_data, eval_data, label_names = variant.load_data(c, tokenizer, accelerator.num_processes)
     if c.messages_column is None and getattr(train_data, "messages", None):
         # config.yaml says the run trained on conversations (and so `finetune predict` chats with its model).
         c = c.replace(messages_column=train_data.messages)
-    recurrence = Recurrence.of(c)  # plan_run refuses the models it would train silently wrong
     set_seed(c.seed)  # before the model is loaded: a new classification head is initialised from it
     # The plan needs the data (the worst-case length) but no weights: its dry run runs on fake tensors. The model
     # comes back loaded and prepared as the plan says (and, with the probe, measured).
     # Before prepare() the mode is what accelerate's state says; the note says when that is not what was asked for.
     mode = distributed_mode(accelerator)
     note = fallback_note(requested_mode(), mode, accelerator.num_processes, accelerator.device.type)
-    if c.tasks:  # planned for the largest single task's graph; the shared model is loaded after the plan
-        plan = plan_tasks(c, train_data, num_processes=accelerator.num_processes, distributed=mode)
-        model = load_multitask_model(c, train_data.tasks, plan)
-        plan = with_head_memory(plan, model, c.optimizer)
-    else:
-        plan, model = plan_run(c, train_data.lengths, label_names, num_processes=accelerator.num_processes,
-                               device=accelerator.device, load=True, distributed=mode)
+    plan, model = variant.plan(c, train_data, label_names, accelerator, mode)
     if note:
         plan = dataclasses.replace(plan, notes=(note, *plan.notes))
-    if c.packing:
-        check_keeps_samples_apart(model, c.model)
-        plan = dataclasses.replace(plan, notes=(*plan.notes, packing_note(train_data, c.max_length)))
     c = plan.apply(c)
-    if recurrence:
-        self_check(model, recurrence)
     steps_per_epoch = windows_per_epoch(len(train_data), plan.batch.effective_batch_size)
     total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
     optimizer = make_optimizer(c, model)
@@ -312,10 +266,18 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     model, optimizer = accelerator.prepare(model, optimizer)
     mode = distributed_mode(accelerator, model)  # what prepare() really did: fsdp only if parameters are sharded
     progress = Progress()
-
     trackers = tracking.sinks(accelerator, c, run_dir)  # the trackers get the records events.jsonl gets
     log = EventLog(run_dir / "events.jsonl" if accelerator.is_main_process else None,
                    [*callbacks, *trackers] if accelerator.is_main_process else [])
+    _open_run_dir(c, run_dir, accelerator, plan, scheduler, progress)
+    return Setup(config=c, accelerator=accelerator, batch=plan.batch, run_dir=run_dir, tokenizer=tokenizer,
+                 train_data=train_data, eval_data=eval_data, label_names=label_names, model=model,
+                 optimizer=optimizer, scheduler=scheduler, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                 progress=progress, log=log, variant=variant, distributed=mode, note=note)
+
+
+def _open_run_dir(c: Config, run_dir: Path, accelerator: Any, plan: Any, scheduler: Any, progress: Progress) -> None:
+    """A resumed run continues from its newest checkpoint; a new one writes its config and plan."""
     if c.resume:
         if accelerator.is_main_process:
             rundir.remove_partial_checkpoints(run_dir)
@@ -329,17 +291,6 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
         (run_dir / "config.yaml").write_text(c.replace(overwrite=False, resume=False).to_yaml(), encoding="utf-8")
         rundir.write_json(run_dir / "plan.json", plan.to_dict())
     accelerator.wait_for_everyone()
-    return Setup(config=c, accelerator=accelerator, batch=plan.batch, run_dir=run_dir, tokenizer=tokenizer,
-                 train_data=train_data, eval_data=eval_data, label_names=label_names, model=model,
-                 optimizer=optimizer, scheduler=scheduler, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                 progress=progress, log=log, distributed=mode, note=note, recurrence=recurrence)
-
-
-def _global_count(s: Setup, indices: list[int]) -> int:
-    local = s.train_data.num_targets(indices, s.causal)
-    if s.accelerator.num_processes == 1:
-        return local
-    return int(s.accelerator.reduce(torch.tensor(local, device=s.accelerator.device), "sum").item())
 
 
 def _stop_requested(stop: StopFlag, accelerator: Any) -> bool:
@@ -351,24 +302,10 @@ def _stop_requested(stop: StopFlag, accelerator: Any) -> bool:
 
 
 def _evaluate(s: Setup, epoch: float) -> dict[str, float]:
-    if s.multitask:
-        metrics = evaluate_tasks(s.model, s.train_data, causal=s.causal, batch_size=_eval_batch_size(s),
-                                 pad_id=s.tokenizer.pad_token_id, accelerator=s.accelerator)
-        if metrics:
-            s.log.emit(Eval(step=s.progress.step, epoch=round(epoch, 4), metrics=metrics))
-        return metrics
-    if s.eval_data is None or len(s.eval_data) == 0:
-        return {}
-    metrics = evaluate(s.model, s.eval_data, causal=s.causal, num_labels=len(s.label_names or []),
-                       batch_size=_eval_batch_size(s), pad_id=s.tokenizer.pad_token_id,
-                       accelerator=s.accelerator, recurrence=s.recurrence)
-    s.log.emit(Eval(step=s.progress.step, epoch=round(epoch, 4), metrics=metrics))
+    metrics = s.variant.evaluate(s)
+    if metrics:
+        s.log.emit(Eval(step=s.progress.step, epoch=round(epoch, 4), metrics=metrics))
     return metrics
-
-
-def _eval_batch_size(s: Setup) -> int:
-    large = not s.causal and s.config.gradient_checkpointing != "true"
-    return (EVAL_BATCHES_LARGE if large else EVAL_BATCHES) * s.batch.micro_batch_size
 
 
 def _save_checkpoint(s: Setup) -> Path:
@@ -415,11 +352,7 @@ def _finish(s: Setup, seconds: float) -> RunResult:
     # part in the gathering. Unsharded models save their own parameters.
     state_dict = accelerator.get_state_dict(s.model) if s.distributed in ("fsdp", "deepspeed") else None
     if accelerator.is_main_process:
-        if s.multitask:  # a folder per task (or one shared causal LM) and model/tasks.json
-            save_multitask(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, s.train_data)
-        else:
-            save_model(accelerator.unwrap_model(s.model), s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora,
-                       state_dict=state_dict)
+        s.variant.save(s, accelerator.unwrap_model(s.model), state_dict)
         summary = {**metrics, "steps": p.step, "samples": p.samples, "skipped_steps": p.skipped,
                    "train_seconds": round(seconds, 2), "train_samples_per_s": round(p.samples / max(seconds, 1e-9), 2)}
         rundir.write_json(s.run_dir / "metrics.json", summary)

@@ -12,6 +12,8 @@ from finetune.config.schema import Config
 from finetune.data.multitask import MultiData, TaskData, task_counts, task_micro_batches
 from finetune.engine.evaluate import evaluate
 from finetune.engine.step import backward_tasks
+from finetune.kinds.base import TaskKind
+from finetune.kinds.registry import entry
 from finetune.models.heads import (
     MultiHeadModel,
     add_body_lora,
@@ -57,16 +59,16 @@ def with_head_memory(plan: Plan, model: Any, optimizer: str) -> Plan:
 def load_multitask_model(c: Config, tasks: list[TaskData], plan: Plan) -> Any:
     """The shared model: one head per task on one encoder (classification) or one causal LM for every task; with
     LoRA, adapters on the shared body and every head fully trained."""
-    causal = c.task == "causal_lm"
+    shared = entry(c.task).multitask == "shared"
     first = prepare_for_training(load_model(tasks[0].config, tasks[0].label_names), c,
-                                 checkpointing=plan.gradient_checkpointing, lora=plan.lora and causal)
-    if causal:
+                                 checkpointing=plan.gradient_checkpointing, lora=plan.lora and shared)
+    if shared:
         return first
     model = build_multihead(first, {t.spec.name: t.label_names for t in tasks})
     return add_body_lora(model, c) if plan.lora else model
 
 
-def evaluate_tasks(model: Any, data: MultiData, *, causal: bool, batch_size: int, pad_id: int, accelerator: Any
+def evaluate_tasks(model: Any, data: MultiData, *, kind: TaskKind, batch_size: int, pad_id: int, accelerator: Any
                    ) -> dict[str, float]:
     """Each task's metrics as `<task>/<metric>`, and their mean weighted by the tasks' `weight` as `<metric>`."""
     inner = unwrap_multihead(accelerator.unwrap_model(model))
@@ -77,7 +79,7 @@ def evaluate_tasks(model: Any, data: MultiData, *, causal: bool, batch_size: int
             continue
         view = inner.tasks[t.spec.name] if isinstance(inner, MultiHeadModel) else inner
         was = view.training
-        metrics = evaluate(view, t.eval, causal=causal, num_labels=len(t.label_names or []), batch_size=batch_size,
+        metrics = evaluate(view, t.eval, kind=kind, label_names=t.label_names, batch_size=batch_size,
                            pad_id=pad_id, accelerator=accelerator)
         view.train(was)
         out.update({f"{t.spec.name}/{k}": v for k, v in metrics.items()})
@@ -109,23 +111,24 @@ def save_multitask(model: Any, tokenizer: Any, run_dir: Path, data: MultiData) -
         merged = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
         return save_multihead(merged, tokenizer, run_dir, task_summary(data))
     path = save_model(model, tokenizer, run_dir, merge_lora=True)
-    save_tasks_file(path, task_summary(data), causal=True)
+    save_tasks_file(path, task_summary(data), shared=True)
     return path
 
 
 def backward_multitask(model: Any, data: MultiData, window: list[int], micro_batch_size: int, accelerator: Any, *,
-                       pad_id: int, causal: bool) -> tuple[torch.Tensor, list[int]]:
+                       pad_id: int, kind: TaskKind) -> tuple[torch.Tensor, list[int]]:
     """A multi-task window's gradient: one task per micro-batch, each task's loss normalised by its own count;
     returns this process's loss sum per task and each task's count over the whole window."""
     micro, weight = task_micro_batches(data, window, micro_batch_size, accelerator.process_index,
                                        accelerator.num_processes)
-    counts = task_counts(data, window, causal)  # the whole window's: every process knows it before any backward
+    counts = task_counts(data, window, kind)  # the whole window's: every process knows it before any backward
 
     def collate_fn(task: int, mb: list[int]) -> dict[str, torch.Tensor]:
-        return data.collate(task, mb, pad_id, causal)
+        return data.collate(task, mb, pad_id, kind)
 
+    shared = entry(data.config.task).multitask == "shared"  # one model for every task: no head to name
     sums = backward_tasks(model, micro, collate_fn, counts, [t.spec.weight for t in data.tasks], accelerator,
-                          causal=causal, task_names=None if causal else data.names, weight=weight)
+                          kind=kind, task_names=None if shared else data.names, weight=weight)
     return sums, counts
 
 

@@ -10,6 +10,7 @@ import torch
 
 from finetune.config.schema import read_yaml
 from finetune.data.chat import MESSAGES_NAMES, reply, require_template, turns_of
+from finetune.kinds.registry import kind
 from finetune.models.heads import task_model_dir
 from finetune.models.load import load_trained, resolve_model_dir, task_of
 
@@ -47,27 +48,11 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool 
     model = load_trained(model_dir, task).eval()
     if chat is None:
         chat = _trained_to_chat(tokenizer, run_dir)
-    if task == "causal_lm" and chat:
+    if task == "causal_lm" and chat:  # chatting is a use of a causal LM trained on conversations
         require_template(tokenizer, str(model_dir))
         return [{"text": text, "reply": reply(model, tokenizer, conversation_of(text), max_new_tokens)}
                 for text in texts]
-    if task == "causal_lm":
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        out = []
-        for text in texts:
-            enc = tokenizer(prefix + text, return_tensors="pt")
-            # Only what every causal LM takes: a BERT-style tokenizer also returns token_type_ids, which Llama refuses.
-            ids = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-            out.append({"text": text, "generated": tokenizer.decode(ids[0, enc["input_ids"].shape[1]:],
-                                                                    skip_special_tokens=True)})
-        return out
-    enc = tokenizer(texts, padding=True, truncation=True, max_length=512, return_tensors="pt")
-    probs = model(**enc).logits.float().softmax(-1)
-    names = model.config.id2label
-    return [{"text": t, "label": names[int(p.argmax())],
-             "probabilities": {names[i]: round(float(v), 4) for i, v in enumerate(p)}}
-            for t, p in zip(texts, probs, strict=True)]
+    return kind(task).predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens)
 
 
 def _trained_to_chat(tokenizer: Any, run_dir: Path | None) -> bool:

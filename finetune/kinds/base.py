@@ -1,0 +1,177 @@
+"""The task-kind protocol: what a kind of task (classification, causal LM, …) owns, so that the data, the loop, the
+planner, evaluation and prediction call one object instead of branching on the kind.
+
+A kind owns its columns and their rules, its label names, the encoding of a batch of rows, its Arrow features,
+the label part of collation, its target count (what a window's loss sum is divided by: exact accumulation rests on
+it), its loss sum, its metrics (sums reduced over processes, then finalised), the labels of the planner's synthetic
+batch and its logits' size, prediction output, and its Hugging Face names (in its registry entry, as strings).
+How to add one: docs/task-kind-protocol.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from finetune.errors import DataError
+
+if TYPE_CHECKING:
+    from finetune.config.schema import Config
+    from finetune.kinds.registry import Entry
+
+IGNORE_INDEX = -100  # a label position that is not a target (transformers' and torch's convention)
+TEXT_NAMES = ("text", "sentence", "sentence1", "content", "review", "document", "question")
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which data columns feed the model (each kind reads its own; the others stay None)."""
+
+    text: str | None = None
+    text_pair: str | None = None
+    label: str | None = None
+    prompt: str | None = None
+    completion: str | None = None
+    messages: str | None = None
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """What a kind's `encode_rows` gets besides the rows: the settings that are also the encoding cache's key."""
+
+    tokenizer: Any
+    cols: dict[str, str | None]
+    max_length: int
+    label_index: dict[str, int] | None  # label name → class id, for kinds with named classes
+    eos: list[int]  # appended to a document (causal LM), else empty
+    mode: str  # long_documents as resolved: truncate, chunk, sliding_window
+    context: int  # tokens a block repeats from the one before (sliding_window)
+    chat: dict[str, Any] | None = None  # conversations: train_on and the template
+
+
+class Reduce(Protocol):
+    """How a metric accumulator combines its state over processes."""
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor summed over all processes."""
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A 1-D tensor of any length per process, concatenated over all processes (in process order)."""
+
+
+class Metrics(Protocol):
+    """A kind's evaluation metrics, accumulated batch by batch on each process and finalised once over all."""
+
+    def add(self, batch: dict[str, torch.Tensor], logits: torch.Tensor | None, loss: torch.Tensor) -> None:
+        """Count one evaluation batch: its labels, the model's logits (None when the loss was computed without
+        them, as segment recurrence does) and the batch's loss sum."""
+
+    def result(self, reduce: Reduce) -> dict[str, float]:
+        """The metrics over every process's batches (every process calls it: the reductions are collective)."""
+
+
+class TaskKind(Protocol):
+    """One kind of task. Implementations are stateless module-level objects (`KIND` in the kind's module)."""
+
+    entry: Entry  # its registry entry: name, columns, Hugging Face names
+
+    # --- data
+    def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
+        """The columns to use, from the config or guessed from common names; a `DataError` naming what is missing."""
+
+    def label_names(self, table: Any, cols: Columns, source: str) -> list[str] | None:
+        """The class names in id order (a `DataError` for unusable labels), or None for a kind without classes."""
+
+    def check_rows(self, table: Any, cols: Columns, label_names: list[str] | None, source: str) -> None:
+        """A `DataError` naming the first row this kind cannot train on (beyond empty texts, checked for all)."""
+
+    def end_of_document(self, tokenizer: Any) -> list[int]:
+        """Token ids appended to each encoded document (a causal LM's end of sequence), or none."""
+
+    def encode_rows(self, batch: dict[str, list], indices: list[int], e: Encoding) -> dict[str, list]:
+        """One batch of rows → its encoded rows (inside `datasets.map`, maybe in a worker process): `input_ids`,
+        the kind's label columns, and `document`/`segment`/`dropped_tokens` (finetune.data.segments)."""
+
+    def features(self, cols: Columns, tokenizer: Any) -> dict[str, Any]:
+        """The Arrow features of the kind's own encoded columns (`datasets` feature types), in column order."""
+
+    def check_encoded(self, data: Any, cols: Columns, c: Config, source: str, documents: bool) -> None:
+        """A `DataError` when the encoded rows leave nothing to train on (`documents`: whole, for recurrence)."""
+
+    def collate_labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
+        """The `labels` of a right-padded micro-batch: `rows` are its encoded rows, `present` marks real tokens."""
+
+    def num_targets(self, data: Any, indices: list[int]) -> int:
+        """What the loss sum of these samples is divided by (over a window: exact accumulation rests on it)."""
+
+    # --- model
+    def model_kwargs(self, label_names: list[str] | None) -> dict[str, Any]:
+        """Keyword arguments for the model config (`num_labels`, `id2label`, `problem_type`, …)."""
+
+    def loss_sum(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward and the sum (not the mean) of the batch's losses, with the logits (None if never made)."""
+
+    def metrics(self, label_names: list[str] | None, device: torch.device) -> Metrics:
+        """A fresh metric accumulator for one evaluation."""
+
+    # --- the planner's dry run
+    def synthetic_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The labels of a worst-case micro-batch of these (random) input ids."""
+
+    def logits_bytes(self, micro: int, tokens: int, vocab: int, num_labels: int) -> int:
+        """Bytes the loss's float32 logits (and their gradient) take in one micro-batch, as the planner counts them."""
+
+    # --- use after training
+    def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str, max_new_tokens: int
+                ) -> list[dict[str, Any]]:
+        """`finetune predict`'s output, one record per text."""
+
+
+def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...], what: str, key: str) -> str:
+    """The column `wanted` (checked), or the first of `guesses` present; a `DataError` naming what is missing."""
+    if wanted is not None:
+        if wanted not in columns:
+            raise DataError(f"{what} column {wanted!r} is not in the data; its columns are: {', '.join(columns)}. "
+                            f"Set `{key}` to one of them.")
+        return wanted
+    for name in guesses:
+        if name in columns:
+            return name
+    raise DataError(f"No {what.lower()} column found (looked for {', '.join(guesses)}); the data's columns are: "
+                    f"{', '.join(columns)}. Set `{key}`.")
+
+
+def texts_of(batch: dict[str, list], column: str) -> list[str]:
+    """A text column of a batch of rows, as strings."""
+    return [str(v) for v in batch[column]]
+
+
+class SumMetrics:
+    """An accumulator whose state is float64 sums (`size` of them), reduced once and finalised by `finish`."""
+
+    def __init__(self, size: int, device: torch.device,
+                 update: Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor], None],
+                 finish: Callable[[torch.Tensor], dict[str, float]]) -> None:
+        self.sums = torch.zeros(size, dtype=torch.float64, device=device)
+        self._update, self._finish = update, finish
+
+    def add(self, batch: dict[str, torch.Tensor], logits: torch.Tensor | None, loss: torch.Tensor) -> None:
+        """Count one evaluation batch."""
+        self._update(self.sums, batch, logits, loss)
+
+    def result(self, reduce: Reduce) -> dict[str, float]:
+        """The metrics of the summed state."""
+        return self._finish(reduce.sum(self.sums))
+
+
+def stored_targets(data: Any, indices: list[int]) -> int | None:
+    """The targets counted when the rows were written (a `num_targets` column: conversations, packed rows, or a
+    kind that counts its own), or None."""
+    targets = getattr(data, "stored_targets", None)
+    return None if targets is None else int(targets[indices].sum())

@@ -1,0 +1,121 @@
+"""The task kinds, by name: where each one's module is and what the configuration and the GUI need to know about it
+without importing it (its columns, their rules and help, its Hugging Face names).
+
+Importing this module imports nothing heavy (`finetune --help` stays fast: tests/test_fast_start.py): a kind's
+module, which brings torch, is imported by `kind()` when a run, an evaluation or a prediction needs it. Adding a kind
+is one entry here and one module that defines `KIND` (see docs/task-kind-protocol.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What is known about a kind before its module is imported."""
+
+    name: str  # the value of `task`
+    module: str  # the module that defines `KIND`, an object of the `TaskKind` protocol
+    summary: str  # what the kind trains, in a few words ("text classification")
+    columns: tuple[str, ...]  # the `*_column` options it reads, in the order a form shows them
+    own_columns: tuple[tuple[str, ...], ...] = ()  # groups of options only this kind reads, refused for the others
+    uses: str = ""  # how to name this kind's columns, for the refusal of another kind's columns
+    column_reasons: dict[str, str] = field(default_factory=dict)  # a group refused for its own reason ("why")
+    # Hugging Face names, as strings (the model card and the GUI read them without importing transformers).
+    auto_model: str = ""  # the transformers auto class: AutoModelFor…
+    peft_task_type: str = ""  # peft's TaskType for LoRA
+    peft_auto_model: str = ""  # peft's AutoPeftModelFor…, to load a saved adapter
+    pipeline_tag: str = ""  # the model card's pipeline tag and transformers' pipeline task
+    architectures: tuple[str, ...] = ()  # endings of a saved config's `architectures` that mean this kind
+    example: str = ""  # an input for the model card's usage snippet
+    has_labels: bool = False  # whether the data names classes (label names saved with the model)
+    # In a multi-task run: "heads" (one head per task on a shared body), "shared" (one model, a prompt prefix per
+    # task), or "" (not a task of a multi-task run).
+    multitask: str = ""
+    # The optional features it takes (finetune.config.exclusions.KIND_FEATURES: packing, segment_recurrence,
+    # split_documents) and, for those it does not, why not (the end of the refusal's sentence).
+    features: tuple[str, ...] = ()
+    refusals: dict[str, str] = field(default_factory=dict)
+    problem_type: str | None = None  # the saved config's `problem_type` this kind needs (regression's, say)
+
+
+ENTRIES: dict[str, Entry] = {e.name: e for e in (
+    Entry(name="classification", module="finetune.kinds.classification", summary="text classification",
+          columns=("text_column", "text_pair_column", "label_column"),
+          own_columns=(("label_column", "text_pair_column"),),
+          uses="`text_column` and `label_column`",
+          auto_model="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS",
+          peft_auto_model="AutoPeftModelForSequenceClassification", pipeline_tag="text-classification",
+          architectures=("ForSequenceClassification",), example="I loved this film.", has_labels=True,
+          multitask="heads",
+          refusals={"packing": "a classifier takes one sample per row",
+                    "segment_recurrence": "a classifier reads each text whole; turn it off",
+                    "split_documents": "a classification label belongs to the whole text, so its parts cannot each "
+                                       "carry it"}),
+    Entry(name="causal_lm", module="finetune.kinds.causal_lm", summary="causal language modelling",
+          columns=("text_column", "prompt_column", "completion_column", "messages_column"),
+          own_columns=(("prompt_column", "completion_column"), ("messages_column",)),
+          uses="`text_column`, or `prompt_column` with `completion_column`",
+          column_reasons={"messages_column": "conversations train a language model"},
+          auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
+          pipeline_tag="text-generation", architectures=("ForCausalLM", "LMHeadModel"), example="Once upon a time",
+          multitask="shared", features=("packing", "segment_recurrence", "split_documents")),
+)}
+DEFAULT = "classification"
+
+
+def names() -> tuple[str, ...]:
+    """The kinds' names, as `task` accepts them."""
+    return tuple(ENTRIES)
+
+
+def entry(name: str) -> Entry:
+    """The registry entry of kind `name` (a KeyError for a name `task` would refuse)."""
+    return ENTRIES[name]
+
+
+@functools.cache
+def kind(name: str) -> Any:
+    """The kind object of `name` (a `finetune.kinds.base.TaskKind`), its module imported on first use. (The registry
+    imports no kind module, nor the protocol's: the configuration imports the registry, and the kinds the
+    configuration.)"""
+    return importlib.import_module(ENTRIES[name].module).KIND
+
+
+def column_problems(task: str, values: dict[str, object]) -> list[str]:
+    """One sentence per group of another kind's column options set for kind `task`."""
+    problems = []
+    mine = ENTRIES[task]
+    for other in ENTRIES.values():
+        if other.name == task:
+            continue
+        for group in other.own_columns:
+            if set(group) & set(mine.columns) or not any(values.get(key) for key in group):
+                continue
+            keys = "/".join(f"`{key}`" for key in group)
+            verb = "are" if len(group) > 1 else "is"
+            reason = other.column_reasons.get(group[0])
+            problems.append(f"{keys} {verb} for task={other.name}: {reason}." if reason else
+                            f"{keys} {verb} for task={other.name}; for {task} use {mine.uses}.")
+    return problems
+
+
+def kind_of_model_config(model_config: dict[str, object], default: str | None = DEFAULT) -> str | None:
+    """The kind a saved model's config.json names: by its `architectures` (and `problem_type`, for kinds that share
+    an architecture); `default` when none says."""
+    architectures = [str(a) for a in model_config.get("architectures") or []]
+    # Kinds that need a problem type first: they share their architecture with a kind that does not.
+    for e in sorted(ENTRIES.values(), key=lambda e: e.problem_type is None):
+        if e.architectures and any(a.endswith(e.architectures) for a in architectures) and \
+                e.problem_type in (None, model_config.get("problem_type")):
+            return e.name
+    return default
+
+
+def kind_of_peft_task_type(task_type: str | None, default: str = DEFAULT) -> str:
+    """The kind a saved adapter's peft task type names."""
+    return next((e.name for e in ENTRIES.values() if e.peft_task_type == task_type), default)

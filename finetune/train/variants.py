@@ -1,0 +1,189 @@
+"""The variants of the training loop, as objects the loop calls: one task, segment recurrence, multi-task.
+
+`finetune.train.loop` reads no feature flag: `variant_of(config)` picks the variant once, and the loop asks it for
+the data, the plan and the model, each window's backward and loss, the evaluation and the saved model. A variant
+is a small class; the arithmetic it calls lives in the engine (`finetune.engine.step`, `.recurrence`) and in
+`finetune.train.multitask`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+from finetune.config.schema import Config
+from finetune.data.load import collate, load_data
+from finetune.data.multitask import MultiData, load_tasks
+from finetune.data.packing import check_keeps_samples_apart, packing_note
+from finetune.engine.evaluate import evaluate
+from finetune.engine.recurrence import Recurrence, self_check
+from finetune.engine.recurrence import backward_window as recurrent_backward_window
+from finetune.engine.step import backward_window, share_of
+from finetune.models.load import save_model
+from finetune.plan.planner import Plan, plan_run
+from finetune.train.multitask import (
+    backward_multitask,
+    evaluate_tasks,
+    load_multitask_model,
+    plan_tasks,
+    save_multitask,
+    window_losses,
+    with_head_memory,
+)
+
+# The loop's `finetune.train.loop.Setup` (not imported: the loop imports this module, and only the CLI the loop).
+Setup = Any
+
+
+class Variant(Protocol):
+    """What the loop asks of its variant, in the order it asks."""
+
+    def load_data(self, c: Config, tokenizer: Any, num_processes: int) -> tuple[Any, Any, list[str] | None]:
+        """Training data, evaluation data (or None) and the class names (or None)."""
+
+    def plan(self, c: Config, train_data: Any, label_names: list[str] | None, accelerator: Any, mode: str
+             ) -> tuple[Plan, Any]:
+        """The plan and the model it was made for, loaded, prepared and checked."""
+
+    def shares(self, s: Setup) -> dict[str, float] | None:
+        """Each task's share of a window, for the start event (None: one task)."""
+
+    def backward(self, s: Setup, window: list[int]) -> tuple[torch.Tensor, Any]:
+        """Accumulate one window's gradient: this process's loss sum(s) and the window's global target count(s)."""
+
+    def window_loss(self, s: Setup, loss_sum: torch.Tensor, count: Any) -> tuple[float, dict[str, float] | None]:
+        """The window's loss over all processes, and each task's (None: one task)."""
+
+    def evaluate(self, s: Setup) -> dict[str, float]:
+        """The evaluation metrics over all processes ({} when there is nothing to evaluate)."""
+
+    def save(self, s: Setup, model: Any, state_dict: dict[str, Any] | None) -> None:
+        """Save the final model (main process only); `state_dict` is gathered from a sharded model."""
+
+
+def variant_of(c: Config) -> Variant:
+    """The loop variant this configuration trains with."""
+    if c.tasks:
+        return MultiTask()
+    recurrence = Recurrence.of(c)
+    return Recurrent(recurrence) if recurrence else SingleTask()
+
+
+def global_count(s: Setup, indices: list[int]) -> int:
+    """The targets of these samples, summed over all processes."""
+    local = s.train_data.num_targets(indices, s.kind)
+    if s.accelerator.num_processes == 1:
+        return local
+    return int(s.accelerator.reduce(torch.tensor(local, device=s.accelerator.device), "sum").item())
+
+
+class SingleTask:
+    """One dataset, one model: the plain loop."""
+
+    recurrence: Recurrence | None = None
+
+    def load_data(self, c: Config, tokenizer: Any, num_processes: int) -> tuple[Any, Any, list[str] | None]:
+        """The dataset, tokenised (or read as a stream)."""
+        return load_data(c, tokenizer, num_processes=num_processes)
+
+    def plan(self, c: Config, train_data: Any, label_names: list[str] | None, accelerator: Any, mode: str
+             ) -> tuple[Plan, Any]:
+        """The planner's plan and its model; packed rows are checked on the loaded model."""
+        plan, model = plan_run(c, train_data.lengths, label_names, num_processes=accelerator.num_processes,
+                               device=accelerator.device, load=True, distributed=mode)
+        if c.packing:
+            check_keeps_samples_apart(model, c.model)
+            plan = dataclasses.replace(plan, notes=(*plan.notes, packing_note(train_data, c.max_length)))
+        return plan, model
+
+    def shares(self, s: Setup) -> None:
+        """One task."""
+        return None
+
+    def _collate(self, s: Setup) -> Any:
+        return lambda mb: collate(s.train_data, mb, s.tokenizer.pad_token_id, s.kind)
+
+    def backward(self, s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
+        """This process's share of the window, each micro-batch's loss sum scaled by the window's target count."""
+        accelerator = s.accelerator
+        micro, weight = share_of(window, s.train_data.lengths, s.batch.micro_batch_size, accelerator.process_index,
+                                 accelerator.num_processes)
+        # Count the window's targets over all processes *before* its first backward: every micro-batch's loss sum
+        # is divided by this one number, which is what makes k·B and (B, k) identical.
+        count = global_count(s, [i for mb in micro for i in mb] if weight else [])  # a stand-in counts for nothing
+        return self._backward(s, micro, count, weight), count
+
+    def _backward(self, s: Setup, micro: list[list[int]], count: int, weight: float) -> torch.Tensor:
+        return backward_window(s.model, micro, self._collate(s), count, s.accelerator, kind=s.kind, weight=weight)
+
+    def window_loss(self, s: Setup, loss_sum: torch.Tensor, count: int) -> tuple[float, None]:
+        """The summed loss over the window's target count."""
+        return (s.accelerator.reduce(loss_sum, "sum") / max(count, 1)).item(), None
+
+    def evaluate(self, s: Setup) -> dict[str, float]:
+        """The task kind's metrics on the evaluation data."""
+        if s.eval_data is None or len(s.eval_data) == 0:
+            return {}
+        return evaluate(s.model, s.eval_data, kind=s.kind, label_names=s.label_names, batch_size=s.eval_batch_size,
+                        pad_id=s.tokenizer.pad_token_id, accelerator=s.accelerator, recurrence=self.recurrence)
+
+    def save(self, s: Setup, model: Any, state_dict: dict[str, Any] | None) -> None:
+        """model/ (and adapter/ with merge_lora)."""
+        save_model(model, s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora, state_dict=state_dict)
+
+
+class Recurrent(SingleTask):
+    """Segment recurrence: whole documents, a segment per micro step, the cache carried between them."""
+
+    def __init__(self, recurrence: Recurrence) -> None:
+        self.recurrence = recurrence
+
+    def plan(self, c: Config, train_data: Any, label_names: list[str] | None, accelerator: Any, mode: str
+             ) -> tuple[Plan, Any]:
+        """The plan, and a model checked to carry its state exactly from one segment to the next."""
+        plan, model = super().plan(c, train_data, label_names, accelerator, mode)
+        self_check(model, self.recurrence)
+        return plan, model
+
+    def _backward(self, s: Setup, micro: list[list[int]], count: int, weight: float) -> torch.Tensor:
+        return recurrent_backward_window(s.model, micro, self._collate(s), count, s.accelerator, self.recurrence,
+                                         s.train_data.lengths, weight=weight)
+
+
+class MultiTask:
+    """Several datasets in one run: one task per micro-batch, each task's loss over its own count."""
+
+    def load_data(self, c: Config, tokenizer: Any, num_processes: int) -> tuple[MultiData, None, None]:
+        """Every task's data (each with its own evaluation rows)."""
+        return MultiData(c, load_tasks(c, tokenizer)), None, None
+
+    def plan(self, c: Config, train_data: MultiData, label_names: list[str] | None, accelerator: Any, mode: str
+             ) -> tuple[Plan, Any]:
+        """Planned for the largest single task's graph; the shared model is loaded after the plan."""
+        plan = plan_tasks(c, train_data, num_processes=accelerator.num_processes, distributed=mode)
+        model = load_multitask_model(c, train_data.tasks, plan)
+        return with_head_memory(plan, model, c.optimizer), model
+
+    def shares(self, s: Setup) -> dict[str, float]:
+        """Each task's expected share of a window."""
+        return s.train_data.shares()
+
+    def backward(self, s: Setup, window: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Per-task loss sums and counts (`finetune.train.multitask.backward_multitask`)."""
+        return backward_multitask(s.model, s.train_data, window, s.batch.micro_batch_size, s.accelerator,
+                                  pad_id=s.tokenizer.pad_token_id, kind=s.kind)
+
+    def window_loss(self, s: Setup, loss_sum: torch.Tensor, count: list[int]) -> tuple[float, dict[str, float]]:
+        """Σₜ wₜ · (task t's loss sum) / Nₜ, and each present task's mean loss."""
+        return window_losses(loss_sum, count, s.train_data, s.accelerator)
+
+    def evaluate(self, s: Setup) -> dict[str, float]:
+        """Each task's metrics as `<task>/<metric>`, and their weighted mean."""
+        return evaluate_tasks(s.model, s.train_data, kind=s.kind, batch_size=s.eval_batch_size,
+                              pad_id=s.tokenizer.pad_token_id, accelerator=s.accelerator)
+
+    def save(self, s: Setup, model: Any, state_dict: dict[str, Any] | None) -> None:
+        """A folder per task (or one shared model) and model/tasks.json."""
+        save_multitask(model, s.tokenizer, s.run_dir, s.train_data)

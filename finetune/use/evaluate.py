@@ -1,0 +1,119 @@
+"""`finetune eval`: the metrics of a saved model, one path for a run's model, a model folder, and one task of a
+multi-task model (`task=<name>`: its own head or prompt prefix, its own data).
+
+The data is the run's own evaluation data (the task's, for a task of a multi-task run), or `dataset=…`, read whole
+with the labels the model was trained with. The metrics are the task kind's, computed as training computes them
+(`finetune.engine.evaluate.evaluate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.config.multitask import TaskSpec, single_task_values
+from finetune.config.schema import Config, ConfigError, from_dict, parse_overrides, read_yaml
+from finetune.data.encoding import Encoded, encode
+from finetune.data.load import load_data, load_table, resolve_columns
+from finetune.data.multitask import load_task, with_prefix
+from finetune.engine.evaluate import evaluate
+from finetune.engine.recurrence import Recurrence
+from finetune.kinds.registry import entry
+from finetune.kinds.registry import kind as kind_named
+from finetune.models.heads import read_tasks_file, task_model_dir
+from finetune.models.load import load_tokenizer, load_trained, resolve_model_dir, saved_label_names, task_of
+
+
+@dataclass(frozen=True)
+class Target:
+    """What is evaluated: a model folder, the config its data is read with, and its labels (and prompt prefix)."""
+
+    folder: Path
+    config: Config
+    labels: list[str] | None
+    task: str | None = None  # the task's name, for a task of a multi-task model
+    prefix: str | None = None  # a causal LM task's prompt prefix
+    run: Config | None = None  # the multi-task run, when the task's own evaluation data is read
+    spec: TaskSpec | None = None
+
+
+def evaluate_target(target: str, overrides: list[str]) -> dict[str, Any]:
+    """Metrics of a run's model (on its own evaluation data), a model folder (on `dataset=…`), or task
+    `task=<name>` of a multi-task model."""
+    model_dir, run_dir = resolve_model_dir(target)
+    extra = parse_overrides(overrides)
+    t = _task_target(model_dir, run_dir, extra) if read_tasks_file(model_dir) is not None else \
+        _model_target(model_dir, run_dir, extra)
+    c = t.config
+    tokenizer = load_tokenizer(c)
+    data = _data(t, tokenizer, given="dataset" in extra)
+    from accelerate import Accelerator
+
+    model = load_trained(t.folder, c.task)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    model = accelerator.prepare(model)
+    metrics = evaluate(model, data, kind=kind_named(c.task), label_names=t.labels, batch_size=64,
+                       pad_id=tokenizer.pad_token_id, accelerator=accelerator, recurrence=Recurrence.of(c))
+    if t.task is not None:
+        return {"model": str(t.folder), "task": t.task, "samples": len(data), **metrics}
+    counts = data.segmentation  # None for whole documents read segment by segment
+    split = {"documents": counts.documents, "long_documents": counts.mode} if counts is not None else {}
+    return {"model": str(t.folder), "samples": len(data), **split, **metrics}
+
+
+def _whole(values: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """A new dataset is evaluated whole, not split like the training data was."""
+    if "dataset" in extra:
+        values.update(eval_dataset=None, eval_fraction=0.0, eval_split=extra.get("eval_split"))
+    return values
+
+
+def _model_target(model_dir: Path, run_dir: Path | None, extra: dict[str, Any]) -> Target:
+    values = read_yaml(run_dir / "config.yaml") if run_dir else {"task": task_of(model_dir)}
+    values.update(extra, model=str(model_dir), resume=False, overwrite=False)
+    if "chat_template" not in extra:  # the saved tokenizer carries the run's template; its file may be gone
+        values["chat_template"] = None
+    c = from_dict(_whole(values, extra))
+    if c.dataset is None:
+        raise ConfigError(["Nothing to evaluate on: add dataset=<file or hub id>."])
+    return Target(model_dir, c, saved_label_names(model_dir) if entry(c.task).has_labels else None)
+
+
+def _task_target(model_dir: Path, run_dir: Path | None, extra: dict[str, Any]) -> Target:
+    name = extra.pop("task", None)
+    folder, saved = task_model_dir(model_dir, name)
+    run = spec = None
+    if run_dir is not None:
+        run = from_dict({**read_yaml(run_dir / "config.yaml"), "resume": False, "overwrite": False})
+        spec = next(s for s in run.tasks if s.name == name)
+        values = single_task_values(run, spec)
+    elif "dataset" not in extra:
+        raise ConfigError([f"Nothing to evaluate task {name!r} on: add dataset=<file or hub id>."])
+    else:
+        values = {"task": task_of(folder)}
+    c = from_dict({**_whole(values, extra), **extra, "model": str(folder), "resume": False, "overwrite": False,
+                   "output_dir": None})
+    return Target(folder, c, saved.get("labels"), task=name, prefix=saved.get("prompt_prefix"), run=run, spec=spec)
+
+
+def _data(t: Target, tokenizer: Any, *, given: bool) -> Encoded:
+    """The evaluation rows: `dataset=…` read whole (behind the task's prompt prefix), or the run's own."""
+    c = t.config
+    if given:
+        table = load_table(c.dataset, c.dataset_config, c.eval_split or c.train_split)
+        cols = resolve_columns(c, list(table.column_names))
+        if t.prefix:
+            table, cols = with_prefix(table, cols, t.prefix)
+        return encode(table, cols, c, tokenizer, t.labels, c.dataset)
+    if t.task is not None:
+        data = load_task(t.run, t.spec, tokenizer).eval
+        if data is None:
+            raise ConfigError([f"Task {t.task!r} had no evaluation data: add dataset=<file or hub id>."])
+        return data
+    data = load_data(c, tokenizer)[1]
+    if data is None:
+        raise ConfigError(["The run had no evaluation data: add dataset=<file or hub id>."])
+    return data

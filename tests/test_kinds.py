@@ -1,0 +1,85 @@
+"""The task-kind seam (finetune.kinds): the registry is light and complete, every kind implements the whole
+protocol, and what the configuration and the saved models read from the registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune.config.schema import TASKS, ConfigError, from_dict
+from finetune.kinds import registry
+from finetune.kinds.base import TaskKind
+
+REPO = Path(__file__).resolve().parent.parent
+PROTOCOL = sorted(name for name, value in vars(TaskKind).items() if callable(value) and not name.startswith("_"))
+
+
+def test_importing_the_registry_and_the_config_imports_no_torch():
+    code = ("import sys, json\nimport finetune.kinds.registry, finetune.config.schema\n"
+            "print(json.dumps([m for m in ('torch', 'transformers', 'datasets', 'numpy', 'pyarrow') "
+            "if m in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == []
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_every_kind_implements_the_whole_protocol(name):
+    kind = registry.kind(name)
+    assert kind.entry is registry.entry(name)
+    missing = [m for m in PROTOCOL if not callable(getattr(kind, m, None))]
+    assert missing == []
+    e = kind.entry
+    assert e.auto_model.startswith("AutoModelFor") and e.peft_auto_model.startswith("AutoPeftModelFor")
+    assert e.pipeline_tag and e.peft_task_type and e.columns and e.architectures
+
+
+def test_the_config_accepts_exactly_the_registered_kinds():
+    assert TASKS == registry.names() == ("classification", "causal_lm")
+    with pytest.raises(ConfigError, match="task"):
+        from_dict({"task": "summarisation"})
+
+
+@pytest.mark.parametrize(("task", "values", "message"), [
+    ("classification", {"prompt_column": "p", "completion_column": "c"},
+     "`prompt_column`/`completion_column` are for task=causal_lm; for classification use `text_column` and "
+     "`label_column`."),
+    ("causal_lm", {"label_column": "y"},
+     "`label_column`/`text_pair_column` are for task=classification; for causal_lm use `text_column`, or "
+     "`prompt_column` with `completion_column`."),
+    ("classification", {"messages_column": "m"},
+     "`messages_column` is for task=causal_lm: conversations train a language model."),
+])
+def test_another_kinds_columns_are_refused_in_one_sentence(task, values, message):
+    assert registry.column_problems(task, values) == [message]
+    with pytest.raises(ConfigError) as e:
+        from_dict({"task": task, **values})
+    assert message in e.value.problems
+
+
+def test_a_kinds_own_columns_are_not_refused():
+    assert registry.column_problems("classification", {"text_column": "t", "label_column": "y",
+                                                       "text_pair_column": "u"}) == []
+    assert registry.column_problems("causal_lm", {"text_column": "t", "prompt_column": "p",
+                                                  "completion_column": "c"}) == []
+
+
+@pytest.mark.parametrize(("model_config", "kind"), [
+    ({"architectures": ["BertForSequenceClassification"]}, "classification"),
+    ({"architectures": ["LlamaForCausalLM"]}, "causal_lm"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "causal_lm"),
+    ({"architectures": None}, "classification"),
+])
+def test_a_saved_models_kind_is_read_from_its_config(model_config, kind):
+    assert registry.kind_of_model_config(model_config) == kind
+
+
+def test_a_saved_adapters_kind_is_read_from_its_peft_task_type():
+    assert registry.kind_of_peft_task_type("CAUSAL_LM") == "causal_lm"
+    assert registry.kind_of_peft_task_type("SEQ_CLS") == "classification"
