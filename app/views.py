@@ -317,6 +317,11 @@ def plan_markdown(plan: dict[str, Any]) -> str:
              f"precision **{plan.get('precision')}** · gradient checkpointing **"
              f"{'on' if plan.get('gradient_checkpointing') else 'off'}** · LoRA **{'on' if plan.get('lora') else 'off'}"
              f"** · optimizer **{plan.get('optimizer')}** · device **{plan.get('device')}**"]
+    if plan.get("lora") and plan.get("quantization") not in (None, "none"):  # its share is a bar of plan_frame's
+        lines.append(f"frozen base quantized **{plan['quantization']}** (bitsandbytes), unquantized weights in "
+                     f"**{plan.get('base_dtype', 'fp32')}**")
+    elif plan.get("lora") and plan.get("base_dtype") not in (None, "fp32"):
+        lines.append(f"frozen base in **{plan['base_dtype']}**")
     if isinstance(peak, (int, float)):
         share = f" ({100 * peak / budget:.0f} % of the {budget / GIB:.2f} GiB budget)" if budget else ""
         method = f", {plan['method']}" if plan.get("method") else ""

@@ -141,10 +141,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = plan_tasks(cfg, data, num_processes=args.num_processes, distributed=distributed)
         train_data = eval_data = None
     else:
+        planned = _planned_device(args.device, cfg)
         train_data, eval_data, label_names = load_data(cfg, load_tokenizer(cfg), num_processes=args.num_processes)
-        device = make_accelerator(resolve_precision(cfg.precision)).device  # where `finetune train` would probe
+        # Where `finetune train` would probe (not for a device elsewhere: the dry run alone plans for it).
+        device = None if planned else make_accelerator(resolve_precision(cfg.precision)).device
+        if args.longest:  # before the plan, so that a refusal still answers it
+            from finetune.plan.planner import longest_context
+
+            tokens, rung = longest_context(cfg, len(label_names or []), device=planned)
+            print(f"longest context: fits {cfg.memory_budget_gb:g} GiB up to {tokens} tokens at micro-batch 1 "
+                  f"({rung})")
         plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device,
-                           distributed=distributed)
+                           distributed=distributed, planned_device=planned)
     print(render(plan))
     # What long_documents does to the data, beside the plan (the GUI shows it before a run starts).
     data = {"segmentation": getattr(train_data, "segmentation", None),
@@ -156,6 +164,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_json(Path(args.json), {**plan.to_dict(),
                                      **{k: dataclasses.asdict(v) for k, v in data.items() if v is not None}})
     return EXIT_OK
+
+
+def _planned_device(device: str, cfg: Any) -> tuple[str, int] | None:
+    """`--device cuda`: (name, bytes) of the CUDA GPU the budget describes, planned for from any machine."""
+    if device != "cuda":
+        return None
+    if not cfg.memory_budget_gb:
+        raise ConfigError(["`--device cuda` plans for a GPU of memory_budget_gb GiB: set memory_budget_gb to that "
+                           "GPU's memory (for example memory_budget_gb=24)."])
+    return f"cuda (planned for a {cfg.memory_budget_gb:g} GiB GPU)", int(cfg.memory_budget_gb * 2**30)
 
 
 def cmd_push(args: argparse.Namespace) -> int:
@@ -236,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed", choices=["ddp", "fsdp"], default=None,
                    help="How the processes share the model: ddp (each holds all of it) or fsdp (weights, gradients "
                    "and optimizer state sharded); default: fsdp when ACCELERATE_USE_FSDP says so, else ddp.")
+    p.add_argument("--device", choices=["here", "cuda"], default="here",
+                   help="Plan for this machine (default) or for a CUDA GPU of memory_budget_gb GiB, from any machine "
+                   "(its bf16 precision, CUDA context and allocator overhead counted).")
+    p.add_argument("--longest", action="store_true",
+                   help="Also print the largest max_length whose sample fits memory_budget_gb at micro-batch 1, on "
+                   "the cheapest rung of the ladder the config allows.")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("eval", help="Evaluate a run's model or a saved model.")
     p.add_argument("target", help="A run directory or a model folder.")

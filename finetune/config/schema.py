@@ -147,6 +147,9 @@ class Config:
                                        "only when the budget needs it).", choices=("auto", "true", "false"))
     lora: str = _opt("auto", "Train low-rank adapters instead of all weights (auto: only when the budget needs it).",
                      choices=("auto", "true", "false"))
+    quantization: str = _opt("auto", "Store the frozen base of a LoRA run quantized by bitsandbytes: 8bit "
+                             "(LLM.int8) or 4bit (NF4 with double quantization, QLoRA); implies LoRA; causal LM "
+                             "only (auto: only when the budget needs it).", choices=("auto", "none", "8bit", "4bit"))
     lora_r: int = _opt(16, "LoRA rank.", min=1, max=4096, group="advanced")
     lora_alpha: float = _opt(32.0, "LoRA scaling numerator (the update is scaled by alpha / r).", min=0.0,
                              group="advanced")
@@ -168,7 +171,8 @@ class Config:
                                max=1.0, group="advanced")
     lr_scheduler: str = _opt("linear", "Learning-rate schedule after warm-up.",
                              choices=("linear", "cosine", "constant"), group="advanced")
-    optimizer: str = _opt("adamw", "Optimizer: AdamW (fused), 8-bit AdamW (bitsandbytes, CUDA only) or plain SGD.",
+    optimizer: str = _opt("adamw", "Optimizer: AdamW (fused), 8-bit AdamW (bitsandbytes, on a GPU or a CPU) or plain "
+                          "SGD.",
                           choices=("adamw", "adamw_8bit", "sgd"), group="advanced")
     max_grad_norm: float = _opt(1.0, "Clip the window's gradient to this norm (0 = off).", min=0.0)
     precision: str = _opt("auto", "Number format: auto = bf16/fp16 mixed precision on a GPU that has it, fp32 on "
@@ -267,6 +271,9 @@ def _coerce(name: str, value: Any) -> tuple[Any, str | None]:
     if is_list_field(name):
         return _coerce_list(name, value)
     base, optional = field_type(name)
+    choices = FIELDS[name].metadata["choices"] or ()
+    if isinstance(value, str) and value.strip().lower() == "none" and "none" in choices:
+        return "none", None  # a choice spelled "none" (quantization) is that choice, not a missing value
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         if optional:
             return None, None
@@ -386,9 +393,27 @@ def _cross_checks(c: Config) -> list[str]:
         problems.append(problem)
     problems += _long_document_checks(c)
     problems += exclusions.problems(c)  # the features that do not combine, and those a kind does not take
+    problems += _quantization_checks(c)
     if c.max_steps is None and c.epochs <= 0:
         problems.append("`epochs` must be above 0 (or set `max_steps`).")
     return problems + _recurrence_checks(c)
+
+
+def _quantization_checks(c: Config) -> list[str]:
+    if c.quantization not in ("8bit", "4bit"):
+        return []
+    problems = []
+    if c.lora == "false":
+        problems.append(f"`quantization={c.quantization}` trains LoRA adapters on a frozen quantized base, so it "
+                        "cannot train without LoRA: set lora=auto (or true), or quantization=none.")
+    if c.task != "causal_lm":
+        problems.append(f"`quantization={c.quantization}` is for task=causal_lm (a classifier's head would be "
+                        "quantized with its base): set quantization=none.")
+    for key in ("segment_recurrence", "tasks"):
+        if getattr(c, key):
+            problems.append(f"`quantization={c.quantization}` is not available with `{key}` yet: set "
+                            "quantization=none.")
+    return problems
 
 
 def _recurrence_checks(c: Config) -> list[str]:

@@ -284,7 +284,8 @@ def _open_run_dir(c: Config, run_dir: Path, accelerator: Any, plan: Any, schedul
     if c.resume:
         if accelerator.is_main_process:
             rundir.remove_partial_checkpoints(run_dir)
-        _load_checkpoint(accelerator, rundir.checkpoints(run_dir)[-1], scheduler, progress)
+        _load_checkpoint(accelerator, rundir.checkpoints(run_dir)[-1], scheduler, progress,
+                         quantized=plan.quantization != "none")
     elif accelerator.is_main_process:
         if c.overwrite and (kept := rundir.clear_run_dir(run_dir)):
             shown = ", ".join(str(k.relative_to(run_dir)) for k in kept[:3]) + (", …" if len(kept) > 3 else "")
@@ -334,13 +335,16 @@ def _save_checkpoint(s: Setup) -> Path:
     return path
 
 
-def _load_checkpoint(accelerator: Any, path: Path, scheduler: Any, progress: Progress) -> None:
-    """Restore model, optimizer, scaler and random state (accelerate, no pickled objects) and the loop's state."""
+def _load_checkpoint(accelerator: Any, path: Path, scheduler: Any, progress: Progress, quantized: bool = False
+                     ) -> None:
+    """Restore model, optimizer, scaler and random state (accelerate, no pickled objects) and the loop's state.
+    A quantized base's constants are saved beside its weights under names the freshly loaded base does not
+    register: they are frozen and loaded again from the model, so they are not required back (`strict`)."""
     state_file = path / rundir.TRAINER_STATE
     if not state_file.is_file():
         raise RunDirError(f"Checkpoint {str(path)!r} has no {rundir.TRAINER_STATE} (it was written by an "
                                  "older version of finetune): start the run again with overwrite=true.")
-    accelerator.load_state(str(path))
+    accelerator.load_state(str(path), **({"strict": False} if quantized else {}))
     state = json.loads(state_file.read_text(encoding="utf-8"))
     progress.load_state_dict(state["progress"])
     scheduler.load_state_dict(state["scheduler"])
