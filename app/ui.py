@@ -166,12 +166,11 @@ def _on(event: Callable[..., Any], handler: Callable[..., Any], inputs: Any, tar
     "public", is a caller who may not train: with an error (Gradio's toast), or silently for a "quiet" event that
     runs by itself (on page load). tests/test_app_access.py walks the Blocks' events to check that none goes
     around it."""
-    controller = handler.__self__
-
     # Checked when the page is built, not when a button is pressed: a handler without `request` would turn its
     # outputs into Gradio's red "Error" badge only in the browser.
     if "request" not in inspect.signature(handler).parameters:
         raise TypeError(f"{getattr(handler, '__qualname__', handler)} is wired to the page but takes no request=")
+    controller = handler.__self__
 
     # Gradio passes the request to a leading parameter typed gr.Request. Nothing to update is Gradio's skip: an
     # empty dict would read as one value for the first output.

@@ -270,7 +270,7 @@ def test_a_handler_without_request_cannot_be_wired_to_the_page():
         button = gr.Button()
         with pytest.raises(TypeError, match="no_request is wired to the page but takes no request="):
             _on(button.click, no_request, None, {})
-        _on(button.click, Controller(Path("runs"), JobManager(Path("runs"))).export, None, {})
+        _on(button.click, Controller(Path("runs"), JobManager(Path("runs"))).export, None, {"message": gr.Markdown()})
 
 
 def test_messages_on_the_page_use_the_forms_labels_not_config_keys():
