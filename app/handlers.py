@@ -17,7 +17,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import chatview, cleanup, dataview, limits, publish, views
+from app import chatview, cleanup, dataview, limits, publish, regressionview, views
 from app.access import Access, AccessError, new_run_name, resolve_output_dir
 from app.jobs import JobBusy, JobManager, JobStatus, zip_model
 from app.mapping import (
@@ -356,7 +356,8 @@ class Controller:
                         command=command if command else gr.skip(),
                         trackers=views.trackers_markdown(options["report_to"], status.run_dir),
                         hub_note=views.hub_markdown(status, on_space=self.access.mode == "space"),
-                        push_repo=options["push_to_hub"] or gr.skip())
+                        push_repo=options["push_to_hub"] or gr.skip(),
+                        scatter=regressionview.scatter_update(status))
 
     def _handout(self, path: Path) -> str:
         """A path the download button may take: Gradio copies a returned file into its cache (under a path nobody
@@ -422,7 +423,7 @@ class Controller:
         from finetune.use.predict import predict
 
         out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS)[0]
-        return {k: out[k] for k in ("label", "probabilities", "generated", "reply") if k in out}
+        return {k: out[k] for k in ("label", "probabilities", "generated", "reply", "value") if k in out}
 
     def try_it(self, text: str, history: list[dict[str, Any]] | None = None, *, request: Any = None
                ) -> PredictionShown:
@@ -451,8 +452,13 @@ class Controller:
                      {"role": "assistant", "content": out["reply"]}]
             return PredictionShown(label=gr.update(visible=False), generated=gr.update(visible=False),
                                    chat=gr.update(value=shown, visible=True), text="", message=note)
+        if "value" in out:  # regression: the predicted number
+            return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
+                                   generated=gr.update(value=f"{out['value']:.4g}", label="Predicted value",
+                                                       visible=True))
         return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False),
-                               generated=gr.update(value=out["generated"], visible=True), message=note)
+                               generated=gr.update(value=out["generated"], label="Generated continuation",
+                                                   visible=True), message=note)
 
     def push(self, repo: str, private: bool, *, request: Any = None) -> PushShown:
         """Push the finished run's model and its model card to `repo` (the Push button)."""

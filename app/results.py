@@ -101,6 +101,7 @@ class RunShown:
     trackers: Any = keep()  # how to open the run's TensorBoard / trackio dashboard
     hub_note: Any = keep()  # the last push, or (on a Space) the advice to push
     push_repo: Any = keep()  # the repository box, filled from the run's push_to_hub
+    scatter: Any = keep()  # a finished regression run: predicted against true values (app.regressionview)
 
 
 @dataclass(frozen=True, kw_only=True)

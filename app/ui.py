@@ -266,6 +266,9 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                 with gr.Column(variant="panel"):
                     gr.Markdown("### Results")
                     metrics = gr.JSON(label="Final metrics", open=True)
+                    scatter_plot = gr.ScatterPlot(None, x="true", y="predicted", height=260, visible=False,
+                                                  label="Predicted against true values (evaluation rows)",
+                                                  elem_id="regression-scatter")
                     run_dir_box = gr.Textbox(label="Run directory", interactive=False)
                     download_btn = gr.DownloadButton("Download model", interactive=False)
                     with gr.Row():
@@ -308,7 +311,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         run_out = {"signature": seen, "status": status_md, "progress": progress, "stats": stats_md,
                    "loss_curve": loss_plot, "log": log_box, "metrics": metrics, "run_dir": run_dir_box,
                    "download": download_btn, "stop_button": stop_btn, "resume_button": resume_btn,
-                   "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo}
+                   "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo,
+                   "scatter": scatter_plot}
         try_out = {"label": try_label, "generated": try_text, "chat": try_chat, "text": try_box, "message": try_msg}
         chat_in = [fields[n] for n in ("dataset", "dataset_config", "train_split", "task", "messages_column", "model",
                                        "chat_template", "train_on", "max_length")]

@@ -7,11 +7,12 @@ from __future__ import annotations
 import csv
 import json
 import random
+import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import WORDS, assert_same_weights, load_weights, run_train, step_losses
+from conftest import WORDS, assert_same_weights, load_weights, run_train, served_app, step_losses
 from scipy import stats
 from test_multiprocess import COMMON, launch_two
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -315,3 +316,68 @@ def test_the_kind_is_told_from_a_saved_config():
                                           "problem_type": "single_label_classification"}) == "classification"
     assert registry.kind_of_peft_task_type("SEQ_CLS", problem_type="regression") == "regression"
     assert registry.kind_of_peft_task_type("SEQ_CLS") == "classification"
+
+
+# --- the GUI and the scripting API
+
+
+def test_the_gui_maps_the_columns_and_previews_the_numbers(tmp_path, reg_csv):
+    from app import dataview
+    from app.handlers import TASK_COLUMNS
+
+    assert TASK_COLUMNS["regression"] == ("text_column", "text_pair_column", "label_column")
+    view = dataview.inspect(reg_csv, None, "train", "regression", {})
+    assert view.error == "" and view.chosen["text_column"] == "sentence" and view.chosen["label_column"] == "score"
+    scores = [float(r["score"]) for r in csv.DictReader(open(reg_csv))]
+    assert view.targets == pytest.approx({"min": min(scores), "mean": np.mean(scores), "max": max(scores)})
+    assert dataview.labels_markdown(view).startswith(f"37 rows · numbers from {min(scores):g} to {max(scores):g}")
+    # The same file as classification has fractional "classes": refused, as before.
+    assert "fractional" in dataview.inspect(reg_csv, None, "train", "classification", {"label_column": "score"}).error
+    bad = write_rows(tmp_path / "bad.csv", [("good", "1"), ("bad", "two")])
+    assert dataview.inspect(bad, None, "train", "regression", {}).error == (
+        f"Target column 'score' of {bad!r} at row 2 is 'two', not a finite number: regression needs a number in "
+        "every row; fix or remove that row.")
+
+
+def test_the_scatter_and_try_it_after_a_regression_run(tmp_path, tiny_bert, reg_csv, monkeypatch):
+    from app import regressionview
+    from app.handlers import Controller
+    from app.jobs import JobStatus
+
+    run = tmp_path / "run"
+    result = train(from_dict({"model": tiny_bert, "dataset": reg_csv, "task": "regression", "epochs": 1,
+                              "effective_batch_size": 16, "eval_fraction": 0.25, "output_dir": str(run)}))
+    frame = regressionview.scatter_frame(run)
+    assert list(frame.columns) == ["true", "predicted"] and len(frame) == 10  # 25 % of 37 rows held out
+    model = AutoModelForSequenceClassification.from_pretrained(run / "model")
+    assert result.metrics["mse"] == pytest.approx(float(((frame.predicted - frame.true) ** 2).mean()), rel=1e-4)
+    done = JobStatus(state="done", run_dir=run)
+    shown = regressionview.scatter_update(done)
+    assert shown["visible"] is True and shown["value"] is frame
+    assert regressionview.scatter_update(JobStatus(state="running", run_dir=run))["visible"] is False
+
+    controller = Controller(tmp_path / "runs", jobs=type("Jobs", (), {"status": lambda self: done})())
+    monkeypatch.setattr(Controller, "is_mine", lambda self, status, user: True)
+    out = controller.try_it("good film")
+    tok = AutoTokenizer.from_pretrained(run / "model")
+    with torch.no_grad():
+        expected = model(**tok(["good film"], return_tensors="pt")).logits[0, 0].item()
+    assert out.generated["value"] == f"{expected:.4g}" and out.generated["label"] == "Predicted value"
+
+
+@pytest.mark.slow
+def test_the_scripting_api_starts_a_regression_run(tmp_path, tiny_bert, reg_csv):
+    from gradio_client import Client
+
+    with served_app(tmp_path, OMP_NUM_THREADS="1") as (url, _):
+        client = Client(url, verbose=False)
+        config = {"model": tiny_bert, "dataset": reg_csv, "task": "regression", "effective_batch_size": 8,
+                  "eval_fraction": 0.0, "max_steps": 2}
+        started = client.predict(config=config, api_name="/start")
+        assert started["started"], started
+        deadline = time.time() + 90
+        while (status := client.predict(api_name="/status"))["state"] in ("starting", "running"):
+            assert time.time() < deadline, status
+            time.sleep(0.5)
+        assert status["state"] == "done", status
+        assert isinstance(client.predict(text="good great movie", api_name="/predict")["value"], float)
