@@ -23,12 +23,12 @@ from typing import Any
 
 import pandas as pd
 
-from app import worker
+from app import regressionview, worker
 from app.limits import short_text
 from app.mapping import COLUMN_FIELDS
 from finetune.config.schema import Config
 from finetune.data.chat import MESSAGES_NAMES
-from finetune.data.load import DataError, is_local, label_counts, label_names_of, load_table, resolve_columns
+from finetune.data.load import Columns, DataError, is_local, label_counts, load_table, resolve_columns
 from finetune.kinds import registry as kinds
 
 PREVIEW_ROWS = 5
@@ -58,6 +58,7 @@ class DatasetView:
     rows: int = 0
     chosen: dict[str, str | None] = field(default_factory=dict)  # column field → column
     labels: dict[str, int] = field(default_factory=dict)  # label → rows
+    targets: dict[str, float] = field(default_factory=dict)  # a kind without classes: min, mean, max of its numbers
     error: str = ""
     sampled: bool = False  # a hub dataset: `rows` and `labels` count only its first rows
 
@@ -229,7 +230,7 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
     except DataError as e:
         return DatasetView(columns, preview, len(head), chosen, error=_said(e), sampled=sampled)
     view = DatasetView(columns, preview, len(table), chosen, sampled=sampled)
-    return _check(view, table, source)
+    return _check(view, table, source, task)
 
 
 def _said(error: Exception) -> str:
@@ -292,7 +293,7 @@ def _for_task(columns: dict[str, str], task: str) -> dict[str, str]:
     return {k: v for k, v in columns.items() if k in allowed}
 
 
-def _check(view: DatasetView, table: Any, source: str) -> DatasetView:
+def _check(view: DatasetView, table: Any, source: str, task: str = kinds.DEFAULT) -> DatasetView:
     used = [v for v in view.chosen.values() if v]
     if len(used) != len(set(used)):
         return DatasetView(view.columns, view.preview, view.rows, view.chosen, sampled=view.sampled,
@@ -300,10 +301,17 @@ def _check(view: DatasetView, table: Any, source: str) -> DatasetView:
     label = view.chosen.get("label_column")
     if not label:
         return view
+    # The kind's own checks of its label column: class names (classification), numbers in every row (regression).
+    kind = kinds.kind(task if task in kinds.names() else kinds.DEFAULT)
     try:
-        label_names_of(table, label, source)
+        names = kind.label_names(table, Columns(label=label), source)
+        if names is None:
+            kind.check_rows(table, Columns(label=label), None, source)
     except DataError as e:
         return DatasetView(view.columns, view.preview, view.rows, view.chosen, error=_said(e), sampled=view.sampled)
+    if names is None:
+        return DatasetView(view.columns, view.preview, view.rows, view.chosen, sampled=view.sampled,
+                           targets=regressionview.target_summary(table, label))
     return DatasetView(view.columns, view.preview, view.rows, view.chosen, label_counts(table, label),
                        sampled=view.sampled)
 
@@ -313,6 +321,8 @@ def labels_markdown(view: DatasetView) -> str:
     if view.error or not view.columns:
         return ""
     rows = f"the first {view.rows} rows (streamed)" if view.sampled else f"{view.rows} rows"
+    if view.targets:
+        return regressionview.summary_markdown(rows, view.targets)
     if not view.labels:
         return f"{rows} · columns: {_listed(view.columns)}"
     counts = _listed([f"`{str(name)[:MAX_CELL_CHARS]}` {n}" for name, n in view.labels.items()], " · ")

@@ -17,7 +17,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import chatview, cleanup, dataview, limits, publish, views
+from app import chatview, cleanup, dataview, limits, publish, regressionview, views
 from app.access import Access, AccessError, new_run_name, resolve_output_dir
 from app.jobs import JobBusy, JobManager, JobStatus, zip_model
 from app.mapping import (
@@ -462,7 +462,8 @@ class Controller:
                         if changed_run else None,
                         # "Started…", "Stopping…" and the like answered an action on this run: its end replaces them.
                         note="" if changed_run and status.state in TERMINAL and isinstance(seen, (list, tuple))
-                        else gr.skip())
+                        else gr.skip(),
+                        scatter=regressionview.scatter_update(status))
 
     @staticmethod
     def try_panel(status: JobStatus, *, new_model: bool) -> TryPanel:
@@ -552,7 +553,7 @@ class Controller:
         from finetune.use.predict import predict
 
         out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS)[0]
-        return {k: out[k] for k in ("label", "probabilities", "generated", "reply") if k in out}
+        return {k: out[k] for k in ("label", "probabilities", "generated", "reply", "value") if k in out}
 
     def try_it(self, text: str, history: list[dict[str, Any]] | None = None, *, request: Any = None
                ) -> PredictionShown:
@@ -586,8 +587,13 @@ class Controller:
                      {"role": "assistant", "content": reply}]
             return PredictionShown(label=gr.update(visible=False), generated=gr.update(visible=False),
                                    chat=gr.update(value=shown, visible=True), text="", message=note)
+        if "value" in out:  # regression: the predicted number
+            return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
+                                   generated=gr.update(value=f"{out['value']:.4g}", label="Predicted value",
+                                                       visible=True))
         return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False),
-                               generated=gr.update(value=out["generated"], visible=True), message=note)
+                               generated=gr.update(value=out["generated"], label="Generated continuation",
+                                                   visible=True), message=note)
 
     def push(self, repo: str, private: bool, *, request: Any = None) -> PushShown:
         """Push the finished run's model and its model card to `repo` (the Push button)."""

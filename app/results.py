@@ -130,6 +130,7 @@ class RunShown:
     push_repo: Any = keep()  # the repository box, filled from the run's push_to_hub
     try_panel: TryPanel | None = None  # None: Try it stays as it is
     note: Any = keep()  # the last action's message (Start, Stop, Resume), cleared when the run ends
+    scatter: Any = keep()  # a finished regression run: predicted against true values (app.regressionview)
 
 
 @dataclass(frozen=True, kw_only=True)

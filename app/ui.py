@@ -301,6 +301,9 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                         with gr.Column(variant="panel"):
                             gr.Markdown("### Results")
                             metrics = gr.JSON(label="Final metrics", open=True)
+                            scatter_plot = gr.ScatterPlot(None, x="true", y="predicted", height=260, visible=False,
+                                                          label="Predicted against true values (evaluation rows)",
+                                                          elem_id="regression-scatter")
                             run_dir_box = gr.Textbox(label="Run directory", interactive=False)
             with gr.Tab("Try it", id="try", elem_id="tab-try"):
                 # Try it: a chat box for a run trained on conversations, a text box for the others (the poll
@@ -352,7 +355,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                    "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo,
                    "try_panel": {"chat": try_chat, "label": try_label, "generated": try_text, "button": try_btn,
                                  "new_chat": new_chat, "text": try_box, "message": try_msg, "push": push_btn},
-                   "note": run_msg}
+                   "note": run_msg, "scatter": scatter_plot}
         try_out = {"label": try_label, "generated": try_text, "chat": try_chat, "text": try_box, "message": try_msg}
         chat_in = [fields[n] for n in ("dataset", "dataset_config", "train_split", "task", "messages_column", "model",
                                        "chat_template", "train_on", "max_length")]

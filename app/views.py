@@ -14,8 +14,11 @@ from app.mapping import in_form_words
 from finetune.config.schema import read_yaml
 from finetune.data.chat import describe_dropped
 from finetune.data.segments import Segmentation
+from finetune.kinds import registry as kinds
 
 GIB = 1024**3
+# A finished run's headline metrics, every kind's (its registry entry), then the loss: a run has only its own kind's.
+HEADLINE_METRICS = (*dict.fromkeys(m for n in kinds.names() for m in kinds.entry(n).metrics), "loss")
 MAX_PLOT_POINTS = 1000  # the whole curve is re-sent each update; beyond this, every k-th training step is shown
 STATE_TITLES = {"idle": "Ready", "starting": "Starting", "running": "Training", "stopping": "Stopping",
                 "stopped": "Stopped", "done": "Done", "failed": "Failed"}
@@ -209,8 +212,7 @@ def status_markdown(status: JobStatus) -> str:
         return f"{text}\n\n❌ {message}{data}"
     if status.state == "done":
         metrics = final_metrics(status)
-        shown = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("accuracy", "macro_f1", "perplexity", "loss")
-                          if isinstance(metrics.get(k), (int, float)))
+        shown = ", ".join(f"{k} {metrics[k]:.4f}" for k in HEADLINE_METRICS if isinstance(metrics.get(k), (int, float)))
         return f"{text}{' — ' + shown if shown else ''}{data}"
     return f"{text}\n\n{status.message}{data}" if status.message else text + data
 

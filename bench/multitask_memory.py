@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import from_dict
+from finetune.kinds.registry import kind
 from finetune.models.heads import build_multihead
 from finetune.models.load import load_model
 from finetune.plan.memory import LiveTensorTracker
@@ -59,7 +60,8 @@ def main() -> None:
     torch.manual_seed(0)
     c = from_dict({"model": args.model})
     first = load_model(c, ["a", "b"])
-    model = build_multihead(first, {name: [str(i) for i in range(n)] for name, (n, _) in TASKS.items()})
+    heads = {name: kind("classification").model_kwargs([str(i) for i in range(n)]) for name, (n, _) in TASKS.items()}
+    model = build_multihead(first, heads)
     model.train()
     batches = {name: batch(model, args.batch, tokens, n, i) for i, (name, (n, tokens)) in enumerate(TASKS.items())}
     mib = 2 ** 20

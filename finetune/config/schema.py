@@ -27,6 +27,8 @@ from finetune.kinds import registry as kinds
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 DEFAULT_EFFECTIVE_BATCH = 32
 TASKS = kinds.names()  # the task kinds (finetune.kinds.registry)
+_SUMMARIES = [kinds.entry(n).summary for n in TASKS]
+TASK_HELP = f"What the model learns: {', '.join(_SUMMARIES[:-1])} or {_SUMMARIES[-1]}."  # every kind, by its summary
 # The experiment trackers accelerate can log to (its `LoggerType`, less `all`: a run names what it reports to).
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
 LONG_DOCUMENTS = ("auto", "truncate", "chunk", "sliding_window")
@@ -54,8 +56,7 @@ class Config:
     # --- what to train on
     model: str = _opt(DEFAULT_MODEL, "Hub id or local folder of a Transformers model; the default is the bundled "
                       "MiniLM-L6 (works offline).", source="model")
-    task: str = _opt("classification", "What the model learns: text classification or causal language modelling.",
-                     choices=TASKS)
+    task: str = _opt("classification", TASK_HELP, choices=TASKS)
     dataset: str | None = _opt(None, "Hub dataset id or a local .csv/.tsv/.json/.jsonl/.parquet file.", source="data")
     dataset_config: str | None = _opt(None, "Hub dataset configuration name (for example 'sst2' of 'glue').",
                                       group="data")
@@ -71,7 +72,8 @@ class Config:
     text_column: str | None = _opt(None, "Column with the input text (default: 'text' or 'sentence', else the only "
                                    "text column).", group="data")
     text_pair_column: str | None = _opt(None, "Second text column for sentence-pair classification.", group="data")
-    label_column: str | None = _opt(None, "Column with the class (integer or string); default 'label'.",
+    label_column: str | None = _opt(None, "Column with the class (integer or string), or the number to predict for "
+                                    "task=regression; default 'label'.",
                                     group="data")
     prompt_column: str | None = _opt(None, "Causal LM: prompt column, masked out of the loss.", group="data")
     completion_column: str | None = _opt(None, "Causal LM: completion column, the tokens that are learned.",

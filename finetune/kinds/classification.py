@@ -45,6 +45,35 @@ def classification_metrics(confusion: torch.Tensor) -> dict[str, float]:
     return {"accuracy": accuracy, "macro_f1": f1[present].mean().item() if present.any() else 0.0}
 
 
+def encode_texts(batch: dict[str, list], indices: list[int], e: Encoding) -> dict[str, list]:
+    """Each text (or pair) of a batch whole, cut to `max_length` by the tokenizer's truncation rule: one sample per
+    row, for the kinds with one target per text (classification, regression), which add their label."""
+    tokenizer, cols, max_length = e.tokenizer, e.cols, e.max_length
+    # Whole texts first (no truncation; `verbose=False`: a text longer than the model's limit is expected).
+    first, pairs = texts_of(batch, cols["text"]), texts_of(batch, cols["text_pair"]) if cols["text_pair"] else None
+    enc = dict(tokenizer(first, pairs, add_special_tokens=True, verbose=False))
+    full = [len(x) for x in enc["input_ids"]]
+    long = [i for i, n in enumerate(full) if n > max_length]
+    if long:  # only the long rows are tokenised again, cut as the tokenizer's truncation rule says
+        cut = tokenizer([first[i] for i in long], [pairs[i] for i in long] if pairs else None,
+                        truncation=True, max_length=max_length)
+        for key in enc:
+            for j, i in enumerate(long):
+                enc[key][i] = cut[key][j]
+    out = {"input_ids": enc["input_ids"], "document": indices, "segment": [0] * len(full),
+           "dropped_tokens": [max(n - max_length, 0) for n in full]}
+    if "token_type_ids" in enc:
+        out["token_type_ids"] = enc["token_type_ids"]
+    return out
+
+
+def text_features(tokenizer: Any) -> dict[str, Any]:
+    """The token types of tokenizers that make them (the Arrow feature beside a text kind's label)."""
+    from datasets import List, Value
+
+    return {"token_type_ids": List(Value("int8"))} if "token_type_ids" in tokenizer.model_input_names else {}
+
+
 class Classification:
     """The `TaskKind` of text classification."""
 
@@ -103,34 +132,14 @@ class Classification:
 
     def encode_rows(self, batch: dict[str, list], indices: list[int], e: Encoding) -> dict[str, list]:
         """Each text (or pair) whole, cut to `max_length` by the tokenizer's truncation rule, and its class id."""
-        tokenizer, cols, max_length = e.tokenizer, e.cols, e.max_length
-        # Whole texts first (no truncation; `verbose=False`: a text longer than the model's limit is expected).
-        first, pairs = texts_of(batch, cols["text"]), texts_of(batch, cols["text_pair"]) if cols["text_pair"] \
-            else None
-        enc = dict(tokenizer(first, pairs, add_special_tokens=True, verbose=False))
-        full = [len(x) for x in enc["input_ids"]]
-        long = [i for i, n in enumerate(full) if n > max_length]
-        if long:  # only the long rows are tokenised again, cut as the tokenizer's truncation rule says
-            cut = tokenizer([first[i] for i in long], [pairs[i] for i in long] if pairs else None,
-                            truncation=True, max_length=max_length)
-            for key in enc:
-                for j, i in enumerate(long):
-                    enc[key][i] = cut[key][j]
-        out = {"input_ids": enc["input_ids"], "label": [e.label_index[label_key(v)] for v in batch[cols["label"]]],
-               "document": indices, "segment": [0] * len(full),
-               "dropped_tokens": [max(n - max_length, 0) for n in full]}
-        if "token_type_ids" in enc:
-            out["token_type_ids"] = enc["token_type_ids"]
-        return out
+        return {**encode_texts(batch, indices, e),
+                "label": [e.label_index[label_key(v)] for v in batch[e.cols["label"]]]}
 
     def features(self, cols: Columns, tokenizer: Any) -> dict[str, Any]:
         """The class id, and the token types of tokenizers that make them."""
-        from datasets import List, Value
+        from datasets import Value
 
-        spec = {"label": Value("int64")}
-        if "token_type_ids" in tokenizer.model_input_names:
-            spec["token_type_ids"] = List(Value("int8"))
-        return spec
+        return {"label": Value("int64"), **text_features(tokenizer)}
 
     def check_encoded(self, data: Any, cols: Columns, c: Config, source: str, documents: bool) -> None:
         """Nothing to check: every sample has its label."""

@@ -41,6 +41,7 @@ class Entry:
     features: tuple[str, ...] = ()
     refusals: dict[str, str] = field(default_factory=dict)
     problem_type: str | None = None  # the saved config's `problem_type` this kind needs (regression's, say)
+    metrics: tuple[str, ...] = ()  # its headline evaluation metrics besides `loss` (the model card and GUI show them)
 
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (
@@ -51,7 +52,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           auto_model="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS",
           peft_auto_model="AutoPeftModelForSequenceClassification", pipeline_tag="text-classification",
           architectures=("ForSequenceClassification",), example="I loved this film.", has_labels=True,
-          multitask="heads",
+          multitask="heads", metrics=("accuracy", "macro_f1"),
           refusals={"packing": "a classifier takes one sample per row",
                     "segment_recurrence": "a classifier reads each text whole; turn it off",
                     "split_documents": "a classification label belongs to the whole text, so its parts cannot each "
@@ -63,7 +64,17 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           column_reasons={"messages_column": "conversations train a language model"},
           auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
           pipeline_tag="text-generation", architectures=("ForCausalLM", "LMHeadModel"), example="Once upon a time",
-          multitask="shared", features=("packing", "segment_recurrence", "split_documents")),
+          multitask="shared", features=("packing", "segment_recurrence", "split_documents"), metrics=("perplexity",)),
+    Entry(name="regression", module="finetune.kinds.regression", summary="text regression",
+          columns=("text_column", "text_pair_column", "label_column"),
+          uses="`text_column` and `label_column` (a number)",
+          auto_model="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS",
+          peft_auto_model="AutoPeftModelForSequenceClassification", pipeline_tag="text-classification",
+          architectures=("ForSequenceClassification",), example="I loved this film.", multitask="heads",
+          problem_type="regression", metrics=("mse", "rmse", "mae", "pearson", "spearman"),
+          refusals={"packing": "a regression head takes one sample per row",
+                    "segment_recurrence": "a regression head reads each text whole; turn it off",
+                    "split_documents": "a target belongs to the whole text, so its parts cannot each carry it"}),
 )}
 DEFAULT = "classification"
 
@@ -116,6 +127,9 @@ def kind_of_model_config(model_config: dict[str, object], default: str | None = 
     return default
 
 
-def kind_of_peft_task_type(task_type: str | None, default: str = DEFAULT) -> str:
-    """The kind a saved adapter's peft task type names."""
-    return next((e.name for e in ENTRIES.values() if e.peft_task_type == task_type), default)
+def kind_of_peft_task_type(task_type: str | None, default: str = DEFAULT, problem_type: str | None = None) -> str:
+    """The kind a saved adapter's peft task type names; kinds that share a task type (classification and
+    regression) are told apart by the `problem_type` of the base config saved beside the adapter."""
+    sharing = [e for e in ENTRIES.values() if e.peft_task_type == task_type]
+    return next((e.name for e in sharing if e.problem_type == problem_type),
+                next((e.name for e in sharing if e.problem_type is None), default))

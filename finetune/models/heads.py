@@ -1,4 +1,5 @@
-"""Classification heads per task on one shared encoder, and how a multi-task model is saved and read back.
+"""Sequence-classification heads (classes, or one regression output) per task on one shared encoder, and how a
+multi-task model is saved and read back.
 
 Each task is a plain Transformers `…ForSequenceClassification` model sized for its own labels; all of them hold the
 *same* encoder module (one set of weights in memory and in the optimizer). Saved, each task is a folder of its own
@@ -104,16 +105,17 @@ def unwrap_multihead(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _resize_head(model: nn.Module, body: nn.Module, old: int, names: list[str]) -> None:
-    """Give `model`'s head (a copy of another task's) an output layer for `names` and fresh initial weights."""
+def _resize_head(model: nn.Module, body: nn.Module, old: int, head: dict[str, Any]) -> None:
+    """Give `model`'s head (a copy of another task's) an output layer of the task kind's size (`head`: its
+    `model_kwargs`, `num_labels` and the config values that name the outputs) and fresh initial weights."""
     body_modules = {id(m) for m in body.modules()}
+    size = int(head["num_labels"])
     for parent in [m for m in model.modules() if id(m) not in body_modules]:
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.out_features == old:
-                setattr(parent, child_name, nn.Linear(child.in_features, len(names), bias=child.bias is not None))
-    model.config.num_labels = len(names)
-    model.config.id2label = dict(enumerate(names))
-    model.config.label2id = {n: i for i, n in enumerate(names)}
+                setattr(parent, child_name, nn.Linear(child.in_features, size, bias=child.bias is not None))
+    for key, value in head.items():
+        setattr(model.config, key, value)
     for module in model.modules():
         if id(module) not in body_modules and module is not model:
             for p in module.parameters(recurse=False):
@@ -121,17 +123,18 @@ def _resize_head(model: nn.Module, body: nn.Module, old: int, names: list[str]) 
             model._init_weights(module)
 
 
-def build_multihead(first: nn.Module, label_names: dict[str, list[str]]) -> MultiHeadModel:
-    """A `MultiHeadModel` from the first task's loaded model (its head kept), one new head per other task."""
+def build_multihead(first: nn.Module, heads: dict[str, dict[str, Any]]) -> MultiHeadModel:
+    """A `MultiHeadModel` from the first task's loaded model (its head kept), one new head per other task; `heads`
+    maps each task to its head's model kwargs (`TaskKind.model_kwargs` of its labels)."""
     body = first.base_model
     if body is first:
         raise ModelError(f"{type(first).__name__} has no separate encoder to share between task heads.")
-    names = list(label_names)
+    names = list(heads)
     models = {names[0]: first}
     for name in names[1:]:
         # deepcopy with the encoder in its memo: the copy's head is new, its encoder is the very same module.
         model = copy.deepcopy(first, memo={id(body): body})
-        _resize_head(model, body, first.config.num_labels, label_names[name])
+        _resize_head(model, body, first.config.num_labels, heads[name])
         models[name] = model
     return MultiHeadModel(models)
 

@@ -56,8 +56,7 @@ def metadata(c: Config, *, adapter: bool, license: str | None, metrics: dict[str
         meta["datasets"] = [data]
     meta["pipeline_tag"] = PIPELINES[c.task]
     meta["tags"] = ["finetune", PIPELINES[c.task], *(["lora"] if adapter else [])]
-    scores = [{"type": k, "value": v} for k, v in metrics.items() if k in ("accuracy", "macro_f1", "loss",
-                                                                           "perplexity")]
+    scores = [{"type": k, "value": v} for k, v in metrics.items() if k in headline(c.task)]
     if data and scores:  # model-index needs a Hub dataset to point at
         source = {"type": data, "name": data, **({"config": c.dataset_config} if c.dataset_config else {}),
                   "split": c.eval_split or c.train_split}
@@ -77,7 +76,7 @@ def render(run_dir: Path, model_dir: Path, repo_id: str, *, license: str | None 
     evals = [e for e in events if e.get("event") == "eval"]
     front = yaml.safe_dump(metadata(c, adapter=adapter, license=license, metrics=metrics), sort_keys=False,
                            allow_unicode=True)
-    sections = [f"# {repo_id.split('/')[-1]}", _summary(c, adapter), _results(metrics, evals),
+    sections = [f"# {repo_id.split('/')[-1]}", _summary(c, adapter), _results(metrics, evals, c.task),
                 _usage(c, repo_id, adapter), _data(c, start, model_dir), _procedure(c, start, metrics, run_dir),
                 _reproduce(c), _versions(adapter)]
     return f"---\n{front}---\n\n" + "\n\n".join(s for s in sections if s) + "\n"
@@ -96,8 +95,13 @@ def _summary(c: Config, adapter: bool) -> str:
     return f"{kind} {model}, trained for {what} on {data} with finetune (exact gradient accumulation on accelerate)."
 
 
-def _results(metrics: dict[str, Any], evals: list[dict[str, Any]]) -> str:
-    shown = {k: v for k, v in metrics.items() if k in ("accuracy", "macro_f1", "loss", "perplexity")}
+def headline(task: str) -> tuple[str, ...]:
+    """The evaluation metrics the card reports for kind `task`: its own (registry entry) and the loss."""
+    return (*entry(task).metrics, "loss")
+
+
+def _results(metrics: dict[str, Any], evals: list[dict[str, Any]], task: str) -> str:
+    shown = {k: v for k, v in metrics.items() if k in headline(task)}
     if not shown:
         return "## Results\n\nNo evaluation data was held out for this run."
     rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in shown.items())

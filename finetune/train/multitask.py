@@ -14,6 +14,7 @@ from finetune.engine.evaluate import evaluate
 from finetune.engine.step import backward_tasks
 from finetune.kinds.base import TaskKind
 from finetune.kinds.registry import entry
+from finetune.kinds.registry import kind as kind_named
 from finetune.models.heads import (
     MultiHeadModel,
     add_body_lora,
@@ -64,7 +65,8 @@ def load_multitask_model(c: Config, tasks: list[TaskData], plan: Plan) -> Any:
                                  checkpointing=plan.gradient_checkpointing, lora=plan.lora and shared)
     if shared:
         return first
-    model = build_multihead(first, {t.spec.name: t.label_names for t in tasks})
+    kind = kind_named(c.task)
+    model = build_multihead(first, {t.spec.name: kind.model_kwargs(t.label_names) for t in tasks})
     return add_body_lora(model, c) if plan.lora else model
 
 
