@@ -64,6 +64,15 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
           pipeline_tag="text-generation", architectures=("ForCausalLM", "LMHeadModel"), example="Once upon a time",
           multitask="shared", features=("packing", "segment_recurrence", "split_documents")),
+    Entry(name="preference", module="finetune.kinds.preference", summary="preference tuning (DPO, IPO, SimPO, ORPO)",
+          columns=("prompt_column", "chosen_column", "rejected_column"),
+          own_columns=(("chosen_column", "rejected_column"),),
+          uses="`prompt_column`, `chosen_column` and `rejected_column`",
+          auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
+          pipeline_tag="text-generation", example="Once upon a time",
+          refusals={"packing": "a preference pair's two sequences are scored side by side, not packed",
+                    "segment_recurrence": "a preference pair is scored whole; turn it off",
+                    "split_documents": "a preference pair is scored whole, so it cannot be split"}),
 )}
 DEFAULT = "classification"
 
@@ -84,6 +93,13 @@ def kind(name: str) -> Any:
     imports no kind module, nor the protocol's: the configuration imports the registry, and the kinds the
     configuration.)"""
     return importlib.import_module(ENTRIES[name].module).KIND
+
+
+def configured(c: Any) -> Any:
+    """The kind object of run config `c`: the kind's own `configured(c)` where it has settings (a loss, its
+    weights), else the plain kind."""
+    k = kind(c.task)
+    return k.configured(c) if hasattr(k, "configured") else k
 
 
 def column_problems(task: str, values: dict[str, object]) -> list[str]:
