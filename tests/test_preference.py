@@ -43,3 +43,117 @@ def test_accumulation_is_exact(tmp_path, tiny_gpt2, pref_csv, loss):
     assert_same_weights(a, b)
     torch.testing.assert_close(step_losses(ea), step_losses(eb))
     assert len(step_losses(ea)) == 4 and all(x > 0 for x in step_losses(ea))
+
+
+def _trl_batch(path, loss_type, reference=None):
+    """TRL's DPOTrainer (reference: the model at `reference`, else a frozen copy) and one collated batch of two
+    pairs."""
+    import copy
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    pairs = Dataset.from_dict({"prompt": ["good day", "the cat sat"], "chosen": [" nice calm", " warm"],
+                               "rejected": [" awful", " loud dark bad"]})
+    args = DPOConfig(output_dir=str(path) + "-trl", loss_type=[loss_type], beta=0.2, report_to=[], use_cpu=True,
+                     per_device_train_batch_size=2, max_length=32)
+    ref = AutoModelForCausalLM.from_pretrained(reference) if reference else copy.deepcopy(model)
+    trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=pairs,
+                         processing_class=tok)
+    return trainer, next(iter(trainer.get_train_dataloader()))
+
+
+def _ours(path, kind, batch):
+    """Our loss (sum over pairs / pairs) and gradient on TRL's batch: the same sequences, the same scored tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    total, stats = kind.loss_sum(model, inputs, labels)
+    loss = total / 2
+    loss.backward()
+    return loss, {n: p.grad for n, p in model.named_parameters()}, stats
+
+
+@pytest.mark.parametrize(("ours", "trl"), [("dpo", "sigmoid"), ("ipo", "ipo")])
+def test_dpo_and_ipo_equal_trl(tmp_path, tiny_gpt2, ours, trl):
+    """Step one's loss and gradient equal TRL's DPOTrainer's, and its reward metrics; the reference is another
+    model (`reference_model`), so that the preference term is far from its value at policy = reference."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_gpt2)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    reference.save_pretrained(tmp_path / "ref")
+    trainer, batch = _trl_batch(tiny_gpt2, trl, str(tmp_path / "ref"))
+    trainer.model.train()
+    expected = trainer.compute_loss(trainer.model, batch)
+    expected.backward()
+    loss, grads, stats = _ours(tiny_gpt2, Preference(ours, beta=0.2, reference_model=str(tmp_path / "ref")), batch)
+    torch.testing.assert_close(loss, expected, rtol=5e-4, atol=1e-6)  # the same float32 rounding, squared by IPO
+    for name, p in trainer.model.named_parameters():
+        # TRL's fused LM head sums the log-probabilities in another order: float32 rounding, relative to the tensor
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=2e-4 * p.grad.abs().max().item(),
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    logged = trainer._metrics["train"]
+    # β·(difference of two ~40-nat sums), each rounded in float32 in its own order: 1e-4 of a sum's size
+    torch.testing.assert_close(stats[:, 0].mean().item(), logged["rewards/chosen"][-1], rtol=0, atol=2e-3)
+    torch.testing.assert_close(stats[:, 3].mean().item(), logged["logps/rejected"][-1], rtol=1e-5, atol=1e-4)
+
+
+def _policy_logps(path, batch, average):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logps, counts = sequence_logps(logits, labels)
+    return model, (logps / counts if average else logps), logps, labels
+
+
+def test_simpo_and_orpo_equal_trl(tiny_gpt2):
+    """SimPO's loss equals TRL's CPOTrainer.cpo_loss (loss_type=simpo, no NLL term) and ORPO's odds-ratio term
+    ORPOTrainer.odds_ratio_loss, on the same length-normalised log-probabilities, loss and gradient."""
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    _, batch = _trl_batch(tiny_gpt2, "sigmoid")
+    dev = SimpleNamespace(device=torch.device("cpu"))
+    cpo = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=0.7, beta=2.0, label_smoothing=0.0,
+                          accelerator=dev)
+    orpo = SimpleNamespace(beta=0.3, accelerator=dev)
+    for kind, reference in [(Preference("simpo", beta=2.0, gamma=0.7), "simpo"),
+                            (Preference("orpo", lam=0.3), "orpo")]:
+        model, avg, _, labels = _policy_logps(tiny_gpt2, batch, average=True)
+        chosen, rejected = avg.chunk(2)
+        if reference == "simpo":
+            expected = CPOTrainer.cpo_loss(cpo, chosen, rejected)[0].mean()
+        else:  # TRL's ORPO loss is nll - mean(λ·logsigmoid(log odds)); the odds-ratio term here
+            expected = -ORPOTrainer.odds_ratio_loss(orpo, chosen, rejected)[0].mean()
+        expected.backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        total, _ = kind.loss_sum(model.zero_grad(set_to_none=True) or model,
+                                 {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, labels)
+        term = total / 2 if reference == "simpo" else total[1] / 2
+        torch.testing.assert_close(term, expected, rtol=1e-5, atol=1e-6)
+        term.backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_orpo_counts_chosen_tokens_and_pairs(tiny_gpt2):
+    """ORPO's loss is two sums: the chosen completions' NLL (over their token count) and the odds ratio (over
+    the pairs); the NLL sum equals cross-entropy summed over the chosen completions' tokens."""
+    _, batch = _trl_batch(tiny_gpt2, "sigmoid")
+    model, _, logps, labels = _policy_logps(tiny_gpt2, batch, average=False)
+    total, _ = Preference("orpo").loss_sum(model, {"input_ids": batch["input_ids"],
+                                                   "attention_mask": batch["attention_mask"]}, labels)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:2, :-1]
+    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:2, 1:].reshape(-1), reduction="sum")
+    torch.testing.assert_close(total[0], nll, rtol=1e-5, atol=1e-5)
