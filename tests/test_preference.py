@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same_weights, run_train, step_losses
+from conftest import assert_same_weights, load_weights, run_train, step_losses
 
 from finetune.kinds.preference import Preference, sequence_logps
 
@@ -29,8 +30,8 @@ def pref_csv(tmp_path_factory) -> str:
 
 
 def _run(out, model, data, **values):
-    return run_train(out, model=model, dataset=data, task="preference", max_length=32, epochs=1,
-                     learning_rate=0.1, **values)
+    return run_train(out, **{"model": model, "dataset": data, "task": "preference", "max_length": 32, "epochs": 1,
+                             "learning_rate": 0.1, **values})
 
 
 @pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo", "orpo"])
@@ -157,3 +158,33 @@ def test_orpo_counts_chosen_tokens_and_pairs(tiny_gpt2):
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:2, :-1]
     nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:2, 1:].reshape(-1), reduction="sum")
     torch.testing.assert_close(total[0], nll, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_off_reference_equals_a_frozen_copy(tmp_path, tiny_gpt2, pref_csv):
+    """With LoRA, the reference is the base with its adapter switched off; naming the same base as
+    `reference_model` (a separate frozen copy) trains the same adapter, to float rounding."""
+    from safetensors.torch import load_file
+
+    common = {"preference_loss": "dpo", "lora": "true", "micro_batch_size": 4, "grad_accum_steps": 2,
+              "learning_rate": 0.5, "merge_lora": True}
+    a, _, _ = _run(tmp_path / "off", tiny_gpt2, pref_csv, **common)
+    b, _, _ = _run(tmp_path / "copy", tiny_gpt2, pref_csv, reference_model=tiny_gpt2, **common)
+    assert_same_weights(a, b)  # the merged models
+    base = load_file(str(next((Path(tiny_gpt2)).glob("*.safetensors"))))
+    assert any(not torch.equal(a[k], base[k]) for k in base if k in a)  # the adapter did learn
+
+
+@pytest.mark.parametrize("loss", ["orpo", "dpo"])
+def test_two_processes_equal_one(tmp_path, tiny_gpt2, pref_csv, loss):
+    """Two gloo processes train exactly like one: pairs stay whole, counts (ORPO: tokens and pairs) are global."""
+    from test_multiprocess import COMMON, launch_two
+
+    from finetune.run.events import read_events
+
+    values = {"model": tiny_gpt2, "dataset": pref_csv, "task": "preference", "preference_loss": loss,
+              "max_length": 32, "epochs": 1, "effective_batch_size": 8, "learning_rate": 0.1}
+    _, two_dir = launch_two(tmp_path, {**values, "micro_batch_size": 2})
+    one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": 8})
+    assert_same_weights(load_weights(two_dir), one)
+    torch.testing.assert_close(step_losses(read_events(two_dir / "events.jsonl")), step_losses(one_events),
+                               rtol=1e-5, atol=1e-6)

@@ -70,6 +70,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           uses="`prompt_column`, `chosen_column` and `rejected_column`",
           auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
           pipeline_tag="text-generation", example="Once upon a time",
+          # A tuned model is a causal LM: a saved one is told as causal_lm, which comes first.
+          architectures=("ForCausalLM", "LMHeadModel"),
           refusals={"packing": "a preference pair's two sequences are scored side by side, not packed",
                     "segment_recurrence": "a preference pair is scored whole; turn it off",
                     "split_documents": "a preference pair is scored whole, so it cannot be split"}),
