@@ -53,7 +53,8 @@ class Config:
     # --- what to train on
     model: str = _opt(DEFAULT_MODEL, "Hub id or local folder of a Transformers model; the default is the bundled "
                       "MiniLM-L6 (works offline).")
-    task: str = _opt("classification", "What the model learns: text classification or causal language modelling.",
+    task: str = _opt("classification", "What the model learns: text classification, causal language modelling or "
+                     "preference tuning (DPO, IPO, SimPO, ORPO).",
                      choices=TASKS)
     dataset: str | None = _opt(None, "Hub dataset id or a local .csv/.tsv/.json/.jsonl/.parquet file.")
     dataset_config: str | None = _opt(None, "Hub dataset configuration name (for example 'sst2' of 'glue').",

@@ -31,6 +31,7 @@ from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
 from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, Metrics, SumMetrics, pick_column, texts_of
+from finetune.kinds.causal_lm import KIND as CAUSAL
 from finetune.kinds.registry import entry
 
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
@@ -257,8 +258,6 @@ class Preference:
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40
                 ) -> list[dict[str, Any]]:
         """A greedy continuation of each prompt, as for a causal LM."""
-        from finetune.kinds.causal_lm import KIND as CAUSAL
-
         return CAUSAL.predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens)
 
 
