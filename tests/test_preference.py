@@ -208,6 +208,10 @@ def test_eval_reports_trl_metric_names_and_cut_pairs_are_counted(tmp_path, tiny_
                                                        abs=1e-6)
     start = events[0]
     assert start["dropped_rows"] and start["dropped_rows"]["cut_by_max_length"] > 0
+    from finetune.run.modelcard import render
+
+    card = render(tmp_path / "e", tmp_path / "e" / "model", "user/aligned")
+    assert "| preference_loss | dpo |" in card and "| beta | 0.1 |" in card
 
 
 def test_a_missing_column_or_completion_is_one_sentence(tmp_path, tiny_gpt2):
