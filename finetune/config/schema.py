@@ -78,6 +78,23 @@ class Config:
     prompt_column: str | None = _opt(None, "Causal LM: prompt column, masked out of the loss.", group="data")
     completion_column: str | None = _opt(None, "Causal LM: completion column, the tokens that are learned.",
                                          group="data")
+    chosen_column: str | None = _opt(None, "Preference: the preferred completion's column (default 'chosen').",
+                                     group="data")
+    rejected_column: str | None = _opt(None, "Preference: the dispreferred completion's column (default "
+                                       "'rejected').", group="data")
+    preference_loss: str = _opt("dpo", "Preference: the loss: dpo (against a reference), ipo (DPO's squared, "
+                                "per-token form), simpo (length-normalised, no reference) or orpo (likelihood + "
+                                "odds ratio, no reference).", choices=("dpo", "ipo", "simpo", "orpo"),
+                                group="advanced")
+    beta: float = _opt(0.1, "Preference: β, the strength of the preference term (DPO/IPO's KL weight, SimPO's "
+                       "reward scale).", min=1e-6, max=100.0, group="advanced")
+    simpo_gamma: float = _opt(0.5, "Preference, simpo: the target reward margin γ.", min=0.0, max=100.0,
+                              group="advanced")
+    orpo_lambda: float = _opt(1.0, "Preference, orpo: λ, the weight of the odds-ratio term beside the likelihood.",
+                              min=0.0, max=100.0, group="advanced")
+    reference_model: str | None = _opt(None, "Preference, dpo/ipo: Hub id or local folder of the reference model "
+                                       "(default: the model being tuned, as it starts; with LoRA, its base with "
+                                       "the adapter switched off).", group="advanced", source="model")
     max_length: int = _opt(256, "Tokens per sample: a longer input is truncated or split as `long_documents` says.",
                            min=8, max=131072, group="data")
     streaming: bool = _opt(False, "Read the training data as a stream, for data bigger than memory or disk: "
@@ -383,7 +400,7 @@ def _cross_checks(c: Config) -> list[str]:
     if c.messages_column and (c.prompt_column or c.text_column):
         problems.append("`messages_column` replaces `text_column` and `prompt_column`/`completion_column`: set "
                         "only one of them.")
-    if bool(c.prompt_column) != bool(c.completion_column):
+    if bool(c.prompt_column) != bool(c.completion_column) and c.task != "preference":
         problems.append("`prompt_column` and `completion_column` go together: set both, or neither.")
     if c.streaming and c.max_steps is None:
         problems.append("`streaming=true` needs `max_steps`: a stream's length is unknown, so epochs cannot be "

@@ -211,7 +211,7 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
            source: str) -> Encoded:
     """Tokenise a table for the configured task, or reuse the cached encoding of the same rows and settings."""
     kind = kind_named(c.task)
-    for column in (cols.text, cols.text_pair, cols.prompt, cols.completion):
+    for column in (cols.text, cols.text_pair, cols.prompt, cols.completion, cols.chosen, cols.rejected):
         if column:
             check_strings(table, column, source)
     eos = kind.end_of_document(tokenizer)
@@ -248,6 +248,7 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     counts = None if documents else count_segments(rows, mode, c.max_length,
                                                    splittable=takes(c.task, "split_documents") and not cols.prompt)
     data = Encoded.from_dataset(rows, segmentation=counts)
+    data.source_rows = len(table)  # a kind may leave rows out (preference pairs cut by max_length)
     kind.check_encoded(data, cols, c, source, documents)
     return data
 
@@ -275,6 +276,8 @@ def collate(data: Any, indices: list[int], pad_id: int, kind: TaskKind) -> dict[
     rows = data.columns(indices)
     if "segment_lengths" in rows.column_names:  # packed rows (finetune/data/packing.py)
         return packed_batch(rows, pad_id)
+    if hasattr(kind, "collate_rows"):  # a kind whose sample is several sequences (a preference pair)
+        return kind.collate_rows(rows, pad_id)
     ids = rows.column("input_ids").combine_chunks()
     lengths = numpy_of(pc.list_value_length(ids))
     width = int(lengths.max())

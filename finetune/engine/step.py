@@ -57,15 +57,22 @@ def backward_window(model: Any, micro: list[list[int]], collate_fn: Callable[[li
     # Setting the steps per window is what flushes (and correctly normalises) a short last window.
     dist.gradient_accumulation_steps = len(micro)
     dist.step = 0
-    scale = weight * len(micro) * dist.num_processes / max(count, 1)
-    loss_total = torch.zeros((), dtype=torch.float64, device=dist.device)
+    scale = weight * len(micro) * dist.num_processes / per_count(count, None, dist.device)
+    loss_total = torch.zeros(scale.shape, dtype=torch.float64, device=dist.device)
     for mb in micro:
         with dist.accumulate(model):
             batch = collate_fn(mb)
             loss, _ = loss_sum(model, {k: v.to(dist.device) for k, v in batch.items()}, kind)
-            dist.backward(loss * scale)
+            dist.backward((loss * scale.to(loss.dtype)).sum())  # several sums: each over its own count
             loss_total += loss.detach().double() * weight
     return loss_total
+
+
+def per_count(count: int | tuple[int, ...], like: torch.Tensor | None, device: Any = None) -> torch.Tensor:
+    """A window's target count(s) as a divisor (at least 1): a 0-d tensor, or one entry per sum of a kind whose
+    `num_targets` counts several (ORPO: chosen tokens, pairs)."""
+    device = like.device if like is not None else device
+    return torch.as_tensor(count, dtype=torch.float64, device=device).clamp(min=1)
 
 
 def backward_tasks(model: Any, micro: list[tuple[int, list[int]]],

@@ -38,6 +38,8 @@ class Columns:
     prompt: str | None = None
     completion: str | None = None
     messages: str | None = None
+    chosen: str | None = None
+    rejected: str | None = None
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,18 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           refusals={"packing": "a regression head takes one sample per row",
                     "segment_recurrence": "a regression head reads each text whole; turn it off",
                     "split_documents": "a target belongs to the whole text, so its parts cannot each carry it"}),
+    Entry(name="preference", module="finetune.kinds.preference", summary="preference tuning (DPO, IPO, SimPO, ORPO)",
+          columns=("prompt_column", "chosen_column", "rejected_column"),
+          own_columns=(("chosen_column", "rejected_column"),),
+          uses="`prompt_column`, `chosen_column` and `rejected_column`",
+          auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
+          pipeline_tag="text-generation", example="Once upon a time",
+          # A tuned model is a causal LM: a saved one is told as causal_lm, which comes first.
+          architectures=("ForCausalLM", "LMHeadModel"),
+          metrics=("rewards/accuracies", "rewards/margins"),
+          refusals={"packing": "a preference pair's two sequences are scored side by side, not packed",
+                    "segment_recurrence": "a preference pair is scored whole; turn it off",
+                    "split_documents": "a preference pair is scored whole, so it cannot be split"}),
 )}
 DEFAULT = "classification"
 
@@ -95,6 +107,13 @@ def kind(name: str) -> Any:
     imports no kind module, nor the protocol's: the configuration imports the registry, and the kinds the
     configuration.)"""
     return importlib.import_module(ENTRIES[name].module).KIND
+
+
+def configured(c: Any) -> Any:
+    """The kind object of run config `c`: the kind's own `configured(c)` where it has settings (a loss, its
+    weights), else the plain kind."""
+    k = kind(c.task)
+    return k.configured(c) if hasattr(k, "configured") else k
 
 
 def column_problems(task: str, values: dict[str, object]) -> list[str]:

@@ -27,6 +27,7 @@ from finetune.engine.losses import loss_sum
 from finetune.engine.optim import make_optimizer
 from finetune.engine.recurrence import Recurrence, detach_cache, segment_loss_sum
 from finetune.kinds.base import TaskKind
+from finetune.kinds.registry import configured
 from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
 from finetune.models.load import prepare_for_training, quiet_transformers, resolve_model_path
@@ -145,6 +146,7 @@ def synthetic_batch(model: Any, micro: int, tokens: int, kind: TaskKind, device:
     `packed`: rows of two packed samples (position ids restarting, no attention mask), as `packing` trains them;
     more than one sample per row is what makes the model build a full block-diagonal mask. The labels are the
     task kind's (`synthetic_labels`)."""
+    micro *= getattr(kind, "sequences_per_sample", 1)  # a preference pair is two sequences
     ids = torch.randint(3, max(getattr(model.config, "vocab_size", 0) or 0, 4), (micro, tokens), device=device)
     labels = kind.synthetic_labels(ids)
     if packed:
@@ -168,7 +170,7 @@ def _micro_steps(model: Any, next_batch: Callable[[], dict[str, Any]], kind: Tas
         batch = next_batch()
         with torch.autocast(device_type, dtype=half or torch.float32, enabled=half is not None):
             loss, _ = loss_sum(model, batch, kind)
-        loss.backward()
+        loss.sum().backward()  # a kind may return several sums (ORPO's two terms)
         del loss
 
 
@@ -253,7 +255,7 @@ def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int
 
     The weights do not change (the probe's own optimizer runs at learning rate 0 and is thrown away) and the
     random state is restored, so training afterwards is exactly what it would have been."""
-    kind = kind_named(c.task)
+    kind = configured(c)
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if cuda else None)

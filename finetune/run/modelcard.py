@@ -165,6 +165,11 @@ def _procedure(c: Config, start: dict[str, Any], metrics: dict[str, Any], run_di
         rows.append(("optimizer steps", start.get("total_steps")))
     if (run_dir / "model" / "adapter_config.json").is_file() or (run_dir / "adapter").is_dir():
         rows += [(k, getattr(c, k)) for k in LORA_KEYS]
+    if c.task == "preference":  # the method and its weights
+        rows += [("preference_loss", c.preference_loss), ("beta", c.beta)] + \
+            ([("simpo_gamma", c.simpo_gamma)] if c.preference_loss == "simpo" else []) + \
+            ([("orpo_lambda", c.orpo_lambda)] if c.preference_loss == "orpo" else []) + \
+            ([("reference_model", c.reference_model)] if c.reference_model else [])
     for key in ("train_seconds", "train_samples_per_s"):
         if key in metrics:
             rows.append((key.replace("_", " "), metrics[key]))

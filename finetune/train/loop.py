@@ -41,7 +41,7 @@ from finetune.engine.runtime import (
 from finetune.engine.step import optimizer_step
 from finetune.errors import RunDirError, TrainingError
 from finetune.kinds.base import TaskKind
-from finetune.kinds.registry import kind as kind_named
+from finetune.kinds.registry import configured
 from finetune.models.load import load_tokenizer
 from finetune.run import hub, rundir, tracking
 from finetune.run.events import Backoff, Checkpoint, Done, Error, Eval, Event, EventLog, Start, Step, Stopped
@@ -123,7 +123,7 @@ class Setup:
     @property
     def kind(self) -> TaskKind:
         """The task kind: what the loss, its target count, the labels and the metrics are."""
-        return kind_named(self.config.task)
+        return configured(self.config)
 
     @property
     def eval_batch_size(self) -> int:

@@ -20,7 +20,7 @@ from finetune.data.packing import check_keeps_samples_apart, packing_note
 from finetune.engine.evaluate import evaluate
 from finetune.engine.recurrence import Recurrence, self_check
 from finetune.engine.recurrence import backward_window as recurrent_backward_window
-from finetune.engine.step import backward_window, share_of
+from finetune.engine.step import backward_window, per_count, share_of
 from finetune.models.load import save_model
 from finetune.plan.planner import Plan, plan_run
 from finetune.train.multitask import (
@@ -71,12 +71,14 @@ def variant_of(c: Config) -> Variant:
     return Recurrent(recurrence) if recurrence else SingleTask()
 
 
-def global_count(s: Setup, indices: list[int]) -> int:
-    """The targets of these samples, summed over all processes."""
+def global_count(s: Setup, indices: list[int]) -> int | tuple[int, ...]:
+    """The targets of these samples, summed over all processes (a tuple for a kind that counts several: its
+    `loss_sum` then returns one sum per count)."""
     local = s.train_data.num_targets(indices, s.kind)
     if s.accelerator.num_processes == 1:
         return local
-    return int(s.accelerator.reduce(torch.tensor(local, device=s.accelerator.device), "sum").item())
+    total = s.accelerator.reduce(torch.tensor(local, device=s.accelerator.device), "sum")
+    return tuple(int(v) for v in total.tolist()) if isinstance(local, tuple) else int(total.item())
 
 
 class SingleTask:
@@ -120,7 +122,7 @@ class SingleTask:
 
     def window_loss(self, s: Setup, loss_sum: torch.Tensor, count: int) -> tuple[float, None]:
         """The summed loss over the window's target count."""
-        return (s.accelerator.reduce(loss_sum, "sum") / max(count, 1)).item(), None
+        return (s.accelerator.reduce(loss_sum, "sum") / per_count(count, loss_sum)).sum().item(), None
 
     def evaluate(self, s: Setup) -> dict[str, float]:
         """The task kind's metrics on the evaluation data."""

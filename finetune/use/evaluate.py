@@ -21,8 +21,7 @@ from finetune.data.load import load_data, load_table, resolve_columns
 from finetune.data.multitask import load_task, with_prefix
 from finetune.engine.evaluate import evaluate
 from finetune.engine.recurrence import Recurrence
-from finetune.kinds.registry import entry
-from finetune.kinds.registry import kind as kind_named
+from finetune.kinds.registry import configured, entry
 from finetune.models.heads import read_tasks_file, task_model_dir
 from finetune.models.load import load_tokenizer, load_trained, resolve_model_dir, saved_label_names, task_of
 
@@ -55,7 +54,7 @@ def evaluate_target(target: str, overrides: list[str]) -> dict[str, Any]:
     model = load_trained(t.folder, c.task)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model = accelerator.prepare(model)
-    metrics = evaluate(model, data, kind=kind_named(c.task), label_names=t.labels, batch_size=64,
+    metrics = evaluate(model, data, kind=configured(c), label_names=t.labels, batch_size=64,
                        pad_id=tokenizer.pad_token_id, accelerator=accelerator, recurrence=Recurrence.of(c))
     if t.task is not None:
         return {"model": str(t.folder), "task": t.task, "samples": len(data), **metrics}

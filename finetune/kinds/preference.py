@@ -1,0 +1,281 @@
+"""Preference tuning (`task: preference`): a prompt and a chosen and a rejected completion per row, one loss per
+pair (DPO, IPO, SimPO or ORPO, as `preference_loss` says).
+
+A row is encoded as one sample holding both sequences (`input_ids`: prompt + chosen, `rejected_ids`: prompt +
+rejected, `prompt_length`), so a pair can never be split across micro-batches or processes; `collate_rows` stacks
+a micro-batch of B pairs as 2B sequences, chosen first (TRL's `concatenated_forward` order). Only completion tokens
+are scored. A pair whose completion `max_length` cuts off is left out and counted.
+
+The window's loss is the sum over its pairs divided by its pair count; ORPO's likelihood term is divided by the
+window's chosen-token count instead (`num_targets` returns both counts, `loss_sum` both sums), so `(B, k) ≡ (k·B, 1)`.
+DPO and IPO need a reference: with LoRA, the model with its adapter switched off; otherwise (or with
+`reference_model`) a frozen copy loaded from the checkpoint once, in half precision on a GPU.
+Metrics (TRL's names): rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen,
+logps/rejected, and loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+
+from finetune.config.schema import Config
+from finetune.data.arrow import numpy_of
+from finetune.errors import DataError
+from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, Metrics, SumMetrics, pick_column, texts_of
+from finetune.kinds.causal_lm import KIND as CAUSAL
+from finetune.kinds.registry import entry
+
+LOSSES = ("dpo", "ipo", "simpo", "orpo")
+NEEDS_REFERENCE = ("dpo", "ipo")
+PAIR_STATS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "loss", "nll", "chosen tokens")
+METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                "logps/rejected")
+
+
+def _file_column(table: Any, column: str) -> pa.ChunkedArray:
+    return table.data.column(column)
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: the summed log-probability of its target tokens (position t predicts t+1) and their count."""
+    targets = labels[:, 1:]
+    mask = targets != IGNORE_INDEX
+    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = torch.gather(logps, 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * mask).sum(-1), mask.sum(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preference:
+    """The `TaskKind` of preference tuning, with the loss's settings (`configured` makes one from a config)."""
+
+    loss: str = "dpo"
+    beta: float = 0.1
+    gamma: float = 0.5  # SimPO's target reward margin (TRL's simpo_gamma)
+    lam: float = 1.0  # ORPO's weight of the odds-ratio term (TRL's beta for ORPO)
+    reference_model: str | None = None
+    base_model: str | None = None
+    entry = entry("preference")
+    sequences_per_sample = 2  # chosen and rejected: the planner's micro-batch counts both
+
+    def configured(self, c: Config) -> Preference:
+        """This kind with the run's loss settings."""
+        return _configured(c.preference_loss, c.beta, c.simpo_gamma, c.orpo_lambda, c.reference_model, c.model)
+
+    # --- data
+    def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
+        """The prompt, chosen and rejected columns, set or named as TRL's preference format names them."""
+        return Columns(prompt=pick_column(columns, c.prompt_column, ("prompt",), "Prompt", "prompt_column"),
+                       chosen=pick_column(columns, c.chosen_column, ("chosen",), "Chosen", "chosen_column"),
+                       rejected=pick_column(columns, c.rejected_column, ("rejected",), "Rejected", "rejected_column"))
+
+    def label_names(self, table: Any, cols: Columns, source: str) -> None:
+        """Pairs have no classes."""
+        return None
+
+    def check_rows(self, table: Any, cols: Columns, label_names: list[str] | None, source: str) -> None:
+        """Every row needs a chosen and a rejected completion (text; the prompt may be empty)."""
+        for column in (cols.chosen, cols.rejected):
+            data = _file_column(table, column)
+            if not (pa.types.is_string(data.type) or pa.types.is_large_string(data.type)):
+                raise DataError(f"Column {column!r} of {source!r} must hold text completions (found {data.type}).")
+            missing = pc.is_null(data)
+            if pc.any(missing).as_py():
+                row = pc.index(missing, True).as_py()
+                raise DataError(f"Row {row + 1} of {source!r} has no {column!r} completion: fill or remove it.")
+
+    def end_of_document(self, tokenizer: Any) -> list[int]:
+        """A completion ends with the end-of-sequence token (as TRL appends it)."""
+        return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def encode_rows(self, batch: dict[str, list], indices: list[int], e: Encoding) -> dict[str, list]:
+        """Prompt + chosen and prompt + rejected per row; a pair either completion of which `max_length` cuts is
+        left out (its `document` number stays that of its row)."""
+        tok, cols = e.tokenizer, e.cols
+        plain = {"verbose": False}
+        prompts = tok(texts_of(batch, cols["prompt"]) if cols["prompt"] else [""] * len(indices),
+                      add_special_tokens=True, **plain)["input_ids"]
+        chosen = tok(texts_of(batch, cols["chosen"]), add_special_tokens=False, **plain)["input_ids"]
+        rejected = tok(texts_of(batch, cols["rejected"]), add_special_tokens=False, **plain)["input_ids"]
+        out: dict[str, list] = {"input_ids": [], "rejected_ids": [], "prompt_length": [], "document": [],
+                                "segment": [], "dropped_tokens": []}
+        for i, p, ch, rj in zip(indices, prompts, chosen, rejected, strict=True):
+            a, b = p + ch + e.eos, p + rj + e.eos
+            if max(len(a), len(b)) > e.max_length or len(a) == len(p) or len(b) == len(p):
+                continue  # cut off (or empty): left out, counted by check_encoded
+            out["input_ids"].append(a)
+            out["rejected_ids"].append(b)
+            out["prompt_length"].append(len(p))
+            out["document"].append(i)
+            out["segment"].append(0)
+            out["dropped_tokens"].append(0)
+        return out
+
+    def features(self, cols: Columns, tokenizer: Any) -> dict[str, Any]:
+        """The rejected sequence and the prompt's length (shared by both sequences)."""
+        from datasets import List, Value
+
+        return {"rejected_ids": List(Value("int32")), "prompt_length": Value("int32")}
+
+    def check_encoded(self, data: Any, cols: Columns, c: Config, source: str, documents: bool) -> None:
+        """A `DataError` when `max_length` cuts off every pair; the pairs left out are counted."""
+        rows = len(np.unique(numpy_of(data.table["document"]))) if len(data) else 0
+        total = getattr(data, "source_rows", None)
+        if len(data) == 0:
+            raise DataError(f"Every pair of {source!r} is cut off by max_length={c.max_length} (or has an empty "
+                            "completion): raise max_length.")
+        if total is not None and total > rows:
+            data.dropped = {**data.dropped, "cut_by_max_length": total - rows}
+
+    def collate_rows(self, rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
+        """A micro-batch of B pairs as 2B right-padded sequences, chosen first, labels masking prompt and padding."""
+        seqs = [rows.column("input_ids").combine_chunks(), rows.column("rejected_ids").combine_chunks()]
+        lengths = np.concatenate([numpy_of(pc.list_value_length(s)) for s in seqs])
+        prompt = np.tile(numpy_of(rows.column("prompt_length")), 2)
+        width = int(lengths.max())
+        present = np.arange(width) < lengths[:, None]
+        ids = np.full((len(lengths), width), pad_id, dtype=np.int64)
+        ids[present] = np.concatenate([numpy_of(s.flatten()) for s in seqs])
+        labels = np.where(present & (np.arange(width) >= prompt[:, None]), ids, IGNORE_INDEX)
+        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(present.astype(np.int64)),
+                "labels": torch.from_numpy(labels)}
+
+    def collate_labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
+        """Not used: `collate_rows` collates a pair's two sequences together."""
+        raise NotImplementedError("preference pairs are collated by collate_rows")
+
+    def num_targets(self, data: Any, indices: list[int]) -> int | tuple[int, int]:
+        """The pairs (ORPO: the chosen completions' tokens, then the pairs)."""
+        if self.loss != "orpo":
+            return len(indices)
+        chosen = data.lengths[indices] - data.prompt_lengths[indices]
+        return int(chosen.sum()), len(indices)
+
+    # --- model
+    def model_kwargs(self, label_names: list[str] | None) -> dict[str, Any]:
+        """Nothing: the language model's own head."""
+        return {}
+
+    def reference_logps(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        """The reference's summed log-probabilities of each sequence (no gradient)."""
+        with torch.no_grad():
+            ref = self._reference(model)
+            if ref is None:
+                base = getattr(model, "module", model)
+                with base.disable_adapter():
+                    logits = model(**inputs).logits
+            else:
+                logits = ref(**inputs).logits
+            return sequence_logps(logits, labels)[0]
+
+    def _reference(self, model: Any) -> Any:
+        base = getattr(model, "module", model)
+        if self.reference_model is None and hasattr(base, "disable_adapter"):
+            return None  # LoRA: the base with its adapter switched off
+        if is_fake(next(base.parameters())):  # the planner's dry run: the forward's memory, no weights to load
+            return base
+        return _frozen(self.reference_model or self.base_model, str(next(base.parameters()).device))
+
+    def pair_terms(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The forward: each pair's loss (ORPO: with the chosen NLL sum first, as a second row) and its metrics."""
+        logits = model(**inputs).logits
+        logps, counts = sequence_logps(logits, labels)
+        chosen, rejected = logps.chunk(2)
+        n_chosen, n_rejected = counts.chunk(2)
+        if self.loss in NEEDS_REFERENCE:
+            ref = self.reference_logps(model, inputs, labels)
+            ref_chosen, ref_rejected = ref.chunk(2)
+            chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+            if self.loss == "dpo":
+                losses = -F.logsigmoid(self.beta * (chosen_ratio - rejected_ratio))
+            else:  # IPO, per-token normalised as TRL does
+                delta = chosen_ratio / n_chosen.clamp(min=1) - rejected_ratio / n_rejected.clamp(min=1)
+                losses = (delta - 1 / (2 * self.beta)) ** 2
+            r_chosen, r_rejected = self.beta * chosen_ratio.detach(), self.beta * rejected_ratio.detach()
+        elif self.loss == "simpo":
+            avg_chosen, avg_rejected = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
+            losses = -F.logsigmoid(self.beta * (avg_chosen - avg_rejected) - self.gamma)
+            r_chosen, r_rejected = self.beta * avg_chosen.detach(), self.beta * avg_rejected.detach()
+        else:  # ORPO: log odds of the mean token probabilities
+            avg_chosen, avg_rejected = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
+            log_odds = (avg_chosen - avg_rejected) - (torch.log1p(-torch.exp(avg_chosen))
+                                                      - torch.log1p(-torch.exp(avg_rejected)))
+            losses = -self.lam * F.logsigmoid(log_odds)
+            r_chosen, r_rejected = self.lam * avg_chosen.detach(), self.lam * avg_rejected.detach()
+        stats = {"chosen": r_chosen, "rejected": r_rejected, "logps_chosen": chosen.detach(),
+                 "logps_rejected": rejected.detach()}
+        return losses, {**stats, "nll": -chosen}
+
+    def loss_sum(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sum of the pairs' losses (ORPO: the chosen tokens' NLL sum and the odds-ratio sum, two sums), and
+        in place of logits each pair's statistics for the metrics (rows: PAIR_STATS)."""
+        losses, s = self.pair_terms(model, inputs, labels)
+        n_chosen = (labels.chunk(2)[0][:, 1:] != IGNORE_INDEX).sum(-1)
+        stats = torch.stack([s["chosen"], s["rejected"], s["logps_chosen"], s["logps_rejected"], losses.detach(),
+                             s["nll"].detach(), n_chosen.to(losses.dtype)], dim=1)
+        if self.loss == "orpo":
+            return torch.stack([s["nll"].sum(), losses.sum()]), stats
+        return losses.sum(), stats
+
+    def metrics(self, label_names: list[str] | None, device: torch.device) -> Metrics:
+        """TRL's reward metrics and the loss, as sums over pairs (the evaluation calls `add` with the model)."""
+        def update(sums: torch.Tensor, batch: dict[str, torch.Tensor], stats: torch.Tensor | None,
+                   loss: torch.Tensor) -> None:
+            chosen, rejected, logps_chosen, logps_rejected, losses, nll, n_chosen = stats.double().unbind(1)
+            sums += torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(), (chosen > rejected).sum(),
+                                 logps_chosen.sum(), logps_rejected.sum(), losses.sum(), nll.sum(), n_chosen.sum(),
+                                 torch.tensor(float(len(losses)), dtype=torch.float64, device=sums.device)])
+
+        def finish(sums: torch.Tensor) -> dict[str, float]:
+            pairs = sums[9].clamp(min=1)
+            loss = sums[6] / pairs + (sums[7] / sums[8].clamp(min=1) if self.loss == "orpo" else 0.0)
+            return {"loss": float(loss), **{name: float(v) for name, v in
+                                            zip(METRIC_NAMES, sums[:6] / pairs, strict=True)}}
+
+        return SumMetrics(10, device, update, finish)
+
+    # --- the planner's dry run
+    def synthetic_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Every position a target (the planner's micro-batch stands for chosen and rejected sequences alike)."""
+        return input_ids
+
+    def logits_bytes(self, micro: int, tokens: int, vocab: int, num_labels: int) -> int:
+        """Both sequences' float32 logits and their gradient, and the reference's logits."""
+        return 3 * 2 * micro * tokens * vocab * 4
+
+    # --- use after training
+    def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40
+                ) -> list[dict[str, Any]]:
+        """A greedy continuation of each prompt, as for a causal LM."""
+        return CAUSAL.predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens)
+
+
+@functools.cache
+def _configured(loss: str, beta: float, gamma: float, lam: float, reference_model: str | None,
+                base_model: str) -> Preference:
+    return Preference(loss, beta, gamma, lam, reference_model, base_model)
+
+
+@functools.cache
+def _frozen(name: str, device: str) -> Any:
+    """The reference model, loaded once, frozen (half precision on a GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+KIND = Preference()

@@ -1,0 +1,236 @@
+"""task: preference (DPO, IPO, SimPO, ORPO): pairs kept whole, the losses equal TRL's, accumulation exact."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same_weights, load_weights, run_train, step_losses
+
+from finetune.kinds.preference import Preference, sequence_logps
+
+WORDS = "good bad fine great awful nice poor calm loud warm cold bright dark".split()
+
+
+@pytest.fixture(scope="module")
+def pref_csv(tmp_path_factory) -> str:
+    """24 preference pairs of uneven lengths."""
+    rng = random.Random(0)
+    rows = [{"prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 6))),
+             "chosen": " ".join(rng.choices(WORDS[:6], k=rng.randint(1, 8))),
+             "rejected": " ".join(rng.choices(WORDS[6:], k=rng.randint(1, 8)))} for _ in range(24)]
+    path = tmp_path_factory.mktemp("pref") / "pairs.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return str(path)
+
+
+def _run(out, model, data, **values):
+    return run_train(out, **{"model": model, "dataset": data, "task": "preference", "max_length": 32, "epochs": 1,
+                             "learning_rate": 0.1, **values})
+
+
+@pytest.mark.parametrize("loss", ["dpo", "orpo"])
+def test_accumulation_is_exact(tmp_path, tiny_gpt2, pref_csv, loss):
+    """(B, k) = (2, 3) trains exactly like (6, 1): DPO (a reference, here a frozen copy: full fine-tuning) and ORPO
+    (two counts: chosen tokens and pairs). IPO and SimPO differ from DPO only in the per-pair formula, checked
+    against TRL below."""
+    a, ea, _ = _run(tmp_path / "a", tiny_gpt2, pref_csv, preference_loss=loss, micro_batch_size=2,
+                    grad_accum_steps=3)
+    b, eb, _ = _run(tmp_path / "b", tiny_gpt2, pref_csv, preference_loss=loss, micro_batch_size=6,
+                    grad_accum_steps=1)
+    assert_same_weights(a, b)
+    torch.testing.assert_close(step_losses(ea), step_losses(eb))
+    assert len(step_losses(ea)) == 4 and all(x > 0 for x in step_losses(ea))
+
+
+def _trl_batch(path, loss_type, reference=None):
+    """TRL's DPOTrainer (reference: the model at `reference`, else a frozen copy) and one collated batch of two
+    pairs."""
+    import copy
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    pairs = Dataset.from_dict({"prompt": ["good day", "the cat sat"], "chosen": [" nice calm", " warm"],
+                               "rejected": [" awful", " loud dark bad"]})
+    args = DPOConfig(output_dir=str(path) + "-trl", loss_type=[loss_type], beta=0.2, report_to=[], use_cpu=True,
+                     per_device_train_batch_size=2, max_length=32)
+    ref = AutoModelForCausalLM.from_pretrained(reference) if reference else copy.deepcopy(model)
+    trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=pairs,
+                         processing_class=tok)
+    return trainer, next(iter(trainer.get_train_dataloader()))
+
+
+def _ours(path, kind, batch):
+    """Our loss (sum over pairs / pairs) and gradient on TRL's batch: the same sequences, the same scored tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    total, stats = kind.loss_sum(model, inputs, labels)
+    loss = total / 2
+    loss.backward()
+    return loss, {n: p.grad for n, p in model.named_parameters()}, stats
+
+
+@pytest.mark.parametrize(("ours", "trl"), [("dpo", "sigmoid"), ("ipo", "ipo")])
+def test_dpo_and_ipo_equal_trl(tmp_path, tiny_gpt2, ours, trl):
+    """Step one's loss and gradient equal TRL's DPOTrainer's, and its reward metrics; the reference is another
+    model (`reference_model`), so that the preference term is far from its value at policy = reference."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_gpt2)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    reference.save_pretrained(tmp_path / "ref")
+    trainer, batch = _trl_batch(tiny_gpt2, trl, str(tmp_path / "ref"))
+    trainer.model.train()
+    expected = trainer.compute_loss(trainer.model, batch)
+    expected.backward()
+    loss, grads, stats = _ours(tiny_gpt2, Preference(ours, beta=0.2, reference_model=str(tmp_path / "ref")), batch)
+    torch.testing.assert_close(loss, expected, rtol=5e-4, atol=1e-6)  # the same float32 rounding, squared by IPO
+    for name, p in trainer.model.named_parameters():
+        # TRL's fused LM head sums the log-probabilities in another order: float32 rounding, relative to the tensor
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=2e-4 * p.grad.abs().max().item(),
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    logged = trainer._metrics["train"]
+    # β·(difference of two ~40-nat sums), each rounded in float32 in its own order: 1e-4 of a sum's size
+    torch.testing.assert_close(stats[:, 0].mean().item(), logged["rewards/chosen"][-1], rtol=0, atol=2e-3)
+    torch.testing.assert_close(stats[:, 3].mean().item(), logged["logps/rejected"][-1], rtol=1e-5, atol=1e-4)
+
+
+def _policy_logps(path, batch, average):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logps, counts = sequence_logps(logits, labels)
+    return model, (logps / counts if average else logps), logps, labels
+
+
+def test_simpo_and_orpo_equal_trl(tiny_gpt2):
+    """SimPO's loss equals TRL's CPOTrainer.cpo_loss (loss_type=simpo, no NLL term) and ORPO's odds-ratio term
+    ORPOTrainer.odds_ratio_loss, on the same length-normalised log-probabilities, loss and gradient."""
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    _, batch = _trl_batch(tiny_gpt2, "sigmoid")
+    dev = SimpleNamespace(device=torch.device("cpu"))
+    cpo = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=0.7, beta=2.0, label_smoothing=0.0,
+                          accelerator=dev)
+    orpo = SimpleNamespace(beta=0.3, accelerator=dev)
+    for kind, reference in [(Preference("simpo", beta=2.0, gamma=0.7), "simpo"),
+                            (Preference("orpo", lam=0.3), "orpo")]:
+        model, avg, _, labels = _policy_logps(tiny_gpt2, batch, average=True)
+        chosen, rejected = avg.chunk(2)
+        if reference == "simpo":
+            expected = CPOTrainer.cpo_loss(cpo, chosen, rejected)[0].mean()
+        else:  # TRL's ORPO loss is nll - mean(λ·logsigmoid(log odds)); the odds-ratio term here
+            expected = -ORPOTrainer.odds_ratio_loss(orpo, chosen, rejected)[0].mean()
+        expected.backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        total, _ = kind.loss_sum(model.zero_grad(set_to_none=True) or model,
+                                 {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, labels)
+        term = total / 2 if reference == "simpo" else total[1] / 2
+        torch.testing.assert_close(term, expected, rtol=1e-5, atol=1e-6)
+        term.backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_orpo_counts_chosen_tokens_and_pairs(tiny_gpt2):
+    """ORPO's loss is two sums: the chosen completions' NLL (over their token count) and the odds ratio (over
+    the pairs); the NLL sum equals cross-entropy summed over the chosen completions' tokens."""
+    _, batch = _trl_batch(tiny_gpt2, "sigmoid")
+    model, _, logps, labels = _policy_logps(tiny_gpt2, batch, average=False)
+    total, _ = Preference("orpo").loss_sum(model, {"input_ids": batch["input_ids"],
+                                                   "attention_mask": batch["attention_mask"]}, labels)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:2, :-1]
+    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:2, 1:].reshape(-1), reduction="sum")
+    torch.testing.assert_close(total[0], nll, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_off_reference_equals_a_frozen_copy(tmp_path, tiny_gpt2, pref_csv):
+    """With LoRA, the reference is the base with its adapter switched off; naming the same base as
+    `reference_model` (a separate frozen copy) trains the same adapter, to float rounding."""
+    from safetensors.torch import load_file
+
+    common = {"preference_loss": "dpo", "lora": "true", "micro_batch_size": 4, "grad_accum_steps": 2,
+              "learning_rate": 0.5, "merge_lora": True}
+    a, _, _ = _run(tmp_path / "off", tiny_gpt2, pref_csv, **common)
+    b, _, _ = _run(tmp_path / "copy", tiny_gpt2, pref_csv, reference_model=tiny_gpt2, **common)
+    assert_same_weights(a, b)  # the merged models
+    base = load_file(str(next((Path(tiny_gpt2)).glob("*.safetensors"))))
+    assert any(not torch.equal(a[k], base[k]) for k in base if k in a)  # the adapter did learn
+
+
+@pytest.mark.parametrize("loss", ["orpo"])
+def test_two_processes_equal_one(tmp_path, tiny_gpt2, pref_csv, loss):
+    """Two gloo processes train exactly like one: pairs stay whole, counts (ORPO: tokens and pairs) are global."""
+    from test_multiprocess import COMMON, launch_two
+
+    from finetune.run.events import read_events
+
+    values = {"model": tiny_gpt2, "dataset": pref_csv, "task": "preference", "preference_loss": loss,
+              "max_length": 32, "epochs": 1, "effective_batch_size": 8, "learning_rate": 0.1}
+    _, two_dir = launch_two(tmp_path, {**values, "micro_batch_size": 2})
+    one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": 8})
+    assert_same_weights(load_weights(two_dir), one)
+    torch.testing.assert_close(step_losses(read_events(two_dir / "events.jsonl")), step_losses(one_events),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_eval_reports_trl_metric_names_and_cut_pairs_are_counted(tmp_path, tiny_gpt2, pref_csv):
+    """Held-out pairs are evaluated with TRL's metric names; a pair that max_length cuts off is left out and
+    counted (a short max_length cuts the long ones)."""
+    _, events, _ = _run(tmp_path / "e", tiny_gpt2, pref_csv, eval_fraction=0.25, max_length=12,
+                        micro_batch_size=4, grad_accum_steps=1)
+    evals = [e for e in events if e["event"] == "eval"]
+    assert evals, "no eval event"
+    metrics = evals[-1]["metrics"]
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                 "logps/rejected", "loss"):
+        assert name in metrics, name
+    assert 0.0 <= metrics["rewards/accuracies"] <= 1.0
+    assert metrics["rewards/margins"] == pytest.approx(metrics["rewards/chosen"] - metrics["rewards/rejected"],
+                                                       abs=1e-6)
+    start = events[0]
+    assert start["dropped_rows"] and start["dropped_rows"]["cut_by_max_length"] > 0
+    from finetune.run.modelcard import render
+
+    card = render(tmp_path / "e", tmp_path / "e" / "model", "user/aligned")
+    assert "| preference_loss | dpo |" in card and "| beta | 0.1 |" in card
+
+
+def test_a_missing_column_or_completion_is_one_sentence(tmp_path, tiny_gpt2):
+    """No `rejected` column, or a row without a completion: one sentence naming it, exit 2 from the CLI."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    no_column = tmp_path / "a.csv"
+    pd.DataFrame({"prompt": ["hi", "yo"], "chosen": ["good", "fine"]}).to_csv(no_column, index=False)
+    empty = tmp_path / "b.csv"
+    pd.DataFrame({"prompt": ["hi", "yo"], "chosen": ["good", None], "rejected": ["bad", "awful"]}).to_csv(
+        empty, index=False)
+    for data, words in ((no_column, "rejected"), (empty, "row 2")):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(yaml.safe_dump({"model": tiny_gpt2, "dataset": str(data), "task": "preference",
+                                       "output_dir": str(tmp_path / "out"), "eval_fraction": 0.0}))
+        proc = subprocess.run([sys.executable, "-m", "finetune", "train", str(cfg), "-q"], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert words in proc.stderr.lower() and "Traceback" not in proc.stderr
