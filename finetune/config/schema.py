@@ -53,7 +53,8 @@ class Config:
     # --- what to train on
     model: str = _opt(DEFAULT_MODEL, "Hub id or local folder of a Transformers model; the default is the bundled "
                       "MiniLM-L6 (works offline).")
-    task: str = _opt("classification", "What the model learns: text classification or causal language modelling.",
+    task: str = _opt("classification", "What the model learns: text classification, causal language modelling, or "
+                     "token classification (a tag per word: NER, tagging).",
                      choices=TASKS)
     dataset: str | None = _opt(None, "Hub dataset id or a local .csv/.tsv/.json/.jsonl/.parquet file.")
     dataset_config: str | None = _opt(None, "Hub dataset configuration name (for example 'sst2' of 'glue').",
@@ -75,6 +76,12 @@ class Config:
     prompt_column: str | None = _opt(None, "Causal LM: prompt column, masked out of the loss.", group="data")
     completion_column: str | None = _opt(None, "Causal LM: completion column, the tokens that are learned.",
                                          group="data")
+    tokens_column: str | None = _opt(None, "Token classification: column of word lists (default 'tokens' or "
+                                     "'words').", group="data")
+    tags_column: str | None = _opt(None, "Token classification: column of per-word tag lists, integers (with the "
+                                   "hub's ClassLabel names) or strings (default 'ner_tags' or 'tags').", group="data")
+    label_all_tokens: bool = _opt(False, "Token classification: put each word's tag on all its sub-tokens (a B- tag "
+                                  "continuing as I-), not only on the first.", group="data")
     max_length: int = _opt(256, "Tokens per sample: a longer input is truncated or split as `long_documents` says.",
                            min=8, max=131072, group="data")
     streaming: bool = _opt(False, "Read the training data as a stream, for data bigger than memory or disk: "
@@ -341,7 +348,7 @@ COLUMN_KEYS = tuple(f.name for f in fields(Config) if f.name.endswith("_column")
 def _cross_checks(c: Config) -> list[str]:
     problems = []
     if c.task in TASKS:  # another kind's columns (an unknown task is refused on its own)
-        problems += kinds.column_problems(c.task, {key: getattr(c, key) for key in COLUMN_KEYS})
+        problems += kinds.column_problems(c.task, {key: getattr(c, key) for key in COLUMN_KEYS + kinds.OPTION_KEYS})
     if c.messages_column and (c.prompt_column or c.text_column):
         problems.append("`messages_column` replaces `text_column` and `prompt_column`/`completion_column`: set "
                         "only one of them.")

@@ -41,6 +41,9 @@ class Entry:
     features: tuple[str, ...] = ()
     refusals: dict[str, str] = field(default_factory=dict)
     problem_type: str | None = None  # the saved config's `problem_type` this kind needs (regression's, say)
+    # Config options only this kind reads, besides its columns: passed to its `encode_rows` (`Encoding.options`),
+    # part of the encoding's cache key, and refused for the other kinds (with `column_reasons[option]`, or `uses`).
+    options: tuple[str, ...] = ()
 
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (
@@ -64,7 +67,21 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
           pipeline_tag="text-generation", architectures=("ForCausalLM", "LMHeadModel"), example="Once upon a time",
           multitask="shared", features=("packing", "segment_recurrence", "split_documents")),
+    Entry(name="token_classification", module="finetune.kinds.token_classification",
+          summary="token classification (NER and tagging)", columns=("tokens_column", "tags_column"),
+          own_columns=(("tokens_column", "tags_column"), ("label_all_tokens",)),
+          uses="`tokens_column` and `tags_column`",
+          column_reasons={"label_all_tokens": "it puts a word's tag on all its sub-tokens"},
+          auto_model="AutoModelForTokenClassification", peft_task_type="TOKEN_CLS",
+          peft_auto_model="AutoPeftModelForTokenClassification", pipeline_tag="token-classification",
+          architectures=("ForTokenClassification",), example="My name is Clara and I live in Berkeley.",
+          has_labels=True, options=("label_all_tokens",),
+          refusals={"packing": "token classification takes one sentence per row",
+                    "segment_recurrence": "token classification tags each row whole; turn it off",
+                    "split_documents": "a row's words and tags are cut at `max_length` together, not split; use "
+                                       "long_documents=truncate (or auto)"}),
 )}
+OPTION_KEYS = tuple(dict.fromkeys(key for e in ENTRIES.values() for key in e.options))  # every kind's own options
 DEFAULT = "classification"
 
 
