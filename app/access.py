@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.config.schema import DEFAULT_MODEL, Config
+from finetune.config.schema import DEFAULT_MODEL, Config, sources
+from finetune.errors import summary
 
 ANYONE = "anyone"  # the one user of an `open` server
 USERS_VAR, PASSWORD_VAR, ALLOWED_VAR = "FINETUNE_USERS", "FINETUNE_PASSWORD", "FINETUNE_ALLOWED_USERS"
@@ -31,6 +32,7 @@ PUSHERS_VAR = "FINETUNE_PUSH_USERS"  # who, besides a Space's owner, may push wi
 PASSWORD_USER = "admin"  # the account FINETUNE_PASSWORD sets
 USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED = {"uploads"}  # folder names under runs/ that are not a user's
+MAX_OUTPUT_DIR_CHARS = 100  # a run folder's name typed in the app (a file system takes 255 bytes a name)
 # What a training child needs from the app's environment; everything else (HF_TOKEN, cloud keys, OAuth secrets) stays
 # in the app on a shared server.
 CHILD_ENV = {"PATH", "HOME", "USER", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP", "PYTHONPATH",
@@ -184,36 +186,51 @@ class Access:
             return dict(env)
         return {k: v for k, v in env.items() if k in CHILD_ENV or k.startswith("LC_")}
 
-    def check_source(self, source: str | None, what: str, readable: tuple[Path, ...]) -> None:
-        """Refuse a local file or folder outside `readable` (the user's uploads, the sample data) when shared."""
+    def check_source(self, source: str | None, what: str, readable: tuple[Path, ...], kind: str | None = None
+                     ) -> None:
+        """Refuse, when shared, a source of `kind` (model, data, file: `finetune.config.schema.SOURCE_KINDS`) named
+        `what` that the user may not read: a local model folder; a local file or folder outside `readable` (the
+        user's uploads, the sample data), or a `datasets` builder name (`csv`, `text`, …, which reads files from the
+        server's folders); any file but those for a `file` (a chat template). `kind` defaults to `what`'s own."""
         # Here, not at the top: finetune.data.load imports torch, and `finetune --help` builds the `ui` parser from
         # app.server, which imports this module (3 s of torch for a help text).
-        from finetune.data.load import is_local
+        from finetune.data.load import builder_names, is_local
 
-        if not self.shared or not source or (what != "model" and not is_local(source)):
+        kind = kind or ("model" if what == "model" else "file" if what == "chat_template" else "data")
+        if not self.shared or not source:
             return
-        if what == "model" and (source == DEFAULT_MODEL or not _model_is_local(source)):
+        if kind == "model":
+            if source != DEFAULT_MODEL and _model_is_local(source):
+                raise AccessError("Local model folders cannot be used on a shared server: give a Hugging Face hub "
+                                  "id.")
             return
-        path = Path(source).expanduser().resolve()
-        if what != "model" and any(path == r or path.is_relative_to(r) for r in readable):
+        if kind == "data" and source.lower() in builder_names():
+            raise AccessError(f"`{what}` {summary(source, 200)} is the name of a `datasets` file builder, which reads "
+                              "files from the server's folders: upload your file, or give a Hugging Face hub "
+                              "dataset id.")
+        if kind == "data" and not is_local(source):
             return
-        if what == "model":
-            raise AccessError("Local model folders cannot be used on a shared server: give a Hugging Face hub id.")
-        raise AccessError(f"`{what}` {source!r} is not one of your uploads: upload the file, or give a Hugging Face "
-                          "hub dataset id.")
+        try:
+            path = Path(source).expanduser().resolve()
+        except (OSError, ValueError, RuntimeError):
+            path = None
+        if path is not None and any(path == r or path.is_relative_to(r) for r in readable):
+            return
+        advice = "upload the file, or give a Hugging Face hub dataset id" if kind == "data" else "upload the file"
+        raise AccessError(f"`{what}` {summary(source, 200)} is not one of your uploads: {advice}.")
 
     def check_config(self, config: Config, readable: tuple[Path, ...]) -> None:
-        """Refuse what a shared server must not run: remote code, local models, files that are not the user's."""
+        """Refuse what a shared server must not run: remote code, local models, and any file the config names
+        (found by the schema's `source` marks, each task of `tasks` included) that is not the user's."""
         if not self.shared:
             return
         if config.trust_remote_code:
             raise AccessError(NO_REMOTE_CODE)
         if config.push_to_hub:
             raise AccessError(NO_PUSH_IN_RUN)
-        self.check_source(config.model, "model", readable)
-        # A chat template is read into the saved tokenizer and shown in the preview: a file like any other.
-        for what in ("dataset", "eval_dataset", "chat_template"):
-            self.check_source(getattr(config, what), what, readable)
+        for what, kind, value in sources(config):
+            if kind != "output":  # the run folder: `resolve_output_dir` confines it to the user's folder
+                self.check_source(value, what, readable, kind)
 
 
 def _model_is_local(name: str) -> bool:
@@ -237,6 +254,9 @@ def resolve_output_dir(typed: str | None, home: Path) -> Path | None:
     with `..` is refused, so that the app never writes outside its runs folder."""
     if not typed or not typed.strip():
         return None
+    if len(typed) > MAX_OUTPUT_DIR_CHARS or any(ord(c) < 32 for c in typed):
+        raise AccessError(f"output_dir {summary(typed)} must be a name of at most {MAX_OUTPUT_DIR_CHARS} characters "
+                          "without control characters: give a shorter name for the run.")
     path = Path(typed.strip()).expanduser()
     if ".." in path.parts:
         raise AccessError(f"output_dir {typed!r} may not contain '..': give a name for the run inside {home}.")

@@ -12,12 +12,14 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from app import dataview
+from app import dataview, worker
 from finetune.config.schema import Config
 from finetune.data.chat import DROPPED, DROPPED_WORDS, encode_conversations, require_template, turns_of
 from finetune.errors import InputError
 
 LEARNED = "learned"
+# One conversation renders in milliseconds with a real template; one that needs longer loops (nested `range`s, say).
+RENDER_TIMEOUT_S = 0.5
 
 
 def _stamp(path: str | None) -> Any:
@@ -48,7 +50,12 @@ def example(source: str, config_name: str | None, split: str, column: str, model
     value = head[0][column]
     if turns_of(value) is None:
         return [], "⚠️ The first row is not a conversation (a list of {role, content} or {from, value} turns)."
-    out = encode_conversations([value], tokenizer=tokenizer, train_on=train_on, max_length=max_length)
+    try:  # the template is the visitor's: it renders in a child with a time and memory limit
+        out = worker.bounded(lambda: encode_conversations([value], tokenizer=tokenizer, train_on=train_on,
+                                                          max_length=max_length), RENDER_TIMEOUT_S,
+                             "Rendering the first conversation with the chat template")
+    except worker.Overrun as e:
+        return [], f"⚠️ {e} A template that loops this long would not finish a dataset: simplify it."
     reason = out["dropped"][0]
     if reason:
         return [], f"⚠️ The first conversation is left out of training: {DROPPED_WORDS[DROPPED[reason]]}."

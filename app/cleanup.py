@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 from finetune.run.rundir import MARKER
 
 DAY_S = 86400.0
+SWEEP_EVERY_S = 600.0  # how often a running server tidies up (besides at start and before each run)
 GRADIO_KEEP_S = DAY_S  # Gradio's copies of uploads and served files
 # What the app writes beside a run folder `<name>/` (until the launch files move into the folder itself).
 SIBLINGS = ("{}.yaml", "{}.log", "{}-model.zip")
@@ -108,6 +110,50 @@ def tidy(runs_dir: Path, keep_days: float | None, *, keep: Path | None = None, g
             except OSError:
                 pass
     return deleted
+
+
+def upload_quota_problem(runs_dir: Path, folder: Path, new: Path, quota: str | None) -> str | None:
+    """Make room in `folder` (one user's uploads) for the file `new` under `quota` (a size such as "1gb"): delete
+    that user's oldest uploads that no kept run's config names; why `new` cannot be kept when that is not enough
+    (None when it fits, or there is no quota)."""
+    from app.limits import size_bytes
+
+    limit = size_bytes(quota)
+    if limit is None:
+        return None
+    size = new.stat().st_size if new.is_file() else 0
+    kept = sorted((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime) \
+        if folder.is_dir() else []
+    used = sum(p.stat().st_size for p in kept)
+    if used + size > limit:
+        referenced = _referenced(runs_dir) + "\n".join(p.read_text(encoding="utf-8", errors="replace")
+                                                       for p in runs_dir.glob("*/*/*.yaml") if p.is_file())
+        for old in kept:
+            if used + size <= limit:
+                break
+            if old.name not in referenced:
+                used -= old.stat().st_size
+                old.unlink(missing_ok=True)
+    if used + size <= limit:
+        return None
+    return (f"This upload ({size / 1e6:,.1f} MB) does not fit in your upload quota of {quota}: your runs use "
+            f"{used / 1e6:,.1f} MB of uploads; upload a smaller file, or wait until old runs are cleaned up.")
+
+
+def sweep_every(every_s: float, work: Callable[[], object]) -> threading.Event:
+    """Run `work` (a clean-up) every `every_s` seconds in a daemon thread until the returned event is set; a failed
+    sweep is retried at the next one (a file deleted under it, a folder that went away)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            try:
+                work()
+            except OSError:
+                pass  # the next sweep tries again; the disk check before a run still holds
+
+    threading.Thread(target=loop, daemon=True, name="finetune-cleanup").start()
+    return stop
 
 
 def gradio_temp_dir() -> Path | None:

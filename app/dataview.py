@@ -13,8 +13,8 @@ import hashlib
 import io
 import itertools
 import os
+import re
 import shutil
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,8 +23,11 @@ from typing import Any
 
 import pandas as pd
 
+from app import worker
+from app.limits import short_text
 from app.mapping import COLUMN_FIELDS
 from finetune.config.schema import Config
+from finetune.data.chat import MESSAGES_NAMES
 from finetune.data.load import DataError, is_local, label_counts, label_names_of, load_table, resolve_columns
 from finetune.kinds import registry as kinds
 
@@ -32,6 +35,18 @@ PREVIEW_ROWS = 5
 UPLOAD_TYPES = [".csv", ".tsv", ".json", ".jsonl", ".parquet"]
 HUB_TIMEOUT_S = 30.0
 HUB_SAMPLE_ROWS = 1000  # rows of a hub dataset read for the preview and the label check
+# What one preview may cost and send, for any visitor: a file wider than this is refused before its rows are read
+# (200,000 columns took 39 s and a 32 MB answer), a cell is cut, and the label and column lists are shortened.
+MAX_COLUMNS = 1000
+MAX_HEADER_BYTES = 64 * 1024
+MAX_PREVIEW_COLUMNS = 50
+MAX_CELL_CHARS = 300
+MAX_LISTED = 30  # labels or column names listed under the preview
+MAX_ERROR_CHARS = 600  # a data error lists the columns that exist: at most this much of it
+SANITY_ROWS = 200  # rows of a text column read to tell text from numbers or ids
+ID_LIKE = re.compile(r"^[A-Za-z0-9_.:#/-]{1,64}$")
+TEXT_ROLES = {"text_column": "Text column", "text_pair_column": "Text pair column", "prompt_column": "Prompt column",
+              "completion_column": "Completion column"}
 
 
 @dataclass(frozen=True)
@@ -79,9 +94,52 @@ def _read_local(path: Path, columns: tuple[str, ...] | None, head: int | None) -
     raise ValueError(f"{suffix} is read by datasets")  # a .json array, say: only `datasets` reads every layout
 
 
+def _header(path: Path) -> list[str] | None:
+    """The column names of a local file, read from its first line (CSV, JSON lines) or its metadata (Parquet)
+    without reading its rows; None for a layout only `datasets` reads (a .json array)."""
+    import pyarrow.parquet
+
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return list(pyarrow.parquet.read_schema(path).names)
+    if suffix not in (".csv", ".tsv", ".jsonl"):
+        return None
+    with open(path, "rb") as f:
+        line = f.readline(MAX_HEADER_BYTES + 1)
+    if len(line) > MAX_HEADER_BYTES:
+        raise DataError(f"The first line of {path.name!r} is longer than {MAX_HEADER_BYTES // 1024} KB: the app "
+                        "previews files with a header (CSV) or a first record (JSON lines) shorter than that.")
+    text = line.decode("utf-8", errors="replace")
+    if suffix == ".jsonl":
+        import json
+
+        try:
+            record = json.loads(text)
+        except ValueError:
+            return None  # `datasets` words the problem
+        return list(record) if isinstance(record, dict) else None
+    import csv
+
+    return next(csv.reader([text], delimiter="\t" if suffix == ".tsv" else ","), [])
+
+
+def _check_width(path: Path) -> None:
+    """Refuse a file with more than `MAX_COLUMNS` columns before its rows are read."""
+    try:
+        names = _header(path)
+    except DataError:
+        raise
+    except (OSError, ValueError):
+        return  # reading it reports the problem in the data's own words
+    if names is not None and len(names) > MAX_COLUMNS:
+        raise DataError(f"{path.name!r} has {len(names):,} columns; the app reads files of at most {MAX_COLUMNS:,} "
+                        "columns: keep only the columns you train on.")
+
+
 @functools.lru_cache(maxsize=8)
 def _local(source: str, columns: tuple[str, ...] | None, head: int | None, stamp: Any) -> Any:
     # `stamp` (size and mtime of the file) makes an edited file load again.
+    _check_width(Path(source).expanduser())
     try:
         table = _read_local(Path(source).expanduser(), columns, head)
     except (ValueError, TypeError, KeyError, OSError):  # pandas/pyarrow errors: `datasets` reads it again, and
@@ -111,25 +169,13 @@ def _hub_sample(source: str, config_name: str | None, split: str) -> Any:
 
 
 def _within(timeout_s: float, what: str, work: Callable[[], Any]) -> Any:
-    """`work()` in a daemon thread; a `DataError` when it has not answered within `timeout_s` (the thread is left
-    to finish on its own, so a hung request cannot hold the server's worker, or its exit)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = work()
-        except BaseException as e:  # handed to the caller's thread, which raises it
-            box["error"] = e
-
-    worker = threading.Thread(target=run, daemon=True, name="hub-preview")
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
+    """`work()` in a forked child (`app.worker`); a `DataError` when it has not answered within `timeout_s`, and
+    the child is killed then: a hub search that hangs does not go on holding a core after its answer."""
+    try:
+        return worker.bounded(work, timeout_s, f"Dataset {what!r}")
+    except worker.Overrun:
         raise DataError(f"Dataset {what!r}: the hub did not answer within {timeout_s:g} s; check the id, or try "
-                        "again later.")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+                        "again later.") from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -159,24 +205,85 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
     try:
         head = load(source, config_name, split or "train", head=PREVIEW_ROWS)
     except DataError as e:
-        return DatasetView(error=str(e))
+        return DatasetView(error=_said(e))
     columns = list(head.column_names)
-    preview = head.select(range(min(PREVIEW_ROWS, len(head)))).to_pandas()
+    if len(columns) > MAX_COLUMNS:  # a hub dataset (a local file was refused before its rows were read)
+        return DatasetView(error=f"Dataset {source!r} has {len(columns):,} columns; the app reads data of at most "
+                                 f"{MAX_COLUMNS:,} columns.")
+    preview = _short_cells(head.select(range(min(PREVIEW_ROWS, len(head)))).select_columns(
+        columns[:MAX_PREVIEW_COLUMNS]).to_pandas())
     sampled = not is_local(source)
     kept = {k: v for k, v in wanted.items() if k in COLUMN_FIELDS and v and v in columns}
     kept = _for_task(kept, task)
     try:
         found = resolve_columns(Config(task=task, **kept), columns)
     except DataError as e:
-        return DatasetView(columns, preview, len(head), kept, error=str(e), sampled=sampled)
+        return DatasetView(columns, preview, len(head), kept, error=_conversation_hint(head, task) or _said(e),
+                           sampled=sampled)
     chosen = {f"{role}_column": column for role, column in dataclasses.asdict(found).items()}
+    if problem := _text_problem(source, config_name, split or "train", chosen, kept):
+        return DatasetView(columns, preview, len(head), chosen, error=problem, sampled=sampled)
     # The rows and the labels need one column of the whole file (of a hub dataset: of its sample).
     try:
         table = load(source, config_name, split or "train", columns=(found.label or columns[0],))
     except DataError as e:
-        return DatasetView(columns, preview, len(head), chosen, error=str(e), sampled=sampled)
+        return DatasetView(columns, preview, len(head), chosen, error=_said(e), sampled=sampled)
     view = DatasetView(columns, preview, len(table), chosen, sampled=sampled)
     return _check(view, table, source)
+
+
+def _said(error: Exception) -> str:
+    """A data error's sentence, cut to `MAX_ERROR_CHARS` (it may list every column of the file)."""
+    return short_text(str(error), MAX_ERROR_CHARS)
+
+
+def _short_cells(frame: pd.DataFrame) -> pd.DataFrame:
+    """The preview with every cell's text cut to `MAX_CELL_CHARS` (a 100 MB cell was sent whole to the browser)."""
+    def cut(value: Any) -> Any:
+        text = value if isinstance(value, str) else None
+        if text is None and not isinstance(value, (int, float, bool)) and value is not None:
+            text = str(value)[:MAX_CELL_CHARS + 1]  # a list of turns, a mapping: its text, cut
+        return value if text is None or len(text) <= MAX_CELL_CHARS else text[:MAX_CELL_CHARS - 1] + "…"
+
+    return frame.map(cut) if len(frame) else frame
+
+
+def _conversation_hint(head: Any, task: str) -> str:
+    """For conversation data under a classification model: the advice to switch to causal LM ("" otherwise)."""
+    if task != "classification":
+        return ""
+    for name in head.column_names:
+        first = head[0][name] if len(head) else None
+        turns = isinstance(first, list) and first and all(isinstance(t, dict) and "role" in t for t in first)
+        if name in MESSAGES_NAMES or turns:
+            return (f"Column `{name}` holds conversations, which a classifier cannot learn from: set Task to "
+                    "causal_lm and pick a causal LM model (one with a chat template) to fine-tune on them.")
+    return ""
+
+
+def _text_problem(source: str, config_name: str | None, split: str, chosen: dict[str, str | None],
+                  given: dict[str, str]) -> str:
+    """Why a text column cannot be the text ("" when it can): numbers, or ids (one distinct short token per row);
+    a guessed column (the only one left beside the label) says so."""
+    for role, what in TEXT_ROLES.items():
+        column = chosen.get(role)
+        if not column:
+            continue
+        try:
+            table = load(source, config_name, split, columns=(column,), head=SANITY_ROWS)
+        except DataError:
+            return ""  # the full check below words the problem
+        values = [v for v in table[column][:SANITY_ROWS] if v is not None]
+        how = "" if given.get(role) == column else " (guessed: it is the only column beside the label)"
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return (f"{what} `{column}`{how} holds numbers, not text: pick the column with the text under {what}, "
+                    "or add one to the file.")
+        strings = [v for v in values if isinstance(v, str)]
+        if len(strings) >= 2 and len(set(strings)) == len(strings) and all(
+                ID_LIKE.match(v) and any(ch.isdigit() for ch in v) for v in strings):
+            return (f"{what} `{column}`{how} looks like ids (one distinct code per row), not text: pick the column "
+                    f"with the text under {what}, or add one to the file.")
+    return ""
 
 
 def _for_task(columns: dict[str, str], task: str) -> dict[str, str]:
@@ -196,7 +303,7 @@ def _check(view: DatasetView, table: Any, source: str) -> DatasetView:
     try:
         label_names_of(table, label, source)
     except DataError as e:
-        return DatasetView(view.columns, view.preview, view.rows, view.chosen, error=str(e), sampled=view.sampled)
+        return DatasetView(view.columns, view.preview, view.rows, view.chosen, error=_said(e), sampled=view.sampled)
     return DatasetView(view.columns, view.preview, view.rows, view.chosen, label_counts(table, label),
                        sampled=view.sampled)
 
@@ -207,9 +314,15 @@ def labels_markdown(view: DatasetView) -> str:
         return ""
     rows = f"the first {view.rows} rows (streamed)" if view.sampled else f"{view.rows} rows"
     if not view.labels:
-        return f"{rows} · columns: {', '.join(view.columns)}"
-    counts = " · ".join(f"`{name}` {n}" for name, n in view.labels.items())
+        return f"{rows} · columns: {_listed(view.columns)}"
+    counts = _listed([f"`{str(name)[:MAX_CELL_CHARS]}` {n}" for name, n in view.labels.items()], " · ")
     return f"{rows} · {len(view.labels)} labels: {counts}"
+
+
+def _listed(items: list[str], sep: str = ", ") -> str:
+    """At most `MAX_LISTED` items, and how many more there are."""
+    shown = sep.join(items[:MAX_LISTED])
+    return f"{shown}{sep}… ({len(items) - MAX_LISTED:,} more)" if len(items) > MAX_LISTED else shown
 
 
 def keep_upload(uploaded: str, folder: Path) -> Path:

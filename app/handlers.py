@@ -26,6 +26,7 @@ from app.mapping import (
     changed_options,
     config_to_values,
     config_yaml,
+    in_form_words,
     infer_task,
     load_config_file,
     problems_markdown,
@@ -43,15 +44,24 @@ from app.results import (
     RunShown,
     Started,
     TaskGuess,
+    TasksShown,
+    TryPanel,
     UploadShown,
 )
+from app.tasksview import tasks_config, tasks_frame
+from finetune.config.multitask import single_task_values
 from finetune.config.schema import FIELDS, Config, ConfigError, from_dict
 from finetune.kinds import registry as kinds
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
 PLAN_TIMEOUT_S = 120
+PLAN_MEMO = 16  # plans (or planner errors) kept per app, by config: Start reuses what Plan just answered
+PLANNER_SLOW = "The planner took longer than"
+PROBE_OFF = "Estimated without a measured probe while a run is training."
 TASK_COLUMNS = {name: kinds.entry(name).columns for name in kinds.names()}  # the column widgets each kind shows
 NONE_CHOICE = ("—", "")
+RUN_FOLDER_FIELDS = ("output_dir", "overwrite", "resume")  # where a run goes: never carried into the next one
+TERMINAL = ("stopped", "done", "failed")
 
 
 class Unanswered(RuntimeError):
@@ -65,6 +75,13 @@ def _display_path(path: Path | str) -> str:
         return str(given.resolve().relative_to(Path.cwd().resolve())) if given.is_absolute() else str(given)
     except ValueError:
         return str(given)
+
+
+def _run_dir_words(error: RunDirError, config: Config) -> str:
+    """A refused run folder in the form's words ("tick Overwrite", not `overwrite=true`), with the way out that the
+    CLI's message cannot name: a new run needs no Output dir at all."""
+    text = in_form_words(str(error))
+    return text if config.resume else f"{text} Or clear **Output dir** (under Training) for a new run."
 
 
 class Controller:
@@ -81,12 +98,22 @@ class Controller:
         self.samples = tuple(Path(p).resolve() for p in samples)  # the app's own sample data, readable by all
         self.limits = server_limits
         self._downloads: Path | None = None  # where finished zips are handed out from, when the runs are elsewhere
+        self._plans: dict[tuple, dict[str, Any] | str] = {}  # see make_plan
 
     # --- who asks
     def who(self, request: Any) -> tuple[str | None, str]:
         """The user behind `request` and why they may not train ("" when they may)."""
         user = self.access.identify(request)
         return user, self.access.refusal(user)
+
+    def admit(self, request: Any, args: tuple[Any, ...], gate: str = "signed_in") -> str:
+        """The door of every page event (see `app.ui._on`): "" when the event may run, else why not. Inputs over
+        `limits.MAX_INPUT_CHARS` are refused for everyone; with `gate` "signed_in" (every event that reads a file
+        or a visitor's input) so is a caller who may not train. "public" events (progress, Stop, the form of one's
+        own run) check ownership themselves."""
+        if over := limits.input_size_problem(args):
+            return over
+        return "" if gate == "public" else self.who(request)[1]
 
     def _readable(self, user: str | None) -> tuple[Path, ...]:
         return (self.access.uploads(self.runs_dir, user).resolve(), *self.samples)
@@ -141,7 +168,22 @@ class Controller:
                 choices.append((value, value))  # an imported mapping stays visible until the data is there
             updates[name] = gr.update(choices=choices, value=value or "", visible=name in shown)
         return DatasetShown(preview=view.preview, columns=updates, labels=dataview.labels_markdown(view),
-                            error=f"⚠️ {view.error}" if view.error else "")
+                            error=f"⚠️ {in_form_words(view.error)}" if view.error else "")
+
+    def tasks_table(self, text: str, mixing: str, temperature: Any, cap: Any, *, request: Any = None) -> TasksShown:
+        """The Tasks table of the multi-task YAML: each task's data, columns, weight and share, after the same file
+        policy as a run (a task's `dataset` is a file like any other)."""
+        user, refusal = self.who(request)
+        try:
+            if refusal:
+                raise AccessError(refusal)
+            self.access.check_config(tasks_config(text, mixing, temperature, cap), self._readable(user))
+        except AccessError as e:
+            return TasksShown(table=tasks_frame("", mixing, temperature, cap)[0], note=f"⚠️ {e}")
+        except ConfigError:
+            pass  # the table words the config's own problem
+        table, note = tasks_frame(text, mixing, temperature, cap)
+        return TasksShown(table=table, note=note)
 
     def on_upload(self, uploaded: str | None, config_name: str, split: str, task: str, *columns: str,
                   request: Any = None) -> UploadShown:
@@ -154,7 +196,11 @@ class Controller:
         user, refusal = self.who(request)
         if refusal:
             return UploadShown(data=self.refresh_dataset("", "", split, task, *columns, request=request))
-        source = _display_path(dataview.keep_upload(uploaded, self.access.uploads(self.runs_dir, user)))
+        folder = self.access.uploads(self.runs_dir, user)
+        if over := cleanup.upload_quota_problem(self.runs_dir, folder, Path(uploaded), self.limits.upload_quota):
+            Path(uploaded).unlink(missing_ok=True)  # Gradio's copy: refused, so not kept either
+            return UploadShown(data=DatasetShown(preview=gr.skip(), columns={}, labels="", error=f"⚠️ {over}"))
+        source = _display_path(dataview.keep_upload(uploaded, folder))
         data = self.refresh_dataset(source, "", split, task, *columns, request=request)
         fraction = FIELDS["eval_fraction"].default
         note = f"Evaluation: {fraction:.0%} of this file is held out (More data options sets another evaluation set)."
@@ -198,6 +244,34 @@ class Controller:
             raise Unanswered(str(e)) from None
         if over := limits.check(config, self.limits):
             raise Unanswered(" ".join(over))
+        key = self._plan_key(config, user)
+        if key in self._plans:  # Plan, then Start on the same form: one planner run, not two
+            answer = self._plans[key]
+            if isinstance(answer, str):
+                raise Unanswered(answer)
+            return dict(answer)
+        try:
+            plan = self._run_planner(config)
+        except Unanswered as e:
+            if not str(e).startswith(PLANNER_SLOW):
+                self._remember(key, str(e))
+            raise
+        if not plan.get("notes") or PROBE_OFF not in plan["notes"]:
+            self._remember(key, plan)
+        return plan
+
+    def _plan_key(self, config: Config, user: str | None) -> tuple:
+        options = {k: v for k, v in changed_options(config).items() if k not in RUN_FOLDER_FIELDS}
+        files = tuple(dataview._stamp(str(p)) for p in (config.dataset, config.eval_dataset) if p)
+        return user, config_yaml(from_dict(options)), files
+
+    def _remember(self, key: tuple, answer: dict[str, Any] | str) -> None:
+        self._plans[key] = answer
+        while len(self._plans) > PLAN_MEMO:
+            self._plans.pop(next(iter(self._plans)))
+
+    def _run_planner(self, config: Config) -> dict[str, Any]:
+        """`finetune plan --json` in a child process."""
         extra = []
         if self.jobs.status().active and "plan_probe" in FIELDS:
             # A measured probe would train on the device the running job is using: estimate without one.
@@ -210,7 +284,7 @@ class Controller:
                                        str(out_path)], capture_output=True, text=True, timeout=PLAN_TIMEOUT_S,
                                       env=self.access.child_env(os.environ))
             except subprocess.TimeoutExpired:
-                raise Unanswered(f"The planner took longer than {PLAN_TIMEOUT_S} s.") from None
+                raise Unanswered(f"{PLANNER_SLOW} {PLAN_TIMEOUT_S} s.") from None
             if proc.returncode != 0 or not out_path.is_file():
                 text = (proc.stderr or proc.stdout).strip().splitlines()
                 message = next((line[len("error: "):] for line in reversed(text) if line.startswith("error: ")),
@@ -218,7 +292,7 @@ class Controller:
                 raise Unanswered(limits.short_text(message or (text[-1] if text else "The planner failed.")))
             plan = json.loads(out_path.read_text(encoding="utf-8"))
         if extra:
-            plan["notes"] = [*plan.get("notes", []), "Estimated without a measured probe while a run is training."]
+            plan["notes"] = [*plan.get("notes", []), PROBE_OFF]
         return plan
 
     def plan(self, *values: Any, request: Any = None) -> PlanShown:
@@ -228,7 +302,7 @@ class Controller:
         except ConfigError as e:
             return PlanShown(error=problems_markdown(e))
         except Unanswered as e:
-            return PlanShown(error=f"⚠️ {e}")
+            return PlanShown(error=f"⚠️ {in_form_words(str(e))}")
         frame = views.plan_frame(plan)
         return PlanShown(text=views.plan_markdown(plan), chart=gr.update(value=frame, sort=list(frame.part),
                                                                          visible=True))
@@ -257,19 +331,26 @@ class Controller:
             # The app writes only inside its runs folder (the CLI keeps its freedom on the command line).
             run_dir = resolve_output_dir(config.output_dir, home) or self._new_run_dir(home)
         except AccessError as e:
-            about_data = str(e).startswith("`dataset`")
+            about_data = str(e).startswith(("`dataset`", "`tasks["))
             return Started(started=False, message=str(e), data_error=str(e) if about_data else "")
         if refused := self._server_refuses(config):
             return Started(started=False, message=refused)
-        view = dataview.inspect(config.dataset, config.dataset_config, config.train_split, config.task,
-                                {c: getattr(config, c) for c in COLUMN_FIELDS})
-        if view.error:
-            return Started(started=False, message=view.error, data_error=view.error)
+        if problem := self._data_problem(config):
+            return Started(started=False, message=problem, data_error=problem)
+        if config.memory_budget_gb is not None:
+            # The plan's checks before any folder is made: an impossible budget is refused here, in the form,
+            # rather than by the run a few seconds after it started.
+            try:
+                self.make_plan(config, request=request)
+            except Unanswered as e:
+                if not str(e).startswith(PLANNER_SLOW):  # a slow planner is no reason to refuse: the run plans too
+                    return Started(started=False, message=str(e),
+                                   form_message=f"Not started (nothing was written): {in_form_words(str(e))}")
         config = from_dict({**changed_options(config), "output_dir": _display_path(run_dir)})
         try:
             run_dir = check_run_dir(config)
         except RunDirError as e:
-            return Started(started=False, message=str(e))
+            return Started(started=False, message=str(e), form_message=_run_dir_words(e, config))
         config_path = run_dir / "launch.yaml"
         command = f"finetune train {_display_path(config_path)}"
         mark_run_dir(run_dir)
@@ -281,6 +362,22 @@ class Controller:
             return Started(started=False, message=str(e))
         return Started(started=True, message=f"Started. Reproduce from a terminal with `{command}`.",
                        run_dir=_display_path(run_dir), command=command)
+
+    @staticmethod
+    def _data_problem(config: Config) -> str:
+        """Why the data of `config` cannot train (its first problem), checked as the preview checks it: the one
+        dataset, or each task's of a multi-task config; "" when it can."""
+        if not config.tasks:
+            view = dataview.inspect(config.dataset, config.dataset_config, config.train_split, config.task,
+                                    {c: getattr(config, c) for c in COLUMN_FIELDS})
+            return view.error
+        for t in config.tasks:
+            values = single_task_values(config, t)
+            view = dataview.inspect(t.dataset, t.dataset_config, t.train_split, config.task,
+                                    {c: values.get(c) for c in COLUMN_FIELDS})
+            if view.error:
+                return f"Task {t.name!r}: {view.error}"
+        return ""
 
     def _server_refuses(self, config: Config | None) -> str:
         """Why this server will not start `config` (its limits, its disk), after deleting what its clean-up policy
@@ -342,6 +439,8 @@ class Controller:
         if seen == signature:
             return RunShown()
         model_dir = status.model_dir
+        changed_run = not isinstance(seen, (list, tuple)) or list(seen[:1]) + list(seen[2:3]) != [
+            str(status.run_dir), status.state]
         download = (gr.update(value=self._handout(zip_model(model_dir, status.run_dir / "model.zip")), interactive=True)
                     if status.state == "done" and model_dir is not None else gr.update(value=None, interactive=False))
         command = self.command(status)
@@ -349,14 +448,37 @@ class Controller:
         options = publish.run_options(status) if status.run_dir else {"report_to": [], "push_to_hub": None}
         return RunShown(signature=signature, status=text,
                         progress=views.progress_html(status), stats=views.stats_markdown(status),
-                        loss_curve=frame if len(frame) else None, log=views.log_text(status),
+                        loss_curve=views.loss_chart_html(frame) if len(frame) else None, log=views.log_text(status),
                         metrics=views.final_metrics(status) or None, run_dir=str(status.run_dir or ""),
-                        download=download, stop_button=gr.update(interactive=status.active),
+                        download=download, start_button=gr.update(interactive=not status.active),
+                        stop_button=gr.update(interactive=status.active),
                         resume_button=gr.update(visible=status.resumable),
                         command=command if command else gr.skip(),
                         trackers=views.trackers_markdown(options["report_to"], status.run_dir),
                         hub_note=views.hub_markdown(status, on_space=self.access.mode == "space"),
-                        push_repo=options["push_to_hub"] or gr.skip())
+                        push_repo=options["push_to_hub"] or gr.skip(),
+                        try_panel=self.try_panel(status, new_model=not isinstance(seen, (list, tuple))
+                                                 or seen[0] != str(status.run_dir) or status.state == "done")
+                        if changed_run else None,
+                        # "Started…", "Stopping…" and the like answered an action on this run: its end replaces them.
+                        note="" if changed_run and status.state in TERMINAL and isinstance(seen, (list, tuple))
+                        else gr.skip())
+
+    @staticmethod
+    def try_panel(status: JobStatus, *, new_model: bool) -> TryPanel:
+        """Try it for `status`: the chat box (a run trained on conversations) or the text box, Predict enabled once
+        the model is finished; a new model clears the last one's chat, prediction and message."""
+        kind = views.try_kind(status)
+        chat = kind == "chat"
+        cleared = {"label": gr.update(value=None, visible=False), "generated": gr.update(value="", visible=False),
+                   "message": ""} if new_model else {}
+        ready = kind is not None
+        return TryPanel(chat=gr.update(visible=chat, **({"value": []} if new_model else {})),
+                        new_chat=gr.update(visible=chat), push=gr.update(interactive=ready),
+                        button=gr.update(interactive=ready, value="Send" if chat else "Predict"),
+                        text=gr.update(label="Your message" if chat else "Try it",
+                                       placeholder="Write to the trained model" if chat
+                                       else "Type a text for the trained model"), **cleared)
 
     def _handout(self, path: Path) -> str:
         """A path the download button may take: Gradio copies a returned file into its cache (under a path nobody
@@ -376,19 +498,27 @@ class Controller:
         return str(out)
 
     def running_config(self, *, request: Any = None) -> FormShown:
-        """On page load: the form (and its dataset preview) shows the config of the run in progress to its owner."""
+        """On page load: the form (and its dataset preview) shows the config of the owner's current or last run, as
+        the Run panel does, clearly labelled; its run folder is left out, so the next Start makes a new run rather
+        than meeting the running one's folder."""
         user = self.access.identify(request)
         status = self.jobs.status()
-        if not status.active or status.config_path is None or not self.is_mine(status, user):
+        if status.config_path is None or not self.is_mine(status, user):
             return FormShown()
         try:
             config = load_config_file(status.config_path)
         except ConfigError:  # a config the app did not write, which no longer validates: keep the form
             return FormShown()
+        config = from_dict({k: v for k, v in changed_options(config).items() if k not in RUN_FOLDER_FIELDS})
         data = self.refresh_dataset(config.dataset or "", config.dataset_config or "", config.train_split,
                                     config.task, *[getattr(config, c) or "" for c in COLUMN_FIELDS], request=request)
         return FormShown(values=dict(zip(FIELD_NAMES, config_to_values(config), strict=True)), data=data,
-                         note=f"The form shows the run in progress (`{_display_path(status.config_path)}`).")
+                         note=f"The form shows the settings of run `{_display_path(status.run_dir)}`. Start makes a "
+                              "new run (in a new folder) from them.")
+
+    def clear_note(self, *, request: Any = None) -> str:
+        """Empty the model's note (after an import: the imported model may differ)."""
+        return ""
 
     @staticmethod
     def command(status: JobStatus) -> str:
@@ -447,8 +577,13 @@ class Controller:
             return PredictionShown(label=gr.update(value=out["probabilities"], visible=True),
                                    generated=gr.update(visible=False), chat=gr.update(visible=False), message=note)
         if "reply" in out:
+            reply = out["reply"]
+            if not reply.strip():  # an empty bubble reads as a broken page
+                reply = "*(no reply)*"
+                note = " ".join(n for n in (note, "The model answered with nothing: it may need more training, or "
+                                            "more data.") if n)
             shown = [*chatview.history_turns(history), {"role": "user", "content": shown_text},
-                     {"role": "assistant", "content": out["reply"]}]
+                     {"role": "assistant", "content": reply}]
             return PredictionShown(label=gr.update(visible=False), generated=gr.update(visible=False),
                                    chat=gr.update(value=shown, visible=True), text="", message=note)
         return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False),
@@ -468,7 +603,7 @@ class Controller:
         return publish.push_finished_run(self.access, status, user, repo, bool(private))
 
     # --- reproducibility
-    def export(self, *values: Any) -> ExportShown:
+    def export(self, *values: Any, request: Any = None) -> ExportShown:
         """The form as the YAML a CLI user would write, a file to download and the command that runs it."""
         try:
             config = values_to_config(values)
@@ -481,7 +616,7 @@ class Controller:
                            command="finetune train finetune-config.yaml",
                            message="Exported: download the file, or copy the YAML.")
 
-    def import_config(self, uploaded: str | None) -> FormShown:
+    def import_config(self, uploaded: str | None, *, request: Any = None) -> FormShown:
         """Fill every widget from a YAML config (its errors are the config's own)."""
         if not uploaded:
             return FormShown()
@@ -489,7 +624,7 @@ class Controller:
             return FormShown(note=f"⚠️ {too_big}")
         try:
             config = load_config_file(uploaded)
-        except ConfigError as e:
-            return FormShown(note=problems_markdown(e))
+        except ConfigError as e:  # in the file's words (its keys), not the form's: the file is what to fix
+            return FormShown(note=f"⚠️ {problems_text(e)}")
         return FormShown(values=dict(zip(FIELD_NAMES, config_to_values(config), strict=True)),
                          note=f"Imported `{Path(uploaded).name}`.", yaml=config_yaml(config))

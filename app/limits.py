@@ -20,6 +20,8 @@ MAX_PROBLEM_CHARS = 200
 MAX_CONFIG_BYTES = 64 * 1024  # an imported (or API) config: a real one is a few hundred bytes
 MAX_TRY_CHARS = 2000  # Try it: characters of the text the model sees
 MAX_NEW_TOKENS = 64  # Try it: tokens a causal LM may generate
+MAX_INPUT_CHARS = 64 * 1024  # one text box of the page (the Tasks YAML is a config: at most MAX_CONFIG_BYTES too)
+MAX_INPUTS_CHARS = 256 * 1024  # all of one event's inputs together (a Try it chat's history included)
 PLAN_CONCURRENCY = 4  # plans served at once (page and API together): one slow plan does not hold everyone's
 
 
@@ -35,6 +37,7 @@ class Limits:
     min_free_gb: float = 1.0  # free disk under the runs folder needed to start a run
     keep_days: float | None = None  # finished runs and unused uploads older than this are deleted
     stop_grace_s: float = 60.0  # on SIGTERM, how long the run gets to checkpoint before the app exits
+    upload_quota: str = "0"  # the uploads one user may keep (Gradio's size syntax; 0: no quota)
 
     @property
     def max_run_s(self) -> float | None:
@@ -44,7 +47,7 @@ class Limits:
 
 LOCAL = Limits()
 SPACE = Limits(max_epochs=20, max_steps=20_000, max_effective_batch=1024, max_run_minutes=120,
-               max_file_size="200mb", min_free_gb=5.0, keep_days=7)
+               max_file_size="200mb", min_free_gb=5.0, keep_days=7, upload_quota="1gb")
 
 # flag → (field, type, help); the environment variable is FINETUNE_ + the flag in capitals.
 FLAGS = {
@@ -58,6 +61,9 @@ FLAGS = {
                       "(0: no check)."),
     "--keep-days": ("keep_days", float, "Delete finished, stopped and failed runs (and uploads no kept run uses) "
                     "older than this many days, at start and before each run (0: keep everything)."),
+    "--upload-quota": ("upload_quota", str, "Uploads one user may keep on a shared server, e.g. 1gb: a new upload "
+                       "first deletes that user's oldest uploads no run uses, and is refused if still over (0: no "
+                       "quota)."),
     "--stop-grace": ("stop_grace_s", float, "Seconds a run gets to save its checkpoint when the app receives SIGTERM "
                      "(docker stop) before the app exits."),
 }
@@ -133,6 +139,43 @@ def config_size_problem(config: str | Path | Any, *, is_file: bool = False) -> s
         return None
     return (f"The config is {size / 1024:,.0f} KB; a config is at most {MAX_CONFIG_BYTES // 1024} KB (a real one is "
             "a few hundred bytes): check that this is the right file.")
+
+
+def size_bytes(text: str | None) -> int | None:
+    """Bytes in a size such as "200mb", "1gb" or "512kb" (Gradio's syntax); None for 0 or nothing (no limit)."""
+    text = (text or "").strip().lower()
+    units = {"tb": 1 << 40, "gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1}
+    unit = next((u for u in units if text.endswith(u)), "b")
+    number = float(text.removesuffix(unit) or 0)
+    return int(number * units[unit]) or None
+
+
+def _chars(value: Any, budget: int) -> int:
+    """Characters of the text in `value` (nested lists and mappings included), counted up to just past `budget`."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if not isinstance(value, (list, tuple)):
+        return 0
+    total = 0
+    for item in value:
+        total += _chars(item, budget - total)
+        if total > budget:
+            break
+    return total
+
+
+def input_size_problem(values: tuple[Any, ...]) -> str | None:
+    """Why an event's inputs are too large to handle (one text over `MAX_INPUT_CHARS`, or all over
+    `MAX_INPUTS_CHARS`), checked before anything reads them; None when they are not."""
+    longest = max((len(v) for v in values if isinstance(v, str)), default=0)
+    if longest > MAX_INPUT_CHARS:
+        return (f"A text field holds {longest:,} characters; the app takes at most {MAX_INPUT_CHARS:,} in one field: "
+                "shorten it (a dataset goes in as an upload, not as text).")
+    if _chars(values, MAX_INPUTS_CHARS) > MAX_INPUTS_CHARS:
+        return f"The form holds more than {MAX_INPUTS_CHARS:,} characters of text: shorten it, or start a new chat."
+    return None
 
 
 def truncate_try_text(text: str) -> tuple[str, str]:

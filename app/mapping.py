@@ -7,6 +7,7 @@ schema gets a widget, a place on the page and a round trip through Export/Import
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass
 from pathlib import Path
@@ -18,12 +19,15 @@ from app.limits import config_size_problem, short_problems
 from finetune.config.multitask import parse_tasks
 from finetune.config.schema import (
     FIELDS,
+    YAML_TOO_BIG,
     Config,
     ConfigError,
+    YamlTooBig,
     field_type,
     format_bound,
     from_dict,
     is_list_field,
+    load_yaml,
     read_yaml,
 )
 from finetune.kinds import registry as kinds
@@ -140,11 +144,16 @@ def _section(name: str) -> str:
     return GROUP_SECTIONS.get(FIELDS[name].metadata.get("group", "main"), "advanced")
 
 
+# Bounds that the config's cross-checks narrow beyond the field's own (`epochs` 0 is refused unless Max steps is
+# set): the help states the rule a value meets, not the bare schema minimum.
+BOUND_WORDS = {"epochs": "> 0 unless Max steps is set"}
+
+
 def _info(name: str) -> str:
     meta = FIELDS[name].metadata
     bounds = []
-    if meta["min"] is not None:
-        bounds.append(f"≥ {format_bound(meta['min'])}")
+    if name in BOUND_WORDS or meta["min"] is not None:
+        bounds.append(BOUND_WORDS.get(name) or f"≥ {format_bound(meta['min'])}")
     if meta["max"] is not None:
         bounds.append(f"≤ {format_bound(meta['max'])}")
     suffix = f" ({', '.join(bounds)})" if bounds and _kind(name) in ("int", "float") else ""
@@ -204,12 +213,14 @@ def from_widget(name: str, value: Any) -> Any:
 
 def tasks_from_widget(value: Any) -> Any:
     """The Tasks widget's YAML as TaskSpecs when it reads as valid entries, else as it is (for the config to word
-    the error)."""
+    the error); a `ConfigError` when its aliases expand too far."""
     if isinstance(value, str):
         if not value.strip():
             return None
         try:
-            value = yaml.safe_load(value)
+            value = load_yaml(value)
+        except YamlTooBig:
+            raise ConfigError([YAML_TOO_BIG]) from None
         except yaml.YAMLError:
             return value
     specs, problems = parse_tasks(value)
@@ -261,7 +272,9 @@ def parse_config_yaml(text: str) -> Config:
     if too_big := config_size_problem(text):
         raise ConfigError([too_big])
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except YamlTooBig:
+        raise ConfigError([YAML_TOO_BIG]) from None
     except yaml.YAMLError:
         raise ConfigError(["The config is not valid YAML: fix its syntax."]) from None
     if data is None:
@@ -295,8 +308,41 @@ def problems_text(error: ConfigError) -> str:
 
 
 def problems_markdown(error: ConfigError) -> str:
-    """A ConfigError as the page shows it, with a warning sign."""
-    return f"⚠️ {problems_text(error)}"
+    """A ConfigError as the page shows it, in the form's words, with a warning sign."""
+    return f"⚠️ {in_form_words(problems_text(error))}"
+
+
+def _form_word(name: str, value: str | None, advice: bool) -> str:
+    label = SPECS[name].label
+    if not value:
+        return f"**{label}**"
+    if SPECS[name].kind == "checkbox" and value.lower() in ("true", "false"):
+        ticked = value.lower() == "true"
+        if advice:  # "set overwrite=true" → "tick Overwrite"
+            return f"{'tick' if ticked else 'untick'} **{label}**"
+        return f"**{label}** {'ticked' if ticked else 'unticked'}"
+    return f"**{label}** {value}"
+
+
+# A config key as a message writes it: `key`, `key=value`, key=value, or (keys with an underscore, which are no
+# English words) the bare key; longest first, so `lora_r` is not read inside `lora_rank`.
+_KEYS = "|".join(sorted(map(re.escape, FIELD_NAMES), key=len, reverse=True))
+_UNDERSCORED = "|".join(sorted((re.escape(n) for n in FIELD_NAMES if "_" in n), key=len, reverse=True))
+_KEY_RE = re.compile(rf"`(?P<name>{_KEYS})(?:=(?P<value>[^`\s]*))?`"
+                     rf"|(?<![\w/.-])(?P<bare>{_UNDERSCORED}|(?:{_KEYS})(?==))(?:=(?P<bvalue>[^\s,;:)]+))?(?![\w/])")
+
+
+def in_form_words(text: str) -> str:
+    """A message from the config, planner or run folder in the words of the form: a field's label for its config
+    key (`memory_budget_gb` → Memory budget (GB)), "tick Overwrite" for `overwrite=true`."""
+    def word(m: re.Match) -> str:
+        before = m.string[:m.start()]
+        advice = re.search(r"(?:\b(?:set|or|and|to|use)|,)\s*$", before, re.IGNORECASE) is not None
+        return _form_word(m.group("name") or m.group("bare"),
+                          m.group("value") if m.group("name") else m.group("bvalue"), advice)
+
+    text = re.sub(r"\bset (?=(?:un)?tick \*\*)", "", _KEY_RE.sub(word, text), flags=re.IGNORECASE)
+    return re.sub(r"(^|[.!?]\s+)((?:un)?tick \*\*)", lambda m: m.group(1) + m.group(2).capitalize(), text)
 
 
 def infer_task(model: str) -> str | None:

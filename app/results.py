@@ -10,6 +10,8 @@ from typing import Any
 
 import gradio as gr
 
+from app.mapping import in_form_words
+
 
 def keep() -> Any:
     """A field default that leaves the widget as it is (Gradio's skip)."""
@@ -37,6 +39,14 @@ class DatasetShown:
     columns: dict[str, Any]  # column field → dropdown update
     labels: str
     error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TasksShown:
+    """The Tasks table of a multi-task config and its note (the config's sentence, or why it is refused)."""
+
+    table: Any
+    note: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,18 +78,34 @@ class Started:
     run_dir: str | None = None
     command: str = ""  # the command that reproduces the run from a terminal
     data_error: str = ""  # the dataset's problem, when that is what stopped the start
+    form_message: str = ""  # the message in the form's words, when they differ from the config's (the API's)
 
     @property
     def note(self) -> str:
-        """The message as the page shows it: a refusal gets a warning sign."""
-        return self.message if self.started else f"⚠️ {self.message}"
+        """The message as the page shows it, in the form's words: a refusal gets a warning sign."""
+        return self.message if self.started else f"⚠️ {in_form_words(self.form_message or self.message)}"
 
     @property
     def dataset_note(self) -> Any:
         """The line under the Dataset field: its problem, cleared by a start, else left as it is."""
         if self.data_error:
-            return f"⚠️ {self.data_error}"
+            return f"⚠️ {in_form_words(self.data_error)}"
         return "" if self.started else gr.skip()
+
+
+@dataclass(frozen=True, kw_only=True)
+class TryPanel:
+    """Try it, set when the run (or its state) changes: a chat box for a run trained on conversations, a text box for
+    the others, Predict only once a model is finished; a new run's model starts a new chat."""
+
+    chat: Any = keep()
+    label: Any = keep()
+    generated: Any = keep()
+    button: Any = keep()
+    new_chat: Any = keep()
+    text: Any = keep()
+    message: Any = keep()
+    push: Any = keep()  # Push, like Predict, acts only on a finished model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,12 +121,15 @@ class RunShown:
     metrics: Any = keep()
     run_dir: Any = keep()
     download: Any = keep()
+    start_button: Any = keep()  # disabled while the user's own run is active (someone else's: Start says why not)
     stop_button: Any = keep()
     resume_button: Any = keep()
     command: Any = keep()
     trackers: Any = keep()  # how to open the run's TensorBoard / trackio dashboard
     hub_note: Any = keep()  # the last push, or (on a Space) the advice to push
     push_repo: Any = keep()  # the repository box, filled from the run's push_to_hub
+    try_panel: TryPanel | None = None  # None: Try it stays as it is
+    note: Any = keep()  # the last action's message (Start, Stop, Resume), cleared when the run ends
 
 
 @dataclass(frozen=True, kw_only=True)

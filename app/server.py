@@ -81,8 +81,22 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
     server_limits = limits.from_args(args)
     app = build(runs_dir, memory=detect(), preset=preset, preset_base=base, access=access,
                 server_limits=server_limits)
-    cleanup.tidy(runs_dir, server_limits.keep_days, keep=app.jobs.status().run_dir,
-                 gradio_dir=cleanup.gradio_temp_dir())
+
+    def tidy() -> None:
+        cleanup.tidy(runs_dir, server_limits.keep_days, keep=app.jobs.status().run_dir,
+                     gradio_dir=cleanup.gradio_temp_dir())
+
+    tidy()
+    cleanup.sweep_every(cleanup.SWEEP_EVERY_S, tidy)  # uploads nobody kept go within a day, not at the next start
+    # Inside Gradio's own middleware: a Space's upload route needs a signed-in user, and the login form slows down.
+    from starlette.middleware import Middleware
+
+    from app.guard import Guard
+
+    guard = Middleware(Guard, access=access, upload_quota=limits.size_bytes(server_limits.upload_quota)
+                       if access.shared else None)
+    app_kwargs = kwargs.setdefault("app_kwargs", {})
+    app_kwargs["middleware"] = [*app_kwargs.get("middleware", []), guard]
 
     def on_sigterm(signum: int, frame: Any) -> None:
         if terminated is not None:

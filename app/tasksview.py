@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 
 from app.mapping import problems_text, tasks_from_widget
-from finetune.config.schema import ConfigError, from_dict
+from finetune.config.schema import Config, ConfigError, from_dict
 from finetune.data.multitask import mixing_probabilities
 from finetune.errors import InputError
 
@@ -30,16 +30,22 @@ def _rows(spec: Any) -> int | None:
     return min(n, spec.max_train_samples) if spec.max_train_samples else n
 
 
-def tasks_frame(text: str, mixing: str, temperature: Any, cap: Any) -> tuple[pd.DataFrame, str]:
-    """The table (one row per task) and a note: the config's own sentence when the tasks cannot run as given."""
+def tasks_config(text: str, mixing: str, temperature: Any, cap: Any) -> Config | None:
+    """The config the Tasks widgets describe (None without tasks); a `ConfigError` when they cannot run."""
     specs = tasks_from_widget(text)
     if not specs:
-        return pd.DataFrame(columns=COLUMNS), ""
+        return None
+    return from_dict({"tasks": specs, "mixing": mixing, "mixing_temperature": temperature, "mixing_cap": cap or None})
+
+
+def tasks_frame(text: str, mixing: str, temperature: Any, cap: Any) -> tuple[pd.DataFrame, str]:
+    """The table (one row per task) and a note: the config's own sentence when the tasks cannot run as given."""
     try:
-        config = from_dict({"tasks": specs if isinstance(specs, tuple) else specs, "mixing": mixing,
-                            "mixing_temperature": temperature, "mixing_cap": cap or None})
+        config = tasks_config(text, mixing, temperature, cap)
     except ConfigError as e:
         return pd.DataFrame(columns=COLUMNS), f"⚠️ {problems_text(e)}"
+    if config is None:
+        return pd.DataFrame(columns=COLUMNS), ""
     counts = [_rows(t) for t in config.tasks]
     note = ""
     if None in counts and mixing not in ("manual", "round_robin"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,24 @@ CSS = """
 .ft-progress progress { flex: 1; height: 18px; accent-color: var(--color-accent); }
 .ft-progress span { white-space: nowrap; font-variant-numeric: tabular-nums; }
 .ft-error p { color: var(--error-text-color, #b91c1c); }
+/* WCAG AA: help text 4.5:1 (Gradio's grey is 1.9:1 on white), white on the Start button 4.5:1 (2.8:1 on its orange). */
+.info-text { color: #4b5563 !important; }
+.dark .info-text { color: #d1d5db !important; }
+button.primary { background: #c2410c !important; color: #fff !important; }
+button.primary:hover:not(:disabled) { background: #9a3412 !important; }
+button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !important; }
+.ft-chart svg { width: 100%; height: auto; display: block; }
+/* A narrow window stacks the Train tab's columns: the Run panel (Start, progress) comes first. */
+@media (max-width: 720px) {
+  #train-row { flex-direction: column-reverse; }
+  .gradio-container .column { min-width: 0 !important; max-width: 100% !important; }
+  .gradio-container .row { flex-wrap: wrap !important; }
+  #train-row > * { width: 100% !important; flex-basis: 100% !important; }
+  .gradio-container .row > * { min-width: min(100%, 160px) !important; }
+}
+.ft-chart svg text { font-size: 12px; fill: var(--body-text-color, #1f2937); }
+.ft-legend { display: flex; gap: 16px; flex-wrap: wrap; font-size: 13px; }
+.ft-key { display: inline-flex; align-items: center; gap: 6px; }
 """
 # Gradio names number boxes and dropdowns by their label alone (aria-label) but a text box by its whole <label>,
 # help text included; give text boxes the same short name, so people with screen readers (and browser tests that
@@ -91,12 +110,13 @@ def _widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: Dat
         return gr.Dropdown(choices, allow_custom_value=True, visible=spec.name in TASK_COLUMNS.get(task, ()),
                            **{**common, "value": value})
     if spec.kind == "tasks":  # YAML, as in a config file; the Tasks table below shows what it means
-        return gr.Textbox(lines=6, max_lines=30, placeholder=TASKS_PLACEHOLDER, **common)
+        return gr.Textbox(lines=6, max_lines=30, placeholder=TASKS_PLACEHOLDER, max_length=limits.MAX_CONFIG_BYTES,
+                          **common)
     if spec.kind in ("int", "float") and spec.optional:
-        return gr.Textbox(placeholder="empty: default", **common)
+        return gr.Textbox(placeholder="empty: default", max_length=100, **common)
     if spec.kind in ("int", "float"):
         return gr.Number(precision=0 if spec.kind == "int" else None, step=spec.step, **common)
-    return gr.Textbox(**common)
+    return gr.Textbox(max_length=limits.MAX_INPUT_CHARS, **common)
 
 
 def _grid(specs: list[WidgetSpec], fields: dict, initial: Config, memory: DeviceMemory | None, data: DatasetView,
@@ -134,26 +154,39 @@ def _updates(result: Any, targets: Targets) -> dict[gr.components.Component, Any
     return out
 
 
-def _on(event: Callable[..., Any], handler: Callable[..., Any], inputs: Any, targets: Targets,
-        **kwargs: Any) -> Any:
-    """Wire `handler` to `event`, its named result going to the components of `targets`; the handler gets the
-    request too (who asks, on a shared server)."""
+GATES = ("signed_in", "quiet", "public")
+
+
+def _on(event: Callable[..., Any], handler: Callable[..., Any], inputs: Any, targets: Targets, *,
+        gate: str = "signed_in", **kwargs: Any) -> Any:
+    """Wire `handler` (a `Controller` method) to `event`, its named result going to the components of `targets`;
+    the handler gets the request too (who asks, on a shared server).
+
+    Every page event passes `Controller.admit` first: inputs too large are refused, and so, unless `gate` is
+    "public", is a caller who may not train: with an error (Gradio's toast), or silently for a "quiet" event that
+    runs by itself (on page load). tests/test_app_access.py walks the Blocks' events to check that none goes
+    around it."""
+    controller = handler.__self__
+
+    # Checked when the page is built, not when a button is pressed: a handler without `request` would turn its
+    # outputs into Gradio's red "Error" badge only in the browser.
+    if "request" not in inspect.signature(handler).parameters:
+        raise TypeError(f"{getattr(handler, '__qualname__', handler)} is wired to the page but takes no request=")
 
     # Gradio passes the request to a leading parameter typed gr.Request. Nothing to update is Gradio's skip: an
     # empty dict would read as one value for the first output.
     def run(request: gr.Request, *args: Any) -> Any:
-        return _updates(handler(*args, request=request), targets) or gr.skip()
+        if refusal := controller.admit(request, args, gate):
+            if gate == "quiet":
+                return gr.skip()
+            raise gr.Error(refusal)
+        result = handler(*args, request=request)
+        if not targets:
+            return result
+        return _updates(result, targets) or gr.skip()
 
-    return event(run, inputs, _components(targets), **kwargs)
-
-
-def _asking(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """`handler` with no inputs but the request."""
-
-    def run(request: gr.Request) -> Any:
-        return handler(request=request)
-
-    return run
+    run.gate, run.handler = gate, handler  # what the event walk of the tests reads
+    return event(run, inputs, _components(targets) if targets else kwargs.pop("outputs"), **kwargs)
 
 
 def initial_config(preset: Path | None, memory: DeviceMemory | None, base: Path | None = None) -> Config:
@@ -194,97 +227,105 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         gr.Markdown(INTRO)
         if access.mode == "space":  # only on a Space: elsewhere Gradio would mock the sign-in with a hub call
             gr.LoginButton("Sign in with Hugging Face to train")
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=5):
-                with gr.Column(variant="panel"):
-                    gr.Markdown("### 1 · Model")
-                    place("model", per_row=2)
-                    model_note = gr.Markdown()
-                with gr.Column(variant="panel"):
-                    gr.Markdown("### 2 · Dataset")
-                    with gr.Row():
-                        with gr.Column(scale=3):
-                            place("dataset", per_row=1)
-                        upload = gr.File(label="Upload dataset", file_types=UPLOAD_TYPES, scale=2,
-                                         elem_id="upload-dataset", height=160)
-                    data_error = gr.Markdown(f"⚠️ {data.error}" if data.error else "", elem_classes="ft-error",
-                                             elem_id="data-error")
-                    preview = gr.Dataframe(data.preview, label="First rows", interactive=False, max_height=220,
-                                           wrap=True, max_chars=60)
-                    place("columns", per_row=3)
-                    labels_md = gr.Markdown(labels_markdown(data), elem_id="label-counts")
-                    chat_note = gr.Markdown(elem_id="chat-example-note")
-                    chat_example = gr.HighlightedText(label="The first conversation as the model sees it (learned "
-                                                      "tokens highlighted)", color_map={"learned": "#22c55e"},
-                                                      show_legend=False, show_inline_category=False,
-                                                      show_whitespaces=False, visible=False, elem_id="chat-example")
-                    with gr.Accordion("More data options", open=False):
-                        place("data_more")
-                    with gr.Accordion("Several datasets at once (multi-task)", open=bool(initial.tasks)):
-                        place("tasks", per_row=1)
-                        tasks_note = gr.Markdown(elem_classes="ft-error", elem_id="tasks-note")
-                        tasks_table = gr.Dataframe(tasks_frame(*[to_widget(n, getattr(initial, n))
-                                                                 for n in TASK_FIELDS])[0],
-                                                   label="Tasks", interactive=False, elem_id="tasks-table")
-                with gr.Column(variant="panel"):
-                    gr.Markdown("### 3 · Memory budget and batch")
-                    place("batch", per_row=2)
-                    place("memory", per_row=2)
-                    plan_btn = gr.Button("Plan")
-                    plan_error = gr.Markdown(elem_classes="ft-error", elem_id="plan-error")
-                    plan_md = gr.Markdown(elem_id="plan")
-                    # One bar per term, named on the axis: Gradio 6.31 cuts a plot's legend off below its frame.
-                    plan_plot = gr.BarPlot(None, x="part", y="GiB", color="kind", x_title=" ", height=260,
-                                           label="Predicted peak and its parts vs the budget (GiB)",
-                                           color_map={"term": "#60a5fa", "predicted peak": "#2563eb",
-                                                      "budget": "#9ca3af"}, visible=False, elem_id="plan-plot")
-                with gr.Column(variant="panel"):
-                    gr.Markdown("### 4 · Training")
-                    place("training")
-                    place("run")
-                    with gr.Accordion("Advanced", open=False):
-                        place("advanced")
-            with gr.Column(scale=4):
-                with gr.Column(variant="panel"):
-                    gr.Markdown("### Run")
-                    with gr.Row():
-                        start_btn = gr.Button("Start training", variant="primary")
-                        stop_btn = gr.Button("Stop", variant="stop", interactive=False)
-                        resume_btn = gr.Button("Resume", visible=False)
-                    run_msg = gr.Markdown(elem_id="run-message")
-                    status_md = gr.Markdown(elem_id="run-status")
-                    progress = gr.HTML(elem_id="run-progress")
-                    stats_md = gr.Markdown(elem_id="run-stats")
-                    trackers_md = gr.Markdown(elem_id="run-trackers")
-                    # Starts as None, never as an empty frame: a plot first drawn empty draws later lines with no
-                    # colour at all (Gradio 6.31).
-                    loss_plot = gr.LinePlot(None, x="step", y="loss", color="split", height=260,
-                                            label="Loss per optimizer step (blue: train; orange: eval, when "
-                                                  "Eval every is set)",
-                                            color_map={"train": "#2563eb", "eval": "#f97316"}, elem_id="loss-plot")
-                    log_box = gr.Textbox(label="Log", lines=12, max_lines=12, autoscroll=True, interactive=False)
-                with gr.Column(variant="panel"):
-                    gr.Markdown("### Results")
-                    metrics = gr.JSON(label="Final metrics", open=True)
-                    run_dir_box = gr.Textbox(label="Run directory", interactive=False)
-                    download_btn = gr.DownloadButton("Download model", interactive=False)
-                    with gr.Row():
-                        try_box = gr.Textbox(label="Try it", placeholder="Type a text for the trained model",
-                                             scale=4)
-                        try_btn = gr.Button("Predict", scale=1)
-                    try_msg = gr.Markdown()
-                    try_label = gr.Label(label="Prediction", num_top_classes=5, visible=False, elem_id="prediction")
-                    try_text = gr.Textbox(label="Generated continuation", visible=False, interactive=False)
-                    hub_md = gr.Markdown(elem_id="hub-note")
-                    with gr.Row():
-                        push_repo = gr.Textbox(label="Hub repository", placeholder="your-name/my-model", scale=3,
-                                               elem_id="push-repo")
-                        push_private = gr.Checkbox(label="Private", value=True, scale=1)
-                        push_btn = gr.Button("Push to the Hub", scale=1)
-                    push_msg = gr.Markdown(elem_id="push-message")
-                    try_chat = gr.Chatbot(label="Chat with the trained model (through its chat template)",
-                                          visible=False, height=280, elem_id="try-chat")
-                    gr.ClearButton([try_chat], value="New chat", size="sm")
+        form_note = gr.Markdown(elem_id="form-note")  # where the form's values came from, after a reload
+        # One tab per step of the work (as LlamaBoard and H2O LLM Studio have): train, try the model, take it away.
+        with gr.Tabs(elem_id="steps"):
+            with gr.Tab("Train", id="train", elem_id="tab-train"):
+                with gr.Row(equal_height=False, elem_id="train-row"):
+                    with gr.Column(scale=5):
+                        with gr.Column(variant="panel"):
+                            gr.Markdown("### 1 · Model")
+                            place("model", per_row=2)
+                            model_note = gr.Markdown()
+                        with gr.Column(variant="panel"):
+                            gr.Markdown("### 2 · Dataset")
+                            with gr.Row():
+                                with gr.Column(scale=3):
+                                    place("dataset", per_row=1)
+                                upload = gr.File(label="Upload dataset", file_types=UPLOAD_TYPES, scale=2,
+                                                 elem_id="upload-dataset", height=160)
+                            data_error = gr.Markdown(f"⚠️ {data.error}" if data.error else "", elem_classes="ft-error",
+                                                     elem_id="data-error")
+                            preview = gr.Dataframe(data.preview, label="First rows", interactive=False, max_height=220,
+                                                   wrap=True, max_chars=60)
+                            place("columns", per_row=3)
+                            labels_md = gr.Markdown(labels_markdown(data), elem_id="label-counts")
+                            chat_note = gr.Markdown(elem_id="chat-example-note")
+                            chat_example = gr.HighlightedText(
+                                label="The first conversation as the model sees it (learned tokens highlighted)",
+                                color_map={"learned": "#22c55e"}, show_legend=False, show_inline_category=False,
+                                show_whitespaces=False, visible=False, elem_id="chat-example")
+                            with gr.Accordion("More data options", open=False):
+                                place("data_more")
+                            with gr.Accordion("Several datasets at once (multi-task)", open=bool(initial.tasks)):
+                                place("tasks", per_row=1)
+                                tasks_note = gr.Markdown(elem_classes="ft-error", elem_id="tasks-note")
+                                tasks_table = gr.Dataframe(tasks_frame(*[to_widget(n, getattr(initial, n))
+                                                                         for n in TASK_FIELDS])[0],
+                                                           label="Tasks", interactive=False, elem_id="tasks-table")
+                        with gr.Column(variant="panel"):
+                            gr.Markdown("### 3 · Memory budget and batch")
+                            place("batch", per_row=2)
+                            place("memory", per_row=2)
+                            plan_btn = gr.Button("Plan")
+                            plan_error = gr.Markdown(elem_classes="ft-error", elem_id="plan-error")
+                            plan_md = gr.Markdown(elem_id="plan")
+                            # One bar per term, named on the axis: Gradio 6.31 cuts a plot's legend off below its frame.
+                            plan_plot = gr.BarPlot(None, x="part", y="GiB", color="kind", x_title=" ", height=260,
+                                                   label="Predicted peak and its parts vs the budget (GiB)",
+                                                   color_map={"term": "#60a5fa", "predicted peak": "#2563eb",
+                                                              "budget": "#9ca3af"}, visible=False, elem_id="plan-plot")
+                        with gr.Column(variant="panel"):
+                            gr.Markdown("### 4 · Training")
+                            place("training")
+                            place("run")
+                            with gr.Accordion("Advanced", open=False):
+                                place("advanced")
+                    with gr.Column(scale=4):
+                        with gr.Column(variant="panel"):
+                            gr.Markdown("### Run")
+                            with gr.Row():
+                                start_btn = gr.Button("Start training", variant="primary")
+                                stop_btn = gr.Button("Stop", variant="stop", interactive=False)
+                                resume_btn = gr.Button("Resume", visible=False)
+                            run_msg = gr.Markdown(elem_id="run-message")
+                            status_md = gr.Markdown(elem_id="run-status")
+                            progress = gr.HTML(elem_id="run-progress")
+                            stats_md = gr.Markdown(elem_id="run-stats")
+                            trackers_md = gr.Markdown(elem_id="run-trackers")
+                            # Drawn by the app (app.views.loss_chart_html), not gr.LinePlot: Gradio 6.31 fixes a
+                            # plot's colours from its first data (an eval split that comes later got no colour until
+                            # a reload) and cuts its legend off below the frame.
+                            loss_plot = gr.HTML(label="Loss per optimizer step", container=True, elem_id="loss-plot")
+                            log_box = gr.Textbox(label="Log", lines=12, max_lines=12, autoscroll=True,
+                                                 interactive=False)
+                        with gr.Column(variant="panel"):
+                            gr.Markdown("### Results")
+                            metrics = gr.JSON(label="Final metrics", open=True)
+                            run_dir_box = gr.Textbox(label="Run directory", interactive=False)
+            with gr.Tab("Try it", id="try", elem_id="tab-try"):
+                # Try it: a chat box for a run trained on conversations, a text box for the others (the poll
+                # switches them when a run finishes; see Controller.try_panel).
+                try_chat = gr.Chatbot(label="Chat with the trained model (through its chat template)",
+                                      visible=False, height=280, elem_id="try-chat")
+                with gr.Row():
+                    try_box = gr.Textbox(label="Try it", placeholder="Type a text for the trained model",
+                                         max_length=limits.MAX_INPUT_CHARS, scale=4, elem_id="try-box")
+                    try_btn = gr.Button("Predict", scale=1, interactive=False, elem_id="try-button")
+                new_chat = gr.ClearButton([try_chat], value="New chat", size="sm", visible=False)
+                try_msg = gr.Markdown(elem_id="try-message")
+                try_label = gr.Label(label="Prediction", num_top_classes=5, visible=False, elem_id="prediction")
+                try_text = gr.Textbox(label="Generated continuation", visible=False, interactive=False)
+            with gr.Tab("Export", id="export", elem_id="tab-export"):
+                gr.Markdown("### Download or push the model")
+                download_btn = gr.DownloadButton("Download model", interactive=False)
+                hub_md = gr.Markdown(elem_id="hub-note")
+                with gr.Row():
+                    push_repo = gr.Textbox(label="Hub repository", placeholder="your-name/my-model", scale=3,
+                                           max_length=200, elem_id="push-repo")
+                    push_private = gr.Checkbox(label="Private", value=True, scale=1)
+                    push_btn = gr.Button("Push to the Hub", scale=1, interactive=False)
+                push_msg = gr.Markdown(elem_id="push-message")
                 with gr.Column(variant="panel"):
                     gr.Markdown("### Reproduce")
                     with gr.Row():
@@ -307,8 +348,12 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                       "eval_split": fields["eval_split"], "eval_fraction": fields["eval_fraction"], "data": data_out}
         run_out = {"signature": seen, "status": status_md, "progress": progress, "stats": stats_md,
                    "loss_curve": loss_plot, "log": log_box, "metrics": metrics, "run_dir": run_dir_box,
-                   "download": download_btn, "stop_button": stop_btn, "resume_button": resume_btn,
-                   "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo}
+                   "download": download_btn, "start_button": start_btn, "stop_button": stop_btn,
+                   "resume_button": resume_btn,
+                   "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo,
+                   "try_panel": {"chat": try_chat, "label": try_label, "generated": try_text, "button": try_btn,
+                                 "new_chat": new_chat, "text": try_box, "message": try_msg, "push": push_btn},
+                   "note": run_msg}
         try_out = {"label": try_label, "generated": try_text, "chat": try_chat, "text": try_box, "message": try_msg}
         chat_in = [fields[n] for n in ("dataset", "dataset_config", "train_split", "task", "messages_column", "model",
                                        "chat_template", "train_on", "max_length")]
@@ -329,18 +374,21 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
             _on(fields[name].input, controller.refresh_dataset, data_in, data_out, **private)
         task_inputs = [fields[n] for n in TASK_FIELDS]
         for name in TASK_FIELDS:
-            fields[name].change(tasks_frame, task_inputs, [tasks_table, tasks_note], **private)
+            _on(fields[name].change, controller.tasks_table, task_inputs, {"table": tasks_table, "note": tasks_note},
+                gate="quiet", **private)
         _on(upload.upload, controller.on_upload, [upload, *data_in[1:]], upload_out, **private)
         _on(plan_btn.click, controller.plan, values, {"text": plan_md, "chart": plan_plot, "error": plan_error},
             concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, **private)
         _on(start_btn.click, controller.start, values, {"note": run_msg, "dataset_note": data_error}, **private)
-        stop_btn.click(_asking(controller.stop), None, run_msg, concurrency_limit=None, **private)
-        resume_btn.click(_asking(controller.resume), None, run_msg, **private)
-        _on(timer.tick, controller.poll, seen, run_out, concurrency_limit=None, show_progress="hidden", **private)
-        # A reload (or a second tab) shows the running job at once rather than at the next tick.
-        _on(demo.load, controller.poll, seen, run_out, show_progress="hidden", **private)
-        _on(demo.load, controller.running_config, None, {"values": by_name, "note": repro_msg, "data": data_out},
+        _on(stop_btn.click, controller.stop, None, {}, outputs=run_msg, gate="public", concurrency_limit=None,
+            **private)
+        _on(resume_btn.click, controller.resume, None, {}, outputs=run_msg, **private)
+        _on(timer.tick, controller.poll, seen, run_out, gate="public", concurrency_limit=None,
             show_progress="hidden", **private)
+        # A reload (or a second tab) shows the running job at once rather than at the next tick.
+        _on(demo.load, controller.poll, seen, run_out, gate="public", show_progress="hidden", **private)
+        _on(demo.load, controller.running_config, None, {"values": by_name, "note": form_note, "data": data_out},
+            gate="public", show_progress="hidden", **private)
         _on(try_btn.click, controller.try_it, [try_box, try_chat], try_out, **private)
         _on(try_box.submit, controller.try_it, [try_box, try_chat], try_out, **private)
         _on(push_btn.click, controller.push, [push_repo, push_private], {"message": push_msg},
@@ -349,12 +397,12 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         for event in (preview.change, fields["messages_column"].change, fields["model"].change,
                       fields["chat_template"].submit, fields["chat_template"].blur, fields["train_on"].change,
                       fields["max_length"].blur, demo.load):
-            _on(event, controller.chat_example, chat_in, chat_out, show_progress="hidden", **private)
+            _on(event, controller.chat_example, chat_in, chat_out, gate="quiet", show_progress="hidden", **private)
         _on(export_btn.click, controller.export, values, {"yaml": yaml_code, "file": config_file,
                                                           "command": command_box, "message": repro_msg}, **private)
         imported = _on(import_btn.upload, controller.import_config, import_btn,
                        {"values": by_name, "note": repro_msg, "yaml": yaml_code}, **private)
         refreshed = _on(imported.then, controller.refresh_dataset, data_in, data_out, show_progress="hidden",
                         **private)
-        refreshed.then(lambda: "", None, model_note, **private)
+        _on(refreshed.then, controller.clear_note, None, {}, outputs=model_note, gate="public", **private)
     return App(demo, fields, jobs)

@@ -1,4 +1,4 @@
-"""`finetune` command line: train, plan, eval, predict, push, init, ui.
+"""`finetune` command line: train, plan, eval, predict, export, push, init, ui.
 
 Exit codes: 0 done, 2 bad input (one sentence, no traceback, nothing overwritten), 130 stopped, 1 internal error,
 3 trained and saved but the push to the Hub failed.
@@ -141,10 +141,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = plan_tasks(cfg, data, num_processes=args.num_processes, distributed=distributed)
         train_data = eval_data = None
     else:
+        planned = _planned_device(args.device, cfg)
         train_data, eval_data, label_names = load_data(cfg, load_tokenizer(cfg), num_processes=args.num_processes)
-        device = make_accelerator(resolve_precision(cfg.precision)).device  # where `finetune train` would probe
+        # Where `finetune train` would probe (not for a device elsewhere: the dry run alone plans for it).
+        device = None if planned else make_accelerator(resolve_precision(cfg.precision)).device
+        if args.longest:  # before the plan, so that a refusal still answers it
+            from finetune.plan.planner import longest_context
+
+            tokens, rung = longest_context(cfg, len(label_names or []), device=planned)
+            print(f"longest context: fits {cfg.memory_budget_gb:g} GiB up to {tokens} tokens at micro-batch 1 "
+                  f"({rung})")
         plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device,
-                           distributed=distributed)
+                           distributed=distributed, planned_device=planned)
     print(render(plan))
     # What long_documents does to the data, beside the plan (the GUI shows it before a run starts).
     data = {"segmentation": getattr(train_data, "segmentation", None),
@@ -156,6 +164,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_json(Path(args.json), {**plan.to_dict(),
                                      **{k: dataclasses.asdict(v) for k, v in data.items() if v is not None}})
     return EXIT_OK
+
+
+def _planned_device(device: str, cfg: Any) -> tuple[str, int] | None:
+    """`--device cuda`: (name, bytes) of the CUDA GPU the budget describes, planned for from any machine."""
+    if device != "cuda":
+        return None
+    if not cfg.memory_budget_gb:
+        raise ConfigError(["`--device cuda` plans for a GPU of memory_budget_gb GiB: set memory_budget_gb to that "
+                           "GPU's memory (for example memory_budget_gb=24)."])
+    return f"cuda (planned for a {cfg.memory_budget_gb:g} GiB GPU)", int(cfg.memory_budget_gb * 2**30)
 
 
 def cmd_push(args: argparse.Namespace) -> int:
@@ -176,6 +194,22 @@ def cmd_push(args: argparse.Namespace) -> int:
         raise PushError(f"Pushing {model_dir} to {args.repo} failed ({hub.describe_failure(e, token)}); the model "
                         "is unchanged: try again.") from None
     print(json.dumps({"repo_id": result.repo_id, "url": result.url, "commit": result.commit}, indent=2))
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Run `finetune export RUN [--format merged|gguf] [--quant …] [--ollama] [--out DIR]`."""
+    from finetune.use.export import describe_check, export
+    from finetune.use.ollama import create_command
+
+    result = export(args.run_dir, fmt=args.format, quant=args.quant, out=args.out, ollama_file=args.ollama,
+                    dtype=args.dtype, check=args.check, check_tokens=args.check_tokens, llama_cpp=args.llama_cpp)
+    if result.check is not None:
+        print(describe_check(result.check), file=sys.stderr)
+    if result.modelfile is not None:
+        name = Path(args.run_dir).resolve().name
+        print(f"Make it an Ollama model with: {create_command(result.modelfile, name)}", file=sys.stderr)
+    print(json.dumps(result.to_dict(), indent=2))
     return EXIT_OK
 
 
@@ -220,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed", choices=["ddp", "fsdp"], default=None,
                    help="How the processes share the model: ddp (each holds all of it) or fsdp (weights, gradients "
                    "and optimizer state sharded); default: fsdp when ACCELERATE_USE_FSDP says so, else ddp.")
+    p.add_argument("--device", choices=["here", "cuda"], default="here",
+                   help="Plan for this machine (default) or for a CUDA GPU of memory_budget_gb GiB, from any machine "
+                   "(its bf16 precision, CUDA context and allocator overhead counted).")
+    p.add_argument("--longest", action="store_true",
+                   help="Also print the largest max_length whose sample fits memory_budget_gb at micro-batch 1, on "
+                   "the cheapest rung of the ladder the config allows.")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("eval", help="Evaluate a run's model or a saved model.")
     p.add_argument("target", help="A run directory or a model folder.")
@@ -244,6 +284,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("repo", help="Hub repository id, e.g. your-name/my-model.")
     p.add_argument("--public", action="store_true", help="Create the repository as public (default: private).")
     p.set_defaults(func=cmd_push)
+    p = sub.add_parser("export", help="Export a finished run for local inference: merged weights or a GGUF.",
+                       description="Write RUN's model as a plain transformers folder with the adapter merged in "
+                       "(--format merged), or as a GGUF for llama.cpp and Ollama made by llama.cpp's own converter "
+                       "and quantizer (--format gguf), with the chat template and end-of-turn token it trained "
+                       "with; a GGUF is then checked against transformers (greedy tokens, stopping).")
+    p.add_argument("run_dir", help="A finished run's directory.")
+    p.add_argument("--format", choices=["merged", "gguf"], default="merged", help="What to write (default: merged).")
+    p.add_argument("--quant", choices=["f16", "q8_0", "q4_k_m"], default=None,
+                   help="GGUF: the number format (default: f16; q8_0 and q4_k_m are quantized from it).")
+    p.add_argument("--ollama", action="store_true", help="GGUF: also write an Ollama Modelfile beside it.")
+    p.add_argument("--out", help="Where to write (default: RUN/export/).")
+    p.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"], default="auto",
+                   help="The merged weights' dtype (default: the base model's half dtype, else float16).")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="GGUF: compare llama.cpp's greedy tokens with transformers' (default: on).")
+    p.add_argument("--check-tokens", type=int, default=32, help="GGUF: tokens the check generates (default: 32).")
+    p.add_argument("--llama-cpp", help="A llama.cpp checkout whose convert_hf_to_gguf.py to use (default: the one "
+                   "of the installed llama-cpp-python release).")
+    p.set_defaults(func=cmd_export)
     p = sub.add_parser("init", help="Write a commented example config.")
     p.add_argument("path", nargs="?", default="finetune.yaml")
     p.add_argument("--force", action="store_true", help="Replace an existing file.")

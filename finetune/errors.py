@@ -66,3 +66,23 @@ def describe(e: BaseException) -> str:
 def exit_code(e: BaseException) -> int:
     """The exit code a failure ends `finetune` with: 2 for bad input, 1 for anything else."""
     return e.exit_code if isinstance(e, FinetuneError) else 1
+
+
+SUMMARY_CHARS = 60  # of a value shown in an error message
+
+
+def summary(value: object, max_chars: int = SUMMARY_CHARS) -> str:
+    """A bounded description of a value for an error message: a scalar's repr cut to `max_chars`, a container by
+    its kind and size. Never a container's full repr: YAML aliases can make a few hundred bytes of config a list
+    whose repr takes gigabytes."""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return f"a list of {len(value):,} items"
+    if isinstance(value, dict):
+        return f"a mapping of {len(value):,} keys"
+    if isinstance(value, (str, bytes)) and len(value) > 4 * max_chars:
+        value = value[:4 * max_chars]  # the repr of a 100 MB string is not built just to be cut
+    if value is None or isinstance(value, (str, bytes, bool, int, float)):
+        text = repr(value)
+    else:
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= max_chars else text[:max_chars - 1] + "…"

@@ -227,14 +227,16 @@ def _kill_training(runs: Path) -> None:
 
 
 @contextlib.contextmanager
-def served_app(folder: Path, **env: str) -> Iterator[tuple[str, Path]]:
+def served_app(folder: Path, log: Path | None = None, **env: str) -> Iterator[tuple[str, Path]]:
     """`python -m app` on a free localhost port, started in `folder` (its runs and Gradio files go there), with
-    `env` added to the environment; yields its URL and runs directory and ends it (and any run) after."""
+    `env` added to the environment; yields its URL and runs directory and ends it (and any run) after. With `log`,
+    the app's output (tracebacks included) goes to that file."""
     port, runs = _free_port(), folder / "runs"
     env = {**os.environ, "GRADIO_TEMP_DIR": str(folder / "gradio"), "GRADIO_ANALYTICS_ENABLED": "False", **env}
+    out = open(log, "w", encoding="utf-8") if log else subprocess.PIPE  # noqa: SIM115 (closed below)
     # Started elsewhere than the repository, as an installed app is: it still opens with the sample data.
     proc = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port), "--runs-dir", "runs"], cwd=folder,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.time() + 90
     while True:
@@ -242,7 +244,7 @@ def served_app(folder: Path, **env: str) -> Iterator[tuple[str, Path]]:
             urllib.request.urlopen(url, timeout=2)
             break
         except OSError:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, log.read_text() if log else proc.stdout.read()
             assert time.time() < deadline, "the app did not answer within 90 s"
             time.sleep(0.5)
     try:
@@ -254,6 +256,8 @@ def served_app(folder: Path, **env: str) -> Iterator[tuple[str, Path]]:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if log:
+            out.close()
 
 
 @pytest.fixture

@@ -159,7 +159,8 @@ def test_uploads_are_each_users_own_and_other_files_are_not_read(shared, tmp_pat
     assert mine.error == "" and len(mine.preview) == 5
     for source in (cls_csv, uploads["bob"], "/etc/passwd.csv"):
         refused = ctl.refresh_dataset(source, "", "train", "classification", *no_columns, request=ALICE)
-        assert refused.error == (f"⚠️ `dataset` {source!r} is not one of your uploads: upload the file, or give a "
+        # The page names the form's field (the API's message keeps the config key `dataset`).
+        assert refused.error == (f"⚠️ **Dataset** {source!r} is not one of your uploads: upload the file, or give a "
                                  "Hugging Face hub dataset id.") and refused.preview.empty
         started = ctl.start_run(_config(dataset=source), request=ALICE)
         assert not started.started and started.dataset_note == refused.error

@@ -88,12 +88,17 @@ def test_try_it_chats_with_the_trained_model(tmp_path, chat_model):
     ctl.jobs._job = jobs._Job(run_dir=run, config_path=run / "config.yaml", log_path=run / "launch.log",
                               command=["python"], pid=-1, proc=None, launched=time.time() - 60)
     (run / "events.jsonl").write_text((run / "events.jsonl").read_text() + json.dumps(
-        {"event": "done", "time": time.time()}) + "\n")
+        {"event": "done", "time": time.time(), "step": 1, "metrics": {}, "model_dir": str(run / "model")}) + "\n")
     start = {"event": "start", "time": 0, "step": 0, "total_steps": 1, "micro_batch_size": 4, "grad_accum_steps": 1,
              "num_processes": 1, "effective_batch_size": 4, "precision": "fp32", "device": "cpu",
              "dropped_rows": {"no_assistant_turn": 2}}
     assert "training data: 2 conversation(s) left out: 2 because they have no assistant turn" in \
         views.log_text(SimpleNamespace(events=[start], output_tail=""))
+    # The poll sets Try it up for a chat: the chat box and New chat shown, Send enabled, the last model's chat gone.
+    panel = ctl.poll(None).try_panel
+    assert panel.chat == gr.update(visible=True, value=[]) and panel.new_chat["visible"]
+    assert panel.button == gr.update(interactive=True, value="Send") and panel.push["interactive"]
+    assert ctl.poll(ctl.poll(None).signature).try_panel is None  # the same run: the chat going on is kept
     first = ctl.try_it("good movie")
     assert first.message == "" and first.chat["visible"] and first.text == ""
     assert not first.generated["visible"] and not first.label["visible"]

@@ -5,6 +5,7 @@ atomic writes, killed children and the model zip. No model is trained here (the 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -154,15 +155,18 @@ def test_a_hub_preview_that_hangs_times_out_without_blocking_a_local_preview(mon
     assert hung.error == ("Dataset 'someone/slow-dataset': the hub did not answer within 3 s; check the id, or try "
                           "again later.")
     assert 3.0 <= hub_s < 4.5
+    # Cancelled, not abandoned: no child (or thread) goes on with the hung request.
+    assert not [c for c in multiprocessing.active_children() if c.name == "finetune-bounded"]
+    assert not [t for t in threading.enumerate() if t.name == "hub-preview"]
 
 
-def test_a_hub_preview_is_streamed_and_says_it_counted_only_the_first_rows(monkeypatch):
+def test_a_hub_preview_is_streamed_and_says_it_counted_only_the_first_rows(monkeypatch, tmp_path):
     import datasets
 
-    seen = {}
+    seen = tmp_path / "streaming"  # the preview runs in a child process: it leaves its word in a file
 
     def streamed(source, config_name, split, streaming=False):
-        seen["streaming"] = streaming
+        seen.write_text(str(streaming))
         return datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(3000)], "label": [i % 2 for i in
                                                                                             range(3000)]}
                                           ).to_iterable_dataset()
@@ -171,7 +175,7 @@ def test_a_hub_preview_is_streamed_and_says_it_counted_only_the_first_rows(monke
     dataview._hub.cache_clear()
     view = dataview.inspect("someone/big-dataset", None, "train", "classification", {})
     dataview._hub.cache_clear()
-    assert seen["streaming"] and view.error == "" and view.rows == dataview.HUB_SAMPLE_ROWS
+    assert seen.read_text() == "True" and view.error == "" and view.rows == dataview.HUB_SAMPLE_ROWS
     assert dataview.labels_markdown(view).startswith("the first 1000 rows (streamed) · 2 labels")
 
 

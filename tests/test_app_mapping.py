@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import gradio as gr
 import pytest
 import yaml
 from conftest import ROOT
@@ -15,6 +16,7 @@ from app.device import DeviceMemory
 from app.handlers import Controller
 from app.jobs import JobManager
 from app.mapping import (
+    BOUND_WORDS,
     FIELD_NAMES,
     MODEL_PRESETS,
     SPECS,
@@ -76,7 +78,7 @@ def test_every_field_has_a_widget_from_the_schema():
         assert meta["help"] in spec.info and f"[{name}]" in spec.info
         assert spec.choices == (tuple(meta["choices"]) if meta["choices"] else None)
         assert (spec.minimum, spec.maximum) == (meta["min"], meta["max"])
-        if spec.kind in ("int", "float") and meta["min"] is not None:
+        if spec.kind in ("int", "float") and meta["min"] is not None and name not in BOUND_WORDS:
             assert f"≥ {meta['min']:g}" in spec.info  # the bounds are shown, not only enforced
         assert from_widget(name, spec.default) == FIELDS[name].default
     labels = [s.label for s in SPECS.values()]
@@ -220,8 +222,15 @@ def test_start_refuses_bad_input_before_anything_runs(tmp_path):
     assert "does not exist" in refused.note and "does not exist" in refused.dataset_note
     values[FIELD_NAMES.index("learning_rate")] = -1
     refused = ctl.start(*values)
-    assert not refused.started and "`learning_rate` must be at least 0" in refused.note
+    # The API's message keeps the config's key; the page says the field's label.
+    assert not refused.started and "`learning_rate` must be at least 0" in refused.message
+    assert refused.note == "⚠️ **Learning rate** must be at least 0, not -1.0."
     assert ctl.jobs.status().state == "idle" and not list(runs.glob("*.yaml"))
+    ids = tmp_path / "ids.csv"  # no text column: the only other column, a number, is not taken for the text
+    ids.write_text("id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(20)))
+    refused = ctl.start(*config_to_values(from_dict({"dataset": str(ids), "label_column": "label"})))
+    assert not refused.started and "Text column `id`" in refused.dataset_note and "holds numbers" in refused.note
+    assert ctl.jobs.status().state == "idle" and not any(runs.iterdir())
 
 
 def test_named_results_go_to_the_widgets_named_for_their_fields():
@@ -238,3 +247,98 @@ def test_named_results_go_to_the_widgets_named_for_their_fields():
     shown = UploadShown(dataset="a.csv", data=DatasetShown(preview=None, columns={}, labels="3 rows", error=""))
     # A column not named in the group keeps its dropdown; every other field goes to its widget.
     assert _updates(shown, targets) == {dataset: "a.csv", preview: None, labels: "3 rows", error: ""}
+
+
+def test_the_epochs_help_states_the_rule_the_config_checks():
+    assert "(> 0 unless Max steps is set, ≤ 10,000)" in SPECS["epochs"].info and "≥ 0" not in SPECS["epochs"].info
+    with pytest.raises(ConfigError, match="`epochs` must be above 0"):
+        from_dict({"epochs": 0})
+    assert from_dict({"epochs": 0, "max_steps": 5}).max_steps == 5
+
+
+def test_a_handler_without_request_cannot_be_wired_to_the_page():
+    """`ui._on` passes the request to every handler; one that cannot take it fails when the page is built (Export
+    and Import config once failed only in the browser, as a red Error badge)."""
+    import gradio as gr
+
+    from app.ui import _on
+
+    def no_request(path: str) -> dict:
+        return {}
+
+    with gr.Blocks():
+        button = gr.Button()
+        with pytest.raises(TypeError, match="no_request is wired to the page but takes no request="):
+            _on(button.click, no_request, None, {})
+        _on(button.click, Controller(Path("runs"), JobManager(Path("runs"))).export, None, {})
+
+
+def test_messages_on_the_page_use_the_forms_labels_not_config_keys():
+    from app.mapping import in_form_words
+
+    assert in_form_words("Nothing fits memory_budget_gb=0.01: use a smaller max_length, or a smaller model.") == (
+        "Nothing fits **Memory budget (GB)** 0.01: use a smaller **Max length (tokens)**, or a smaller model.")
+    assert in_form_words("output_dir 'runs/x' holds an unfinished run: set resume=true to continue it, or "
+                         "overwrite=true to start again.") == (
+        "**Output dir** 'runs/x' holds an unfinished run: tick **Resume** to continue it, or tick **Overwrite** to "
+        "start again.")
+    assert in_form_words("Set `overwrite=true` to replace it.") == "Tick **Overwrite** to replace it."
+    assert in_form_words("`epochs` must be above 0 (or set `max_steps`).") == (
+        "**Epochs** must be above 0 (or set **Max steps**).")
+    # Paths and plain English words stay as they are.
+    assert in_form_words("the model in runs/my_output_dir/model") == "the model in runs/my_output_dir/model"
+
+
+def test_a_reload_shows_the_runs_settings_without_its_folder_and_old_notes_go_when_it_ends(tmp_path, monkeypatch):
+    import time
+
+    from app import jobs
+
+    monkeypatch.chdir(tmp_path)
+    runs = Path("runs")
+    run = runs / "20260101-000000"
+    run.mkdir(parents=True)
+    (run / ".finetune-run").write_text("")
+    launch = run / "launch.yaml"
+    launch.write_text(config_yaml(from_dict({"dataset": str(ROOT / "assets" / "sst2_sample.csv"), "epochs": 2.0,
+                                             "output_dir": str(run), "overwrite": True})))
+    (run / "events.jsonl").write_text("")  # started, no event yet: running
+    ctl = Controller(runs, JobManager(runs))
+    ctl.jobs._job = jobs._Job(run_dir=run, config_path=launch, log_path=run / "launch.log", command=["python"],
+                              pid=-1, proc=None, launched=time.time() - 60)
+    form = ctl.running_config()
+    assert form.values["epochs"] == 2.0 and form.values["output_dir"] == "" and form.values["overwrite"] is False
+    assert form.note == (f"The form shows the settings of run `{run}`. Start makes a new run (in a new folder) "
+                         "from them.")
+    # The run's folder typed in again: refused in the form's words, nothing written.
+    values = config_to_values(from_dict({"dataset": str(ROOT / "assets" / "sst2_sample.csv"),
+                                         "output_dir": str(run)}))
+    ctl.jobs._job = None
+    refused = ctl.start(*values)
+    assert refused.note == (f"⚠️ **Output dir** '{run}' holds an earlier run that never got to a checkpoint: tick "
+                            "**Overwrite** to replace it. Or clear **Output dir** (under Training) for a new run.")
+    assert "overwrite=true" in refused.message  # the API keeps the config's words
+    assert not (run / "config.yaml").exists()
+    # "Stopping…" (the Run panel's message) is replaced when the run ends, and kept while nothing changed.
+    ctl.jobs._job = jobs._Job(run_dir=run, config_path=launch, log_path=run / "launch.log", command=["python"],
+                              pid=-1, proc=None, launched=time.time() - 60)
+    (run / "events.jsonl").write_text(json.dumps({"event": "stopped", "time": time.time(), "step": 3,
+                                                  "checkpoint": str(run / "checkpoints" / "step-3")}) + "\n")
+    assert ctl.poll((str(run), 0, "stopping")).note == ""
+    assert ctl.poll(ctl.poll(None).signature).note == gr.skip()
+
+
+def test_start_runs_the_plans_checks_first_and_refuses_an_impossible_budget_without_a_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs = Path("runs")
+    ctl = Controller(runs, JobManager(runs))
+    config = from_dict({"dataset": str(ROOT / "assets" / "sst2_sample.csv"), "memory_budget_gb": 0.01})
+    planned = ctl.plan(*config_to_values(config))
+    assert planned.error.startswith("⚠️ Nothing fits **Memory budget (GB)** 0.01:")
+    calls = []
+    monkeypatch.setattr(ctl, "_run_planner", lambda c: calls.append(c))  # Start reuses Plan's answer
+    refused = ctl.start(*config_to_values(config))
+    assert not refused.started and refused.note.startswith(
+        "⚠️ Not started (nothing was written): Nothing fits **Memory budget (GB)** 0.01:")
+    assert "memory_budget_gb=0.01" in refused.message and calls == []  # the API keeps the planner's words
+    assert ctl.jobs.status().state == "idle" and not [p for p in runs.glob("*") if p.name != "uploads"]

@@ -33,6 +33,19 @@ def test_loss_frame_is_long_format_with_train_and_eval():
     assert frame[frame.split == "eval"].loss.tolist() == [0.45, 0.225]
 
 
+def test_loss_chart_draws_every_split_from_the_first_update_and_eval_as_points():
+    import re
+
+    chart = views.loss_chart_html(views.loss_frame(_events(4, evals=(4,))))  # one eval so far: still visible
+    train = re.search(r'<path data-split="train" d="([^"]+)"', chart).group(1)
+    assert train.count("M") + train.count("L") == 4
+    assert len(re.findall(r'<circle data-split="eval"', chart)) == 1
+    assert 'stroke="#1d4ed8"' in chart and 'fill="#c2410c"' in chart  # each split its own colour, from the start
+    legend = chart[chart.index('class="ft-legend"'):chart.index("<svg viewBox")]
+    assert ">train</span>" in legend and ">eval</span>" in legend  # outside the plot's frame: never cut off
+    assert views.loss_chart_html(views.loss_frame([])) == ""
+
+
 def test_long_curves_are_thinned_but_keep_their_last_step():
     frame = views.loss_frame(_events(2500, total=2500))
     train = frame[frame.split == "train"].step.tolist()
@@ -119,6 +132,26 @@ def test_dataset_block_errors_are_one_sentence_next_to_the_field(tmp_path, cls_c
     assert causal.error == "" and causal.chosen["text_column"] == "sentence" and not causal.chosen["label_column"]
 
 
+def test_a_text_column_of_numbers_or_ids_is_refused_and_conversations_suggest_causal_lm(tmp_path, cls_csv):
+    numbers = tmp_path / "numbers.csv"
+    numbers.write_text("id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(20)))
+    refused = dataview.inspect(str(numbers), None, "train", "classification", {"label_column": "label"})
+    assert refused.error == ("Text column `id` (guessed: it is the only column beside the label) holds numbers, not "
+                             "text: pick the column with the text under Text column, or add one to the file.")
+    codes = tmp_path / "codes.csv"
+    codes.write_text("sku,review,label\n" + "".join(f"A-{i:04d},meh {i},{i % 2}\n" for i in range(20)))
+    chosen = dataview.inspect(str(codes), None, "train", "classification", {"text_column": "sku"})
+    assert chosen.error.startswith("Text column `sku` looks like ids (one distinct code per row)")
+    assert dataview.inspect(str(codes), None, "train", "classification", {"text_column": "review"}).error == ""
+    assert dataview.inspect(cls_csv, None, "train", "classification", {}).error == ""  # real text passes
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    assert dataview.inspect(str(chat), None, "train", "classification", {}).error == (
+        "Column `messages` holds conversations, which a classifier cannot learn from: set Task to causal_lm and "
+        "pick a causal LM model (one with a chat template) to fine-tune on them.")
+    assert dataview.inspect(str(chat), None, "train", "causal_lm", {}).error == ""
+
+
 def test_uploads_are_kept_once_under_a_content_hash(tmp_path):
     a = tmp_path / "in" / "data.csv"
     a.parent.mkdir()
@@ -157,3 +190,21 @@ def test_the_childs_message_is_taken_from_this_session_of_the_log(tmp_path):
     assert "old problem" not in output
     assert error_from_output(output) == "2 problems in the config:\n  - `a` is bad.\n  - `b` is bad."
     assert error_from_output("Traceback (most recent call last):\n  ...\nRuntimeError: boom") == "RuntimeError: boom"
+
+
+def test_try_it_offers_a_chat_only_for_a_finished_run_trained_on_conversations(tmp_path):
+    from app.handlers import Controller
+
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    done = JobStatus(state="done", run_dir=run)
+    (run / "config.yaml").write_text("task: classification\n")
+    assert views.try_kind(done) == "classify"
+    (run / "config.yaml").write_text("task: causal_lm\nmessages_column: messages\n")
+    assert views.try_kind(done) == "chat"
+    (run / "config.yaml").write_text("task: causal_lm\ntext_column: text\n")
+    assert views.try_kind(done) == "generate"
+    assert views.try_kind(JobStatus(state="running", run_dir=run)) is None  # no finished model yet
+    before = Controller.try_panel(JobStatus(state="idle"), new_model=True)
+    assert before.button["interactive"] is False and before.push["interactive"] is False
+    assert before.chat["visible"] is False and before.new_chat["visible"] is False

@@ -339,3 +339,13 @@ def test_plan_command_plans_the_largest_single_task(tmp_path, capsys, tiny_bert,
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["notes"][-1].endswith("each task's share of a window: sent 61.7%, topic 38.3%.")
     assert "largest single task's graph" in out
+
+
+def test_a_task_named_like_a_module_method_is_refused_in_one_sentence():
+    from torch import nn
+
+    from finetune.errors import ModelError
+    from finetune.models.heads import MultiHeadModel
+
+    with pytest.raises(ModelError, match="Task name 'half' is the name of a torch module method"):
+        MultiHeadModel({"half": nn.Linear(2, 2), "other": nn.Linear(2, 2)})

@@ -95,13 +95,18 @@ def test_escalation_order_checkpointing_then_lora_then_refusal(activation_heavy_
     def peak(**values):
         return make_plan(c.replace(**values), [512], 2, device=CPU).predicted_peak_bytes
 
-    plain, ckpt, lora = peak(), peak(gradient_checkpointing="true"), peak(gradient_checkpointing="true", lora="true")
-    assert lora < ckpt < plain
+    plain, ckpt = peak(), peak(gradient_checkpointing="true")
+    eight = peak(gradient_checkpointing="true", optimizer="adamw_8bit")  # bitsandbytes' 8-bit AdamW runs on a CPU
+    lora = peak(gradient_checkpointing="true", lora="true", optimizer="adamw_8bit")
+    assert lora < eight < ckpt < plain
     budget = (ckpt + plain) / 2 / 0.95 / GIB
     plan = make_plan(c.replace(memory_budget_gb=budget), [512], 2, device=CPU)
-    assert plan.gradient_checkpointing and not plan.lora
+    assert plan.gradient_checkpointing and not plan.lora and plan.optimizer == "adamw"
     assert any("Escalated to gradient checkpointing" in n for n in plan.notes)
-    plan = make_plan(c.replace(memory_budget_gb=(lora + ckpt) / 2 / 0.95 / GIB), [512], 2, device=CPU)
+    plan = make_plan(c.replace(memory_budget_gb=(eight + ckpt) / 2 / 0.95 / GIB), [512], 2, device=CPU)
+    assert plan.optimizer == "adamw_8bit" and not plan.lora
+    assert any("Escalated to 8-bit optimizer" in n for n in plan.notes)
+    plan = make_plan(c.replace(memory_budget_gb=(lora + eight) / 2 / 0.95 / GIB), [512], 2, device=CPU)
     assert plan.lora and plan.gradient_checkpointing
     with pytest.raises(PlanError, match=r"use a budget of at least (\d|\.)+ GiB"):
         make_plan(c.replace(memory_budget_gb=0.001), [512], 2, device=CPU)

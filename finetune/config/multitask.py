@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from finetune.errors import summary
 from finetune.kinds import registry
 
 MIXINGS = ("proportional", "temperature", "round_robin", "manual")
@@ -22,11 +23,11 @@ class TaskSpec:
     """One task of a multi-task run: its data, columns, loss weight and (manual mixing) sampling probability."""
 
     name: str
-    dataset: str
+    dataset: str = field(metadata={"source": "data"})  # a shared server checks it (`finetune.config.schema.sources`)
     task: str | None = None  # classification or causal_lm; every entry must agree with the run's `task`
     dataset_config: str | None = None
     train_split: str = "train"
-    eval_dataset: str | None = None
+    eval_dataset: str | None = field(default=None, metadata={"source": "data"})
     eval_split: str | None = None
     max_train_samples: int | None = None
     text_column: str | None = None
@@ -59,28 +60,30 @@ def _value(where: str, key: str, raw: Any) -> tuple[Any, str | None]:
     if key in _STRINGS:
         if isinstance(raw, (dict, list)):
             return None, f"{where}: `{key}` must be a single value, not {type(raw).__name__}."
+        if "\x00" in str(raw):
+            return None, f"{where}: `{key}` may not contain a null character."
         return str(raw), None
     if key == "max_train_samples":
         if isinstance(raw, bool) or not (isinstance(raw, int) or (isinstance(raw, float) and raw.is_integer())) \
                 or raw < 1:
-            return None, f"{where}: `max_train_samples` must be a whole number of at least 1, not {raw!r}."
+            return None, f"{where}: `max_train_samples` must be a whole number of at least 1, not {summary(raw)}."
         return int(raw), None
     if isinstance(raw, bool):
-        return None, f"{where}: `{key}` must be a number, not {raw!r}."
+        return None, f"{where}: `{key}` must be a number, not {summary(raw)}."
     try:
         number = float(raw)
     except (TypeError, ValueError):
-        return None, f"{where}: `{key}` must be a number, not {raw!r}."
+        return None, f"{where}: `{key}` must be a number, not {summary(raw)}."
     if not math.isfinite(number) or number < 0 or (key == "probability" and number > 1):
         bound = "between 0 and 1" if key == "probability" else "a finite number of at least 0"
-        return None, f"{where}: `{key}` must be {bound}, not {raw!r}."
+        return None, f"{where}: `{key}` must be {bound}, not {summary(raw)}."
     return number, None
 
 
 def parse_task(index: int, raw: Any) -> tuple[TaskSpec | None, list[str]]:
     """Entry `index` of `tasks:` as a `TaskSpec`, or the sentences that say what is wrong with it."""
     label = raw.get("name") if isinstance(raw, dict) and isinstance(raw.get("name"), str) else None
-    where = f"Task {label!r}" if label else f"Task {index + 1} of `tasks`"
+    where = f"Task {summary(label)}" if label else f"Task {index + 1} of `tasks`"
     if not isinstance(raw, dict):
         return None, [f"{where} must be a mapping with at least `name` and `dataset`, not {type(raw).__name__}."]
     problems, clean = [], {}
@@ -97,7 +100,7 @@ def parse_task(index: int, raw: Any) -> tuple[TaskSpec | None, list[str]]:
             clean[key] = value
     problems += [f"{where} needs `{key}`." for key in ("name", "dataset") if key not in clean and key not in raw]
     if clean.get("task") not in (None, *MULTITASK_KINDS):
-        problems.append(f"{where}: `task` must be {' or '.join(MULTITASK_KINDS)}, not {clean['task']!r}.")
+        problems.append(f"{where}: `task` must be {' or '.join(MULTITASK_KINDS)}, not {summary(clean['task'])}.")
     if problems:
         return None, problems
     return TaskSpec(**clean), []
@@ -110,7 +113,7 @@ def parse_tasks(raw: Any) -> tuple[tuple[TaskSpec, ...] | None, list[str]]:
     if isinstance(raw, dict):
         return None, ["`tasks` must be a list of mappings (`- name: …` lines), not a single mapping."]
     if not isinstance(raw, (list, tuple)):
-        return None, [f"`tasks` must be a list of mappings, each with `name` and `dataset`, not {raw!r}."]
+        return None, [f"`tasks` must be a list of mappings, each with `name` and `dataset`, not {summary(raw)}."]
     specs, problems = [], []
     for i, entry in enumerate(raw):
         spec, errors = parse_task(i, entry.to_dict() if isinstance(entry, TaskSpec) else entry)

@@ -21,7 +21,7 @@ import yaml
 
 from finetune.config import exclusions
 from finetune.config.multitask import MIXINGS, TaskSpec, check_tasks, parse_tasks
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, summary
 from finetune.kinds import registry as kinds
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
@@ -40,9 +40,10 @@ TASKS_EXAMPLE = """tasks:              # instead of `dataset`; every task has it
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min: float | None = None,
-         max: float | None = None, group: str = "main") -> Any:
-    """A field with the metadata the CLI template, the option table and the GUI are built from."""
-    meta = {"help": help, "choices": choices, "min": min, "max": max, "group": group}
+         max: float | None = None, group: str = "main", source: str | None = None) -> Any:
+    """A field with the metadata the CLI template, README table and GUI are built from; `source` marks a value
+    that names something to read or write (see `SOURCE_KINDS`), which a shared server checks (`sources`)."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "group": group, "source": source}
     return field(default=default, metadata=meta)
 
 
@@ -52,16 +53,16 @@ class Config:
 
     # --- what to train on
     model: str = _opt(DEFAULT_MODEL, "Hub id or local folder of a Transformers model; the default is the bundled "
-                      "MiniLM-L6 (works offline).")
+                      "MiniLM-L6 (works offline).", source="model")
     task: str = _opt("classification", "What the model learns: text classification, causal language modelling, or "
                      "token classification (a tag per word: NER, tagging).",
                      choices=TASKS)
-    dataset: str | None = _opt(None, "Hub dataset id or a local .csv/.tsv/.json/.jsonl/.parquet file.")
+    dataset: str | None = _opt(None, "Hub dataset id or a local .csv/.tsv/.json/.jsonl/.parquet file.", source="data")
     dataset_config: str | None = _opt(None, "Hub dataset configuration name (for example 'sst2' of 'glue').",
                                       group="data")
     train_split: str = _opt("train", "Split of `dataset` to train on.", group="data")
     eval_dataset: str | None = _opt(None, "Separate evaluation file or hub id (same columns as the training data).",
-                                    group="data")
+                                    group="data", source="data")
     eval_split: str | None = _opt(None, "Split to evaluate on (of `eval_dataset`, else of `dataset`).", group="data")
     eval_fraction: float = _opt(0.1, "Share of the training data held out for evaluation when neither "
                                 "`eval_dataset` nor `eval_split` is given (0 = no evaluation).", min=0.0, max=0.5,
@@ -101,7 +102,8 @@ class Config:
                                        "(or ShareGPT {from, value}) turns rendered with the chat template (default: "
                                        "'messages' or 'conversations').", group="data")
     chat_template: str | None = _opt(None, "Jinja file with a chat template that replaces the tokenizer's own (saved "
-                                     "with the model, so that chatting with it uses the same one).", group="data")
+                                     "with the model, so that chatting with it uses the same one).", group="data",
+                                     source="file")
     train_on: str = _opt("assistant", "Conversations: which tokens are learned: every assistant turn, everything, "
                          "or only the last assistant turn (each with its end-of-turn token).",
                          choices=("assistant", "all", "last_assistant"), group="data")
@@ -138,7 +140,7 @@ class Config:
                                   "by temperature (T5's cap: a huge task does not drown the others).", min=1,
                                   group="data")
     # --- where the run goes
-    output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).")
+    output_dir: str | None = _opt(None, "Run directory (default: runs/<date-time>).", source="output")
     overwrite: bool = _opt(False, "Replace an existing run in `output_dir`.")
     resume: bool = _opt(False, "Continue the run in `output_dir` from its latest checkpoint.")
     # --- batch arithmetic: any two of these three determine the third
@@ -152,6 +154,9 @@ class Config:
                                        "only when the budget needs it).", choices=("auto", "true", "false"))
     lora: str = _opt("auto", "Train low-rank adapters instead of all weights (auto: only when the budget needs it).",
                      choices=("auto", "true", "false"))
+    quantization: str = _opt("auto", "Store the frozen base of a LoRA run quantized by bitsandbytes: 8bit "
+                             "(LLM.int8) or 4bit (NF4 with double quantization, QLoRA); implies LoRA; causal LM "
+                             "only (auto: only when the budget needs it).", choices=("auto", "none", "8bit", "4bit"))
     lora_r: int = _opt(16, "LoRA rank.", min=1, max=4096, group="advanced")
     lora_alpha: float = _opt(32.0, "LoRA scaling numerator (the update is scaled by alpha / r).", min=0.0,
                              group="advanced")
@@ -173,7 +178,8 @@ class Config:
                                max=1.0, group="advanced")
     lr_scheduler: str = _opt("linear", "Learning-rate schedule after warm-up.",
                              choices=("linear", "cosine", "constant"), group="advanced")
-    optimizer: str = _opt("adamw", "Optimizer: AdamW (fused), 8-bit AdamW (bitsandbytes, CUDA only) or plain SGD.",
+    optimizer: str = _opt("adamw", "Optimizer: AdamW (fused), 8-bit AdamW (bitsandbytes, on a GPU or a CPU) or plain "
+                          "SGD.",
                           choices=("adamw", "adamw_8bit", "sgd"), group="advanced")
     max_grad_norm: float = _opt(1.0, "Clip the window's gradient to this norm (0 = off).", min=0.0)
     precision: str = _opt("auto", "Number format: auto = bf16/fp16 mixed precision on a GPU that has it, fp32 on "
@@ -211,6 +217,30 @@ class Config:
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in fields(Config)}
 
 
+# What a `source` field names: a hub model id or a model folder; a hub dataset id or a data file; a file (a chat
+# template); the run's own folder.
+SOURCE_KINDS = ("model", "data", "file", "output")
+
+
+def sources(value: Any, where: str = "") -> list[tuple[str, str, str]]:
+    """Every value of a config (or of a `TaskSpec`, or a tuple of them) that names something to read or write, as
+    (where, kind, value): found by walking the schema's `source` metadata, nested entries (each task of `tasks`)
+    included, so that a field added later is checked as soon as it says what it names."""
+    if isinstance(value, tuple):
+        return [found for item in value for found in sources(item, f"{where}[{getattr(item, 'name', '')}]")]
+    if not dataclasses.is_dataclass(value):
+        return []
+    found = []
+    for f in fields(value):
+        item = getattr(value, f.name)
+        name = f"{where}.{f.name}" if where else f.name
+        if f.metadata.get("source") and isinstance(item, str):
+            found.append((name, f.metadata["source"], item))
+        elif isinstance(item, tuple) or dataclasses.is_dataclass(item):
+            found += sources(item, name)
+    return found
+
+
 @functools.cache
 def _hints() -> dict[str, Any]:
     return typing.get_type_hints(Config)  # resolving them took 2 ms per call, hundreds of calls per start
@@ -238,7 +268,7 @@ def _coerce_list(name: str, value: Any) -> tuple[Any, str | None]:
         return (), None
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
-        return None, f"`{name}` must be a list of names or a comma-separated string, not {value!r}."
+        return None, f"`{name}` must be a list of names or a comma-separated string, not {summary(value)}."
     names = [i.strip() for i in items if i.strip() and i.strip().lower() not in ("none", "null")]
     return tuple(dict.fromkeys(names)), None
 
@@ -248,6 +278,9 @@ def _coerce(name: str, value: Any) -> tuple[Any, str | None]:
     if is_list_field(name):
         return _coerce_list(name, value)
     base, optional = field_type(name)
+    choices = FIELDS[name].metadata["choices"] or ()
+    if isinstance(value, str) and value.strip().lower() == "none" and "none" in choices:
+        return "none", None  # a choice spelled "none" (quantization) is that choice, not a missing value
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         if optional:
             return None, None
@@ -260,30 +293,32 @@ def _coerce(name: str, value: Any) -> tuple[Any, str | None]:
             return True, None
         if text in ("false", "no", "off", "0"):
             return False, None
-        return None, f"`{name}` must be true or false, not {value!r}."
+        return None, f"`{name}` must be true or false, not {summary(value)}."
+    if isinstance(value, (dict, list, tuple)):  # before str(): an aliased list's text can take gigabytes
+        return None, f"`{name}` must be a single value, not {summary(value)}."
     if base is int:
         if isinstance(value, bool):
-            return None, f"`{name}` must be a whole number, not {value!r}."
+            return None, f"`{name}` must be a whole number, not {summary(value)}."
         if isinstance(value, float) and value.is_integer():
             return int(value), None
         try:
             return int(str(value).strip()), None
         except ValueError:
-            return None, f"`{name}` must be a whole number, not {value!r}."
+            return None, f"`{name}` must be a whole number, not {summary(value)}."
     if base is float:
         if isinstance(value, bool):
-            return None, f"`{name}` must be a number, not {value!r}."
+            return None, f"`{name}` must be a number, not {summary(value)}."
         try:
             number = float(value)
         except (TypeError, ValueError):
-            return None, f"`{name}` must be a number, not {value!r}."
+            return None, f"`{name}` must be a number, not {summary(value)}."
         if not math.isfinite(number):
-            return None, f"`{name}` must be a finite number, not {value!r}."
+            return None, f"`{name}` must be a finite number, not {summary(value)}."
         return number, None
-    if isinstance(value, (dict, list)):
-        return None, f"`{name}` must be a single value, not {type(value).__name__}."
     if isinstance(value, bool):  # YAML reads `lora: true` as a boolean; the choice is spelled "true"
         return str(value).lower(), None
+    if "\x00" in str(value):  # no file, column or hub id has one, and the OS refuses it in a path with a traceback
+        return None, f"`{name}` may not contain a null character."
     return str(value), None
 
 
@@ -299,22 +334,23 @@ def _check_field(name: str, value: Any) -> str | None:
     if isinstance(value, tuple):
         unknown = [v for v in value if v not in meta["choices"]]
         if unknown:
-            return f"`{name}` takes {', '.join(meta['choices'])}, not {', '.join(map(repr, unknown))}."
+            return f"`{name}` takes {', '.join(meta['choices'])}, not {', '.join(map(summary, unknown[:5]))}."
         return None
     if meta["choices"] and value not in meta["choices"]:
-        return f"`{name}` must be one of {', '.join(meta['choices'])}, not {value!r}."
+        return f"`{name}` must be one of {', '.join(meta['choices'])}, not {summary(value)}."
     if meta["min"] is not None and value < meta["min"]:
-        return f"`{name}` must be at least {format_bound(meta['min'])}, not {value!r}."
+        return f"`{name}` must be at least {format_bound(meta['min'])}, not {summary(value)}."
     if meta["max"] is not None and value > meta["max"]:
-        return f"`{name}` must be at most {format_bound(meta['max'])}, not {value!r}."
+        return f"`{name}` must be at most {format_bound(meta['max'])}, not {summary(value)}."
     return None
 
 
 def unknown_key_message(key: str) -> str:
     """One sentence for an unknown key, with the closest known name when there is one."""
-    close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key[:100], FIELDS, n=1, cutoff=0.6)
     hint = f" Did you mean `{close[0]}`?" if close else " Run `finetune init` to see every option."
-    return f"Unknown option `{key}`.{hint}"
+    shown = key if len(key) <= 60 else key[:59] + "…"
+    return f"Unknown option `{shown}`.{hint}"
 
 
 def from_dict(values: dict[str, Any]) -> Config:
@@ -364,9 +400,27 @@ def _cross_checks(c: Config) -> list[str]:
         problems.append(problem)
     problems += _long_document_checks(c)
     problems += exclusions.problems(c)  # the features that do not combine, and those a kind does not take
+    problems += _quantization_checks(c)
     if c.max_steps is None and c.epochs <= 0:
         problems.append("`epochs` must be above 0 (or set `max_steps`).")
     return problems + _recurrence_checks(c)
+
+
+def _quantization_checks(c: Config) -> list[str]:
+    if c.quantization not in ("8bit", "4bit"):
+        return []
+    problems = []
+    if c.lora == "false":
+        problems.append(f"`quantization={c.quantization}` trains LoRA adapters on a frozen quantized base, so it "
+                        "cannot train without LoRA: set lora=auto (or true), or quantization=none.")
+    if c.task != "causal_lm":
+        problems.append(f"`quantization={c.quantization}` is for task=causal_lm (a classifier's head would be "
+                        "quantized with its base): set quantization=none.")
+    for key in ("segment_recurrence", "tasks"):
+        if getattr(c, key):
+            problems.append(f"`quantization={c.quantization}` is not available with `{key}` yet: set "
+                            "quantization=none.")
+    return problems
 
 
 def _recurrence_checks(c: Config) -> list[str]:
@@ -397,6 +451,47 @@ def _long_document_checks(c: Config) -> list[str]:
     return problems
 
 
+MAX_YAML_NODES = 10_000  # values of a config once its aliases are expanded; a real one has a few hundred
+YAML_TOO_BIG = (f"The config's YAML expands to more than {MAX_YAML_NODES:,} values (through `&anchor`/`*alias` "
+                "references): write the values out.")
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a document whose aliases expand past `MAX_YAML_NODES` values, before it
+    is constructed: nested aliases grow ninefold per level, and a 450-byte bomb would otherwise become a list whose
+    text (in any message or copy) takes gigabytes and minutes."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        if _expanded_size(node, {}) > MAX_YAML_NODES:
+            raise YamlTooBig(YAML_TOO_BIG)
+        return super().construct_document(node)
+
+
+class YamlTooBig(yaml.YAMLError):
+    """A YAML document larger than `MAX_YAML_NODES` values once expanded."""
+
+
+def _expanded_size(node: yaml.Node, seen: dict[int, int]) -> int:
+    """Values in `node` with every alias expanded, counted once per distinct node (linear in the text's size)."""
+    if id(node) in seen:
+        return seen[id(node)]
+    seen[id(node)] = MAX_YAML_NODES + 1  # a node inside itself (a recursive alias) is too big
+    if isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, seen) + _expanded_size(v, seen) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(v, seen) for v in node.value)
+    else:
+        size = 1
+    seen[id(node)] = size = min(size, MAX_YAML_NODES + 1)
+    return size
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text as Python values, safely (no tags that run code) and bounded (`MAX_YAML_NODES`); raises
+    `yaml.YAMLError` (`YamlTooBig` when the aliases expand too far)."""
+    return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """`["lr=1", "x=y"]` → a dict; values are read as YAML scalars, so `0.5` is a number and `true` a bool."""
     out: dict[str, Any] = {}
@@ -407,7 +502,9 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             problems.append(f"Override {pair!r} is not of the form key=value.")
             continue
         try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            out[key.strip()] = load_yaml(raw) if raw.strip() else None
+        except YamlTooBig:
+            problems.append(YAML_TOO_BIG)
         except yaml.YAMLError:
             out[key.strip()] = raw
     if problems:
@@ -421,7 +518,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError([f"Config file {str(path)!r} does not exist; `finetune init` writes an example."])
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
+    except YamlTooBig:
+        raise ConfigError([f"Config file {str(path)!r}: {YAML_TOO_BIG[0].lower()}{YAML_TOO_BIG[1:]}"]) from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         where = getattr(e, "problem_mark", None)
         line = f" (line {where.line + 1})" if where else ""

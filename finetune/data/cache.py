@@ -40,7 +40,8 @@ DATA_OPTIONS = tuple(dict.fromkeys((
 # Paths under finetune/.
 DATA_CODE = ("data/load.py", "data/encoding.py", "data/cache.py", "data/segments.py", "data/chat.py",
              "data/packing.py", "data/arrow.py", "kinds/base.py", "kinds/registry.py",
-             *(f"{e.module.removeprefix('finetune.').replace('.', '/')}.py" for e in kinds.ENTRIES.values()))
+             *(f"{e.module.removeprefix('finetune.').replace('.', '/')}.py" for e in kinds.ENTRIES.values()
+               if e.module.startswith("finetune.")))  # the kinds' modules encode the rows
 
 
 def cache_dir() -> Path:

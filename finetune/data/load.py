@@ -10,6 +10,8 @@ file, without reading or checking the file again: `finetune.data.cache`). With
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import itertools
 from pathlib import Path
 from typing import Any
@@ -34,9 +36,33 @@ FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json",
 LABEL_PEEK = 10_000
 
 
+@functools.cache
+def builder_names() -> frozenset[str]:
+    """The names `datasets.load_dataset` takes as its own file builders (csv, json, text, parquet, imagefolder, …):
+    each reads files from the working folder when given no `data_files`, so none of them is a hub dataset id.
+
+    Read from the installed package's `packaged_modules` folder, without importing `datasets` (a repeated run's
+    fast path imports neither datasets nor pandas)."""
+    spec = importlib.util.find_spec("datasets")
+    names = {"csv", "json", "text", "parquet", "arrow", "pandas", "imagefolder", "audiofolder", "videofolder",
+             "webdataset", "xml", "sql", "generator", "spark", "cache"}  # if the folder cannot be read
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        folder = Path(root) / "packaged_modules"
+        if folder.is_dir():
+            names.update(p.name for p in folder.iterdir() if p.is_dir() and (p / f"{p.name}.py").is_file())
+    return frozenset(names)
+
+
 def is_local(source: str) -> bool:
-    """Whether `source` names a file on disk rather than a hub dataset id."""
-    return Path(source).suffix.lower() in FILE_FORMATS or Path(source).exists() or source.startswith((".", "/", "~"))
+    """Whether `source` names a file on disk rather than a hub dataset id (a `datasets` builder name such as `csv`
+    counts as local: it would read files from the working folder)."""
+    if source.lower() in builder_names() or "\x00" in source:
+        return True
+    try:
+        exists = Path(source).exists()
+    except (OSError, ValueError):  # a name too long or with a null byte is no hub id either
+        return True
+    return Path(source).suffix.lower() in FILE_FORMATS or exists or source.startswith((".", "/", "~"))
 
 
 def load_table(source: str, config_name: str | None = None, split: str = "train", *, streaming: bool = False
@@ -50,6 +76,9 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
     if is_local(source):
         path = Path(source).expanduser()
         fmt = FILE_FORMATS.get(path.suffix.lower())
+        if source.lower() in builder_names() and not path.is_file():
+            raise DataError(f"{source!r} is the name of a `datasets` file builder, not a dataset: give the path of "
+                            "your file (such as data.csv) or a hub dataset id.")
         if not path.is_file():
             raise DataError(f"Dataset file {source!r} does not exist: check the path.")
         if fmt is None:

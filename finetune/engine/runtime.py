@@ -14,13 +14,15 @@ import torch
 from finetune.errors import ConfigError
 
 
-def resolve_precision(precision: str) -> str:
-    """`auto` → bf16 (or fp16) on a GPU that has it, fp32 elsewhere; fp16 off a GPU is refused."""
-    cuda = torch.cuda.is_available()
+def resolve_precision(precision: str, cuda: bool | None = None) -> str:
+    """`auto` → bf16 (or fp16) on a GPU that has it, fp32 elsewhere; fp16 off a GPU is refused. `cuda=True` plans
+    for a CUDA GPU that this machine may not have (bf16, what current GPUs use)."""
+    here = torch.cuda.is_available()
+    cuda = here if cuda is None else cuda
     if precision == "auto":
         if not cuda:
             return "fp32"
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if not here or torch.cuda.is_bf16_supported() else "fp16"
     if precision == "fp16" and not cuda:
         raise ConfigError(["precision=fp16 needs a CUDA GPU (its loss scaling is GPU-only): use fp32 or auto."])
     return precision

@@ -30,6 +30,11 @@ class MultiHeadModel(nn.Module):
 
     def __init__(self, models: dict[str, nn.Module]) -> None:
         super().__init__()
+        # A ModuleDict's keys are attributes: a task named `half` or `train` would shadow the module's own method.
+        taken = sorted(name for name in models if hasattr(nn.ModuleDict, name))
+        if taken:
+            raise ModelError(f"Task name {taken[0]!r} is the name of a torch module method: rename that task "
+                             "(for example {taken[0]}_task).")
         self.tasks = nn.ModuleDict(models)
         first = next(iter(models.values()))
         self.body_name = first.base_model_prefix

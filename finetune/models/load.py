@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from finetune.config.schema import DEFAULT_MODEL, Config
 from finetune.data.chat import read_template
+from finetune.engine.runtime import resolve_precision
 from finetune.errors import ModelError
 from finetune.kinds.registry import entry, kind_of_model_config, kind_of_peft_task_type
 from finetune.kinds.registry import kind as kind_named
+from finetune.models import quantize
 
 
 def resolve_model_path(name: str) -> str:
@@ -78,8 +78,10 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
     quiet_transformers()
     path = resolve_model_path(c.model)
     # fp32 master weights whatever the checkpoint's dtype: mixed precision casts copies, the optimizer needs fp32.
+    # A frozen LoRA base needs no master weights: it is stored in the half dtype, or quantized (models/quantize.py).
     kwargs: dict[str, Any] = {"trust_remote_code": c.trust_remote_code, "use_safetensors": True,
-                              "dtype": torch.float32}
+                              **quantize.load_kwargs(c.quantization, resolve_precision(c.precision),
+                                                     c.lora == "true")}
     kind = kind_named(c.task)
     head = kind.model_kwargs(label_names)
     if head:  # a head of the kind's own size replaces the checkpoint's
@@ -110,6 +112,7 @@ def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bo
         model = get_peft_model(model, LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
                                                  target_modules=modules, task_type=task_type,
                                                  exclude_modules=heads or None))
+        quantize.upcast_trainable(model)
     return model
 
 
@@ -139,10 +142,14 @@ def save_model(model: Any, tokenizer: Any, run_dir: Path, merge_lora: bool = Fal
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(target)
+    quantized = quantize.quantization_of(model)
     if is_peft:  # the base config beside the adapter keeps the run's label names and head size
-        model.get_base_model().config.save_pretrained(target)
+        quantize.plain_config(model.get_base_model().config).save_pretrained(target)
+    if quantized:  # using the adapter loads its base quantized as in training
+        quantize.save_quantization(target, *quantized)
     if is_peft and merge_lora:
-        merged = model.merge_and_unload()
+        # A quantized base is dequantized into plain weights of its unquantized dtype (models/quantize.py).
+        merged = quantize.merged_model(model) if quantized else model.merge_and_unload()
         merged.save_pretrained(run_dir / "model", safe_serialization=True)
         tokenizer.save_pretrained(run_dir / "model")
     return run_dir / "model"
@@ -165,7 +172,10 @@ def load_trained(model_dir: Path, task: str) -> Any:
 
     base_path = json.loads((Path(model_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
     config = AutoConfig.from_pretrained(model_dir)
-    base = auto.from_pretrained(base_path, config=config, use_safetensors=True, ignore_mismatched_sizes=True)
+    saved = quantize.saved_quantization(model_dir)
+    kwargs = quantize.load_kwargs(saved["quantization"], saved["precision"], True) if saved else {}
+    base = auto.from_pretrained(base_path, config=config, use_safetensors=True, ignore_mismatched_sizes=True,
+                                **kwargs)
     return PeftModel.from_pretrained(base, model_dir)
 
 

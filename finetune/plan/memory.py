@@ -28,6 +28,7 @@ from finetune.engine.optim import make_optimizer
 from finetune.engine.recurrence import Recurrence, detach_cache, segment_loss_sum
 from finetune.kinds.base import TaskKind
 from finetune.kinds.registry import kind as kind_named
+from finetune.models import quantize
 from finetune.models.load import prepare_for_training, quiet_transformers, resolve_model_path
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions that autocast to half
@@ -85,9 +86,11 @@ class Skeleton:
     fake_mode: FakeTensorMode
 
 
-def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool) -> Skeleton:
+def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool, precision: str = "fp32"
+                   ) -> Skeleton:
     """The configured model as fake tensors (shapes, dtypes and a device, no data and no weights read), with
-    checkpointing and LoRA as asked."""
+    checkpointing and LoRA as asked; under LoRA with mixed precision the frozen base is in the half dtype, as
+    `load_model` stores it (a quantized base is counted from these shapes: `quantize.weight_bytes`)."""
     import transformers
     from transformers import AutoConfig
 
@@ -100,7 +103,8 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
     auto = getattr(transformers, kind.entry.auto_model)
     fake = FakeTensorMode()
     with fake, _adapters_stay_where_made():
-        model = auto.from_config(model_config, trust_remote_code=c.trust_remote_code, dtype=torch.float32)
+        model = auto.from_config(model_config, trust_remote_code=c.trust_remote_code,
+                                 dtype=quantize.base_dtype(precision, lora))
         model = prepare_for_training(model, c, checkpointing=checkpointing, lora=lora)
     return Skeleton(model, fake)
 

@@ -25,6 +25,7 @@ from finetune.engine.runtime import device_memory, resolve_precision
 from finetune.errors import PlanError
 from finetune.kinds.base import TaskKind
 from finetune.kinds.registry import kind as kind_named
+from finetune.models import quantize
 from finetune.models.load import load_model, prepare_for_training
 from finetune.plan import cache as plancache
 from finetune.plan.memory import Skeleton, dry_run, dry_run_segments, measure_window, model_skeleton
@@ -34,7 +35,8 @@ SAFETY = 0.95  # plan to 95 % of the budget: the estimate aims at ±5 % on a GPU
 CUDA_CONTEXT = 512 * 2**20  # the CUDA context and kernels, outside the allocator's counts
 ALLOCATOR_SLACK = 0.10  # reserved − allocated in training: PyTorch's caching allocator fragments
 CPU_RUNTIME = 0  # live tensors only: the process's own footprint is not the model's
-SHARDED_TERMS = ("weights", "gradients", "optimizer_state")  # what FSDP splits over the processes
+# What FSDP splits over the processes.
+SHARDED_TERMS = ("weights", "quantized_weights", "quantization_constants", "gradients", "optimizer_state")
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -54,6 +56,8 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     distributed: str = "single"  # single, ddp, fsdp or deepspeed: fsdp divides the sharded terms by the processes
     padded: bool = False  # samples differ in length: a worst-case micro-batch of 2 or more holds padding
+    quantization: str = "none"  # the frozen base under LoRA: none (fp32, or the half dtype), 8bit or 4bit
+    base_dtype: str = "fp32"  # what the frozen base's unquantized weights are stored in
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -72,7 +76,17 @@ class Plan:
         return c.replace(micro_batch_size=self.batch.micro_batch_size, grad_accum_steps=self.batch.grad_accum_steps,
                          effective_batch_size=self.batch.effective_batch_size, precision=self.precision,
                          gradient_checkpointing=str(self.gradient_checkpointing).lower(),
-                         lora=str(self.lora).lower(), optimizer=self.optimizer)
+                         lora=str(self.lora).lower(), optimizer=self.optimizer, quantization=self.quantization)
+
+
+class Level(NamedTuple):
+    """One step of the planner's ladder: what it turns on to save memory."""
+
+    name: str
+    checkpointing: bool
+    optimizer: str
+    lora: bool
+    quantization: str = "none"
 
 
 class Attempt(NamedTuple):
@@ -83,12 +97,10 @@ class Attempt(NamedTuple):
     peak: int
 
 
-def _has_8bit_optimizer() -> bool:
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+def _has_bitsandbytes(cuda_planned: bool = False) -> bool:
+    """Whether 8-bit AdamW and quantized bases can be offered: bitsandbytes runs here (on a CPU too), or the plan
+    is for a CUDA GPU elsewhere (where `pip install finetune[quantization]` provides it)."""
+    return cuda_planned or quantize.available()
 
 
 def _bytes(params: Any) -> int:
@@ -101,21 +113,33 @@ def overhead(tensors: int, device: str) -> int:
 
 
 def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, tokens: int, accum: int, precision: str,
-             optimizer: str, device: str, shards: int = 1, memory: int | None = None, padded: bool = False
-             ) -> dict[str, int]:
+             optimizer: str, device: str, shards: int = 1, memory: int | None = None, padded: bool = False,
+             quantization: str = "none", windows: dict[tuple, tuple[int, int]] | None = None) -> dict[str, int]:
     """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
     optimizer state over `shards` processes. With `memory` (segment recurrence), `tokens` is one segment and
     `accum` its micro steps, which carry a cache of `memory` earlier tokens. `padded`: the micro-batch holds
-    padding, so the model builds an attention mask (see `synthetic_batch`)."""
+    padding, so the model builds an attention mask (see `synthetic_batch`). `quantization` (8bit, 4bit): the
+    skeleton's base linear layers are stored quantized (`quantize.weight_bytes`), and each is dequantized to the
+    compute dtype for its matmul, one at a time. `windows` keeps dry runs already made, by skeleton and shape."""
     params = list(skeleton.model.parameters())
     gradients = _bytes(p for p in params if p.requires_grad)
     state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
-    terms = {"weights": _bytes(params), "optimizer_state": int(state_per_byte * gradients)}
-    carried = 0
-    if memory is None:
-        window = dry_run(skeleton, kind, micro, tokens, accum, precision, packed=c.packing, padded=padded)
+    if quantization in ("8bit", "4bit"):
+        terms = quantize.weight_bytes(skeleton.model, quantization)
+        terms["dequantized_layer"] = quantize.dequantize_buffer(skeleton.model, precision)
+    else:
+        terms = {"weights": _bytes(params)}
+    terms["optimizer_state"] = int(state_per_byte * gradients)
+    key = (id(skeleton), micro, tokens, min(accum, 2), precision, memory, padded)
+    if windows is not None and key in windows:
+        window, carried = windows[key]
+    elif memory is None:
+        window, carried = dry_run(skeleton, kind, micro, tokens, accum, precision, packed=c.packing,
+                                  padded=padded), 0
     else:
         window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
+    if windows is not None:
+        windows[key] = window, carried
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
     # activations at the end of forward and the gradients at the end of backward), logits and activations.
     model_config = getattr(skeleton.model, "config", None)
@@ -129,7 +153,8 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
     # Each process keeps 1/N of every parameter, its gradient and its optimizer state; activations and logits
     # belong to the process's own micro-batch and are not sharded.
     for term in SHARDED_TERMS:
-        terms[term] = math.ceil(terms[term] / shards)
+        if term in terms:
+            terms[term] = math.ceil(terms[term] / shards)
     terms["overhead"] = overhead(sum(terms.values()), device)
     return terms
 
@@ -158,9 +183,11 @@ def may_pad(lengths: Any) -> bool:
 def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int = 1,
               device: tuple[str, int] | None = None, distributed: str = "single") -> Plan:
     """Choose the largest micro-batch that divides the effective batch and fits, escalating in a fixed order;
-    `distributed` is how the run will distribute (fsdp shards weights, gradients and optimizer state)."""
+    `distributed` is how the run will distribute (fsdp shards weights, gradients and optimizer state). A `device`
+    named cuda… is planned for as a CUDA GPU (its precision and overhead) whether or not this machine has one."""
     device_name, device_total = device or device_memory()
-    precision = resolve_precision(c.precision)
+    cuda = device_name.startswith("cuda")
+    precision = resolve_precision(c.precision, cuda=cuda)
     kind = kind_named(c.task)
     tokens = worst_case_tokens(c, lengths)
     uneven = may_pad(lengths)
@@ -184,16 +211,30 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                      f"1/{shards} of them; activations are per process (a layer's parameters are gathered while it "
                      "runs, which the plan does not count).")
     tried: list[Attempt] = []
-    for level, checkpointing, optimizer, lora in _levels(c, notes):
-        skeleton = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora)
+    skeletons: dict[tuple[bool, bool], Skeleton] = {}
+    windows: dict[tuple, tuple[int, int]] = {}
+    for step in _levels(c, notes, cuda=cuda, precision=precision, shards=shards):
+        level, checkpointing, optimizer, lora = step.name, step.checkpointing, step.optimizer, step.lora
+        # Rungs that differ only in the optimizer or in how the frozen base is stored share the skeleton and its
+        # dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds to build.
+        if (checkpointing, lora) not in skeletons:
+            skeletons[checkpointing, lora] = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora,
+                                                            precision=precision)
+        skeleton = skeletons[checkpointing, lora]
 
-        def peak_of(micro: int, skeleton: Skeleton = skeleton, level: str = level, optimizer: str = optimizer
-                    ) -> tuple[int, dict[str, int]]:
+        known: dict[int, tuple[int, dict[str, int]]] = {}
+
+        def peak_of(micro: int, skeleton: Skeleton = skeleton, step: Level = step,
+                    known: dict[int, tuple[int, dict[str, int]]] = known) -> tuple[int, dict[str, int]]:
+            if micro in known:  # the chosen micro-batch was estimated while searching: one dry run each
+                return known[micro]
             terms = estimate(skeleton, c, kind=kind, micro=micro, tokens=tokens,
-                             accum=batch.per_process // micro * segments, precision=precision, optimizer=optimizer,
-                             device=device_name, shards=shards, memory=memory, padded=uneven and micro > 1)
-            tried.append(Attempt(level, micro, sum(terms.values())))
-            return sum(terms.values()), terms
+                             accum=batch.per_process // micro * segments, precision=precision,
+                             optimizer=step.optimizer, device=device_name, shards=shards, memory=memory,
+                             padded=uneven and micro > 1, quantization=step.quantization, windows=windows)
+            tried.append(Attempt(step.name, micro, sum(terms.values())))
+            known[micro] = sum(terms.values()), terms
+            return known[micro]
 
         def fits(peak: int) -> bool:
             return budget is None or peak <= SAFETY * budget
@@ -215,18 +256,22 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                     lo = mid + 1
             chosen = candidates[fitting]
         peak, terms = peak_of(chosen)
-        if level != "plain":
-            smallest: dict[str, int] = {}
-            for earlier in tried:
-                if earlier.level != level:
-                    smallest[earlier.level] = min(earlier.peak, smallest.get(earlier.level, earlier.peak))
+        smallest: dict[str, int] = {}
+        for earlier in tried:
+            if earlier.level != level:
+                smallest[earlier.level] = min(earlier.peak, smallest.get(earlier.level, earlier.peak))
+        if smallest:
             steps = "; ".join(f"{name} needs {_gib(p)}" for name, p in smallest.items())
             notes.append(f"Escalated to {level}, since the smallest plan of each earlier step does not fit "
                          f"{SAFETY:.0%} of the budget ({steps}).")
+        dtype = quantize.base_dtype(precision, lora)
+        if lora and dtype != torch.float32 and step.quantization == "none":
+            notes.append(f"The frozen base is stored in {precision} (LoRA trains fp32 adapters on it).")
         return Plan(batch=batch.with_micro(chosen), precision=precision, gradient_checkpointing=checkpointing,
                     lora=lora, optimizer=optimizer, budget_bytes=budget, predicted_peak_bytes=peak, breakdown=terms,
                     device=device_name, worst_case_tokens=tokens, method="dry-run", notes=tuple(notes),
-                    distributed=distributed, padded=uneven)
+                    distributed=distributed, padded=uneven, quantization=step.quantization,
+                    base_dtype={torch.float32: "fp32"}.get(dtype, precision))
     best = min(tried, key=lambda attempt: attempt.peak)
     hint = " (or drop micro_batch_size/grad_accum_steps so the planner may split the batch)" if len(candidates) == 1 \
         else ""
@@ -235,6 +280,35 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                      f"{tokens} tokens, so use a budget of at least "
                      f"{math.ceil(best.peak / SAFETY / GIB * 100) / 100:g} GiB, a smaller max_length, or a smaller "
                      f"model{hint}."])
+
+
+def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | None = None) -> tuple[int, str]:
+    """The reverse question: the largest `max_length` whose one sample fits the budget at micro-batch 1 on the
+    cheapest rung of the ladder that the config allows, and that rung's name (`finetune plan --longest`)."""
+    device_name, _ = device or device_memory()
+    cuda = device_name.startswith("cuda")
+    precision = resolve_precision(c.precision, cuda=cuda)
+    if not c.memory_budget_gb:
+        raise PlanError(["The longest context that fits needs a budget: set memory_budget_gb."])
+    budget = c.memory_budget_gb * GIB
+    step = _levels(c, [], cuda=cuda, precision=precision)[-1]
+    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
+    accum = resolve_batch(c, 1).per_process  # micro-batch 1: the whole batch accumulated
+    positions = getattr(skeleton.model.config, "max_position_embeddings", None) or c.max_length
+
+    def fits(tokens: int) -> bool:
+        terms = estimate(skeleton, c, kind=kind_named(c.task), micro=1, tokens=tokens, accum=accum,
+                         precision=precision, optimizer=step.optimizer, device=device_name,
+                         quantization=step.quantization)
+        return sum(terms.values()) <= SAFETY * budget
+
+    lo, hi = 0, min(positions, 131072)
+    if fits(hi):
+        return hi, step.name
+    while hi - lo > 1:  # fits(lo) is true (or lo is 0), fits(hi) is false
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, step.name
 
 
 def probe_enabled(c: Config) -> bool:
@@ -276,7 +350,9 @@ def refine_with_probe(plan: Plan, model: Any, c: Config, longest: int | None = N
         extra = overhead(tensors, plan.device)
         if plan.budget_bytes is None or tensors + extra <= SAFETY * plan.budget_bytes:
             # The measured total, split like the dry run: the fixed terms stay, the rest is activations.
-            breakdown = {k: plan.breakdown[k] for k in ("weights", "optimizer_state", "gradients")}
+            fixed = ("weights", "quantized_weights", "quantization_constants", "dequantized_layer", "optimizer_state",
+                     "gradients")
+            breakdown = {k: plan.breakdown[k] for k in fixed if k in plan.breakdown}
             breakdown["logits"] = plan.breakdown["logits"] * b // upper
             if "carried_cache" in plan.breakdown:
                 breakdown["carried_cache"] = plan.breakdown["carried_cache"] * b // upper
@@ -292,15 +368,20 @@ def refine_with_probe(plan: Plan, model: Any, c: Config, longest: int | None = N
 
 
 def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, num_processes: int, device: Any,
-             load: bool = False, distributed: str = "single") -> tuple[Plan, Any | None]:
+             load: bool = False, distributed: str = "single", planned_device: tuple[str, int] | None = None
+             ) -> tuple[Plan, Any | None]:
     """The plan a run trains with (what `finetune train` and `finetune plan` both use): the dry run, then, when
-    `plan_probe` is on, the probe on the real model at `device`.
+    `plan_probe` is on, the probe on the real model at `device`. `planned_device` (name, bytes): plan for that
+    device instead of this machine's (`finetune plan --device cuda`), by the dry run alone.
 
     Returns the plan and the model loaded for it, prepared for training (checkpointing, LoRA). The model is loaded
     when the probe needs it or `load` asks for it; a dry run alone reads no weights (None)."""
     if c.segment_recurrence:  # refuse a model that would train silently wrong before planning for it
         check_run(c, lengths)
-    plan = _dry_run_plan(c, lengths, len(label_names or []), num_processes=num_processes, distributed=distributed)
+    plan = _dry_run_plan(c, lengths, len(label_names or []), num_processes=num_processes, distributed=distributed,
+                         device=planned_device)
+    if planned_device is not None:  # nothing to probe or load for a device that is not here
+        return plan, None
     probe = probe_enabled(c)
     if probe and distributed == "fsdp":  # the probe trains the whole model on one device: what FSDP is there to avoid
         probe = False
@@ -308,20 +389,24 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
                                                 "model on one device."))
     if not (probe or load):
         return plan, None
-    model = prepare_for_training(load_model(c, label_names), c, checkpointing=plan.gradient_checkpointing,
-                                 lora=plan.lora)
+    planned = plan.apply(c)  # the base stored as the plan says: fp32, the half dtype or quantized
+    model = prepare_for_training(load_model(planned, label_names), planned,
+                                 checkpointing=plan.gradient_checkpointing, lora=plan.lora)
     if probe:
-        plan = refine_with_probe(plan, model.to(device), c, longest=int(max(lengths)) if len(lengths) else None)
+        # bitsandbytes puts a quantized model on its device as it loads it, and refuses to move it after.
+        model = model if plan.quantization != "none" else model.to(device)
+        plan = refine_with_probe(plan, model, c, longest=int(max(lengths)) if len(lengths) else None)
     return plan, model
 
 
-def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int, distributed: str) -> Plan:
+def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int, distributed: str,
+                  device: tuple[str, int] | None = None) -> Plan:
     """`make_plan`, or the same plan read back when nothing it depends on has changed since it was last made."""
-    device = device_memory()
+    device = device or device_memory()
     key = plancache.plan_key(c, tokens=worst_case_tokens(c, lengths), num_labels=num_labels,
                              num_processes=num_processes, distributed=distributed, device=device[0],
                              padded=may_pad(lengths),
-                             eight_bit=_has_8bit_optimizer())
+                             eight_bit=_has_bitsandbytes(device[0].startswith("cuda")))
     cached = plancache.load(key)
     if cached is not None:
         try:
@@ -333,25 +418,63 @@ def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_process
     return plan
 
 
-def _levels(c: Config, notes: list[str]) -> list[tuple[str, bool, str, bool]]:
-    """The escalation ladder as (name, checkpointing, optimizer, lora), respecting what the user fixed."""
+def _levels(c: Config, notes: list[str], *, cuda: bool = False, precision: str = "fp32", shards: int = 1
+            ) -> list[Level]:
+    """The escalation ladder, cheapest loss of quality first, respecting what the user fixed: plain → gradient
+    checkpointing → 8-bit AdamW → LoRA (on a half-precision base under mixed precision) → 8-bit base → 4-bit
+    base."""
     ckpt_allowed = c.gradient_checkpointing != "false" and not c.segment_recurrence
     if c.segment_recurrence and c.gradient_checkpointing == "auto":
         notes.append("Gradient checkpointing not considered: it drops segment recurrence's carried cache.")
+    fixed_quant = c.quantization in ("8bit", "4bit")
     lora_allowed = c.lora != "false"
     base_ckpt = c.gradient_checkpointing == "true"
-    base_lora = c.lora == "true"
-    eight_bit = c.optimizer == "adamw" and _has_8bit_optimizer()
+    base_lora = c.lora == "true" or fixed_quant
+    bnb = _has_bitsandbytes(cuda)
+    eight_bit = c.optimizer == "adamw" and bnb
     if c.optimizer == "adamw" and not eight_bit:
-        notes.append("8-bit AdamW skipped: it needs bitsandbytes on a CUDA GPU.")
-    ladder = [("plain", base_ckpt, c.optimizer, base_lora)]
+        notes.append("8-bit AdamW and quantized bases skipped: they need bitsandbytes (`pip install "
+                     "finetune[quantization]`).")
+    if fixed_quant:
+        if not bnb:
+            raise PlanError([f"quantization={c.quantization} needs bitsandbytes: `pip install "
+                             "finetune[quantization]`, or set quantization=none."])
+        if c.lora == "auto":
+            notes.append(f"LoRA on: quantization={c.quantization} trains adapters on a frozen quantized base.")
+        name = f"{c.quantization[0]}-bit base"
+        ladder = [Level(name, base_ckpt, c.optimizer, True, c.quantization)]
+        if ckpt_allowed and not base_ckpt:
+            ladder.append(Level(f"{name} with gradient checkpointing", True, c.optimizer, True, c.quantization))
+        if eight_bit:
+            ladder.append(Level(f"{name} with 8-bit AdamW", ckpt_allowed or base_ckpt, "adamw_8bit", True,
+                                c.quantization))
+        return ladder
+    ladder = [Level("plain", base_ckpt, c.optimizer, base_lora)]
     if ckpt_allowed and not base_ckpt:
-        ladder.append(("gradient checkpointing", True, c.optimizer, base_lora))
+        ladder.append(Level("gradient checkpointing", True, c.optimizer, base_lora))
     if eight_bit:
-        ladder.append(("8-bit optimizer", ckpt_allowed, "adamw_8bit", base_lora))
+        ladder.append(Level("8-bit optimizer", ckpt_allowed or base_ckpt, "adamw_8bit", base_lora))
+    optimizer = "adamw_8bit" if eight_bit else c.optimizer
     if lora_allowed and not base_lora:
-        ladder.append(("LoRA", ckpt_allowed, "adamw_8bit" if eight_bit else c.optimizer, True))
+        name = f"LoRA on a {precision} base" if precision in quantize.HALF else "LoRA"
+        ladder.append(Level(name, ckpt_allowed or base_ckpt, optimizer, True))
+    quant_allowed = (c.quantization == "auto" and lora_allowed and bnb and c.task == "causal_lm"
+                     and not c.segment_recurrence and shards == 1)
+    if quant_allowed:
+        ladder += [Level("8-bit base", ckpt_allowed or base_ckpt, optimizer, True, "8bit"),
+                   Level("4-bit base", ckpt_allowed or base_ckpt, optimizer, True, "4bit")]
     return ladder
+
+
+def _base_words(plan: Plan) -> str:
+    """How the frozen base is stored, for the plan's table."""
+    if not plan.lora:
+        return "none (every weight trains, in fp32)"
+    if plan.quantization == "4bit":
+        return f"4-bit NF4, double quantization (computing in {plan.precision})"
+    if plan.quantization == "8bit":
+        return "8-bit LLM.int8"
+    return plan.base_dtype
 
 
 def _gib(n: float) -> str:
@@ -369,6 +492,7 @@ def render(plan: Plan) -> str:
         ("precision", plan.precision),
         ("gradient checkpointing", "on" if plan.gradient_checkpointing else "off"),
         ("LoRA", "on" if plan.lora else "off"),
+        ("frozen base", _base_words(plan)),
         ("optimizer", plan.optimizer),
         ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"
                                    + (", padded" if plan.padded and b.micro_batch_size > 1 else "")),

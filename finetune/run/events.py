@@ -1,8 +1,8 @@
 """The typed event stream of a run: `events.jsonl` for the GUI and scripts, a progress bar for the terminal.
 
 Each line of `events.jsonl` is one JSON object with `event` in start, step, backoff, eval, checkpoint, stopped, done,
-push, error and `time` (Unix seconds). Tests and the GUI read these records, never printed text. A checkpoint's path is
-`checkpoint` in every record that names one.
+push, export, error and `time` (Unix seconds). Tests and the GUI read these records, never printed text. A
+checkpoint's path is `checkpoint` in every record that names one.
 """
 
 from __future__ import annotations
@@ -133,6 +133,19 @@ class Pushed:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Exported:
+    """After `done`, `finetune export`: the run's model written as `format` (merged, or gguf with `quant`) to
+    `path`; `check` is the behaviour check of a GGUF (llama.cpp against transformers, see finetune.use.export)."""
+
+    format: str
+    path: str
+    quant: str | None = None
+    seconds: float | None = None
+    check: dict[str, Any] | None = None
+    event: str = "export"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Error:
     """The run failed; `message` is the sentence shown to the user."""
 
@@ -144,7 +157,7 @@ class Error:
 # Fields that only some runs have (multi-task), left out of the records of the others.
 OMITTED_WHEN_NONE = frozenset({"task_losses", "tasks"})
 
-Event = Start | Step | Backoff | Eval | Checkpoint | Stopped | Done | Pushed | Error
+Event = Start | Step | Backoff | Eval | Checkpoint | Stopped | Done | Pushed | Exported | Error
 
 
 def to_record(event: Event) -> dict[str, Any]:

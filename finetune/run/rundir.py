@@ -11,10 +11,13 @@
       metrics.json   final evaluation and training figures
       loss.png       the loss curve, drawn from events.jsonl by a background process when the run ends
       tensorboard/   TensorBoard event files, with report_to=tensorboard
+      export/        what `finetune export` wrote: merged/ (a transformers folder), *.gguf, Modelfile, export.json
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
@@ -22,11 +25,12 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import Config, from_dict, read_yaml
-from finetune.errors import RunDirError
+from finetune.errors import RunDirError, TrainingError
 from finetune.run.events import read_events
 
 KEEP_CHECKPOINTS = 3
@@ -37,8 +41,13 @@ TRAINER_STATE = "trainer_state.json"  # progress and LR schedule, as JSON: resum
 # and the child's printed output. They belong to the launch, so a new run may start beside them and
 # `overwrite` keeps them.
 LAUNCH_FILES = ("launch.yaml", "launch.log")
-RUN_FILES = (MARKER, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter", "metrics.json",
-             "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "wandb", "mlruns", *LAUNCH_FILES)
+# The files the tool wrote into the folders a person might add to (a README beside the model, say): `overwrite`
+# deletes only these, and keeps anything else found there.
+MANIFEST = ".finetune-files.json"
+MANIFEST_DIRS = ("checkpoints", "model", "adapter")
+RUN_FILES = (MARKER, MANIFEST, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter",
+             "metrics.json", "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "export",
+             "wandb", "mlruns", *LAUNCH_FILES)
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every", "report_to",
                      "push_to_hub", "hub_private"}
@@ -147,18 +156,89 @@ def mark_run_dir(run_dir: Path) -> None:
     write_json(run_dir / MARKER, {"tool": "finetune", "created": round(time.time(), 3)})
 
 
-def clear_run_dir(run_dir: Path) -> None:
-    """Remove an earlier run's files (only the ones a run writes) before `overwrite=true` starts anew.
+def record_written(run_dir: Path, folder: str) -> None:
+    """Add every file now under `run_dir/folder` (just written by the tool) to the run's manifest."""
+    path = run_dir / MANIFEST
+    listed = set(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else set()
+    root = run_dir / folder
+    listed.update(str(p.relative_to(run_dir)) for p in root.rglob("*") if p.is_file()) if root.is_dir() else None
+    write_json(path, sorted(listed))
 
-    `check_run_dir` has made sure the folder carries the marker and nothing else than run files."""
+
+def clear_run_dir(run_dir: Path) -> list[Path]:
+    """Remove an earlier run's files before `overwrite=true` starts anew: the tool's own top-level files, and in
+    `MANIFEST_DIRS` only the files its manifest lists. Returns what was kept (files the tool did not write).
+
+    `check_run_dir` has made sure the folder carries the marker and nothing else than run files. A run written
+    before manifests existed has none: its folders go whole, as they always did."""
+    manifest = run_dir / MANIFEST
+    listed = set(json.loads(manifest.read_text(encoding="utf-8"))) if manifest.is_file() else None
+    kept: list[Path] = []
     for name in RUN_FILES:
-        if name in LAUNCH_FILES:
-            continue
         p = run_dir / name
-        if p.is_dir():
+        if name in LAUNCH_FILES or not (p.exists() or p.is_symlink()):
+            continue
+        if p.is_dir() and name in MANIFEST_DIRS and listed is not None:
+            for f in sorted(p.rglob("*"), reverse=True):  # files first, then their folders once empty
+                if f.is_file() or f.is_symlink():
+                    if str(f.relative_to(run_dir)) in listed:
+                        f.unlink()
+                    else:
+                        kept.append(f)
+                elif f.is_dir() and not any(f.iterdir()):
+                    f.rmdir()
+            if not any(p.iterdir()):
+                p.rmdir()
+        elif p.is_dir():
             shutil.rmtree(p)
-        elif p.exists():
+        else:
             p.unlink()
+    return sorted(kept)
+
+
+def _disk_full(error: BaseException | None) -> OSError | BaseException | None:
+    """The error in `error`'s chain that says the disk is full (torch and safetensors word it in their own
+    exception types), or None."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return error
+        text = str(error)
+        if "No space left on device" in text or "file write failed" in text or "Disk quota exceeded" in text:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+@contextlib.contextmanager
+def disk_full_is_one_sentence(run_dir: Path, record: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Turn a full disk at any write inside (checkpoint, model, events, metrics) into a `TrainingError` (exit 1)
+    whose one sentence names the path and the space needed; the half-written checkpoint is removed first, so that
+    the newest complete one is what a resume reads, and `record(message)` then tries to log it."""
+    try:
+        yield
+    except Exception as e:
+        full = _disk_full(e)
+        if full is None:
+            raise
+        partial = [p for p in (run_dir / "checkpoints").glob(f"step-*{PARTIAL}")] if (run_dir / "checkpoints"
+                                                                                     ).is_dir() else []
+        needed = max([_size(p) for p in [*partial, *checkpoints(run_dir)[-1:]]] + [_size(run_dir / "model")])
+        remove_partial_checkpoints(run_dir)
+        where = getattr(full, "filename", None) or run_dir
+        free = shutil.disk_usage(run_dir).free if run_dir.exists() else 0
+        how = (f"resume with `finetune train {run_dir / 'config.yaml'} resume=true`" if checkpoints(run_dir)
+               else "start the run again")
+        need = f"at least {max(needed, 1 << 30) / 1e9:.1f} GB (about one checkpoint)"
+        message = (f"The disk is full: writing {where} failed with {free / 1e9:.1f} GB free on that disk; free "
+                   f"{need} there, then {how}.")
+        if record is not None:
+            with contextlib.suppress(OSError):
+                record(message)
+        raise TrainingError(message) from None
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from finetune.kinds.base import TaskKind
 from finetune.kinds.registry import kind as kind_named
 from finetune.models.load import load_tokenizer
 from finetune.run import hub, rundir, tracking
-from finetune.run.events import Backoff, Checkpoint, Done, Eval, Event, EventLog, Start, Step, Stopped
+from finetune.run.events import Backoff, Checkpoint, Done, Error, Eval, Event, EventLog, Start, Step, Stopped
 from finetune.train.variants import Variant, variant_of
 
 MAX_SKIPPED_IN_A_ROW = 25
@@ -155,7 +156,9 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock
-    with s.log.recording_failures():
+    # Outside the failure record: writing the error event to a full disk fails again, and is then said in words.
+    with rundir.disk_full_is_one_sentence(s.run_dir, lambda m: s.log.emit(Error(message=m, exit_code=1))), \
+            s.log.recording_failures():
         while p.step < s.total_steps:
             windows = s.train_data.windows(s.batch.effective_batch_size, seed=c.seed, epoch=p.epoch,
                                            shuffle=c.shuffle, group_by_length=c.group_by_length)
@@ -281,9 +284,13 @@ def _open_run_dir(c: Config, run_dir: Path, accelerator: Any, plan: Any, schedul
     if c.resume:
         if accelerator.is_main_process:
             rundir.remove_partial_checkpoints(run_dir)
-        _load_checkpoint(accelerator, rundir.checkpoints(run_dir)[-1], scheduler, progress)
+        _load_checkpoint(accelerator, rundir.checkpoints(run_dir)[-1], scheduler, progress,
+                         quantized=plan.quantization != "none")
     elif accelerator.is_main_process:
-        rundir.clear_run_dir(run_dir) if c.overwrite else None
+        if c.overwrite and (kept := rundir.clear_run_dir(run_dir)):
+            shown = ", ".join(str(k.relative_to(run_dir)) for k in kept[:3]) + (", …" if len(kept) > 3 else "")
+            print(f"note: overwrite kept {len(kept)} file(s) that finetune did not write: {shown}", file=sys.stderr,
+                  flush=True)
         rundir.mark_run_dir(run_dir)
         # The saved config describes the run, not this invocation: `finetune train config.yaml resume=true`
         # continues it and a plain `finetune train config.yaml` refuses to overwrite it.
@@ -322,18 +329,22 @@ def _save_checkpoint(s: Setup) -> Path:
     if accelerator.is_main_process:
         rundir.commit_checkpoint(partial, path)
         rundir.prune_checkpoints(s.run_dir)
+        rundir.record_written(s.run_dir, "checkpoints")
         s.log.emit(Checkpoint(step=s.progress.step, checkpoint=str(path)))
     accelerator.wait_for_everyone()
     return path
 
 
-def _load_checkpoint(accelerator: Any, path: Path, scheduler: Any, progress: Progress) -> None:
-    """Restore model, optimizer, scaler and random state (accelerate, no pickled objects) and the loop's state."""
+def _load_checkpoint(accelerator: Any, path: Path, scheduler: Any, progress: Progress, quantized: bool = False
+                     ) -> None:
+    """Restore model, optimizer, scaler and random state (accelerate, no pickled objects) and the loop's state.
+    A quantized base's constants are saved beside its weights under names the freshly loaded base does not
+    register: they are frozen and loaded again from the model, so they are not required back (`strict`)."""
     state_file = path / rundir.TRAINER_STATE
     if not state_file.is_file():
         raise RunDirError(f"Checkpoint {str(path)!r} has no {rundir.TRAINER_STATE} (it was written by an "
                                  "older version of finetune): start the run again with overwrite=true.")
-    accelerator.load_state(str(path))
+    accelerator.load_state(str(path), **({"strict": False} if quantized else {}))
     state = json.loads(state_file.read_text(encoding="utf-8"))
     progress.load_state_dict(state["progress"])
     scheduler.load_state_dict(state["scheduler"])
@@ -349,6 +360,8 @@ def _finish(s: Setup, seconds: float) -> RunResult:
     state_dict = accelerator.get_state_dict(s.model) if s.distributed in ("fsdp", "deepspeed") else None
     if accelerator.is_main_process:
         s.variant.save(s, accelerator.unwrap_model(s.model), state_dict)
+        for folder in ("model", "adapter"):
+            rundir.record_written(s.run_dir, folder)
         summary = {**metrics, "steps": p.step, "samples": p.samples, "skipped_steps": p.skipped,
                    "train_seconds": round(seconds, 2), "train_samples_per_s": round(p.samples / max(seconds, 1e-9), 2)}
         rundir.write_json(s.run_dir / "metrics.json", summary)

@@ -1,0 +1,330 @@
+"""The shared server tried as an attacker would (issue #18): each reproduction of the second attack pass now fails
+safely, with its sentence, through the route a visitor uses (the page's events as Gradio calls them, the scripting
+API, HTTP). Two accounts, alice and bob, as in tests/test_app_access.py; a Space for the anonymous visitor."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import gradio as gr
+import pytest
+import test_app_access
+from test_app_access import ALICE, ANON, BOB, _config, _signed_in, _space
+
+from app.access import AccessError, resolve_output_dir
+from app.api import ScriptApi
+from app.handlers import Controller
+from app.jobs import JobManager
+from app.mapping import COLUMN_FIELDS, in_form_words, parse_config
+from app.ui import GATES, build
+from finetune.config.schema import ConfigError, from_dict, sources
+from finetune.data.load import builder_names, is_local
+from finetune.errors import DataError
+
+shared = test_app_access.shared  # the fixture: two password accounts, an upload each
+SECRET = "alice secret sentence one"
+# Nine times more values per level: `epochs: *l8` is 9**9 = 387 million strings, written in 480 bytes.
+BOMB = "\n".join(["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+                 + [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]) + "\nepochs: *l8\n"
+
+
+@pytest.fixture
+def space_env(monkeypatch):
+    """What a Space with `hf_oauth: true` sets, so that a page with the Sign-in button can be built here."""
+    from gradio import oauth
+
+    monkeypatch.setenv("SPACE_ID", "owner/finetune")
+    monkeypatch.setenv("SYSTEM", "spaces")
+    for name in ("OAUTH_CLIENT_ID", "OAUTH_CLIENT_SECRET", "OAUTH_SCOPES", "OPENID_PROVIDER_URL"):
+        monkeypatch.setattr(oauth, name, "https://huggingface.co" if name == "OPENID_PROVIDER_URL" else "x")
+
+
+def _secret_upload(ctl: Controller, tmp_path: Path) -> str:
+    """A file of alice's, kept as her upload, whose one class is a sentence only she knows."""
+    src = tmp_path / "gradio-secret" / "train.csv"
+    src.parent.mkdir()
+    src.write_text("text,label\n" + "".join(f"{SECRET},{SECRET}\n" for _ in range(4)))
+    none = [""] * len(COLUMN_FIELDS)
+    return ctl.on_upload(str(src), "", "train", "classification", *none, request=ALICE).dataset
+
+
+def _timed(work):
+    start = time.perf_counter()
+    out = work()
+    return out, time.perf_counter() - start
+
+
+# --- 1. every file a config names, anywhere, goes through one policy
+def test_the_schema_walk_finds_every_source_each_task_included():
+    config = from_dict({"tasks": [{"name": "a", "dataset": "a.csv", "eval_dataset": "e.csv"},
+                                  {"name": "b", "dataset": "b.csv"}], "chat_template": "t.jinja"})
+    assert [(where, kind) for where, kind, _ in sources(config)] == [
+        ("model", "model"), ("chat_template", "file"), ("tasks[a].dataset", "data"),
+        ("tasks[a].eval_dataset", "data"), ("tasks[b].dataset", "data")]
+    # A field that names a file and forgets to say so would escape the walk: every field whose help speaks of a
+    # file, folder or hub id is marked.
+    from finetune.config.schema import FIELDS
+
+    unmarked = [name for name, f in FIELDS.items() if not f.metadata.get("source")
+                and any(w in f.metadata["help"].lower() for w in ("file", "folder", " id ", "directory"))]
+    assert unmarked == []
+
+
+def test_a_task_dataset_of_someone_else_is_refused_on_plan_start_and_the_tasks_table(shared, tmp_path):
+    ctl, uploads = shared
+    secret = _secret_upload(ctl, tmp_path)
+    tasks = [{"name": "a", "dataset": secret, "label_column": "text", "max_train_samples": 1},
+             {"name": "b", "dataset": uploads["bob"]}]
+    refusal = f"`tasks[a].dataset` {secret!r} is not one of your uploads"
+    with pytest.raises(Exception, match=r"tasks\[a\]\.dataset") as plan:
+        ctl.make_plan(_config(tasks=tasks), request=BOB)
+    assert SECRET not in str(plan.value) and str(plan.value).startswith(refusal)
+    started = ctl.start_run(_config(tasks=tasks), request=BOB)
+    assert not started.started and started.message.startswith(refusal) and SECRET not in started.message
+    # The app's own run state is no dataset either.
+    state = [{"name": "a", "dataset": "runs/current.json", "text_column": "owner", "label_column": "run_dir"},
+             {"name": "b", "dataset": uploads["bob"]}]
+    with pytest.raises(Exception, match="is not one of your uploads"):
+        ctl.make_plan(_config(tasks=state), request=BOB)
+    # The private Tasks-table event: refused for bob, shown for alice.
+    yaml_text = f"- name: a\n  dataset: {secret}\n- name: b\n  dataset: {uploads['bob']}\n"
+    table = ctl.tasks_table(yaml_text, "proportional", 2.0, None, request=BOB)
+    assert table.note.startswith(f"⚠️ {refusal}") and table.table.empty
+    mine = ctl.tasks_table(f"- name: a\n  dataset: {secret}\n- name: b\n  dataset: {uploads['alice']}\n",
+                           "proportional", 2.0, None, request=ALICE)
+    assert list(mine.table["rows"]) == [4, 37] and mine.note == ""
+    assert ctl.tasks_table(yaml_text, "proportional", 2.0, None, request=ANON).note == "⚠️ Sign in to train."
+
+
+def test_a_chat_template_anywhere_but_the_users_uploads_is_refused(shared):
+    ctl, uploads = shared
+    for template in ("tmpl", "/etc/hostname", "runs/current.json"):
+        started = ctl.start_run(_config(dataset=uploads["bob"], chat_template=template), request=BOB)
+        assert not started.started and started.message == (f"`chat_template` {template!r} is not one of your "
+                                                           "uploads: upload the file.")
+
+
+# --- 2. datasets' builder names are not hub ids
+def test_builder_names_are_never_hub_ids(shared, tmp_path):
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    assert set(_PACKAGED_DATASETS_MODULES) <= builder_names()
+    assert is_local("csv") and is_local("Text") and not is_local("glue") and not is_local("csv/reviews")
+    ctl, _ = shared
+    for name in ("csv", "json", "text", "parquet", "imagefolder"):
+        message = (f"`dataset` {name!r} is the name of a `datasets` file builder, which reads files from the "
+                   "server's folders: upload your file, or give a Hugging Face hub dataset id.")
+        shown = ctl.refresh_dataset(name, "", "train", "classification", *[""] * len(COLUMN_FIELDS), request=BOB)
+        assert shown.error == f"⚠️ {in_form_words(message)}" and shown.preview.empty
+        started = ctl.start_run(_config(dataset=name), request=BOB)
+        assert not started.started and started.message == message
+    # On the command line too, `dataset: csv` is a mistake worded as one, not a search of the working folder.
+    from finetune.data.load import load_table
+
+    with pytest.raises(DataError, match="is the name of a `datasets` file builder, not a dataset"):
+        load_table("csv")
+
+
+# --- 3. bounded work: the alias bomb, summaries, caps
+def test_the_alias_bomb_is_refused_at_once_through_the_api_and_the_tasks_box(tmp_path):
+    ctl = Controller(tmp_path / "runs", JobManager(tmp_path / "runs"), access=_space())
+    api = ScriptApi(ctl)
+    out, seconds = _timed(lambda: api.plan(BOMB, _signed_in("alice")))
+    assert seconds < 1.0 and out == {"error": "The config's YAML expands to more than 10,000 values (through "
+                                              "`&anchor`/`*alias` references): write the values out."}
+    out, seconds = _timed(lambda: api.start(BOMB, _signed_in("alice")))
+    assert seconds < 1.0 and not out["started"] and "expands to more than 10,000 values" in out["message"]
+    # The Tasks text box of the page, as the anonymous visitor of a Space and as a signed-in user.
+    tasks_yaml = "- &t {name: a, dataset: x.csv, weight: &w [" + ", ".join(["1"] * 9) + "]}\n" + "\n".join(
+        f"- {{name: b{i}, dataset: x.csv, weight: &w{i} [{', '.join(['*w' if i == 0 else f'*w{i - 1}'] * 9)}]}}"
+        for i in range(8))
+    for request in (ANON, _signed_in("alice")):
+        shown, seconds = _timed(lambda r=request: ctl.tasks_table(tasks_yaml, "proportional", 2.0, None, request=r))
+        assert seconds < 1.0 and len(shown.note) < 300, shown.note
+    assert "expands to more than 10,000" in ctl.tasks_table(tasks_yaml, "proportional", 2.0, None,
+                                                            request=_signed_in("alice")).note
+
+
+def test_errors_show_a_bounded_summary_of_a_value_never_its_repr():
+    nested = ["x" * 1000] * 100_000  # what a JSON mapping of the API can hold without aliases
+    with pytest.raises(ConfigError) as e:
+        from_dict({"epochs": nested, "lora": nested, "report_to": nested, "tasks": [nested, "y" * 10**6],
+                   "max_steps": "9" * 10**6, "text_column": "a\x00b"})
+    assert max(len(p) for p in e.value.problems) < 200, e.value.problems
+    assert "`epochs` must be a single value, not a list of 100,000 items." in e.value.problems
+    assert "`text_column` may not contain a null character." in e.value.problems
+
+
+def test_oversized_inputs_null_bytes_and_long_run_names_are_refused_with_a_sentence(tmp_path):
+    ctl = Controller(tmp_path / "runs", JobManager(tmp_path / "runs"), access=_space())
+    assert ctl.admit(_signed_in("alice"), ("x" * 70_000,)).startswith("A text field holds 70,000 characters")
+    assert ctl.admit(_signed_in("alice"), (["x" * 60_000] * 5,)).startswith("The form holds more than 262,144")
+    assert ctl.admit(_signed_in("alice"), ("x" * 1000,)) == ""
+    for typed in ("a\x00b", "x" * 300):
+        with pytest.raises(AccessError, match="must be a name of at most 100 characters without control"):
+            resolve_output_dir(typed, tmp_path / "runs" / "alice")
+    with pytest.raises(ConfigError, match="`dataset` may not contain a null character"):
+        parse_config({"dataset": "train\x00.csv"})
+
+
+# --- 4. every event of the page behind the door
+def _event_args(block_fn, value: str) -> list:
+    """Inputs for one event: every text-like input set to `value`, the others at their defaults."""
+    args = []
+    for c in block_fn.inputs:
+        if isinstance(c, (gr.Textbox, gr.Dropdown)) and not isinstance(getattr(c, "value", None), (int, float)):
+            args.append(value)
+        elif isinstance(c, (gr.File, gr.UploadButton, gr.State, gr.Chatbot)):
+            args.append(None)
+        else:
+            args.append(c.value)
+    return args
+
+
+def test_every_event_refuses_an_anonymous_visitor_and_a_new_one_cannot_forget(tmp_path, monkeypatch, cls_csv,
+                                                                             space_env):
+    monkeypatch.chdir(tmp_path)
+    app = build(Path("runs"), access=_space())
+    api_names = {"start", "plan", "status", "stop", "predict", "push"}
+    seen = set()
+    for block_fn in app.demo.fns.values():
+        fn = block_fn.fn
+        if fn is None:  # a browser-side function (the chat's New chat button): nothing runs on the server
+            continue
+        if fn.__module__ == "gradio.components.login_button":  # Gradio's own Sign-in button: reads the session only
+            continue
+        if getattr(fn, "__self__", None).__class__ is ScriptApi:  # the scripting API: its own answers, below
+            seen.add(fn.__name__)
+            continue
+        assert getattr(fn, "gate", None) in GATES, f"event {block_fn.name} does not go through ui._on"
+        args = _event_args(block_fn, cls_csv)
+        if fn.gate == "signed_in":
+            with pytest.raises(gr.Error, match="Sign in with Hugging Face to train"):
+                fn(ANON, *args)
+        elif fn.gate == "quiet":
+            assert fn(ANON, *args) == gr.skip(), block_fn.name
+        else:  # public: progress, Stop, the own run's form: nothing but the refusal, or nothing at all
+            assert fn.handler.__name__ in {"poll", "stop", "running_config", "clear_note"}, fn.handler.__name__
+            out = fn(ANON, *args)
+            shown = str(out)
+            assert cls_csv not in shown and "runs/" not in shown
+        # Too much text is refused for everyone, before any handler reads it.
+        if args and any(isinstance(a, str) for a in args):
+            big = ["x" * 70_000 if isinstance(a, str) else a for a in args]
+            if fn.gate == "quiet":
+                assert fn(_signed_in("owner"), *big) == gr.skip()
+            else:
+                with pytest.raises(gr.Error, match="A text field holds 70,000 characters"):
+                    fn(_signed_in("owner"), *big)
+    assert seen == api_names
+    api = ScriptApi(Controller(Path("runs"), app.jobs, access=_space()))
+    refusal = "Sign in with Hugging Face to train."
+    assert api.start("dataset: x.csv", ANON)["message"] == refusal
+    assert api.plan("dataset: x.csv", ANON) == {"error": refusal}
+    assert api.stop(ANON)["message"] == refusal
+    assert api.predict("hi", ANON) == {"error": refusal}
+    assert api.status(ANON)["message"] == refusal and api.status(ANON)["run_dir"] is None
+    assert not api.push("a/b", True, ANON)["pushed"]
+
+
+def test_every_event_given_alices_file_by_bob_shows_nothing_of_it(shared, tmp_path):
+    ctl, _ = shared
+    secret = _secret_upload(ctl, tmp_path)
+    app = build(Path("runs"), access=ctl.access, jobs=ctl.jobs)
+    app_ctl = next(fn.handler.__self__ for fn in (f.fn for f in app.demo.fns.values()) if hasattr(fn, "handler"))
+    app_ctl.runs_dir = ctl.runs_dir
+    called = set()
+    for block_fn in app.demo.fns.values():
+        fn = block_fn.fn
+        if not hasattr(fn, "handler"):
+            continue
+        for value in (secret, f"- name: a\n  dataset: {secret}\n  label_column: text\n"):
+            try:
+                out = fn(BOB, *_event_args(block_fn, value))
+            except gr.Error as e:
+                out = str(e)
+            assert SECRET not in str(out), (block_fn.name, str(out)[:300])
+        called.add(fn.handler.__name__)
+    assert {"refresh_dataset", "tasks_table", "plan", "start", "chat_example", "export"} <= called
+
+
+# --- 8. the multi-task Start
+def test_start_takes_a_multi_task_config(shared):
+    ctl, uploads = shared
+    tasks = [{"name": "a", "dataset": uploads["alice"]}, {"name": "b", "dataset": uploads["alice"], "weight": 0.5}]
+    started = ctl.start_run(_config(tasks=tasks), request=ALICE)
+    assert started.started, started.message
+    assert "tasks:" in Path(started.run_dir, "launch.yaml").read_text()
+    ctl.stop(request=ALICE)
+    deadline = time.time() + 30
+    while ctl.jobs.status().active:
+        assert time.time() < deadline
+        time.sleep(0.1)
+    # Each task's data is checked as the preview checks one dataset, and the message names the task.
+    missing = "runs/uploads/bob/missing.csv"
+    bad = ctl.start_run(_config(tasks=[{"name": "a", "dataset": uploads["bob"]}, {"name": "b", "dataset": missing}]),
+                        request=BOB)
+    assert not bad.started and bad.message == f"Task 'b': Dataset file {missing!r} does not exist: check the path."
+
+
+# --- 4. a chat template that loops
+LOOPING = ("{% for m in messages %}{% for i in range(100000) %}{% for j in range(400) %}{% endfor %}{% endfor %}"
+           "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_looping_chat_template_is_stopped_within_a_second(tmp_path, tiny_gpt2):
+    import multiprocessing
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    ctl = Controller(tmp_path / "runs", JobManager(tmp_path / "runs"))
+
+    def example(template: str):
+        path = tmp_path / f"template-{len(template)}.csv"  # uploaded under a data extension: its text is Jinja
+        path.write_text(template)
+        return ctl.chat_example(str(data), "", "train", "causal_lm", "messages", tiny_gpt2, str(path),
+                                "assistant", 64)
+
+    assert example(CHATML).note.endswith("tokens are learned (highlighted): `train_on: assistant`.")
+    shown, seconds = _timed(lambda: example(LOOPING))
+    assert seconds < 1.0 and shown.note == (
+        "⚠️ Rendering the first conversation with the chat template took longer than 0.5 s and was stopped. A "
+        "template that loops this long would not finish a dataset: simplify it.")
+    assert not [c for c in multiprocessing.active_children() if c.name == "finetune-bounded"]
+
+
+# --- 7. wide files and huge cells
+def test_a_wide_file_is_refused_before_its_rows_are_read_and_cells_are_cut(shared, tmp_path):
+    from app import dataview
+
+    ctl, _ = shared
+    none = [""] * len(COLUMN_FIELDS)
+
+    def upload(name: str, text: str):
+        src = tmp_path / f"gradio-{name}" / name
+        src.parent.mkdir()
+        src.write_text(text)
+        return _timed(lambda: ctl.on_upload(str(src), "", "train", "classification", *none, request=BOB))
+
+    n = 200_000
+    shown, seconds = upload("wide.csv", ",".join(f"c{i}" for i in range(n)) + "\n" + ",".join(["1"] * n) + "\n")
+    kept = Path(shown.dataset).name  # the upload's kept name: wide-<hash>.csv
+    assert seconds < 2.0 and shown.data.error == (
+        f"⚠️ The first line of {kept!r} is longer than 64 KB: the app previews files with a header (CSV) or a first "
+        "record (JSON lines) shorter than that.")
+    n = 5000
+    shown, _ = upload("wide2.csv", ",".join(f"c{i}" for i in range(n)) + "\n" + ",".join(["1"] * n) + "\n")
+    assert shown.data.error == (f"⚠️ {Path(shown.dataset).name!r} has 5,000 columns; the app reads files of at "
+                                "most 1,000 columns: keep only the columns you train on.")
+    labels = "".join(f"row {i},label-{i}\n" for i in range(500))
+    shown, _ = upload("cell.csv", "text,label\n" + "x" * 2_000_000 + ",a\n" + labels)
+    cells = shown.data.preview.to_numpy().ravel()
+    assert max(len(str(c)) for c in cells) == dataview.MAX_CELL_CHARS and str(cells[0]).endswith("…")
+    assert len(shown.data.labels) < 2000 and "(471 more)" in shown.data.labels
+    n = 800  # within the limit, but only the first 50 columns are previewed and 30 named
+    shown, _ = upload("many.csv", ",".join(f"c{i}" for i in range(n)) + ",text\n" + "1," * n + "hello\n")
+    assert shown.data.preview.shape[1] == dataview.MAX_PREVIEW_COLUMNS
+    assert len(shown.data.error.removeprefix("⚠️ ")) == dataview.MAX_ERROR_CHARS
