@@ -110,7 +110,8 @@ class ScriptApi:
         return {"message": self.controller.stop(request=request).removeprefix("⚠️ ")}
 
     def predict(self, text: str, request: gr.Request) -> dict[str, Any]:
-        """The finished run's model on `text`: {label, probabilities}, {generated}, or {"error": message}."""
+        """The finished run's model on `text`: {label, probabilities}, {generated}, {words, tags,
+        entities}, or {"error": message}."""
         from finetune.models.load import ModelError
 
         try:

@@ -545,7 +545,7 @@ class Controller:
 
     def predict(self, text: str, *, request: Any = None) -> dict[str, Any]:
         """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
-        text is the user's turn) or {generated}.
+        text is the user's turn), {generated}, or {words, tags, entities} (token classification).
 
         Raises `Unanswered` without a text or a finished model, and `finetune.models.load.ModelError` when the model
         cannot be loaded."""
@@ -553,7 +553,7 @@ class Controller:
         from finetune.use.predict import predict
 
         out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS)[0]
-        return {k: out[k] for k in ("label", "probabilities", "generated", "reply", "value") if k in out}
+        return {k: v for k, v in out.items() if k != "text"}  # the kind's record, less the text it was given
 
     def try_it(self, text: str, history: list[dict[str, Any]] | None = None, *, request: Any = None
                ) -> PredictionShown:

@@ -56,6 +56,8 @@ LABELS = {
 ACRONYMS = {"lora": "LoRA", "lr": "LR", "gb": "GB", "r": "rank"}
 COLUMN_FIELDS = ("text_column", "text_pair_column", "label_column", "prompt_column", "completion_column",
                  "messages_column")
+# Then any other kind's columns (its registry entry's), so that a new kind's column widgets sit with the others.
+COLUMN_FIELDS += tuple(dict.fromkeys(k for e in kinds.ENTRIES.values() for k in e.columns if k not in COLUMN_FIELDS))
 # Where a field sits on the page; fields not named here go by their schema group (main, data or advanced).
 SECTIONS = {
     "model": ("model", "task"),

@@ -95,6 +95,12 @@ class Config:
     reference_model: str | None = _opt(None, "Preference, dpo/ipo: Hub id or local folder of the reference model "
                                        "(default: the model being tuned, as it starts; with LoRA, its base with "
                                        "the adapter switched off).", group="advanced", source="model")
+    tokens_column: str | None = _opt(None, "Token classification: column of word lists (default 'tokens' or "
+                                     "'words').", group="data")
+    tags_column: str | None = _opt(None, "Token classification: column of per-word tag lists, integers (with the "
+                                   "hub's ClassLabel names) or strings (default 'ner_tags' or 'tags').", group="data")
+    label_all_tokens: bool = _opt(False, "Token classification: put each word's tag on all its sub-tokens (a B- tag "
+                                  "continuing as I-), not only on the first.", group="data")
     max_length: int = _opt(256, "Tokens per sample: a longer input is truncated or split as `long_documents` says.",
                            min=8, max=131072, group="data")
     streaming: bool = _opt(False, "Read the training data as a stream, for data bigger than memory or disk: "
@@ -396,7 +402,7 @@ COLUMN_KEYS = tuple(f.name for f in fields(Config) if f.name.endswith("_column")
 def _cross_checks(c: Config) -> list[str]:
     problems = []
     if c.task in TASKS:  # another kind's columns (an unknown task is refused on its own)
-        problems += kinds.column_problems(c.task, {key: getattr(c, key) for key in COLUMN_KEYS})
+        problems += kinds.column_problems(c.task, {key: getattr(c, key) for key in COLUMN_KEYS + kinds.OPTION_KEYS})
     if c.messages_column and (c.prompt_column or c.text_column):
         problems.append("`messages_column` replaces `text_column` and `prompt_column`/`completion_column`: set "
                         "only one of them.")

@@ -24,17 +24,18 @@ from typing import Any
 
 import pyarrow as pa
 
-from finetune.config.schema import Config
+from finetune.config.schema import COLUMN_KEYS, Config
 from finetune.data.encoding import ENCODING_VERSION, Encoded, tokenizer_fingerprint
 from finetune.data.segments import Segmentation
 from finetune.kinds import registry as kinds
 
 # Every option load_data reads (tests/test_data_cache.py checks this list against the code of DATA_CODE).
-DATA_OPTIONS = ("task", "model", "trust_remote_code", "dataset", "dataset_config", "train_split", "eval_dataset",
+DATA_OPTIONS = tuple(dict.fromkeys((
+                "task", "model", "trust_remote_code", "dataset", "dataset_config", "train_split", "eval_dataset",
                 "eval_split", "eval_fraction", "seed", "max_train_samples", "max_length", "text_column",
                 "text_pair_column", "label_column", "prompt_column", "completion_column", "messages_column",
                 "train_on", "chat_template", "long_documents", "stride", "packing", "segment_recurrence",
-                "max_document_length", "streaming")
+                "max_document_length", "streaming", *COLUMN_KEYS, *kinds.OPTION_KEYS)))  # a new kind's own too
 # The modules whose code decides what load_data returns: a change to any of them never reuses an old entry.
 # Paths under finetune/.
 DATA_CODE = ("data/load.py", "data/encoding.py", "data/cache.py", "data/segments.py", "data/chat.py",

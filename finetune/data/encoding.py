@@ -148,11 +148,12 @@ def num_processes_for(rows: int) -> int:
 
 def _tokenize(batch: dict[str, list], indices: list[int], *, tokenizer: Any, task: str, cols: dict[str, str | None],
               max_length: int, label_index: dict[str, int] | None, eos: list[int], mode: str,
-              context: int, chat: dict[str, Any] | None = None) -> dict[str, list]:
+              context: int, chat: dict[str, Any] | None = None, options: dict[str, Any] | None = None
+              ) -> dict[str, list]:
     """One batch of rows → its encoded rows, as the task kind encodes them (runs inside `datasets.map`, possibly in
     a worker process, which finds the kind by name); a long plain text may give several rows."""
     return kind_named(task).encode_rows(batch, indices, Encoding(tokenizer, cols, max_length, label_index, eos, mode,
-                                                                 context, chat))
+                                                                 context, chat, options))
 
 
 def _tokenize_documents(batch: dict[str, list], *, tokenizer: Any, task: str, cols: dict[str, str | None],
@@ -223,6 +224,8 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     settings = {"task": c.task, "cols": asdict(cols), "max_length": c.max_length, "eos": eos,
                 "label_index": {name: i for i, name in enumerate(label_names)} if label_names else None,
                 "mode": mode, "context": context_tokens(c, mode)}
+    if kind.entry.options:  # the kind's own options (only for a kind that has some: the others' keys stay as they were)
+        settings["options"] = {key: getattr(c, key) for key in kind.entry.options}
     if documents:
         settings = {"task": c.task, "cols": asdict(cols), "eos": eos, "max_length": c.max_document_length or 0,
                     "label_index": settings["label_index"]}

@@ -40,6 +40,8 @@ class Columns:
     messages: str | None = None
     chosen: str | None = None
     rejected: str | None = None
+    tokens: str | None = None
+    tags: str | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Encoding:
     mode: str  # long_documents as resolved: truncate, chunk, sliding_window
     context: int  # tokens a block repeats from the one before (sliding_window)
     chat: dict[str, Any] | None = None  # conversations: train_on and the template
+    options: dict[str, Any] | None = None  # the kind's own encoding options (its registry entry's `options`)
 
 
 class Reduce(Protocol):

@@ -42,6 +42,9 @@ class Entry:
     refusals: dict[str, str] = field(default_factory=dict)
     problem_type: str | None = None  # the saved config's `problem_type` this kind needs (regression's, say)
     metrics: tuple[str, ...] = ()  # its headline evaluation metrics besides `loss` (the model card and GUI show them)
+    # Config options only this kind reads, besides its columns: passed to its `encode_rows` (`Encoding.options`),
+    # part of the encoding's cache key, and refused for the other kinds (with `column_reasons[option]`, or `uses`).
+    options: tuple[str, ...] = ()
 
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (
@@ -87,7 +90,21 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           refusals={"packing": "a preference pair's two sequences are scored side by side, not packed",
                     "segment_recurrence": "a preference pair is scored whole; turn it off",
                     "split_documents": "a preference pair is scored whole, so it cannot be split"}),
+    Entry(name="token_classification", module="finetune.kinds.token_classification",
+          summary="token classification (NER and tagging)", columns=("tokens_column", "tags_column"),
+          own_columns=(("tokens_column", "tags_column"), ("label_all_tokens",)),
+          uses="`tokens_column` and `tags_column`",
+          column_reasons={"label_all_tokens": "it puts a word's tag on all its sub-tokens"},
+          auto_model="AutoModelForTokenClassification", peft_task_type="TOKEN_CLS",
+          peft_auto_model="AutoPeftModelForTokenClassification", pipeline_tag="token-classification",
+          architectures=("ForTokenClassification",), example="My name is Clara and I live in Berkeley.",
+          has_labels=True, options=("label_all_tokens",),
+          refusals={"packing": "token classification takes one sentence per row",
+                    "segment_recurrence": "token classification tags each row whole; turn it off",
+                    "split_documents": "a row's words and tags are cut at `max_length` together, not split; use "
+                                       "long_documents=truncate (or auto)"}),
 )}
+OPTION_KEYS = tuple(dict.fromkeys(key for e in ENTRIES.values() for key in e.options))  # every kind's own options
 DEFAULT = "classification"
 
 

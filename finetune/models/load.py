@@ -105,8 +105,13 @@ def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bo
         targets = c.lora_target_modules
         modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
         task_type = entry(c.task).peft_task_type
+        # peft trains a classifier head whole (`modules_to_save`) but keeps it out of all-linear only for SEQ_CLS:
+        # keep it out for every kind whose head peft trains whole (TOKEN_CLS too), or both would wrap it.
+        heads = [n for n in ("classifier", "score") if getattr(model, n, None) is not None] \
+            if modules == "all-linear" and task_type != "CAUSAL_LM" else []
         model = get_peft_model(model, LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
-                                                 target_modules=modules, task_type=task_type))
+                                                 target_modules=modules, task_type=task_type,
+                                                 exclude_modules=heads or None))
         quantize.upcast_trainable(model)
     return model
 

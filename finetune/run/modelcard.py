@@ -142,8 +142,8 @@ def _data(c: Config, start: dict[str, Any], model_dir: Path) -> str:
     evaluation = (f"`{_shown(c.eval_dataset)}`" if c.eval_dataset else f"split `{c.eval_split}`" if c.eval_split
                   else f"a {c.eval_fraction:.0%} hold-out of the training data")
     lines.append(f"- evaluated on {evaluation}")
-    columns = [f"{k} `{getattr(c, k)}`" for k in ("text_column", "text_pair_column", "label_column",
-                                                  "prompt_column", "completion_column") if getattr(c, k)]
+    # The kind's columns as set (a conversation column is named with the chat template, not here).
+    columns = [f"{k} `{getattr(c, k)}`" for k in entry(c.task).columns if k != "messages_column" and getattr(c, k)]
     if columns:
         lines.append("- columns: " + ", ".join(columns))
     config_file = model_dir / "config.json"
