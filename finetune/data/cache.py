@@ -35,7 +35,10 @@ DATA_OPTIONS = tuple(dict.fromkeys((
                 "eval_split", "eval_fraction", "seed", "max_train_samples", "max_length", "text_column",
                 "text_pair_column", "label_column", "prompt_column", "completion_column", "messages_column",
                 "train_on", "chat_template", "long_documents", "stride", "packing", "segment_recurrence",
-                "max_document_length", "streaming", *COLUMN_KEYS, *kinds.OPTION_KEYS)))  # a new kind's own too
+                "max_document_length", "streaming", *COLUMN_KEYS, *kinds.OPTION_KEYS,  # a new kind's own too
+                # Read by the preference kind's module (its loss, not its rows): keyed too, so that the test's
+                # walk over the data code stays a plain subset check and a precomputed reference can join the entry.
+                "preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model")))
 # The modules whose code decides what load_data returns: a change to any of them never reuses an old entry.
 # Paths under finetune/.
 DATA_CODE = ("data/load.py", "data/encoding.py", "data/cache.py", "data/segments.py", "data/chat.py",
