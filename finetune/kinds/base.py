@@ -175,6 +175,13 @@ class SumMetrics:
         return self._finish(reduce.sum(self.sums))
 
 
+def named_head(label_names: list[str] | None) -> dict[str, Any]:
+    """Model-config kwargs of a head with one output per named class (or tag), named by them."""
+    names = list(label_names or [])
+    return {"num_labels": len(names), "id2label": dict(enumerate(names)),
+            "label2id": {n: i for i, n in enumerate(names)}}
+
+
 def stored_targets(data: Any, indices: list[int]) -> int | None:
     """The targets counted when the rows were written (a `num_targets` column: conversations, packed rows, or a
     kind that counts its own), or None."""

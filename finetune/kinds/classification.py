@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
-from finetune.kinds.base import TEXT_NAMES, Columns, Encoding, Metrics, SumMetrics, pick_column, texts_of
+from finetune.kinds.base import TEXT_NAMES, Columns, Encoding, Metrics, SumMetrics, named_head, pick_column, texts_of
 from finetune.kinds.registry import entry
 
 LABEL_NAMES = ("label", "labels", "class", "target")
@@ -154,9 +154,7 @@ class Classification:
 
     def model_kwargs(self, label_names: list[str] | None) -> dict[str, Any]:
         """The head sized for the classes, named by them."""
-        names = list(label_names or [])
-        return {"num_labels": len(names), "id2label": dict(enumerate(names)),
-                "label2id": {n: i for i, n in enumerate(names)}}
+        return named_head(label_names)
 
     def loss_sum(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,16 @@ import torch.nn.functional as F
 from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
-from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, Metrics, SumMetrics, pick_column, stored_targets
+from finetune.kinds.base import (
+    IGNORE_INDEX,
+    Columns,
+    Encoding,
+    Metrics,
+    SumMetrics,
+    named_head,
+    pick_column,
+    stored_targets,
+)
 from finetune.kinds.registry import entry
 
 TOKENS_NAMES = ("tokens", "words")
@@ -253,9 +262,7 @@ class TokenClassification:
 
     def model_kwargs(self, label_names: list[str] | None) -> dict[str, Any]:
         """The head sized for the tags, named by them."""
-        names = list(label_names or [])
-        return {"num_labels": len(names), "id2label": dict(enumerate(names)),
-                "label2id": {n: i for i, n in enumerate(names)}}
+        return named_head(label_names)
 
     def loss_sum(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
