@@ -66,7 +66,7 @@ def test_plan_with_absurd_values_answers_at_once_on_the_page_and_the_api(tmp_pat
     ctl = _controller(tmp_path, max_effective_batch=1024, max_steps=1000, max_epochs=20)
     started = time.perf_counter()
     shown = ctl.plan(*_values(effective_batch_size="1000000000000", micro_batch_size="7"))
-    assert shown.error.startswith("⚠️ `effective_batch_size` must be at most")
+    assert shown.error.startswith("⚠️ **Effective batch size** must be at most")
     assert ScriptApi(ctl).plan(ABSURD, None)["error"].startswith("`effective_batch_size` must be at most")
     # Within the schema but above this server's limits: refused before any planner process starts.
     over = ScriptApi(ctl).plan({"effective_batch_size": 4096, "max_steps": 5000}, None)
@@ -167,7 +167,8 @@ def test_a_hub_preview_is_streamed_and_says_it_counted_only_the_first_rows(monke
 
     def streamed(source, config_name, split, streaming=False):
         seen.write_text(str(streaming))
-        return datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(3000)], "label": [i % 2 for i in
+        texts = [f"sentence number {i}" for i in range(3000)]  # words, not ids: the preview refuses an id column
+        return datasets.Dataset.from_dict({"text": texts, "label": [i % 2 for i in
                                                                                             range(3000)]}
                                           ).to_iterable_dataset()
 

@@ -42,6 +42,11 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "segment_recurrence": {"task": "causal_lm", "gradient_checkpointing": "false"},
     "memory_length": {"task": "causal_lm", "segment_recurrence": True},
     "max_document_length": {"task": "causal_lm", "segment_recurrence": True},
+    "chosen_column": {"task": "preference"},
+    "rejected_column": {"task": "preference"},
+    "tokens_column": {"task": "token_classification"},
+    "tags_column": {"task": "token_classification"},
+    "label_all_tokens": {"task": "token_classification"},
 }
 # Structured options, which the schema's type and bounds cannot derive a sample for.
 SAMPLES: dict[str, Any] = {"tasks": [{"name": "a", "dataset": "a.csv"}, {"name": "b", "dataset": "b.csv",
