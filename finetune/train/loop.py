@@ -291,11 +291,22 @@ def _open_run_dir(c: Config, run_dir: Path, accelerator: Any, plan: Any, schedul
             shown = ", ".join(str(k.relative_to(run_dir)) for k in kept[:3]) + (", …" if len(kept) > 3 else "")
             print(f"note: overwrite kept {len(kept)} file(s) that finetune did not write: {shown}", file=sys.stderr,
                   flush=True)
-        rundir.mark_run_dir(run_dir)
-        # The saved config describes the run, not this invocation: `finetune train config.yaml resume=true`
-        # continues it and a plain `finetune train config.yaml` refuses to overwrite it.
-        (run_dir / "config.yaml").write_text(c.replace(overwrite=False, resume=False).to_yaml(), encoding="utf-8")
-        rundir.write_json(run_dir / "plan.json", plan.to_dict())
+        created = not run_dir.exists()
+        try:
+            with rundir.disk_full_is_one_sentence(run_dir):
+                rundir.mark_run_dir(run_dir)
+                # The saved config describes the run, not this invocation: `finetune train config.yaml resume=true`
+                # continues it and a plain `finetune train config.yaml` refuses to overwrite it.
+                rundir.write_text(run_dir / "config.yaml", c.replace(overwrite=False, resume=False).to_yaml())
+                rundir.write_json(run_dir / "plan.json", plan.to_dict())
+        except TrainingError:
+            # A full disk before the run began: take back what was written, so that starting again works as it
+            # would have (a folder the run created goes too).
+            for name in (rundir.MARKER, rundir.MANIFEST, "config.yaml", "plan.json"):
+                (run_dir / name).unlink(missing_ok=True)
+            if created and run_dir.is_dir() and not any(run_dir.iterdir()):
+                run_dir.rmdir()
+            raise
     accelerator.wait_for_everyone()
 
 
