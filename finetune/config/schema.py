@@ -78,9 +78,9 @@ class Config:
     prompt_column: str | None = _opt(None, "Causal LM: prompt column, masked out of the loss.", group="data")
     completion_column: str | None = _opt(None, "Causal LM: completion column, the tokens that are learned.",
                                          group="data")
-    chosen_column: str | None = _opt(None, "Preference: the preferred completion's column (default 'chosen').",
+    chosen_column: str | None = _opt(None, "Preference, reward: the preferred completion's column (default 'chosen').",
                                      group="data")
-    rejected_column: str | None = _opt(None, "Preference: the dispreferred completion's column (default "
+    rejected_column: str | None = _opt(None, "Preference, reward: the dispreferred completion's column (default "
                                        "'rejected').", group="data")
     preference_loss: str = _opt("dpo", "Preference: the loss: dpo (against a reference), ipo (DPO's squared, "
                                 "per-token form), simpo (length-normalised, no reference) or orpo (likelihood + "
@@ -95,6 +95,10 @@ class Config:
     reference_model: str | None = _opt(None, "Preference, dpo/ipo: Hub id or local folder of the reference model "
                                        "(default: the model being tuned, as it starts; with LoRA, its base with "
                                        "the adapter switched off).", group="advanced", source="model")
+    center_rewards_coefficient: float | None = _opt(None, "Reward: weight of the centring term c·(r_chosen + "
+                                                    "r_rejected)² added to each pair's loss, which keeps the "
+                                                    "scores near 0 (TRL's; unset: none).", min=0.0, max=100.0,
+                                                    group="advanced")
     tokens_column: str | None = _opt(None, "Token classification: column of word lists (default 'tokens' or "
                                      "'words').", group="data")
     tags_column: str | None = _opt(None, "Token classification: column of per-word tag lists, integers (with the "
@@ -406,7 +410,7 @@ def _cross_checks(c: Config) -> list[str]:
     if c.messages_column and (c.prompt_column or c.text_column):
         problems.append("`messages_column` replaces `text_column` and `prompt_column`/`completion_column`: set "
                         "only one of them.")
-    if bool(c.prompt_column) != bool(c.completion_column) and c.task != "preference":
+    if bool(c.prompt_column) != bool(c.completion_column) and c.task not in ("preference", "reward"):
         problems.append("`prompt_column` and `completion_column` go together: set both, or neither.")
     if c.streaming and c.max_steps is None:
         problems.append("`streaming=true` needs `max_steps`: a stream's length is unknown, so epochs cannot be "
