@@ -192,7 +192,8 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                     clock, clock_samples = now, p.samples
                     s.log.emit(Step(step=p.step, epoch=round(epoch_progress, 4), loss=window_loss,
                                     grad_norm=float(grad_norm), lr=lr, samples=p.samples, tokens=p.tokens,
-                                    skipped=p.skipped, samples_per_s=round(rate, 2), task_losses=task_losses))
+                                    skipped=p.skipped, samples_per_s=round(rate, 2), task_losses=task_losses,
+                                    metrics=s.variant.step_metrics(s)))
                 if c.eval_every and p.step % c.eval_every == 0 and p.step < s.total_steps:
                     _evaluate(s, epoch_progress)
                 if c.save_every and p.step % c.save_every == 0 and p.step < s.total_steps:
