@@ -219,3 +219,17 @@ def test_saved_config_kinds():
     assert registry.kind_of_peft_task_type("SEQ_CLS", model_config={"id2label": {"0": "reward"}}) == "reward"
     assert registry.kind_of_peft_task_type("SEQ_CLS", model_config={"id2label": {"0": "a", "1": "b"}}) == \
         "classification"
+
+
+def test_the_planner_plans_for_a_pairs_longer_sequence():
+    """A pair spans its longer sequence in a micro-batch (the rejected one may be the longer): `widths`, which the
+    planner plans for, is the longest of every sequence column per sample (token types do not widen it)."""
+    import pyarrow as pa
+
+    from finetune.data.encoding import Encoded
+
+    pairs = Encoded(pa.table({"input_ids": [[1, 2, 3], [1, 2, 3, 4, 5]], "rejected_ids": [[1, 2, 3, 4, 5, 6, 7], [1]],
+                              "prompt_length": [1, 1]}))
+    assert pairs.lengths.tolist() == [3, 5] and pairs.widths.tolist() == [7, 5]
+    texts = Encoded(pa.table({"input_ids": [[1, 2], [3]], "token_type_ids": [[0, 0], [0]]}))
+    assert texts.widths.tolist() == [2, 1]

@@ -98,7 +98,7 @@ class SingleTask:
     def plan(self, c: Config, train_data: Any, label_names: list[str] | None, accelerator: Any, mode: str
              ) -> tuple[Plan, Any]:
         """The planner's plan and its model; packed rows are checked on the loaded model."""
-        plan, model = plan_run(c, train_data.lengths, label_names, num_processes=accelerator.num_processes,
+        plan, model = plan_run(c, train_data.widths, label_names, num_processes=accelerator.num_processes,
                                device=accelerator.device, load=True, distributed=mode)
         if c.packing:
             check_keeps_samples_apart(model, c.model)
