@@ -233,3 +233,16 @@ def test_the_planner_plans_for_a_pairs_longer_sequence():
     assert pairs.lengths.tolist() == [3, 5] and pairs.widths.tolist() == [7, 5]
     texts = Encoded(pa.table({"input_ids": [[1, 2], [3]], "token_type_ids": [[0, 0], [0]]}))
     assert texts.widths.tolist() == [2, 1]
+
+
+def test_an_encoder_reward_model_trains_exactly_and_scores(tmp_path, tiny_bert, pairs_csv):
+    """An encoder (BERT, which scores its first token) as the reward model: (2, 2) ≡ (4, 1), and predict scores."""
+    from finetune.use.predict import predict
+
+    short = {"max_steps": 2, "learning_rate": 0.5}
+    a, _, _ = _run(tmp_path / "a", tiny_bert, pairs_csv, micro_batch_size=2, grad_accum_steps=2, **short)
+    b, _, _ = _run(tmp_path / "b", tiny_bert, pairs_csv, micro_batch_size=4, grad_accum_steps=1, **short)
+    assert_same_weights(a, b)
+    assert a["classifier.weight"].shape[0] == 1
+    scores = predict(str(tmp_path / "a"), ["good nice", "awful dark"])
+    assert [set(r) for r in scores] == [{"text", "score"}] * 2 and scores[0]["score"] != scores[1]["score"]
