@@ -95,16 +95,16 @@ class Config:
     reference_model: str | None = _opt(None, "Preference, dpo/ipo: Hub id or local folder of the reference model "
                                        "(default: the model being tuned, as it starts; with LoRA, its base with "
                                        "the adapter switched off).", group="advanced", source="model")
-    center_rewards_coefficient: float | None = _opt(None, "Reward: weight of the centring term c·(r_chosen + "
-                                                    "r_rejected)² added to each pair's loss, which keeps the "
-                                                    "scores near 0 (TRL's; unset: none).", min=0.0, max=100.0,
-                                                    group="advanced")
     tokens_column: str | None = _opt(None, "Token classification: column of word lists (default 'tokens' or "
                                      "'words').", group="data")
     tags_column: str | None = _opt(None, "Token classification: column of per-word tag lists, integers (with the "
                                    "hub's ClassLabel names) or strings (default 'ner_tags' or 'tags').", group="data")
     label_all_tokens: bool = _opt(False, "Token classification: put each word's tag on all its sub-tokens (a B- tag "
                                   "continuing as I-), not only on the first.", group="data")
+    center_rewards_coefficient: float | None = _opt(None, "Reward: weight of the centring term c·(r_chosen + "
+                                                    "r_rejected)² added to each pair's loss, which keeps the "
+                                                    "scores near 0 (TRL's; unset: none).", min=0.0, max=100.0,
+                                                    group="advanced")
     max_length: int = _opt(256, "Tokens per sample: a longer input is truncated or split as `long_documents` says.",
                            min=8, max=131072, group="data")
     streaming: bool = _opt(False, "Read the training data as a stream, for data bigger than memory or disk: "
