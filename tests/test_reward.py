@@ -80,14 +80,31 @@ def test_loss_gradient_and_metrics_equal_trl(tmp_path, tiny_gpt2, center):
     assert len(set(torch.sign(chosen - rejected).tolist())) == 2  # a batch with right and wrong pairs
 
 
-def test_accumulation_is_exact_and_steps_carry_the_reward_metrics(tmp_path, tiny_gpt2, pairs_csv):
-    """(B, k) = (2, 3) trains exactly like (6, 1), full fine-tuning with the centring term; every step event
-    carries TRL's reward metrics of its window, equal in both splits (they are sums over the same pairs)."""
+def test_accumulation_is_exact_and_steps_carry_the_reward_metrics(tmp_path, monkeypatch, tiny_gpt2, pairs_csv):
+    """(B, k) = (2, 3) trains exactly like (6, 1), full fine-tuning with the centring term, and so does (6, 1) on a
+    device too small for more than one pair (OOM back-off to (3, 2), then (1, 6): pairs stay whole); every step
+    event carries TRL's reward metrics of its window, equal in both splits (they are sums over the same pairs)."""
+    from finetune.engine.losses import loss_sum
+
     common = {"center_rewards_coefficient": 0.01}
     a, ea, _ = _run(tmp_path / "a", tiny_gpt2, pairs_csv, micro_batch_size=2, grad_accum_steps=3, **common)
     b, eb, _ = _run(tmp_path / "b", tiny_gpt2, pairs_csv, micro_batch_size=6, grad_accum_steps=1, **common)
     assert_same_weights(a, b)
     torch.testing.assert_close(step_losses(ea), step_losses(eb))
+
+    sequences = []
+
+    def small_device(model, batch, kind):
+        sequences.append(len(batch["input_ids"]))
+        if len(batch["input_ids"]) > 2:
+            raise torch.OutOfMemoryError("simulated: more than one pair")
+        return loss_sum(model, batch, kind)
+
+    monkeypatch.setattr("finetune.engine.step.loss_sum", small_device)
+    c, ec, _ = _run(tmp_path / "c", tiny_gpt2, pairs_csv, micro_batch_size=6, grad_accum_steps=1, **common)
+    assert [(e["micro_batch_size"], e["grad_accum_steps"]) for e in ec if e["event"] == "backoff"] == [(3, 2), (1, 6)]
+    assert all(n % 2 == 0 for n in sequences) and 2 in sequences  # chosen and rejected always together
+    assert_same_weights(c, b)
     steps_a, steps_b = ([e for e in ev if e["event"] == "step"] for ev in (ea, eb))
     assert len(steps_a) == 4
     for x, y in zip(steps_a, steps_b, strict=True):
