@@ -160,8 +160,7 @@ def test_lora_run_saves_a_plain_reward_model_that_predict_and_eval_use(tmp_path,
     assert "Bradley–Terry" in card and "rewards/accuracies" in card
 
 
-@pytest.mark.parametrize("loss", ["dpo"])
-def test_two_processes_equal_one(tmp_path, tiny_gpt2, pairs_csv, loss):
+def test_two_processes_equal_one(tmp_path, tiny_gpt2, pairs_csv):
     """Two gloo processes train a reward model exactly like one: pairs stay whole, the pair count is global."""
     from test_multiprocess import COMMON, launch_two
 
