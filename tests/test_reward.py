@@ -204,7 +204,7 @@ def test_trackers_get_the_step_metrics():
 
 def test_refusals(tmp_path, tiny_gpt2, pairs_csv):
     """A missing column or a row without a rejected completion (naming the row), a reward option on another kind,
-    and packing: each one sentence."""
+    a preference loss option on a reward run, and packing: each one sentence."""
     from finetune.data.load import load_data
     from finetune.models.load import load_tokenizer
 
@@ -221,6 +221,10 @@ def test_refusals(tmp_path, tiny_gpt2, pairs_csv):
         from_dict({"task": "classification", "center_rewards_coefficient": 0.1})
     with pytest.raises(ConfigError, match=r"`chosen_column`/`rejected_column` are for task=preference or reward"):
         from_dict({"task": "classification", "chosen_column": "a", "rejected_column": "b"})
+    with pytest.raises(ConfigError, match="`reference_model` is for task=preference; task=reward trains"):
+        from_dict({"task": "reward", "reference_model": "gpt2"})
+    with pytest.raises(ConfigError, match="`beta` is for task=preference"):
+        from_dict({"task": "reward", "beta": 0.5})
     with pytest.raises(ConfigError, match="a reward pair's two sequences are scored side by side"):
         from_dict({"task": "reward", "packing": True})
 

@@ -401,12 +401,17 @@ def from_dict(values: dict[str, Any]) -> Config:
 
 
 COLUMN_KEYS = tuple(f.name for f in fields(Config) if f.name.endswith("_column"))  # what a task kind reads
+PREFERENCE_LOSS_KEYS = ("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model")
 
 
 def _cross_checks(c: Config) -> list[str]:
     problems = []
     if c.task in TASKS:  # another kind's columns (an unknown task is refused on its own)
         problems += kinds.column_problems(c.task, {key: getattr(c, key) for key in COLUMN_KEYS + kinds.OPTION_KEYS})
+    if c.task == "reward":  # the preference kind's loss options: a reward model has one loss and no reference
+        problems += [f"`{f.name}` is for task=preference; task=reward trains with the Bradley–Terry loss and no "
+                     f"reference model: drop `{f.name}`." for f in fields(Config)
+                     if f.name in PREFERENCE_LOSS_KEYS and getattr(c, f.name) != f.default]
     if c.messages_column and (c.prompt_column or c.text_column):
         problems.append("`messages_column` replaces `text_column` and `prompt_column`/`completion_column`: set "
                         "only one of them.")
