@@ -266,3 +266,25 @@ def test_an_encoder_reward_model_trains_exactly_and_scores(tmp_path, tiny_bert, 
     assert a["classifier.weight"].shape[0] == 1
     scores = predict(str(tmp_path / "a"), ["good nice", "awful dark"])
     assert [set(r) for r in scores] == [{"text", "score"}] * 2 and scores[0]["score"] != scores[1]["score"]
+
+
+def test_the_model_scores_the_last_token_before_the_tokenizers_padding(tmp_path, pairs_csv):
+    """A causal LM whose config names no pad token, with a tokenizer that has one (not end-of-sequence): the run
+    gives the model the tokenizer's pad id, so a padded sequence scores as it does alone."""
+    from conftest import _causal_tokenizer, _save
+    from transformers import AutoModelForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    tok = _causal_tokenizer()
+    cfg = GPT2Config(vocab_size=30522, n_positions=64, n_embd=16, n_layer=1, n_head=2, eos_token_id=tok.eos_token_id,
+                     bos_token_id=tok.cls_token_id, pad_token_id=None)
+    base = _save(GPT2LMHeadModel(cfg), tok, tmp_path / "base")
+    _run(tmp_path / "rm", base, pairs_csv, max_steps=1, micro_batch_size=2, grad_accum_steps=1)
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm" / "model").eval()
+    assert model.config.pad_token_id == tok.pad_token_id != tok.eos_token_id
+    ids = tok("good nice fine")["input_ids"]
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([ids])).logits.item()
+        padded = model(input_ids=torch.tensor([ids + [tok.pad_token_id] * 3]),
+                       attention_mask=torch.tensor([[1] * len(ids) + [0] * 3])).logits.item()
+    assert padded == pytest.approx(alone, abs=1e-6)

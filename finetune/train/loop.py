@@ -259,6 +259,11 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     mode = distributed_mode(accelerator)
     note = fallback_note(requested_mode(), mode, accelerator.num_processes, accelerator.device.type)
     plan, model = variant.plan(c, train_data, label_names, accelerator, mode)
+    config = getattr(model, "config", None)
+    if config is not None and tokenizer.pad_token_id is not None:
+        # A sequence classifier on a causal LM scores the last token that is not `pad_token_id`: it must be the id
+        # the micro-batches are padded with (a config without one got end-of-sequence when it was loaded).
+        config.pad_token_id = tokenizer.pad_token_id
     if note:
         plan = dataclasses.replace(plan, notes=(note, *plan.notes))
     c = plan.apply(c)
