@@ -502,17 +502,17 @@ class Controller:
                                        else "Type a text for the trained model"), **cleared)
 
     def _handout(self, path: Path, name: str | None = None) -> str:
-        """A path the download button may take, named `name` (what the browser saves it as; default: the file's
-        own name): Gradio copies a returned file into its cache (under a path nobody can guess) only from the
-        working or the temporary directory, and nothing under the runs folder is served."""
+        """A path the download button may take, named `name` (what the browser saves it as; default: the file's own
+        name, after its folder's when it is handed out from elsewhere): Gradio copies a returned file into its cache
+        (under a path nobody can guess) only from the working or the temporary directory, and nothing under the runs
+        folder is served."""
         resolved = path.resolve()
-        name = name or path.name
-        if name == path.name and any(resolved.is_relative_to(Path(d).resolve())
-                                     for d in (Path.cwd(), tempfile.gettempdir())):
+        if name in (None, path.name) and any(resolved.is_relative_to(Path(d).resolve())
+                                             for d in (Path.cwd(), tempfile.gettempdir())):
             return str(path)
         if self._downloads is None:
             self._downloads = Path(tempfile.mkdtemp(prefix="finetune-downloads-"))
-        out = self._downloads / name
+        out = self._downloads / (name or f"{path.parent.name}-{path.name}")
         if not out.is_file() or out.stat().st_mtime < path.stat().st_mtime:
             out.unlink(missing_ok=True)
             try:
