@@ -240,18 +240,25 @@ class RunsController:
         status = self.controller.jobs.status()
         return status if self.controller.is_mine(status, user) else None
 
+    @staticmethod
+    def _names(names: Any) -> list[str]:
+        return [n for n in (names if isinstance(names, (list, tuple)) else [names] if names else [])
+                if isinstance(n, str)]
+
     def _picked(self, names: Any, runs: list[RunInfo]) -> list[RunInfo]:
-        wanted = [n for n in (names if isinstance(names, (list, tuple)) else [names] if names else [])
-                  if isinstance(n, str)]
         by_name = {r.name: r for r in runs}
-        return [by_name[n] for n in wanted if n in by_name]
+        return [by_name[n] for n in self._names(names) if n in by_name]
 
     def refresh(self, selected: Any = None, *, request: Any = None) -> RunsShown:
         """List the user's runs; the runs still there stay selected."""
         _, runs = self._mine(request)
         picked = self._picked(selected, runs)
+        # The selection is sent only when a selected run is gone: a refresh that lands after a click (the tab's
+        # own, on opening it) must not untick what was just ticked.
+        gone = len(picked) != len(self._names(selected))
         return RunsShown(table=runs_frame(runs),
-                         choices=gr.update(choices=[r.name for r in runs], value=[r.name for r in picked]),
+                         choices=gr.update(choices=[r.name for r in runs],
+                                           **({"value": [r.name for r in picked]} if gone else {})),
                          selection=self._selection(picked))
 
     def select(self, selected: Any, *, request: Any = None) -> SelectionShown:
@@ -331,7 +338,7 @@ class RunsController:
         kept = delete_run(run.path)
         note = f"Deleted run `{run.name}`." + (f" Kept {len(kept)} file(s) finetune did not write, in "
                                                f"`{_shown_path(run.path)}`." if kept else "")
-        shown = self.refresh([], request=request)
+        shown = self.refresh(selected, request=request)  # the deleted run unticked
         return RunsShown(table=shown.table, choices=shown.choices, selection=shown.selection, message=note)
 
     def resume(self, selected: Any, *, request: Any = None) -> str:

@@ -55,7 +55,7 @@ def test_the_runs_are_listed_compared_and_diffed(two_runs, tmp_path):
     assert sorted(shown.table.Run) == ["run-a", "run-b"]
     assert set(shown.table.Status) == {"Done"} and all(s == f"{STEPS}/{STEPS}" for s in shown.table.Steps)
     assert all(re.search(r"accuracy \d\.\d{4}", m) for m in shown.table.Metrics)
-    assert sorted(shown.choices["choices"]) == ["run-a", "run-b"] and shown.choices["value"] == []
+    assert sorted(shown.choices["choices"]) == ["run-a", "run-b"] and "value" not in shown.choices
 
     # One run: its config (what it was launched with), command and whole log; Resume off for a finished run.
     one = ctl.select(["run-a"])
@@ -106,6 +106,7 @@ def test_delete_asks_first_and_removes_only_what_finetune_wrote(two_runs, tmp_pa
     assert ctl.cancel_delete()["message"] == "Nothing was deleted." and (runs / "run-a").is_dir()
     done = ctl.delete(["run-a"])
     assert not (runs / "run-a").exists() and list(done.table.Run) == ["run-b"]
+    assert ctl.refresh(["run-a", "run-b"]).choices["value"] == ["run-b"]  # a deleted run is no longer selected
     kept = ctl.delete(["run-b"])
     assert "Kept 1 file(s)" in kept.message
     assert [p.relative_to(runs) for p in (runs / "run-b").rglob("*") if p.is_file()] == [
