@@ -366,6 +366,18 @@ def _shown_path(path: Path) -> str:
     return _display_path(path)
 
 
+class RunChoices(gr.CheckboxGroup):
+    """The runs to select: a CheckboxGroup that drops a ticked run no longer listed (deleted while the page still
+    showed it) instead of refusing the whole event, as Gradio's own does."""
+
+    is_template = True  # drawn by the frontend's CheckboxGroup
+
+    def preprocess(self, payload: list[str | int | float]) -> list[str | int | float]:
+        """The ticked runs that are still among the choices."""
+        known = {value for _, value in self.choices}
+        return [v for v in payload or [] if v in known]
+
+
 class RunsTab:
     """The Runs tab's blocks, made inside the open `gr.Tab`; `wire` connects them (after the page's other events,
     as `app.ui` wires its own)."""
@@ -377,7 +389,7 @@ class RunsTab:
             self.message = gr.Markdown(elem_id="runs-message")
         self.table = gr.Dataframe(runs_frame([]), label="Your runs", interactive=False, max_height=320, wrap=True,
                                   elem_id="runs-table")
-        self.chosen = gr.CheckboxGroup([], label="Select runs (one: its details; two or more: compare them)",
+        self.chosen = RunChoices([], label="Select runs (one: its details; two or more: compare them)",
                                        elem_id="runs-select")
         details = gr.Markdown(elem_id="runs-details")
         chart = gr.HTML(container=True, elem_id="runs-chart")
