@@ -28,6 +28,7 @@ from finetune.run.events import read_events
 from finetune.run.rundir import LAUNCH_FILES, MARKER, checkpoints, clear_run_dir, is_finished
 
 TABLE_COLUMNS = ["Run", "Status", "Task", "Model", "Steps", "Metrics", "Started", "Finished"]
+COLUMN_WIDTHS = ["15%", "10%", "10%", "15%", "6%", "20%", "12%", "12%"]  # of TABLE_COLUMNS
 NOT_DIFFED = ("output_dir", "resume", "overwrite")  # where a run went, not how it trained
 MAX_RUNS = 200  # the newest shown (a runs folder kept for months would make a table nobody reads)
 
@@ -214,7 +215,7 @@ class RunsShown:
     table: Any
     choices: Any
     selection: SelectionShown
-    message: Any = field(default_factory=gr.skip)
+    message: Any = ""  # a refresh clears the last action's message (a run resumed, then finished, say)
 
 
 class RunsController:
@@ -366,18 +367,6 @@ def _shown_path(path: Path) -> str:
     return _display_path(path)
 
 
-class RunChoices(gr.CheckboxGroup):
-    """The runs to select: a CheckboxGroup that drops a ticked run no longer listed (deleted while the page still
-    showed it) instead of refusing the whole event, as Gradio's own does."""
-
-    is_template = True  # drawn by the frontend's CheckboxGroup
-
-    def preprocess(self, payload: list[str | int | float]) -> list[str | int | float]:
-        """The ticked runs that are still among the choices."""
-        known = {value for _, value in self.choices}
-        return [v for v in payload or [] if v in known]
-
-
 class RunsTab:
     """The Runs tab's blocks, made inside the open `gr.Tab`; `wire` connects them (after the page's other events,
     as `app.ui` wires its own)."""
@@ -388,9 +377,12 @@ class RunsTab:
             self.refresh_btn = gr.Button("Refresh", size="sm", scale=0, elem_id="runs-refresh")
             self.message = gr.Markdown(elem_id="runs-message")
         self.table = gr.Dataframe(runs_frame([]), label="Your runs", interactive=False, max_height=320, wrap=True,
-                                  elem_id="runs-table")
-        self.chosen = RunChoices([], label="Select runs (one: its details; two or more: compare them)",
-                                       elem_id="runs-select")
+                                  column_widths=COLUMN_WIDTHS, elem_id="runs-table")
+        # A multiselect that takes any name (the handlers look names up among the user's runs): a run deleted
+        # while a tick on it is on its way is dropped, rather than failing the event as a CheckboxGroup would.
+        self.chosen = gr.Dropdown([], value=[], multiselect=True, allow_custom_value=True, filterable=True,
+                                  label="Select runs (one: its details; two or more: compare them)",
+                                  elem_id="runs-select")
         details = gr.Markdown(elem_id="runs-details")
         chart = gr.HTML(container=True, elem_id="runs-chart")
         metrics = gr.Dataframe(label="Final metrics", interactive=False, visible=False, elem_id="runs-metrics")

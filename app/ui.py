@@ -56,7 +56,7 @@ button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !import
 }
 .ft-chart svg text { font-size: 12px; fill: var(--body-text-color, #1f2937); }
 .ft-legend { display: flex; gap: 16px; flex-wrap: wrap; font-size: 13px; }
-.ft-key { display: inline-flex; align-items: center; gap: 6px; }
+.ft-key { display: inline-flex; align-items: center; gap: 6px; white-space: nowrap; }
 """
 # Gradio names number boxes and dropdowns by their label alone (aria-label) but a text box by its whole <label>,
 # help text included; give text boxes the same short name, so people with screen readers (and browser tests that

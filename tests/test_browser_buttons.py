@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, served_app
 from test_browser import CHROMIUM, _browser_or_skip
+from test_browser_journeys import tick_run
 
 pytestmark = pytest.mark.slow
 # The app's own buttons (gr.Button, gr.UploadButton, gr.DownloadButton, gr.ClearButton), visible ones only; Gradio's
@@ -152,7 +153,7 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         press("Refresh")
         (run,) = [p.name for p in runs.iterdir() if (p / "launch.yaml").is_file()]
         expect(page.locator("#runs-table")).to_contain_text("Stopped (resumable)", timeout=30_000)
-        page.locator("#runs-select").get_by_label(run, exact=True).click()
+        tick_run(page, run)
         command = page.locator("#runs-command").get_by_role("textbox")
         expect(command).to_have_value(re.compile(r"resume=true$"), timeout=30_000)
         press("Resume run")
