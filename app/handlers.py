@@ -4,6 +4,7 @@ result from `app.results`, which `app.ui` maps to the widgets."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -512,7 +513,10 @@ class Controller:
             return str(path)
         if self._downloads is None:
             self._downloads = Path(tempfile.mkdtemp(prefix="finetune-downloads-"))
-        out = self._downloads / (name or f"{path.parent.name}-{path.name}")
+        out = self._downloads / f"{path.parent.name}-{path.name}"
+        if name:  # a folder per source folder: two users' runs of the same name never share a download
+            out = self._downloads / hashlib.sha256(str(resolved.parent).encode()).hexdigest()[:16] / name
+            out.parent.mkdir(exist_ok=True)
         if not out.is_file() or out.stat().st_mtime < path.stat().st_mtime:
             out.unlink(missing_ok=True)
             try:

@@ -9,6 +9,7 @@ page sends: a name that is not one of the user's runs is refused like a run that
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
 import time
@@ -298,10 +299,13 @@ class RunsController:
         return self.controller.jobs.status().active
 
     def _log_file(self, run: RunInfo) -> str:
-        """The run's whole log as `<run>.log`, in a folder of this app's that Gradio may serve from."""
+        """The run's whole log as `<run>.log`, in a folder of this app's that Gradio may serve from (one folder per
+        run folder: two users' runs of the same name never share a file)."""
         if self._downloads is None:
             self._downloads = Path(tempfile.mkdtemp(prefix="finetune-logs-"))
-        out = self._downloads / f"{run.name}.log"
+        folder = self._downloads / hashlib.sha256(str(run.path.resolve()).encode()).hexdigest()[:16]
+        folder.mkdir(exist_ok=True)
+        out = folder / f"{run.name}.log"
         out.write_text(full_log(run), encoding="utf-8")
         return str(out)
 

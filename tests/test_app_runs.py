@@ -94,6 +94,11 @@ def test_a_shared_server_lists_only_the_users_own_runs(two_runs, tmp_path):
     assert "Select one run" in ctl.ask_delete(["run-b"], request=alice)["message"]
     ctl.delete(["run-b"], request=alice)
     assert (runs / "bob" / "run-b" / "model").is_dir()
+    # A run of bob's named as alice's: each gets their own log file.
+    shutil.copytree(two_runs / "run-b", runs / "bob" / "run-a")
+    logs = [Path(ctl.select(["run-a"], request=who).log["value"]) for who in (alice, bob)]
+    assert logs[0] != logs[1] and logs[0].name == logs[1].name == "run-a.log"
+    assert logs[0].read_text() != logs[1].read_text()
 
 
 def test_delete_asks_first_and_removes_only_what_finetune_wrote(two_runs, tmp_path):
