@@ -4,6 +4,7 @@ result from `app.results`, which `app.ui` maps to the widgets."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -82,6 +83,25 @@ def _run_dir_words(error: RunDirError, config: Config) -> str:
     CLI's message cannot name: a new run needs no Output dir at all."""
     text = in_form_words(str(error))
     return text if config.resume else f"{text} Or clear **Output dir** (under Training) for a new run."
+
+
+def entity_pieces(out: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """A token-classification prediction as gr.HighlightedText pieces: each entity's words as one piece labelled
+    with its type, the other words unlabelled (a tagging without entities, e.g. part of speech: each word's tag)."""
+    words, tags, found = out.get("words") or [], out.get("tags") or [], out.get("entities") or []
+    if not found:
+        return [(f"{w} ", None if t == "O" else t) for w, t in zip(words, tags, strict=False)]
+    starts = {e["start"]: e for e in found}
+    pieces, i = [], 0
+    while i < len(words):
+        if i in starts:
+            entity = starts[i]
+            pieces += [(" ".join(words[i:entity["end"]]), entity["type"]), (" ", None)]
+            i = entity["end"]
+        else:
+            pieces.append((f"{words[i]} ", None))
+            i += 1
+    return pieces
 
 
 class Controller:
@@ -441,7 +461,8 @@ class Controller:
         model_dir = status.model_dir
         changed_run = not isinstance(seen, (list, tuple)) or list(seen[:1]) + list(seen[2:3]) != [
             str(status.run_dir), status.state]
-        download = (gr.update(value=self._handout(zip_model(model_dir, status.run_dir / "model.zip")), interactive=True)
+        download = (gr.update(value=self._handout(zip_model(model_dir, status.run_dir / "model.zip"),
+                                                  f"{status.run_dir.name}.zip"), interactive=True)
                     if status.state == "done" and model_dir is not None else gr.update(value=None, interactive=False))
         command = self.command(status)
         frame = views.loss_frame(status.events)
@@ -472,7 +493,7 @@ class Controller:
         kind = views.try_kind(status)
         chat = kind == "chat"
         cleared = {"label": gr.update(value=None, visible=False), "generated": gr.update(value="", visible=False),
-                   "message": ""} if new_model else {}
+                   "entities": gr.update(value=None, visible=False), "message": ""} if new_model else {}
         ready = kind is not None
         return TryPanel(chat=gr.update(visible=chat, **({"value": []} if new_model else {})),
                         new_chat=gr.update(visible=chat), push=gr.update(interactive=ready),
@@ -481,15 +502,21 @@ class Controller:
                                        placeholder="Write to the trained model" if chat
                                        else "Type a text for the trained model"), **cleared)
 
-    def _handout(self, path: Path) -> str:
-        """A path the download button may take: Gradio copies a returned file into its cache (under a path nobody
-        can guess) only from the working or the temporary directory, and nothing under the runs folder is served."""
+    def _handout(self, path: Path, name: str | None = None) -> str:
+        """A path the download button may take, named `name` (what the browser saves it as; default: the file's own
+        name, after its folder's when it is handed out from elsewhere): Gradio copies a returned file into its cache
+        (under a path nobody can guess) only from the working or the temporary directory, and nothing under the runs
+        folder is served."""
         resolved = path.resolve()
-        if any(resolved.is_relative_to(Path(d).resolve()) for d in (Path.cwd(), tempfile.gettempdir())):
+        if name in (None, path.name) and any(resolved.is_relative_to(Path(d).resolve())
+                                             for d in (Path.cwd(), tempfile.gettempdir())):
             return str(path)
         if self._downloads is None:
             self._downloads = Path(tempfile.mkdtemp(prefix="finetune-downloads-"))
         out = self._downloads / f"{path.parent.name}-{path.name}"
+        if name:  # a folder per source folder: two users' runs of the same name never share a download
+            out = self._downloads / hashlib.sha256(str(resolved.parent).encode()).hexdigest()[:16] / name
+            out.parent.mkdir(exist_ok=True)
         if not out.is_file() or out.stat().st_mtime < path.stat().st_mtime:
             out.unlink(missing_ok=True)
             try:
@@ -587,6 +614,10 @@ class Controller:
                      {"role": "assistant", "content": reply}]
             return PredictionShown(label=gr.update(visible=False), generated=gr.update(visible=False),
                                    chat=gr.update(value=shown, visible=True), text="", message=note)
+        if "tags" in out:  # token classification: the text with its entities highlighted
+            return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
+                                   generated=gr.update(visible=False),
+                                   entities=gr.update(value=entity_pieces(out), visible=True))
         if "value" in out:  # regression: the predicted number
             return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
                                    generated=gr.update(value=f"{out['value']:.4g}", label="Predicted value",

@@ -106,6 +106,7 @@ class TryPanel:
     text: Any = keep()
     message: Any = keep()
     push: Any = keep()  # Push, like Predict, acts only on a finished model
+    entities: Any = keep()  # token classification: the words with their entities highlighted
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +154,7 @@ class PredictionShown:
     chat: Any = keep()
     text: Any = keep()
     message: str = ""
+    entities: Any = hidden()  # token classification: the words, each entity highlighted with its type
 
 
 @dataclass(frozen=True, kw_only=True)

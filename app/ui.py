@@ -11,7 +11,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import dataview, limits
+from app import dataview, limits, runsview
 from app.access import Access
 from app.api import ScriptApi
 from app.dataview import UPLOAD_TYPES, DatasetView, labels_markdown
@@ -56,7 +56,7 @@ button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !import
 }
 .ft-chart svg text { font-size: 12px; fill: var(--body-text-color, #1f2937); }
 .ft-legend { display: flex; gap: 16px; flex-wrap: wrap; font-size: 13px; }
-.ft-key { display: inline-flex; align-items: center; gap: 6px; }
+.ft-key { display: inline-flex; align-items: center; gap: 6px; white-space: nowrap; }
 """
 # Gradio names number boxes and dropdowns by their label alone (aria-label) but a text box by its whole <label>,
 # help text included; give text boxes the same short name, so people with screen readers (and browser tests that
@@ -318,6 +318,10 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                 try_msg = gr.Markdown(elem_id="try-message")
                 try_label = gr.Label(label="Prediction", num_top_classes=5, visible=False, elem_id="prediction")
                 try_text = gr.Textbox(label="Generated continuation", visible=False, interactive=False)
+                try_entities = gr.HighlightedText(label="Entities", visible=False, show_legend=True,
+                                                  elem_id="try-entities")
+            with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
+                runs_view = runsview.RunsTab(controller)
             with gr.Tab("Export", id="export", elem_id="tab-export"):
                 gr.Markdown("### Download or push the model")
                 download_btn = gr.DownloadButton("Download model", interactive=False)
@@ -354,9 +358,11 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                    "resume_button": resume_btn,
                    "command": command_box, "trackers": trackers_md, "hub_note": hub_md, "push_repo": push_repo,
                    "try_panel": {"chat": try_chat, "label": try_label, "generated": try_text, "button": try_btn,
+                                 "entities": try_entities,
                                  "new_chat": new_chat, "text": try_box, "message": try_msg, "push": push_btn},
                    "note": run_msg, "scatter": scatter_plot}
-        try_out = {"label": try_label, "generated": try_text, "chat": try_chat, "text": try_box, "message": try_msg}
+        try_out = {"label": try_label, "generated": try_text, "chat": try_chat, "text": try_box, "message": try_msg,
+                   "entities": try_entities}
         chat_in = [fields[n] for n in ("dataset", "dataset_config", "train_split", "task", "messages_column", "model",
                                        "chat_template", "train_on", "max_length")]
         chat_out = {"example": chat_example, "note": chat_note}
@@ -407,4 +413,6 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         refreshed = _on(imported.then, controller.refresh_dataset, data_in, data_out, show_progress="hidden",
                         **private)
         _on(refreshed.then, controller.clear_note, None, {}, outputs=model_note, gate="public", **private)
+        # The list is read again when the tab is opened and when a run's state changes (a run finished, say).
+        runs_view.wire(_on, [runs_tab.select, status_md.change, demo.load])
     return App(demo, fields, jobs)

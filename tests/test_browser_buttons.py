@@ -11,10 +11,13 @@ fails the last check.
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, served_app
 from test_browser import CHROMIUM, _browser_or_skip
+from test_browser_journeys import tick_run
 
 pytestmark = pytest.mark.slow
 # The app's own buttons (gr.Button, gr.UploadButton, gr.DownloadButton, gr.ClearButton), visible ones only; Gradio's
@@ -106,6 +109,9 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         tab("Export")
         for name in ("Download model", "Push to the Hub"):
             expect(button(name)).to_be_disabled()
+        tab("Runs")
+        for name in ("Download log", "Resume run", "Delete run"):
+            expect(button(name)).to_be_disabled()
         tab("Train")
         for section in ("More data options", "Several datasets at once (multi-task)", "Advanced"):
             page.get_by_role("button", name=section).click()
@@ -141,6 +147,21 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         expect(page.locator("#run-status")).to_contain_text("Stopped", timeout=120_000)
         expect(page.locator("#run-message")).to_have_text("", timeout=30_000)  # "Stopping…" is gone
         _no_error(page, log, "Stop")
+        # Runs: the stopped run is listed as resumable; Resume run continues it (stopped again at once, so that
+        # the Run panel's Resume has something to resume).
+        tab("Runs")
+        press("Refresh")
+        (run,) = [p.name for p in runs.iterdir() if (p / "launch.yaml").is_file()]
+        expect(page.locator("#runs-table")).to_contain_text("Stopped (resumable)", timeout=30_000)
+        tick_run(page, run)
+        command = page.locator("#runs-command").get_by_role("textbox")
+        expect(command).to_have_value(re.compile(r"resume=true$"), timeout=30_000)
+        press("Resume run")
+        expect(page.locator("#runs-message")).to_contain_text(f"Resuming {run}", timeout=30_000)
+        _no_error(page, log, "Resume run")
+        tab("Train")
+        press("Stop")
+        expect(page.locator("#run-status")).to_contain_text("Stopped", timeout=120_000)
         press("Resume")
         expect(page.locator("#run-status")).to_contain_text("Done", timeout=180_000)
         _no_error(page, log, "Resume")
@@ -154,7 +175,7 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         tab("Export")
         with page.expect_download(timeout=60_000) as download:
             press("Download model")
-        assert download.value.suggested_filename.endswith(".zip")
+        assert download.value.suggested_filename == f"{run}.zip"  # named after the run
         press("Push to the Hub")
         expect(page.locator("#push-message")).to_contain_text("Give the repository", timeout=30_000)
         _no_error(page, log, "Download, Predict and Push")
@@ -162,11 +183,29 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         if folder := os.environ.get("FINETUNE_TAB_SCREENSHOTS"):  # the README's screenshots: each tab, two widths
             for width, height in ((1400, 900), (400, 860)):
                 page.set_viewport_size({"width": width, "height": height})
-                for name in ("Train", "Try it", "Export"):
+                for name in ("Train", "Try it", "Runs", "Export"):
                     tab(name)
                     page.evaluate("window.scrollTo(0, 0)")
                     page.screenshot(path=f"{folder}/tab-{name.lower().replace(' ', '-')}-{width}.png")
             page.set_viewport_size({"width": 1400, "height": 1000})
+
+        # Runs, the finished run: its whole log (named after it); Delete asks first (Cancel keeps it), then deletes.
+        tab("Runs")
+        expect(page.locator("#runs-table")).to_contain_text("Done", timeout=30_000)
+        with page.expect_download(timeout=60_000) as download:
+            press("Download log")
+        assert download.value.suggested_filename == f"{run}.log"
+        assert len(Path(download.value.path()).read_text().splitlines()) > 30  # every step, not the last 12 lines
+        press("Delete run")
+        expect(page.locator("#runs-message")).to_contain_text(f"Delete run {run}?", timeout=30_000)
+        press("Cancel")
+        expect(page.locator("#runs-message")).to_contain_text("Nothing was deleted", timeout=30_000)
+        press("Delete run")
+        press("Yes, delete it")
+        expect(page.locator("#runs-message")).to_contain_text(f"Deleted run {run}", timeout=30_000)
+        expect(page.locator("#runs-table")).not_to_contain_text(run)
+        assert not (runs / run).exists()
+        _no_error(page, log, "the Runs tab")
 
         # Every button of the app that any tab showed was pressed (New chat shows only for chat runs).
         assert shown - set(pressed) == set(), f"buttons never pressed: {shown - set(pressed)}"
