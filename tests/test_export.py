@@ -187,12 +187,41 @@ def test_refusals_come_in_one_sentence_before_any_work(chat_run, tmp_path, tiny_
     with pytest.raises(ExportError, match=r"needs about .* GiB .* free: free some space or give --out"):
         prepare(str(chat_run), out=str(out))
     monkeypatch.undo()
-    quantized = tmp_path / "quantized"
-    shutil.copytree(chat_run, quantized)
-    (quantized / "config.yaml").write_text((chat_run / "config.yaml").read_text() + "quantization: nf4\n")
-    with pytest.raises(ExportError, match="quantized base model"):
-        prepare(str(quantized), out=str(out))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_a_quantized_run_exports_its_dequantized_base_plus_update(chat_run, tmp_path, quantization):
+    """QLoRA: the merged folder is the dequantized base plus the adapter's update, in plain weights that load
+    without bitsandbytes and compute what `merged_model` computes from the quantized run, to float rounding."""
+    pytest.importorskip("bitsandbytes")
+    from finetune.config.schema import read_yaml
+    from finetune.models import quantize
+
+    config = read_yaml(chat_run / "config.yaml")
+    run = tmp_path / "run"
+    assert train_chat(run, config["model"], config["dataset"], quantization=quantization).status == "done"
+    assert (run / "model" / quantize.QUANTIZATION_FILE).is_file()
+    merged = export(str(run), out=str(tmp_path / "out"), dtype="float32").merged
+    assert "quantization_config" not in json.loads((merged / "config.json").read_text())
+    plain = AutoModelForCausalLM.from_pretrained(merged).eval()
+    assert not any(type(m).__module__.startswith("bitsandbytes") for m in plain.modules())
+    quantized = load_trained(run / "model", "causal_lm").eval()
+    reference = quantize.merged_model(quantized).eval()
+    tok = AutoTokenizer.from_pretrained(merged)
+    ids = tok.apply_chat_template([{"role": "user", "content": "good movie plot"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        ours, theirs = plain(ids).logits, reference(ids).logits
+        with quantized.disable_adapter():
+            untrained = quantized(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert (ours - untrained).abs().max() > 0.1  # the adapter's update is in it
+    gen = json.loads((merged / "generation_config.json").read_text())
+    assert gen["eos_token_id"][0] == tok.convert_tokens_to_ids("<|im_end|>")
+    if quantization == "4bit" and find_spec("llama_cpp") is not None:  # and it becomes a GGUF that behaves
+        result = export(str(run), fmt="gguf", out=str(tmp_path / "out"), check_tokens=16)
+        assert result.check["agree"] and result.check["warnings"] == [], result.check
 
 
 def test_the_cli_exports_merged_and_refuses_with_exit_2(chat_run, tmp_path, capsys):

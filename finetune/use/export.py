@@ -10,8 +10,8 @@
       check-<quant>.json  the behaviour check of that GGUF: llama.cpp greedy against transformers greedy
       export.json      what was exported, how long it took, the files and the check
 
-Everything that can be refused is refused before any work (`prepare`): a run that has not finished, a multi-task or
-quantized run, GGUF for a model that does not generate text, an architecture or a tokenizer llama.cpp's converter
+Everything that can be refused is refused before any work (`prepare`): a run that has not finished, a multi-task
+run, GGUF for a model that does not generate text, an architecture or a tokenizer llama.cpp's converter
 does not take, not enough disk space. The run's `events.jsonl` gets an `export` event.
 """
 
@@ -27,6 +27,7 @@ from typing import Any
 from finetune.config.schema import read_yaml
 from finetune.data.chat import end_of_turn_ids, turns_of
 from finetune.errors import ConfigError, InputError, ModelError
+from finetune.models import quantize
 from finetune.models.heads import TASKS_FILE
 from finetune.models.load import (
     is_adapter,
@@ -119,8 +120,6 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
         raise ExportError(f"The run in {target!r} is a multi-task model (one model per task in {model_dir}): "
                           "export is for single-task runs for now.")
     config = read_yaml(run_dir / "config.yaml")
-    if problem := _quantized(config, model_dir):
-        raise ExportError(problem)
     task = task_of(model_dir)
     kind = str(config.get("task") or task)
     if fmt == "gguf" and (task != "causal_lm" or kind != "causal_lm"):
@@ -195,7 +194,10 @@ def write_merged(model_dir: Path, out: Path, task: str, dtype: str, chat: bool, 
 
     quiet_transformers()
     model = load_trained(model_dir, task)
-    if is_adapter(model_dir):  # peft adds the scaled low-rank update to each adapted weight, in fp32
+    if is_adapter(model_dir) and quantize.quantization_of(model):
+        # A quantized base: each layer dequantized to the weights the adapter was trained against, plus the update.
+        model = quantize.merged_model(model)
+    elif is_adapter(model_dir):  # peft adds the scaled low-rank update to each adapted weight, in fp32
         model = model.merge_and_unload()
     model = model.to(getattr(torch, dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -408,16 +410,6 @@ def _check_ollama_template(model_dir: Path) -> None:
 
 def _names(tokenizer: Any, ids: list[int]) -> str:
     return " ".join(repr(tokenizer.convert_ids_to_tokens(i)) for i in ids) or "nothing"
-
-
-def _quantized(config: dict[str, Any], model_dir: Path) -> str | None:
-    """Why a run on a quantized base cannot be exported yet, or None."""
-    keys = [k for k in ("quantization", "quantize", "load_in_4bit", "load_in_8bit") if config.get(k) not in
-            (None, False, "none", "false")]
-    if keys or "quantization_config" in _json(model_dir / "config.json"):
-        return ("This run trained on a quantized base model, and exporting those is not supported yet (the base "
-                "would have to be dequantized first): export a LoRA run on a full-precision base.")
-    return None
 
 
 def _base_dtype(model_dir: Path) -> str | None:
