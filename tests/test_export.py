@@ -392,3 +392,56 @@ def test_a_template_with_more_than_turn_wrappers_is_refused(tmp_path):
     tok = spm_tokenizer(tmp_path / "tok", folded, ())
     with pytest.raises(ollama.TemplateError, match="cannot be written as an Ollama TEMPLATE"):
         ollama.turn_pieces(tok)
+
+
+# --- Pushing the export to the Hub (`finetune push RUN REPO --export`), against tests/fakehub.py
+
+def test_push_uploads_the_export_with_a_card_that_says_how_to_run_it(chat_run, tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+    import yaml
+    from fakehub import fake_hub
+
+    run = tmp_path / "run"
+    shutil.copytree(chat_run, run, ignore=shutil.ignore_patterns("export"))
+    with fake_hub() as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_TOKEN", "hf_write")
+        # No export yet: one sentence, exit 2, before any call to the Hub.
+        assert main(["push", str(run), "alice/m", "--export"]) == 2
+        assert capsys.readouterr().err == (f"error: {run / 'export'} holds no export: run `finetune export {run}` "
+                                           "first, then push it.\n")
+        assert hub.requests == []
+        export(str(run), out=str(tmp_path / "merged"))
+        assert main(["push", str(run), "alice/m", "--export", str(tmp_path / "merged")]) == 0, capsys.readouterr()
+        merged = hub.repos["alice/m"]["files"]
+        assert merged["model.safetensors"] == (tmp_path / "merged" / "merged" / "model.safetensors").read_bytes()
+        assert {"config.json", "generation_config.json", "tokenizer.json", "README.md"} <= set(merged)
+        assert "adapter_config.json" not in merged and not any(k.endswith(".gguf") for k in merged)
+        card = merged["README.md"].decode()
+        assert 'AutoModelForCausalLM.from_pretrained("alice/m", dtype="auto")' in card and "peft" not in card
+        assert "The adapter is merged into the base" in card
+        if find_spec("llama_cpp") is None:
+            return
+        export(str(run), fmt="gguf", quant="q8_0", ollama_file=True, check_tokens=8)
+        assert main(["push", str(run), "alice/g", "--export"]) == 0, capsys.readouterr()
+    files = hub.repos["alice/g"]["files"]
+    out = run / "export"
+    assert set(files) == {"model-f16.gguf", "model-q8_0.gguf", "Modelfile", "template", "params", "system",
+                          "README.md", "loss.png"}
+    assert files["model-q8_0.gguf"] == (out / "model-q8_0.gguf").read_bytes()
+    modelfile = (out / "Modelfile").read_text()
+    assert files["Modelfile"].decode() == modelfile
+    # What `ollama run hf.co/alice/g` reads instead of the Modelfile: the same TEMPLATE, stops and SYSTEM.
+    assert f'TEMPLATE """{files["template"].decode()}"""' in modelfile
+    assert json.loads(files["params"]) == {"stop": ["<|im_end|>", "</s>"]}
+    assert files["system"].decode() == "Answer with opposites."
+    card = files["README.md"].decode()
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert {"gguf", "llama.cpp", "ollama"} <= set(meta["tags"]) and "library_name" not in meta
+    assert "ollama run hf.co/alice/g:Q8_0" not in card  # q4_k_m absent, so the first file's quant is the default
+    assert "ollama run hf.co/alice/g:F16" in card and "llama-cli -hf alice/g:F16" in card
+    assert "llama-cli --hf-repo alice/g --hf-file model-q8_0.gguf -cnv" in card
+    check = json.loads((out / "check-q8_0.json").read_text())
+    assert check["agree"] and "Checked: on `model-q8_0.gguf`, llama.cpp and transformers agree token for token" in card
+    assert str(tmp_path) not in card
