@@ -212,7 +212,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from finetune.use.ollama import create_command
 
     result = export(args.run_dir, fmt=args.format, quant=args.quant, out=args.out, ollama_file=args.ollama,
-                    dtype=args.dtype, check=args.check, check_tokens=args.check_tokens, llama_cpp=args.llama_cpp)
+                    dtype=args.dtype, check=args.check, check_tokens=args.check_tokens, llama_cpp=args.llama_cpp,
+                    progress=lambda stage: print(f"export: {stage}…", file=sys.stderr, flush=True))
     if result.check is not None:
         print(describe_check(result.check), file=sys.stderr)
     if result.modelfile is not None:

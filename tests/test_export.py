@@ -274,8 +274,12 @@ def test_slow_llama_cpp_greedy_generation_matches_transformers(chat_run, tmp_pat
             assert report["llama_cpp_tokens"][-1] == AutoTokenizer.from_pretrained(
                 out / "merged").convert_tokens_to_ids("<|im_end|>")
             assert 1 < len(report["llama_cpp_tokens"]) < 32  # it said something, then stopped
-        err = capsys.readouterr().err
-        assert err.startswith(f"check model-{quant}.gguf: llama.cpp ")
+        err = capsys.readouterr().err.splitlines()
+        stages = [line for line in err if line.startswith("export: ")]  # what the app shows as progress
+        assert stages[-1] == "export: checking llama.cpp's greedy tokens against transformers'…", err
+        assert (f"export: quantizing to {quant} with llama.cpp's quantizer…" in stages) == (quant != "f16")
+        assert next(line for line in err if not line.startswith("export: ")).startswith(
+            f"check model-{quant}.gguf: llama.cpp ")
     events = [e for e in read_events(chat_run / "events.jsonl") if e["event"] == "export" and e["format"] == "gguf"]
     assert [e["quant"] for e in events][-3:] == ["f16", "q8_0", "q4_k_m"] and events[-1]["check"]["gguf"]
     assert json.loads((out / "export.json").read_text())["files"]["model-q4_k_m.gguf"] < (out / "model-f16.gguf"

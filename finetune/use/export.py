@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -152,8 +153,10 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
 
 def export(target: str, *, fmt: str = "merged", quant: str | None = None, out: str | None = None,
            ollama_file: bool = False, dtype: str = "auto", check: bool = True, check_tokens: int = CHECK_TOKENS,
-           llama_cpp: str | None = None) -> ExportResult:
-    """Export the finished run `target` (see the module docstring); every refusal comes before any work."""
+           llama_cpp: str | None = None, progress: Callable[[str], None] | None = None) -> ExportResult:
+    """Export the finished run `target` (see the module docstring); every refusal comes before any work.
+    `progress` is told each stage as it begins (the CLI prints them; the app shows the last one)."""
+    say = progress or (lambda stage: None)
     plan = prepare(target, fmt=fmt, quant=quant, out=out, ollama_file=ollama_file, dtype=dtype,
                    llama_cpp=llama_cpp)
     started = time.perf_counter()
@@ -162,19 +165,24 @@ def export(target: str, *, fmt: str = "merged", quant: str | None = None, out: s
     # Another quant of a run exported before reuses its merged folder and f16 GGUF (the quantizer starts from it).
     reuse = plan.format == "gguf" and _reusable(plan.out, plan.model_dir, plan.dtype)
     if not reuse:
+        say("merging the adapter into the base" if is_adapter(plan.model_dir) else "writing the merged weights")
         write_merged(plan.model_dir, merged, plan.task, plan.dtype, plan.chat,
                      base=str(read_yaml(plan.run_dir / "config.yaml").get("model") or ""))
     gguf = modelfile = report = None
     if plan.format == "gguf":
         if not reuse:
+            say("converting to GGUF with llama.cpp's converter")
             llamacpp.convert(plan.converter, merged, f16)
             llamacpp.mark_end_of_turn(plan.converter, f16, stop_ids(merged))
+        if plan.quant != "f16":
+            say(f"quantizing to {plan.quant} with llama.cpp's quantizer")
         gguf = f16 if plan.quant == "f16" else llamacpp.quantize(f16, plan.out / f"model-{plan.quant}.gguf",
                                                                    plan.quant)
         if plan.ollama:
             modelfile = ollama.write_modelfile(plan.out / "Modelfile", gguf, merged, system=_system_prompt(plan))
     seconds = round(time.perf_counter() - started, 2)
     if gguf is not None and check:
+        say("checking llama.cpp's greedy tokens against transformers'")
         report = behaviour_check(merged, gguf, prompt_turns(plan.run_dir, plan.chat), check_tokens)
         write_json(plan.out / f"check-{plan.quant}.json", report)
     result = ExportResult(out=plan.out, format=plan.format, quant=plan.quant, merged=merged, gguf=gguf,
