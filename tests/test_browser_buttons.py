@@ -104,7 +104,7 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         expect(button("Predict")).to_be_disabled()
         expect(button("New chat")).to_be_hidden()
         tab("Export")
-        for name in ("Download model", "Push to the Hub"):
+        for name in ("Download model", "Push to the Hub", "Export model", "Push the export"):
             expect(button(name)).to_be_disabled()
         tab("Train")
         for section in ("More data options", "Several datasets at once (multi-task)", "Advanced"):
@@ -158,6 +158,13 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         press("Push to the Hub")
         expect(page.locator("#push-message")).to_contain_text("Give the repository", timeout=30_000)
         _no_error(page, log, "Download, Predict and Push")
+        # Export the finished run from the Export tab (merged: a classifier), then its push asks for a repository.
+        press("Export model")
+        expect(page.locator("#export-status")).to_contain_text("Exported merged weights", timeout=180_000)
+        expect(page.locator("#export-files")).to_contain_text("merged.zip", timeout=30_000)
+        press("Push the export")
+        expect(page.locator("#export-push-message")).to_contain_text("Give the repository", timeout=30_000)
+        _no_error(page, log, "Export model and Push the export")
 
         if folder := os.environ.get("FINETUNE_TAB_SCREENSHOTS"):  # the README's screenshots: each tab, two widths
             for width, height in ((1400, 900), (400, 860)):

@@ -27,6 +27,7 @@ from finetune.models.load import resolve_model_dir
 from finetune.run import modelcard
 from finetune.run.events import EventLog, Pushed
 from finetune.run.rundir import plot_loss
+from finetune.use import ollama
 
 LOSS_PLOT = "loss.png"  # drawn into the model folder, so that the card's picture travels with it
 # What an upload can fail with: the Hub's answers and the network (HubNetworkError), files (OSError), the card's
@@ -133,8 +134,6 @@ def push_export(run_dir: Path, repo_id: str, *, export_dir: Path | None = None, 
                 hub_token: str | None = None) -> PushResult:
     """Upload a run's export (see `export_uploads`) to `repo_id` with a model card whose usage section says how to
     run it (`ollama run hf.co/…`, `llama-cli -hf …`, or transformers for a merged folder)."""
-    from finetune.use import ollama
-
     model_dir, run = resolve_model_dir(str(run_dir))
     run_dir = run or model_dir.parent
     export_dir = export_dir or run_dir / "export"
