@@ -83,10 +83,12 @@ def main() -> None:
                        "llama_cpp_stops": check["llama_cpp_stops"], "warnings": check["warnings"]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    print("\n| model | parameters | quant | export s | GGUF MB | greedy tokens equal | agreement rate | stops |")
-    print("| --- | ---: | --- | ---: | ---: | --- | ---: | --- |")
+    print("\n| model | parameters | quant | export s | check s | GGUF MB | greedy tokens equal | agreement rate "
+          "| stops |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | --- |")
     for r in rows:
-        print(f"| {r['model']} | {r['parameters'] / 1e6:.1f} M | {r['quant']} | {r['export_s']} | {r['size_mb']} | "
+        print(f"| {r['model']} | {r['parameters'] / 1e6:.1f} M | {r['quant']} | {r['export_s']} | {r['check_s']} | "
+              f"{r['size_mb']} | "
               f"{'yes' if r['agree'] else 'no'} ({r['tokens']} tokens) | {r['agreement_rate']:.0%} | "
               f"{'yes' if r['llama_cpp_stops'] else 'no'} |")
 
