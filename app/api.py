@@ -1,5 +1,5 @@
-"""The app's scripting API: `start`, `plan`, `status`, `stop`, `predict` and `push`, with named parameters and
-results.
+"""The app's scripting API: `start`, `plan`, `status`, `stop`, `predict`, `push`, `export` and `export_status`,
+with named parameters and results.
 
 A script passes a run's config as one value, YAML text or a mapping of the config's options, and gets JSON back
 (see "Scripting the app" in docs/app.md). The endpoints call the same `Controller` methods as the page's buttons,
@@ -13,7 +13,7 @@ from typing import Any, TypedDict
 
 import gradio as gr
 
-from app import limits, views
+from app import exportview, limits, views
 from app.handlers import Controller, Unanswered
 from app.mapping import parse_config, problems_text
 from finetune.config.schema import ConfigError
@@ -51,6 +51,26 @@ class PushResult(TypedDict):
     message: str
 
 
+class ExportResult(TypedDict):
+    """Whether the export started, of which run, the command it runs, and a message (the reason, when refused)."""
+
+    started: bool
+    run_dir: str | None
+    command: str
+    message: str
+
+
+class ExportStatusResult(TypedDict):
+    """The caller's export: its state, stage, a message, the behaviour check (a GGUF) and the files written."""
+
+    state: str  # idle, running, done, failed
+    run_dir: str | None
+    stage: str
+    message: str
+    check: dict[str, Any] | None
+    files: list[str]  # names in RUN/export/ ("merged" for the merged folder)
+
+
 class ScriptApi:
     """The endpoints of one app, bound to its controller."""
 
@@ -66,6 +86,8 @@ class ScriptApi:
         gr.api(self.stop, api_name="stop", concurrency_limit=None)
         gr.api(self.predict, api_name="predict")
         gr.api(self.push, api_name="push", concurrency_id="push", concurrency_limit=1)
+        gr.api(self.export, api_name="export", concurrency_id="export", concurrency_limit=1)
+        gr.api(self.export_status, api_name="export_status", concurrency_limit=None)
 
     def start(self, config: str | dict[str, Any], request: gr.Request) -> StartResult:
         """Start training `config` (YAML text, or a mapping of config options) as a `finetune train` child process."""
@@ -125,3 +147,15 @@ class ScriptApi:
         outcome = self.controller.push_run(repo, private, request=request)
         message = outcome.message.removeprefix("⚠️ ")
         return PushResult(pushed=outcome.url is not None, url=outcome.url, commit=outcome.commit, message=message)
+
+    def export(self, format: str = "merged", quant: str = "", ollama: bool = False, run: str = "",
+               request: gr.Request = None) -> ExportResult:
+        """Export the caller's finished run (`finetune export` in a child process; `run`: one of their run folders,
+        default their current run): `format` merged or gguf, `quant` f16, q8_0 or q4_k_m, `ollama` a Modelfile."""
+        out = exportview.exporter_of(self.controller).start(format, quant or None, bool(ollama), run or None,
+                                                            request=request)
+        return ExportResult(**out)
+
+    def export_status(self, request: gr.Request) -> ExportStatusResult:
+        """The caller's export: running (with its stage), done (with the check and the files) or failed (why)."""
+        return ExportStatusResult(**exportview.exporter_of(self.controller).status(request=request))

@@ -14,7 +14,7 @@ from typing import Any
 from app.access import Access
 from app.jobs import JobStatus
 from finetune.config.schema import read_yaml, repo_id_problem
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, InputError
 from finetune.run import hub
 from finetune.run.events import EventLog, Pushed
 
@@ -28,9 +28,10 @@ class PushOutcome:
     commit: str | None = None
 
 
-def push_finished_run(access: Access, status: JobStatus, user: str | None, repo: str, private: bool
-                      ) -> PushOutcome:
-    """Push the finished run of `status` to `repo` as `user`."""
+def push_finished_run(access: Access, status: JobStatus, user: str | None, repo: str, private: bool,
+                      export: bool = False) -> PushOutcome:
+    """Push the finished run of `status` to `repo` as `user`: its model, or with `export` its export
+    (`hub.push_export`: the merged folder, or the GGUFs and Modelfile)."""
     if refusal := access.refusal(user) or access.push_refusal(user):
         return PushOutcome(f"⚠️ {refusal}")
     if status.state != "done" or status.run_dir is None:
@@ -40,6 +41,11 @@ def push_finished_run(access: Access, status: JobStatus, user: str | None, repo:
         return PushOutcome("⚠️ Give the repository to push to, such as your-name/my-model.")
     if problem := repo_id_problem(repo):
         return PushOutcome(f"⚠️ {problem.replace('`push_to_hub` must be', 'The repository must be')}")
+    if export:
+        try:
+            hub.export_uploads(status.run_dir)
+        except InputError:
+            return PushOutcome("Nothing to push yet: export the run first (Export model).")
     token = hub.token()
     if not token:
         return PushOutcome("⚠️ This server has no Hugging Face token: whoever runs the app sets HF_TOKEN (on a "
@@ -51,7 +57,8 @@ def push_finished_run(access: Access, status: JobStatus, user: str | None, repo:
     log = EventLog(status.run_dir / "events.jsonl")
     model_dir = str(status.run_dir / "model")
     try:
-        result = hub.push_run(status.run_dir, repo, private=private, hub_token=token)
+        push = hub.push_export if export else hub.push_run
+        result = push(status.run_dir, repo, private=private, hub_token=token)
     except hub.UPLOAD_ERRORS as e:
         reason = hub.describe_failure(e, token)
         log.emit(Pushed(repo_id=repo, model_dir=model_dir, error=reason))

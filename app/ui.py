@@ -11,7 +11,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import dataview, limits, runsview
+from app import dataview, exportview, limits, runsview
 from app.access import Access
 from app.api import ScriptApi
 from app.dataview import UPLOAD_TYPES, DatasetView, labels_markdown
@@ -332,6 +332,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                     push_private = gr.Checkbox(label="Private", value=True, scale=1)
                     push_btn = gr.Button("Push to the Hub", scale=1, interactive=False)
                 push_msg = gr.Markdown(elem_id="push-message")
+                exportview.place(controller, {"api_visibility": "private"})
                 with gr.Column(variant="panel"):
                     gr.Markdown("### Reproduce")
                     with gr.Row():

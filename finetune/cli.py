@@ -185,11 +185,20 @@ def cmd_push(args: argparse.Namespace) -> int:
 
     if problem := repo_id_problem(args.repo):
         raise ConfigError([problem.replace("`push_to_hub`", "REPO")])
-    model_dir, _ = resolve_model_dir(args.run_dir)  # no final model: one sentence, before any network call
+    model_dir, run_dir = resolve_model_dir(args.run_dir)  # no final model: one sentence, before any network call
+    export_dir = None
+    if args.export is not None:  # the export: one sentence when there is none, before any network call
+        export_dir = Path(args.export) if args.export else (run_dir or model_dir.parent) / "export"
+        hub.export_uploads(run_dir or model_dir.parent, export_dir)
+        model_dir = export_dir
     token = hub.token()
     hub.check_can_push(args.repo, token)
     try:
-        result = hub.push_run(Path(args.run_dir), args.repo, private=not args.public, hub_token=token)
+        if export_dir is not None:
+            result = hub.push_export(Path(args.run_dir), args.repo, export_dir=export_dir, private=not args.public,
+                                     hub_token=token)
+        else:
+            result = hub.push_run(Path(args.run_dir), args.repo, private=not args.public, hub_token=token)
     except hub.UPLOAD_ERRORS as e:
         raise PushError(f"Pushing {model_dir} to {args.repo} failed ({hub.describe_failure(e, token)}); the model "
                         "is unchanged: try again.") from None
@@ -203,7 +212,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from finetune.use.ollama import create_command
 
     result = export(args.run_dir, fmt=args.format, quant=args.quant, out=args.out, ollama_file=args.ollama,
-                    dtype=args.dtype, check=args.check, check_tokens=args.check_tokens, llama_cpp=args.llama_cpp)
+                    dtype=args.dtype, check=args.check, check_tokens=args.check_tokens, llama_cpp=args.llama_cpp,
+                    progress=lambda stage: print(f"export: {stage}…", file=sys.stderr, flush=True))
     if result.check is not None:
         print(describe_check(result.check), file=sys.stderr)
     if result.modelfile is not None:
@@ -283,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="A finished run's directory.")
     p.add_argument("repo", help="Hub repository id, e.g. your-name/my-model.")
     p.add_argument("--public", action="store_true", help="Create the repository as public (default: private).")
+    p.add_argument("--export", nargs="?", const="", default=None, metavar="DIR",
+                   help="Push the run's export instead (`finetune export`; default RUN/export/): the merged folder, "
+                   "or the GGUF(s) and Modelfile, with a card that says how to run them in Ollama and llama.cpp.")
     p.set_defaults(func=cmd_push)
     p = sub.add_parser("export", help="Export a finished run for local inference: merged weights or a GGUF.",
                        description="Write RUN's model as a plain transformers folder with the adapter merged in "

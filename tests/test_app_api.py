@@ -11,7 +11,7 @@ from conftest import served_app
 
 pytestmark = pytest.mark.slow
 ENDPOINTS = {"/start": ["config"], "/plan": ["config"], "/status": [], "/stop": [], "/predict": ["text"],
-             "/push": ["repo", "private"]}
+             "/push": ["repo", "private"], "/export": ["format", "quant", "ollama", "run"], "/export_status": []}
 
 
 @pytest.fixture
@@ -60,3 +60,14 @@ def test_a_script_plans_trains_and_predicts_through_the_named_api(client, tiny_b
     assert set(predicted) == {"label", "probabilities"} and set(predicted["probabilities"]) == {"neg", "pos"}
     assert predicted["label"] in ("neg", "pos") and abs(sum(predicted["probabilities"].values()) - 1) < 1e-3
     assert client.predict(api_name="/stop") == {"message": "No run is in progress."}
+
+    # The finished run exported by a script: merged weights, written by a `finetune export` child.
+    outside = client.predict(format="merged", run="/etc", api_name="/export")
+    assert not outside["started"] and "is outside the app's runs folder" in outside["message"]
+    exported = client.predict(format="merged", api_name="/export")
+    assert exported["started"] and exported["run_dir"] == started["run_dir"], exported
+    deadline = time.time() + 120
+    while (shown := client.predict(api_name="/export_status"))["state"] == "running":
+        assert time.time() < deadline, shown
+        time.sleep(0.5)
+    assert shown["state"] == "done" and shown["files"] == ["merged"], shown

@@ -107,7 +107,7 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         expect(button("Predict")).to_be_disabled()
         expect(button("New chat")).to_be_hidden()
         tab("Export")
-        for name in ("Download model", "Push to the Hub"):
+        for name in ("Download model", "Push to the Hub", "Export model", "Push the export"):
             expect(button(name)).to_be_disabled()
         tab("Runs")
         for name in ("Download log", "Resume run", "Delete run"):
@@ -179,6 +179,13 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         press("Push to the Hub")
         expect(page.locator("#push-message")).to_contain_text("Give the repository", timeout=30_000)
         _no_error(page, log, "Download, Predict and Push")
+        # Export the finished run from the Export tab (merged: a classifier), then its push asks for a repository.
+        press("Export model")
+        expect(page.locator("#export-status")).to_contain_text("Exported merged weights", timeout=180_000)
+        expect(page.locator("#export-files")).to_contain_text(re.compile(r"merged\s*\.zip"), timeout=30_000)
+        press("Push the export")
+        expect(page.locator("#export-push-message")).to_contain_text("Give the repository", timeout=30_000)
+        _no_error(page, log, "Export model and Push the export")
 
         if folder := os.environ.get("FINETUNE_TAB_SCREENSHOTS"):  # the README's screenshots: each tab, two widths
             for width, height in ((1400, 900), (400, 860)):

@@ -8,6 +8,7 @@ never touches the saved model: it raises `PushError` (exit 3) with the command t
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,12 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.errors import HTTPError as HubNetworkError
 
 from finetune.config.schema import Config, read_yaml
-from finetune.errors import ConfigError, FinetuneError, PushError
+from finetune.errors import ConfigError, FinetuneError, InputError, PushError
 from finetune.models.load import resolve_model_dir
 from finetune.run import modelcard
 from finetune.run.events import EventLog, Pushed
 from finetune.run.rundir import plot_loss
+from finetune.use import ollama
 
 LOSS_PLOT = "loss.png"  # drawn into the model folder, so that the card's picture travels with it
 # What an upload can fail with: the Hub's answers and the network (HubNetworkError), files (OSError), the card's
@@ -100,6 +102,63 @@ def push_run(run_dir: Path, repo_id: str, *, private: bool = True, hub_token: st
                   for p in files]
     info = api.create_commit(repo.repo_id, operations, commit_message=f"Upload model trained with finetune "
                              f"({run_dir.name})")
+    return PushResult(repo_id=repo.repo_id, url=str(repo), commit=info.oid)
+
+
+def export_uploads(run_dir: Path, export_dir: Path | None = None) -> tuple[dict[str, Any], dict[str, Path]]:
+    """(the export's record, {path in the repo: file}) of what `push_export` uploads: the merged folder (a merged
+    export), or the GGUF(s) with the Modelfile and the files Ollama's `hf.co/` pull reads (`template`, `params`,
+    `system`) when the export wrote one. An `InputError` (one sentence) when there is no export to push."""
+    import json
+
+    export_dir = export_dir or run_dir / "export"
+    record_path = export_dir / "export.json"
+    if not record_path.is_file():
+        raise InputError(f"{export_dir} holds no export: run `finetune export {run_dir}` first, then push it.")
+    record = json.loads(record_path.read_text(encoding="utf-8"))
+    merged = export_dir / "merged"
+    if record.get("format") == "gguf":
+        files = {p.name: p for p in sorted(export_dir.glob("model-*.gguf"))}
+        modelfile = export_dir / "Modelfile"
+        if modelfile.is_file():
+            files["Modelfile"] = modelfile
+    else:
+        files = {p.relative_to(merged).as_posix(): p for p in sorted(merged.rglob("*")) if p.is_file()
+                 and p.name not in ("README.md", LOSS_PLOT)}
+    if not files:
+        raise InputError(f"The export in {export_dir} has no files left: export the run again, then push it.")
+    return record, files
+
+
+def push_export(run_dir: Path, repo_id: str, *, export_dir: Path | None = None, private: bool = True,
+                hub_token: str | None = None) -> PushResult:
+    """Upload a run's export (see `export_uploads`) to `repo_id` with a model card whose usage section says how to
+    run it (`ollama run hf.co/…`, `llama-cli -hf …`, or transformers for a merged folder)."""
+    model_dir, run = resolve_model_dir(str(run_dir))
+    run_dir = run or model_dir.parent
+    export_dir = export_dir or run_dir / "export"
+    record, files = export_uploads(run_dir, export_dir)
+    api = hf.HfApi(token=hub_token)
+    extra: dict[str, bytes] = {}
+    if "Modelfile" in files:  # what `ollama run hf.co/<repo>` reads instead of a Modelfile
+        extra.update({k: v.encode() for k, v in ollama.hub_files(files["Modelfile"].read_text(encoding="utf-8"))
+                      .items()})
+    if (run_dir / "events.jsonl").is_file():
+        plot = export_dir / LOSS_PLOT
+        plot_loss(run_dir / "events.jsonl", plot)
+        if plot.is_file():
+            files[LOSS_PLOT] = plot
+    checks = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in sorted(export_dir.glob("check-*.json"))}
+    exported = {"format": record.get("format"), "ggufs": [k for k in files if k.endswith(".gguf")],
+                "modelfile": "Modelfile" in files, "checks": checks, "plot": LOSS_PLOT in files}
+    license = _base_license(api, modelcard.base_model_id(_config_model(run_dir)))
+    card = modelcard.render(run_dir, export_dir / "merged", repo_id, license=license, export=exported)
+    repo = api.create_repo(repo_id, private=private, exist_ok=True)
+    operations = [hf.CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files.items()]
+    operations += [hf.CommitOperationAdd(path_in_repo=name, path_or_fileobj=data) for name, data in
+                   {**extra, "README.md": card.encode()}.items()]
+    info = api.create_commit(repo.repo_id, operations, commit_message=f"Upload the {record.get('format')} export "
+                             f"of a model trained with finetune ({run_dir.name})")
     return PushResult(repo_id=repo.repo_id, url=str(repo), commit=info.oid)
 
 

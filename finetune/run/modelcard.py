@@ -65,8 +65,10 @@ def metadata(c: Config, *, adapter: bool, license: str | None, metrics: dict[str
     return meta
 
 
-def render(run_dir: Path, model_dir: Path, repo_id: str, *, license: str | None = None) -> str:
-    """The README.md of `repo_id` for the model in `model_dir`, trained by the run in `run_dir`."""
+def render(run_dir: Path, model_dir: Path, repo_id: str, *, license: str | None = None,
+           export: dict[str, Any] | None = None) -> str:
+    """The README.md of `repo_id` for the model in `model_dir`, trained by the run in `run_dir`; with `export`
+    (format, ggufs, modelfile, checks, plot: what `hub.push_export` uploads), the card of that export."""
     c = from_dict(read_yaml(run_dir / "config.yaml"))
     adapter = (model_dir / "adapter_config.json").is_file()
     metrics_path = run_dir / "metrics.json"
@@ -74,11 +76,16 @@ def render(run_dir: Path, model_dir: Path, repo_id: str, *, license: str | None 
     events = read_events(run_dir / "events.jsonl")
     start = next((e for e in reversed(events) if e.get("event") == "start"), {})
     evals = [e for e in events if e.get("event") == "eval"]
-    front = yaml.safe_dump(metadata(c, adapter=adapter, license=license, metrics=metrics), sort_keys=False,
-                           allow_unicode=True)
-    sections = [f"# {repo_id.split('/')[-1]}", _summary(c, adapter), _results(metrics, evals, c.task),
-                _usage(c, repo_id, adapter), _data(c, start, model_dir), _procedure(c, start, metrics, run_dir),
-                _reproduce(c), _versions(adapter)]
+    meta = metadata(c, adapter=adapter, license=license, metrics=metrics)
+    gguf = bool(export and export.get("format") == "gguf")
+    if gguf:  # the Hub lists GGUF repositories by the tag, and offers llama.cpp and Ollama for them
+        meta.pop("library_name", None)
+        meta["tags"] = [*meta["tags"], "gguf", "llama.cpp", *(["ollama"] if export.get("modelfile") else [])]
+    front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
+    usage = _export_usage(c, repo_id, export) if export else _usage(c, repo_id, adapter)
+    sections = [f"# {repo_id.split('/')[-1]}", _summary(c, adapter, export), _results(metrics, evals, c.task),
+                usage, _data(c, start, model_dir), _procedure(c, start, metrics, run_dir, plot=bool(
+                    export and export.get("plot"))), _reproduce(c), _versions(adapter, gguf)]
     return f"---\n{front}---\n\n" + "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -86,13 +93,19 @@ def _link(hub_id: str | None, text: str, kind: str = "") -> str:
     return f"[{text}](https://huggingface.co/{kind}{hub_id})" if hub_id else f"`{text}`"
 
 
-def _summary(c: Config, adapter: bool) -> str:
+def _summary(c: Config, adapter: bool, export: dict[str, Any] | None = None) -> str:
     base = base_model_id(c.model)
     model = _link(base, base or Path(c.model).name)
     data = _link(dataset_id(c.dataset), _shown(c.dataset) or "", "datasets/") if c.dataset else "its own data"
     what = entry(c.task).summary
-    kind = "A LoRA adapter for" if adapter else "A fine-tuned version of"
-    return f"{kind} {model}, trained for {what} on {data} with finetune (exact gradient accumulation on accelerate)."
+    kind = "A LoRA adapter for" if adapter and not export else "A fine-tuned version of"
+    text = f"{kind} {model}, trained for {what} on {data} with finetune (exact gradient accumulation on accelerate)."
+    if export and export.get("format") == "gguf":
+        text += (" Exported as GGUF by llama.cpp's own converter and quantizer, with the chat template and "
+                 "end-of-turn token it was trained with.")
+    elif export:
+        text += " The adapter is merged into the base: a plain transformers model."
+    return text
 
 
 def headline(task: str) -> tuple[str, ...]:
@@ -141,6 +154,48 @@ def _usage(c: Config, repo_id: str, adapter: bool) -> str:
     return f"## How to use\n\n```python\n{code}\n```{note}"
 
 
+def _export_usage(c: Config, repo_id: str, export: dict[str, Any]) -> str:
+    """How to run a pushed export: Ollama and llama.cpp straight from the Hub for GGUF, transformers for merged."""
+    if export.get("format") != "gguf":
+        if c.task != "causal_lm":
+            return _usage(c, repo_id, adapter=False)
+        code = (f'from transformers import AutoModelForCausalLM, AutoTokenizer\n\n'
+                f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
+                f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", dtype="auto")\n'
+                'inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], '
+                'add_generation_prompt=True,\n                                       return_tensors="pt", '
+                'return_dict=True)\n'
+                'reply = model.generate(**inputs, max_new_tokens=64)  # stops at the end-of-turn token it learned\n'
+                'print(tokenizer.decode(reply[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))')
+        if not c.messages_column and not c.chat_template:
+            code = (f'from transformers import pipeline\n\npipe = pipeline("text-generation", model="{repo_id}")\n'
+                    f'print(pipe("{entry(c.task).example}"))')
+        return f"## How to use\n\n```python\n{code}\n```"
+    files = export.get("ggufs") or []
+    tags = [f.removeprefix("model-").removesuffix(".gguf").upper() for f in files]
+    default = "Q4_K_M" if "Q4_K_M" in tags else tags[0] if tags else "F16"
+    lines = ["## How to use", "",
+             "With [Ollama](https://ollama.com) (it reads the chat template, stop tokens and system prompt from this "
+             "repository's `template`, `params` and `system` files):" if export.get("modelfile") else
+             "With [Ollama](https://ollama.com):", "", "```bash", f"ollama run hf.co/{repo_id}:{default}", "```", "",
+             "With [llama.cpp](https://github.com/ggml-org/llama.cpp) (the chat template is in the GGUF):", "",
+             "```bash", f"llama-cli -hf {repo_id}:{default}",
+             *(f"llama-cli --hf-repo {repo_id} --hf-file {f} -cnv" for f in files), "```"]
+    if len(tags) > 1:
+        lines += ["", "Files: " + ", ".join(f"`{f}` (`:{t}`)" for f, t in zip(files, tags, strict=True)) + "."]
+    if export.get("modelfile"):
+        lines += ["", "Or download the files and `ollama create my-model -f Modelfile` beside them."]
+    for check in (export.get("checks") or {}).values():
+        if check.get("gguf") in files:
+            n = len(check.get("transformers_tokens") or [])
+            agree = ("agree token for token" if check.get("agree") else
+                     f"agree on {check.get('agreement_rate', 0):.0%}")
+            stops = "stops" if check.get("llama_cpp_stops") else "does not stop"
+            lines += ["", f"Checked: on `{check['gguf']}`, llama.cpp and transformers {agree} of {n} greedy tokens; "
+                          f"llama.cpp {stops} at the end-of-turn token."]
+    return "\n".join(lines)
+
+
 def _data(c: Config, start: dict[str, Any], model_dir: Path) -> str:
     lines = [f"- dataset: `{_shown(c.dataset)}`" + (f" (config `{c.dataset_config}`)" if c.dataset_config else "")
              + f", split `{c.train_split}`"]
@@ -163,7 +218,7 @@ def _data(c: Config, start: dict[str, Any], model_dir: Path) -> str:
     return "## Training data\n\n" + "\n".join(lines)
 
 
-def _procedure(c: Config, start: dict[str, Any], metrics: dict[str, Any], run_dir: Path) -> str:
+def _procedure(c: Config, start: dict[str, Any], metrics: dict[str, Any], run_dir: Path, plot: bool = False) -> str:
     rows = [(k, getattr(c, k)) for k in HYPERPARAMETERS if getattr(c, k) is not None
             and not (k == "epochs" and c.max_steps)]
     if start:
@@ -185,7 +240,7 @@ def _procedure(c: Config, start: dict[str, Any], metrics: dict[str, Any], run_di
         if key in metrics:
             rows.append((key.replace("_", " "), metrics[key]))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    plot = "\n\n![Training and evaluation loss per optimizer step](loss.png)" if (
+    plot = "\n\n![Training and evaluation loss per optimizer step](loss.png)" if plot or (
         run_dir / "model" / "loss.png").is_file() else ""
     return (f"## Training procedure\n\nEvery optimizer step's loss is the exact mean over its samples' targets, "
             f"whatever the split into micro-batches.\n\n| setting | value |\n| --- | --- |\n{table}{plot}")
@@ -209,10 +264,11 @@ def _reproduce(c: Config) -> str:
             f"config.yaml`:\n\n```yaml\n{text.rstrip()}\n```")
 
 
-def _versions(adapter: bool) -> str:
+def _versions(adapter: bool, gguf: bool = False) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    names = ["finetune", "transformers", "torch", "accelerate", "datasets", *(["peft"] if adapter else [])]
+    names = ["finetune", "transformers", "torch", "accelerate", "datasets", *(["peft"] if adapter else []),
+             *(["llama_cpp_python", "gguf"] if gguf else [])]
     lines = []
     for name in names:
         try:

@@ -10,8 +10,8 @@
       check-<quant>.json  the behaviour check of that GGUF: llama.cpp greedy against transformers greedy
       export.json      what was exported, how long it took, the files and the check
 
-Everything that can be refused is refused before any work (`prepare`): a run that has not finished, a multi-task or
-quantized run, GGUF for a model that does not generate text, an architecture or a tokenizer llama.cpp's converter
+Everything that can be refused is refused before any work (`prepare`): a run that has not finished, a multi-task
+run, GGUF for a model that does not generate text, an architecture or a tokenizer llama.cpp's converter
 does not take, not enough disk space. The run's `events.jsonl` gets an `export` event.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from finetune.config.schema import read_yaml
 from finetune.data.chat import end_of_turn_ids, turns_of
 from finetune.errors import ConfigError, InputError, ModelError
+from finetune.models import quantize
 from finetune.models.heads import TASKS_FILE
 from finetune.models.load import (
     is_adapter,
@@ -119,8 +121,6 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
         raise ExportError(f"The run in {target!r} is a multi-task model (one model per task in {model_dir}): "
                           "export is for single-task runs for now.")
     config = read_yaml(run_dir / "config.yaml")
-    if problem := _quantized(config, model_dir):
-        raise ExportError(problem)
     task = task_of(model_dir)
     kind = str(config.get("task") or task)
     if fmt == "gguf" and (task != "causal_lm" or kind != "causal_lm"):
@@ -153,8 +153,10 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
 
 def export(target: str, *, fmt: str = "merged", quant: str | None = None, out: str | None = None,
            ollama_file: bool = False, dtype: str = "auto", check: bool = True, check_tokens: int = CHECK_TOKENS,
-           llama_cpp: str | None = None) -> ExportResult:
-    """Export the finished run `target` (see the module docstring); every refusal comes before any work."""
+           llama_cpp: str | None = None, progress: Callable[[str], None] | None = None) -> ExportResult:
+    """Export the finished run `target` (see the module docstring); every refusal comes before any work.
+    `progress` is told each stage as it begins (the CLI prints them; the app shows the last one)."""
+    say = progress or (lambda stage: None)
     plan = prepare(target, fmt=fmt, quant=quant, out=out, ollama_file=ollama_file, dtype=dtype,
                    llama_cpp=llama_cpp)
     started = time.perf_counter()
@@ -163,19 +165,24 @@ def export(target: str, *, fmt: str = "merged", quant: str | None = None, out: s
     # Another quant of a run exported before reuses its merged folder and f16 GGUF (the quantizer starts from it).
     reuse = plan.format == "gguf" and _reusable(plan.out, plan.model_dir, plan.dtype)
     if not reuse:
+        say("merging the adapter into the base" if is_adapter(plan.model_dir) else "writing the merged weights")
         write_merged(plan.model_dir, merged, plan.task, plan.dtype, plan.chat,
                      base=str(read_yaml(plan.run_dir / "config.yaml").get("model") or ""))
     gguf = modelfile = report = None
     if plan.format == "gguf":
         if not reuse:
+            say("converting to GGUF with llama.cpp's converter")
             llamacpp.convert(plan.converter, merged, f16)
             llamacpp.mark_end_of_turn(plan.converter, f16, stop_ids(merged))
+        if plan.quant != "f16":
+            say(f"quantizing to {plan.quant} with llama.cpp's quantizer")
         gguf = f16 if plan.quant == "f16" else llamacpp.quantize(f16, plan.out / f"model-{plan.quant}.gguf",
                                                                    plan.quant)
         if plan.ollama:
             modelfile = ollama.write_modelfile(plan.out / "Modelfile", gguf, merged, system=_system_prompt(plan))
     seconds = round(time.perf_counter() - started, 2)
     if gguf is not None and check:
+        say("checking llama.cpp's greedy tokens against transformers'")
         report = behaviour_check(merged, gguf, prompt_turns(plan.run_dir, plan.chat), check_tokens)
         write_json(plan.out / f"check-{plan.quant}.json", report)
     result = ExportResult(out=plan.out, format=plan.format, quant=plan.quant, merged=merged, gguf=gguf,
@@ -195,7 +202,10 @@ def write_merged(model_dir: Path, out: Path, task: str, dtype: str, chat: bool, 
 
     quiet_transformers()
     model = load_trained(model_dir, task)
-    if is_adapter(model_dir):  # peft adds the scaled low-rank update to each adapted weight, in fp32
+    if is_adapter(model_dir) and quantize.quantization_of(model):
+        # A quantized base: each layer dequantized to the weights the adapter was trained against, plus the update.
+        model = quantize.merged_model(model)
+    elif is_adapter(model_dir):  # peft adds the scaled low-rank update to each adapted weight, in fp32
         model = model.merge_and_unload()
     model = model.to(getattr(torch, dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -408,16 +418,6 @@ def _check_ollama_template(model_dir: Path) -> None:
 
 def _names(tokenizer: Any, ids: list[int]) -> str:
     return " ".join(repr(tokenizer.convert_ids_to_tokens(i)) for i in ids) or "nothing"
-
-
-def _quantized(config: dict[str, Any], model_dir: Path) -> str | None:
-    """Why a run on a quantized base cannot be exported yet, or None."""
-    keys = [k for k in ("quantization", "quantize", "load_in_4bit", "load_in_8bit") if config.get(k) not in
-            (None, False, "none", "false")]
-    if keys or "quantization_config" in _json(model_dir / "config.json"):
-        return ("This run trained on a quantized base model, and exporting those is not supported yet (the base "
-                "would have to be dequantized first): export a LoRA run on a full-precision base.")
-    return None
 
 
 def _base_dtype(model_dir: Path) -> str | None:

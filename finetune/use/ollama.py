@@ -150,3 +150,21 @@ def write_modelfile(path: Path, gguf: Path, merged: Path, system: str | None = N
 def create_command(path: Path, name: str) -> str:
     """The one command that makes the model in Ollama."""
     return f"ollama create {name} -f {path}"
+
+
+def hub_files(modelfile_text: str) -> dict[str, str]:
+    """The files Ollama reads from a Hub repository when it pulls `hf.co/<repo>` (it takes no Modelfile there):
+    `template` (the TEMPLATE), `params` (JSON: the stop tokens) and `system`, from a Modelfile `modelfile` wrote."""
+    import json
+    import re
+
+    template = re.search(r'^TEMPLATE """(.*?)"""$', modelfile_text, re.S | re.M)
+    system = re.search(r'^SYSTEM """(.*?)"""$', modelfile_text, re.S | re.M)
+    stops = [s[3:-3] if s.startswith('"""') else s
+             for s in re.findall(r"^PARAMETER stop (.+)$", modelfile_text, re.M)]
+    files = {"params": json.dumps({"stop": stops}, indent=2, ensure_ascii=False) + "\n"} if stops else {}
+    if template:
+        files["template"] = template.group(1)
+    if system:
+        files["system"] = system.group(1)
+    return files

@@ -4,10 +4,11 @@ conversations: export seconds, GGUF size, and the behaviour check (greedy agreem
 `--tokens` tokens, and the teacher-forced agreement rate).
 
 Export seconds cover merging, llama.cpp's converter and (q8_0, q4_k_m) its quantizer; the check is timed apart.
-The ~100 M model trains only `--steps` steps, so its greedy choices are close calls: its agreement rate says how
-often quantization flips a close call, not how a well-trained model fares.
+The tiny model trains `--tiny-steps` steps (enough to answer with three words, then end its turn); the ~100 M model
+trains only `--steps` steps, so its greedy choices are close calls: its agreement rate says how often quantization
+flips a close call, not how a well-trained model fares.
 
-    python bench/export.py --steps 20 --tokens 32
+    python bench/export_sizes.py --tiny-steps 60 --steps 10 --tokens 32
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def build(root: Path, size: str, steps: int) -> Path:
 def main() -> None:
     """Build both runs, export each format, and print a Markdown table (and JSON lines)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10, help="Training steps of the ~100 M model.")
+    parser.add_argument("--tiny-steps", type=int, default=60, help="Training steps of the tiny model.")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--sizes", default="tiny,100M")
     args = parser.parse_args()
@@ -66,7 +68,7 @@ def main() -> None:
     rows = []
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            run = build(Path(tmp), size, args.steps)
+            run = build(Path(tmp), size, args.tiny_steps if size == "tiny" else args.steps)
             params = parameter_count(run / "model")
             for quant in ("f16", "q8_0", "q4_k_m"):
                 started = time.perf_counter()
@@ -81,10 +83,12 @@ def main() -> None:
                        "llama_cpp_stops": check["llama_cpp_stops"], "warnings": check["warnings"]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    print("\n| model | parameters | quant | export s | GGUF MB | greedy tokens equal | agreement rate | stops |")
-    print("| --- | ---: | --- | ---: | ---: | --- | ---: | --- |")
+    print("\n| model | parameters | quant | export s | check s | GGUF MB | greedy tokens equal | agreement rate "
+          "| stops |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | --- |")
     for r in rows:
-        print(f"| {r['model']} | {r['parameters'] / 1e6:.1f} M | {r['quant']} | {r['export_s']} | {r['size_mb']} | "
+        print(f"| {r['model']} | {r['parameters'] / 1e6:.1f} M | {r['quant']} | {r['export_s']} | {r['check_s']} | "
+              f"{r['size_mb']} | "
               f"{'yes' if r['agree'] else 'no'} ({r['tokens']} tokens) | {r['agreement_rate']:.0%} | "
               f"{'yes' if r['llama_cpp_stops'] else 'no'} |")
 

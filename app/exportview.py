@@ -1,0 +1,281 @@
+"""The Export tab's Export block and the `/export` endpoints: `finetune export` of the caller's own finished run as a
+child process (as training is: its own session, the environment a training child gets), its progress, the
+behaviour check's result, the files to download, and a push of the export.
+
+On a shared server a visitor cannot point it anywhere or exhaust the machine: the run is the caller's current run,
+or a run folder that must resolve inside their own runs folder (`access.resolve_output_dir`) and have finished; the
+export always goes to RUN/export/ (inside the runs folder); one export runs at a time on the server and none while
+a run trains; it needs the free disk a run needs (`min_free_gb`), and is killed (its whole process group) past the
+server's run-time limit, else `EXPORT_LIMIT_S`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from app import cleanup, publish
+from app.access import AccessError, resolve_output_dir
+from app.jobs import zip_model
+from finetune.run.rundir import is_finished
+from finetune.use.export import EXPORT_DIR, FORMATS, MERGED_DIR, QUANTS, RECORD, describe_check
+
+EXPORT_LIMIT_S = 3600.0  # without a server run-time limit (locally): an export is minutes even for a 7B model
+LOG = "export.log"  # in the run directory, beside export/ (which the child creates)
+
+
+class Refused(ValueError):
+    """An export the caller may not start: one sentence."""
+
+
+@dataclass
+class _Child:
+    """The export child process and what is needed to follow it."""
+
+    run_dir: Path
+    owner: str | None
+    proc: subprocess.Popen
+    log: Path
+    started: float
+    timed_out: bool = False
+
+
+class Exporter:
+    """The export handlers of one app, bound to its `Controller` (its access policy, limits and job manager)."""
+
+    def __init__(self, controller: Any):
+        self.controller = controller
+        self._lock = threading.Lock()
+        self._child: _Child | None = None
+
+    # --- the door (app.ui._on calls these on the handler's owner)
+    def admit(self, request: Any, args: tuple[Any, ...], gate: str = "signed_in") -> str:
+        """As `Controller.admit`: inputs too large, or a caller who may not train, are refused."""
+        return self.controller.admit(request, args, gate)
+
+    def who(self, request: Any) -> tuple[str | None, str]:
+        """The user behind `request` and why they may not train."""
+        return self.controller.who(request)
+
+    # --- which run
+    def run_of(self, user: str | None, run: str | None = None) -> Path:
+        """The finished run `user` may export: their current run, or `run` inside their runs folder."""
+        controller = self.controller
+        if not run or not str(run).strip():
+            status = controller.jobs.status()
+            if not controller.is_mine(status, user) or status.run_dir is None:
+                raise Refused("Nothing to export yet: train a run to the end first.")
+            if status.state != "done":
+                raise Refused("The run has not finished: export it once it is done.")
+            return status.run_dir
+        home = controller.access.home(controller.runs_dir, user)
+        try:
+            path = resolve_output_dir(str(run), home)
+        except AccessError as e:
+            raise Refused(str(e).replace("output_dir", "The run")) from None
+        if path is None or not (path / "config.yaml").is_file():
+            raise Refused(f"There is no run {str(run)!r} in your runs folder: give the name of one of your runs.")
+        status = controller.jobs.status()
+        if status.active and status.run_dir is not None and status.run_dir.resolve() == path.resolve():
+            raise Refused("The run has not finished: export it once it is done.")
+        if not is_finished(path):
+            raise Refused(f"The run {str(run)!r} has not finished (it stopped before the end): resume it, then "
+                          "export it.")
+        return path
+
+    # --- starting
+    def start(self, fmt: str, quant: str | None, ollama: bool, run: str | None = None, *,
+              request: Any = None) -> dict[str, Any]:
+        """Start `finetune export` of the caller's finished run: {started, run_dir, command, message}."""
+        user, refusal = self.who(request)
+        try:
+            if refusal:
+                raise Refused(refusal)
+            fmt = fmt or "merged"
+            if fmt not in FORMATS:
+                raise Refused(f"The format must be one of {', '.join(FORMATS)}.")
+            quant = (quant or "f16") if fmt == "gguf" else None
+            if quant is not None and quant not in QUANTS:
+                raise Refused(f"The quantization must be one of {', '.join(QUANTS)}.")
+            run_dir = self.run_of(user, run)
+            controller = self.controller
+            if controller.access.shared and controller.jobs.status().active:
+                raise Refused("A run is training on this server: export when it is done (one job at a time).")
+            if problem := cleanup.disk_problem(controller.runs_dir, controller.limits.min_free_gb):
+                raise Refused(problem.replace("to start a run", "to export"))
+            command = [sys.executable, "-m", "finetune", "export", str(run_dir), "--format", fmt,
+                       *(["--quant", quant] if quant else []), *(["--ollama"] if ollama and fmt == "gguf" else [])]
+            with self._lock:
+                if self._child is not None and self._child.proc.poll() is None:
+                    raise Refused("An export is in progress on this server: wait for it to finish.")
+                log = run_dir / LOG
+                with open(log, "w", encoding="utf-8") as out:
+                    out.write(f"$ finetune {' '.join(command[3:])}\n")
+                    out.flush()
+                    env = controller.access.child_env(os.environ) if controller.access.shared else dict(os.environ)
+                    proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"})
+                self._child = _Child(run_dir=run_dir, owner=user, proc=proc, log=log, started=time.time())
+                threading.Thread(target=self._watch, args=(self._child,), daemon=True).start()
+        except Refused as e:
+            return {"started": False, "run_dir": None, "command": "", "message": str(e)}
+        return {"started": True, "run_dir": str(run_dir), "command": f"finetune {' '.join(command[3:])}",
+                "message": f"Exporting ({fmt}{' ' + quant if quant else ''})…"}
+
+    def _watch(self, child: _Child) -> None:
+        """Kill the export's process group past the time limit."""
+        limit = self.controller.limits.max_run_s or EXPORT_LIMIT_S
+        try:
+            child.proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            child.timed_out = True
+            try:
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.proc.wait()
+
+    # --- following
+    def status(self, *, request: Any = None) -> dict[str, Any]:
+        """The caller's export: {state (idle, running, done, failed), run_dir, stage, message, check, files}."""
+        user, _ = self.who(request)
+        child = self._child
+        mine = child is not None and self.controller.access.owns(user, child.owner)
+        if not mine:
+            try:
+                run_dir = self.run_of(user)
+            except Refused:
+                return _shown("idle")
+            record = _record(run_dir)
+            return _finished(run_dir, record) if record else _shown("idle", run_dir)
+        rc = child.proc.poll()
+        lines = child.log.read_text(encoding="utf-8", errors="replace").splitlines() if child.log.is_file() else []
+        if rc is None:
+            stage = next((line.removeprefix("export: ") for line in reversed(lines) if line.startswith("export: ")),
+                         "starting")
+            return _shown("running", child.run_dir, stage=stage,
+                          message=f"Exporting: {stage} ({time.time() - child.started:.0f} s)")
+        if rc == 0 and (record := _record(child.run_dir)):
+            return _finished(child.run_dir, record)
+        if child.timed_out:
+            return _shown("failed", child.run_dir, message="The export took longer than this server allows and was "
+                          "stopped.")
+        error = next((line.removeprefix("error: ") for line in reversed(lines) if line.startswith("error: ")), None)
+        return _shown("failed", child.run_dir, message=error or "The export failed: " + (
+            " ".join(lines[-3:])[-400:] if lines else f"exit code {rc}."))
+
+    def files(self, shown: dict[str, Any]) -> list[str]:
+        """The export's files as the download box may hand them out (the merged folder as one zip)."""
+        out = []
+        for name in shown.get("files") or []:
+            path = Path(shown["run_dir"]) / EXPORT_DIR / name
+            if name == MERGED_DIR:
+                path = zip_model(path, path.parent / "merged.zip")
+            out.append(self.controller._handout(path))
+        return out
+
+    # --- the page
+    def poll(self, seen: Any, *, request: Any = None) -> dict[str, Any]:
+        """Refresh the Export block: progress, the check, the files and which buttons can act."""
+        shown = self.status(request=request)
+        ready = shown["state"] in ("idle", "done", "failed") and shown["run_dir"] is not None
+        signature = [shown["state"], shown["run_dir"], shown["message"], ready]
+        if seen == signature:
+            return {}
+        return {"signature": signature, "status": shown["message"],
+                "files": gr.update(value=self.files(shown) or None, visible=shown["state"] == "done"),
+                "button": gr.update(interactive=ready), "push": gr.update(interactive=shown["state"] == "done")}
+
+    def export(self, fmt: str, quant: str, ollama: bool, *, request: Any = None) -> dict[str, Any]:
+        """The Export model button."""
+        return {"status": self.start(fmt, quant, bool(ollama), request=request)["message"]}
+
+    def push(self, repo: str, private: bool, *, request: Any = None) -> dict[str, Any]:
+        """The Push the export button: the current run's export to `repo`, as Push to the Hub pushes the model."""
+        return {"message": self.push_run(repo, private, request=request).message}
+
+    def push_run(self, repo: str, private: bool, *, request: Any = None) -> publish.PushOutcome:
+        """Push the caller's finished run's export (see `publish.push_finished_run`)."""
+        user, _ = self.who(request)
+        status = self.controller.jobs.status()
+        if status.state != "idle" and not self.controller.is_mine(status, user):
+            return publish.PushOutcome("⚠️ Only the one who started the run can push it.")
+        return publish.push_finished_run(self.controller.access, status, user, repo, bool(private), export=True)
+
+
+def exporter_of(controller: Any) -> Exporter:
+    """The one `Exporter` of `controller` (the page and the scripting API share it, and its one export)."""
+    if not isinstance(getattr(controller, "exporter", None), Exporter):
+        controller.exporter = Exporter(controller)
+    return controller.exporter
+
+
+def _record(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / EXPORT_DIR / RECORD
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except ValueError:
+        return None
+
+
+def _shown(state: str, run_dir: Path | None = None, *, stage: str = "", message: str = "",
+           check: dict[str, Any] | None = None, files: list[str] | None = None) -> dict[str, Any]:
+    return {"state": state, "run_dir": str(run_dir) if run_dir else None, "stage": stage, "message": message,
+            "check": check, "files": files or []}
+
+
+def _finished(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """A finished export as shown: what was written, how long it took, and the behaviour check in words."""
+    fmt, quant, check = record.get("format"), record.get("quant"), record.get("check")
+    names = [n for n in record.get("files") or {} if n != MERGED_DIR and (run_dir / EXPORT_DIR / n).is_file()]
+    files = names if fmt == "gguf" else [MERGED_DIR]
+    what = f"GGUF {quant}" if fmt == "gguf" else "merged weights (a transformers folder)"
+    lines = [f"✅ Exported {what} in {record.get('seconds', 0):.0f} s to `{run_dir.name}/{EXPORT_DIR}/`."]
+    if check:
+        lines += [("⚠️ " if line.startswith("warning: ") else "") + line for line in describe_check(check).splitlines()]
+    if "Modelfile" in names:
+        lines.append(f"Make it an Ollama model: `ollama create {run_dir.name} -f Modelfile` beside the GGUF.")
+    return _shown("done", run_dir, message="\n\n".join(lines), check=check, files=files)
+
+
+def place(controller: Any, private: dict[str, Any]) -> Exporter:
+    """The Export block, inside the Export tab being built, wired to the controller's `Exporter`."""
+    from app.ui import _on  # here: app.ui imports this module
+
+    exporter = exporter_of(controller)
+    with gr.Column(variant="panel", elem_id="export-block"):
+        gr.Markdown("### Export for local inference\n\nMerged weights (a plain transformers folder), or a GGUF for "
+                    "llama.cpp and Ollama with the chat template and end-of-turn token the run trained with, "
+                    "checked against transformers.")
+        with gr.Row():
+            fmt = gr.Radio(list(FORMATS), value="merged", label="Format", elem_id="export-format")
+            quant = gr.Radio(list(QUANTS), value="q4_k_m", label="GGUF quantization", elem_id="export-quant")
+            ollama = gr.Checkbox(label="Ollama Modelfile (GGUF)", value=True, elem_id="export-ollama")
+        button = gr.Button("Export model", interactive=False, elem_id="export-model")
+        status = gr.Markdown(elem_id="export-status")
+        files = gr.File(label="Exported files", file_count="multiple", interactive=False, visible=False,
+                        elem_id="export-files")
+        with gr.Row():
+            repo = gr.Textbox(label="Hub repository for the export", placeholder="your-name/my-model-gguf", scale=3,
+                              max_length=200, elem_id="export-repo")
+            private_repo = gr.Checkbox(label="Private repository", value=True, scale=1)
+            push = gr.Button("Push the export", scale=1, interactive=False, elem_id="export-push")
+        push_msg = gr.Markdown(elem_id="export-push-message")
+        seen = gr.State(None)
+        timer = gr.Timer(1.0)
+    out = {"signature": seen, "status": status, "files": files, "button": button, "push": push}
+    _on(timer.tick, exporter.poll, seen, out, gate="public", concurrency_limit=None, show_progress="hidden",
+        **private)
+    _on(button.click, exporter.export, [fmt, quant, ollama], {"status": status}, concurrency_id="export", **private)
+    _on(push.click, exporter.push, [repo, private_repo], {"message": push_msg}, concurrency_id="push", **private)
+    return exporter
