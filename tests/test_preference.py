@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,9 +37,9 @@ def _run(out, model, data, **values):
 
 @pytest.mark.parametrize("loss", ["dpo", "orpo"])
 def test_accumulation_is_exact(tmp_path, tiny_gpt2, pref_csv, loss):
-    """(B, k) = (2, 3) trains exactly like (6, 1): DPO (a reference, here a frozen copy: full fine-tuning) and ORPO
-    (two counts: chosen tokens and pairs). IPO and SimPO differ from DPO only in the per-pair formula, checked
-    against TRL below."""
+    """(B, k) = (2, 3) trains exactly like (6, 1): DPO (a reference, here precomputed: full fine-tuning, the
+    planner's choice) and ORPO (two counts: chosen tokens and pairs). IPO and SimPO differ from DPO only in the
+    per-pair formula, checked against TRL below."""
     a, ea, _ = _run(tmp_path / "a", tiny_gpt2, pref_csv, preference_loss=loss, micro_batch_size=2,
                     grad_accum_steps=3)
     b, eb, _ = _run(tmp_path / "b", tiny_gpt2, pref_csv, preference_loss=loss, micro_batch_size=6,
@@ -46,6 +47,8 @@ def test_accumulation_is_exact(tmp_path, tiny_gpt2, pref_csv, loss):
     assert_same_weights(a, b)
     torch.testing.assert_close(step_losses(ea), step_losses(eb))
     assert len(step_losses(ea)) == 4 and all(x > 0 for x in step_losses(ea))
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    assert plan["reference"]["strategy"] == ("precompute" if loss == "dpo" else "none")
 
 
 def _trl_batch(path, loss_type, reference=None):
@@ -170,10 +173,58 @@ def test_adapter_off_reference_equals_a_frozen_copy(tmp_path, tiny_gpt2, pref_cs
     common = {"preference_loss": "dpo", "lora": "true", "micro_batch_size": 4, "grad_accum_steps": 2,
               "learning_rate": 0.5, "merge_lora": True}
     a, _, _ = _run(tmp_path / "off", tiny_gpt2, pref_csv, **common)
-    b, _, _ = _run(tmp_path / "copy", tiny_gpt2, pref_csv, reference_model=tiny_gpt2, **common)
+    b, _, _ = _run(tmp_path / "copy", tiny_gpt2, pref_csv, reference_model=tiny_gpt2, precompute_reference="false",
+                   **common)
     assert_same_weights(a, b)  # the merged models
     base = load_file(str(next((Path(tiny_gpt2)).glob("*.safetensors"))))
     assert any(not torch.equal(a[k], base[k]) for k in base if k in a)  # the adapter did learn
+    strategies = [json.loads((tmp_path / name / "plan.json").read_text())["reference"] for name in ("off", "copy")]
+    assert [r["strategy"] for r in strategies] == ["adapter_off", "frozen_copy"]
+    assert strategies[0]["reference_weights_bytes"] == 0 < strategies[1]["reference_weights_bytes"]
+
+
+def test_precomputed_reference_equals_the_live_one_and_is_cached(tmp_path, tiny_gpt2, pref_csv, monkeypatch):
+    """Full fine-tuning with DPO: the reference precomputed once before training trains like a live frozen copy
+    (losses, weights and eval metrics to float rounding); a second run reads the values from the data cache (no
+    pass) and trains identically; a changed reference computes them again."""
+    from transformers import AutoModelForCausalLM
+
+    import finetune.train.precompute as pre
+
+    passes = []
+    real_pass = pre._pass
+    monkeypatch.setattr(pre, "_pass", lambda *a, **k: passes.append(len(a[2])) or real_pass(*a, **k))
+    common = {"preference_loss": "dpo", "micro_batch_size": 3, "grad_accum_steps": 2, "eval_fraction": 0.25,
+              "learning_rate": 0.2, "epochs": 2}
+    a, ea, _ = _run(tmp_path / "pre", tiny_gpt2, pref_csv, precompute_reference="true", **common)
+    assert passes == [18, 6]  # train and eval pairs, once each
+    b, eb, _ = _run(tmp_path / "live", tiny_gpt2, pref_csv, precompute_reference="false", **common)
+    assert passes == [18, 6]
+    assert_same_weights(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(step_losses(ea), step_losses(eb), rtol=1e-5, atol=1e-6)
+    evals = [[e["metrics"] for e in events if e["event"] == "eval"][-1] for events in (ea, eb)]
+    assert evals[0].keys() == evals[1].keys()
+    for name in evals[0]:
+        assert evals[0][name] == pytest.approx(evals[1][name], rel=1e-4, abs=1e-5), name
+    plans = [json.loads((tmp_path / name / "plan.json").read_text()) for name in ("pre", "live")]
+    assert [p["reference"]["strategy"] for p in plans] == ["precompute", "frozen_copy"]
+    assert "reference_weights" in plans[1]["breakdown"] and "reference_weights" not in plans[0]["breakdown"]
+    assert any("precomputed once before training" in n for n in plans[0]["notes"])
+
+    again, e_again, _ = _run(tmp_path / "again", tiny_gpt2, pref_csv, precompute_reference="true", **common)
+    assert passes == [18, 6]  # read from the data cache
+    assert_same_weights(again, a, rtol=0, atol=0)
+    assert step_losses(e_again) == step_losses(ea)
+
+    other = AutoModelForCausalLM.from_pretrained(tiny_gpt2)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.9)
+    other.save_pretrained(tmp_path / "ref")
+    _, e_other, _ = _run(tmp_path / "other", tiny_gpt2, pref_csv, precompute_reference="true",
+                         reference_model=str(tmp_path / "ref"), **common)
+    assert passes == [18, 6, 18, 6]  # another reference: computed again
+    assert step_losses(e_other) != step_losses(ea)
 
 
 @pytest.mark.parametrize("loss", ["orpo"])

@@ -82,6 +82,15 @@ class Encoded:
     def __len__(self) -> int:
         return self.table.num_rows
 
+    def add_columns(self, columns: dict[str, np.ndarray]) -> None:
+        """Join columns computed after encoding (one value per sample, in order), replacing any of the same name:
+        `columns` and `collate` then read them like the encoded ones."""
+        for name, values in columns.items():
+            if name in self.table.column_names:
+                self.table = self.table.drop_columns([name])
+            self.table = self.table.append_column(name, pa.array(values))
+        self._batches, self._starts = [], None
+
     def columns(self, indices: list[int]) -> pa.Table:
         """These samples' encoded columns, in this order."""
         # One-row slices of the record batches that hold them, found by binary search over where each batch starts

@@ -8,16 +8,21 @@ are scored. A pair whose completion `max_length` cuts off is left out and counte
 
 The window's loss is the sum over its pairs divided by its pair count; ORPO's likelihood term is divided by the
 window's chosen-token count instead (`num_targets` returns both counts, `loss_sum` both sums), so `(B, k) ≡ (k·B, 1)`.
-DPO and IPO need a reference: with LoRA, the model with its adapter switched off; otherwise (or with
-`reference_model`) a frozen copy loaded from the checkpoint once, in half precision on a GPU.
+DPO and IPO need a reference, the cheapest first (`reference_strategy`): with LoRA, the model with its adapter
+switched off; else its log-probabilities precomputed once before training (`precompute_reference`: stored beside
+the encoded pairs as `reference_chosen`/`reference_rejected`, collated into `reference_logps`), so the reference is
+not in memory while training; else a frozen copy loaded from the checkpoint once, in half precision on a GPU.
 Metrics (TRL's names): rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen,
 logps/rejected, and loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -37,6 +42,8 @@ from finetune.kinds.registry import entry
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
 NEEDS_REFERENCE = ("dpo", "ipo")
 PAIR_STATS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "loss", "nll", "chosen tokens")
+REFERENCE_COLUMNS = ("reference_chosen", "reference_rejected")  # a precomputed reference, per pair
+STRATEGIES = ("none", "adapter_off", "precompute", "frozen_copy")
 METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                 "logps/rejected")
 
@@ -54,6 +61,20 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return (picked * mask).sum(-1), mask.sum(-1)
 
 
+def reference_strategy(loss: str, *, lora: bool, reference_model: str | None, precompute: str,
+                       streaming: bool) -> str:
+    """Where the reference's log-probabilities come from, the cheapest first: none (SimPO, ORPO), the model with
+    its LoRA adapter switched off, precomputed once before training (not on a stream: its rows are not known
+    before), or a frozen copy beside the model."""
+    if loss not in NEEDS_REFERENCE:
+        return "none"
+    if precompute == "true":
+        return "precompute"
+    if lora and reference_model is None:
+        return "adapter_off"
+    return "precompute" if precompute == "auto" and not streaming else "frozen_copy"
+
+
 @dataclasses.dataclass(frozen=True)
 class Preference:
     """The `TaskKind` of preference tuning, with the loss's settings (`configured` makes one from a config)."""
@@ -64,12 +85,17 @@ class Preference:
     lam: float = 1.0  # ORPO's weight of the odds-ratio term (TRL's beta for ORPO)
     reference_model: str | None = None
     base_model: str | None = None
+    reference: str = "frozen_copy"  # one of STRATEGIES (`configured` chooses it); a hand-made kind computes it live
     entry = entry("preference")
     sequences_per_sample = 2  # chosen and rejected: the planner's micro-batch counts both
 
     def configured(self, c: Config) -> Preference:
-        """This kind with the run's loss settings."""
-        return _configured(c.preference_loss, c.beta, c.simpo_gamma, c.orpo_lambda, c.reference_model, c.model)
+        """This kind with the run's loss settings and its reference strategy (LoRA as `c.lora` says: after the
+        plan, as it trains)."""
+        strategy = reference_strategy(c.preference_loss, lora=c.lora == "true", reference_model=c.reference_model,
+                                      precompute=c.precompute_reference, streaming=c.streaming)
+        return _configured(c.preference_loss, c.beta, c.simpo_gamma, c.orpo_lambda, c.reference_model, c.model,
+                           strategy)
 
     # --- data
     def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
@@ -146,8 +172,12 @@ class Preference:
         ids = np.full((len(lengths), width), pad_id, dtype=np.int64)
         ids[present] = np.concatenate([numpy_of(s.flatten()) for s in seqs])
         labels = np.where(present & (np.arange(width) >= prompt[:, None]), ids, IGNORE_INDEX)
-        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(present.astype(np.int64)),
-                "labels": torch.from_numpy(labels)}
+        batch = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(present.astype(np.int64)),
+                 "labels": torch.from_numpy(labels)}
+        if all(name in rows.column_names for name in REFERENCE_COLUMNS):  # the precomputed reference, chosen first
+            batch["reference_logps"] = torch.from_numpy(np.concatenate(
+                [numpy_of(rows.column(name)).astype(np.float32) for name in REFERENCE_COLUMNS]))
+        return batch
 
     def collate_labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
         """Not used: `collate_rows` collates a pair's two sequences together."""
@@ -165,8 +195,14 @@ class Preference:
         """Nothing: the language model's own head."""
         return {}
 
-    def reference_logps(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-        """The reference's summed log-probabilities of each sequence (no gradient)."""
+    def reference_logps(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
+                        precomputed: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference's summed log-probabilities of each sequence (no gradient): the `precomputed` ones when the
+        reference was computed before training, else a forward of the reference."""
+        if self.reference == "precompute":
+            if precomputed is None:
+                raise RuntimeError("the reference log-probabilities were not precomputed for this batch")
+            return precomputed.to(labels.device)
         with torch.no_grad():
             ref = self._reference(model)
             if ref is None:
@@ -188,12 +224,14 @@ class Preference:
     def pair_terms(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The forward: each pair's loss (ORPO: with the chosen NLL sum first, as a second row) and its metrics."""
+        inputs = dict(inputs)
+        precomputed = inputs.pop("reference_logps", None)
         logits = model(**inputs).logits
         logps, counts = sequence_logps(logits, labels)
         chosen, rejected = logps.chunk(2)
         n_chosen, n_rejected = counts.chunk(2)
         if self.loss in NEEDS_REFERENCE:
-            ref = self.reference_logps(model, inputs, labels)
+            ref = self.reference_logps(model, inputs, labels, precomputed)
             ref_chosen, ref_rejected = ref.chunk(2)
             chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
             if self.loss == "dpo":
@@ -250,9 +288,85 @@ class Preference:
         """Every position a target (the planner's micro-batch stands for chosen and rejected sequences alike)."""
         return input_ids
 
+    def synthetic_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A precomputed reference's log-probabilities for the planner's micro-batch (none when it runs live)."""
+        if not self.precomputes:
+            return {}
+        return {"reference_logps": torch.zeros(input_ids.shape[0], device=input_ids.device)}
+
     def logits_bytes(self, micro: int, tokens: int, vocab: int, num_labels: int) -> int:
-        """Both sequences' float32 logits and their gradient, and the reference's logits."""
-        return 3 * 2 * micro * tokens * vocab * 4
+        """Both sequences' float32 logits and their gradient, and the reference's logits when it runs live."""
+        live = self.reference in ("adapter_off", "frozen_copy") and self.loss in NEEDS_REFERENCE
+        return (3 if live else 2) * 2 * micro * tokens * vocab * 4
+
+    def plan_reference(self, *, weights: int, cuda: bool, micro: int, tokens: int, vocab: int
+                       ) -> tuple[dict[str, int], dict[str, Any], str | None]:
+        """What the reference costs the plan: its peak terms while training, the record plan.json keeps, and the
+        plan's note. `weights`: the model's parameter bytes as trained (a frozen copy of the same size is assumed
+        for `reference_model`, usually the SFT model of the same base)."""
+        if self.loss not in NEEDS_REFERENCE:
+            return {}, {"strategy": "none"}, None
+        params = weights // 4  # the skeleton's parameters are counted in fp32
+        copy = params * (2 if cuda else 4)  # the frozen copy is loaded in bf16 on a GPU
+        record = {"strategy": self.reference, "reference_weights_bytes": 0}
+        if self.reference == "adapter_off":
+            return {}, record, ("Reference: the base with its LoRA adapter switched off (no second copy; one "
+                                "no-grad forward of both sequences per micro-batch).")
+        if self.reference == "frozen_copy":
+            record["reference_weights_bytes"] = copy
+            return {"reference_weights": copy}, record, (
+                f"Reference: a frozen copy of {self.reference_model or self.base_model} beside the model "
+                f"({copy / 2**30:.2f} GiB, counted), one no-grad forward per micro-batch.")
+        # One inference pass over the pairs before training, two micro-batches at a time as evaluation reads them:
+        # the model (and a `reference_model` loaded for the pass only) and that batch's float32 logits.
+        separate = copy if self.reference_model else 0
+        peak = weights + separate + 2 * (2 * 2 * micro * tokens * vocab * 4)
+        record |= {"precompute_peak_bytes": peak}
+        source = self.reference_model or "the model as it starts"
+        return {}, record, (f"Reference: log-probabilities of {source} precomputed once before training (one "
+                            f"inference pass over the pairs, peak about {peak / 2**30:.2f} GiB, freed before "
+                            "training; stored in the data cache): no reference in memory while training.")
+
+    # --- the precompute pass (`reference: precompute`)
+    @property
+    def precomputes(self) -> tuple[str, ...]:
+        """The columns computed once before training and stored beside the encoded rows (none: computed live)."""
+        return REFERENCE_COLUMNS if self.reference == "precompute" and self.loss in NEEDS_REFERENCE else ()
+
+    def precompute_source(self) -> str:
+        """The model whose log-probabilities are precomputed (what the stored values are keyed by)."""
+        return self.reference_model or str(self.base_model)
+
+    @contextlib.contextmanager
+    def precompute_model(self, model: Any) -> Iterator[Any]:
+        """The reference for the pass: `reference_model` loaded for it and freed after; else the model itself as
+        it starts, with its LoRA adapter (if any) switched off; in eval mode (no dropout) either way."""
+        base = getattr(model, "module", model)
+        if self.reference_model:
+            device = str(next(base.parameters()).device)
+            ref = _frozen.__wrapped__(self.reference_model, device)  # not kept: freed once the pass is done
+            try:
+                yield ref
+            finally:
+                del ref
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            return
+        was_training = model.training
+        model.eval()
+        try:
+            with base.disable_adapter() if hasattr(base, "disable_adapter") else contextlib.nullcontext():
+                yield model
+        finally:
+            model.train(was_training)
+
+    def precompute_batch(self, reference: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The precomputed columns of one collated micro-batch of pairs (no gradient)."""
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "reference_logps")}
+        with torch.no_grad():
+            logps = sequence_logps(reference(**inputs).logits, batch["labels"])[0]
+        return dict(zip(REFERENCE_COLUMNS, logps.float().chunk(2), strict=True))
 
     # --- use after training
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40
@@ -263,8 +377,8 @@ class Preference:
 
 @functools.cache
 def _configured(loss: str, beta: float, gamma: float, lam: float, reference_model: str | None,
-                base_model: str) -> Preference:
-    return Preference(loss, beta, gamma, lam, reference_model, base_model)
+                base_model: str, reference: str) -> Preference:
+    return Preference(loss, beta, gamma, lam, reference_model, base_model, reference)
 
 
 @functools.cache
