@@ -283,26 +283,12 @@ def _is_kept(dropped: list[int]) -> list[bool]:
 
 
 def collate(data: Any, indices: list[int], pad_id: int, kind: TaskKind) -> dict[str, torch.Tensor]:
-    """A right-padded micro-batch of these samples (padding only to the longest of them), from Arrow rows; the
-    labels are the task kind's."""
+    """A micro-batch of these samples from their Arrow rows, as the task kind collates them (right-padded only to the
+    longest of them); packed rows as `packed_batch` does."""
     rows = data.columns(indices)
     if "segment_lengths" in rows.column_names:  # packed rows (finetune/data/packing.py)
         return packed_batch(rows, pad_id)
-    if hasattr(kind, "collate_rows"):  # a kind whose sample is several sequences (a preference pair)
-        return kind.collate_rows(rows, pad_id)
-    ids = rows.column("input_ids").combine_chunks()
-    lengths = numpy_of(pc.list_value_length(ids))
-    width = int(lengths.max())
-    present = np.arange(width) < lengths[:, None]  # row-major, like the flattened values
-    input_ids = np.full((len(indices), width), pad_id, dtype=np.int64)
-    input_ids[present] = numpy_of(ids.flatten())
-    batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(present.astype(np.int64))}
-    if "token_type_ids" in rows.column_names:
-        types = np.zeros_like(input_ids)
-        types[present] = numpy_of(rows.column("token_type_ids").combine_chunks().flatten())
-        batch["token_type_ids"] = torch.from_numpy(types)
-    batch["labels"] = kind.collate_labels(rows, input_ids, present)
-    return batch
+    return kind.collate_rows(rows, pad_id)
 
 
 def packed_batch(rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:

@@ -179,10 +179,6 @@ class Preference:
                 [numpy_of(rows.column(name)).astype(np.float32) for name in REFERENCE_COLUMNS]))
         return batch
 
-    def collate_labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
-        """Not used: `collate_rows` collates a pair's two sequences together."""
-        raise NotImplementedError("preference pairs are collated by collate_rows")
-
     def num_targets(self, data: Any, indices: list[int]) -> int | tuple[int, int]:
         """The pairs (ORPO: the chosen completions' tokens, then the pairs)."""
         if self.loss != "orpo":

@@ -15,24 +15,22 @@ from typing import Any
 
 import numpy as np
 import torch
+from huggingface_hub import try_to_load_from_cache
 
 from finetune.config.schema import Config
 from finetune.data import cache as datacache
 from finetune.data.encoding import Encoded, collate
 from finetune.kinds.base import TaskKind
+from finetune.models.load import resolve_model_path
 
 
 def model_identity(name: str) -> list[Any]:
     """What identifies a model's weights: a local folder's files (name, size, modification time), or a hub id
     with the snapshot of it in the local cache (its commit is in the path)."""
-    from finetune.models.load import resolve_model_path
-
     path = Path(resolve_model_path(name)).expanduser()
     if path.is_dir():
         return [str(path.resolve()), sorted([f.name, f.stat().st_size, f.stat().st_mtime_ns]
                                             for f in path.iterdir() if f.is_file())]
-    from huggingface_hub import try_to_load_from_cache
-
     cached = try_to_load_from_cache(str(path), "config.json")
     return [name, cached if isinstance(cached, str) else None]
 
