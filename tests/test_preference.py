@@ -285,3 +285,69 @@ def test_a_missing_column_or_completion_is_one_sentence(tmp_path, tiny_gpt2):
                               text=True, timeout=300)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert words in proc.stderr.lower() and "Traceback" not in proc.stderr
+
+
+def _chat_pairs(n: int) -> tuple[list[dict], list[dict]]:
+    """The same pairs in both conversational shapes: an explicit prompt of messages with one assistant turn each,
+    and whole conversations sharing their prompt (TRL's implicit prompt)."""
+    rng = random.Random(3)
+    explicit, implicit = [], []
+    for _ in range(n):
+        prompt = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 5)))}]
+        if rng.random() < 0.5:
+            prompt = [{"role": "system", "content": "be kind"}, *prompt]
+        chosen = [{"role": "assistant", "content": " ".join(rng.choices(WORDS[:6], k=rng.randint(1, 6)))}]
+        rejected = [{"role": "assistant", "content": " ".join(rng.choices(WORDS[6:], k=rng.randint(1, 6)))}]
+        explicit.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        implicit.append({"chosen": prompt + chosen, "rejected": prompt + rejected})
+    return explicit, implicit
+
+
+def test_conversational_pairs_score_only_the_replies(tmp_path):
+    """Conversational pairs are rendered with the chat template: the scored tokens of each sequence are its
+    assistant reply and end-of-turn marker, the prompt (its generation prompt included) is masked; an explicit
+    prompt of messages and an implicit shared prefix encode the same; a pair max_length cuts is left out and
+    counted; a row without a rejected reply is one sentence naming it."""
+    from test_chat import _chatml_tokenizer
+
+    from finetune.config.schema import from_dict
+    from finetune.data.encoding import collate
+    from finetune.data.load import encode, load_table, resolve_columns
+    from finetune.errors import DataError
+
+    tok = _chatml_tokenizer()
+    kind = Preference()
+    explicit, implicit = _chat_pairs(8)
+    encoded = []
+    for name, rows in (("explicit", explicit), ("implicit", implicit)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        c = from_dict({"task": "preference", "max_length": 64, "dataset": str(path)})
+        table = load_table(str(path))
+        encoded.append(encode(table, resolve_columns(c, table.column_names), c, tok, None, str(path)))
+    a, b = encoded
+    assert len(a) == len(b) == 8
+    for name in ("input_ids", "rejected_ids", "prompt_length"):
+        assert a.table[name].to_pylist() == b.table[name].to_pylist()
+    batch = collate(a, list(range(8)), tok.pad_token_id, kind)
+    for i, row in enumerate(explicit):
+        for seq, reply in ((i, row["chosen"][0]["content"]), (8 + i, row["rejected"][0]["content"])):
+            scored = batch["labels"][seq][batch["labels"][seq] != -100].tolist()
+            assert scored == tok(reply + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        prompt = tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        assert batch["input_ids"][i][:a.prompt_lengths[i]].tolist() == tok(prompt, add_special_tokens=False)[
+            "input_ids"]
+
+    long = tmp_path / "long.jsonl"
+    rows = explicit[:4] + [{**explicit[4], "chosen": [{"role": "assistant", "content": "good " * 80}]}]
+    long.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = from_dict({"task": "preference", "max_length": 64, "dataset": str(long), "eval_fraction": 0})
+    table = load_table(str(long))
+    data = encode(table, resolve_columns(c, table.column_names), c, tok, None, str(long))
+    assert len(data) == 4 and data.dropped == {"cut_by_max_length": 1}
+
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text("".join(json.dumps(r) + "\n" for r in [explicit[0], {**explicit[1], "rejected": None}]))
+    table = load_table(str(missing))
+    with pytest.raises(DataError, match=r"^Row 2 of .* has no 'rejected' completion"):
+        encode(table, resolve_columns(c, table.column_names), c, tok, None, str(missing))

@@ -201,6 +201,11 @@ def _file_column(table: Any, column: str) -> pa.ChunkedArray:
     return table.data.column(column)
 
 
+def _is_list(table: Any, column: str) -> bool:
+    kind = _file_column(table, column).type
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind)
+
+
 def check_strings(table: Any, column: str, source: str) -> None:
     """A `DataError` if a text column has empty values (counted in Arrow, one stored chunk at a time)."""
     count, first, offset = 0, None, 0
@@ -221,8 +226,10 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
            source: str) -> Encoded:
     """Tokenise a table for the configured task, or reuse the cached encoding of the same rows and settings."""
     kind = kind_named(c.task)
+    # Lists of messages (conversational preference pairs) are checked by the kind, and rendered by the template.
+    listed = [column for column in (cols.prompt, cols.chosen, cols.rejected) if column and _is_list(table, column)]
     for column in (cols.text, cols.text_pair, cols.prompt, cols.completion, cols.chosen, cols.rejected):
-        if column:
+        if column and column not in listed:
             check_strings(table, column, source)
     eos = kind.end_of_document(tokenizer)
     documents = c.segment_recurrence and takes(c.task, "segment_recurrence")  # whole documents, split by the loop
@@ -246,6 +253,8 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     # tokenizer argument hashes differently once it has been called.
     # The columns in use only: a kind that adds a field to `Columns` leaves the other kinds' keys as they were.
     keyed = {**settings, "cols": {role: column for role, column in settings["cols"].items() if column}}
+    if listed:  # the template is part of the key of rows it renders
+        keyed["template"] = getattr(tokenizer, "chat_template", None)
     key = hashlib.sha256(json.dumps([ENCODING_VERSION, table._fingerprint, keyed, tokenizer_fingerprint(tokenizer)]
                                     + (["documents"] if documents else []),
                                     sort_keys=True).encode()).hexdigest()[:32]

@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
+from finetune.data.chat import check_conversations, special_ids, turns_of
 from finetune.errors import DataError
 from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, Metrics, SumMetrics, pick_column, texts_of
 from finetune.kinds.causal_lm import KIND as CAUSAL
@@ -99,8 +100,11 @@ class Preference:
 
     # --- data
     def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
-        """The prompt, chosen and rejected columns, set or named as TRL's preference format names them."""
-        return Columns(prompt=pick_column(columns, c.prompt_column, ("prompt",), "Prompt", "prompt_column"),
+        """The prompt, chosen and rejected columns, set or named as TRL's preference format names them (the prompt
+        is optional: conversational pairs may share it as the prefix of their messages)."""
+        prompt = pick_column(columns, c.prompt_column, ("prompt",), "Prompt", "prompt_column") \
+            if c.prompt_column or "prompt" in columns else None
+        return Columns(prompt=prompt,
                        chosen=pick_column(columns, c.chosen_column, ("chosen",), "Chosen", "chosen_column"),
                        rejected=pick_column(columns, c.rejected_column, ("rejected",), "Rejected", "rejected_column"))
 
@@ -109,33 +113,47 @@ class Preference:
         return None
 
     def check_rows(self, table: Any, cols: Columns, label_names: list[str] | None, source: str) -> None:
-        """Every row needs a chosen and a rejected completion (text; the prompt may be empty)."""
-        for column in (cols.chosen, cols.rejected):
+        """Every row needs a chosen and a rejected completion: all text, or all conversations (lists of messages,
+        the prompt too if there is one)."""
+        kinds = {}
+        for column in (cols.prompt, cols.chosen, cols.rejected):
+            if column is None:
+                continue
             data = _file_column(table, column)
-            if not (pa.types.is_string(data.type) or pa.types.is_large_string(data.type)):
-                raise DataError(f"Column {column!r} of {source!r} must hold text completions (found {data.type}).")
+            if pa.types.is_string(data.type) or pa.types.is_large_string(data.type):
+                kinds[column] = "text"
+            elif pa.types.is_list(data.type) or pa.types.is_large_list(data.type):
+                kinds[column] = "messages"
+            elif column != cols.prompt or not pa.types.is_null(data.type):
+                raise DataError(f"Column {column!r} of {source!r} must hold text completions or lists of messages "
+                                f"(found {data.type}).")
             missing = pc.is_null(data)
-            if pc.any(missing).as_py():
+            if column != cols.prompt and pc.any(missing).as_py():
                 row = pc.index(missing, True).as_py()
                 raise DataError(f"Row {row + 1} of {source!r} has no {column!r} completion: fill or remove it.")
+            if kinds.get(column) == "messages":
+                check_conversations(data, column, source)
+        if len(set(kinds.values())) > 1:
+            raise DataError(f"The columns of {source!r} mix text and lists of messages "
+                            f"({', '.join(f'{k}: {v}' for k, v in kinds.items())}): give all as text, or all as "
+                            "conversations.")
 
     def end_of_document(self, tokenizer: Any) -> list[int]:
         """A completion ends with the end-of-sequence token (as TRL appends it)."""
         return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def encode_rows(self, batch: dict[str, list], indices: list[int], e: Encoding) -> dict[str, list]:
-        """Prompt + chosen and prompt + rejected per row; a pair either completion of which `max_length` cuts is
-        left out (its `document` number stays that of its row)."""
-        tok, cols = e.tokenizer, e.cols
-        plain = {"verbose": False}
-        prompts = tok(texts_of(batch, cols["prompt"]) if cols["prompt"] else [""] * len(indices),
-                      add_special_tokens=True, **plain)["input_ids"]
-        chosen = tok(texts_of(batch, cols["chosen"]), add_special_tokens=False, **plain)["input_ids"]
-        rejected = tok(texts_of(batch, cols["rejected"]), add_special_tokens=False, **plain)["input_ids"]
+        """Prompt + chosen and prompt + rejected per row (conversations rendered with the chat template); a pair
+        either completion of which `max_length` cuts is left out (its `document` number stays that of its row)."""
+        cols = e.cols
+        if isinstance(batch[cols["chosen"]][0], list):
+            prompts, chosen, rejected = encode_conversation_pairs(batch, indices, e)
+        else:
+            prompts, chosen, rejected = encode_text_pairs(batch, indices, e)
         out: dict[str, list] = {"input_ids": [], "rejected_ids": [], "prompt_length": [], "document": [],
                                 "segment": [], "dropped_tokens": []}
         for i, p, ch, rj in zip(indices, prompts, chosen, rejected, strict=True):
-            a, b = p + ch + e.eos, p + rj + e.eos
+            a, b = p + ch, p + rj
             if max(len(a), len(b)) > e.max_length or len(a) == len(p) or len(b) == len(p):
                 continue  # cut off (or empty): left out, counted by check_encoded
             out["input_ids"].append(a)
@@ -369,6 +387,80 @@ class Preference:
                 ) -> list[dict[str, Any]]:
         """A greedy continuation of each prompt, as for a causal LM."""
         return CAUSAL.predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens)
+
+
+def encode_text_pairs(batch: dict[str, list], indices: list[int], e: Encoding
+                      ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Text pairs: the prompts' token ids (with the tokenizer's special tokens) and the chosen and rejected
+    completions' (each ended by `e.eos`)."""
+    tok, cols = e.tokenizer, e.cols
+    plain = {"verbose": False}
+    prompts = tok(texts_of(batch, cols["prompt"]) if cols["prompt"] else [""] * len(indices),
+                  add_special_tokens=True, **plain)["input_ids"]
+    chosen = tok(texts_of(batch, cols["chosen"]), add_special_tokens=False, **plain)["input_ids"]
+    rejected = tok(texts_of(batch, cols["rejected"]), add_special_tokens=False, **plain)["input_ids"]
+    return prompts, [c + e.eos for c in chosen], [r + e.eos for r in rejected]
+
+
+def split_conversation_pair(prompt: Any, chosen: Any, rejected: Any
+                            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """A conversational pair as (prompt turns, chosen turns, rejected turns): with a `prompt` of messages, the
+    completions are its continuations; without, the prompt is the messages chosen and rejected share (TRL's
+    implicit prompt). None when a value is not a conversation."""
+    turns = [turns_of(v) for v in (chosen, rejected)]
+    if None in turns:
+        return None
+    ch, rj = turns
+    if prompt is not None:
+        shared = turns_of(prompt)
+        return (shared, ch, rj) if shared is not None else None
+    k = 0
+    while k < min(len(ch), len(rj)) - 1 and ch[k] == rj[k]:
+        k += 1
+    return ch[:k], ch[k:], rj[k:]
+
+
+def encode_conversation_pairs(batch: dict[str, list], indices: list[int], e: Encoding
+                              ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Conversational pairs rendered with the chat template as chat SFT renders conversations: the prompt's
+    tokens up to its generation prompt, and each completion's tokens after them up to its last special token (the
+    end-of-turn marker; the template's glue after it is not scored). A `DataError` names a row the template cannot
+    render, or renders so that the prompt is not a prefix of the pair's sequences."""
+    from jinja2 import TemplateError
+
+    tok, cols = e.tokenizer, e.cols
+    if not getattr(tok, "chat_template", None):
+        raise DataError("The tokenizer has no chat template to render the conversational pairs: set "
+                        "`chat_template` to a Jinja file (assets/chatml.jinja is a ChatML one), or pick a chat model.")
+    specials = special_ids(tok)
+    prompts, chosen, rejected = [], [], []
+    prompt_values = batch[cols["prompt"]] if cols["prompt"] else [None] * len(indices)
+    for i, p, ch, rj in zip(indices, prompt_values, batch[cols["chosen"]], batch[cols["rejected"]], strict=True):
+        pair = split_conversation_pair(p, ch, rj)
+        if pair is None or not pair[1] or not pair[2]:
+            raise DataError(f"Row {i + 1} has no conversational pair (a prompt of messages and the chosen and "
+                            "rejected replies, or two conversations sharing their prompt): fix or remove it.")
+        shared, ch_turns, rj_turns = pair
+        try:
+            texts = [tok.apply_chat_template(shared, tokenize=False, add_generation_prompt=True) if shared else "",
+                     tok.apply_chat_template(shared + ch_turns, tokenize=False),
+                     tok.apply_chat_template(shared + rj_turns, tokenize=False)]
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError) as err:
+            raise DataError(f"Row {i + 1}: the chat template cannot render its pair ({str(err)[:120]}): check "
+                            "its roles and their order.") from None
+        ids = tok(texts, add_special_tokens=False)["input_ids"]
+        start = len(ids[0])
+        completions = []
+        for seq in ids[1:]:
+            if seq[:start] != ids[0]:
+                raise DataError(f"Row {i + 1}: the chat template renders its prompt differently once a reply "
+                                "follows, so the reply's tokens cannot be told apart: use another template.")
+            last = max((q for q in range(start, len(seq)) if seq[q] in specials), default=len(seq) - 1)
+            completions.append(seq[start: last + 1])
+        prompts.append(ids[0])
+        chosen.append(completions[0])
+        rejected.append(completions[1])
+    return prompts, chosen, rejected
 
 
 @functools.cache
