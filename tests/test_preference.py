@@ -351,3 +351,34 @@ def test_conversational_pairs_score_only_the_replies(tmp_path):
     table = load_table(str(missing))
     with pytest.raises(DataError, match=r"^Row 2 of .* has no 'rejected' completion"):
         encode(table, resolve_columns(c, table.column_names), c, tok, None, str(missing))
+
+
+def test_stop_then_resume_equals_uninterrupted_on_conversations(tmp_path):
+    """DPO on conversational pairs with a precomputed reference, AdamW and a warm-up: stopped at step 2 and
+    resumed, the run ends with the weights of the uninterrupted one (the resumed run reads the same reference)."""
+    from test_chat import _chatml_tokenizer, _tiny_chat_llama
+
+    from finetune.config.schema import from_dict
+    from finetune.run.events import Step
+    from finetune.train.loop import StopFlag, train
+
+    model = _tiny_chat_llama(_chatml_tokenizer(), tmp_path / "llama")
+    explicit, _ = _chat_pairs(16)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in explicit))
+
+    def config(name, **extra):
+        return from_dict({"model": model, "dataset": str(data), "task": "preference", "max_length": 64,
+                          "output_dir": str(tmp_path / name), "epochs": 1, "effective_batch_size": 4,
+                          "micro_batch_size": 2, "learning_rate": 1e-2, "eval_fraction": 0.0, "save_every": 2,
+                          "logging_every": 1, **extra})
+
+    full = train(config("full"))
+    stop = StopFlag()
+    stopped = train(config("cut"), stop=stop,
+                    callbacks=[lambda e: stop.request() if isinstance(e, Step) and e.step == 2 else None])
+    assert (full.status, stopped.status, stopped.step) == ("done", "stopped", 2)
+    resumed = train(config("cut", resume=True))
+    assert resumed.status == "done" and resumed.step == full.step == 4
+    assert json.loads((tmp_path / "full" / "plan.json").read_text())["reference"]["strategy"] == "precompute"
+    assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
