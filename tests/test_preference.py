@@ -210,6 +210,10 @@ def test_precomputed_reference_equals_the_live_one_and_is_cached(tmp_path, tiny_
     assert [p["reference"]["strategy"] for p in plans] == ["precompute", "frozen_copy"]
     assert "reference_weights" in plans[1]["breakdown"] and "reference_weights" not in plans[0]["breakdown"]
     assert any("precomputed once before training" in n for n in plans[0]["notes"])
+    from finetune.plan.planner import Plan, render
+
+    shown = [render(Plan.from_dict(p)) for p in plans]
+    assert "reference               precompute" in shown[0] and "reference               frozen copy (" in shown[1]
 
     again, e_again, _ = _run(tmp_path / "again", tiny_gpt2, pref_csv, precompute_reference="true", **common)
     assert passes == [18, 6]  # read from the data cache

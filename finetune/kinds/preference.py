@@ -367,13 +367,14 @@ class Preference:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
             return
-        was_training = model.training
-        model.eval()
+        # The wrapped module itself: a DDP wrapper's forward would sync buffers with processes that are not in it.
+        was_training = base.training
+        base.eval()
         try:
             with base.disable_adapter() if hasattr(base, "disable_adapter") else contextlib.nullcontext():
-                yield model
+                yield base
         finally:
-            model.train(was_training)
+            base.train(was_training)
 
     def precompute_batch(self, reference: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The precomputed columns of one collated micro-batch of pairs (no gradient)."""
