@@ -212,11 +212,10 @@ class Preference:
     def reference_logps(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
                         precomputed: torch.Tensor | None = None) -> torch.Tensor:
         """The reference's summed log-probabilities of each sequence (no gradient): the `precomputed` ones when the
-        reference was computed before training, else a forward of the reference."""
-        if self.reference == "precompute":
-            if precomputed is None:
-                raise RuntimeError("the reference log-probabilities were not precomputed for this batch")
+        reference was computed before training, else a forward of the reference (the same values)."""
+        if precomputed is not None:
             return precomputed.to(labels.device)
+        # Live (and, outside training, for data nothing was precomputed for: `finetune eval` of a saved model).
         with torch.no_grad():
             ref = self._reference(model)
             if ref is None:
