@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,9 +37,9 @@ def _run(out, model, data, **values):
 
 @pytest.mark.parametrize("loss", ["dpo", "orpo"])
 def test_accumulation_is_exact(tmp_path, tiny_gpt2, pref_csv, loss):
-    """(B, k) = (2, 3) trains exactly like (6, 1): DPO (a reference, here a frozen copy: full fine-tuning) and ORPO
-    (two counts: chosen tokens and pairs). IPO and SimPO differ from DPO only in the per-pair formula, checked
-    against TRL below."""
+    """(B, k) = (2, 3) trains exactly like (6, 1): DPO (a reference, here precomputed: full fine-tuning, the
+    planner's choice) and ORPO (two counts: chosen tokens and pairs). IPO and SimPO differ from DPO only in the
+    per-pair formula, checked against TRL below."""
     a, ea, _ = _run(tmp_path / "a", tiny_gpt2, pref_csv, preference_loss=loss, micro_batch_size=2,
                     grad_accum_steps=3)
     b, eb, _ = _run(tmp_path / "b", tiny_gpt2, pref_csv, preference_loss=loss, micro_batch_size=6,
@@ -46,6 +47,8 @@ def test_accumulation_is_exact(tmp_path, tiny_gpt2, pref_csv, loss):
     assert_same_weights(a, b)
     torch.testing.assert_close(step_losses(ea), step_losses(eb))
     assert len(step_losses(ea)) == 4 and all(x > 0 for x in step_losses(ea))
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    assert plan["reference"]["strategy"] == ("precompute" if loss == "dpo" else "none")
 
 
 def _trl_batch(path, loss_type, reference=None):
@@ -170,10 +173,62 @@ def test_adapter_off_reference_equals_a_frozen_copy(tmp_path, tiny_gpt2, pref_cs
     common = {"preference_loss": "dpo", "lora": "true", "micro_batch_size": 4, "grad_accum_steps": 2,
               "learning_rate": 0.5, "merge_lora": True}
     a, _, _ = _run(tmp_path / "off", tiny_gpt2, pref_csv, **common)
-    b, _, _ = _run(tmp_path / "copy", tiny_gpt2, pref_csv, reference_model=tiny_gpt2, **common)
+    b, _, _ = _run(tmp_path / "copy", tiny_gpt2, pref_csv, reference_model=tiny_gpt2, precompute_reference="false",
+                   **common)
     assert_same_weights(a, b)  # the merged models
     base = load_file(str(next((Path(tiny_gpt2)).glob("*.safetensors"))))
     assert any(not torch.equal(a[k], base[k]) for k in base if k in a)  # the adapter did learn
+    strategies = [json.loads((tmp_path / name / "plan.json").read_text())["reference"] for name in ("off", "copy")]
+    assert [r["strategy"] for r in strategies] == ["adapter_off", "frozen_copy"]
+    assert strategies[0]["reference_weights_bytes"] == 0 < strategies[1]["reference_weights_bytes"]
+
+
+def test_precomputed_reference_equals_the_live_one_and_is_cached(tmp_path, tiny_gpt2, pref_csv, monkeypatch):
+    """Full fine-tuning with DPO: the reference precomputed once before training trains like a live frozen copy
+    (losses, weights and eval metrics to float rounding); a second run reads the values from the data cache (no
+    pass) and trains identically; a changed reference computes them again."""
+    from transformers import AutoModelForCausalLM
+
+    import finetune.train.precompute as pre
+
+    passes = []
+    real_pass = pre._pass
+    monkeypatch.setattr(pre, "_pass", lambda *a, **k: passes.append(len(a[2])) or real_pass(*a, **k))
+    common = {"preference_loss": "dpo", "micro_batch_size": 3, "grad_accum_steps": 2, "eval_fraction": 0.25,
+              "learning_rate": 0.2, "epochs": 2}
+    a, ea, _ = _run(tmp_path / "pre", tiny_gpt2, pref_csv, precompute_reference="true", **common)
+    assert passes == [18, 6]  # train and eval pairs, once each
+    b, eb, _ = _run(tmp_path / "live", tiny_gpt2, pref_csv, precompute_reference="false", **common)
+    assert passes == [18, 6]
+    assert_same_weights(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(step_losses(ea), step_losses(eb), rtol=1e-5, atol=1e-6)
+    evals = [[e["metrics"] for e in events if e["event"] == "eval"][-1] for events in (ea, eb)]
+    assert evals[0].keys() == evals[1].keys()
+    for name in evals[0]:
+        assert evals[0][name] == pytest.approx(evals[1][name], rel=1e-4, abs=1e-5), name
+    plans = [json.loads((tmp_path / name / "plan.json").read_text()) for name in ("pre", "live")]
+    assert [p["reference"]["strategy"] for p in plans] == ["precompute", "frozen_copy"]
+    assert "reference_weights" in plans[1]["breakdown"] and "reference_weights" not in plans[0]["breakdown"]
+    assert any("precomputed once before training" in n for n in plans[0]["notes"])
+    from finetune.plan.planner import Plan, render
+
+    shown = [render(Plan.from_dict(p)) for p in plans]
+    assert "reference               precompute" in shown[0] and "reference               frozen copy (" in shown[1]
+
+    again, e_again, _ = _run(tmp_path / "again", tiny_gpt2, pref_csv, precompute_reference="true", **common)
+    assert passes == [18, 6]  # read from the data cache
+    assert_same_weights(again, a, rtol=0, atol=0)
+    assert step_losses(e_again) == step_losses(ea)
+
+    other = AutoModelForCausalLM.from_pretrained(tiny_gpt2)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.9)
+    other.save_pretrained(tmp_path / "ref")
+    _, e_other, _ = _run(tmp_path / "other", tiny_gpt2, pref_csv, precompute_reference="true",
+                         reference_model=str(tmp_path / "ref"), **common)
+    assert passes == [18, 6, 18, 6]  # another reference: computed again
+    assert step_losses(e_other) != step_losses(ea)
 
 
 @pytest.mark.parametrize("loss", ["orpo"])
@@ -234,3 +289,100 @@ def test_a_missing_column_or_completion_is_one_sentence(tmp_path, tiny_gpt2):
                               text=True, timeout=300)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert words in proc.stderr.lower() and "Traceback" not in proc.stderr
+
+
+def _chat_pairs(n: int) -> tuple[list[dict], list[dict]]:
+    """The same pairs in both conversational shapes: an explicit prompt of messages with one assistant turn each,
+    and whole conversations sharing their prompt (TRL's implicit prompt)."""
+    rng = random.Random(3)
+    explicit, implicit = [], []
+    for _ in range(n):
+        prompt = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 5)))}]
+        if rng.random() < 0.5:
+            prompt = [{"role": "system", "content": "be kind"}, *prompt]
+        chosen = [{"role": "assistant", "content": " ".join(rng.choices(WORDS[:6], k=rng.randint(1, 6)))}]
+        rejected = [{"role": "assistant", "content": " ".join(rng.choices(WORDS[6:], k=rng.randint(1, 6)))}]
+        explicit.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        implicit.append({"chosen": prompt + chosen, "rejected": prompt + rejected})
+    return explicit, implicit
+
+
+def test_conversational_pairs_score_only_the_replies(tmp_path):
+    """Conversational pairs are rendered with the chat template: the scored tokens of each sequence are its
+    assistant reply and end-of-turn marker, the prompt (its generation prompt included) is masked; an explicit
+    prompt of messages and an implicit shared prefix encode the same; a pair max_length cuts is left out and
+    counted; a row without a rejected reply is one sentence naming it."""
+    from test_chat import _chatml_tokenizer
+
+    from finetune.config.schema import from_dict
+    from finetune.data.encoding import collate
+    from finetune.data.load import encode, load_table, resolve_columns
+    from finetune.errors import DataError
+
+    tok = _chatml_tokenizer()
+    kind = Preference()
+    explicit, implicit = _chat_pairs(8)
+    encoded = []
+    for name, rows in (("explicit", explicit), ("implicit", implicit)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        c = from_dict({"task": "preference", "max_length": 64, "dataset": str(path)})
+        table = load_table(str(path))
+        encoded.append(encode(table, resolve_columns(c, table.column_names), c, tok, None, str(path)))
+    a, b = encoded
+    assert len(a) == len(b) == 8
+    for name in ("input_ids", "rejected_ids", "prompt_length"):
+        assert a.table[name].to_pylist() == b.table[name].to_pylist()
+    batch = collate(a, list(range(8)), tok.pad_token_id, kind)
+    for i, row in enumerate(explicit):
+        for seq, reply in ((i, row["chosen"][0]["content"]), (8 + i, row["rejected"][0]["content"])):
+            scored = batch["labels"][seq][batch["labels"][seq] != -100].tolist()
+            assert scored == tok(reply + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        prompt = tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        assert batch["input_ids"][i][:a.prompt_lengths[i]].tolist() == tok(prompt, add_special_tokens=False)[
+            "input_ids"]
+
+    long = tmp_path / "long.jsonl"
+    rows = explicit[:4] + [{**explicit[4], "chosen": [{"role": "assistant", "content": "good " * 80}]}]
+    long.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = from_dict({"task": "preference", "max_length": 64, "dataset": str(long), "eval_fraction": 0})
+    table = load_table(str(long))
+    data = encode(table, resolve_columns(c, table.column_names), c, tok, None, str(long))
+    assert len(data) == 4 and data.dropped == {"cut_by_max_length": 1}
+
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text("".join(json.dumps(r) + "\n" for r in [explicit[0], {**explicit[1], "rejected": None}]))
+    table = load_table(str(missing))
+    with pytest.raises(DataError, match=r"^Row 2 of .* has no 'rejected' completion"):
+        encode(table, resolve_columns(c, table.column_names), c, tok, None, str(missing))
+
+
+def test_stop_then_resume_equals_uninterrupted_on_conversations(tmp_path):
+    """DPO on conversational pairs with a precomputed reference, AdamW and a warm-up: stopped at step 2 and
+    resumed, the run ends with the weights of the uninterrupted one (the resumed run reads the same reference)."""
+    from test_chat import _chatml_tokenizer, _tiny_chat_llama
+
+    from finetune.config.schema import from_dict
+    from finetune.run.events import Step
+    from finetune.train.loop import StopFlag, train
+
+    model = _tiny_chat_llama(_chatml_tokenizer(), tmp_path / "llama")
+    explicit, _ = _chat_pairs(16)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in explicit))
+
+    def config(name, **extra):
+        return from_dict({"model": model, "dataset": str(data), "task": "preference", "max_length": 64,
+                          "output_dir": str(tmp_path / name), "epochs": 1, "effective_batch_size": 4,
+                          "micro_batch_size": 2, "learning_rate": 1e-2, "eval_fraction": 0.0, "save_every": 2,
+                          "logging_every": 1, **extra})
+
+    full = train(config("full"))
+    stop = StopFlag()
+    stopped = train(config("cut"), stop=stop,
+                    callbacks=[lambda e: stop.request() if isinstance(e, Step) and e.step == 2 else None])
+    assert (full.status, stopped.status, stopped.step) == ("done", "stopped", 2)
+    resumed = train(config("cut", resume=True))
+    assert resumed.status == "done" and resumed.step == full.step == 4
+    assert json.loads((tmp_path / "full" / "plan.json").read_text())["reference"]["strategy"] == "precompute"
+    assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)

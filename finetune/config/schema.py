@@ -95,6 +95,11 @@ class Config:
     reference_model: str | None = _opt(None, "Preference, dpo/ipo: Hub id or local folder of the reference model "
                                        "(default: the model being tuned, as it starts; with LoRA, its base with "
                                        "the adapter switched off).", group="advanced", source="model")
+    precompute_reference: str = _opt("auto", "Preference, dpo/ipo: compute the reference's log-probabilities once "
+                                     "before training and keep them in the data cache, so that no reference is in "
+                                     "memory while training (auto: unless LoRA's adapter-off base is the reference, "
+                                     "or the data is streamed; false: a frozen copy beside the model).",
+                                     choices=("auto", "true", "false"), group="advanced")
     tokens_column: str | None = _opt(None, "Token classification: column of word lists (default 'tokens' or "
                                      "'words').", group="data")
     tags_column: str | None = _opt(None, "Token classification: column of per-word tag lists, integers (with the "
@@ -401,7 +406,8 @@ def from_dict(values: dict[str, Any]) -> Config:
 
 
 COLUMN_KEYS = tuple(f.name for f in fields(Config) if f.name.endswith("_column"))  # what a task kind reads
-PREFERENCE_LOSS_KEYS = ("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model")
+PREFERENCE_LOSS_KEYS = ("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model",
+                        "precompute_reference")
 
 
 def _cross_checks(c: Config) -> list[str]:

@@ -11,6 +11,11 @@ skipped on an old verdict). Hub datasets, folders of files and streams are not c
 path. An entry is one small JSON file in `$XDG_CACHE_HOME/finetune/data/` (by default `~/.cache/finetune/data/`)
 naming the Arrow files, their row counts, the class names and the counts above; deleting the folder is always
 safe, and an entry whose files are gone is ignored.
+
+Columns a task kind computes once from a model before training (a preference run's precomputed reference
+log-probabilities) are stored beside the entry, one Arrow file per part (`<key>-train.arrow`, `<key>-eval.arrow`),
+under a key of their own (`columns_key`): the data's key and what the model's values depend on (its identity, the
+precision, how it is stored), so that a changed reference computes them again and the encoding is reused.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from finetune.config.schema import COLUMN_KEYS, Config
@@ -38,7 +44,9 @@ DATA_OPTIONS = tuple(dict.fromkeys((
                 "max_document_length", "streaming", *COLUMN_KEYS, *kinds.OPTION_KEYS,  # a new kind's own too
                 # Read by the preference kind's module (its loss, not its rows): keyed too, so that the test's
                 # walk over the data code stays a plain subset check and a precomputed reference can join the entry.
-                "preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model")))
+                "preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model",
+                # ... and its reference strategy, which LoRA and `precompute_reference` choose.
+                "precompute_reference", "lora")))
 # The modules whose code decides what load_data returns: a change to any of them never reuses an old entry.
 # Paths under finetune/.
 DATA_CODE = ("data/load.py", "data/encoding.py", "data/cache.py", "data/segments.py", "data/chat.py",
@@ -130,4 +138,40 @@ def save(key: str | None, train: Encoded, evaluation: Encoded | None, label_name
         tmp.write_text(json.dumps(entry, indent=1) + "\n", encoding="utf-8")
         tmp.replace(path)
     except OSError:  # a cache that cannot be written only costs the next start the full path
+        tmp.unlink(missing_ok=True)
+
+
+def columns_key(data_key: str | None, depends_on: dict[str, Any]) -> str | None:
+    """The key of columns computed from a model over the data under `data_key` (None: the data is not cached)."""
+    if data_key is None:
+        return None
+    return hashlib.sha256(json.dumps([data_key, depends_on], sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def load_columns(key: str | None, part: str, rows: int) -> dict[str, np.ndarray] | None:
+    """The columns stored under `key` for `part` (train, eval), or None when absent or not of `rows` rows."""
+    if key is None:
+        return None
+    try:
+        table = pa.ipc.open_stream(pa.memory_map(str(cache_dir() / f"{key}-{part}.arrow"))).read_all()
+    except (OSError, pa.ArrowException):
+        return None
+    if table.num_rows != rows:
+        return None
+    return {name: table.column(name).to_numpy() for name in table.column_names}
+
+
+def save_columns(key: str | None, part: str, columns: dict[str, np.ndarray]) -> None:
+    """Store computed columns under `key` (written under a temporary name and renamed, as entries are)."""
+    if key is None:
+        return
+    path = cache_dir() / f"{key}-{part}.arrow"
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    table = pa.table({name: pa.array(values) for name, values in columns.items()})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        tmp.replace(path)
+    except OSError:
         tmp.unlink(missing_ok=True)

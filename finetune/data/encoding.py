@@ -83,6 +83,15 @@ class Encoded:
     def __len__(self) -> int:
         return self.table.num_rows
 
+    def add_columns(self, columns: dict[str, np.ndarray]) -> None:
+        """Join columns computed after encoding (one value per sample, in order), replacing any of the same name:
+        `columns` and `collate` then read them like the encoded ones."""
+        for name, values in columns.items():
+            if name in self.table.column_names:
+                self.table = self.table.drop_columns([name])
+            self.table = self.table.append_column(name, pa.array(values))
+        self._batches, self._starts = [], None
+
     def columns(self, indices: list[int]) -> pa.Table:
         """These samples' encoded columns, in this order."""
         # One-row slices of the record batches that hold them, found by binary search over where each batch starts
@@ -207,6 +216,11 @@ def _file_column(table: Any, column: str) -> pa.ChunkedArray:
     return table.data.column(column)
 
 
+def _is_list(table: Any, column: str) -> bool:
+    kind = _file_column(table, column).type
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind)
+
+
 def check_strings(table: Any, column: str, source: str) -> None:
     """A `DataError` if a text column has empty values (counted in Arrow, one stored chunk at a time)."""
     count, first, offset = 0, None, 0
@@ -227,8 +241,10 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
            source: str) -> Encoded:
     """Tokenise a table for the configured task, or reuse the cached encoding of the same rows and settings."""
     kind = kind_named(c.task)
+    # Lists of messages (conversational preference pairs) are checked by the kind, and rendered by the template.
+    listed = [column for column in (cols.prompt, cols.chosen, cols.rejected) if column and _is_list(table, column)]
     for column in (cols.text, cols.text_pair, cols.prompt, cols.completion, cols.chosen, cols.rejected):
-        if column:
+        if column and column not in listed:
             check_strings(table, column, source)
     eos = kind.end_of_document(tokenizer)
     documents = c.segment_recurrence and takes(c.task, "segment_recurrence")  # whole documents, split by the loop
@@ -252,6 +268,8 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     # tokenizer argument hashes differently once it has been called.
     # The columns in use only: a kind that adds a field to `Columns` leaves the other kinds' keys as they were.
     keyed = {**settings, "cols": {role: column for role, column in settings["cols"].items() if column}}
+    if listed:  # the template is part of the key of rows it renders
+        keyed["template"] = getattr(tokenizer, "chat_template", None)
     key = hashlib.sha256(json.dumps([ENCODING_VERSION, table._fingerprint, keyed, tokenizer_fingerprint(tokenizer)]
                                     + (["documents"] if documents else []),
                                     sort_keys=True).encode()).hexdigest()[:32]
@@ -289,26 +307,12 @@ def _is_kept(dropped: list[int]) -> list[bool]:
 
 
 def collate(data: Any, indices: list[int], pad_id: int, kind: TaskKind) -> dict[str, torch.Tensor]:
-    """A right-padded micro-batch of these samples (padding only to the longest of them), from Arrow rows; the
-    labels are the task kind's."""
+    """A micro-batch of these samples from their Arrow rows, as the task kind collates them (right-padded only to the
+    longest of them); packed rows as `packed_batch` does."""
     rows = data.columns(indices)
     if "segment_lengths" in rows.column_names:  # packed rows (finetune/data/packing.py)
         return packed_batch(rows, pad_id)
-    if hasattr(kind, "collate_rows"):  # a kind whose sample is several sequences (a preference pair)
-        return kind.collate_rows(rows, pad_id)
-    ids = rows.column("input_ids").combine_chunks()
-    lengths = numpy_of(pc.list_value_length(ids))
-    width = int(lengths.max())
-    present = np.arange(width) < lengths[:, None]  # row-major, like the flattened values
-    input_ids = np.full((len(indices), width), pad_id, dtype=np.int64)
-    input_ids[present] = numpy_of(ids.flatten())
-    batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(present.astype(np.int64))}
-    if "token_type_ids" in rows.column_names:
-        types = np.zeros_like(input_ids)
-        types[present] = numpy_of(rows.column("token_type_ids").combine_chunks().flatten())
-        batch["token_type_ids"] = torch.from_numpy(types)
-    batch["labels"] = kind.collate_labels(rows, input_ids, present)
-    return batch
+    return kind.collate_rows(rows, pad_id)
 
 
 def packed_batch(rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:

@@ -2,9 +2,10 @@
 planner, evaluation and prediction call one object instead of branching on the kind.
 
 A kind owns its columns and their rules, its label names, the encoding of a batch of rows, its Arrow features,
-the label part of collation, its target count (what a window's loss sum is divided by: exact accumulation rests on
-it), its loss sum, its metrics (sums reduced over processes, then finalised), the labels of the planner's synthetic
-batch and its logits' size, prediction output, and its Hugging Face names (in its registry entry, as strings).
+its collation (a micro-batch from its rows), its target count (what a window's loss sum is divided by: exact
+accumulation rests on it), its loss sum, its metrics (sums reduced over processes, then finalised), the labels of
+the planner's synthetic batch and its logits' size, prediction output, and its Hugging Face names (in its registry
+entry, as strings).
 How to add one: docs/task-kind-protocol.md.
 """
 
@@ -16,8 +17,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
+from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
@@ -108,8 +111,9 @@ class TaskKind(Protocol):
     def check_encoded(self, data: Any, cols: Columns, c: Config, source: str, documents: bool) -> None:
         """A `DataError` when the encoded rows leave nothing to train on (`documents`: whole, for recurrence)."""
 
-    def collate_labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
-        """The `labels` of a right-padded micro-batch: `rows` are its encoded rows, `present` marks real tokens."""
+    def collate_rows(self, rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
+        """A micro-batch from its encoded rows: the model's inputs and its `labels` (most kinds: `padded_batch`; a
+        kind whose sample is several sequences stacks them, so that they never part)."""
 
     def num_targets(self, data: Any, indices: list[int]) -> int:
         """What the loss sum of these samples is divided by (over a window: exact accumulation rests on it)."""
@@ -136,6 +140,25 @@ class TaskKind(Protocol):
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str, max_new_tokens: int
                 ) -> list[dict[str, Any]]:
         """`finetune predict`'s output, one record per text."""
+
+
+def padded_batch(rows: pa.Table, pad_id: int,
+                 labels: Callable[[pa.Table, np.ndarray, np.ndarray], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One sequence per row, right-padded to the longest (`input_ids`, `attention_mask`, `token_type_ids` where
+    the tokenizer made them), and `labels(rows, input_ids, present)`, `present` marking the real tokens."""
+    ids = rows.column("input_ids").combine_chunks()
+    lengths = numpy_of(pc.list_value_length(ids))
+    width = int(lengths.max())
+    present = np.arange(width) < lengths[:, None]  # row-major, like the flattened values
+    input_ids = np.full((len(lengths), width), pad_id, dtype=np.int64)
+    input_ids[present] = numpy_of(ids.flatten())
+    batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(present.astype(np.int64))}
+    if "token_type_ids" in rows.column_names:
+        types = np.zeros_like(input_ids)
+        types[present] = numpy_of(rows.column("token_type_ids").combine_chunks().flatten())
+        batch["token_type_ids"] = torch.from_numpy(types)
+    batch["labels"] = labels(rows, input_ids, present)
+    return batch
 
 
 def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...], what: str, key: str) -> str:

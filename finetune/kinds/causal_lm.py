@@ -28,6 +28,7 @@ from finetune.kinds.base import (
     Encoding,
     Metrics,
     SumMetrics,
+    padded_batch,
     pick_column,
     stored_targets,
     texts_of,
@@ -103,7 +104,11 @@ class CausalLM:
             cut = f"max_document_length={c.max_document_length}" if documents else f"max_length={c.max_length}"
             raise DataError(f"Every completion of {source!r} is cut off by {cut}: raise it.")
 
-    def collate_labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
+    def collate_rows(self, rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
+        """A right-padded micro-batch whose labels are its input ids, padding, prompt and unlearned turns masked."""
+        return padded_batch(rows, pad_id, self._labels)
+
+    def _labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
         """The input ids themselves, with padding, the prompt and the unlearned turns masked."""
         width = input_ids.shape[1]
         labels = np.where(present, input_ids, IGNORE_INDEX)

@@ -16,7 +16,17 @@ import torch.nn.functional as F
 from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
-from finetune.kinds.base import TEXT_NAMES, Columns, Encoding, Metrics, SumMetrics, named_head, pick_column, texts_of
+from finetune.kinds.base import (
+    TEXT_NAMES,
+    Columns,
+    Encoding,
+    Metrics,
+    SumMetrics,
+    named_head,
+    padded_batch,
+    pick_column,
+    texts_of,
+)
 from finetune.kinds.registry import entry
 
 LABEL_NAMES = ("label", "labels", "class", "target")
@@ -144,7 +154,11 @@ class Classification:
     def check_encoded(self, data: Any, cols: Columns, c: Config, source: str, documents: bool) -> None:
         """Nothing to check: every sample has its label."""
 
-    def collate_labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
+    def collate_rows(self, rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
+        """A right-padded micro-batch with one class id per sample."""
+        return padded_batch(rows, pad_id, self._labels)
+
+    def _labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
         """One class id per sample."""
         return torch.from_numpy(numpy_of(rows.column("label")).astype(np.int64))
 

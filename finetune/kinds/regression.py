@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
-from finetune.kinds.base import TEXT_NAMES, Columns, Encoding, Reduce, pick_column
+from finetune.kinds.base import TEXT_NAMES, Columns, Encoding, Reduce, padded_batch, pick_column
 from finetune.kinds.classification import encode_texts, text_features
 from finetune.kinds.registry import entry
 
@@ -145,7 +145,11 @@ class Regression:
     def check_encoded(self, data: Any, cols: Columns, c: Config, source: str, documents: bool) -> None:
         """Nothing to check: every sample has its target."""
 
-    def collate_labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
+    def collate_rows(self, rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
+        """A right-padded micro-batch with one float target per sample."""
+        return padded_batch(rows, pad_id, self._labels)
+
+    def _labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
         """One float target per sample."""
         return torch.from_numpy(numpy_of(rows.column("label")).astype(np.float32))
 

@@ -20,7 +20,6 @@ import functools
 import json
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import torch
 import torch.nn.functional as F
@@ -79,10 +78,6 @@ class Reward:
         """A micro-batch of B pairs as 2B right-padded sequences, chosen first (preference's collation; its
         `labels` are not read)."""
         return PAIRS.collate_rows(rows, pad_id)
-
-    def collate_labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
-        """Not used: `collate_rows` collates a pair's two sequences together."""
-        raise NotImplementedError("reward pairs are collated by collate_rows")
 
     def num_targets(self, data: Any, indices: list[int]) -> int:
         """The pairs."""

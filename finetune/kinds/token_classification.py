@@ -28,6 +28,7 @@ from finetune.kinds.base import (
     Metrics,
     SumMetrics,
     named_head,
+    padded_batch,
     pick_column,
     stored_targets,
 )
@@ -249,7 +250,11 @@ class TokenClassification:
         if len(data) and self.num_targets(data, list(range(len(data)))) == 0:
             raise DataError(f"No word of {source!r} keeps a token within max_length={c.max_length}: raise it.")
 
-    def collate_labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
+    def collate_rows(self, rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
+        """A right-padded micro-batch with its tag ids, padded with `IGNORE_INDEX`."""
+        return padded_batch(rows, pad_id, self._labels)
+
+    def _labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
         """The tag ids, padded with `IGNORE_INDEX`."""
         labels = np.full(input_ids.shape, IGNORE_INDEX, dtype=np.int64)
         labels[present] = numpy_of(rows.column("tag_ids").combine_chunks().flatten())

@@ -151,16 +151,18 @@ def synthetic_batch(model: Any, micro: int, tokens: int, kind: TaskKind, device:
     micro *= getattr(kind, "sequences_per_sample", 1)  # a preference pair is two sequences
     ids = torch.randint(3, max(getattr(model.config, "vocab_size", 0) or 0, 4), (micro, tokens), device=device)
     labels = kind.synthetic_labels(ids)
+    # Inputs a kind joins to its batches besides the tokens (a precomputed reference's log-probabilities).
+    extra = kind.synthetic_inputs(ids) if hasattr(kind, "synthetic_inputs") else {}
     if packed:
         half = tokens // 2
         positions = torch.cat([torch.arange(half, device=device), torch.arange(tokens - half, device=device)])
-        return {"input_ids": ids, "position_ids": positions.expand(micro, -1), "labels": labels}
+        return {"input_ids": ids, "position_ids": positions.expand(micro, -1), "labels": labels, **extra}
     mask = torch.ones_like(ids)
     if padded:
         mask[-1, -1] = 0
     elif isinstance(ids, FakeTensor):
-        return {"input_ids": ids, "labels": labels}
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        return {"input_ids": ids, "labels": labels, **extra}
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, **extra}
 
 
 def _micro_steps(model: Any, next_batch: Callable[[], dict[str, Any]], kind: TaskKind, accum: int, precision: str,

@@ -24,6 +24,7 @@ from finetune.engine.recurrence import Recurrence, check_run
 from finetune.engine.runtime import device_memory, resolve_precision
 from finetune.errors import PlanError
 from finetune.kinds.base import TaskKind
+from finetune.kinds.registry import configured
 from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
 from finetune.models.load import load_model, prepare_for_training
@@ -58,6 +59,8 @@ class Plan:
     padded: bool = False  # samples differ in length: a worst-case micro-batch of 2 or more holds padding
     quantization: str = "none"  # the frozen base under LoRA: none (fp32, or the half dtype), 8bit or 4bit
     base_dtype: str = "fp32"  # what the frozen base's unquantized weights are stored in
+    # A kind that needs a reference model (preference DPO/IPO): its strategy and what it costs (`plan_reference`).
+    reference: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -159,6 +162,15 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
     return terms
 
 
+def _reference_inputs(skeleton: Skeleton, cuda: bool, micro: int, tokens: int) -> dict[str, Any]:
+    """What a kind's `plan_reference` reads: the model's parameter bytes (fp32: the reference is a whole model,
+    whatever rung stores the trained one), the device and the worst-case micro-batch."""
+    model = skeleton.model
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    return {"weights": weights, "cuda": cuda, "micro": micro, "tokens": tokens,
+            "vocab": getattr(getattr(model, "config", None), "vocab_size", 0) or 0}
+
+
 def _micro_candidates(c: Config, batch: BatchSplit) -> list[int]:
     """Micro-batch sizes to consider, largest first: every divisor of a process's share, or the user's own."""
     if c.micro_batch_size or c.grad_accum_steps:
@@ -188,7 +200,14 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     device_name, device_total = device or device_memory()
     cuda = device_name.startswith("cuda")
     precision = resolve_precision(c.precision, cuda=cuda)
-    kind = kind_named(c.task)
+    kinds: dict[bool, TaskKind] = {}  # the kind as each rung would train it (LoRA can change its reference)
+
+    def kind_for(lora: bool) -> TaskKind:
+        if lora not in kinds:
+            spelled = str(lora).lower()
+            kinds[lora] = configured(c if c.lora == spelled else c.replace(lora=spelled))
+        return kinds[lora]
+
     tokens = worst_case_tokens(c, lengths)
     uneven = may_pad(lengths)
     budget = int(c.memory_budget_gb * GIB) if c.memory_budget_gb else None
@@ -228,10 +247,13 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                     known: dict[int, tuple[int, dict[str, int]]] = known) -> tuple[int, dict[str, int]]:
             if micro in known:  # the chosen micro-batch was estimated while searching: one dry run each
                 return known[micro]
+            kind = kind_for(step.lora)
             terms = estimate(skeleton, c, kind=kind, micro=micro, tokens=tokens,
                              accum=batch.per_process // micro * segments, precision=precision,
                              optimizer=step.optimizer, device=device_name, shards=shards, memory=memory,
                              padded=uneven and micro > 1, quantization=step.quantization, windows=windows)
+            if hasattr(kind, "plan_reference"):  # a reference model's weights, when one sits beside the model
+                terms |= kind.plan_reference(**_reference_inputs(skeleton, cuda, micro, tokens))[0]
             tried.append(Attempt(step.name, micro, sum(terms.values())))
             known[micro] = sum(terms.values()), terms
             return known[micro]
@@ -267,11 +289,15 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
         dtype = quantize.base_dtype(precision, lora)
         if lora and dtype != torch.float32 and step.quantization == "none":
             notes.append(f"The frozen base is stored in {precision} (LoRA trains fp32 adapters on it).")
+        reference: dict[str, Any] = {}
+        if hasattr(kind_for(lora), "plan_reference"):
+            _, reference, note = kind_for(lora).plan_reference(**_reference_inputs(skeleton, cuda, chosen, tokens))
+            notes += [note] if note else []
         return Plan(batch=batch.with_micro(chosen), precision=precision, gradient_checkpointing=checkpointing,
                     lora=lora, optimizer=optimizer, budget_bytes=budget, predicted_peak_bytes=peak, breakdown=terms,
                     device=device_name, worst_case_tokens=tokens, method="dry-run", notes=tuple(notes),
                     distributed=distributed, padded=uneven, quantization=step.quantization,
-                    base_dtype={torch.float32: "fp32"}.get(dtype, precision))
+                    base_dtype={torch.float32: "fp32"}.get(dtype, precision), reference=reference)
     best = min(tried, key=lambda attempt: attempt.peak)
     hint = " (or drop micro_batch_size/grad_accum_steps so the planner may split the batch)" if len(candidates) == 1 \
         else ""
@@ -493,6 +519,9 @@ def render(plan: Plan) -> str:
         ("gradient checkpointing", "on" if plan.gradient_checkpointing else "off"),
         ("LoRA", "on" if plan.lora else "off"),
         ("frozen base", _base_words(plan)),
+        *([("reference", plan.reference["strategy"].replace("_", " ") + (
+            f" ({_gib(plan.reference['reference_weights_bytes'])})"
+            if plan.reference.get("reference_weights_bytes") else ""))] if plan.reference else []),
         ("optimizer", plan.optimizer),
         ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"
                                    + (", padded" if plan.padded and b.micro_batch_size > 1 else "")),

@@ -45,6 +45,7 @@ from finetune.kinds.registry import configured
 from finetune.models.load import load_tokenizer
 from finetune.run import hub, rundir, tracking
 from finetune.run.events import Backoff, Checkpoint, Done, Error, Eval, Event, EventLog, Start, Step, Stopped
+from finetune.train.precompute import precompute
 from finetune.train.variants import Variant, variant_of
 
 MAX_SKIPPED_IN_A_ROW = 25
@@ -274,6 +275,10 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     # The scheduler stays out of prepare(): a prepared scheduler steps once per process per optimizer step.
     model, optimizer = accelerator.prepare(model, optimizer)
     mode = distributed_mode(accelerator, model)  # what prepare() really did: fsdp only if parameters are sharded
+    # Before a resumed run's checkpoint is loaded: a precomputed reference is the model as the run started (or
+    # the values the first start stored in the data cache).
+    precompute(c, configured(c), model, tokenizer, accelerator, {"train": train_data, "eval": eval_data},
+               batch_size=EVAL_BATCHES * plan.batch.micro_batch_size)
     progress = Progress()
     trackers = tracking.sinks(accelerator, c, run_dir)  # the trackers get the records events.jsonl gets
     log = EventLog(run_dir / "events.jsonl" if accelerator.is_main_process else None,
