@@ -550,6 +550,7 @@ def render(plan: Plan) -> str:
         ("LoRA", "on" if plan.lora else "off"),
         ("frozen base", _base_words(plan)),
         ("optimizer", plan.optimizer),
+        *([("loss", "chunked (chunked_loss): a chunk of positions' logits at a time")] if plan.chunked_loss else []),
         ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"
                                    + (", padded" if plan.padded and b.micro_batch_size > 1 else "")),
         ("device", plan.device),
