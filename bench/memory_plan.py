@@ -19,6 +19,7 @@ stores beside its packed weights (each 4-bit layer's constants, each 8-bit layer
     python bench/memory_plan.py --device cuda   # on a GPU
     python bench/memory_plan.py --gpu-budget 2  # on a GPU: the plan for 2 GiB trains under a 2 GiB memory cap
     python bench/memory_plan.py --bases         # half-precision, 8-bit and 4-bit bases; the chunked loss
+    python bench/memory_plan.py --bases --quick # nine of those rows
 """
 
 from __future__ import annotations
@@ -172,18 +173,19 @@ class BaseRow:
         return (self.predicted_mib - self.measured_mib) / self.measured_mib
 
 
-def base_matrix() -> list[tuple]:
-    """(model, tokens, micro, accum, precision, checkpointing, lora, quantization, chunked) rows of --bases."""
+def base_matrix(quick: bool = False) -> list[tuple]:
+    """(model, tokens, micro, accum, precision, checkpointing, lora, quantization, chunked) rows of --bases: the
+    chunked loss against the full one first, then the bases (`quick`: a few of each)."""
     rows = []
-    for precision in ("fp32", "bf16"):
-        for ckpt in (False, True):
-            rows.append(("Llama tiny", 256, 4, 2, precision, ckpt, True, "none", False))
-            for quantization in ("8bit", "4bit"):
+    pairs = ((False, "none", "fp32"), (True, "none", "fp32"), (True, "4bit", "bf16"))
+    for lora, quantization, precision in pairs if quick else \
+            [(lo, q, p) for p in ("fp32", "bf16") for lo, q in ((False, "none"), (True, "none"), (True, "4bit"))]:
+        for chunked in (False, True):
+            rows.append(("Llama 128k vocab", 512, 2, 2, precision, False, lora, quantization, chunked))
+    for precision in ("bf16",) if quick else ("fp32", "bf16"):
+        for ckpt in (False,) if quick else (False, True):
+            for quantization in ("none", "8bit", "4bit"):
                 rows.append(("Llama tiny", 256, 4, 2, precision, ckpt, True, quantization, False))
-    for precision in ("fp32", "bf16"):
-        for lora, quantization in ((False, "none"), (True, "none"), (True, "4bit")):
-            for chunked in (False, True):
-                rows.append(("Llama 128k vocab", 512, 2, 2, precision, False, lora, quantization, chunked))
     return rows
 
 
@@ -235,7 +237,7 @@ def run_bases(args: argparse.Namespace) -> int:
     print("| model | tokens | micro × accum | precision | checkpointing | frozen base | loss | predicted MiB "
           "| measured MiB | error |")
     print("|---|---:|---:|---|---|---|---|---:|---:|---:|")
-    for name, tokens, micro, accum, precision, ckpt, lora, quantization, chunked in base_matrix():
+    for name, tokens, micro, accum, precision, ckpt, lora, quantization, chunked in base_matrix(args.quick):
         task, hf_config = configs[name]
         path = save_model_folder(name, task, hf_config, args.cache)
         base = (quantization if quantization != "none" else precision) + " (LoRA)" if lora else "fp32 (full)"

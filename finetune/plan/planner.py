@@ -335,6 +335,25 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
     return lo, step.name
 
 
+def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[str, int] | None = None
+                    ) -> tuple[float, str]:
+    """The smallest `memory_budget_gb` (GiB, rounded up to 0.01) that fits `c` on the cheapest rung the config
+    allows (a 4-bit base where quantization may be used, with the chunked loss where it pays), at micro-batch 1,
+    and that rung's name: what a refusal names, for a picker that warns before planning (`device` as `make_plan`)."""
+    device_name, _ = device or device_memory()
+    cuda = device_name.startswith("cuda")
+    precision = resolve_precision(c.precision, cuda=cuda)
+    tokens = worst_case_tokens(c, lengths)
+    vocab = _vocab(c) if c.task == "causal_lm" else 0
+    step = _levels(c, [], cuda=cuda, precision=precision, chunk_pays=chunked.pays(tokens, vocab))[-1]
+    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
+    use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
+    terms = estimate(skeleton, c, kind=CHUNKED if use_chunks else kind_named(c.task), micro=1, tokens=tokens,
+                     accum=resolve_batch(c, 1).per_process, precision=precision, optimizer=step.optimizer,
+                     device=device_name, padded=False, quantization=step.quantization)
+    return math.ceil(sum(terms.values()) / SAFETY / GIB * 100) / 100, step.name
+
+
 def probe_enabled(c: Config) -> bool:
     """`plan_probe`: auto measures on a GPU (where kernels and the allocator differ from the dry run)."""
     return c.plan_probe == "true" or (c.plan_probe == "auto" and torch.cuda.is_available())
