@@ -35,11 +35,6 @@ def chunk_positions(vocab: int) -> int:
     return max(MIN_POSITIONS, CHUNK_BYTES // (4 * max(vocab, 1)))
 
 
-def pays(positions: int, vocab: int) -> bool:
-    """Whether chunking saves memory worth a recomputed head: the full logits are more than two chunks."""
-    return positions > 2 * chunk_positions(vocab)
-
-
 def unwrap(model: Any) -> Any:
     """The transformers model inside the wrappers a run puts around it (a partial, DDP, peft)."""
     while True:

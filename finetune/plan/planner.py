@@ -220,8 +220,7 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     skeletons: dict[tuple[bool, bool], Skeleton] = {}
     windows: dict[tuple, tuple[int, int]] = {}
     vocab = _vocab(c) if c.task == "causal_lm" else 0
-    ladder = _levels(c, notes, cuda=cuda, precision=precision, shards=shards,
-                     chunk_pays=chunked.pays(candidates[0] * tokens, vocab))
+    ladder = _levels(c, notes, cuda=cuda, precision=precision, shards=shards)
     for step in ladder:
         # Rungs that differ only in the optimizer or in how the frozen base is stored share the skeleton and its
         # dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds to build.
@@ -344,8 +343,7 @@ def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[s
     cuda = device_name.startswith("cuda")
     precision = resolve_precision(c.precision, cuda=cuda)
     tokens = worst_case_tokens(c, lengths)
-    vocab = _vocab(c) if c.task == "causal_lm" else 0
-    step = _levels(c, [], cuda=cuda, precision=precision, chunk_pays=chunked.pays(tokens, vocab))[-1]
+    step = _levels(c, [], cuda=cuda, precision=precision)[-1]
     skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
     terms = estimate(skeleton, c, kind=CHUNKED if use_chunks else kind_named(c.task), micro=1, tokens=tokens,
@@ -461,19 +459,18 @@ def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_process
     return plan
 
 
-def _levels(c: Config, notes: list[str], *, cuda: bool = False, precision: str = "fp32", shards: int = 1,
-            chunk_pays: bool = True) -> list[Level]:
+def _levels(c: Config, notes: list[str], *, cuda: bool = False, precision: str = "fp32", shards: int = 1
+            ) -> list[Level]:
     """The escalation ladder, cheapest loss of quality first, respecting what the user fixed: plain → chunked loss
     → gradient checkpointing → 8-bit AdamW → LoRA (on a half-precision base under mixed precision) → 8-bit base →
     4-bit base. The chunked loss loses nothing (the same loss and gradient) and costs one more pass of the output
-    head, less than checkpointing's: under `chunked_loss=auto` it is the first step, where it pays (`chunk_pays`:
-    the full logits of the largest micro-batch are more than two chunks), and stays on in the steps after it."""
+    head, less than checkpointing's: under `chunked_loss=auto` it is the first step for a causal LM (taken, like
+    every step, only when the plain plan does not fit), and stays on in the steps after it."""
     always = c.chunked_loss == "true"
     if always and shards > 1:
         raise PlanError(["chunked_loss=true does not combine with FSDP yet (the output head's shards are gathered "
                          "only inside the model's forward): set chunked_loss=auto or false."])
-    auto = (c.chunked_loss == "auto" and c.task == "causal_lm" and not c.segment_recurrence and shards == 1
-            and chunk_pays)
+    auto = c.chunked_loss == "auto" and c.task == "causal_lm" and not c.segment_recurrence and shards == 1
     ladder = _ladder(c, notes, cuda=cuda, precision=precision, shards=shards)
     if not (always or auto):
         return ladder
