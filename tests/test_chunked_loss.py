@@ -94,6 +94,24 @@ def test_chunked_loss_and_every_gradient_equal_the_full(variant):
     assert_same_weights(part_grads, full_grads, rtol=1e-5, atol=1e-6)
 
 
+def test_chunked_loss_under_the_forward_s_own_autocast():
+    """accelerate's mixed precision wraps the model's forward in autocast (and casts its outputs to fp32): the
+    chunks, computed outside the forward, run under the same autocast, so their logits are what the full loss's are
+    (bf16 matmuls over fp32 master weights), in the forward and in the backward's recompute."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    model = _llama()
+    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
+    dtypes = []
+    model.lm_head.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    full, full_grads = _loss_and_grads(model, KIND)
+    dtypes.clear()
+    part, part_grads = _loss_and_grads(model, CHUNKED)
+    assert len(dtypes) == 1 + 1 + 2 * 4 and set(dtypes) == {torch.bfloat16}  # last position, check, 4 chunks × 2
+    torch.testing.assert_close(part, full, rtol=1e-4, atol=1e-3)
+    assert_same_weights(part_grads, full_grads, rtol=1e-2, atol=1e-3)
+
+
 def test_chunked_loss_refuses_logits_it_cannot_reproduce():
     model = _llama()
     model.config.final_logit_softcapping = 1.0  # what Llama's forward does not apply: the chunks' logits differ

@@ -98,9 +98,15 @@ def chunked_loss_sum(model: Any, inputs: dict[str, torch.Tensor], labels: torch.
         raise ModelError(f"chunked_loss=true cannot run: {reason}; set chunked_loss=false.")
     head, transform = base.get_output_embeddings(), logit_transform(base)
     kept: list[torch.Tensor] = []
+    autocast: list[tuple[str, bool, torch.dtype]] = []
 
     def keep(module: Any, args: Any, output: Any) -> None:
-        kept.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        kept.append(hidden)
+        # The autocast the model's forward runs under (accelerate wraps the forward in it under mixed precision):
+        # the head runs under the same, outside the forward.
+        device = hidden.device.type
+        autocast.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
 
     handle = base.get_decoder().register_forward_hook(keep)
     try:
@@ -108,16 +114,18 @@ def chunked_loss_sum(model: Any, inputs: dict[str, torch.Tensor], labels: torch.
     finally:
         handle.remove()
     hidden = kept[-1]
-    _check_head(head, transform, hidden, last)
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-    flat = hidden.reshape(-1, hidden.size(-1))
-    size = chunk_positions(last.size(-1))
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for h, t in zip(flat.split(size), targets.split(size), strict=True):
-        if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss, head, transform, h, t, use_reentrant=False)
-        else:
-            total = total + _chunk_loss(head, transform, h, t)
+    device, enabled, dtype = autocast[-1]
+    with torch.autocast(device, dtype=dtype, enabled=enabled):
+        _check_head(head, transform, hidden, last)
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+        flat = hidden.reshape(-1, hidden.size(-1))
+        size = chunk_positions(last.size(-1))
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for h, t in zip(flat.split(size), targets.split(size), strict=True):
+            if torch.is_grad_enabled():  # the checkpoint's recompute restores this autocast
+                total = total + checkpoint(_chunk_loss, head, transform, h, t, use_reentrant=False)
+            else:
+                total = total + _chunk_loss(head, transform, h, t)
     return total
 
 
