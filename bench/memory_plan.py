@@ -9,10 +9,17 @@ rows (1,024 and 2,048 tokens; sdpa and eager attention; micro-batches with and w
   the weights and optimizer state), on a GPU `torch.cuda.max_memory_allocated` (pass --device cuda).
 It prints one table with the error of each row (target: within ±10 % on CPU, never more than 5 % under).
 
+`--bases` measures the frozen bases and the loss instead: LoRA on a bf16 base, 8-bit and 4-bit (bitsandbytes) bases,
+and the chunked loss (`chunked_loss`) against the full one on a Llama with a 128 k vocabulary. There the weights are
+loaded by `finetune.models.load.load_model` as a run loads them, and the measured peak counts what bitsandbytes
+stores beside its packed weights (each 4-bit layer's constants, each 8-bit layer's scales).
+
     python bench/memory_plan.py                 # the whole matrix on CPU (about a quarter of an hour)
     python bench/memory_plan.py --quick         # fewer rows
     python bench/memory_plan.py --device cuda   # on a GPU
     python bench/memory_plan.py --gpu-budget 2  # on a GPU: the plan for 2 GiB trains under a 2 GiB memory cap
+    python bench/memory_plan.py --bases         # half-precision, 8-bit and 4-bit bases; the chunked loss
+    python bench/memory_plan.py --bases --quick # nine of those rows
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ from pathlib import Path
 import torch
 
 from finetune.config.schema import from_dict
+from finetune.kinds.causal_lm import CHUNKED
 from finetune.kinds.registry import kind
-from finetune.models.load import prepare_for_training, quiet_transformers, resolve_model_path
-from finetune.plan.memory import measure_window, model_skeleton
+from finetune.models.load import load_model, prepare_for_training, quiet_transformers, resolve_model_path
+from finetune.plan.memory import measure_window, model_skeleton, tensor_bytes
 from finetune.plan.planner import estimate
 
 MIB = 2**20
@@ -55,6 +63,11 @@ def model_configs() -> dict[str, tuple[str, object | None]]:
         "Llama long-range": ("causal_lm", LlamaConfig(vocab_size=68, hidden_size=64, intermediate_size=128,
                                                       num_hidden_layers=2, num_attention_heads=4,
                                                       num_key_value_heads=2, max_position_embeddings=4096)),
+        # --bases only: Llama 3's vocabulary on a small body, where the logits are most of a window.
+        "Llama 128k vocab": ("causal_lm", LlamaConfig(vocab_size=128256, hidden_size=128, intermediate_size=384,
+                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                      num_key_value_heads=2, max_position_embeddings=4096,
+                                                      tie_word_embeddings=False)),
     }
 
 
@@ -142,6 +155,114 @@ def matrix(quick: bool, precisions: list[str]) -> list[tuple]:
     return rows
 
 
+@dataclass
+class BaseRow:
+    model: str
+    tokens: int
+    micro: int
+    accum: int
+    precision: str
+    checkpointing: bool
+    base: str  # "fp32 (full)", "bf16 (LoRA)", "8bit (LoRA)", "4bit (LoRA)", …
+    chunked: bool
+    predicted_mib: float
+    measured_mib: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_mib - self.measured_mib) / self.measured_mib
+
+
+def base_matrix(quick: bool = False) -> list[tuple]:
+    """(model, tokens, micro, accum, precision, checkpointing, lora, quantization, chunked) rows of --bases: the
+    chunked loss against the full one first, then the bases (`quick`: a few of each)."""
+    rows = []
+    pairs = ((False, "none", "fp32"), (True, "none", "fp32"), (True, "4bit", "bf16"))
+    for lora, quantization, precision in pairs if quick else \
+            [(lo, q, p) for p in ("fp32", "bf16") for lo, q in ((False, "none"), (True, "none"), (True, "4bit"))]:
+        for chunked in (False, True):
+            rows.append(("Llama 128k vocab", 512, 2, 2, precision, False, lora, quantization, chunked))
+    for precision in ("bf16",) if quick else ("fp32", "bf16"):
+        for ckpt in (False,) if quick else (False, True):
+            for quantization in ("none", "8bit", "4bit"):
+                rows.append(("Llama tiny", 256, 4, 2, precision, ckpt, True, quantization, False))
+    return rows
+
+
+def _base_config(path: str, precision: str, lora: bool, quantization: str, chunked: bool) -> object:
+    return from_dict({"model": path, "task": "causal_lm", "precision": precision, "lora": str(lora).lower(),
+                      "quantization": quantization, "chunked_loss": str(chunked).lower(), "optimizer": "adamw"})
+
+
+def _stored_extra(model: object) -> int:
+    """Bytes bitsandbytes stores outside the parameters: 4-bit quantization states, 8-bit row scales."""
+    seen: dict[int, int] = {}
+    for t in model.parameters():
+        state = getattr(t, "quant_state", None)
+        if state is not None:
+            extra = [state.absmax, state.code, *([state.state2.absmax, state.state2.code] if state.nested else [])]
+            seen.update({q.untyped_storage()._cdata: q.untyped_storage().nbytes() for q in extra})
+        scales = getattr(t, "SCB", None)
+        if scales is not None:
+            seen[scales.untyped_storage()._cdata] = scales.untyped_storage().nbytes()
+    return sum(seen.values()) + tensor_bytes(list(model.buffers()))
+
+
+def measure_base(path: str, micro: int, tokens: int, accum: int, precision: str, ckpt: bool, lora: bool,
+                 quantization: str, chunked: bool, device: str) -> int:
+    """Peak bytes of a real window with the base stored as a run stores it (load_model), measured as the probe
+    measures it, plus what bitsandbytes keeps beside its packed weights."""
+    c = _base_config(path, precision, lora, quantization, chunked)
+    model = prepare_for_training(load_model(c), c, checkpointing=ckpt, lora=lora)
+    if quantization == "none":
+        model = model.to(device)
+    return measure_window(model, c, micro=micro, tokens=tokens, accum=accum, precision=precision) \
+        + _stored_extra(model)
+
+
+def predict_base(path: str, micro: int, tokens: int, accum: int, precision: str, ckpt: bool, lora: bool,
+                 quantization: str, chunked: bool) -> int:
+    """The planner's dry-run peak of the same window, without the device overhead term."""
+    c = _base_config(path, precision, lora, quantization, chunked)
+    skeleton = model_skeleton(c, 0, checkpointing=ckpt, lora=lora, precision=precision)
+    terms = estimate(skeleton, c, kind=CHUNKED if chunked else kind("causal_lm"), micro=micro, tokens=tokens,
+                     accum=accum, precision=precision, optimizer="adamw", device="cpu", quantization=quantization)
+    return sum(v for k, v in terms.items() if k != "overhead")
+
+
+def run_bases(args: argparse.Namespace) -> int:
+    """The --bases table."""
+    configs = model_configs()
+    results: list[BaseRow] = []
+    print("| model | tokens | micro × accum | precision | checkpointing | frozen base | loss | predicted MiB "
+          "| measured MiB | error |")
+    print("|---|---:|---:|---|---|---|---|---:|---:|---:|")
+    for name, tokens, micro, accum, precision, ckpt, lora, quantization, chunked in base_matrix(args.quick):
+        task, hf_config = configs[name]
+        path = save_model_folder(name, task, hf_config, args.cache)
+        base = (quantization if quantization != "none" else precision) + " (LoRA)" if lora else "fp32 (full)"
+        row = BaseRow(name, tokens, micro, accum, precision, ckpt, base, chunked,
+                      predict_base(path, micro, tokens, accum, precision, ckpt, lora, quantization, chunked) / MIB,
+                      measure_base(path, micro, tokens, accum, precision, ckpt, lora, quantization, chunked,
+                                   args.device) / MIB)
+        results.append(row)
+        print(f"| {name} | {tokens} | {micro} × {accum} | {precision} | {'on' if ckpt else 'off'} | {base} | "
+              f"{'chunked' if chunked else 'full'} | {row.predicted_mib:.1f} | {row.measured_mib:.1f} | "
+              f"{row.error:+.1%} |", flush=True)
+    within = sum(-0.05 <= r.error <= 0.10 for r in results)
+    print(f"\n{within}/{len(results)} rows within -5 %/+10 %; from {min(r.error for r in results):+.1%} to "
+          f"{max(r.error for r in results):+.1%} ({args.device}, torch {torch.__version__})")
+    pairs = {(r.model, r.precision, r.base): r for r in results if not r.chunked}
+    for r in results:
+        full = pairs.get((r.model, r.precision, r.base)) if r.chunked else None
+        if full:
+            print(f"chunked loss, {r.precision}, {r.base}: measured {full.measured_mib:.1f} → {r.measured_mib:.1f} "
+                  f"MiB, predicted {full.predicted_mib:.1f} → {r.predicted_mib:.1f} MiB")
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(r), "error": r.error} for r in results], indent=2))
+    return 0
+
+
 def check_budget_on_gpu(budget_gb: float, config_path: str) -> int:
     """GPU only: plan `config_path` for `budget_gb`, cap this process at that budget with
     `torch.cuda.set_per_process_memory_fraction`, and run `finetune train` on the plan; report OOM or success."""
@@ -179,10 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-budget", type=float, metavar="GIB",
                         help="GPU only: train the demo's plan for this budget under a memory cap of that size.")
     parser.add_argument("--config", default="assets/demo.yaml", help="Config for --gpu-budget.")
+    parser.add_argument("--bases", action="store_true",
+                        help="LoRA on bf16, 8-bit and 4-bit bases, and the chunked loss, instead of the matrix.")
     args = parser.parse_args(argv)
     quiet_transformers()
     if args.gpu_budget:
         return check_budget_on_gpu(args.gpu_budget, args.config)
+    if args.bases:
+        return run_bases(args)
     configs = model_configs()
     results: list[Row] = []
     print("| model | tokens | micro × accum | precision | checkpointing | attention | padded | predicted MiB "

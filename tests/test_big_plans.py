@@ -61,13 +61,15 @@ def test_llama3_8b_plans_for_a_cuda_gpu(tmp_path, capsys, llama3_8b, long_texts)
     assert plan["breakdown"]["overhead"] >= 512 * 2**20  # the CUDA context, and the allocator's slack
     assert any("8-bit optimizer needs" in n for n in plan["notes"])  # the rungs below it, each with its need
 
-    # 8 GiB at 256 tokens (at 512 it needs 8.4 GiB: the full logits, 128 k × 512 × 4 bytes twice): only a 4-bit
-    # base fits; its weights are the quantized layers, their constants and the
-    # unquantized embeddings and head (2 × 525 M parameters in bf16).
-    code, plan, text = _plan(tmp_path, capsys, llama3_8b, long_texts, 8, 256)
+    # 8 GiB at 1,024 tokens: only a 4-bit base fits, with the loss in chunks (the full logits, 128 k × 1,024 × 4
+    # bytes twice, would be 1 GiB; a chunk's are 130 MiB); its weights are the quantized layers, their constants
+    # and the unquantized embeddings and head (2 × 525 M parameters in bf16).
+    code, plan, text = _plan(tmp_path, capsys, llama3_8b, long_texts, 8, 1024)
     assert code == 0, text
     assert plan["quantization"] == "4bit" and plan["lora"] and plan["optimizer"] == "adamw_8bit"
+    assert plan["chunked_loss"] and any("positions at a time (chunked_loss)" in n for n in plan["notes"])
     terms = plan["breakdown"]
+    assert terms["logits"] < 0.15 * GIB
     assert 3.1 * GIB < terms["quantized_weights"] < 3.4 * GIB  # 6.98 B weights × half a byte
     assert 1.9 * GIB < terms["weights"] < 2.2 * GIB  # and the fp32 adapters (42 M parameters)
     assert 0 < terms["quantization_constants"] < 0.05 * terms["quantized_weights"]
@@ -94,16 +96,30 @@ def test_longest_context_is_the_edge_of_what_fits(tmp_path, capsys):
 
     from finetune.config.schema import from_dict
     from finetune.errors import PlanError
-    from finetune.plan.planner import longest_context, make_plan
+    from finetune.plan.planner import longest_context, make_plan, smallest_budget
 
     LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=8192).save_pretrained(tmp_path / "llama")
     cpu = ("cpu", 64 * GIB)
     c = from_dict({"model": str(tmp_path / "llama"), "task": "causal_lm", "dataset": "x.csv",
                    "memory_budget_gb": 0.05, "effective_batch_size": 1, "lora": "false", "optimizer": "sgd",
-                   "gradient_checkpointing": "true", "quantization": "none", "max_length": 8192})
+                   "gradient_checkpointing": "true", "quantization": "none", "max_length": 8192,
+                   "chunked_loss": "false"})
     tokens, rung = longest_context(c, 0, device=cpu)
     assert 64 < tokens < 8192 and rung == "plain"  # the only rung: every escalation is fixed
     assert make_plan(c, [tokens], 0, device=cpu).predicted_peak_bytes <= 0.95 * 0.05 * GIB
     with pytest.raises(PlanError):
         make_plan(c, [tokens + 1], 0, device=cpu)
+    # The chunked loss's rung reaches further: the logits of 2,048 tokens (16 MiB, and their gradient) are no
+    # longer all alive at once.
+    chunky = c.replace(chunked_loss="auto")
+    longer, rung = longest_context(chunky, 0, device=cpu)
+    assert longer > 1.2 * tokens and rung == "chunked loss"
+    plan = make_plan(chunky, [longer], 0, device=cpu)
+    assert plan.chunked_loss and plan.predicted_peak_bytes <= 0.95 * 0.05 * GIB
+    # The smallest budget for a length (what the GUI's model picker warns with) fits, and a tenth less does not.
+    gib, rung = smallest_budget(chunky, [4096], 0, device=cpu)
+    assert rung == "chunked loss" and 0 < gib
+    assert make_plan(chunky.replace(memory_budget_gb=gib), [4096], 0, device=cpu).chunked_loss
+    with pytest.raises(PlanError):
+        make_plan(chunky.replace(memory_budget_gb=0.9 * gib), [4096], 0, device=cpu)

@@ -18,6 +18,7 @@ from finetune.errors import ConfigError
 from finetune.models.load import load_trained
 from finetune.run.events import Step, read_events
 from finetune.train.loop import StopFlag, train
+from finetune.use.evaluate import evaluate_target
 from finetune.use.predict import predict
 
 pytest.importorskip("bitsandbytes")
@@ -58,12 +59,18 @@ def _common(model: str, data: str, quantization: str) -> dict:
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
-def test_quantized_lora_accumulation_equals_big_batch_and_merges(tmp_path, llama64, short_lm, quantization):
+def test_quantized_lora_accumulation_equals_big_batch_and_merges(tmp_path, llama64, short_lm, quantization,
+                                                                monkeypatch):
     common = _common(llama64, short_lm, quantization)
     big, big_events, _ = run_train(tmp_path / "big", micro_batch_size=4, merge_lora=True, **common)
-    acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=1, merge_lora=True, **common)
+    # The accumulated twin computes its loss in chunks of 16 positions (finetune/engine/chunked.py) on the same
+    # quantized base: the same steps still.
+    monkeypatch.setattr("finetune.engine.chunked.CHUNK_BYTES", 16 * 30522 * 4)
+    acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=1, merge_lora=True, chunked_loss="true",
+                                   **common)
     plan = json.loads((tmp_path / "big" / "plan.json").read_text())
     assert plan["quantization"] == quantization and plan["lora"] and "quantized_weights" in plan["breakdown"]
+    assert json.loads((tmp_path / "acc" / "plan.json").read_text())["chunked_loss"] and not plan["chunked_loss"]
     assert acc_events[0]["grad_accum_steps"] == 4
     losses = step_losses(big_events)
     assert len(losses) == 2 and losses[1] < losses[0]
@@ -99,6 +106,10 @@ def test_quantized_lora_accumulation_equals_big_batch_and_merges(tmp_path, llama
     # `finetune predict` uses the adapter on its quantized base, and the merged model.
     for target in (tmp_path / "big" / "adapter", tmp_path / "big"):
         assert predict(str(target), ["good movie"], max_new_tokens=3)[0]["generated"]
+    # `finetune eval` too: the adapter on its quantized base scores what the merged model scores.
+    scores = [evaluate_target(str(target), [f"dataset={short_lm}"])["loss"]
+              for target in (tmp_path / "big" / "adapter", tmp_path / "big")]
+    assert scores[0] == pytest.approx(scores[1], rel=0.01) and 0 < scores[0] < 20
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)

@@ -38,6 +38,7 @@ FEATURES = {f.name: f for f in (
     Feature("prompt_completion", lambda c: bool(c.prompt_column),
             {"prompt_column": "prompt", "completion_column": "completion"}),
     Feature("tasks", lambda c: bool(c.tasks), {"tasks": TWO_TASKS}),
+    Feature("chunked_loss", lambda c: c.chunked_loss == "true", {"chunked_loss": "true"}),
     Feature("overwrite", lambda c: c.overwrite, {"overwrite": True}),
     Feature("resume", lambda c: c.resume, {"resume": True}),
 )}
@@ -78,6 +79,9 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
         "`segment_recurrence=true` carries a document's memory from one segment to the next, which packed rows of "
         "several samples cannot: set packing=false.")),
     Exclusion("segment_recurrence", "conversations", lambda c: RECURRENCE_NOT_FOR_CONVERSATIONS),
+    Exclusion("segment_recurrence", "chunked_loss", lambda c: (
+        "`chunked_loss=true` does not apply to segment recurrence, whose logits are already one segment's at a "
+        "time: set chunked_loss=auto or false.")),
     Exclusion("tasks", "streaming", lambda c: "`streaming=true` does not combine with `tasks` yet: read the tasks' "
               "data whole."),
     Exclusion("tasks", "conversations", lambda c: "Conversation data (`messages_column`) does not combine with "
@@ -90,7 +94,7 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
 
 # The features a task kind may not take: a kind takes the ones its registry entry lists in `features`; the others
 # are refused with the entry's own sentence for them, else with a plain one.
-KIND_FEATURES = ("packing", "segment_recurrence", "split_documents", "tasks")
+KIND_FEATURES = ("packing", "segment_recurrence", "split_documents", "tasks", "chunked_loss")
 
 
 def kind_refusal(task: str, feature: str, c: Any) -> str:

@@ -184,6 +184,10 @@ class Config:
     quantization: str = _opt("auto", "Store the frozen base of a LoRA run quantized by bitsandbytes: 8bit "
                              "(LLM.int8) or 4bit (NF4 with double quantization, QLoRA); implies LoRA; causal LM "
                              "only (auto: only when the budget needs it).", choices=("auto", "none", "8bit", "4bit"))
+    chunked_loss: str = _opt("auto", "Compute the causal LM's loss a chunk of positions at a time, recomputing each "
+                             "chunk's logits in the backward, so that the full tokens × vocabulary logits never exist "
+                             "(the same loss and gradient; auto: when the plan says it saves memory).",
+                             choices=("auto", "true", "false"), group="advanced")
     lora_r: int = _opt(16, "LoRA rank.", min=1, max=4096, group="advanced")
     lora_alpha: float = _opt(32.0, "LoRA scaling numerator (the update is scaled by alpha / r).", min=0.0,
                              group="advanced")

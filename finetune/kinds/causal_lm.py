@@ -20,6 +20,7 @@ from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.data.chat import MESSAGES_NAMES, check_conversations, encode_conversations
 from finetune.data.segments import split_documents
+from finetune.engine.chunked import chunk_positions, chunked_loss_sum
 from finetune.errors import DataError
 from finetune.kinds.base import (
     IGNORE_INDEX,
@@ -40,6 +41,14 @@ class CausalLM:
     """The `TaskKind` of causal language modelling."""
 
     entry = entry("causal_lm")
+
+    def __init__(self, chunked: bool = False) -> None:
+        self.chunked = chunked  # the loss in chunks of positions (finetune.engine.chunked): no full logits
+
+    def configured(self, c: Config) -> CausalLM:
+        """This kind with the run's loss: chunked when `chunked_loss=true` (the plan resolves auto to true or
+        false)."""
+        return CHUNKED if c.chunked_loss == "true" else KIND
 
     def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
         """Conversations, prompt/completion pairs or plain text: as set, else guessed in that order."""
@@ -135,7 +144,10 @@ class CausalLM:
 
     def loss_sum(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cross-entropy summed over the next-token targets (position t predicts token t+1)."""
+        """Cross-entropy summed over the next-token targets (position t predicts token t+1); chunked, no logits are
+        returned (the metrics need none)."""
+        if self.chunked:
+            return chunked_loss_sum(model, inputs, labels), None
         logits = model(**inputs).logits.float()
         return self.loss_of_logits(logits, labels), logits
 
@@ -165,8 +177,11 @@ class CausalLM:
         return input_ids
 
     def logits_bytes(self, micro: int, tokens: int, vocab: int, num_labels: int) -> int:
-        """The float32 logits over the vocabulary and their gradient."""
-        return 2 * micro * tokens * vocab * 4
+        """The float32 logits over the vocabulary and their gradient: all of them, or one chunk's."""
+        positions = micro * tokens
+        if self.chunked:
+            positions = min(positions, chunk_positions(vocab))
+        return 2 * positions * vocab * 4
 
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40
                 ) -> list[dict[str, Any]]:
@@ -184,3 +199,4 @@ class CausalLM:
 
 
 KIND = CausalLM()
+CHUNKED = CausalLM(chunked=True)

@@ -37,7 +37,7 @@ class Entry:
     # task), or "" (not a task of a multi-task run).
     multitask: str = ""
     # The optional features it takes (finetune.config.exclusions.KIND_FEATURES: packing, segment_recurrence,
-    # split_documents) and, for those it does not, why not (the end of the refusal's sentence).
+    # split_documents, chunked_loss) and, for those it does not, why not (the end of the refusal's sentence).
     features: tuple[str, ...] = ()
     refusals: dict[str, str] = field(default_factory=dict)
     problem_type: str | None = None  # the saved config's `problem_type` this kind needs (regression's, say)
@@ -72,7 +72,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           column_reasons={"messages_column": "conversations train a language model"},
           auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
           pipeline_tag="text-generation", architectures=("ForCausalLM", "LMHeadModel"), example="Once upon a time",
-          multitask="shared", features=("packing", "segment_recurrence", "split_documents"), metrics=("perplexity",)),
+          multitask="shared", features=("packing", "segment_recurrence", "split_documents", "chunked_loss"),
+          metrics=("perplexity",)),
     Entry(name="regression", module="finetune.kinds.regression", summary="text regression",
           columns=("text_column", "text_pair_column", "label_column"),
           uses="`text_column` and `label_column` (a number)",

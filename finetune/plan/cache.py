@@ -27,10 +27,12 @@ from finetune.models.load import resolve_model_path
 PLAN_OPTIONS = ("task", "max_length", "effective_batch_size", "micro_batch_size", "grad_accum_steps",
                 "memory_budget_gb", "gradient_checkpointing", "lora", "lora_r", "lora_alpha", "lora_dropout",
                 "lora_target_modules", "optimizer", "precision", "packing", "segment_recurrence", "memory_length",
-                "quantization", "preference_loss", "reference_model", "precompute_reference", "streaming")
+                "quantization", "preference_loss", "reference_model", "precompute_reference", "streaming",
+                "chunked_loss")
 # Paths under finetune/.
 PLANNING_CODE = ("plan/planner.py", "plan/memory.py", "models/load.py", "engine/losses.py", "config/batch.py",
-                 "engine/recurrence.py", "data/packing.py", "models/quantize.py")
+                 "engine/recurrence.py", "data/packing.py", "models/quantize.py",
+                 "engine/chunked.py", "kinds/causal_lm.py")
 LIBRARIES = ("torch", "transformers", "peft")
 
 

@@ -20,14 +20,16 @@ import torch
 
 from finetune.config.batch import BatchSplit, divisors, resolve_batch
 from finetune.config.schema import Config
+from finetune.engine import chunked
 from finetune.engine.recurrence import Recurrence, check_run
 from finetune.engine.runtime import device_memory, resolve_precision
 from finetune.errors import PlanError
 from finetune.kinds.base import TaskKind
+from finetune.kinds.causal_lm import CHUNKED
 from finetune.kinds.registry import configured
 from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
-from finetune.models.load import load_model, prepare_for_training
+from finetune.models.load import load_model, prepare_for_training, resolve_model_path
 from finetune.plan import cache as plancache
 from finetune.plan.memory import Skeleton, dry_run, dry_run_segments, measure_window, model_skeleton
 
@@ -38,6 +40,7 @@ ALLOCATOR_SLACK = 0.10  # reserved − allocated in training: PyTorch's caching 
 CPU_RUNTIME = 0  # live tensors only: the process's own footprint is not the model's
 # What FSDP splits over the processes.
 SHARDED_TERMS = ("weights", "quantized_weights", "quantization_constants", "gradients", "optimizer_state")
+CHUNKED_RUNG = "chunked loss"
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -61,6 +64,7 @@ class Plan:
     base_dtype: str = "fp32"  # what the frozen base's unquantized weights are stored in
     # A kind that needs a reference model (preference DPO/IPO): its strategy and what it costs (`plan_reference`).
     reference: dict[str, Any] = field(default_factory=dict)
+    chunked_loss: bool = False  # the causal-LM loss a chunk of positions at a time (finetune.engine.chunked)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -79,7 +83,8 @@ class Plan:
         return c.replace(micro_batch_size=self.batch.micro_batch_size, grad_accum_steps=self.batch.grad_accum_steps,
                          effective_batch_size=self.batch.effective_batch_size, precision=self.precision,
                          gradient_checkpointing=str(self.gradient_checkpointing).lower(),
-                         lora=str(self.lora).lower(), optimizer=self.optimizer, quantization=self.quantization)
+                         lora=str(self.lora).lower(), optimizer=self.optimizer, quantization=self.quantization,
+                         chunked_loss=str(self.chunked_loss).lower())
 
 
 class Level(NamedTuple):
@@ -90,6 +95,7 @@ class Level(NamedTuple):
     optimizer: str
     lora: bool
     quantization: str = "none"
+    chunked: bool = False  # the loss in chunks of positions: one chunk's logits alive, not all
 
 
 class Attempt(NamedTuple):
@@ -133,7 +139,7 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
     else:
         terms = {"weights": _bytes(params)}
     terms["optimizer_state"] = int(state_per_byte * gradients)
-    key = (id(skeleton), micro, tokens, min(accum, 2), precision, memory, padded)
+    key = (id(skeleton), id(kind), micro, tokens, min(accum, 2), precision, memory, padded)
     if windows is not None and key in windows:
         window, carried = windows[key]
     elif memory is None:
@@ -232,22 +238,32 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     tried: list[Attempt] = []
     skeletons: dict[tuple[bool, bool], Skeleton] = {}
     windows: dict[tuple, tuple[int, int]] = {}
-    for step in _levels(c, notes, cuda=cuda, precision=precision, shards=shards):
-        level, checkpointing, optimizer, lora = step.name, step.checkpointing, step.optimizer, step.lora
+    vocab = _vocab(c) if c.task == "causal_lm" else 0
+    ladder = _levels(c, notes, cuda=cuda, precision=precision, shards=shards)
+    for step in ladder:
         # Rungs that differ only in the optimizer or in how the frozen base is stored share the skeleton and its
         # dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds to build.
-        if (checkpointing, lora) not in skeletons:
-            skeletons[checkpointing, lora] = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora,
-                                                            precision=precision)
-        skeleton = skeletons[checkpointing, lora]
+        if (step.checkpointing, step.lora) not in skeletons:
+            skeletons[step.checkpointing, step.lora] = model_skeleton(c, num_labels, checkpointing=step.checkpointing,
+                                                                      lora=step.lora, precision=precision)
+        skeleton = skeletons[step.checkpointing, step.lora]
+        if step.chunked and (reason := chunked.unsupported(skeleton.model)):
+            if c.chunked_loss == "true":
+                raise PlanError([f"chunked_loss=true cannot run: {reason}; set chunked_loss=false."])
+            if step.name == CHUNKED_RUNG:
+                notes.append(f"Chunked loss not considered: {reason}.")
+                continue
+            step = step._replace(chunked=False)
+        level, checkpointing, optimizer, lora = step.name, step.checkpointing, step.optimizer, step.lora
+        step_kind = CHUNKED if step.chunked else kind_for(step.lora)
 
         known: dict[int, tuple[int, dict[str, int]]] = {}
 
-        def peak_of(micro: int, skeleton: Skeleton = skeleton, step: Level = step,
+        def peak_of(micro: int, skeleton: Skeleton = skeleton, step: Level = step, step_kind: TaskKind = step_kind,
                     known: dict[int, tuple[int, dict[str, int]]] = known) -> tuple[int, dict[str, int]]:
             if micro in known:  # the chosen micro-batch was estimated while searching: one dry run each
                 return known[micro]
-            kind = kind_for(step.lora)
+            kind = step_kind
             terms = estimate(skeleton, c, kind=kind, micro=micro, tokens=tokens,
                              accum=batch.per_process // micro * segments, precision=precision,
                              optimizer=step.optimizer, device=device_name, shards=shards, memory=memory,
@@ -293,11 +309,17 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
         if hasattr(kind_for(lora), "plan_reference"):
             _, reference, note = kind_for(lora).plan_reference(**_reference_inputs(skeleton, cuda, chosen, tokens))
             notes += [note] if note else []
+        if step.chunked:
+            full = kind_named(c.task).logits_bytes(chosen, tokens, vocab, 0)
+            notes.append(f"The loss is computed {chunked.chunk_positions(vocab)} positions at a time (chunked_loss), "
+                         f"each chunk's logits recomputed in the backward: {_mib(terms['logits'])} of logits and "
+                         f"their gradient at the peak instead of {_gib(full)}.")
         return Plan(batch=batch.with_micro(chosen), precision=precision, gradient_checkpointing=checkpointing,
                     lora=lora, optimizer=optimizer, budget_bytes=budget, predicted_peak_bytes=peak, breakdown=terms,
                     device=device_name, worst_case_tokens=tokens, method="dry-run", notes=tuple(notes),
                     distributed=distributed, padded=uneven, quantization=step.quantization,
-                    base_dtype={torch.float32: "fp32"}.get(dtype, precision), reference=reference)
+                    base_dtype={torch.float32: "fp32"}.get(dtype, precision), reference=reference,
+                    chunked_loss=step.chunked)
     best = min(tried, key=lambda attempt: attempt.peak)
     hint = " (or drop micro_batch_size/grad_accum_steps so the planner may split the batch)" if len(candidates) == 1 \
         else ""
@@ -321,9 +343,11 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
     skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
     accum = resolve_batch(c, 1).per_process  # micro-batch 1: the whole batch accumulated
     positions = getattr(skeleton.model.config, "max_position_embeddings", None) or c.max_length
+    use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
+    kind = CHUNKED if use_chunks else kind_named(c.task)
 
     def fits(tokens: int) -> bool:
-        terms = estimate(skeleton, c, kind=kind_named(c.task), micro=1, tokens=tokens, accum=accum,
+        terms = estimate(skeleton, c, kind=kind, micro=1, tokens=tokens, accum=accum,
                          precision=precision, optimizer=step.optimizer, device=device_name,
                          quantization=step.quantization)
         return sum(terms.values()) <= SAFETY * budget
@@ -335,6 +359,24 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo, step.name
+
+
+def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[str, int] | None = None
+                    ) -> tuple[float, str]:
+    """The smallest `memory_budget_gb` (GiB, rounded up to 0.01) that fits `c` on the cheapest rung the config
+    allows (a 4-bit base where quantization may be used, with the chunked loss where it pays), at micro-batch 1,
+    and that rung's name: what a refusal names, for a picker that warns before planning (`device` as `make_plan`)."""
+    device_name, _ = device or device_memory()
+    cuda = device_name.startswith("cuda")
+    precision = resolve_precision(c.precision, cuda=cuda)
+    tokens = worst_case_tokens(c, lengths)
+    step = _levels(c, [], cuda=cuda, precision=precision)[-1]
+    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
+    use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
+    terms = estimate(skeleton, c, kind=CHUNKED if use_chunks else kind_named(c.task), micro=1, tokens=tokens,
+                     accum=resolve_batch(c, 1).per_process, precision=precision, optimizer=step.optimizer,
+                     device=device_name, padded=False, quantization=step.quantization)
+    return math.ceil(sum(terms.values()) / SAFETY / GIB * 100) / 100, step.name
 
 
 def probe_enabled(c: Config) -> bool:
@@ -446,9 +488,28 @@ def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_process
 
 def _levels(c: Config, notes: list[str], *, cuda: bool = False, precision: str = "fp32", shards: int = 1
             ) -> list[Level]:
-    """The escalation ladder, cheapest loss of quality first, respecting what the user fixed: plain → gradient
-    checkpointing → 8-bit AdamW → LoRA (on a half-precision base under mixed precision) → 8-bit base → 4-bit
-    base."""
+    """The escalation ladder, cheapest loss of quality first, respecting what the user fixed: plain → chunked loss
+    → gradient checkpointing → 8-bit AdamW → LoRA (on a half-precision base under mixed precision) → 8-bit base →
+    4-bit base. The chunked loss loses nothing (the same loss and gradient) and costs one more pass of the output
+    head, less than checkpointing's: under `chunked_loss=auto` it is the first step for a causal LM (taken, like
+    every step, only when the plain plan does not fit), and stays on in the steps after it."""
+    always = c.chunked_loss == "true"
+    if always and shards > 1:
+        raise PlanError(["chunked_loss=true does not combine with FSDP yet (the output head's shards are gathered "
+                         "only inside the model's forward): set chunked_loss=auto or false."])
+    auto = c.chunked_loss == "auto" and c.task == "causal_lm" and not c.segment_recurrence and shards == 1
+    ladder = _ladder(c, notes, cuda=cuda, precision=precision, shards=shards)
+    if not (always or auto):
+        return ladder
+    first, rest = ladder[0], [step._replace(chunked=True) for step in ladder[1:]]
+    if always:
+        return [first._replace(chunked=True), *rest]
+    name = CHUNKED_RUNG if first.name == "plain" else f"{first.name} with {CHUNKED_RUNG}"
+    return [first, first._replace(name=name, chunked=True), *rest]
+
+
+def _ladder(c: Config, notes: list[str], *, cuda: bool, precision: str, shards: int) -> list[Level]:
+    """The ladder without the chunked loss."""
     ckpt_allowed = c.gradient_checkpointing != "false" and not c.segment_recurrence
     if c.segment_recurrence and c.gradient_checkpointing == "auto":
         notes.append("Gradient checkpointing not considered: it drops segment recurrence's carried cache.")
@@ -507,6 +568,18 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def _vocab(c: Config) -> int:
+    """The model's vocabulary size, from its config alone."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model_path(c.model), trust_remote_code=c.trust_remote_code)
+    return getattr(config.get_text_config(), "vocab_size", 0) or 0
+
+
 def render(plan: Plan) -> str:
     """The plan as a readable table."""
     b = plan.batch
@@ -523,6 +596,7 @@ def render(plan: Plan) -> str:
             f" ({_gib(plan.reference['reference_weights_bytes'])})"
             if plan.reference.get("reference_weights_bytes") else ""))] if plan.reference else []),
         ("optimizer", plan.optimizer),
+        *([("loss", "chunked (chunked_loss): a chunk of positions' logits at a time")] if plan.chunked_loss else []),
         ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"
                                    + (", padded" if plan.padded and b.micro_batch_size > 1 else "")),
         ("device", plan.device),
