@@ -1,4 +1,4 @@
-"""The causal-LM loss in chunks of positions (finetune/engine/chunked.py): the same loss and every parameter's
+"""The causal-LM loss in chunks of positions (finetune/kinds/chunked.py): the same loss and every parameter's
 gradient as the full loss, exact accumulation with it on, and the full logits never alive."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import assert_same_weights, run_train, step_losses
 
-from finetune.engine import chunked
 from finetune.errors import ModelError
+from finetune.kinds import chunked
 from finetune.kinds.causal_lm import CHUNKED, KIND
 from finetune.plan.memory import LiveTensorTracker
 

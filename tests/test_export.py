@@ -219,9 +219,7 @@ def test_a_quantized_run_exports_its_dequantized_base_plus_update(chat_run, tmp_
     assert (ours - untrained).abs().max() > 0.1  # the adapter's update is in it
     gen = json.loads((merged / "generation_config.json").read_text())
     assert gen["eos_token_id"][0] == tok.convert_tokens_to_ids("<|im_end|>")
-    if quantization == "4bit" and find_spec("llama_cpp") is not None:  # and it becomes a GGUF that behaves
-        result = export(str(run), fmt="gguf", out=str(tmp_path / "out"), check_tokens=16)
-        assert result.check["agree"] and result.check["warnings"] == [], result.check
+    # The GGUF is converted from this merged folder as from any other (the chat run's GGUF tests below).
 
 
 def test_the_cli_exports_merged_and_refuses_with_exit_2(chat_run, tmp_path, capsys):
@@ -239,11 +237,21 @@ needs_llama_cpp = pytest.mark.skipif(find_spec("llama_cpp") is None or find_spec
                                      reason="llama-cpp-python and gguf are not installed (pip install '.[export]')")
 
 
+@pytest.fixture(scope="module")
+def f16_export(chat_run, tmp_path_factory):
+    """The chat run's f16 GGUF and Modelfile, converted once: llama.cpp's converter takes a minute or more here,
+    and the tests below copy this folder so that their other quants start from it (as a second export does)."""
+    if find_spec("llama_cpp") is None or find_spec("gguf") is None:
+        pytest.skip("llama-cpp-python and gguf are not installed (pip install '.[export]')")
+    return export(str(chat_run), fmt="gguf", out=str(tmp_path_factory.mktemp("f16") / "g"), ollama_file=True,
+                  check=False)
+
+
 @needs_llama_cpp
-def test_the_gguf_carries_the_runs_template_tokens_and_end_of_turn(chat_run, tmp_path):
+def test_the_gguf_carries_the_runs_template_tokens_and_end_of_turn(f16_export):
     from finetune.use import llamacpp
 
-    result = export(str(chat_run), fmt="gguf", out=str(tmp_path / "g"), ollama_file=True, check=False)
+    result = f16_export
     assert result.gguf.name == "model-f16.gguf" and result.check is None
     meta = llamacpp.metadata(result.gguf)
     tok = AutoTokenizer.from_pretrained(result.merged)
@@ -254,17 +262,18 @@ def test_the_gguf_carries_the_runs_template_tokens_and_end_of_turn(chat_run, tmp
     # What the run did: no BOS before a rendered conversation, no SentencePiece space after <|im_start|>.
     assert meta["tokenizer.ggml.add_bos_token"] is False and meta["tokenizer.ggml.add_space_prefix"] is False
     assert {eot, tok.eos_token_id} <= set(llamacpp.end_of_generation(result.gguf))
-    modelfile = (tmp_path / "g" / "Modelfile").read_text()
+    modelfile = (result.gguf.parent / "Modelfile").read_text()
     assert modelfile.startswith("FROM ./model-f16.gguf\nTEMPLATE") and "PARAMETER stop <|im_end|>" in modelfile
     assert 'SYSTEM """Answer with opposites."""' in modelfile
 
 
 @needs_llama_cpp
-def test_slow_llama_cpp_greedy_generation_matches_transformers(chat_run, tmp_path, capsys):
+def test_slow_llama_cpp_greedy_generation_matches_transformers(chat_run, f16_export, tmp_path, capsys):
     """The behaviour check, end to end through the CLI: f16 and q8_0 agree token for token and stop at
     <|im_end|>; q4_k_m reports its agreement rate. About 20 s when written; 276 s at a load of 10 to 20.
     (see docs/export.md, "What the tests cost")."""
     out = tmp_path / "g"
+    shutil.copytree(f16_export.gguf.parent, out)  # the converted f16 (its converter run is tested above)
     for quant in ("f16", "q8_0", "q4_k_m"):
         assert main(["export", str(chat_run), "--format", "gguf", "--quant", quant, "--out", str(out)]) == 0
         report = json.loads((out / f"check-{quant}.json").read_text())
@@ -401,7 +410,8 @@ def test_a_template_with_more_than_turn_wrappers_is_refused(tmp_path):
 
 # --- Pushing the export to the Hub (`finetune push RUN REPO --export`), against tests/fakehub.py
 
-def test_push_uploads_the_export_with_a_card_that_says_how_to_run_it(chat_run, tmp_path, monkeypatch, capsys):
+def test_push_uploads_the_export_with_a_card_that_says_how_to_run_it(chat_run, tmp_path, monkeypatch, capsys,
+                                                                     request):
     import huggingface_hub
     import yaml
     from fakehub import fake_hub
@@ -428,6 +438,8 @@ def test_push_uploads_the_export_with_a_card_that_says_how_to_run_it(chat_run, t
         assert "The adapter is merged into the base" in card
         if find_spec("llama_cpp") is None:
             return
+        # The f16 converted once for this module, copied with its times (so it is this run's), then q8_0 from it.
+        shutil.copytree(request.getfixturevalue("f16_export").gguf.parent, run / "export")
         export(str(run), fmt="gguf", quant="q8_0", ollama_file=True, check_tokens=8)
         assert main(["push", str(run), "alice/g", "--export"]) == 0, capsys.readouterr()
     files = hub.repos["alice/g"]["files"]

@@ -63,9 +63,9 @@ def test_quantized_lora_accumulation_equals_big_batch_and_merges(tmp_path, llama
                                                                 monkeypatch):
     common = _common(llama64, short_lm, quantization)
     big, big_events, _ = run_train(tmp_path / "big", micro_batch_size=4, merge_lora=True, **common)
-    # The accumulated twin computes its loss in chunks of 16 positions (finetune/engine/chunked.py) on the same
+    # The accumulated twin computes its loss in chunks of 16 positions (finetune/kinds/chunked.py) on the same
     # quantized base: the same steps still.
-    monkeypatch.setattr("finetune.engine.chunked.CHUNK_BYTES", 16 * 30522 * 4)
+    monkeypatch.setattr("finetune.kinds.chunked.CHUNK_BYTES", 16 * 30522 * 4)
     acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=1, merge_lora=True, chunked_loss="true",
                                    **common)
     plan = json.loads((tmp_path / "big" / "plan.json").read_text())

@@ -46,7 +46,9 @@ DATA_OPTIONS = tuple(dict.fromkeys((
                 # walk over the data code stays a plain subset check and a precomputed reference can join the entry.
                 "preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model",
                 # ... and its reference strategy, which LoRA and `precompute_reference` choose.
-                "precompute_reference", "lora")))
+                "precompute_reference", "lora",
+                # Read by the causal-LM kind's module for its loss (chunked or whole), likewise.
+                "chunked_loss")))
 # The modules whose code decides what load_data returns: a change to any of them never reuses an old entry.
 # Paths under finetune/.
 DATA_CODE = ("data/load.py", "data/encoding.py", "data/cache.py", "data/segments.py", "data/chat.py",

@@ -20,7 +20,6 @@ from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.data.chat import MESSAGES_NAMES, check_conversations, encode_conversations
 from finetune.data.segments import split_documents
-from finetune.engine.chunked import chunk_positions, chunked_loss_sum
 from finetune.errors import DataError
 from finetune.kinds.base import (
     IGNORE_INDEX,
@@ -34,6 +33,7 @@ from finetune.kinds.base import (
     stored_targets,
     texts_of,
 )
+from finetune.kinds.chunked import chunk_positions, chunked_loss_sum
 from finetune.kinds.registry import entry
 
 
@@ -43,7 +43,7 @@ class CausalLM:
     entry = entry("causal_lm")
 
     def __init__(self, chunked: bool = False) -> None:
-        self.chunked = chunked  # the loss in chunks of positions (finetune.engine.chunked): no full logits
+        self.chunked = chunked  # the loss in chunks of positions (finetune.kinds.chunked): no full logits
 
     def configured(self, c: Config) -> CausalLM:
         """This kind with the run's loss: chunked when `chunked_loss=true` (the plan resolves auto to true or

@@ -32,7 +32,7 @@ PLAN_OPTIONS = ("task", "max_length", "effective_batch_size", "micro_batch_size"
 # Paths under finetune/.
 PLANNING_CODE = ("plan/planner.py", "plan/memory.py", "models/load.py", "engine/losses.py", "config/batch.py",
                  "engine/recurrence.py", "data/packing.py", "models/quantize.py",
-                 "engine/chunked.py", "kinds/causal_lm.py")
+                 "kinds/chunked.py", "kinds/causal_lm.py")
 LIBRARIES = ("torch", "transformers", "peft")
 
 

@@ -20,10 +20,10 @@ import torch
 
 from finetune.config.batch import BatchSplit, divisors, resolve_batch
 from finetune.config.schema import Config
-from finetune.engine import chunked
 from finetune.engine.recurrence import Recurrence, check_run
 from finetune.engine.runtime import device_memory, resolve_precision
 from finetune.errors import PlanError
+from finetune.kinds import chunked
 from finetune.kinds.base import TaskKind
 from finetune.kinds.causal_lm import CHUNKED
 from finetune.kinds.registry import configured
@@ -64,7 +64,7 @@ class Plan:
     base_dtype: str = "fp32"  # what the frozen base's unquantized weights are stored in
     # A kind that needs a reference model (preference DPO/IPO): its strategy and what it costs (`plan_reference`).
     reference: dict[str, Any] = field(default_factory=dict)
-    chunked_loss: bool = False  # the causal-LM loss a chunk of positions at a time (finetune.engine.chunked)
+    chunked_loss: bool = False  # the causal-LM loss a chunk of positions at a time (finetune.kinds.chunked)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
