@@ -4,6 +4,7 @@ result from `app.results`, which `app.ui` maps to the widgets."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -23,20 +24,24 @@ from app.jobs import JobBusy, JobManager, JobStatus, zip_model
 from app.mapping import (
     COLUMN_FIELDS,
     FIELD_NAMES,
+    SPECS,
     changed_options,
     config_to_values,
     config_yaml,
+    field_problems,
     in_form_words,
     infer_task,
     load_config_file,
     problems_markdown,
     problems_text,
+    shown_fields,
     values_to_config,
 )
 from app.results import (
     ChatExampleShown,
     DatasetShown,
     ExportShown,
+    FieldsShown,
     FormShown,
     PlanShown,
     PredictionShown,
@@ -49,12 +54,14 @@ from app.results import (
     UploadShown,
 )
 from app.tasksview import tasks_config, tasks_frame
+from finetune.config.exclusions import takes
 from finetune.config.multitask import single_task_values
 from finetune.config.schema import FIELDS, Config, ConfigError, from_dict
 from finetune.kinds import registry as kinds
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
 PLAN_TIMEOUT_S = 120
+PLAN_DEVICES = ("here", "cuda")  # "plan for this machine / for a CUDA GPU" (`finetune plan --device`)
 PLAN_MEMO = 16  # plans (or planner errors) kept per app, by config: Start reuses what Plan just answered
 PLANNER_SLOW = "The planner took longer than"
 PROBE_OFF = "Estimated without a measured probe while a run is training."
@@ -99,6 +106,8 @@ class Controller:
         self.limits = server_limits
         self._downloads: Path | None = None  # where finished zips are handed out from, when the runs are elsewhere
         self._plans: dict[tuple, dict[str, Any] | str] = {}  # see make_plan
+        # Each field's help as the page shows it (the page sets it: the budget's names the detected memory).
+        self.field_infos: dict[str, str] = {name: spec.info for name, spec in SPECS.items()}
 
     # --- who asks
     def who(self, request: Any) -> tuple[str | None, str]:
@@ -160,15 +169,24 @@ class Controller:
             view = dataview.inspect((source or "").strip(), (config_name or "").strip() or None,
                                     (split or "").strip() or "train", task, wanted)
         shown = TASK_COLUMNS.get(task, COLUMN_FIELDS)
+        # A missing or unusable column is said beside its dropdown too, not only under the dataset.
+        about = field_problems(ConfigError([view.error])) if view.error else {}
         updates = {}
         for name in COLUMN_FIELDS:
             value = view.chosen.get(name) if view.columns else wanted.get(name)
             choices = [NONE_CHOICE, *[(c, c) for c in view.columns]] if view.columns else [NONE_CHOICE]
             if value and value not in view.columns:
                 choices.append((value, value))  # an imported mapping stays visible until the data is there
-            updates[name] = gr.update(choices=choices, value=value or "", visible=name in shown)
+            updates[name] = gr.update(choices=choices, value=value or "", visible=name in shown,
+                                      **self._column_note(name, about))
         return DatasetShown(preview=view.preview, columns=updates, labels=dataview.labels_markdown(view),
                             error=f"⚠️ {in_form_words(view.error)}" if view.error else "")
+
+    def _column_note(self, name: str, problems: dict[str, str]) -> dict[str, Any]:
+        info = self.field_infos.get(name, "")
+        if name in problems:
+            return {"info": f"⚠️ {problems[name]}", "elem_classes": ["ft-invalid"]}
+        return {"info": info, "elem_classes": []}
 
     def tasks_table(self, text: str, mixing: str, temperature: Any, cap: Any, *, request: Any = None) -> TasksShown:
         """The Tasks table of the multi-task YAML: each task's data, columns, weight and share, after the same file
@@ -233,8 +251,9 @@ class Controller:
         return ChatExampleShown(example=gr.update(value=pieces, visible=bool(pieces)), note=note)
 
     # --- plan
-    def make_plan(self, config: Config, *, request: Any = None) -> dict[str, Any]:
-        """`finetune plan` on `config`: the plan.json mapping; raises `Unanswered` with the planner's message."""
+    def make_plan(self, config: Config, *, device: str = "here", request: Any = None) -> dict[str, Any]:
+        """`finetune plan` on `config` (for this machine, or with `device` "cuda" for a CUDA GPU of the budget's
+        memory): the plan.json mapping; raises `Unanswered` with the planner's message."""
         user, refusal = self.who(request)
         try:
             if refusal:
@@ -244,14 +263,15 @@ class Controller:
             raise Unanswered(str(e)) from None
         if over := limits.check(config, self.limits):
             raise Unanswered(" ".join(over))
-        key = self._plan_key(config, user)
+        device = device if device in PLAN_DEVICES else "here"
+        key = (*self._plan_key(config, user), device)
         if key in self._plans:  # Plan, then Start on the same form: one planner run, not two
             answer = self._plans[key]
             if isinstance(answer, str):
                 raise Unanswered(answer)
             return dict(answer)
         try:
-            plan = self._run_planner(config)
+            plan = self._run_planner(config, device)
         except Unanswered as e:
             if not str(e).startswith(PLANNER_SLOW):
                 self._remember(key, str(e))
@@ -270,12 +290,12 @@ class Controller:
         while len(self._plans) > PLAN_MEMO:
             self._plans.pop(next(iter(self._plans)))
 
-    def _run_planner(self, config: Config) -> dict[str, Any]:
+    def _run_planner(self, config: Config, device: str = "here") -> dict[str, Any]:
         """`finetune plan --json` in a child process."""
-        extra = []
+        extra = ["--device", "cuda"] if device == "cuda" else []
         if self.jobs.status().active and "plan_probe" in FIELDS:
             # A measured probe would train on the device the running job is using: estimate without one.
-            extra = ["plan_probe=false"]
+            extra = ["plan_probe=false", *extra]
         with tempfile.TemporaryDirectory(prefix="finetune-plan-") as tmp:
             cfg_path, out_path = Path(tmp) / "config.yaml", Path(tmp) / "plan.json"
             cfg_path.write_text(config_yaml(config), encoding="utf-8")
@@ -291,21 +311,58 @@ class Controller:
                                None)
                 raise Unanswered(limits.short_text(message or (text[-1] if text else "The planner failed.")))
             plan = json.loads(out_path.read_text(encoding="utf-8"))
-        if extra:
+        if "plan_probe=false" in extra:
             plan["notes"] = [*plan.get("notes", []), PROBE_OFF]
         return plan
 
     def plan(self, *values: Any, request: Any = None) -> PlanShown:
-        """Plan the form's config and show the answer, or its error next to the button."""
+        """Plan the form's config for this machine (see `plan_for`)."""
+        return self.plan_for("here", *values, request=request)
+
+    def plan_for(self, device: str, *values: Any, request: Any = None) -> PlanShown:
+        """Plan the form's config for `device` ("here", or "cuda": a CUDA GPU of the budget's memory) and show the
+        answer, or its error next to the button and each bad value next to its field."""
         try:
-            plan = self.make_plan(values_to_config(values), request=request)
+            plan = self.make_plan(values_to_config(values), device=device, request=request)
         except ConfigError as e:
-            return PlanShown(error=problems_markdown(e))
+            return PlanShown(error=problems_markdown(e), fields=self.field_notes(field_problems(e)))
         except Unanswered as e:
-            return PlanShown(error=f"⚠️ {in_form_words(str(e))}")
-        frame = views.plan_frame(plan)
-        return PlanShown(text=views.plan_markdown(plan), chart=gr.update(value=frame, sort=list(frame.part),
-                                                                         visible=True))
+            return PlanShown(error=f"⚠️ {in_form_words(str(e))}", fields=self.field_notes({}))
+        return PlanShown(text=views.plan_markdown(plan), chart=gr.update(value=views.plan_chart_html(plan),
+                                                                         visible=True),
+                         fields=self.field_notes({}))
+
+    def field_notes(self, problems: dict[str, str]) -> dict[str, Any]:
+        """Each field's help, or (for the fields in `problems`) its problem in its place, marked: a bad value is
+        shown next to its field, and a fixed one goes back to its help."""
+        return {name: gr.update(info=f"⚠️ {problems[name]}" if name in problems else info,
+                                elem_classes=["ft-invalid"] if name in problems else [])
+                for name, info in self.field_infos.items()}
+
+    def form_fields(self, task: str, source: str, *, request: Any = None) -> FieldsShown:
+        """Only what applies: the fields of the chosen task kind and, for a local file, no hub config or split."""
+        shown = shown_fields(task, source)
+        return FieldsShown(fields={name: gr.update(visible=visible) for name, visible in shown.items()},
+                           tasks_section=gr.update(visible=takes(task, "tasks") if task in kinds.names() else True),
+                           chat_example=gr.skip() if task == "causal_lm" else gr.update(visible=False))
+
+    def model_fit(self, *values: Any, request: Any = None) -> str:
+        """After a model is picked: a warning when it cannot fit the budget even with a 4-bit base, with the
+        smallest budget that works (the planner's refusal); "" when it fits or cannot be told."""
+        try:
+            config = values_to_config(values)
+        except ConfigError:
+            return ""  # the form's own problems are shown by Plan and Start
+        if config.memory_budget_gb is None or config.tasks:
+            return ""
+        try:
+            self.make_plan(config, request=request)
+        except Unanswered as e:
+            if str(e).startswith("Nothing fits"):
+                return (f"⚠️ This model does not fit the memory budget, even with LoRA on a 4-bit base: "
+                        f"{in_form_words(str(e))}")
+            return ""
+        return ""
 
     # --- training
     def start(self, *values: Any, request: Any = None) -> Started:
@@ -313,8 +370,9 @@ class Controller:
         try:
             config = values_to_config(values)
         except ConfigError as e:
-            return Started(started=False, message=problems_text(e))
-        return self.start_run(config, request=request)
+            return Started(started=False, message=problems_text(e), fields=self.field_notes(field_problems(e)))
+        started = self.start_run(config, request=request)
+        return dataclasses.replace(started, fields=self.field_notes({}))
 
     def start_run(self, config: Config, *, request: Any = None) -> Started:
         """Check who asks, the server's limits and disk, the data and the run directory, write the YAML into it and
