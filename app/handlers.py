@@ -69,6 +69,8 @@ TASK_COLUMNS = {name: kinds.entry(name).columns for name in kinds.names()}  # th
 NONE_CHOICE = ("—", "")
 RUN_FOLDER_FIELDS = ("output_dir", "overwrite", "resume")  # where a run goes: never carried into the next one
 TERMINAL = ("stopped", "done", "failed")
+EXAMPLE_COLUMNS = {"messages_column", "chosen_column"}  # data whose first example the form shows, tokenized
+CHAT_EXAMPLE_LABEL = "The first conversation as the model sees it (learned tokens highlighted)"
 
 
 class Unanswered(RuntimeError):
@@ -228,9 +230,12 @@ class Controller:
                                              error=data.error))
 
     def chat_example(self, source: str, config_name: str, split: str, task: str, column: str, model: str,
-                     chat_template: str, train_on: str, max_length: Any, *, request: Any = None) -> ChatExampleShown:
-        """For conversation data: the first conversation as the model sees it, the learned tokens highlighted."""
-        if task != "causal_lm" or not column or not source:
+                     chat_template: str, train_on: str, max_length: Any, prompt_column: str = "",
+                     chosen_column: str = "", rejected_column: str = "", *, request: Any = None) -> ChatExampleShown:
+        """For conversation data: the first conversation as the model sees it, the learned tokens highlighted; for
+        preference pairs, the first pair, its scored (completion) tokens highlighted."""
+        pair = task in kinds.names() and "chosen_column" in kinds.entry(task).columns  # a kind of preference pairs
+        if not source or not (pair or (task == "causal_lm" and column)):
             return ChatExampleShown()
         user, refusal = self.who(request)
         try:
@@ -245,10 +250,16 @@ class Controller:
             length = int(max_length)
         except (TypeError, ValueError):
             length = FIELDS["max_length"].default
-        pieces, note = chatview.example(source.strip(), (config_name or "").strip() or None,
-                                        (split or "").strip() or "train", column, (model or "").strip(),
-                                        (chat_template or "").strip() or None, train_on or "assistant", length)
-        return ChatExampleShown(example=gr.update(value=pieces, visible=bool(pieces)), note=note)
+        where = (source.strip(), (config_name or "").strip() or None, (split or "").strip() or "train")
+        if pair:
+            columns = (prompt_column or "prompt", chosen_column or "chosen", rejected_column or "rejected")
+            pieces, note = chatview.pair_example(*where, columns, (model or "").strip(), length)
+            label = "The first pair as the model sees it (scored tokens highlighted)"
+        else:
+            pieces, note = chatview.example(*where, column, (model or "").strip(),
+                                            (chat_template or "").strip() or None, train_on or "assistant", length)
+            label = CHAT_EXAMPLE_LABEL
+        return ChatExampleShown(example=gr.update(value=pieces, visible=bool(pieces), label=label), note=note)
 
     # --- plan
     def make_plan(self, config: Config, *, device: str = "here", request: Any = None) -> dict[str, Any]:
@@ -342,9 +353,11 @@ class Controller:
     def form_fields(self, task: str, source: str, *, request: Any = None) -> FieldsShown:
         """Only what applies: the fields of the chosen task kind and, for a local file, no hub config or split."""
         shown = shown_fields(task, source)
+        shown_columns = kinds.entry(task).columns if task in kinds.names() else COLUMN_FIELDS
         return FieldsShown(fields={name: gr.update(visible=visible) for name, visible in shown.items()},
                            tasks_section=gr.update(visible=takes(task, "tasks") if task in kinds.names() else True),
-                           chat_example=gr.skip() if task == "causal_lm" else gr.update(visible=False))
+                           chat_example=gr.skip() if EXAMPLE_COLUMNS & set(shown_columns) else
+                           gr.update(visible=False))
 
     def model_fit(self, *values: Any, request: Any = None) -> str:
         """After a model is picked: a warning when it cannot fit the budget even with a 4-bit base, with the
@@ -502,11 +515,10 @@ class Controller:
         download = (gr.update(value=self._handout(zip_model(model_dir, status.run_dir / "model.zip")), interactive=True)
                     if status.state == "done" and model_dir is not None else gr.update(value=None, interactive=False))
         command = self.command(status)
-        frame = views.loss_frame(status.events)
         options = publish.run_options(status) if status.run_dir else {"report_to": [], "push_to_hub": None}
         return RunShown(signature=signature, status=text,
                         progress=views.progress_html(status), stats=views.stats_markdown(status),
-                        loss_curve=views.loss_chart_html(frame) if len(frame) else None, log=views.log_text(status),
+                        loss_curve=views.curves_html(status.events), log=views.log_text(status),
                         metrics=views.final_metrics(status) or None, run_dir=str(status.run_dir or ""),
                         download=download, start_button=gr.update(interactive=not status.active),
                         stop_button=gr.update(interactive=status.active),
@@ -621,7 +633,8 @@ class Controller:
         from finetune.use.predict import chat
 
         try:
-            if history:  # a chat going on: the model answers the whole conversation
+            status = self.jobs.status()
+            if history or views.try_kind(status) == "chat":  # the model answers the whole conversation
                 text, status = self._finished_run(text, request)
                 turns = [*chatview.history_turns(history), {"role": "user", "content": text}]
                 out = {"reply": chat(str(status.run_dir), turns, max_new_tokens=limits.MAX_NEW_TOKENS)}

@@ -11,12 +11,12 @@ from typing import Any
 
 import gradio as gr
 
-from app import dataview, limits
+from app import chatview, dataview, limits
 from app.access import Access
 from app.api import ScriptApi
 from app.dataview import UPLOAD_TYPES, DatasetView, labels_markdown
 from app.device import DeviceMemory
-from app.handlers import NONE_CHOICE, Controller
+from app.handlers import CHAT_EXAMPLE_LABEL, NONE_CHOICE, Controller
 from app.jobs import JobManager
 from app.mapping import (
     COLUMN_FIELDS,
@@ -272,8 +272,9 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                             labels_md = gr.Markdown(labels_markdown(data), elem_id="label-counts")
                             chat_note = gr.Markdown(elem_id="chat-example-note")
                             chat_example = gr.HighlightedText(
-                                label="The first conversation as the model sees it (learned tokens highlighted)",
-                                color_map={"learned": "#22c55e"}, show_legend=False, show_inline_category=False,
+                                label=CHAT_EXAMPLE_LABEL,
+                                color_map={"learned": "#22c55e", chatview.CHOSEN: "#22c55e",
+                                           chatview.REJECTED: "#f87171"}, show_legend=False, show_inline_category=False,
                                 show_whitespaces=False, visible=False, elem_id="chat-example")
                             with gr.Accordion("More data options", open=False):
                                 place("data_more")
@@ -385,7 +386,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                    "note": run_msg, "scatter": scatter_plot}
         try_out = {"label": try_label, "generated": try_text, "chat": try_chat, "text": try_box, "message": try_msg}
         chat_in = [fields[n] for n in ("dataset", "dataset_config", "train_split", "task", "messages_column", "model",
-                                       "chat_template", "train_on", "max_length")]
+                                       "chat_template", "train_on", "max_length", "prompt_column", "chosen_column",
+                                       "rejected_column")]
         chat_out = {"example": chat_example, "note": chat_note}
         # The page's own events are private: scripts get the named API of `app.api` instead. It is registered first,
         # so that its names are free (a private event still takes its function's name, e.g. `stop`).
@@ -434,6 +436,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
             concurrency_id="push", **private)
         # The example follows the data (its preview), the messages column, the model, the template and `train_on`.
         for event in (preview.change, fields["messages_column"].change, fields["model"].change,
+                      fields["prompt_column"].input, fields["chosen_column"].input, fields["rejected_column"].input,
                       fields["chat_template"].submit, fields["chat_template"].blur, fields["train_on"].change,
                       fields["max_length"].blur, demo.load):
             _on(event, controller.chat_example, chat_in, chat_out, gate="quiet", show_progress="hidden", **private)

@@ -70,9 +70,31 @@ def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
     return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
 
 
-def loss_chart_html(frame: pd.DataFrame) -> str:
+REWARD_CURVES = ("rewards/margins", "rewards/accuracies")  # preference runs' evaluation metrics, TRL's names
+
+
+def reward_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
+    """A preference run's reward margin and accuracy at each evaluation (step, loss, split as in `loss_frame`;
+    the value in `loss`); empty for other runs."""
+    rows = [(e["step"], float(e["metrics"][name]), name) for name in REWARD_CURVES for e in events
+            if e.get("event") == "eval" and isinstance(e.get("metrics", {}).get(name), (int, float))]
+    frame = pd.DataFrame(rows, columns=["step", "loss", "split"])
+    return frame.astype({"step": "int64", "loss": "float64", "split": "str"})
+
+
+def curves_html(events: list[dict[str, Any]]) -> str | None:
+    """The run's charts: the loss, then (a preference run) its reward curves beside it; None before any point."""
+    frame, rewards = loss_frame(events), reward_frame(events)
+    if not len(frame):
+        return None
+    extra = loss_chart_html(rewards, title="Rewards at each evaluation", points=True) if len(rewards) else ""
+    return loss_chart_html(frame) + extra
+
+
+def loss_chart_html(frame: pd.DataFrame, title: str = "Loss per optimizer step", points: bool = False) -> str:
     """The loss curves as an SVG the page draws itself: every split in its colour from the first update, evaluation
-    as points on its line (a single eval is still visible), and a legend above the chart that cannot be cut off."""
+    (or, with `points`, every series) as points on its line (a single eval is still visible), and a legend above the
+    chart that cannot be cut off."""
     if not len(frame):
         return ""
     splits = list(dict.fromkeys(frame.split))
@@ -105,7 +127,7 @@ def loss_chart_html(frame: pd.DataFrame) -> str:
         path = " ".join(f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(points))
         parts.append(f'<path data-split="{html.escape(split)}" d="{path}" fill="none" stroke="{colour}" '
                      f'stroke-width="2"{dash}/>')
-        if split.startswith("eval"):
+        if split.startswith("eval") or points:
             parts += [f'<circle data-split="{html.escape(split)}" cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{colour}"/>'
                       for x, y in points]
     key_dash = ' stroke-dasharray="5 3"'
@@ -113,8 +135,8 @@ def loss_chart_html(frame: pd.DataFrame) -> str:
         f'<span class="ft-key"><svg width="22" height="10" aria-hidden="true"><line x1="1" x2="21" y1="5" y2="5" '
         f'stroke="{_colour(s, splits)}" stroke-width="3"{key_dash if s.startswith("eval") else ""}/></svg>'
         f'{html.escape(s)}</span>' for s in splits)
-    return (f'<div class="ft-chart"><div class="ft-legend"><b>Loss per optimizer step</b> {legend}</div>'
-            f'<svg viewBox="0 0 {CHART_W} {CHART_H}" role="img" aria-label="Loss per optimizer step: '
+    return (f'<div class="ft-chart"><div class="ft-legend"><b>{html.escape(title)}</b> {legend}</div>'
+            f'<svg viewBox="0 0 {CHART_W} {CHART_H}" role="img" aria-label="{html.escape(title)}: '
             f'{html.escape(", ".join(splits))}">{"".join(parts)}</svg></div>')
 
 
@@ -225,9 +247,26 @@ def try_kind(status: JobStatus) -> str | None:
         return None
     config = status.run_dir / "config.yaml"
     options = read_yaml(config) if config.is_file() else {}
-    if options.get("task", "classification") != "causal_lm":
+    task = options.get("task", "classification")
+    if task == "preference":  # a tuned causal LM: chatted with when it has a chat template, as `chat` needs
+        return "chat" if has_chat_template(status.model_dir) else "generate"
+    if task != "causal_lm":
         return "classify"
     return "chat" if options.get("messages_column") else "generate"
+
+
+def has_chat_template(model_dir: Any) -> bool:
+    """Whether a saved model folder has a chat template (its own file, or in its tokenizer config)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(model_dir)
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def hub_markdown(status: JobStatus, on_space: bool) -> str:
