@@ -11,10 +11,9 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 import pytest
-from conftest import run_train
 from test_chat import _chatml_tokenizer, _tiny_chat_llama
 
-from app import chatview, jobs, views
+from app import chatview, views
 from app.handlers import Controller
 from app.jobs import JobManager
 from app.mapping import (
@@ -176,28 +175,45 @@ def test_reward_curves_are_drawn_beside_the_loss():
     assert "Rewards" not in only_loss and views.curves_html([]) is None
 
 
-def test_try_it_chats_with_a_preference_run_that_has_a_chat_template(tmp_path, tmp_path_factory, pairs_csv):
+@pytest.mark.slow
+def test_a_preference_run_starts_through_the_api_draws_its_rewards_and_chats(tmp_path, tmp_path_factory, pairs_csv):
+    from app.api import ScriptApi
+
     chat_model = _tiny_chat_llama(_chatml_tokenizer(), tmp_path_factory.mktemp("chat_model"))
-    run = tmp_path / "runs" / "r"
-    run_train(run, model=chat_model, dataset=pairs_csv, task="preference", preference_loss="simpo", max_steps=1,
-              effective_batch_size=4)
     ctl = _controller(tmp_path)
-    ctl.jobs._job = jobs._Job(run_dir=run, config_path=run / "config.yaml", log_path=run / "launch.log",
-                              command=["python"], pid=-1, proc=None, launched=time.time() - 60)
-    (run / "events.jsonl").write_text((run / "events.jsonl").read_text() + json.dumps(
-        {"event": "done", "time": time.time(), "step": 1, "metrics": {}, "model_dir": str(run / "model")}) + "\n")
-    assert views.try_kind(ctl.jobs.status()) == "chat"
-    panel = ctl.poll(None).try_panel
-    assert panel.chat == gr.update(visible=True, value=[]) and panel.button["value"] == "Send"
+    started = ScriptApi(ctl).start({"model": chat_model, "task": "preference", "preference_loss": "simpo",
+                                    "dataset": pairs_csv, "eval_dataset": pairs_csv, "effective_batch_size": 2,
+                                    "max_steps": 2, "eval_every": 1, "optimizer": "sgd"}, None)
+    assert started["started"], started
+    deadline = time.time() + 300
+    while (status := ctl.jobs.status()).active:
+        assert time.time() < deadline, views.log_text(status)
+        time.sleep(0.5)
+    assert status.state == "done", views.log_text(status)
+    shown = ctl.poll(None)
+    assert "Rewards at each evaluation" in shown.loss_curve and 'data-split="rewards/margins"' in shown.loss_curve
+    assert shown.try_panel.chat == gr.update(visible=True, value=[]) and shown.try_panel.button["value"] == "Send"
     first = ctl.try_it("hello")
     assert first.chat["visible"] and [m["role"] for m in first.chat["value"]] == ["user", "assistant"]
     # Without a chat template the same run continues the text, as a causal LM does.
-    for name in ("chat_template.jinja", "tokenizer_config.json"):
-        path = run / "model" / name
-        if path.is_file() and name.endswith(".jinja"):
-            path.unlink()
-        elif path.is_file():
-            config = json.loads(path.read_text())
-            config.pop("chat_template", None)
-            path.write_text(json.dumps(config))
-    assert views.try_kind(ctl.jobs.status()) == "generate"
+    model = status.model_dir
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    assert views.try_kind(status) == "generate"
+
+
+@pytest.mark.slow
+def test_the_model_picker_warns_when_nothing_fits_and_the_plan_is_for_a_cuda_gpu(tmp_path, tiny_gpt2, lm_csv):
+    ctl = _controller(tmp_path)
+    form = {"model": tiny_gpt2, "task": "causal_lm", "dataset": lm_csv, "max_steps": "1"}
+    warning = ctl.model_fit(*_values(**form, memory_budget_gb=0.001))
+    assert warning.startswith("⚠️ This model does not fit the memory budget, even with LoRA on a 4-bit base")
+    assert "GiB" in warning and "memory_budget_gb" not in warning  # the smallest budget, in the form's words
+    assert ctl.model_fit(*_values(**form)) == ""  # no budget: nothing to warn of
+    # "Plan for a CUDA GPU": `finetune plan --device cuda`, a GPU of the budget's memory, from this CPU machine.
+    planned = ctl.plan_for("cuda", *_values(**form, memory_budget_gb=8))
+    assert planned.error == "", planned.error
+    assert "device **cuda (planned for a 8 GiB GPU)**" in planned.text and "precision **bf16**" in planned.text
+    assert 'class="ft-plan-chart"' in planned.chart["value"] and planned.chart["visible"]
