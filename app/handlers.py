@@ -351,7 +351,17 @@ class Controller:
                 for name, info in self.field_infos.items()}
 
     def form_fields(self, task: str, source: str, *, request: Any = None) -> FieldsShown:
-        """Only what applies: the fields of the chosen task kind and, for a local file, no hub config or split."""
+        """Only what applies: the fields of the chosen task kind and, for a local file, no hub config or split.
+
+        Whether a path is a file is told only of the user's own files: the fields must not tell a visitor which
+        paths exist on a shared server."""
+        user, refusal = self.who(request)
+        try:
+            if refusal:
+                raise AccessError(refusal)
+            self.access.check_source((source or "").strip(), "dataset", self._readable(user))
+        except AccessError:
+            source = ""
         shown = shown_fields(task, source)
         shown_columns = kinds.entry(task).columns if task in kinds.names() else COLUMN_FIELDS
         return FieldsShown(fields={name: gr.update(visible=visible) for name, visible in shown.items()},
