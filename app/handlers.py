@@ -32,9 +32,11 @@ from app.mapping import (
     in_form_words,
     infer_task,
     load_config_file,
+    plain_words,
     problems_markdown,
     problems_text,
     shown_fields,
+    task_label,
     values_to_config,
 )
 from app.results import (
@@ -154,7 +156,7 @@ class Controller:
         task = infer_task((model or "").strip())
         if task is None:
             return TaskGuess(note="The task cannot be told offline for this model: choose it under Task.")
-        return TaskGuess(task=task, note=f"Task inferred from the model: **{task}**.")
+        return TaskGuess(task=task, note=f"Task inferred from the model: **{task_label(task)}**.")
 
     def refresh_dataset(self, source: str, config_name: str, split: str, task: str, *columns: str,
                         request: Any = None) -> DatasetShown:
@@ -173,6 +175,8 @@ class Controller:
         shown = TASK_COLUMNS.get(task, COLUMN_FIELDS)
         # A missing or unusable column is said beside its dropdown too, not only under the dataset.
         about = field_problems(ConfigError([view.error])) if view.error else {}
+        if view.error_field:
+            about = {view.error_field: plain_words(view.error)}
         updates = {}
         for name in COLUMN_FIELDS:
             value = view.chosen.get(name) if view.columns else wanted.get(name)

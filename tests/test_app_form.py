@@ -136,6 +136,13 @@ def test_a_missing_column_is_shown_at_its_dropdown(tmp_path):
     assert shown.columns["text_column"]["elem_classes"] == ["ft-invalid"]
     label = shown.columns["label_column"]
     assert label["info"] == SPECS["label_column"].info and label["elem_classes"] == []
+    # A text column of ids (issue 20 item 3) is refused at its dropdown too.
+    ids = tmp_path / "ids.csv"
+    ids.write_text("id,label\n" + "".join(f"row-{i},{i % 2}\n" for i in range(6)))
+    shown = _controller(tmp_path).refresh_dataset(str(ids), "", "train", "classification",
+                                                  *[""] * len(COLUMN_FIELDS))
+    assert shown.columns["text_column"]["info"].startswith("⚠️ Text column id (guessed")
+    assert shown.columns["text_column"]["elem_classes"] == ["ft-invalid"]
 
 
 def test_a_preference_dataset_maps_and_previews_its_scored_tokens(tmp_path, pairs_csv, tiny_gpt2):

@@ -187,8 +187,8 @@ def test_a_text_column_of_numbers_or_ids_is_refused_and_conversations_suggest_ca
     chat = tmp_path / "chat.jsonl"
     chat.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     assert dataview.inspect(str(chat), None, "train", "classification", {}).error == (
-        "Column `messages` holds conversations, which a classifier cannot learn from: set Task to causal_lm and "
-        "pick a causal LM model (one with a chat template) to fine-tune on them.")
+        "Column `messages` holds conversations, which a classifier cannot learn from: set Task to Causal language "
+        "modelling and pick a causal LM model (one with a chat template) to fine-tune on them.")
     assert dataview.inspect(str(chat), None, "train", "causal_lm", {}).error == ""
 
 
