@@ -410,7 +410,7 @@ def plan_markdown(plan: dict[str, Any]) -> str:
     breakdown = plan.get("breakdown") or {}
     if breakdown:
         lines.append(" · ".join(f"{term_label(term, plan)} {_size(b)}" for term, b in breakdown.items()
-                                if isinstance(b, (int, float))))
+                                if isinstance(b, (int, float)) and b > 0))
     lines += data_lines(plan)  # `finetune plan --json` adds what long_documents does to the data
     notes = [f"- {note}" for note in plan_notes(plan)]
     return "\n\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "")
@@ -419,7 +419,7 @@ def plan_markdown(plan: dict[str, Any]) -> str:
 def plan_frame(plan: dict[str, Any]) -> pd.DataFrame:
     """One row per term of the predicted peak, then the peak and the budget, in GiB."""
     rows = [(term_label(term, plan), float(b) / GIB, "term") for term, b in (plan.get("breakdown") or {}).items()
-            if isinstance(b, (int, float))]
+            if isinstance(b, (int, float)) and b > 0]  # a term of nothing (no logits kept) is no part
     if isinstance(plan.get("predicted_peak_bytes"), (int, float)):
         rows.append(("predicted peak", plan["predicted_peak_bytes"] / GIB, "predicted peak"))
     if plan.get("budget_bytes"):
