@@ -24,6 +24,7 @@ from app.jobs import JobBusy, JobManager, JobStatus, zip_model
 from app.mapping import (
     COLUMN_FIELDS,
     FIELD_NAMES,
+    KIND_FIELDS,
     SPECS,
     changed_options,
     config_to_values,
@@ -37,6 +38,7 @@ from app.mapping import (
     problems_text,
     shown_fields,
     task_label,
+    to_widget,
     values_to_config,
 )
 from app.results import (
@@ -368,7 +370,14 @@ class Controller:
             source = ""
         shown = shown_fields(task, source)
         shown_columns = kinds.entry(task).columns if task in kinds.names() else COLUMN_FIELDS
-        return FieldsShown(fields={name: gr.update(visible=visible) for name, visible in shown.items()},
+        # A hidden kind option goes back to its default: a value set for another kind (preference's β, say) is
+        # not sent with this one, where the config would refuse it at a field no one can see. (Columns are set by
+        # refresh_dataset for the kind; the hub fields and the one-control fields only hide.)
+        reset = {name for name, visible in shown.items()
+                 if not visible and name in KIND_FIELDS and name not in COLUMN_FIELDS}
+        return FieldsShown(fields={name: gr.update(visible=visible, **(
+                               {"value": to_widget(name, FIELDS[name].default)} if name in reset else {}))
+                               for name, visible in shown.items()},
                            tasks_section=gr.update(visible=takes(task, "tasks") if task in kinds.names() else True),
                            chat_example=gr.skip() if EXAMPLE_COLUMNS & set(shown_columns) else
                            gr.update(visible=False))
