@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             tokens, rung = longest_context(cfg, len(label_names or []), device=planned)
             print(f"longest context: fits {cfg.memory_budget_gb:g} GiB up to {tokens} tokens at micro-batch 1 "
                   f"({rung})")
-        plan, _ = plan_run(cfg, train_data.lengths, label_names, num_processes=args.num_processes, device=device,
+        plan, _ = plan_run(cfg, train_data.widths, label_names, num_processes=args.num_processes, device=device,
                            distributed=distributed, planned_device=planned)
     print(render(plan))
     # What long_documents does to the data, beside the plan (the GUI shows it before a run starts).

@@ -33,6 +33,15 @@ FULL_DISK = textwrap.dedent("""
             write(path, data)
 
         rundir.write_json = full
+    elif target == "config":
+        write_text = rundir.write_text
+
+        def full(path, text):
+            if path.name == "config.yaml":
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            write_text(path, text)
+
+        rundir.write_text = full
     else:
         def full(*args, **kwargs):
             raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
@@ -88,3 +97,18 @@ def test_a_full_disk_while_the_model_is_saved_leaves_no_finished_run(tmp_path, t
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: The disk is full: writing {run} failed with ")
     assert not (run / "metrics.json").exists() and not rundir.is_finished(run)
+
+
+def test_a_full_disk_before_the_run_begins_is_one_sentence_and_leaves_nothing_half_written(tmp_path, tiny_bert,
+                                                                                        cls_csv):
+    run = tmp_path / "run"
+    args = [f"model={tiny_bert}", f"dataset={cls_csv}", f"output_dir={run}", "max_steps=1", "eval_fraction=0", "-q"]
+    proc = _train_with_full_disk(tmp_path, "config", 1, *args)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: The disk is full: writing {run}/config.yaml "
+                                                           "failed with ")
+    assert proc.stderr.strip().endswith("then start the run again.")
+    assert not run.exists()  # the folder it made is taken back: starting again is not refused as an earlier run
+    again = subprocess.run([sys.executable, "-m", "finetune", "train", *args], capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0 and rundir.is_finished(run), again.stderr

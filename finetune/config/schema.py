@@ -78,9 +78,9 @@ class Config:
     prompt_column: str | None = _opt(None, "Causal LM: prompt column, masked out of the loss.", group="data")
     completion_column: str | None = _opt(None, "Causal LM: completion column, the tokens that are learned.",
                                          group="data")
-    chosen_column: str | None = _opt(None, "Preference: the preferred completion's column (default 'chosen').",
+    chosen_column: str | None = _opt(None, "Preference, reward: the preferred completion's column (default 'chosen').",
                                      group="data")
-    rejected_column: str | None = _opt(None, "Preference: the dispreferred completion's column (default "
+    rejected_column: str | None = _opt(None, "Preference, reward: the dispreferred completion's column (default "
                                        "'rejected').", group="data")
     preference_loss: str = _opt("dpo", "Preference: the loss: dpo (against a reference), ipo (DPO's squared, "
                                 "per-token form), simpo (length-normalised, no reference) or orpo (likelihood + "
@@ -101,6 +101,10 @@ class Config:
                                    "hub's ClassLabel names) or strings (default 'ner_tags' or 'tags').", group="data")
     label_all_tokens: bool = _opt(False, "Token classification: put each word's tag on all its sub-tokens (a B- tag "
                                   "continuing as I-), not only on the first.", group="data")
+    center_rewards_coefficient: float | None = _opt(None, "Reward: weight of the centring term c·(r_chosen + "
+                                                    "r_rejected)² added to each pair's loss, which keeps the "
+                                                    "scores near 0 (TRL's; unset: none).", min=0.0, max=100.0,
+                                                    group="advanced")
     max_length: int = _opt(256, "Tokens per sample: a longer input is truncated or split as `long_documents` says.",
                            min=8, max=131072, group="data")
     streaming: bool = _opt(False, "Read the training data as a stream, for data bigger than memory or disk: "
@@ -397,16 +401,21 @@ def from_dict(values: dict[str, Any]) -> Config:
 
 
 COLUMN_KEYS = tuple(f.name for f in fields(Config) if f.name.endswith("_column"))  # what a task kind reads
+PREFERENCE_LOSS_KEYS = ("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model")
 
 
 def _cross_checks(c: Config) -> list[str]:
     problems = []
     if c.task in TASKS:  # another kind's columns (an unknown task is refused on its own)
         problems += kinds.column_problems(c.task, {key: getattr(c, key) for key in COLUMN_KEYS + kinds.OPTION_KEYS})
+    if c.task == "reward":  # the preference kind's loss options: a reward model has one loss and no reference
+        problems += [f"`{f.name}` is for task=preference; task=reward trains with the Bradley–Terry loss and no "
+                     f"reference model: drop `{f.name}`." for f in fields(Config)
+                     if f.name in PREFERENCE_LOSS_KEYS and getattr(c, f.name) != f.default]
     if c.messages_column and (c.prompt_column or c.text_column):
         problems.append("`messages_column` replaces `text_column` and `prompt_column`/`completion_column`: set "
                         "only one of them.")
-    if bool(c.prompt_column) != bool(c.completion_column) and c.task != "preference":
+    if bool(c.prompt_column) != bool(c.completion_column) and c.task not in ("preference", "reward"):
         problems.append("`prompt_column` and `completion_column` go together: set both, or neither.")
     if c.streaming and c.max_steps is None:
         problems.append("`streaming=true` needs `max_steps`: a stream's length is unknown, so epochs cannot be "

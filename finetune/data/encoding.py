@@ -55,6 +55,7 @@ class Encoded:
         self._batches: list[pa.RecordBatch] = []
         self._starts: np.ndarray | None = None  # where each record batch starts, for `columns`
         self.lengths: np.ndarray = numpy_of(pc.list_value_length(table["input_ids"])).astype(np.int32)
+        self._widths: np.ndarray | None = None
         self._prompt = (numpy_of(table["prompt_length"]) if "prompt_length" in table.column_names
                         else np.zeros(len(table), dtype=np.int32))
         # Conversations and packed rows count their targets when they are written: the window's count stays one
@@ -93,6 +94,20 @@ class Encoded:
         which = np.searchsorted(self._starts, rows, side="right") - 1
         picked = [self._batches[b].slice(i - self._starts[b], 1) for b, i in zip(which, rows, strict=True)]
         return pa.Table.from_batches(picked, schema=self.table.schema)
+
+    @property
+    def widths(self) -> np.ndarray:
+        """The tokens each sample spans in a micro-batch: its longest sequence of token ids (every `*_ids` list
+        column: a preference pair's rejected sequence may be longer than its chosen one), what the planner plans for.
+        """
+        if self._widths is None:
+            widths = self.lengths
+            schema = self.table.schema
+            for name in self.table.column_names:
+                if name.endswith("_ids") and name != "input_ids" and pa.types.is_list(schema.field(name).type):
+                    widths = np.maximum(widths, numpy_of(pc.list_value_length(self.table[name])).astype(np.int32))
+            self._widths = widths
+        return self._widths
 
     def num_tokens(self, indices: list[int]) -> int:
         """Tokens in these samples."""

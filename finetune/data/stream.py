@@ -49,6 +49,11 @@ class StreamData:
         """Tokens per sample of the current window (none before the first)."""
         return self.current.lengths if self.current is not None else np.zeros(0, dtype=np.int32)
 
+    @property
+    def widths(self) -> np.ndarray:
+        """Tokens each sample of the current window spans in a micro-batch (`Encoded.widths`)."""
+        return self.current.widths if self.current is not None else np.zeros(0, dtype=np.int32)
+
     def columns(self, indices: list[int]) -> pa.Table:
         """These samples of the current window, encoded."""
         return self.current.columns(indices)

@@ -49,9 +49,12 @@ def share_of(window: list[int], lengths: list[int], micro_batch_size: int, rank:
 
 
 def backward_window(model: Any, micro: list[list[int]], collate_fn: Callable[[list[int]], dict[str, torch.Tensor]],
-                    count: int, dist: Distributed, *, kind: TaskKind, weight: float = 1.0) -> torch.Tensor:
+                    count: int, dist: Distributed, *, kind: TaskKind, weight: float = 1.0,
+                    observe: Callable[[dict[str, torch.Tensor], Any, torch.Tensor], None] | None = None
+                    ) -> torch.Tensor:
     """Forward and backward this process's micro-batches of one window, leaving the window's gradient
-    `sum(losses) / count` in the parameters; returns this process's loss sum (`count` is over all processes)."""
+    `sum(losses) / count` in the parameters; returns this process's loss sum (`count` is over all processes).
+    `observe(batch, logits, loss)` sees each micro-batch's output (a metric accumulator's `add`)."""
     # accelerator.backward divides by gradient_accumulation_steps, and both DDP's all-reduce and FSDP's
     # reduce-scatter average over processes: the scale undoes both, so the gradient is exactly sum(losses) / count.
     # Setting the steps per window is what flushes (and correctly normalises) a short last window.
@@ -61,10 +64,12 @@ def backward_window(model: Any, micro: list[list[int]], collate_fn: Callable[[li
     loss_total = torch.zeros(scale.shape, dtype=torch.float64, device=dist.device)
     for mb in micro:
         with dist.accumulate(model):
-            batch = collate_fn(mb)
-            loss, _ = loss_sum(model, {k: v.to(dist.device) for k, v in batch.items()}, kind)
+            batch = {k: v.to(dist.device) for k, v in collate_fn(mb).items()}
+            loss, logits = loss_sum(model, batch, kind)
             dist.backward((loss * scale.to(loss.dtype)).sum())  # several sums: each over its own count
             loss_total += loss.detach().double() * weight
+            if observe is not None:
+                observe(batch, None if logits is None else logits.detach(), loss.detach())
     return loss_total
 
 

@@ -48,6 +48,11 @@ class Entry:
     # Options only this kind reads that have a default (its loss's settings): the app's form shows them for this kind
     # alone. Unlike `options` they are not refused for the other kinds (which hold their defaults).
     settings: tuple[str, ...] = ()
+    # The single output's name in a saved config's `id2label`, for a kind that shares its architecture and problem
+    # type with another (a reward model's "reward", beside a classifier's class names).
+    output_name: str | None = None
+    # Its metrics worth following per optimizer step: the step events carry them, from the window's own batches.
+    step_metrics: tuple[str, ...] = ()
 
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (
@@ -91,9 +96,25 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           architectures=("ForCausalLM", "LMHeadModel"),
           metrics=("rewards/accuracies", "rewards/margins"),
           settings=("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model"),
+          step_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                        "logps/rejected"),
           refusals={"packing": "a preference pair's two sequences are scored side by side, not packed",
                     "segment_recurrence": "a preference pair is scored whole; turn it off",
                     "split_documents": "a preference pair is scored whole, so it cannot be split"}),
+    Entry(name="reward", module="finetune.kinds.reward",
+          summary="reward modelling (a score per text, trained on preference pairs)",
+          columns=("prompt_column", "chosen_column", "rejected_column"),
+          own_columns=(("chosen_column", "rejected_column"), ("center_rewards_coefficient",)),
+          uses="`prompt_column`, `chosen_column` and `rejected_column`",
+          column_reasons={"center_rewards_coefficient": "it centres a reward model's scores"},
+          auto_model="AutoModelForSequenceClassification", peft_task_type="SEQ_CLS",
+          peft_auto_model="AutoPeftModelForSequenceClassification", pipeline_tag="text-classification",
+          architectures=("ForSequenceClassification",), example="The answer is 4.", output_name="reward",
+          options=("center_rewards_coefficient",), metrics=("rewards/accuracies", "rewards/margins"),
+          step_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"),
+          refusals={"packing": "a reward pair's two sequences are scored side by side, not packed",
+                    "segment_recurrence": "a reward model scores each sequence whole; turn it off",
+                    "split_documents": "a reward pair is scored whole, so it cannot be split"}),
     Entry(name="token_classification", module="finetune.kinds.token_classification",
           summary="token classification (NER and tagging)", columns=("tokens_column", "tags_column"),
           own_columns=(("tokens_column", "tags_column"), ("label_all_tokens",)),
@@ -141,17 +162,19 @@ def column_problems(task: str, values: dict[str, object]) -> list[str]:
     """One sentence per group of another kind's column options set for kind `task`."""
     problems = []
     mine = ENTRIES[task]
+    owners: dict[tuple[str, ...], list[Entry]] = {}  # a group two kinds read (preference's and reward's pairs)
     for other in ENTRIES.values():
-        if other.name == task:
-            continue
         for group in other.own_columns:
-            if set(group) & set(mine.columns) or not any(values.get(key) for key in group):
-                continue
-            keys = "/".join(f"`{key}`" for key in group)
-            verb = "are" if len(group) > 1 else "is"
-            reason = other.column_reasons.get(group[0])
-            problems.append(f"{keys} {verb} for task={other.name}: {reason}." if reason else
-                            f"{keys} {verb} for task={other.name}; for {task} use {mine.uses}.")
+            owners.setdefault(group, []).append(other)
+    for group, kinds in owners.items():
+        if mine in kinds or set(group) & set(mine.columns) or not any(values.get(key) for key in group):
+            continue
+        keys = "/".join(f"`{key}`" for key in group)
+        verb = "are" if len(group) > 1 else "is"
+        reason = kinds[0].column_reasons.get(group[0])
+        names = " or ".join(k.name for k in kinds)
+        problems.append(f"{keys} {verb} for task={names}: {reason}." if reason else
+                        f"{keys} {verb} for task={names}; for {task} use {mine.uses}.")
     return problems
 
 
@@ -159,17 +182,29 @@ def kind_of_model_config(model_config: dict[str, object], default: str | None = 
     """The kind a saved model's config.json names: by its `architectures` (and `problem_type`, for kinds that share
     an architecture); `default` when none says."""
     architectures = [str(a) for a in model_config.get("architectures") or []]
-    # Kinds that need a problem type first: they share their architecture with a kind that does not.
-    for e in sorted(ENTRIES.values(), key=lambda e: e.problem_type is None):
+    # Kinds that need a problem type (or an output name) first: they share their architecture with one that does not.
+    for e in sorted(ENTRIES.values(), key=lambda e: (e.problem_type is None, e.output_name is None)):
         if e.architectures and any(a.endswith(e.architectures) for a in architectures) and \
-                e.problem_type in (None, model_config.get("problem_type")):
+                e.problem_type in (None, model_config.get("problem_type")) and _named(e, model_config):
             return e.name
     return default
 
 
-def kind_of_peft_task_type(task_type: str | None, default: str = DEFAULT, problem_type: str | None = None) -> str:
-    """The kind a saved adapter's peft task type names; kinds that share a task type (classification and
-    regression) are told apart by the `problem_type` of the base config saved beside the adapter."""
-    sharing = [e for e in ENTRIES.values() if e.peft_task_type == task_type]
+def _named(e: Entry, model_config: dict[str, object]) -> bool:
+    """Whether a saved config's outputs fit kind `e`: its single output named `e.output_name`, when it has one, and
+    not a kind that names its output when `e` does not (a classifier of one class called "reward" is not one)."""
+    id2label = model_config.get("id2label")
+    names = list(id2label.values()) if isinstance(id2label, dict) else []
+    if e.output_name is not None:
+        return names == [e.output_name]
+    return not any(o.output_name is not None and names == [o.output_name] for o in ENTRIES.values())
+
+
+def kind_of_peft_task_type(task_type: str | None, default: str = DEFAULT, problem_type: str | None = None,
+                           model_config: dict[str, object] | None = None) -> str:
+    """The kind a saved adapter's peft task type names; kinds that share a task type (classification, regression,
+    reward) are told apart by the `problem_type` and output name of the base config saved beside the adapter."""
+    saved = model_config or {}
+    sharing = [e for e in ENTRIES.values() if e.peft_task_type == task_type and _named(e, saved)]
     return next((e.name for e in sharing if e.problem_type == problem_type),
                 next((e.name for e in sharing if e.problem_type is None), default))

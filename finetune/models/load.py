@@ -198,10 +198,11 @@ def task_of(model_dir: Path) -> str:
     """The task kind of a saved model, from its architecture (or the adapter's task type)."""
     if is_adapter(model_dir):
         task_type = json.loads((model_dir / "adapter_config.json").read_text(encoding="utf-8")).get("task_type")
-        # The base config saved beside the adapter tells apart kinds that share a task type (by `problem_type`).
+        # The base config saved beside the adapter tells apart kinds that share a task type (by `problem_type`
+        # and the output's name).
         config = model_dir / "config.json"
-        problem = json.loads(config.read_text(encoding="utf-8")).get("problem_type") if config.is_file() else None
-        return kind_of_peft_task_type(task_type, problem_type=problem)
+        saved = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+        return kind_of_peft_task_type(task_type, problem_type=saved.get("problem_type"), model_config=saved)
     return kind_of_model_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
 
 

@@ -101,6 +101,8 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
     # The head's size is what the dry run needs (the label names only name its outputs).
     for key, value in kind.model_kwargs([str(i) for i in range(num_labels)]).items():
         setattr(model_config, key, value)
+    if getattr(model_config, "pad_token_id", 0) is None:  # as `load_model` sets it: a classifier needs one
+        model_config.pad_token_id = getattr(model_config, "eos_token_id", None)
     auto = getattr(transformers, kind.entry.auto_model)
     fake = FakeTensorMode()
     with fake, _adapters_stay_where_made():

@@ -67,6 +67,9 @@ class Step:
     skipped: int
     samples_per_s: float
     task_losses: dict[str, float] | None = None  # multi-task runs: each task's mean loss in the window
+    # The kind's metrics of the window's own batches (its registry entry's `step_metrics`: preference's and reward's
+    # rewards/* and logps/*, TRL's names), over all processes.
+    metrics: dict[str, float] | None = None
     event: str = "step"
 
 
@@ -154,8 +157,8 @@ class Error:
     event: str = "error"
 
 
-# Fields that only some runs have (multi-task), left out of the records of the others.
-OMITTED_WHEN_NONE = frozenset({"task_losses", "tasks"})
+# Fields that only some runs have (multi-task, a kind's step metrics), left out of the records of the others.
+OMITTED_WHEN_NONE = frozenset({"task_losses", "tasks", "metrics"})
 
 Event = Start | Step | Backoff | Eval | Checkpoint | Stopped | Done | Pushed | Exported | Error
 

@@ -118,7 +118,15 @@ def _results(metrics: dict[str, Any], evals: list[dict[str, Any]], task: str) ->
 
 def _usage(c: Config, repo_id: str, adapter: bool) -> str:
     example = entry(c.task).example
-    if not adapter:
+    if c.task == "reward" and not adapter:  # a raw score: the text-classification pipeline would squash it
+        code = (f'import torch\nfrom transformers import AutoModelForSequenceClassification, AutoTokenizer\n\n'
+                f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
+                f'model = AutoModelForSequenceClassification.from_pretrained("{repo_id}")\n'
+                f'prompt, completion = "What is 2 + 2?", " {example}"\n'
+                f'ids = tokenizer(prompt)["input_ids"] + tokenizer(completion, add_special_tokens=False)["input_ids"]'
+                f' + [tokenizer.eos_token_id]\n'
+                f'print(model(input_ids=torch.tensor([ids])).logits.item())  # the reward')
+    elif not adapter:
         code = (f'from transformers import pipeline\n\npipe = pipeline("{PIPELINES[c.task]}", model="{repo_id}")\n'
                 f'print(pipe("{example}"))')
     else:
@@ -170,6 +178,9 @@ def _procedure(c: Config, start: dict[str, Any], metrics: dict[str, Any], run_di
             ([("simpo_gamma", c.simpo_gamma)] if c.preference_loss == "simpo" else []) + \
             ([("orpo_lambda", c.orpo_lambda)] if c.preference_loss == "orpo" else []) + \
             ([("reference_model", c.reference_model)] if c.reference_model else [])
+    if c.task == "reward":  # the method and its weight
+        rows += [("method", "Bradley–Terry reward model: −log σ(r_chosen − r_rejected) per pair")] + \
+            ([("center_rewards_coefficient", c.center_rewards_coefficient)] if c.center_rewards_coefficient else [])
     for key in ("train_seconds", "train_samples_per_s"):
         if key in metrics:
             rows.append((key.replace("_", " "), metrics[key]))

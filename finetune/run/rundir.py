@@ -241,11 +241,22 @@ def disk_full_is_one_sentence(run_dir: Path, record: Callable[[str], None] | Non
         raise TrainingError(message) from None
 
 
+def write_text(path: Path, text: str) -> None:
+    """Write a text file atomically: a reader never sees half a file, and a write that fails (a full disk) leaves
+    the earlier file as it was and no temporary file behind."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically so a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def plot_loss(events_path: Path, out: Path) -> None:

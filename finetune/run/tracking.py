@@ -87,7 +87,8 @@ class TrackerSink:
         elif not self.started:
             return
         elif isinstance(event, Step):
-            acc.log({f"train/{k}": getattr(event, k) for k in STEP_KEYS}, step=event.step)
+            acc.log({**{f"train/{k}": getattr(event, k) for k in STEP_KEYS},
+                     **{f"train/{k}": v for k, v in (event.metrics or {}).items()}}, step=event.step)
         elif isinstance(event, Eval):
             acc.log({f"eval/{k}": v for k, v in event.metrics.items()}, step=event.step)
         elif isinstance(event, (Done, Stopped, Error)):

@@ -192,7 +192,8 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                     clock, clock_samples = now, p.samples
                     s.log.emit(Step(step=p.step, epoch=round(epoch_progress, 4), loss=window_loss,
                                     grad_norm=float(grad_norm), lr=lr, samples=p.samples, tokens=p.tokens,
-                                    skipped=p.skipped, samples_per_s=round(rate, 2), task_losses=task_losses))
+                                    skipped=p.skipped, samples_per_s=round(rate, 2), task_losses=task_losses,
+                                    metrics=s.variant.step_metrics(s)))
                 if c.eval_every and p.step % c.eval_every == 0 and p.step < s.total_steps:
                     _evaluate(s, epoch_progress)
                 if c.save_every and p.step % c.save_every == 0 and p.step < s.total_steps:
@@ -258,6 +259,11 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     mode = distributed_mode(accelerator)
     note = fallback_note(requested_mode(), mode, accelerator.num_processes, accelerator.device.type)
     plan, model = variant.plan(c, train_data, label_names, accelerator, mode)
+    config = getattr(model, "config", None)
+    if config is not None and tokenizer.pad_token_id is not None:
+        # A sequence classifier on a causal LM scores the last token that is not `pad_token_id`: it must be the id
+        # the micro-batches are padded with (a config without one got end-of-sequence when it was loaded).
+        config.pad_token_id = tokenizer.pad_token_id
     if note:
         plan = dataclasses.replace(plan, notes=(note, *plan.notes))
     c = plan.apply(c)
@@ -291,11 +297,22 @@ def _open_run_dir(c: Config, run_dir: Path, accelerator: Any, plan: Any, schedul
             shown = ", ".join(str(k.relative_to(run_dir)) for k in kept[:3]) + (", …" if len(kept) > 3 else "")
             print(f"note: overwrite kept {len(kept)} file(s) that finetune did not write: {shown}", file=sys.stderr,
                   flush=True)
-        rundir.mark_run_dir(run_dir)
-        # The saved config describes the run, not this invocation: `finetune train config.yaml resume=true`
-        # continues it and a plain `finetune train config.yaml` refuses to overwrite it.
-        (run_dir / "config.yaml").write_text(c.replace(overwrite=False, resume=False).to_yaml(), encoding="utf-8")
-        rundir.write_json(run_dir / "plan.json", plan.to_dict())
+        created = not run_dir.exists()
+        try:
+            with rundir.disk_full_is_one_sentence(run_dir):
+                rundir.mark_run_dir(run_dir)
+                # The saved config describes the run, not this invocation: `finetune train config.yaml resume=true`
+                # continues it and a plain `finetune train config.yaml` refuses to overwrite it.
+                rundir.write_text(run_dir / "config.yaml", c.replace(overwrite=False, resume=False).to_yaml())
+                rundir.write_json(run_dir / "plan.json", plan.to_dict())
+        except TrainingError:
+            # A full disk before the run began: take back what was written, so that starting again works as it
+            # would have (a folder the run created goes too).
+            for name in (rundir.MARKER, rundir.MANIFEST, "config.yaml", "plan.json"):
+                (run_dir / name).unlink(missing_ok=True)
+            if created and run_dir.is_dir() and not any(run_dir.iterdir()):
+                run_dir.rmdir()
+            raise
     accelerator.wait_for_everyone()
 
 

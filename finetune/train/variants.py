@@ -17,7 +17,7 @@ from finetune.config.schema import Config
 from finetune.data.load import collate, load_data
 from finetune.data.multitask import MultiData, load_tasks
 from finetune.data.packing import check_keeps_samples_apart, packing_note
-from finetune.engine.evaluate import evaluate
+from finetune.engine.evaluate import AcrossProcesses, evaluate
 from finetune.engine.recurrence import Recurrence, self_check
 from finetune.engine.recurrence import backward_window as recurrent_backward_window
 from finetune.engine.step import backward_window, per_count, share_of
@@ -56,6 +56,10 @@ class Variant(Protocol):
     def window_loss(self, s: Setup, loss_sum: torch.Tensor, count: Any) -> tuple[float, dict[str, float] | None]:
         """The window's loss over all processes, and each task's (None: one task)."""
 
+    def step_metrics(self, s: Setup) -> dict[str, float] | None:
+        """The kind's step metrics of the last window over all processes (every process calls it: collective), or
+        None for a kind without any."""
+
     def evaluate(self, s: Setup) -> dict[str, float]:
         """The evaluation metrics over all processes ({} when there is nothing to evaluate)."""
 
@@ -85,6 +89,7 @@ class SingleTask:
     """One dataset, one model: the plain loop."""
 
     recurrence: Recurrence | None = None
+    _window_metrics: Any = None  # the last window's metric accumulator, for a kind with step metrics
 
     def load_data(self, c: Config, tokenizer: Any, num_processes: int) -> tuple[Any, Any, list[str] | None]:
         """The dataset, tokenised (or read as a stream)."""
@@ -93,7 +98,7 @@ class SingleTask:
     def plan(self, c: Config, train_data: Any, label_names: list[str] | None, accelerator: Any, mode: str
              ) -> tuple[Plan, Any]:
         """The planner's plan and its model; packed rows are checked on the loaded model."""
-        plan, model = plan_run(c, train_data.lengths, label_names, num_processes=accelerator.num_processes,
+        plan, model = plan_run(c, train_data.widths, label_names, num_processes=accelerator.num_processes,
                                device=accelerator.device, load=True, distributed=mode)
         if c.packing:
             check_keeps_samples_apart(model, c.model)
@@ -118,7 +123,19 @@ class SingleTask:
         return self._backward(s, micro, count, weight), count
 
     def _backward(self, s: Setup, micro: list[list[int]], count: int, weight: float) -> torch.Tensor:
-        return backward_window(s.model, micro, self._collate(s), count, s.accelerator, kind=s.kind, weight=weight)
+        # A fresh accumulator per call: a window retried after an OOM back-off counts once. A stand-in (weight 0)
+        # adds nothing but still joins the reduction.
+        acc = self._window_metrics = s.kind.metrics(s.label_names, s.accelerator.device) \
+            if s.kind.entry.step_metrics else None
+        return backward_window(s.model, micro, self._collate(s), count, s.accelerator, kind=s.kind, weight=weight,
+                               observe=acc.add if acc is not None and weight else None)
+
+    def step_metrics(self, s: Setup) -> dict[str, float] | None:
+        """The entry's `step_metrics` of the last window's batches, reduced over processes like an evaluation."""
+        if self._window_metrics is None:
+            return None
+        result = self._window_metrics.result(AcrossProcesses(s.accelerator))
+        return {k: result[k] for k in s.kind.entry.step_metrics if k in result}
 
     def window_loss(self, s: Setup, loss_sum: torch.Tensor, count: int) -> tuple[float, None]:
         """The summed loss over the window's target count."""
@@ -180,6 +197,10 @@ class MultiTask:
     def window_loss(self, s: Setup, loss_sum: torch.Tensor, count: list[int]) -> tuple[float, dict[str, float]]:
         """Σₜ wₜ · (task t's loss sum) / Nₜ, and each present task's mean loss."""
         return window_losses(loss_sum, count, s.train_data, s.accelerator)
+
+    def step_metrics(self, s: Setup) -> None:
+        """None: a multi-task step reports each task's loss instead."""
+        return None
 
     def evaluate(self, s: Setup) -> dict[str, float]:
         """Each task's metrics as `<task>/<metric>`, and their weighted mean."""
