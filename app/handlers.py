@@ -681,6 +681,10 @@ class Controller:
                      {"role": "assistant", "content": reply}]
             return PredictionShown(label=gr.update(visible=False), generated=gr.update(visible=False),
                                    chat=gr.update(value=shown, visible=True), text="", message=note)
+        if "score" in out:  # a reward model: the text's reward (issue 21 item 7: Try it scores a text)
+            return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
+                                   generated=gr.update(value=f"{out['score']:.4g}", label="Reward (score)",
+                                                       visible=True))
         if "value" in out:  # regression: the predicted number
             return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
                                    generated=gr.update(value=f"{out['value']:.4g}", label="Predicted value",

@@ -228,3 +228,22 @@ def test_the_model_picker_warns_when_nothing_fits_and_the_plan_is_for_a_cuda_gpu
     assert planned.error == "", planned.error
     assert "device **cuda (planned for a 8 GiB GPU)**" in planned.text and "precision **bf16**" in planned.text
     assert 'class="ft-plan-chart"' in planned.chart["value"] and planned.chart["visible"]
+
+
+@pytest.mark.slow
+def test_try_it_scores_a_text_with_a_reward_run(tmp_path, pairs_csv, tiny_gpt2):
+    from conftest import run_train
+
+    from app import jobs
+
+    run = tmp_path / "runs" / "r"
+    run_train(run, model=tiny_gpt2, dataset=pairs_csv, task="reward", max_steps=1, effective_batch_size=2)
+    ctl = _controller(tmp_path)
+    ctl.jobs._job = jobs._Job(run_dir=run, config_path=run / "config.yaml", log_path=run / "launch.log",
+                              command=["python"], pid=-1, proc=None, launched=time.time() - 60)
+    (run / "events.jsonl").write_text((run / "events.jsonl").read_text() + json.dumps(
+        {"event": "done", "time": time.time(), "step": 1, "metrics": {}, "model_dir": str(run / "model")}) + "\n")
+    assert shown_fields("reward", pairs_csv)["chosen_column"] and not shown_fields("reward", "")["beta"]
+    scored = ctl.try_it("a calm and warm answer")
+    assert scored.message == "" and scored.generated["label"] == "Reward (score)"
+    assert float(scored.generated["value"]) == pytest.approx(ctl.predict("a calm and warm answer")["score"], abs=1e-3)
