@@ -398,9 +398,9 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         picked = _on(fields["model"].input, controller.on_model, fields["model"],
                      {"task": fields["task"], "note": model_note}, **private)
         # Then whether it can fit the budget at all (even at 4-bit): the planner names the smallest budget that does.
-        for event in (picked.then, fields["memory_budget_gb"].blur):
-            _on(event, controller.model_fit, values, {}, outputs=model_fit, concurrency_id="plan",
-                concurrency_limit=limits.PLAN_CONCURRENCY, show_progress="hidden", **private)
+        # (Only on a pick: a planner child on every blur of the budget would compete with the run for the cores.)
+        _on(picked.then, controller.model_fit, values, {}, outputs=model_fit, concurrency_id="plan",
+            concurrency_limit=limits.PLAN_CONCURRENCY, show_progress="hidden", **private)
         _on(fields["task"].change, controller.refresh_dataset, data_in, data_out, **private)
         # Only what applies: the chosen kind's fields, and no hub config or split for a local file.
         fields_out = {"fields": by_name, "tasks_section": tasks_section, "chat_example": chat_example}
