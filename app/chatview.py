@@ -70,6 +70,41 @@ def example(source: str, config_name: str | None, split: str, column: str, model
     return pieces, f"{learned} of its {len(ids)} tokens are learned (highlighted): `train_on: {train_on}`."
 
 
+CHOSEN, REJECTED = "chosen (scored)", "rejected (scored)"
+
+
+def pair_example(source: str, config_name: str | None, split: str, columns: tuple[str, str, str], model: str,
+                 max_length: int) -> tuple[list[tuple[str, str | None]], str]:
+    """The first preference pair as the model sees it: the prompt (not scored) with the chosen completion, then with
+    the rejected one, each completion's tokens highlighted (the only ones the loss scores), tokenized as
+    `finetune.kinds.preference` encodes a pair; and a note."""
+    from finetune.kinds import registry
+
+    prompt_col, chosen_col, rejected_col = columns
+    try:
+        head = dataview.load(source, config_name, split, head=1)
+        tokenizer = _tokenizer(model, None, None)
+    except InputError as e:
+        return [], f"⚠️ {e}"
+    row = head[0] if len(head) else {}
+    if not row or chosen_col not in row or rejected_col not in row:
+        return [], ""
+    prompt = tokenizer(str(row[prompt_col]) if prompt_col in row else "", add_special_tokens=True,
+                       verbose=False)["input_ids"]
+    eos = registry.kind("preference").end_of_document(tokenizer)
+    pieces: list[tuple[str, str | None]] = []
+    cut = []
+    for column, category in ((chosen_col, CHOSEN), (rejected_col, REJECTED)):
+        completion = tokenizer(str(row[column]), add_special_tokens=False, verbose=False)["input_ids"] + eos
+        cut += [len(prompt) + len(completion) > max_length]
+        pieces += [(tokenizer.decode(prompt), None), (tokenizer.decode(completion), category), ("\n\n", None)]
+    if any(cut):
+        return pieces[:-1], (f"⚠️ The first pair is left out of training: prompt and completion are longer than "
+                             f"Max length (tokens) ({max_length}).")
+    return pieces[:-1], ("The first pair: the prompt with the chosen completion, then with the rejected one; only "
+                         "the completions' tokens (highlighted) are scored.")
+
+
 def history_turns(history: list[dict[str, Any]] | None) -> list[dict[str, str]]:
     """The Chatbot's messages (Gradio 6 gives each content as a list of parts) as {role, content} turns."""
     turns = []

@@ -25,7 +25,7 @@ import pandas as pd
 
 from app import regressionview, worker
 from app.limits import short_text
-from app.mapping import COLUMN_FIELDS
+from app.mapping import COLUMN_FIELDS, task_label
 from finetune.config.schema import Config
 from finetune.data.chat import MESSAGES_NAMES
 from finetune.data.load import Columns, DataError, is_local, label_counts, load_table, resolve_columns
@@ -60,6 +60,7 @@ class DatasetView:
     labels: dict[str, int] = field(default_factory=dict)  # label → rows
     targets: dict[str, float] = field(default_factory=dict)  # a kind without classes: min, mean, max of its numbers
     error: str = ""
+    error_field: str = ""  # the column field the error is about, when it names one (shown at its dropdown)
     sampled: bool = False  # a hub dataset: `rows` and `labels` count only its first rows
 
 
@@ -223,7 +224,8 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
                            sampled=sampled)
     chosen = {f"{role}_column": column for role, column in dataclasses.asdict(found).items()}
     if problem := _text_problem(source, config_name, split or "train", chosen, kept):
-        return DatasetView(columns, preview, len(head), chosen, error=problem, sampled=sampled)
+        return DatasetView(columns, preview, len(head), chosen, error=problem[0], error_field=problem[1],
+                           sampled=sampled)
     # The rows and the labels need one column of the whole file (of a hub dataset: of its sample).
     try:
         table = load(source, config_name, split or "train", columns=(found.label or columns[0],))
@@ -258,14 +260,15 @@ def _conversation_hint(head: Any, task: str) -> str:
         turns = isinstance(first, list) and first and all(isinstance(t, dict) and "role" in t for t in first)
         if name in MESSAGES_NAMES or turns:
             return (f"Column `{name}` holds conversations, which a classifier cannot learn from: set Task to "
-                    "causal_lm and pick a causal LM model (one with a chat template) to fine-tune on them.")
+                    f"{task_label('causal_lm')} and pick a causal LM model (one with a chat template) to fine-tune "
+                    "on them.")
     return ""
 
 
 def _text_problem(source: str, config_name: str | None, split: str, chosen: dict[str, str | None],
-                  given: dict[str, str]) -> str:
-    """Why a text column cannot be the text ("" when it can): numbers, or ids (one distinct short token per row);
-    a guessed column (the only one left beside the label) says so."""
+                  given: dict[str, str]) -> tuple[str, str] | None:
+    """Why a text column cannot be the text, and which column field it is (None when it can): numbers, or ids (one
+    distinct short token per row); a guessed column (the only one left beside the label) says so."""
     for role, what in TEXT_ROLES.items():
         column = chosen.get(role)
         if not column:
@@ -273,18 +276,18 @@ def _text_problem(source: str, config_name: str | None, split: str, chosen: dict
         try:
             table = load(source, config_name, split, columns=(column,), head=SANITY_ROWS)
         except DataError:
-            return ""  # the full check below words the problem
+            return None  # the full check below words the problem
         values = [v for v in table[column][:SANITY_ROWS] if v is not None]
         how = "" if given.get(role) == column else " (guessed: it is the only column beside the label)"
         if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             return (f"{what} `{column}`{how} holds numbers, not text: pick the column with the text under {what}, "
-                    "or add one to the file.")
+                    "or add one to the file.", role)
         strings = [v for v in values if isinstance(v, str)]
         if len(strings) >= 2 and len(set(strings)) == len(strings) and all(
                 ID_LIKE.match(v) and any(ch.isdigit() for ch in v) for v in strings):
             return (f"{what} `{column}`{how} looks like ids (one distinct code per row), not text: pick the column "
-                    f"with the text under {what}, or add one to the file.")
-    return ""
+                    f"with the text under {what}, or add one to the file.", role)
+    return None
 
 
 def _for_task(columns: dict[str, str], task: str) -> dict[str, str]:

@@ -4,6 +4,7 @@ result from `app.results`, which `app.ui` maps to the widgets."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,20 +25,28 @@ from app.jobs import JobBusy, JobManager, JobStatus, zip_model
 from app.mapping import (
     COLUMN_FIELDS,
     FIELD_NAMES,
+    KIND_FIELDS,
+    SPECS,
     changed_options,
     config_to_values,
     config_yaml,
+    field_problems,
     in_form_words,
     infer_task,
     load_config_file,
+    plain_words,
     problems_markdown,
     problems_text,
+    shown_fields,
+    task_label,
+    to_widget,
     values_to_config,
 )
 from app.results import (
     ChatExampleShown,
     DatasetShown,
     ExportShown,
+    FieldsShown,
     FormShown,
     PlanShown,
     PredictionShown,
@@ -50,12 +59,14 @@ from app.results import (
     UploadShown,
 )
 from app.tasksview import tasks_config, tasks_frame
+from finetune.config.exclusions import takes
 from finetune.config.multitask import single_task_values
 from finetune.config.schema import FIELDS, Config, ConfigError, from_dict
 from finetune.kinds import registry as kinds
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
 PLAN_TIMEOUT_S = 120
+PLAN_DEVICES = ("here", "cuda")  # "plan for this machine / for a CUDA GPU" (`finetune plan --device`)
 PLAN_MEMO = 16  # plans (or planner errors) kept per app, by config: Start reuses what Plan just answered
 PLANNER_SLOW = "The planner took longer than"
 PROBE_OFF = "Estimated without a measured probe while a run is training."
@@ -63,6 +74,8 @@ TASK_COLUMNS = {name: kinds.entry(name).columns for name in kinds.names()}  # th
 NONE_CHOICE = ("—", "")
 RUN_FOLDER_FIELDS = ("output_dir", "overwrite", "resume")  # where a run goes: never carried into the next one
 TERMINAL = ("stopped", "done", "failed")
+EXAMPLE_COLUMNS = {"messages_column", "chosen_column"}  # data whose first example the form shows, tokenized
+CHAT_EXAMPLE_LABEL = "The first conversation as the model sees it (learned tokens highlighted)"
 
 
 class Unanswered(RuntimeError):
@@ -119,6 +132,8 @@ class Controller:
         self.limits = server_limits
         self._downloads: Path | None = None  # where finished zips are handed out from, when the runs are elsewhere
         self._plans: dict[tuple, dict[str, Any] | str] = {}  # see make_plan
+        # Each field's help as the page shows it (the page sets it: the budget's names the detected memory).
+        self.field_infos: dict[str, str] = {name: spec.info for name, spec in SPECS.items()}
 
     # --- who asks
     def who(self, request: Any) -> tuple[str | None, str]:
@@ -163,7 +178,7 @@ class Controller:
         task = infer_task((model or "").strip())
         if task is None:
             return TaskGuess(note="The task cannot be told offline for this model: choose it under Task.")
-        return TaskGuess(task=task, note=f"Task inferred from the model: **{task}**.")
+        return TaskGuess(task=task, note=f"Task inferred from the model: **{task_label(task)}**.")
 
     def refresh_dataset(self, source: str, config_name: str, split: str, task: str, *columns: str,
                         request: Any = None) -> DatasetShown:
@@ -180,15 +195,26 @@ class Controller:
             view = dataview.inspect((source or "").strip(), (config_name or "").strip() or None,
                                     (split or "").strip() or "train", task, wanted)
         shown = TASK_COLUMNS.get(task, COLUMN_FIELDS)
+        # A missing or unusable column is said beside its dropdown too, not only under the dataset.
+        about = field_problems(ConfigError([view.error])) if view.error else {}
+        if view.error_field:
+            about = {view.error_field: plain_words(view.error)}
         updates = {}
         for name in COLUMN_FIELDS:
             value = view.chosen.get(name) if view.columns else wanted.get(name)
             choices = [NONE_CHOICE, *[(c, c) for c in view.columns]] if view.columns else [NONE_CHOICE]
             if value and value not in view.columns:
                 choices.append((value, value))  # an imported mapping stays visible until the data is there
-            updates[name] = gr.update(choices=choices, value=value or "", visible=name in shown)
+            updates[name] = gr.update(choices=choices, value=value or "", visible=name in shown,
+                                      **self._column_note(name, about))
         return DatasetShown(preview=view.preview, columns=updates, labels=dataview.labels_markdown(view),
                             error=f"⚠️ {in_form_words(view.error)}" if view.error else "")
+
+    def _column_note(self, name: str, problems: dict[str, str]) -> dict[str, Any]:
+        info = self.field_infos.get(name, "")
+        if name in problems:
+            return {"info": f"⚠️ {problems[name]}", "elem_classes": ["ft-invalid"]}
+        return {"info": info, "elem_classes": []}
 
     def tasks_table(self, text: str, mixing: str, temperature: Any, cap: Any, *, request: Any = None) -> TasksShown:
         """The Tasks table of the multi-task YAML: each task's data, columns, weight and share, after the same file
@@ -230,9 +256,12 @@ class Controller:
                                              error=data.error))
 
     def chat_example(self, source: str, config_name: str, split: str, task: str, column: str, model: str,
-                     chat_template: str, train_on: str, max_length: Any, *, request: Any = None) -> ChatExampleShown:
-        """For conversation data: the first conversation as the model sees it, the learned tokens highlighted."""
-        if task != "causal_lm" or not column or not source:
+                     chat_template: str, train_on: str, max_length: Any, prompt_column: str = "",
+                     chosen_column: str = "", rejected_column: str = "", *, request: Any = None) -> ChatExampleShown:
+        """For conversation data: the first conversation as the model sees it, the learned tokens highlighted; for
+        preference pairs, the first pair, its scored (completion) tokens highlighted."""
+        pair = task in kinds.names() and "chosen_column" in kinds.entry(task).columns  # a kind of preference pairs
+        if not source or not (pair or (task == "causal_lm" and column)):
             return ChatExampleShown()
         user, refusal = self.who(request)
         try:
@@ -247,14 +276,21 @@ class Controller:
             length = int(max_length)
         except (TypeError, ValueError):
             length = FIELDS["max_length"].default
-        pieces, note = chatview.example(source.strip(), (config_name or "").strip() or None,
-                                        (split or "").strip() or "train", column, (model or "").strip(),
-                                        (chat_template or "").strip() or None, train_on or "assistant", length)
-        return ChatExampleShown(example=gr.update(value=pieces, visible=bool(pieces)), note=note)
+        where = (source.strip(), (config_name or "").strip() or None, (split or "").strip() or "train")
+        if pair:
+            columns = (prompt_column or "prompt", chosen_column or "chosen", rejected_column or "rejected")
+            pieces, note = chatview.pair_example(*where, columns, (model or "").strip(), length)
+            label = "The first pair as the model sees it (scored tokens highlighted)"
+        else:
+            pieces, note = chatview.example(*where, column, (model or "").strip(),
+                                            (chat_template or "").strip() or None, train_on or "assistant", length)
+            label = CHAT_EXAMPLE_LABEL
+        return ChatExampleShown(example=gr.update(value=pieces, visible=bool(pieces), label=label), note=note)
 
     # --- plan
-    def make_plan(self, config: Config, *, request: Any = None) -> dict[str, Any]:
-        """`finetune plan` on `config`: the plan.json mapping; raises `Unanswered` with the planner's message."""
+    def make_plan(self, config: Config, *, device: str = "here", request: Any = None) -> dict[str, Any]:
+        """`finetune plan` on `config` (for this machine, or with `device` "cuda" for a CUDA GPU of the budget's
+        memory): the plan.json mapping; raises `Unanswered` with the planner's message."""
         user, refusal = self.who(request)
         try:
             if refusal:
@@ -264,14 +300,15 @@ class Controller:
             raise Unanswered(str(e)) from None
         if over := limits.check(config, self.limits):
             raise Unanswered(" ".join(over))
-        key = self._plan_key(config, user)
+        device = device if device in PLAN_DEVICES else "here"
+        key = (*self._plan_key(config, user), device)
         if key in self._plans:  # Plan, then Start on the same form: one planner run, not two
             answer = self._plans[key]
             if isinstance(answer, str):
                 raise Unanswered(answer)
             return dict(answer)
         try:
-            plan = self._run_planner(config)
+            plan = self._run_planner(config, device)
         except Unanswered as e:
             if not str(e).startswith(PLANNER_SLOW):
                 self._remember(key, str(e))
@@ -290,12 +327,12 @@ class Controller:
         while len(self._plans) > PLAN_MEMO:
             self._plans.pop(next(iter(self._plans)))
 
-    def _run_planner(self, config: Config) -> dict[str, Any]:
+    def _run_planner(self, config: Config, device: str = "here") -> dict[str, Any]:
         """`finetune plan --json` in a child process."""
-        extra = []
+        extra = ["--device", "cuda"] if device == "cuda" else []
         if self.jobs.status().active and "plan_probe" in FIELDS:
             # A measured probe would train on the device the running job is using: estimate without one.
-            extra = ["plan_probe=false"]
+            extra = ["plan_probe=false", *extra]
         with tempfile.TemporaryDirectory(prefix="finetune-plan-") as tmp:
             cfg_path, out_path = Path(tmp) / "config.yaml", Path(tmp) / "plan.json"
             cfg_path.write_text(config_yaml(config), encoding="utf-8")
@@ -311,21 +348,77 @@ class Controller:
                                None)
                 raise Unanswered(limits.short_text(message or (text[-1] if text else "The planner failed.")))
             plan = json.loads(out_path.read_text(encoding="utf-8"))
-        if extra:
+        if "plan_probe=false" in extra:
             plan["notes"] = [*plan.get("notes", []), PROBE_OFF]
         return plan
 
     def plan(self, *values: Any, request: Any = None) -> PlanShown:
-        """Plan the form's config and show the answer, or its error next to the button."""
+        """Plan the form's config for this machine (see `plan_for`)."""
+        return self.plan_for("here", *values, request=request)
+
+    def plan_for(self, device: str, *values: Any, request: Any = None) -> PlanShown:
+        """Plan the form's config for `device` ("here", or "cuda": a CUDA GPU of the budget's memory) and show the
+        answer, or its error next to the button and each bad value next to its field."""
         try:
-            plan = self.make_plan(values_to_config(values), request=request)
+            plan = self.make_plan(values_to_config(values), device=device, request=request)
         except ConfigError as e:
-            return PlanShown(error=problems_markdown(e))
+            return PlanShown(error=problems_markdown(e), fields=self.field_notes(field_problems(e)))
         except Unanswered as e:
-            return PlanShown(error=f"⚠️ {in_form_words(str(e))}")
-        frame = views.plan_frame(plan)
-        return PlanShown(text=views.plan_markdown(plan), chart=gr.update(value=frame, sort=list(frame.part),
-                                                                         visible=True))
+            return PlanShown(error=f"⚠️ {in_form_words(str(e))}", fields=self.field_notes({}))
+        return PlanShown(text=views.plan_markdown(plan), chart=gr.update(value=views.plan_chart_html(plan),
+                                                                         visible=True),
+                         fields=self.field_notes({}))
+
+    def field_notes(self, problems: dict[str, str]) -> dict[str, Any]:
+        """Each field's help, or (for the fields in `problems`) its problem in its place, marked: a bad value is
+        shown next to its field, and a fixed one goes back to its help."""
+        return {name: gr.update(info=f"⚠️ {problems[name]}" if name in problems else info,
+                                elem_classes=["ft-invalid"] if name in problems else [])
+                for name, info in self.field_infos.items()}
+
+    def form_fields(self, task: str, source: str, *, request: Any = None) -> FieldsShown:
+        """Only what applies: the fields of the chosen task kind and, for a local file, no hub config or split.
+
+        Whether a path is a file is told only of the user's own files: the fields must not tell a visitor which
+        paths exist on a shared server."""
+        user, refusal = self.who(request)
+        try:
+            if refusal:
+                raise AccessError(refusal)
+            self.access.check_source((source or "").strip(), "dataset", self._readable(user))
+        except AccessError:
+            source = ""
+        shown = shown_fields(task, source)
+        shown_columns = kinds.entry(task).columns if task in kinds.names() else COLUMN_FIELDS
+        # A hidden kind option goes back to its default: a value set for another kind (preference's β, say) is
+        # not sent with this one, where the config would refuse it at a field no one can see. (Columns are set by
+        # refresh_dataset for the kind; the hub fields and the one-control fields only hide.)
+        reset = {name for name, visible in shown.items()
+                 if not visible and name in KIND_FIELDS and name not in COLUMN_FIELDS}
+        return FieldsShown(fields={name: gr.update(visible=visible, **(
+                               {"value": to_widget(name, FIELDS[name].default)} if name in reset else {}))
+                               for name, visible in shown.items()},
+                           tasks_section=gr.update(visible=takes(task, "tasks") if task in kinds.names() else True),
+                           chat_example=gr.skip() if EXAMPLE_COLUMNS & set(shown_columns) else
+                           gr.update(visible=False))
+
+    def model_fit(self, *values: Any, request: Any = None) -> str:
+        """After a model is picked: a warning when it cannot fit the budget even with a 4-bit base, with the
+        smallest budget that works (the planner's refusal); "" when it fits or cannot be told."""
+        try:
+            config = values_to_config(values)
+        except ConfigError:
+            return ""  # the form's own problems are shown by Plan and Start
+        if config.memory_budget_gb is None or config.tasks:
+            return ""
+        try:
+            self.make_plan(config, request=request)
+        except Unanswered as e:
+            if str(e).startswith("Nothing fits"):
+                return (f"⚠️ This model does not fit the memory budget, even with LoRA on a 4-bit base: "
+                        f"{in_form_words(str(e))}")
+            return ""
+        return ""
 
     # --- training
     def start(self, *values: Any, request: Any = None) -> Started:
@@ -333,8 +426,9 @@ class Controller:
         try:
             config = values_to_config(values)
         except ConfigError as e:
-            return Started(started=False, message=problems_text(e))
-        return self.start_run(config, request=request)
+            return Started(started=False, message=problems_text(e), fields=self.field_notes(field_problems(e)))
+        started = self.start_run(config, request=request)
+        return dataclasses.replace(started, fields=self.field_notes({}))
 
     def start_run(self, config: Config, *, request: Any = None) -> Started:
         """Check who asks, the server's limits and disk, the data and the run directory, write the YAML into it and
@@ -465,11 +559,10 @@ class Controller:
                                                   f"{status.run_dir.name}.zip"), interactive=True)
                     if status.state == "done" and model_dir is not None else gr.update(value=None, interactive=False))
         command = self.command(status)
-        frame = views.loss_frame(status.events)
         options = publish.run_options(status) if status.run_dir else {"report_to": [], "push_to_hub": None}
         return RunShown(signature=signature, status=text,
                         progress=views.progress_html(status), stats=views.stats_markdown(status),
-                        loss_curve=views.loss_chart_html(frame) if len(frame) else None, log=views.log_text(status),
+                        loss_curve=views.curves_html(status.events), log=views.log_text(status),
                         metrics=views.final_metrics(status) or None, run_dir=str(status.run_dir or ""),
                         download=download, start_button=gr.update(interactive=not status.active),
                         stop_button=gr.update(interactive=status.active),
@@ -590,7 +683,8 @@ class Controller:
         from finetune.use.predict import chat
 
         try:
-            if history:  # a chat going on: the model answers the whole conversation
+            status = self.jobs.status()
+            if history or views.try_kind(status) == "chat":  # the model answers the whole conversation
                 text, status = self._finished_run(text, request)
                 turns = [*chatview.history_turns(history), {"role": "user", "content": text}]
                 out = {"reply": chat(str(status.run_dir), turns, max_new_tokens=limits.MAX_NEW_TOKENS)}
@@ -618,6 +712,10 @@ class Controller:
             return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
                                    generated=gr.update(visible=False),
                                    entities=gr.update(value=entity_pieces(out), visible=True))
+        if "score" in out:  # a reward model: the text's reward (issue 21 item 7: Try it scores a text)
+            return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
+                                   generated=gr.update(value=f"{out['score']:.4g}", label="Reward (score)",
+                                                       visible=True))
         if "value" in out:  # regression: the predicted number
             return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
                                    generated=gr.update(value=f"{out['value']:.4g}", label="Predicted value",

@@ -157,7 +157,7 @@ def _info(name: str) -> str:
     if meta["max"] is not None:
         bounds.append(f"≤ {format_bound(meta['max'])}")
     suffix = f" ({', '.join(bounds)})" if bounds and _kind(name) in ("int", "float") else ""
-    return f"{meta['help']}{suffix} [{name}]"
+    return plain_words(f"{meta['help']}{suffix}")
 
 
 def _default(schema_field: Any) -> Any:
@@ -226,8 +226,6 @@ def tasks_from_widget(value: Any) -> Any:
     specs, problems = parse_tasks(value)
     return value if problems else specs
 
-
-SPECS: dict[str, WidgetSpec] = {name: spec(name) for name in FIELD_NAMES}
 
 
 def values_to_dict(values: list[Any] | tuple[Any, ...]) -> dict[str, Any]:
@@ -313,10 +311,10 @@ def problems_markdown(error: ConfigError) -> str:
 
 
 def _form_word(name: str, value: str | None, advice: bool) -> str:
-    label = SPECS[name].label
+    label = _label(name)
     if not value:
         return f"**{label}**"
-    if SPECS[name].kind == "checkbox" and value.lower() in ("true", "false"):
+    if _kind(name) == "checkbox" and value.lower() in ("true", "false"):
         ticked = value.lower() == "true"
         if advice:  # "set overwrite=true" → "tick Overwrite"
             return f"{'tick' if ticked else 'untick'} **{label}**"
@@ -345,6 +343,109 @@ def in_form_words(text: str) -> str:
     return re.sub(r"(^|[.!?]\s+)((?:un)?tick \*\*)", lambda m: m.group(1) + m.group(2).capitalize(), text)
 
 
+def plain_words(text: str) -> str:
+    """`in_form_words` for plain text (a field's help): labels for config keys, without Markdown."""
+    return in_form_words(text).replace("**", "").replace("`", "")
+
+
+def task_label(name: str) -> str:
+    """A task kind as the form names it: its registry summary ("Text classification"), not its id."""
+    summary = kinds.entry(name).summary
+    return summary[:1].upper() + summary[1:]
+
+
+def task_choices() -> list[tuple[str, str]]:
+    """The Task dropdown's (label, value) pairs, one per registered kind: a new kind appears without a change here."""
+    return [(task_label(name), name) for name in kinds.names()]
+
+
+def loads_offline(model: str) -> bool:
+    """Whether `model` loads without the Hub: the bundled model, a local folder, or a hub id already cached."""
+    if model.startswith("bundled:") or Path(model).expanduser().is_dir():
+        return True
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(model, "config.json"), str)
+    except (ImportError, ValueError):  # not a valid repo id either
+        return False
+
+
+HUB_MARK = " (downloads from the Hub)"
+
+
+def model_choices(offline: bool | None = None) -> list[tuple[str, str]]:
+    """The Model dropdown's presets, grouped by kind (in the registry's order); a preset that needs a download is
+    marked so (and left out when the Hub is off: `offline`, default HF_HUB_OFFLINE)."""
+    import os
+
+    if offline is None:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    out = []
+    for kind in kinds.names():
+        for model, task in MODEL_PRESETS.items():
+            if task != kind:
+                continue
+            here = loads_offline(model)
+            if here or not offline:
+                out.append((model if here else f"{model}{HUB_MARK}", model))
+    return out
+
+
+# Fields that only some kinds read, beyond their columns (see `kind_fields`), and fields only a hub dataset has.
+FEATURE_FIELDS = {"packing": ("packing",), "segment_recurrence": ("segment_recurrence", "memory_length",
+                                                                  "max_document_length"),
+                  "split_documents": ("stride",), "tasks": SECTIONS["tasks"]}
+CHAT_FIELDS = ("chat_template", "train_on")  # how conversations (`messages_column`) are rendered and learned
+HUB_FIELDS = ("dataset_config", "train_split")
+# One control per action: a run is resumed with the Run panel's Resume and pushed from the Export tab, so the
+# config's own switches for them stay off the form (an imported config still sets them).
+FORM_HIDDEN = ("resume", "push_to_hub", "hub_private")
+
+
+def kind_fields(task: str) -> set[str]:
+    """The fields the form shows for kind `task` among those only some kinds read: its columns, its own options and
+    settings (its registry entry), the features it takes and, with conversations, their template options."""
+    from finetune.config.exclusions import takes
+
+    e = kinds.entry(task)
+    fields = {*e.columns, *e.options, *e.settings}
+    fields |= {f for feature, names in FEATURE_FIELDS.items() if takes(task, feature) for f in names}
+    return fields | (set(CHAT_FIELDS) if "messages_column" in e.columns else set())
+
+
+KIND_FIELDS: tuple[str, ...] = tuple(n for n in FIELD_NAMES if any(n in kind_fields(k) for k in kinds.names())
+                                     and not all(n in kind_fields(k) for k in kinds.names()))
+
+
+def shown_fields(task: str, source: str | None = None) -> dict[str, bool]:
+    """Which of the fields that depend on the task kind and the data source the form shows: only what applies
+    (a classifier gets no chat template, a local file no hub config or split)."""
+    from finetune.data.load import is_local
+
+    mine = kind_fields(task) if task in kinds.names() else set(KIND_FIELDS)
+    shown = {name: name in mine for name in KIND_FIELDS}
+    local = bool(source and source.strip()) and is_local(source.strip())
+    shown.update({name: not local for name in HUB_FIELDS})
+    shown.update({name: False for name in FORM_HIDDEN})
+    return shown
+
+
+def field_problems(error: ConfigError) -> dict[str, str]:
+    """Each problem of `error` under the first field it names (in the form's words), for the form to show next to
+    that field; problems that name no field are left to the action's own message."""
+    out: dict[str, str] = {}
+    for problem in error.problems:
+        m = _KEY_RE.search(problem)
+        if m is None:
+            continue
+        name = m.group("name") or m.group("bare")
+        if name in FIELDS:
+            words = plain_words(problem)
+            out[name] = f"{out[name]} {words}" if name in out else words
+    return out
+
+
 def infer_task(model: str) -> str | None:
     """The task kind of a preset or a local model folder; None when it cannot be told offline."""
     if model in MODEL_PRESETS:
@@ -370,3 +471,7 @@ def preset_config(path: str | Path, base: str | Path | None = None) -> Config:
         if base is not None and isinstance(value, str) and not Path(value).exists() and (Path(base) / value).exists():
             values[key] = str(Path(base) / value)
     return from_dict(values)
+
+
+# Built last: a field's help is put in the form's words (labels for config keys), which needs the key pattern above.
+SPECS: dict[str, WidgetSpec] = {name: spec(name) for name in FIELD_NAMES}

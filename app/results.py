@@ -67,6 +67,16 @@ class PlanShown:
     text: str = ""
     chart: Any = hidden()
     error: str = ""
+    fields: dict[str, Any] | None = None  # each field's help, or its problem in its place (None: left as they are)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldsShown:
+    """Which fields the form shows for the chosen task kind and data source (only what applies)."""
+
+    fields: dict[str, Any]  # field → visibility update
+    tasks_section: Any = keep()  # the multi-task accordion: only for kinds that train several tasks at once
+    chat_example: Any = keep()  # the first conversation: hidden for a kind that reads none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +89,7 @@ class Started:
     command: str = ""  # the command that reproduces the run from a terminal
     data_error: str = ""  # the dataset's problem, when that is what stopped the start
     form_message: str = ""  # the message in the form's words, when they differ from the config's (the API's)
+    fields: dict[str, Any] | None = None  # the page: each field's help, or its problem in its place
 
     @property
     def note(self) -> str:

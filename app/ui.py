@@ -11,24 +11,27 @@ from typing import Any
 
 import gradio as gr
 
-from app import dataview, exportview, limits, runsview
+from app import chatview, dataview, exportview, limits, runsview
 from app.access import Access
 from app.api import ScriptApi
 from app.dataview import UPLOAD_TYPES, DatasetView, labels_markdown
 from app.device import DeviceMemory
-from app.handlers import NONE_CHOICE, TASK_COLUMNS, Controller
+from app.handlers import CHAT_EXAMPLE_LABEL, NONE_CHOICE, Controller
 from app.jobs import JobManager
 from app.mapping import (
     COLUMN_FIELDS,
     FIELD_NAMES,
-    MODEL_PRESETS,
     SPECS,
     WidgetSpec,
     changed_options,
+    model_choices,
     preset_config,
+    shown_fields,
+    task_choices,
     to_widget,
 )
 from app.tasksview import tasks_frame
+from finetune.config.exclusions import takes
 from finetune.config.schema import Config, from_dict
 
 TASK_FIELDS = ("tasks", "mixing", "mixing_temperature", "mixing_cap")  # what the Tasks table is drawn from
@@ -57,6 +60,17 @@ button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !import
 .ft-chart svg text { font-size: 12px; fill: var(--body-text-color, #1f2937); }
 .ft-legend { display: flex; gap: 16px; flex-wrap: wrap; font-size: 13px; }
 .ft-key { display: inline-flex; align-items: center; gap: 6px; white-space: nowrap; }
+/* A field whose value is refused says so in its help line, in red, with a red frame. */
+.ft-invalid .info-text { color: #b91c1c !important; }
+.dark .ft-invalid .info-text { color: #fca5a5 !important; }
+.ft-invalid input, .ft-invalid textarea { border-color: #b91c1c !important; }
+.ft-plan-chart { display: flex; flex-direction: column; gap: 4px; font-size: 13px; }
+.ft-bar-row { display: grid; grid-template-columns: minmax(90px, 34%) 1fr 76px; align-items: center; gap: 8px; }
+.ft-bar-track { position: relative; height: 14px; background: #f3f4f6; }
+.ft-bar { display: block; height: 100%; }
+.ft-budget-mark { position: absolute; top: -3px; bottom: -3px; width: 2px; background: #4b5563; }
+.ft-bar-size { text-align: right; font-variant-numeric: tabular-nums; }
+.ft-bar-caption { margin: 4px 0 0; color: #4b5563; }
 """
 # Gradio names number boxes and dropdowns by their label alone (aria-label) but a text box by its whole <label>,
 # help text included; give text boxes the same short name, so people with screen readers (and browser tests that
@@ -89,26 +103,28 @@ class App:
 
 
 def _widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: DatasetView,
-            task: str) -> gr.components.Component:
-    common = {"label": spec.label, "info": spec.info, "value": value, "elem_id": f"field-{spec.name}"}
+            shown: dict[str, bool]) -> gr.components.Component:
+    common = {"label": spec.label, "info": spec.info, "value": value, "elem_id": f"field-{spec.name}",
+              "visible": shown.get(spec.name, True)}
     if spec.name == "memory_budget_gb" and memory is not None:
         common["info"] = f"{spec.info} Detected: {memory.gib:g} GiB of {memory.what}."
     if spec.kind == "checkbox":
         return gr.Checkbox(**common)
+    if spec.name == "task":  # the registry's kinds, by what they train (a new kind appears by itself)
+        return gr.Dropdown(task_choices(), **common)
     if spec.kind == "choice":
         return gr.Dropdown(list(spec.choices or ()), **common)
-    if spec.kind == "multi":
-        return gr.CheckboxGroup(list(spec.choices or ()), **common)
+    if spec.kind == "multi":  # one box of several choices (nine checkboxes took six rows)
+        return gr.Dropdown(list(spec.choices or ()), multiselect=True, **common)
     if spec.kind == "model":
-        return gr.Dropdown(list(MODEL_PRESETS), allow_custom_value=True, filterable=True, **{
-            **common, "info": f"{spec.info} Pick a preset or type any hub id or local folder."})
+        return gr.Dropdown(model_choices(), allow_custom_value=True, filterable=True, **{
+            **common, "info": f"{spec.info} Pick a preset (grouped by task) or type any hub id or local folder."})
     if spec.kind == "column":
         value = value or data.chosen.get(spec.name) or ""
         choices = [NONE_CHOICE, *[(c, c) for c in data.columns]]
         if value and value not in data.columns:
             choices.append((value, value))
-        return gr.Dropdown(choices, allow_custom_value=True, visible=spec.name in TASK_COLUMNS.get(task, ()),
-                           **{**common, "value": value})
+        return gr.Dropdown(choices, allow_custom_value=True, **{**common, "value": value})
     if spec.kind == "tasks":  # YAML, as in a config file; the Tasks table below shows what it means
         return gr.Textbox(lines=6, max_lines=30, placeholder=TASKS_PLACEHOLDER, max_length=limits.MAX_CONFIG_BYTES,
                           **common)
@@ -121,11 +137,15 @@ def _widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: Dat
 
 def _grid(specs: list[WidgetSpec], fields: dict, initial: Config, memory: DeviceMemory | None, data: DatasetView,
           per_row: int = 3) -> None:
+    shown = shown_fields(initial.task, initial.dataset)
+    # Rows of the fields the form shows first, then the others (hidden until their kind is chosen): a kind's own
+    # fields then sit together rather than in gaps between another kind's.
+    specs = sorted(specs, key=lambda s: not shown.get(s.name, True))
     for i in range(0, len(specs), per_row):
         with gr.Row():
             for spec in specs[i: i + per_row]:
                 fields[spec.name] = _widget(spec, to_widget(spec.name, getattr(initial, spec.name)), memory, data,
-                                            initial.task)
+                                            shown)
 
 
 # Where each field of a handler's named result (`app.results`) goes: a component, or the targets of a nested result
@@ -236,6 +256,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                             gr.Markdown("### 1 · Model")
                             place("model", per_row=2)
                             model_note = gr.Markdown()
+                            model_fit = gr.Markdown(elem_classes="ft-error", elem_id="model-fit")
                         with gr.Column(variant="panel"):
                             gr.Markdown("### 2 · Dataset")
                             with gr.Row():
@@ -251,12 +272,14 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                             labels_md = gr.Markdown(labels_markdown(data), elem_id="label-counts")
                             chat_note = gr.Markdown(elem_id="chat-example-note")
                             chat_example = gr.HighlightedText(
-                                label="The first conversation as the model sees it (learned tokens highlighted)",
-                                color_map={"learned": "#22c55e"}, show_legend=False, show_inline_category=False,
+                                label=CHAT_EXAMPLE_LABEL,
+                                color_map={"learned": "#22c55e", chatview.CHOSEN: "#22c55e",
+                                           chatview.REJECTED: "#f87171"}, show_legend=False, show_inline_category=False,
                                 show_whitespaces=False, visible=False, elem_id="chat-example")
                             with gr.Accordion("More data options", open=False):
                                 place("data_more")
-                            with gr.Accordion("Several datasets at once (multi-task)", open=bool(initial.tasks)):
+                            with gr.Accordion("Several datasets at once (multi-task)", open=bool(initial.tasks),
+                                              visible=takes(initial.task, "tasks")) as tasks_section:
                                 place("tasks", per_row=1)
                                 tasks_note = gr.Markdown(elem_classes="ft-error", elem_id="tasks-note")
                                 tasks_table = gr.Dataframe(tasks_frame(*[to_widget(n, getattr(initial, n))
@@ -266,14 +289,18 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                             gr.Markdown("### 3 · Memory budget and batch")
                             place("batch", per_row=2)
                             place("memory", per_row=2)
-                            plan_btn = gr.Button("Plan")
+                            with gr.Row():
+                                plan_device = gr.Radio(
+                                    [("this machine", "here"), ("a CUDA GPU of the budget's memory", "cuda")],
+                                    value="here", label="Plan for", elem_id="plan-device",
+                                    info="A CUDA GPU: plan here for a GPU you will train on (precision bf16, the "
+                                         "CUDA context counted); Start trains on this machine.")
+                                plan_btn = gr.Button("Plan", scale=0)
                             plan_error = gr.Markdown(elem_classes="ft-error", elem_id="plan-error")
                             plan_md = gr.Markdown(elem_id="plan")
-                            # One bar per term, named on the axis: Gradio 6.31 cuts a plot's legend off below its frame.
-                            plan_plot = gr.BarPlot(None, x="part", y="GiB", color="kind", x_title=" ", height=260,
-                                                   label="Predicted peak and its parts vs the budget (GiB)",
-                                                   color_map={"term": "#60a5fa", "predicted peak": "#2563eb",
-                                                              "budget": "#9ca3af"}, visible=False, elem_id="plan-plot")
+                            # Drawn by the app (app.views.plan_chart_html): bars scaled to the peak, the budget a
+                            # marker, each part's size beside it (a 0.6 GiB part of a 24 GiB budget stays visible).
+                            plan_plot = gr.HTML(visible=False, elem_id="plan-plot")
                         with gr.Column(variant="panel"):
                             gr.Markdown("### 4 · Training")
                             place("training")
@@ -346,6 +373,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         timer = gr.Timer(1.0)
 
         by_name = {name: fields[name] for name in FIELD_NAMES}
+        controller.field_infos = {name: fields[name].info or "" for name in FIELD_NAMES}
         columns = {name: fields[name] for name in COLUMN_FIELDS}
         values = list(by_name.values())
         data_in = [fields["dataset"], fields["dataset_config"], fields["train_split"], fields["task"],
@@ -365,7 +393,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         try_out = {"label": try_label, "generated": try_text, "chat": try_chat, "text": try_box, "message": try_msg,
                    "entities": try_entities}
         chat_in = [fields[n] for n in ("dataset", "dataset_config", "train_split", "task", "messages_column", "model",
-                                       "chat_template", "train_on", "max_length")]
+                                       "chat_template", "train_on", "max_length", "prompt_column", "chosen_column",
+                                       "rejected_column")]
         chat_out = {"example": chat_example, "note": chat_note}
         # The page's own events are private: scripts get the named API of `app.api` instead. It is registered first,
         # so that its names are free (a private event still takes its function's name, e.g. `stop`).
@@ -373,9 +402,18 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         private = {"api_visibility": "private"}
 
         # .input, not .change: an imported config keeps its own task.
-        _on(fields["model"].input, controller.on_model, fields["model"],
-            {"task": fields["task"], "note": model_note}, **private)
+        picked = _on(fields["model"].input, controller.on_model, fields["model"],
+                     {"task": fields["task"], "note": model_note}, **private)
+        # Then whether it can fit the budget at all (even at 4-bit): the planner names the smallest budget that does.
+        # (Only on a pick: a planner child on every blur of the budget would compete with the run for the cores.)
+        _on(picked.then, controller.model_fit, values, {}, outputs=model_fit, concurrency_id="plan",
+            concurrency_limit=limits.PLAN_CONCURRENCY, show_progress="hidden", **private)
         _on(fields["task"].change, controller.refresh_dataset, data_in, data_out, **private)
+        # Only what applies: the chosen kind's fields, and no hub config or split for a local file.
+        fields_out = {"fields": by_name, "tasks_section": tasks_section, "chat_example": chat_example}
+        for event in (fields["task"].change, fields["dataset"].change):
+            _on(event, controller.form_fields, [fields["task"], fields["dataset"]], fields_out, gate="public",
+                show_progress="hidden", **private)
         for name in ("dataset", "dataset_config", "train_split"):
             _on(fields[name].submit, controller.refresh_dataset, data_in, data_out, **private)
             _on(fields[name].blur, controller.refresh_dataset, data_in, data_out, **private)
@@ -386,9 +424,11 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
             _on(fields[name].change, controller.tasks_table, task_inputs, {"table": tasks_table, "note": tasks_note},
                 gate="quiet", **private)
         _on(upload.upload, controller.on_upload, [upload, *data_in[1:]], upload_out, **private)
-        _on(plan_btn.click, controller.plan, values, {"text": plan_md, "chart": plan_plot, "error": plan_error},
+        _on(plan_btn.click, controller.plan_for, [plan_device, *values],
+            {"text": plan_md, "chart": plan_plot, "error": plan_error, "fields": by_name},
             concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, **private)
-        _on(start_btn.click, controller.start, values, {"note": run_msg, "dataset_note": data_error}, **private)
+        _on(start_btn.click, controller.start, values,
+            {"note": run_msg, "dataset_note": data_error, "fields": by_name}, **private)
         _on(stop_btn.click, controller.stop, None, {}, outputs=run_msg, gate="public", concurrency_limit=None,
             **private)
         _on(resume_btn.click, controller.resume, None, {}, outputs=run_msg, **private)
@@ -404,6 +444,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
             concurrency_id="push", **private)
         # The example follows the data (its preview), the messages column, the model, the template and `train_on`.
         for event in (preview.change, fields["messages_column"].change, fields["model"].change,
+                      fields["prompt_column"].input, fields["chosen_column"].input, fields["rejected_column"].input,
                       fields["chat_template"].submit, fields["chat_template"].blur, fields["train_on"].change,
                       fields["max_length"].blur, demo.load):
             _on(event, controller.chat_example, chat_in, chat_out, gate="quiet", show_progress="hidden", **private)

@@ -70,9 +70,31 @@ def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
     return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
 
 
-def loss_chart_html(frame: pd.DataFrame) -> str:
+REWARD_CURVES = ("rewards/margins", "rewards/accuracies")  # preference runs' evaluation metrics, TRL's names
+
+
+def reward_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
+    """A preference run's reward margin and accuracy at each evaluation (step, loss, split as in `loss_frame`;
+    the value in `loss`); empty for other runs."""
+    rows = [(e["step"], float(e["metrics"][name]), name) for name in REWARD_CURVES for e in events
+            if e.get("event") == "eval" and isinstance(e.get("metrics", {}).get(name), (int, float))]
+    frame = pd.DataFrame(rows, columns=["step", "loss", "split"])
+    return frame.astype({"step": "int64", "loss": "float64", "split": "str"})
+
+
+def curves_html(events: list[dict[str, Any]]) -> str | None:
+    """The run's charts: the loss, then (a preference run) its reward curves beside it; None before any point."""
+    frame, rewards = loss_frame(events), reward_frame(events)
+    if not len(frame):
+        return None
+    extra = loss_chart_html(rewards, title="Rewards at each evaluation", points=True) if len(rewards) else ""
+    return loss_chart_html(frame) + extra
+
+
+def loss_chart_html(frame: pd.DataFrame, title: str = "Loss per optimizer step", points: bool = False) -> str:
     """The loss curves as an SVG the page draws itself: every split in its colour from the first update, evaluation
-    as points on its line (a single eval is still visible), and a legend above the chart that cannot be cut off."""
+    (or, with `points`, every series) as points on its line (a single eval is still visible), and a legend above the
+    chart that cannot be cut off."""
     if not len(frame):
         return ""
     splits = list(dict.fromkeys(frame.split))
@@ -105,7 +127,7 @@ def loss_chart_html(frame: pd.DataFrame) -> str:
         path = " ".join(f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(points))
         parts.append(f'<path data-split="{html.escape(split)}" d="{path}" fill="none" stroke="{colour}" '
                      f'stroke-width="2"{dash}/>')
-        if split.startswith("eval"):
+        if split.startswith("eval") or points:
             parts += [f'<circle data-split="{html.escape(split)}" cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{colour}"/>'
                       for x, y in points]
     key_dash = ' stroke-dasharray="5 3"'
@@ -113,8 +135,8 @@ def loss_chart_html(frame: pd.DataFrame) -> str:
         f'<span class="ft-key"><svg width="22" height="10" aria-hidden="true"><line x1="1" x2="21" y1="5" y2="5" '
         f'stroke="{_colour(s, splits)}" stroke-width="3"{key_dash if s.startswith("eval") else ""}/></svg>'
         f'{html.escape(s)}</span>' for s in splits)
-    return (f'<div class="ft-chart"><div class="ft-legend"><b>Loss per optimizer step</b> {legend}</div>'
-            f'<svg viewBox="0 0 {CHART_W} {CHART_H}" role="img" aria-label="Loss per optimizer step: '
+    return (f'<div class="ft-chart"><div class="ft-legend"><b>{html.escape(title)}</b> {legend}</div>'
+            f'<svg viewBox="0 0 {CHART_W} {CHART_H}" role="img" aria-label="{html.escape(title)}: '
             f'{html.escape(", ".join(splits))}">{"".join(parts)}</svg></div>')
 
 
@@ -225,9 +247,26 @@ def try_kind(status: JobStatus) -> str | None:
         return None
     config = status.run_dir / "config.yaml"
     options = read_yaml(config) if config.is_file() else {}
-    if options.get("task", "classification") != "causal_lm":
+    task = options.get("task", "classification")
+    if task == "preference":  # a tuned causal LM: chatted with when it has a chat template, as `chat` needs
+        return "chat" if has_chat_template(status.model_dir) else "generate"
+    if task != "causal_lm":
         return "classify"
     return "chat" if options.get("messages_column") else "generate"
+
+
+def has_chat_template(model_dir: Any) -> bool:
+    """Whether a saved model folder has a chat template (its own file, or in its tokenizer config)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(model_dir)
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def hub_markdown(status: JobStatus, on_space: bool) -> str:
@@ -310,41 +349,77 @@ def log_text(status: JobStatus, lines: int = 12) -> str:
     return text
 
 
+# The planner's words for how it estimated, and its terms, as a user reads them.
+METHOD_WORDS = {"dry-run": "estimated on a weightless copy of the model",
+                "cached dry-run": "estimated earlier for the same settings",
+                "probe": "measured on a few real training steps"}
+TERM_WORDS = {"optimizer_state": "optimizer state", "quantization_constants": "quantization constants",
+              "dequantized_layer": "dequantized layer (work buffer)", "carried_cache": "carried memory",
+              "logits": "logits", "overhead": "overhead"}
+# Notes about savings the planner could not offer: noise on a plan that fits easily (under this share of the budget).
+ROOMY = 0.5
+SAVING_NOTES = ("8-bit AdamW", "8-bit AdamW and quantized bases skipped")
+
+
+def term_label(term: str, plan: dict[str, Any]) -> str:
+    """A breakdown term as the plan view names it; the quantized base names its quantization."""
+    if term == "quantized_weights":
+        return f"quantized weights ({plan.get('quantization')})"
+    if term == "weights" and plan.get("lora") and plan.get("quantization") not in (None, "none"):
+        return "unquantized weights"
+    return TERM_WORDS.get(term, term.replace("_", " "))
+
+
+def _roomy(plan: dict[str, Any]) -> bool:
+    peak, budget = plan.get("predicted_peak_bytes"), plan.get("budget_bytes")
+    return isinstance(peak, (int, float)) and bool(budget) and peak < ROOMY * budget
+
+
+def plan_notes(plan: dict[str, Any]) -> list[str]:
+    """The planner's notes the view shows: a plan far under its budget does not hear of savings it did not need."""
+    notes = list(plan.get("notes") or [])
+    if _roomy(plan):
+        notes = [n for n in notes if not n.startswith(SAVING_NOTES)]
+    return [in_form_words(n) for n in notes]
+
+
 def plan_markdown(plan: dict[str, Any]) -> str:
     """The planner's answer in one readable block: batch arithmetic, precision, memory-saving choices, peak."""
     micro, accum, procs, eff = (plan.get(k) for k in ("micro_batch_size", "grad_accum_steps", "num_processes",
                                                       "effective_batch_size"))
     peak, budget = plan.get("predicted_peak_bytes"), plan.get("budget_bytes")
+    quantized = plan.get("lora") and plan.get("quantization") not in (None, "none")
     lines = [f"**micro-batch {micro} × accumulation {accum} × {procs} process(es) = effective batch {eff}**",
              f"precision **{plan.get('precision')}** · gradient checkpointing **"
              f"{'on' if plan.get('gradient_checkpointing') else 'off'}** · LoRA **{'on' if plan.get('lora') else 'off'}"
-             f"** · optimizer **{plan.get('optimizer')}** · device **{plan.get('device')}**"]
-    if plan.get("lora") and plan.get("quantization") not in (None, "none"):  # its share is a bar of plan_frame's
+             f"** · quantization **{plan['quantization'] if quantized else 'none'}** · optimizer "
+             f"**{plan.get('optimizer')}** · device **{plan.get('device')}**"]
+    if quantized:  # its share is a bar of plan_chart_html's
         lines.append(f"frozen base quantized **{plan['quantization']}** (bitsandbytes), unquantized weights in "
                      f"**{plan.get('base_dtype', 'fp32')}**")
     elif plan.get("lora") and plan.get("base_dtype") not in (None, "fp32"):
         lines.append(f"frozen base in **{plan['base_dtype']}**")
     if isinstance(peak, (int, float)):
         share = f" ({100 * peak / budget:.0f} % of the {budget / GIB:.2f} GiB budget)" if budget else ""
-        method = f", {plan['method']}" if plan.get("method") else ""
-        padded = ", padded" if plan.get("padded") and isinstance(micro, int) and micro > 1 else ""
-        tokens = f" · worst-case micro-batch {micro} × {plan['worst_case_tokens']} tokens{padded}" \
+        method = f", {METHOD_WORDS.get(plan['method'], plan['method'])}" if plan.get("method") else ""
+        padded = " (shorter samples padded to it)" if plan.get("padded") and isinstance(micro, int) and micro > 1 \
+            else ""
+        tokens = f" · longest micro-batch {micro} × {plan['worst_case_tokens']} tokens{padded}" \
             if plan.get("worst_case_tokens") else ""
         lines.append(f"predicted peak **{peak / GIB:.2f} GiB**{share}{method}{tokens}")
     breakdown = plan.get("breakdown") or {}
     if breakdown:
-        lines.append(" · ".join(f"{term} {_size(b)}" for term, b in breakdown.items() if isinstance(b, (int, float))))
+        lines.append(" · ".join(f"{term_label(term, plan)} {_size(b)}" for term, b in breakdown.items()
+                                if isinstance(b, (int, float)) and b > 0))
     lines += data_lines(plan)  # `finetune plan --json` adds what long_documents does to the data
-    lines += [f"- {note}" for note in plan.get("notes") or []]
-    head = [line for line in lines if not line.startswith("- ")]
-    notes = [line for line in lines if line.startswith("- ")]
-    return "\n\n".join(head) + ("\n\n" + "\n".join(notes) if notes else "")
+    notes = [f"- {note}" for note in plan_notes(plan)]
+    return "\n\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 def plan_frame(plan: dict[str, Any]) -> pd.DataFrame:
-    """One bar per term of the predicted peak, then the peak and the budget, in GiB (for gr.BarPlot)."""
-    rows = [(term, float(b) / GIB, "term") for term, b in (plan.get("breakdown") or {}).items()
-            if isinstance(b, (int, float))]
+    """One row per term of the predicted peak, then the peak and the budget, in GiB."""
+    rows = [(term_label(term, plan), float(b) / GIB, "term") for term, b in (plan.get("breakdown") or {}).items()
+            if isinstance(b, (int, float)) and b > 0]  # a term of nothing (no logits kept) is no part
     if isinstance(plan.get("predicted_peak_bytes"), (int, float)):
         rows.append(("predicted peak", plan["predicted_peak_bytes"] / GIB, "predicted peak"))
     if plan.get("budget_bytes"):
@@ -352,5 +427,44 @@ def plan_frame(plan: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["part", "GiB", "kind"])
 
 
+BAR_COLOURS = {"term": "#2563eb", "predicted peak": "#1e3a8a"}
+MIN_BAR_PCT = 1.5  # a part too small to see still gets a sliver, and its number beside it
+BUDGET_IN_SCALE = 1.5  # a budget up to this much above the peak is drawn on the same scale (as a marker)
+
+
+def plan_chart_html(plan: dict[str, Any]) -> str:
+    """The peak and its parts as horizontal bars scaled to the peak (parts small next to the budget stay
+    readable), each with its size; the budget a marker line when it is near the peak, else said in words."""
+    frame = plan_frame(plan)
+    bars = frame[frame.kind != "budget"]
+    if not len(bars):
+        return ""
+    peak = float(bars.GiB.max())
+    budget = float(frame[frame.kind == "budget"].GiB.iloc[0]) if (frame.kind == "budget").any() else None
+    scale = max(peak, budget) if budget is not None and budget <= BUDGET_IN_SCALE * peak else peak
+    scale = scale or 1.0
+    marker = f'<div class="ft-budget-mark" style="left:{100 * budget / scale:.1f}%" title="budget"></div>' \
+        if budget is not None and budget <= scale else ""
+    rows = []
+    for part, gib, kind in zip(bars.part, bars.GiB, bars.kind, strict=True):
+        width = max(MIN_BAR_PCT, 100 * gib / scale) if gib > 0 else 0
+        size = _size(gib * GIB)
+        rows.append(f'<div class="ft-bar-row" data-part="{html.escape(part)}"><span class="ft-bar-name">'
+                    f'{html.escape(part)}</span><span class="ft-bar-track"><span class="ft-bar" style="width:'
+                    f'{width:.1f}%;background:{BAR_COLOURS[kind]}"></span>{marker}</span>'
+                    f'<span class="ft-bar-size">{size}</span></div>')
+    if budget is None:
+        caption = "No budget set: the bars show the predicted peak and its parts."
+    elif budget > scale:
+        caption = (f"Bars scaled to the predicted peak; the budget of {budget:.2f} GiB is off the scale (the plan "
+                   f"uses {100 * peak / budget:.0f} % of it).")
+    else:
+        caption = f"The grey line is the budget, {budget:.2f} GiB."
+    return (f'<div class="ft-plan-chart" role="img" aria-label="Predicted peak and its parts">{"".join(rows)}'
+            f'<p class="ft-bar-caption">{html.escape(caption)}</p></div>')
+
+
 def _size(n: float) -> str:
+    if n < 1024**2:
+        return f"{n / 1024:.0f} KiB"
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 1024**2:.1f} MiB"

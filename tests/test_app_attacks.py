@@ -205,7 +205,8 @@ def test_every_event_refuses_an_anonymous_visitor_and_a_new_one_cannot_forget(tm
         elif fn.gate == "quiet":
             assert fn(ANON, *args) == gr.skip(), block_fn.name
         else:  # public: progress, Stop, the own run's form: nothing but the refusal, or nothing at all
-            assert fn.handler.__name__ in {"poll", "stop", "running_config", "clear_note"}, fn.handler.__name__
+            assert fn.handler.__name__ in {"poll", "stop", "running_config", "clear_note", "form_fields"}, \
+                fn.handler.__name__
             out = fn(ANON, *args)
             shown = str(out)
             assert cls_csv not in shown and "runs/" not in shown
@@ -246,7 +247,8 @@ def test_every_event_given_alices_file_by_bob_shows_nothing_of_it(shared, tmp_pa
                 out = str(e)
             assert SECRET not in str(out), (block_fn.name, str(out)[:300])
         called.add(fn.handler.__name__)
-    assert {"refresh_dataset", "tasks_table", "plan", "start", "chat_example", "export"} <= called
+    assert {"refresh_dataset", "tasks_table", "plan_for", "model_fit", "form_fields", "start", "chat_example",
+            "export"} <= called
 
 
 # --- 8. the multi-task Start

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from app import dataview, views
@@ -95,19 +96,58 @@ def test_plan_is_shown_as_batch_arithmetic_and_a_bar_against_the_budget():
     text = views.plan_markdown(PLAN)
     assert "micro-batch 4 × accumulation 8 × 1 process(es) = effective batch 32" in text
     assert "precision **bf16**" in text and "gradient checkpointing **on**" in text and "LoRA **off**" in text
+    assert "quantization **none**" in text
     assert "predicted peak **6.00 GiB** (75 % of the 8.00 GiB budget)" in text
     assert "- gradient checkpointing: the plan without it needs 9.1 GiB" in text
-    assert "weights 1.00 GiB · gradients 1.00 GiB · optimizer_state 2.00 GiB · activations 2.00 GiB" in text
-    # Samples of different lengths: the worst case the planner counted holds padding (and its attention mask).
-    assert "worst-case micro-batch 4 × 512 tokens, padded" in views.plan_markdown({**PLAN, "worst_case_tokens": 512,
-                                                                                   "padded": True})
-    assert "× 512 tokens, padded" not in views.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": False})
-    assert "× 512 tokens, padded" not in views.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": True,
-                                                              "micro_batch_size": 1})
+    assert "weights 1.00 GiB · gradients 1.00 GiB · optimizer state 2.00 GiB · activations 2.00 GiB" in text
+    # Samples of different lengths: the longest micro-batch the planner counted holds padding, said in plain words.
+    padded = views.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": True, "method": "dry-run"})
+    assert "longest micro-batch 4 × 512 tokens (shorter samples padded to it)" in padded
+    assert "dry-run" not in padded and "estimated on a weightless copy of the model" in padded
+    assert "padded to it" not in views.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": False})
+    assert "padded to it" not in views.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": True,
+                                                     "micro_batch_size": 1})
     frame = views.plan_frame(PLAN)
-    assert frame.part.tolist() == ["weights", "gradients", "optimizer_state", "activations", "predicted peak",
+    assert frame.part.tolist() == ["weights", "gradients", "optimizer state", "activations", "predicted peak",
                                    "budget"]
     assert frame.GiB.tolist() == [1.0, 1.0, 2.0, 2.0, 6.0, 8.0]
+
+
+def _bar_widths(chart: str) -> dict[str, float]:
+    rows = re.findall(r'data-part="([^"]+)".*?width:([0-9.]+)%', chart)
+    return {part: float(width) for part, width in rows}
+
+
+def test_plan_chart_keeps_small_parts_readable_and_the_budget_a_marker():
+    # Near the budget: one scale for all, the budget a marker line at its place.
+    near = views.plan_chart_html(PLAN)
+    widths = _bar_widths(near)
+    assert widths["optimizer state"] == 25.0 and widths["predicted peak"] == 75.0
+    assert 'ft-budget-mark" style="left:100.0%' in near and "8.00 GiB" in near
+    # Far under a 23.5 GiB budget (issue 20 item 10): the bars are scaled to the peak, not to the budget, so a
+    # 0.6 GiB part is a tenth of the chart, not a sliver; the budget is said in words, not drawn off the scale.
+    small = {**PLAN, "predicted_peak_bytes": 6 * GIB * 0.1, "budget_bytes": 23.5 * GIB,
+             "breakdown": {"weights": 0.06 * GIB, "activations": 0.54 * GIB, "overhead": 1024}}
+    chart = views.plan_chart_html(small)
+    widths = _bar_widths(chart)
+    assert widths["predicted peak"] == 100.0 and widths["activations"] == 90.0 and widths["weights"] == 10.0
+    assert widths["overhead"] == views.MIN_BAR_PCT  # too small to see: a sliver, with its number beside it
+    assert ">1 KiB<" in chart
+    assert "ft-budget-mark" not in chart and "off the scale (the plan uses 3 % of it)" in chart
+
+
+def test_plan_view_names_the_quantization_and_drops_savings_notes_on_a_roomy_plan():
+    quantized = {**PLAN, "lora": True, "quantization": "4bit", "base_dtype": "bf16",
+                 "breakdown": {"weights": 0.2 * GIB, "quantized_weights": 1.0 * GIB,
+                               "quantization_constants": 0.1 * GIB, "activations": 2 * GIB}}
+    text = views.plan_markdown(quantized)
+    assert "quantization **4bit**" in text and "frozen base quantized **4bit**" in text
+    assert "quantized weights (4bit) 1.00 GiB" in text and "unquantized weights" in text
+    assert "quantized weights (4bit)" in _bar_widths(views.plan_chart_html(quantized))
+    skipped = "8-bit AdamW and quantized bases skipped: they need bitsandbytes."
+    roomy = {**PLAN, "predicted_peak_bytes": GIB, "notes": [skipped]}
+    assert "8-bit AdamW" not in views.plan_markdown(roomy)  # 12 % of the budget: nothing to save
+    assert "8-bit AdamW" in views.plan_markdown({**PLAN, "notes": [skipped]})  # 75 %: worth knowing
 
 
 def test_dataset_block_guesses_columns_and_counts_labels(cls_csv):
@@ -147,8 +187,8 @@ def test_a_text_column_of_numbers_or_ids_is_refused_and_conversations_suggest_ca
     chat = tmp_path / "chat.jsonl"
     chat.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     assert dataview.inspect(str(chat), None, "train", "classification", {}).error == (
-        "Column `messages` holds conversations, which a classifier cannot learn from: set Task to causal_lm and "
-        "pick a causal LM model (one with a chat template) to fine-tune on them.")
+        "Column `messages` holds conversations, which a classifier cannot learn from: set Task to Causal language "
+        "modelling and pick a causal LM model (one with a chat template) to fine-tune on them.")
     assert dataview.inspect(str(chat), None, "train", "causal_lm", {}).error == ""
 
 

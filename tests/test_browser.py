@@ -76,7 +76,7 @@ def test_new_user_trains_stops_resumes_and_downloads(server, tmp_path):
 
         # The bundled model is preselected; keep it.
         expect(page.get_by_label("Model", exact=True)).to_have_value("bundled:all-MiniLM-L6-v2", timeout=30_000)
-        expect(page.get_by_label("Task", exact=True)).to_have_value("classification")
+        expect(page.get_by_label("Task", exact=True)).to_have_value("Text classification")
         expect(page.get_by_label("Dataset", exact=True)).to_have_value(str(ROOT / "assets" / "sst2_sample.csv"))
         expect(page.locator("#label-counts")).to_contain_text("1000 rows · 2 labels")
 

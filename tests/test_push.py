@@ -281,7 +281,7 @@ def test_the_page_has_the_tracker_choice_and_the_push_controls(tmp_path):
 
     built = build(tmp_path / "runs")
     group = built.fields["report_to"]
-    assert isinstance(group, gr.CheckboxGroup) and "tensorboard" in [c[0] for c in group.choices]
+    assert isinstance(group, gr.Dropdown) and group.multiselect and "tensorboard" in [c[0] for c in group.choices]
     labels = {getattr(c, "label", None) for c in built.demo.blocks.values()}
     assert {"Hub repository", "Private"} <= labels
     assert views.trackers_markdown(["tensorboard", "wandb"], Path("runs/x")) == (

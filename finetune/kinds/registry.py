@@ -45,6 +45,9 @@ class Entry:
     # Config options only this kind reads, besides its columns: passed to its `encode_rows` (`Encoding.options`),
     # part of the encoding's cache key, and refused for the other kinds (with `column_reasons[option]`, or `uses`).
     options: tuple[str, ...] = ()
+    # Options only this kind reads that have a default (its loss's settings): the app's form shows them for this kind
+    # alone. Unlike `options` they are not refused for the other kinds (which hold their defaults).
+    settings: tuple[str, ...] = ()
     # The single output's name in a saved config's `id2label`, for a kind that shares its architecture and problem
     # type with another (a reward model's "reward", beside a classifier's class names).
     output_name: str | None = None
@@ -93,6 +96,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           # A tuned model is a causal LM: a saved one is told as causal_lm, which comes first.
           architectures=("ForCausalLM", "LMHeadModel"),
           metrics=("rewards/accuracies", "rewards/margins"),
+          settings=("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model"),
           step_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                         "logps/rejected"),
           refusals={"packing": "a preference pair's two sequences are scored side by side, not packed",
