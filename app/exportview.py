@@ -132,6 +132,11 @@ class Exporter:
         return {"started": True, "run_dir": str(run_dir), "command": f"finetune {' '.join(command[3:])}",
                 "message": f"Exporting ({fmt}{' ' + quant if quant else ''})…"}
 
+    def running(self) -> bool:
+        """Whether an export is in progress on this server (a shared server then starts no run)."""
+        with self._lock:
+            return self._child is not None and self._child.proc.poll() is None
+
     def _watch(self, child: _Child) -> None:
         """Kill the export's process group past the time limit."""
         limit = self.controller.limits.max_run_s or EXPORT_LIMIT_S

@@ -439,6 +439,9 @@ class Controller:
         status = self.jobs.status()
         if status.active:
             return Started(started=False, message=self._busy(status, user))
+        if self.access.shared and (exporter := getattr(self, "exporter", None)) is not None and exporter.running():
+            return Started(started=False, message="An export is in progress on this server: start the run when it "
+                                                  "is done (one job at a time).")
         home = self.access.home(self.runs_dir, user)
         try:
             self.access.check_config(config, self._readable(user))

@@ -18,6 +18,7 @@ from app.api import ScriptApi
 from app.exportview import Exporter, exporter_of
 from app.handlers import Controller
 from app.jobs import JobStatus
+from finetune.config.schema import from_dict
 from finetune.run.events import read_events
 
 
@@ -87,6 +88,10 @@ def test_only_the_callers_own_finished_run_exports(alices_run, tmp_path):
     assert started["started"] and started["command"] == f"finetune export {alices_run} --format merged"
     again = api.export(request=alice)
     assert again["message"] == "An export is in progress on this server: wait for it to finish."
+    # Nor does a run start beside it on a shared server (one job at a time, either way).
+    blocked = controller.start_run(from_dict({"model": "x", "dataset": "y"}), request=bob)
+    assert not blocked.started and blocked.message == ("An export is in progress on this server: start the run "
+                                                       "when it is done (one job at a time).")
     assert api.export_status(request=bob)["state"] == "idle"  # not his to follow
     shown = _wait(exporter, alice)
     assert shown["state"] == "done", shown
