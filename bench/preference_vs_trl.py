@@ -30,7 +30,7 @@ Data: SST-2's train.tsv and validation.tsv from `--data FOLDER`, or the Hugging 
 once (bench/sst2_data.py); `--pairs-file` takes a JSONL of prompt/chosen/rejected instead of SST-2 pairs for the
 preference runs (the SFT step still reads SST-2).
 
-    python bench/preference_vs_trl.py --data path/to/sst2          # the whole benchmark (about 10 minutes)
+    python bench/preference_vs_trl.py --data path/to/sst2          # the whole benchmark (12 min on 2 cores)
     python bench/preference_vs_trl.py --data path/to/sst2 --quick  # fewer steps and pairs (a smoke run)
     python bench/preference_vs_trl.py --data path/to/sst2 --json results.json
 """
