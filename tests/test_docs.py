@@ -101,7 +101,8 @@ def test_nothing_names_a_folder_outside_the_repository():
 BENCH = ROOT / "bench"
 
 
-@pytest.mark.parametrize("script", ["trainer_vs_finetune.py", "data_prep.py", "multitask_sst2.py"])
+@pytest.mark.parametrize("script", ["trainer_vs_finetune.py", "data_prep.py", "multitask_sst2.py",
+                                    "preference_vs_trl.py"])
 def test_the_sst2_benchmarks_take_the_hub_or_a_data_folder(script):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
