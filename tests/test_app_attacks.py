@@ -186,7 +186,7 @@ def test_every_event_refuses_an_anonymous_visitor_and_a_new_one_cannot_forget(tm
                                                                              space_env):
     monkeypatch.chdir(tmp_path)
     app = build(Path("runs"), access=_space())
-    api_names = {"start", "plan", "status", "stop", "predict", "push"}
+    api_names = {"start", "plan", "status", "stop", "predict", "push", "export", "export_status"}
     seen = set()
     for block_fn in app.demo.fns.values():
         fn = block_fn.fn
@@ -227,6 +227,8 @@ def test_every_event_refuses_an_anonymous_visitor_and_a_new_one_cannot_forget(tm
     assert api.predict("hi", ANON) == {"error": refusal}
     assert api.status(ANON)["message"] == refusal and api.status(ANON)["run_dir"] is None
     assert not api.push("a/b", True, ANON)["pushed"]
+    assert api.export(request=ANON)["message"] == refusal and not api.export(request=ANON)["started"]
+    assert api.export_status(ANON)["state"] == "idle"
 
 
 def test_every_event_given_alices_file_by_bob_shows_nothing_of_it(shared, tmp_path):

@@ -80,7 +80,8 @@ def test_one_job_then_stop_then_resume_to_done(tmp_path, tiny_bert, cls_csv):
     ctl = Controller(tmp_path / "runs", jobs)
     shown = ctl.poll(None)
     assert shown.status.startswith("Last run: **Done**") and "step 200 / 200" in shown.progress
-    assert shown.download["value"] == str(run_dir / "model.zip") and shown.download["interactive"]
+    # The zip of its model, named after the run (handed out from a folder of its own).
+    assert Path(shown.download["value"]).name == f"{run_dir.name}.zip" and shown.download["interactive"]
     assert not shown.stop_button["interactive"] and not shown.resume_button["visible"]
     assert shown.command == f"finetune train {run_dir / 'config.yaml'} resume=true"
     # Nothing new: nothing re-sent (a nested result of None leaves all of its widgets alone).

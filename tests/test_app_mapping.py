@@ -47,6 +47,8 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "tokens_column": {"task": "token_classification"},
     "tags_column": {"task": "token_classification"},
     "label_all_tokens": {"task": "token_classification"},
+    "center_rewards_coefficient": {"task": "reward"},
+    "chunked_loss": {"task": "causal_lm"},
 }
 # Structured options, which the schema's type and bounds cannot derive a sample for.
 SAMPLES: dict[str, Any] = {"tasks": [{"name": "a", "dataset": "a.csv"}, {"name": "b", "dataset": "b.csv",

@@ -47,6 +47,7 @@ MANIFEST = ".finetune-files.json"
 MANIFEST_DIRS = ("checkpoints", "model", "adapter")
 RUN_FILES = (MARKER, MANIFEST, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter",
              "metrics.json", "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "export",
+             "export.log",  # the app's log of `finetune export`, beside export/
              "wandb", "mlruns", *LAUNCH_FILES)
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every", "report_to",
