@@ -119,7 +119,11 @@ def test_a_chat_run_is_chatted_with_in_try_it(tmp_path):
         page.goto(url)
         expect(page.get_by_label("Model", exact=True)).to_have_value("bundled:all-MiniLM-L6-v2", timeout=60_000)
         _import(page, config)
+        # The imported task changes which fields show: wait until the chat fields are there (the form settled), so
+        # that the click is not lost in the re-render.
+        expect(page.get_by_label("Messages column", exact=True)).to_be_visible(timeout=60_000)
         page.get_by_role("button", name="Start training", exact=True).click()
+        expect(page.locator("#run-status")).not_to_contain_text("Ready.", timeout=60_000)
         expect(page.locator("#run-status")).to_contain_text("Done", timeout=240_000)
 
         # Try it is a chat now: the chat box, Send, New chat; a message gets the model's reply (never empty).
