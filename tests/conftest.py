@@ -130,6 +130,25 @@ def _sentence(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
+# The words of the preference pairs: chosen completions from the first six, rejected ones from the rest.
+PAIR_WORDS = "good bad fine great awful nice poor calm loud warm cold bright dark".split()
+
+
+@pytest.fixture(scope="session")
+def pairs_csv(tmp_path_factory) -> str:
+    """24 preference pairs of uneven lengths (prompt, chosen, rejected), for the preference and reward kinds."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("pairs") / "pairs.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prompt", "chosen", "rejected"])
+        for _ in range(24):
+            w.writerow([" ".join(rng.choices(PAIR_WORDS, k=rng.randint(1, 6))),
+                        " ".join(rng.choices(PAIR_WORDS[:6], k=rng.randint(1, 8))),
+                        " ".join(rng.choices(PAIR_WORDS[6:], k=rng.randint(1, 8)))])
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def cls_csv(tmp_path_factory) -> str:
     """37 labelled sentences of 1 to 60 words (37 = 2 windows of 16 and a short tail of 5)."""

@@ -11,23 +11,10 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import PAIR_WORDS as WORDS
 from conftest import assert_same_weights, load_weights, run_train, step_losses
 
 from finetune.kinds.preference import Preference, sequence_logps
-
-WORDS = "good bad fine great awful nice poor calm loud warm cold bright dark".split()
-
-
-@pytest.fixture(scope="module")
-def pref_csv(tmp_path_factory) -> str:
-    """24 preference pairs of uneven lengths."""
-    rng = random.Random(0)
-    rows = [{"prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 6))),
-             "chosen": " ".join(rng.choices(WORDS[:6], k=rng.randint(1, 8))),
-             "rejected": " ".join(rng.choices(WORDS[6:], k=rng.randint(1, 8)))} for _ in range(24)]
-    path = tmp_path_factory.mktemp("pref") / "pairs.csv"
-    pd.DataFrame(rows).to_csv(path, index=False)
-    return str(path)
 
 
 def _run(out, model, data, **values):
@@ -36,13 +23,13 @@ def _run(out, model, data, **values):
 
 
 @pytest.mark.parametrize("loss", ["dpo", "orpo"])
-def test_accumulation_is_exact(tmp_path, tiny_gpt2, pref_csv, loss):
+def test_accumulation_is_exact(tmp_path, tiny_gpt2, pairs_csv, loss):
     """(B, k) = (2, 3) trains exactly like (6, 1): DPO (a reference, here precomputed: full fine-tuning, the
     planner's choice) and ORPO (two counts: chosen tokens and pairs). IPO and SimPO differ from DPO only in the
     per-pair formula, checked against TRL below."""
-    a, ea, _ = _run(tmp_path / "a", tiny_gpt2, pref_csv, preference_loss=loss, micro_batch_size=2,
+    a, ea, _ = _run(tmp_path / "a", tiny_gpt2, pairs_csv, preference_loss=loss, micro_batch_size=2,
                     grad_accum_steps=3)
-    b, eb, _ = _run(tmp_path / "b", tiny_gpt2, pref_csv, preference_loss=loss, micro_batch_size=6,
+    b, eb, _ = _run(tmp_path / "b", tiny_gpt2, pairs_csv, preference_loss=loss, micro_batch_size=6,
                     grad_accum_steps=1)
     assert_same_weights(a, b)
     torch.testing.assert_close(step_losses(ea), step_losses(eb))
@@ -165,15 +152,15 @@ def test_orpo_counts_chosen_tokens_and_pairs(tiny_gpt2):
     torch.testing.assert_close(total[0], nll, rtol=1e-5, atol=1e-5)
 
 
-def test_adapter_off_reference_equals_a_frozen_copy(tmp_path, tiny_gpt2, pref_csv):
+def test_adapter_off_reference_equals_a_frozen_copy(tmp_path, tiny_gpt2, pairs_csv):
     """With LoRA, the reference is the base with its adapter switched off; naming the same base as
     `reference_model` (a separate frozen copy) trains the same adapter, to float rounding."""
     from safetensors.torch import load_file
 
     common = {"preference_loss": "dpo", "lora": "true", "micro_batch_size": 4, "grad_accum_steps": 2,
               "learning_rate": 0.5, "merge_lora": True}
-    a, _, _ = _run(tmp_path / "off", tiny_gpt2, pref_csv, **common)
-    b, _, _ = _run(tmp_path / "copy", tiny_gpt2, pref_csv, reference_model=tiny_gpt2, precompute_reference="false",
+    a, _, _ = _run(tmp_path / "off", tiny_gpt2, pairs_csv, **common)
+    b, _, _ = _run(tmp_path / "copy", tiny_gpt2, pairs_csv, reference_model=tiny_gpt2, precompute_reference="false",
                    **common)
     assert_same_weights(a, b)  # the merged models
     base = load_file(str(next((Path(tiny_gpt2)).glob("*.safetensors"))))
@@ -183,7 +170,7 @@ def test_adapter_off_reference_equals_a_frozen_copy(tmp_path, tiny_gpt2, pref_cs
     assert strategies[0]["reference_weights_bytes"] == 0 < strategies[1]["reference_weights_bytes"]
 
 
-def test_precomputed_reference_equals_the_live_one_and_is_cached(tmp_path, tiny_gpt2, pref_csv, monkeypatch):
+def test_precomputed_reference_equals_the_live_one_and_is_cached(tmp_path, tiny_gpt2, pairs_csv, monkeypatch):
     """Full fine-tuning with DPO: the reference precomputed once before training trains like a live frozen copy
     (losses, weights and eval metrics to float rounding); a second run reads the values from the data cache (no
     pass) and trains identically; a changed reference computes them again."""
@@ -196,9 +183,9 @@ def test_precomputed_reference_equals_the_live_one_and_is_cached(tmp_path, tiny_
     monkeypatch.setattr(pre, "_pass", lambda *a, **k: passes.append(len(a[2])) or real_pass(*a, **k))
     common = {"preference_loss": "dpo", "micro_batch_size": 3, "grad_accum_steps": 2, "eval_fraction": 0.25,
               "learning_rate": 0.2, "epochs": 2}
-    a, ea, _ = _run(tmp_path / "pre", tiny_gpt2, pref_csv, precompute_reference="true", **common)
+    a, ea, _ = _run(tmp_path / "pre", tiny_gpt2, pairs_csv, precompute_reference="true", **common)
     assert passes == [18, 6]  # train and eval pairs, once each
-    b, eb, _ = _run(tmp_path / "live", tiny_gpt2, pref_csv, precompute_reference="false", **common)
+    b, eb, _ = _run(tmp_path / "live", tiny_gpt2, pairs_csv, precompute_reference="false", **common)
     assert passes == [18, 6]
     assert_same_weights(a, b, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(step_losses(ea), step_losses(eb), rtol=1e-5, atol=1e-6)
@@ -215,7 +202,7 @@ def test_precomputed_reference_equals_the_live_one_and_is_cached(tmp_path, tiny_
     shown = [render(Plan.from_dict(p)) for p in plans]
     assert "reference               precompute" in shown[0] and "reference               frozen copy (" in shown[1]
 
-    again, e_again, _ = _run(tmp_path / "again", tiny_gpt2, pref_csv, precompute_reference="true", **common)
+    again, e_again, _ = _run(tmp_path / "again", tiny_gpt2, pairs_csv, precompute_reference="true", **common)
     assert passes == [18, 6]  # read from the data cache
     assert_same_weights(again, a, rtol=0, atol=0)
     assert step_losses(e_again) == step_losses(ea)
@@ -225,20 +212,20 @@ def test_precomputed_reference_equals_the_live_one_and_is_cached(tmp_path, tiny_
         for p in other.parameters():
             p.mul_(0.9)
     other.save_pretrained(tmp_path / "ref")
-    _, e_other, _ = _run(tmp_path / "other", tiny_gpt2, pref_csv, precompute_reference="true",
+    _, e_other, _ = _run(tmp_path / "other", tiny_gpt2, pairs_csv, precompute_reference="true",
                          reference_model=str(tmp_path / "ref"), **common)
     assert passes == [18, 6, 18, 6]  # another reference: computed again
     assert step_losses(e_other) != step_losses(ea)
 
 
 @pytest.mark.parametrize("loss", ["orpo"])
-def test_two_processes_equal_one(tmp_path, tiny_gpt2, pref_csv, loss):
+def test_two_processes_equal_one(tmp_path, tiny_gpt2, pairs_csv, loss):
     """Two gloo processes train exactly like one: pairs stay whole, counts (ORPO: tokens and pairs) are global."""
     from test_multiprocess import COMMON, launch_two
 
     from finetune.run.events import read_events
 
-    values = {"model": tiny_gpt2, "dataset": pref_csv, "task": "preference", "preference_loss": loss,
+    values = {"model": tiny_gpt2, "dataset": pairs_csv, "task": "preference", "preference_loss": loss,
               "max_length": 32, "epochs": 1, "effective_batch_size": 8, "learning_rate": 0.1}
     _, two_dir = launch_two(tmp_path, {**values, "micro_batch_size": 2})
     one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": 8})
@@ -247,10 +234,10 @@ def test_two_processes_equal_one(tmp_path, tiny_gpt2, pref_csv, loss):
                                rtol=1e-5, atol=1e-6)
 
 
-def test_eval_reports_trl_metric_names_and_cut_pairs_are_counted(tmp_path, tiny_gpt2, pref_csv):
+def test_eval_reports_trl_metric_names_and_cut_pairs_are_counted(tmp_path, tiny_gpt2, pairs_csv):
     """Held-out pairs are evaluated with TRL's metric names; a pair that max_length cuts off is left out and
     counted (a short max_length cuts the long ones)."""
-    _, events, _ = _run(tmp_path / "e", tiny_gpt2, pref_csv, eval_fraction=0.25, max_length=12,
+    _, events, _ = _run(tmp_path / "e", tiny_gpt2, pairs_csv, eval_fraction=0.25, max_length=12,
                         micro_batch_size=4, grad_accum_steps=1)
     evals = [e for e in events if e["event"] == "eval"]
     assert evals, "no eval event"

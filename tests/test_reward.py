@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 from types import SimpleNamespace
 
 import pandas as pd
@@ -18,20 +17,7 @@ from finetune.errors import ConfigError, DataError
 from finetune.kinds import registry
 from finetune.kinds.reward import Reward
 
-WORDS = "good bad fine great awful nice poor calm loud warm cold bright dark".split()
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
-
-
-@pytest.fixture(scope="module")
-def pairs_csv(tmp_path_factory) -> str:
-    """24 preference pairs of uneven lengths (the chosen completions from the first six words)."""
-    rng = random.Random(0)
-    rows = [{"prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 6))),
-             "chosen": " ".join(rng.choices(WORDS[:6], k=rng.randint(1, 8))),
-             "rejected": " ".join(rng.choices(WORDS[6:], k=rng.randint(1, 8)))} for _ in range(24)]
-    path = tmp_path_factory.mktemp("reward") / "pairs.csv"
-    pd.DataFrame(rows).to_csv(path, index=False)
-    return str(path)
 
 
 def _run(out, model, data, **values):
