@@ -53,6 +53,22 @@ class Entry:
     output_name: str | None = None
     # Its metrics worth following per optimizer step: the step events carry them, from the window's own batches.
     step_metrics: tuple[str, ...] = ()
+    # How the app shows the kind, each by a name the app keeps a table of (app/tryit/renderers.py, …), so that a kind
+    # chooses its views here and the app compares no kind's name:
+    # Try it's view of a prediction: "probabilities" (of each label), "entities" (the words with their entities
+    # highlighted), "value" (a number), "score" (a reward) or "text" (a generated continuation).
+    try_view: str = "probabilities"
+    # When Try it chats with the model instead: "messages" (the run trained on conversations: its config names
+    # `messages_column`), "template" (its saved model has a chat template), or "" (never).
+    chat_when: str = ""
+    # The Dataset block's first example: "conversation" (of `messages_column`, the learned tokens highlighted),
+    # "pair" (the prompt with the chosen and with the rejected completion, the scored tokens highlighted), or "".
+    data_preview: str = ""
+    # A finished run's plot under the app's Results: "scatter" (predicted against true values of its evaluation
+    # rows), or "".
+    eval_plot: str = ""
+    # Models the app's Model dropdown offers for this kind (hub ids, or the bundled model), grouped under it.
+    presets: tuple[str, ...] = ()
 
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (
@@ -67,7 +83,9 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           refusals={"packing": "a classifier takes one sample per row",
                     "segment_recurrence": "a classifier reads each text whole; turn it off",
                     "split_documents": "a classification label belongs to the whole text, so its parts cannot each "
-                                       "carry it"}),
+                                       "carry it"},
+          presets=("bundled:all-MiniLM-L6-v2", "distilbert/distilbert-base-uncased", "google-bert/bert-base-uncased",
+                   "FacebookAI/roberta-base", "answerdotai/ModernBERT-base")),
     Entry(name="causal_lm", module="finetune.kinds.causal_lm", summary="causal language modelling",
           columns=("text_column", "prompt_column", "completion_column", "messages_column"),
           own_columns=(("prompt_column", "completion_column"), ("messages_column",)),
@@ -76,7 +94,10 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
           pipeline_tag="text-generation", architectures=("ForCausalLM", "LMHeadModel"), example="Once upon a time",
           multitask="shared", features=("packing", "segment_recurrence", "split_documents", "chunked_loss"),
-          metrics=("perplexity",)),
+          metrics=("perplexity",), try_view="text", chat_when="messages", data_preview="conversation",
+          # The Instruct model has a chat template: for conversation data.
+          presets=("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B",
+                   "openai-community/gpt2")),
     Entry(name="regression", module="finetune.kinds.regression", summary="text regression",
           columns=("text_column", "text_pair_column", "label_column"),
           uses="`text_column` and `label_column` (a number)",
@@ -86,7 +107,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           problem_type="regression", metrics=("mse", "rmse", "mae", "pearson", "spearman"),
           refusals={"packing": "a regression head takes one sample per row",
                     "segment_recurrence": "a regression head reads each text whole; turn it off",
-                    "split_documents": "a target belongs to the whole text, so its parts cannot each carry it"}),
+                    "split_documents": "a target belongs to the whole text, so its parts cannot each carry it"},
+          try_view="value", eval_plot="scatter"),
     Entry(name="preference", module="finetune.kinds.preference", summary="preference tuning (DPO, IPO, SimPO, ORPO)",
           columns=("prompt_column", "chosen_column", "rejected_column"),
           own_columns=(("chosen_column", "rejected_column"),),
@@ -101,7 +123,9 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                         "logps/rejected"),
           refusals={"packing": "a preference pair's two sequences are scored side by side, not packed",
                     "segment_recurrence": "a preference pair is scored whole; turn it off",
-                    "split_documents": "a preference pair is scored whole, so it cannot be split"}),
+                    "split_documents": "a preference pair is scored whole, so it cannot be split"},
+          # A tuned causal LM: chatted with when its model has a chat template (as `finetune.use.predict.chat` needs).
+          try_view="text", chat_when="template", data_preview="pair"),
     Entry(name="reward", module="finetune.kinds.reward",
           summary="reward modelling (a score per text, trained on preference pairs)",
           columns=("prompt_column", "chosen_column", "rejected_column"),
@@ -115,7 +139,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           step_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"),
           refusals={"packing": "a reward pair's two sequences are scored side by side, not packed",
                     "segment_recurrence": "a reward model scores each sequence whole; turn it off",
-                    "split_documents": "a reward pair is scored whole, so it cannot be split"}),
+                    "split_documents": "a reward pair is scored whole, so it cannot be split"},
+          try_view="score", data_preview="pair"),
     Entry(name="token_classification", module="finetune.kinds.token_classification",
           summary="token classification (NER and tagging)", columns=("tokens_column", "tags_column"),
           own_columns=(("tokens_column", "tags_column"), ("label_all_tokens",)),
@@ -128,7 +153,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           refusals={"packing": "token classification takes one sentence per row",
                     "segment_recurrence": "token classification tags each row whole; turn it off",
                     "split_documents": "a row's words and tags are cut at `max_length` together, not split; use "
-                                       "long_documents=truncate (or auto)"}),
+                                       "long_documents=truncate (or auto)"},
+          try_view="entities"),
 )}
 OPTION_KEYS = tuple(dict.fromkeys(key for e in ENTRIES.values() for key in e.options))  # every kind's own options
 DEFAULT = "classification"
