@@ -2,21 +2,25 @@
 with named parameters and results.
 
 A script passes a run's config as one value, YAML text or a mapping of the config's options, and gets JSON back
-(see "Scripting the app" in docs/app.md). The endpoints call the same `Controller` methods as the page's buttons,
+(see "Scripting the app" in docs/app.md). The endpoints call the same handlers as the page's buttons (`app.tabs`),
 with the caller's request, so that on a shared server a script sees and steers only its own user's run.
 """
 
 # No `from __future__ import annotations` here: Gradio reads these type hints at run time to describe each endpoint's
 # parameters and results to clients (`Client.view_api()`).
 
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import gradio as gr
 
-from app import exportview, limits, views
-from app.handlers import Controller, Unanswered
+from app import limits
 from app.mapping import parse_config, problems_text
+from app.report import final_metrics, reproduce_command
+from app.results import Unanswered
 from finetune.config.schema import ConfigError
+
+if TYPE_CHECKING:
+    from app.tabs import Handlers
 
 
 class StartResult(TypedDict):
@@ -72,10 +76,10 @@ class ExportStatusResult(TypedDict):
 
 
 class ScriptApi:
-    """The endpoints of one app, bound to its controller."""
+    """The endpoints of one app, bound to its handlers."""
 
-    def __init__(self, controller: Controller):
-        self.controller = controller
+    def __init__(self, handlers: "Handlers"):
+        self.handlers = handlers
 
     def register(self) -> None:
         """Add the endpoints to the Blocks being built (call it inside `with gr.Blocks()`)."""
@@ -95,14 +99,14 @@ class ScriptApi:
             parsed = parse_config(config)
         except ConfigError as e:
             return StartResult(started=False, run_dir=None, command="", message=problems_text(e))
-        result = self.controller.start_run(parsed, request=request)
+        result = self.handlers.run.start_run(parsed, request=request)
         return StartResult(started=result.started, run_dir=result.run_dir, command=result.command,
                            message=result.message)
 
     def plan(self, config: str | dict[str, Any], request: gr.Request) -> dict[str, Any]:
         """The training plan for `config` (what `finetune plan --json` writes), or {"error": message}."""
         try:
-            return self.controller.make_plan(parse_config(config), request=request)
+            return self.handlers.plan.make_plan(parse_config(config), request=request)
         except ConfigError as e:
             return {"error": problems_text(e)}
         except Unanswered as e:
@@ -110,12 +114,12 @@ class ScriptApi:
 
     def status(self, request: gr.Request) -> StatusResult:
         """The state of the current (or last) run, its progress and, once done, its final metrics."""
-        controller = self.controller
-        user, refusal = controller.who(request)
-        status = controller.jobs.status()
+        policy = self.handlers.state.policy
+        user, refusal = policy.who(request)
+        status = self.handlers.state.jobs.status()
         step, total = status.progress or (None, None)
-        if not controller.is_mine(status, user):  # someone else's run: only that one is in progress, and its step
-            shown = controller.in_progress(status) if status.active else ""
+        if not policy.is_mine(status, user):  # someone else's run: only that one is in progress, and its step
+            shown = policy.in_progress(status) if status.active else ""
             return StatusResult(state=status.state if status.active else "idle", run_dir=None,
                                 step=step if status.active else None, total_steps=total if status.active else None,
                                 loss=None, message=" ".join(m for m in (shown, refusal) if m), metrics={},
@@ -123,13 +127,13 @@ class ScriptApi:
         last_step = status.last("step")
         return StatusResult(state=status.state, run_dir=str(status.run_dir) if status.run_dir else None, step=step,
                             total_steps=total, loss=last_step["loss"] if last_step else None,
-                            message=status.message, metrics=views.final_metrics(status),
+                            message=status.message, metrics=final_metrics(status),
                             model_dir=str(status.model_dir) if status.model_dir else None,
-                            command=self.controller.command(status))
+                            command=reproduce_command(status))
 
     def stop(self, request: gr.Request) -> dict[str, str]:
         """Stop the run after its current optimizer step, with a checkpoint; a second call kills it: {message}."""
-        return {"message": self.controller.stop(request=request).removeprefix("⚠️ ")}
+        return {"message": self.handlers.run.stop(request=request).removeprefix("⚠️ ")}
 
     def predict(self, text: str, request: gr.Request) -> dict[str, Any]:
         """The finished run's model on `text`: {label, probabilities}, {generated}, {words, tags,
@@ -137,14 +141,14 @@ class ScriptApi:
         from finetune.models.load import ModelError
 
         try:
-            return self.controller.predict(text, request=request)
+            return self.handlers.tryit.predict(text, request=request)
         except (Unanswered, ModelError) as e:
             return {"error": str(e)}
 
     def push(self, repo: str, private: bool, request: gr.Request) -> PushResult:
         """Push the finished run's model and its model card to the Hub repository `repo` (created private when
         `private`), with the token of whoever runs the app, as the Push button does."""
-        outcome = self.controller.push_run(repo, private, request=request)
+        outcome = self.handlers.publish.push_run(repo, private, request=request)
         message = outcome.message.removeprefix("⚠️ ")
         return PushResult(pushed=outcome.url is not None, url=outcome.url, commit=outcome.commit, message=message)
 
@@ -152,10 +156,9 @@ class ScriptApi:
                request: gr.Request = None) -> ExportResult:
         """Export the caller's finished run (`finetune export` in a child process; `run`: one of their run folders,
         default their current run): `format` merged or gguf, `quant` f16, q8_0 or q4_k_m, `ollama` a Modelfile."""
-        out = exportview.exporter_of(self.controller).start(format, quant or None, bool(ollama), run or None,
-                                                            request=request)
+        out = self.handlers.inference.start(format, quant or None, bool(ollama), run or None, request=request)
         return ExportResult(**out)
 
     def export_status(self, request: gr.Request) -> ExportStatusResult:
         """The caller's export: running (with its stage), done (with the check and the files) or failed (why)."""
-        return ExportStatusResult(**exportview.exporter_of(self.controller).status(request=request))
+        return ExportStatusResult(**self.handlers.inference.status(request=request))

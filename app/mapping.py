@@ -69,18 +69,9 @@ SECTIONS = {
     "tasks": ("tasks", "mixing", "mixing_temperature", "mixing_cap"),
 }
 GROUP_SECTIONS = {"main": "training", "data": "data_more", "advanced": "advanced"}
-# Presets offered in the Model dropdown (free text is allowed too): the bundled MiniLM first, then hub ids.
-MODEL_PRESETS: dict[str, str] = {
-    "bundled:all-MiniLM-L6-v2": "classification",
-    "distilbert/distilbert-base-uncased": "classification",
-    "google-bert/bert-base-uncased": "classification",
-    "FacebookAI/roberta-base": "classification",
-    "answerdotai/ModernBERT-base": "classification",
-    "HuggingFaceTB/SmolLM2-135M": "causal_lm",
-    "HuggingFaceTB/SmolLM2-135M-Instruct": "causal_lm",  # a chat template: for conversation data
-    "Qwen/Qwen2.5-0.5B": "causal_lm",
-    "openai-community/gpt2": "causal_lm",
-}
+# Presets offered in the Model dropdown (free text is allowed too), each kind's from its registry entry: the
+# bundled MiniLM first, then hub ids.
+MODEL_PRESETS: dict[str, str] = {model: e.name for e in kinds.ENTRIES.values() for model in e.presets}
 
 
 @dataclass(frozen=True)
@@ -383,9 +374,7 @@ def model_choices(offline: bool | None = None) -> list[tuple[str, str]]:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     out = []
     for kind in kinds.names():
-        for model, task in MODEL_PRESETS.items():
-            if task != kind:
-                continue
+        for model in kinds.entry(kind).presets:
             here = loads_offline(model)
             if here or not offline:
                 out.append((model if here else f"{model}{HUB_MARK}", model))

@@ -69,7 +69,7 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
     # Gradio keeps uploads and served files here; it must be writable (the Docker image points it at $HOME).
     os.environ.setdefault("GRADIO_TEMP_DIR", str((runs_dir / ".gradio").resolve()))
     from app.device import detect
-    from app.ui import build
+    from app.page import build
 
     preset, base = _preset(args.preset)
     if access.mode == "open":

@@ -19,9 +19,9 @@ import pytest
 
 from app.access import ANYONE, NO_REMOTE_CODE, Access, AccessError, resolve_output_dir
 from app.api import ScriptApi
-from app.handlers import Controller
-from app.jobs import JobManager
+from app.jobs.training import JobManager
 from app.mapping import COLUMN_FIELDS
+from app.tabs import handlers
 from finetune.config.schema import from_dict
 
 ALICE, BOB, ANON = (SimpleNamespace(username=name) for name in ("alice", "bob", None))
@@ -132,15 +132,15 @@ def shared(tmp_path, monkeypatch, cls_csv):
     fake.chmod(0o755)
     runs = Path("runs")
     jobs = JobManager(runs, python=str(fake), env=PASSWORDS.child_env(os.environ))
-    ctl = Controller(runs, jobs, access=PASSWORDS)
+    ctl = handlers(runs, jobs, access=PASSWORDS)
     uploads = {}
     for who, req in (("alice", ALICE), ("bob", BOB)):
         # Gradio hands each upload over as a temporary copy, which the app moves into the user's uploads.
         gradio_copy = tmp_path / f"gradio-{who}" / "cls.csv"
         gradio_copy.parent.mkdir()
         shutil.copyfile(cls_csv, gradio_copy)
-        uploads[who] = ctl.on_upload(str(gradio_copy), "", "train", "classification", *[""] * len(COLUMN_FIELDS),
-                                     request=req).dataset
+        uploads[who] = ctl.dataset.on_upload(str(gradio_copy), "", "train", "classification",
+                                             *[""] * len(COLUMN_FIELDS), request=req).dataset
     yield ctl, uploads
     status = jobs.status()
     if status.active:
@@ -155,48 +155,48 @@ def test_uploads_are_each_users_own_and_other_files_are_not_read(shared, tmp_pat
     ctl, uploads = shared
     assert uploads["alice"].startswith("runs/uploads/alice/") and uploads["bob"].startswith("runs/uploads/bob/")
     no_columns = [""] * len(COLUMN_FIELDS)
-    mine = ctl.refresh_dataset(uploads["alice"], "", "train", "classification", *no_columns, request=ALICE)
+    mine = ctl.dataset.refresh_dataset(uploads["alice"], "", "train", "classification", *no_columns, request=ALICE)
     assert mine.error == "" and len(mine.preview) == 5
     for source in (cls_csv, uploads["bob"], "/etc/passwd.csv"):
-        refused = ctl.refresh_dataset(source, "", "train", "classification", *no_columns, request=ALICE)
+        refused = ctl.dataset.refresh_dataset(source, "", "train", "classification", *no_columns, request=ALICE)
         # The page names the form's field (the API's message keeps the config key `dataset`).
         assert refused.error == (f"⚠️ **Dataset** {source!r} is not one of your uploads: upload the file, or give a "
                                  "Hugging Face hub dataset id.") and refused.preview.empty
-        started = ctl.start_run(_config(dataset=source), request=ALICE)
+        started = ctl.run.start_run(_config(dataset=source), request=ALICE)
         assert not started.started and started.dataset_note == refused.error
-    assert not ctl.start_run(_config(dataset=uploads["alice"], eval_dataset=cls_csv), request=ALICE).started
-    model = ctl.start_run(_config(model=str(tmp_path), dataset=uploads["alice"]), request=ALICE)
+    assert not ctl.run.start_run(_config(dataset=uploads["alice"], eval_dataset=cls_csv), request=ALICE).started
+    model = ctl.run.start_run(_config(model=str(tmp_path), dataset=uploads["alice"]), request=ALICE)
     assert model.message == "Local model folders cannot be used on a shared server: give a Hugging Face hub id."
-    assert ctl.jobs.status().state == "idle"
+    assert ctl.state.jobs.status().state == "idle"
 
 
 def test_remote_code_and_paths_outside_the_runs_folder_are_refused(shared, tmp_path):
     ctl, uploads = shared
     data = uploads["alice"]
-    remote = ctl.start_run(_config(dataset=data, trust_remote_code=True), request=ALICE)
+    remote = ctl.run.start_run(_config(dataset=data, trust_remote_code=True), request=ALICE)
     assert not remote.started and remote.message == NO_REMOTE_CODE == "trust_remote_code is disabled on a shared " \
         "server."
     with pytest.raises(Exception, match="trust_remote_code is disabled"):
-        ctl.make_plan(_config(dataset=data, trust_remote_code=True), request=ALICE)
+        ctl.plan.make_plan(_config(dataset=data, trust_remote_code=True), request=ALICE)
     elsewhere = tmp_path / "important"
     for typed in (str(elsewhere), "../important", "../../x"):
-        refused = ctl.start_run(_config(dataset=data, output_dir=typed), request=ALICE)
+        refused = ctl.run.start_run(_config(dataset=data, output_dir=typed), request=ALICE)
         assert not refused.started and refused.message.startswith(f"output_dir {typed!r} ")
     assert not elsewhere.exists() and not list(tmp_path.glob("*.yaml")) and not list(tmp_path.glob("*.log"))
-    stranger = ctl.start_run(_config(dataset=data), request=ANON)
+    stranger = ctl.run.start_run(_config(dataset=data), request=ANON)
     assert not stranger.started and stranger.message == "Sign in to train."
-    assert ctl.jobs.status().state == "idle"
+    assert ctl.state.jobs.status().state == "idle"
 
 
 def test_a_run_belongs_to_the_one_who_started_it(shared):
     ctl, uploads = shared
-    started = ctl.start_run(_config(dataset=uploads["alice"], output_dir="mine"), request=ALICE)
+    started = ctl.run.start_run(_config(dataset=uploads["alice"], output_dir="mine"), request=ALICE)
     assert started.started, started.message
     run_dir = Path("runs/alice/mine")
     assert started.run_dir == str(run_dir) and started.command == f"finetune train {run_dir}/launch.yaml"
     assert sorted(p.name for p in run_dir.iterdir())[:3] == [".finetune-run", "launch.log", "launch.yaml"]
     deadline = time.time() + 30
-    while "step 120" not in (shown := ctl.poll(None, request=BOB)).status:
+    while "step 120" not in (shown := ctl.follow.poll(None, request=BOB)).status:
         assert time.time() < deadline, shown.status
         time.sleep(0.2)
 
@@ -209,11 +209,11 @@ def test_a_run_belongs_to_the_one_who_started_it(shared):
     assert shown.log == "" and shown.run_dir == "" and shown.metrics is None and shown.loss_curve is None
     assert "120" not in shown.progress and shown.stats == "" and shown.command == gr.skip()
     assert shown.download["value"] is None and not shown.stop_button["interactive"]
-    assert ctl.running_config(request=BOB).values == {}
-    assert ctl.stop(request=BOB) == "⚠️ Only the one who started the run in progress can stop it."
-    assert ctl.resume(request=BOB).startswith("Nothing to resume")
-    assert ctl.try_it("good", request=BOB).message.startswith("No trained model yet")
-    busy = ctl.start_run(_config(dataset=uploads["bob"]), request=BOB)
+    assert ctl.form.running_config(request=BOB).values == {}
+    assert ctl.run.stop(request=BOB) == "⚠️ Only the one who started the run in progress can stop it."
+    assert ctl.run.resume(request=BOB).startswith("Nothing to resume")
+    assert ctl.tryit.try_it("good", request=BOB).message.startswith("No trained model yet")
+    busy = ctl.run.start_run(_config(dataset=uploads["bob"]), request=BOB)
     assert busy.message == ("A run is in progress (step 120/400). Only one job runs at a time: start yours when it "
                             "has finished.")
     api = ScriptApi(ctl)
@@ -222,28 +222,29 @@ def test_a_run_belongs_to_the_one_who_started_it(shared):
                                "command": ""}
     assert api.stop(BOB) == {"message": "Only the one who started the run in progress can stop it."}
     assert api.status(ANON)["message"] == "A run is in progress (step 120/400). Sign in to train."
-    assert ctl.jobs.status().state == "running"  # all that left alice's run alone
+    assert ctl.state.jobs.status().state == "running"  # all that left alice's run alone
 
     # Alice sees her run, and a restarted app still knows it is hers.
-    mine = ctl.poll(None, request=ALICE)
+    mine = ctl.follow.poll(None, request=ALICE)
     assert str(run_dir) in mine.status and "step 120" in mine.log and mine.run_dir == str(run_dir)
-    assert ctl.running_config(request=ALICE).values["dataset"] == uploads["alice"]
+    assert ctl.form.running_config(request=ALICE).values["dataset"] == uploads["alice"]
     assert api.status(ALICE)["run_dir"] == str(run_dir)
     assert json.loads(Path("runs/current.json").read_text())["owner"] == "alice"
     assert JobManager(Path("runs")).status().owner == "alice"
     assert api.stop(ALICE)["message"].startswith("Stopping after the current optimizer step")
     deadline = time.time() + 30
-    while ctl.jobs.status().active:
+    while ctl.state.jobs.status().active:
         assert time.time() < deadline
         time.sleep(0.2)
-    assert ctl.jobs.status().state == "stopped"
-    assert ctl.poll(None, request=BOB).status.startswith("**Ready.**")  # alice's stopped run is not bob's business
+    assert ctl.state.jobs.status().state == "stopped"
+    # Alice's stopped run is not bob's business.
+    assert ctl.follow.poll(None, request=BOB).status.startswith("**Ready.**")
 
 
 def test_the_login_button_is_on_the_page_only_on_a_space(tmp_path, monkeypatch):
     from gradio import oauth
 
-    from app.ui import build
+    from app.page import build
 
     # What a Space with `hf_oauth: true` sets (Gradio reads the OAuth variables when it is imported).
     monkeypatch.setenv("SPACE_ID", "owner/finetune")
@@ -296,7 +297,7 @@ def test_a_zip_gradio_would_not_take_is_handed_out_from_a_private_temporary_fold
     zipped = runs / "r1" / "model.zip"
     zipped.parent.mkdir(parents=True)
     zipped.write_bytes(b"PK weights")
-    ctl = Controller(runs, JobManager(runs))
-    handed = Path(ctl._handout(zipped))
+    ctl = handlers(runs, JobManager(runs))
+    handed = Path(ctl.state.downloads.handout(zipped))
     assert handed.read_bytes() == b"PK weights" and handed.name == "r1-model.zip"
-    assert handed.parent.parent == tmp_path / "tmp" and ctl._handout(zipped) == str(handed)
+    assert handed.parent.parent == tmp_path / "tmp" and ctl.state.downloads.handout(zipped) == str(handed)

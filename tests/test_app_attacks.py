@@ -14,10 +14,12 @@ from test_app_access import ALICE, ANON, BOB, _config, _signed_in, _space
 
 from app.access import AccessError, resolve_output_dir
 from app.api import ScriptApi
-from app.handlers import Controller
-from app.jobs import JobManager
+from app.jobs.training import JobManager
 from app.mapping import COLUMN_FIELDS, in_form_words, parse_config
-from app.ui import GATES, build
+from app.page import build
+from app.policy import GATES
+from app.tabs import Handlers, handlers
+from app.train import preview
 from finetune.config.schema import ConfigError, from_dict, sources
 from finetune.data.load import builder_names, is_local
 from finetune.errors import DataError
@@ -40,13 +42,13 @@ def space_env(monkeypatch):
         monkeypatch.setattr(oauth, name, "https://huggingface.co" if name == "OPENID_PROVIDER_URL" else "x")
 
 
-def _secret_upload(ctl: Controller, tmp_path: Path) -> str:
+def _secret_upload(ctl: Handlers, tmp_path: Path) -> str:
     """A file of alice's, kept as her upload, whose one class is a sentence only she knows."""
     src = tmp_path / "gradio-secret" / "train.csv"
     src.parent.mkdir()
     src.write_text("text,label\n" + "".join(f"{SECRET},{SECRET}\n" for _ in range(4)))
     none = [""] * len(COLUMN_FIELDS)
-    return ctl.on_upload(str(src), "", "train", "classification", *none, request=ALICE).dataset
+    return ctl.dataset.on_upload(str(src), "", "train", "classification", *none, request=ALICE).dataset
 
 
 def _timed(work):
@@ -78,29 +80,29 @@ def test_a_task_dataset_of_someone_else_is_refused_on_plan_start_and_the_tasks_t
              {"name": "b", "dataset": uploads["bob"]}]
     refusal = f"`tasks[a].dataset` {secret!r} is not one of your uploads"
     with pytest.raises(Exception, match=r"tasks\[a\]\.dataset") as plan:
-        ctl.make_plan(_config(tasks=tasks), request=BOB)
+        ctl.plan.make_plan(_config(tasks=tasks), request=BOB)
     assert SECRET not in str(plan.value) and str(plan.value).startswith(refusal)
-    started = ctl.start_run(_config(tasks=tasks), request=BOB)
+    started = ctl.run.start_run(_config(tasks=tasks), request=BOB)
     assert not started.started and started.message.startswith(refusal) and SECRET not in started.message
     # The app's own run state is no dataset either.
     state = [{"name": "a", "dataset": "runs/current.json", "text_column": "owner", "label_column": "run_dir"},
              {"name": "b", "dataset": uploads["bob"]}]
     with pytest.raises(Exception, match="is not one of your uploads"):
-        ctl.make_plan(_config(tasks=state), request=BOB)
+        ctl.plan.make_plan(_config(tasks=state), request=BOB)
     # The private Tasks-table event: refused for bob, shown for alice.
     yaml_text = f"- name: a\n  dataset: {secret}\n- name: b\n  dataset: {uploads['bob']}\n"
-    table = ctl.tasks_table(yaml_text, "proportional", 2.0, None, request=BOB)
+    table = ctl.dataset.tasks_table(yaml_text, "proportional", 2.0, None, request=BOB)
     assert table.note.startswith(f"⚠️ {refusal}") and table.table.empty
-    mine = ctl.tasks_table(f"- name: a\n  dataset: {secret}\n- name: b\n  dataset: {uploads['alice']}\n",
+    mine = ctl.dataset.tasks_table(f"- name: a\n  dataset: {secret}\n- name: b\n  dataset: {uploads['alice']}\n",
                            "proportional", 2.0, None, request=ALICE)
     assert list(mine.table["rows"]) == [4, 37] and mine.note == ""
-    assert ctl.tasks_table(yaml_text, "proportional", 2.0, None, request=ANON).note == "⚠️ Sign in to train."
+    assert ctl.dataset.tasks_table(yaml_text, "proportional", 2.0, None, request=ANON).note == "⚠️ Sign in to train."
 
 
 def test_a_chat_template_anywhere_but_the_users_uploads_is_refused(shared):
     ctl, uploads = shared
     for template in ("tmpl", "/etc/hostname", "runs/current.json"):
-        started = ctl.start_run(_config(dataset=uploads["bob"], chat_template=template), request=BOB)
+        started = ctl.run.start_run(_config(dataset=uploads["bob"], chat_template=template), request=BOB)
         assert not started.started and started.message == (f"`chat_template` {template!r} is not one of your "
                                                            "uploads: upload the file.")
 
@@ -115,9 +117,10 @@ def test_builder_names_are_never_hub_ids(shared, tmp_path):
     for name in ("csv", "json", "text", "parquet", "imagefolder"):
         message = (f"`dataset` {name!r} is the name of a `datasets` file builder, which reads files from the "
                    "server's folders: upload your file, or give a Hugging Face hub dataset id.")
-        shown = ctl.refresh_dataset(name, "", "train", "classification", *[""] * len(COLUMN_FIELDS), request=BOB)
+        shown = ctl.dataset.refresh_dataset(name, "", "train", "classification", *[""] * len(COLUMN_FIELDS),
+                                            request=BOB)
         assert shown.error == f"⚠️ {in_form_words(message)}" and shown.preview.empty
-        started = ctl.start_run(_config(dataset=name), request=BOB)
+        started = ctl.run.start_run(_config(dataset=name), request=BOB)
         assert not started.started and started.message == message
     # On the command line too, `dataset: csv` is a mistake worded as one, not a search of the working folder.
     from finetune.data.load import load_table
@@ -128,7 +131,7 @@ def test_builder_names_are_never_hub_ids(shared, tmp_path):
 
 # --- 3. bounded work: the alias bomb, summaries, caps
 def test_the_alias_bomb_is_refused_at_once_through_the_api_and_the_tasks_box(tmp_path):
-    ctl = Controller(tmp_path / "runs", JobManager(tmp_path / "runs"), access=_space())
+    ctl = handlers(tmp_path / "runs", JobManager(tmp_path / "runs"), access=_space())
     api = ScriptApi(ctl)
     out, seconds = _timed(lambda: api.plan(BOMB, _signed_in("alice")))
     assert seconds < 1.0 and out == {"error": "The config's YAML expands to more than 10,000 values (through "
@@ -140,9 +143,10 @@ def test_the_alias_bomb_is_refused_at_once_through_the_api_and_the_tasks_box(tmp
         f"- {{name: b{i}, dataset: x.csv, weight: &w{i} [{', '.join(['*w' if i == 0 else f'*w{i - 1}'] * 9)}]}}"
         for i in range(8))
     for request in (ANON, _signed_in("alice")):
-        shown, seconds = _timed(lambda r=request: ctl.tasks_table(tasks_yaml, "proportional", 2.0, None, request=r))
+        shown, seconds = _timed(lambda r=request: ctl.dataset.tasks_table(tasks_yaml, "proportional", 2.0, None,
+                                                                          request=r))
         assert seconds < 1.0 and len(shown.note) < 300, shown.note
-    assert "expands to more than 10,000" in ctl.tasks_table(tasks_yaml, "proportional", 2.0, None,
+    assert "expands to more than 10,000" in ctl.dataset.tasks_table(tasks_yaml, "proportional", 2.0, None,
                                                             request=_signed_in("alice")).note
 
 
@@ -157,10 +161,11 @@ def test_errors_show_a_bounded_summary_of_a_value_never_its_repr():
 
 
 def test_oversized_inputs_null_bytes_and_long_run_names_are_refused_with_a_sentence(tmp_path):
-    ctl = Controller(tmp_path / "runs", JobManager(tmp_path / "runs"), access=_space())
-    assert ctl.admit(_signed_in("alice"), ("x" * 70_000,)).startswith("A text field holds 70,000 characters")
-    assert ctl.admit(_signed_in("alice"), (["x" * 60_000] * 5,)).startswith("The form holds more than 262,144")
-    assert ctl.admit(_signed_in("alice"), ("x" * 1000,)) == ""
+    ctl = handlers(tmp_path / "runs", JobManager(tmp_path / "runs"), access=_space())
+    admit = ctl.state.policy.admit
+    assert admit(_signed_in("alice"), ("x" * 70_000,)).startswith("A text field holds 70,000 characters")
+    assert admit(_signed_in("alice"), (["x" * 60_000] * 5,)).startswith("The form holds more than 262,144")
+    assert admit(_signed_in("alice"), ("x" * 1000,)) == ""
     for typed in ("a\x00b", "x" * 300):
         with pytest.raises(AccessError, match="must be a name of at most 100 characters without control"):
             resolve_output_dir(typed, tmp_path / "runs" / "alice")
@@ -197,7 +202,7 @@ def test_every_event_refuses_an_anonymous_visitor_and_a_new_one_cannot_forget(tm
         if getattr(fn, "__self__", None).__class__ is ScriptApi:  # the scripting API: its own answers, below
             seen.add(fn.__name__)
             continue
-        assert getattr(fn, "gate", None) in GATES, f"event {block_fn.name} does not go through ui._on"
+        assert getattr(fn, "gate", None) in GATES, f"event {block_fn.name} does not go through RequestPolicy.on"
         args = _event_args(block_fn, cls_csv)
         if fn.gate == "signed_in":
             with pytest.raises(gr.Error, match="Sign in with Hugging Face to train"):
@@ -219,7 +224,7 @@ def test_every_event_refuses_an_anonymous_visitor_and_a_new_one_cannot_forget(tm
                 with pytest.raises(gr.Error, match="A text field holds 70,000 characters"):
                     fn(_signed_in("owner"), *big)
     assert seen == api_names
-    api = ScriptApi(Controller(Path("runs"), app.jobs, access=_space()))
+    api = ScriptApi(handlers(Path("runs"), app.jobs, access=_space()))
     refusal = "Sign in with Hugging Face to train."
     assert api.start("dataset: x.csv", ANON)["message"] == refusal
     assert api.plan("dataset: x.csv", ANON) == {"error": refusal}
@@ -234,9 +239,8 @@ def test_every_event_refuses_an_anonymous_visitor_and_a_new_one_cannot_forget(tm
 def test_every_event_given_alices_file_by_bob_shows_nothing_of_it(shared, tmp_path):
     ctl, _ = shared
     secret = _secret_upload(ctl, tmp_path)
-    app = build(Path("runs"), access=ctl.access, jobs=ctl.jobs)
-    app_ctl = next(fn.handler.__self__ for fn in (f.fn for f in app.demo.fns.values()) if hasattr(fn, "handler"))
-    app_ctl.runs_dir = ctl.runs_dir
+    app = build(Path("runs"), access=ctl.state.access, jobs=ctl.state.jobs.training)
+    app.handlers.state.policy.runs_dir = ctl.state.runs_dir
     called = set()
     for block_fn in app.demo.fns.values():
         fn = block_fn.fn
@@ -257,18 +261,18 @@ def test_every_event_given_alices_file_by_bob_shows_nothing_of_it(shared, tmp_pa
 def test_start_takes_a_multi_task_config(shared):
     ctl, uploads = shared
     tasks = [{"name": "a", "dataset": uploads["alice"]}, {"name": "b", "dataset": uploads["alice"], "weight": 0.5}]
-    started = ctl.start_run(_config(tasks=tasks), request=ALICE)
+    started = ctl.run.start_run(_config(tasks=tasks), request=ALICE)
     assert started.started, started.message
     assert "tasks:" in Path(started.run_dir, "launch.yaml").read_text()
-    ctl.stop(request=ALICE)
+    ctl.run.stop(request=ALICE)
     deadline = time.time() + 30
-    while ctl.jobs.status().active:
+    while ctl.state.jobs.status().active:
         assert time.time() < deadline
         time.sleep(0.1)
     # Each task's data is checked as the preview checks one dataset, and the message names the task.
     missing = "runs/uploads/bob/missing.csv"
-    bad = ctl.start_run(_config(tasks=[{"name": "a", "dataset": uploads["bob"]}, {"name": "b", "dataset": missing}]),
-                        request=BOB)
+    bad = ctl.run.start_run(_config(tasks=[{"name": "a", "dataset": uploads["bob"]},
+                                           {"name": "b", "dataset": missing}]), request=BOB)
     assert not bad.started and bad.message == f"Task 'b': Dataset file {missing!r} does not exist: check the path."
 
 
@@ -284,12 +288,12 @@ def test_a_looping_chat_template_is_stopped_within_a_second(tmp_path, tiny_gpt2)
 
     data = tmp_path / "chat.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
-    ctl = Controller(tmp_path / "runs", JobManager(tmp_path / "runs"))
+    ctl = handlers(tmp_path / "runs", JobManager(tmp_path / "runs"))
 
     def example(template: str):
         path = tmp_path / f"template-{len(template)}.csv"  # uploaded under a data extension: its text is Jinja
         path.write_text(template)
-        return ctl.chat_example(str(data), "", "train", "causal_lm", "messages", tiny_gpt2, str(path),
+        return ctl.dataset.chat_example(str(data), "", "train", "causal_lm", "messages", tiny_gpt2, str(path),
                                 "assistant", 64)
 
     assert example(CHATML).note.endswith("tokens are learned (highlighted): `train_on: assistant`.")
@@ -302,8 +306,6 @@ def test_a_looping_chat_template_is_stopped_within_a_second(tmp_path, tiny_gpt2)
 
 # --- 7. wide files and huge cells
 def test_a_wide_file_is_refused_before_its_rows_are_read_and_cells_are_cut(shared, tmp_path):
-    from app import dataview
-
     ctl, _ = shared
     none = [""] * len(COLUMN_FIELDS)
 
@@ -311,7 +313,7 @@ def test_a_wide_file_is_refused_before_its_rows_are_read_and_cells_are_cut(share
         src = tmp_path / f"gradio-{name}" / name
         src.parent.mkdir()
         src.write_text(text)
-        return _timed(lambda: ctl.on_upload(str(src), "", "train", "classification", *none, request=BOB))
+        return _timed(lambda: ctl.dataset.on_upload(str(src), "", "train", "classification", *none, request=BOB))
 
     n = 200_000
     shown, seconds = upload("wide.csv", ",".join(f"c{i}" for i in range(n)) + "\n" + ",".join(["1"] * n) + "\n")
@@ -326,9 +328,9 @@ def test_a_wide_file_is_refused_before_its_rows_are_read_and_cells_are_cut(share
     labels = "".join(f"row {i},label-{i}\n" for i in range(500))
     shown, _ = upload("cell.csv", "text,label\n" + "x" * 2_000_000 + ",a\n" + labels)
     cells = shown.data.preview.to_numpy().ravel()
-    assert max(len(str(c)) for c in cells) == dataview.MAX_CELL_CHARS and str(cells[0]).endswith("…")
+    assert max(len(str(c)) for c in cells) == preview.MAX_CELL_CHARS and str(cells[0]).endswith("…")
     assert len(shown.data.labels) < 2000 and "(471 more)" in shown.data.labels
     n = 800  # within the limit, but only the first 50 columns are previewed and 30 named
     shown, _ = upload("many.csv", ",".join(f"c{i}" for i in range(n)) + ",text\n" + "1," * n + "hello\n")
-    assert shown.data.preview.shape[1] == dataview.MAX_PREVIEW_COLUMNS
-    assert len(shown.data.error.removeprefix("⚠️ ")) == dataview.MAX_ERROR_CHARS
+    assert shown.data.preview.shape[1] == preview.MAX_PREVIEW_COLUMNS
+    assert len(shown.data.error.removeprefix("⚠️ ")) == preview.MAX_ERROR_CHARS

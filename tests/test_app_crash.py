@@ -14,8 +14,8 @@ import pytest
 import yaml
 from conftest import served_app
 
-from app.handlers import Controller
-from app.jobs import KILLED, JobManager
+from app.jobs.training import KILLED, JobManager
+from app.tabs import handlers
 from finetune.run.events import read_events
 from finetune.run.rundir import checkpoints
 
@@ -49,12 +49,12 @@ def test_a_training_child_killed_by_sigkill_fails_resumably_before_and_after_a_r
     failed = jobs.status()
     assert (failed.state, failed.message, failed.returncode) == ("failed", KILLED, -9)
     assert failed.resumable and Path(failed.checkpoint) == checkpoints(run_dir)[-1]
-    assert Controller(runs, jobs).poll(None).resume_button["visible"]
+    assert handlers(runs, jobs).follow.poll(None).resume_button["visible"]
 
     after_restart = JobManager(runs)  # a new app process: the same verdict, from current.json and the run folder
     status = after_restart.status()
     assert (status.state, status.message, status.resumable) == ("failed", KILLED, True)
-    assert Controller(runs, after_restart).poll(None).resume_button["visible"]
+    assert handlers(runs, after_restart).follow.poll(None).resume_button["visible"]
 
 
 def test_sigterm_to_the_app_stops_the_run_with_a_checkpoint_before_the_app_exits(tmp_path, tiny_bert, cls_csv):

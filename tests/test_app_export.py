@@ -1,5 +1,5 @@
-"""The app's Export block and `/export` endpoints (app/exportview.py): `finetune export` of the caller's own finished
-run as a child process, through the access policy: another user's run, a path outside one's runs folder, an
+"""The app's Export block and `/export` endpoints (app/export/inference.py): `finetune export` of the caller's own
+finished run as a child process, through the access policy: another user's run, a path outside one's runs folder, an
 unfinished run and a second export at once are refused in one sentence; the caller's run exports, with its progress,
 files and (for a push) the same checks as Push to the Hub."""
 
@@ -15,9 +15,9 @@ from conftest import run_train
 
 from app.access import Access
 from app.api import ScriptApi
-from app.exportview import Exporter, exporter_of
-from app.handlers import Controller
-from app.jobs import JobStatus
+from app.export.inference import InferenceExport
+from app.jobs.training import JobStatus
+from app.tabs import handlers
 from finetune.config.schema import from_dict
 from finetune.run.events import read_events
 
@@ -51,7 +51,7 @@ def alices_run(tmp_path_factory, tiny_bert, cls_csv) -> Path:
     return runs / "alice" / "run"
 
 
-def _wait(exporter: Exporter, request, limit_s: float = 240) -> dict:
+def _wait(exporter: InferenceExport, request, limit_s: float = 240) -> dict:
     deadline = time.time() + limit_s
     while (shown := exporter.status(request=request))["state"] == "running":
         assert time.time() < deadline, shown
@@ -62,10 +62,10 @@ def _wait(exporter: Exporter, request, limit_s: float = 240) -> dict:
 def test_only_the_callers_own_finished_run_exports(alices_run, tmp_path):
     runs = alices_run.parents[1]
     alice, bob = _signed_in("alice"), _signed_in("bob")
-    controller = Controller(runs, _Jobs(alices_run, "alice"), access=_space())
-    exporter = exporter_of(controller)
-    assert exporter_of(controller) is exporter  # the page and the API share it (one export at a time)
+    controller = handlers(runs, _Jobs(alices_run, "alice"), access=_space())
+    exporter = controller.inference
     api = ScriptApi(controller)
+    assert api.handlers.inference is exporter  # the page and the API share it (one export at a time)
     # Bob sees no run of his, and cannot name alice's: not by its path, not through `..`.
     assert api.export(request=bob)["message"] == "Nothing to export yet: train a run to the end first."
     outside = api.export(run=str(alices_run), request=bob)
@@ -78,7 +78,7 @@ def test_only_the_callers_own_finished_run_exports(alices_run, tmp_path):
     unfinished.mkdir()
     shutil.copy(alices_run / "config.yaml", unfinished / "config.yaml")
     assert "has not finished (it stopped before the end)" in api.export(run="half", request=alice)["message"]
-    running = Controller(runs, _Jobs(alices_run, "alice", "running"), access=_space())
+    running = handlers(runs, _Jobs(alices_run, "alice", "running"), access=_space())
     assert ScriptApi(running).export(request=alice)["message"] == ("The run has not finished: export it once it is "
                                                                    "done.")
     assert api.export_status(request=bob)["state"] == "idle"
@@ -89,7 +89,7 @@ def test_only_the_callers_own_finished_run_exports(alices_run, tmp_path):
     again = api.export(request=alice)
     assert again["message"] == "An export is in progress on this server: wait for it to finish."
     # Nor does a run start beside it on a shared server (one job at a time, either way).
-    blocked = controller.start_run(from_dict({"model": "x", "dataset": "y"}), request=bob)
+    blocked = controller.run.start_run(from_dict({"model": "x", "dataset": "y"}), request=bob)
     assert not blocked.started and blocked.message == ("An export is in progress on this server: start the run "
                                                        "when it is done (one job at a time).")
     assert api.export_status(request=bob)["state"] == "idle"  # not his to follow
@@ -116,7 +116,7 @@ def test_a_refused_export_says_the_clis_sentence(alices_run, tmp_path):
     """GGUF of a classifier: the child's own refusal (exit 2), shown as the failure, nothing written."""
     run = tmp_path / "runs" / "run"
     shutil.copytree(alices_run, run, ignore=shutil.ignore_patterns("export", "export.log"))
-    exporter = exporter_of(Controller(tmp_path / "runs", _Jobs(run, None), access=Access()))
+    exporter = handlers(tmp_path / "runs", _Jobs(run, None), access=Access()).inference
     assert exporter.start("gguf", "q8_0", True)["started"]
     shown = _wait(exporter, None)
     assert shown["state"] == "failed"

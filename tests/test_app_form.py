@@ -13,9 +13,8 @@ import pandas as pd
 import pytest
 from test_chat import _chatml_tokenizer, _tiny_chat_llama
 
-from app import chatview, views
-from app.handlers import Controller
-from app.jobs import JobManager
+from app import charts
+from app.jobs.training import JobManager
 from app.mapping import (
     CHAT_FIELDS,
     COLUMN_FIELDS,
@@ -31,15 +30,18 @@ from app.mapping import (
     task_choices,
     to_widget,
 )
+from app.tabs import Handlers, handlers
+from app.train import examples, run_report
+from app.tryit import panel
 from finetune.config.schema import FIELDS
 from finetune.kinds import registry as kinds
 
 CAUSAL_ONLY = ("chat_template", "train_on", "packing", "stride", "segment_recurrence")
 
 
-def _controller(tmp_path: Path) -> Controller:
+def _controller(tmp_path: Path) -> Handlers:
     runs = tmp_path / "runs"
-    return Controller(runs, JobManager(runs))
+    return handlers(runs, JobManager(runs))
 
 
 def _values(**changed) -> list:
@@ -81,7 +83,7 @@ def test_a_local_file_has_no_hub_config_or_split_and_one_resume_and_push(tmp_pat
     assert all(shown_fields("classification", "")[f] for f in HUB_FIELDS)  # nothing typed yet: a hub id may come
     assert not any(shown_fields(k, cls_csv)[f] for k in kinds.names() for f in FORM_HIDDEN)
     # The handler the page calls on a change of Task or Dataset: one visibility update per such field.
-    out = _controller(tmp_path).form_fields("causal_lm", cls_csv)
+    out = _controller(tmp_path).form.form_fields("causal_lm", cls_csv)
     assert out.fields["chat_template"] == gr.update(visible=True) and out.fields["label_column"] == gr.update(
         visible=False)
     assert out.fields["dataset_config"] == gr.update(visible=False) and out.chat_example == gr.skip()
@@ -89,7 +91,7 @@ def test_a_local_file_has_no_hub_config_or_split_and_one_resume_and_push(tmp_pat
     # hub fields and the one-control fields keep their values.
     assert out.fields["beta"] == gr.update(visible=False, value=FIELDS["beta"].default)
     assert out.fields["resume"] == gr.update(visible=False) and out.fields["push_to_hub"] == gr.update(visible=False)
-    regression = _controller(tmp_path).form_fields("regression", "a/b")
+    regression = _controller(tmp_path).form.form_fields("regression", "a/b")
     assert regression.chat_example == gr.update(visible=False) and regression.fields["train_split"]["visible"]
 
 
@@ -115,14 +117,14 @@ def test_help_texts_use_the_forms_labels():
 
 def test_a_bad_number_is_shown_next_to_its_field_and_cleared_once_fixed(tmp_path):
     ctl = _controller(tmp_path)
-    planned = ctl.plan_for("here", *_values(learning_rate=5, epochs=0))
+    planned = ctl.plan.plan_for("here", *_values(learning_rate=5, epochs=0))
     assert planned.error.startswith("⚠️") and planned.chart == gr.update(visible=False)
     notes = planned.fields
     assert notes["learning_rate"]["info"] == "⚠️ Learning rate must be at most 1, not 5.0."
     assert notes["epochs"]["info"] == "⚠️ Epochs must be above 0 (or set Max steps)."
     assert notes["learning_rate"]["elem_classes"] == ["ft-invalid"]
     assert notes["seed"] == gr.update(info=SPECS["seed"].info, elem_classes=[])  # the others keep their help
-    started = ctl.start(*_values(memory_budget_gb="-1"))
+    started = ctl.run.start(*_values(memory_budget_gb="-1"))
     assert not started.started and started.fields["memory_budget_gb"]["info"].startswith(
         "⚠️ Memory budget (GB) must be at least 0")
     assert started.fields["learning_rate"]["info"] == SPECS["learning_rate"].info  # fixed: its help is back
@@ -132,7 +134,7 @@ def test_a_bad_number_is_shown_next_to_its_field_and_cleared_once_fixed(tmp_path
 def test_a_missing_column_is_shown_at_its_dropdown(tmp_path):
     data = tmp_path / "two.csv"
     data.write_text("title,body,label\na b,c d,x\ne f,g h,y\n")  # two text columns, neither named as a text's
-    shown = _controller(tmp_path).refresh_dataset(str(data), "", "train", "classification",
+    shown = _controller(tmp_path).dataset.refresh_dataset(str(data), "", "train", "classification",
                                                   *[""] * len(COLUMN_FIELDS))
     assert shown.error.startswith("⚠️ No text column found")
     assert shown.columns["text_column"]["info"].startswith("⚠️ No text column found")
@@ -143,7 +145,7 @@ def test_a_missing_column_is_shown_at_its_dropdown(tmp_path):
     # A text column of ids (issue 20 item 3) is refused at its dropdown too.
     ids = tmp_path / "ids.csv"
     ids.write_text("id,label\n" + "".join(f"row-{i},{i % 2}\n" for i in range(6)))
-    shown = _controller(tmp_path).refresh_dataset(str(ids), "", "train", "classification",
+    shown = _controller(tmp_path).dataset.refresh_dataset(str(ids), "", "train", "classification",
                                                   *[""] * len(COLUMN_FIELDS))
     assert shown.columns["text_column"]["info"].startswith("⚠️ Text column id (guessed")
     assert shown.columns["text_column"]["elem_classes"] == ["ft-invalid"]
@@ -151,24 +153,24 @@ def test_a_missing_column_is_shown_at_its_dropdown(tmp_path):
 
 def test_a_preference_dataset_maps_and_previews_its_scored_tokens(tmp_path, pairs_csv, tiny_gpt2):
     ctl = _controller(tmp_path)
-    shown = ctl.refresh_dataset(pairs_csv, "", "train", "preference", *[""] * len(COLUMN_FIELDS))
+    shown = ctl.dataset.refresh_dataset(pairs_csv, "", "train", "preference", *[""] * len(COLUMN_FIELDS))
     assert shown.error == ""
     assert {c: u["value"] for c, u in shown.columns.items() if u["visible"]} == {
         "prompt_column": "prompt", "chosen_column": "chosen", "rejected_column": "rejected"}
-    example = ctl.chat_example(pairs_csv, "", "train", "preference", "", tiny_gpt2, "", "assistant", 64,
+    example = ctl.dataset.chat_example(pairs_csv, "", "train", "preference", "", tiny_gpt2, "", "assistant", 64,
                                "prompt", "chosen", "rejected")
     pieces = example.example["value"]
     scored = [(text, cat) for text, cat in pieces if cat]
     from transformers import AutoTokenizer
 
     eos = AutoTokenizer.from_pretrained(tiny_gpt2).eos_token  # a completion ends with it, as the kind encodes a pair
-    assert [c for _, c in scored] == [chatview.CHOSEN, chatview.REJECTED]
+    assert [c for _, c in scored] == [examples.CHOSEN, examples.REJECTED]
     assert [t.replace(eos, "").strip() for t, _ in scored] == ["wonderful and warm", "dull"]
     assert all(t.endswith(eos) for t, _ in scored)
     prompts = [t for t, c in pieces if c is None and t.strip()]
     assert len(prompts) == 2 and all("the film was" in t.lower() for t in prompts)  # the prompt: not scored
     assert example.example["label"].startswith("The first pair") and "scored" in example.note
-    cut = ctl.chat_example(pairs_csv, "", "train", "preference", "", tiny_gpt2, "", "assistant", 4,
+    cut = ctl.dataset.chat_example(pairs_csv, "", "train", "preference", "", tiny_gpt2, "", "assistant", 4,
                            "prompt", "chosen", "rejected")
     assert "left out of training" in cut.note
 
@@ -177,13 +179,13 @@ def test_reward_curves_are_drawn_beside_the_loss():
     events = [{"event": "step", "step": s, "loss": 0.7 - 0.1 * s} for s in (1, 2, 3, 4)]
     events += [{"event": "eval", "step": s, "metrics": {"loss": 0.6, "rewards/margins": 0.1 * s,
                                                         "rewards/accuracies": 0.5 + 0.1 * s}} for s in (2, 4)]
-    frame = views.reward_frame(events)
+    frame = charts.reward_frame(events)
     assert frame.split.tolist() == ["rewards/margins"] * 2 + ["rewards/accuracies"] * 2
-    chart = views.curves_html(events)
+    chart = charts.curves_html(events)
     assert "Loss per optimizer step" in chart and "Rewards at each evaluation" in chart
     assert chart.count('data-split="rewards/margins"') == 3  # its line and a point per evaluation
-    only_loss = views.curves_html(events[:4])
-    assert "Rewards" not in only_loss and views.curves_html([]) is None
+    only_loss = charts.curves_html(events[:4])
+    assert "Rewards" not in only_loss and charts.curves_html([]) is None
 
 
 @pytest.mark.slow
@@ -197,14 +199,14 @@ def test_a_preference_run_starts_through_the_api_draws_its_rewards_and_chats(tmp
                                     "max_steps": 2, "eval_every": 1, "optimizer": "sgd"}, None)
     assert started["started"], started
     deadline = time.time() + 300
-    while (status := ctl.jobs.status()).active:
-        assert time.time() < deadline, views.log_text(status)
+    while (status := ctl.state.jobs.status()).active:
+        assert time.time() < deadline, run_report.log_text(status)
         time.sleep(0.5)
-    assert status.state == "done", views.log_text(status)
-    shown = ctl.poll(None)
+    assert status.state == "done", run_report.log_text(status)
+    shown = ctl.follow.poll(None)
     assert "Rewards at each evaluation" in shown.loss_curve and 'data-split="rewards/margins"' in shown.loss_curve
     assert shown.try_panel.chat == gr.update(visible=True, value=[]) and shown.try_panel.button["value"] == "Send"
-    first = ctl.try_it("hello")
+    first = ctl.tryit.try_it("hello")
     assert first.chat["visible"] and [m["role"] for m in first.chat["value"]] == ["user", "assistant"]
     # Without a chat template the same run continues the text, as a causal LM does.
     model = status.model_dir
@@ -212,19 +214,19 @@ def test_a_preference_run_starts_through_the_api_draws_its_rewards_and_chats(tmp
     config = json.loads((model / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    assert views.try_kind(status) == "generate"
+    assert panel.try_view(status) == "text"
 
 
 @pytest.mark.slow
 def test_the_model_picker_warns_when_nothing_fits_and_the_plan_is_for_a_cuda_gpu(tmp_path, tiny_gpt2, lm_csv):
     ctl = _controller(tmp_path)
     form = {"model": tiny_gpt2, "task": "causal_lm", "dataset": lm_csv, "max_steps": "1"}
-    warning = ctl.model_fit(*_values(**form, memory_budget_gb=0.001))
+    warning = ctl.plan.model_fit(*_values(**form, memory_budget_gb=0.001))
     assert warning.startswith("⚠️ This model does not fit the memory budget, even with LoRA on a 4-bit base")
     assert "GiB" in warning and "memory_budget_gb" not in warning  # the smallest budget, in the form's words
-    assert ctl.model_fit(*_values(**form)) == ""  # no budget: nothing to warn of
+    assert ctl.plan.model_fit(*_values(**form)) == ""  # no budget: nothing to warn of
     # "Plan for a CUDA GPU": `finetune plan --device cuda`, a GPU of the budget's memory, from this CPU machine.
-    planned = ctl.plan_for("cuda", *_values(**form, memory_budget_gb=8))
+    planned = ctl.plan.plan_for("cuda", *_values(**form, memory_budget_gb=8))
     assert planned.error == "", planned.error
     assert "device **cuda (planned for a 8 GiB GPU)**" in planned.text and "precision **bf16**" in planned.text
     assert 'class="ft-plan-chart"' in planned.chart["value"] and planned.chart["visible"]
@@ -234,16 +236,17 @@ def test_the_model_picker_warns_when_nothing_fits_and_the_plan_is_for_a_cuda_gpu
 def test_try_it_scores_a_text_with_a_reward_run(tmp_path, pairs_csv, tiny_gpt2):
     from conftest import run_train
 
-    from app import jobs
+    from app.jobs import training as jobs
 
     run = tmp_path / "runs" / "r"
     run_train(run, model=tiny_gpt2, dataset=pairs_csv, task="reward", max_steps=1, effective_batch_size=2)
     ctl = _controller(tmp_path)
-    ctl.jobs._job = jobs._Job(run_dir=run, config_path=run / "config.yaml", log_path=run / "launch.log",
-                              command=["python"], pid=-1, proc=None, launched=time.time() - 60)
+    ctl.state.jobs.training._job = jobs._Job(run_dir=run, config_path=run / "config.yaml", log_path=run / "launch.log",
+                                             command=["python"], pid=-1, proc=None, launched=time.time() - 60)
     (run / "events.jsonl").write_text((run / "events.jsonl").read_text() + json.dumps(
         {"event": "done", "time": time.time(), "step": 1, "metrics": {}, "model_dir": str(run / "model")}) + "\n")
     assert shown_fields("reward", pairs_csv)["chosen_column"] and not shown_fields("reward", "")["beta"]
-    scored = ctl.try_it("a calm and warm answer")
+    scored = ctl.tryit.try_it("a calm and warm answer")
     assert scored.message == "" and scored.generated["label"] == "Reward (score)"
-    assert float(scored.generated["value"]) == pytest.approx(ctl.predict("a calm and warm answer")["score"], abs=1e-3)
+    assert float(scored.generated["value"]) == pytest.approx(ctl.tryit.predict("a calm and warm answer")["score"],
+                                                             abs=1e-3)

@@ -11,8 +11,9 @@ import gradio as gr
 import pytest
 import yaml
 
-from app.handlers import Controller
-from app.jobs import JobBusy, JobManager, JobStatus, zip_model
+from app.downloads import zip_model
+from app.jobs.training import JobBusy, JobManager, JobStatus
+from app.tabs import handlers
 
 pytestmark = pytest.mark.slow
 
@@ -77,17 +78,17 @@ def test_one_job_then_stop_then_resume_to_done(tmp_path, tiny_bert, cls_csv):
     assert done.model_dir == run_dir / "model"
 
     # What the page shows of it: the poll's status and download, and Try it on the finished model.
-    ctl = Controller(tmp_path / "runs", jobs)
-    shown = ctl.poll(None)
+    ctl = handlers(tmp_path / "runs", jobs)
+    shown = ctl.follow.poll(None)
     assert shown.status.startswith("Last run: **Done**") and "step 200 / 200" in shown.progress
     # The zip of its model, named after the run (handed out from a folder of its own).
     assert Path(shown.download["value"]).name == f"{run_dir.name}.zip" and shown.download["interactive"]
     assert not shown.stop_button["interactive"] and not shown.resume_button["visible"]
     assert shown.command == f"finetune train {run_dir / 'config.yaml'} resume=true"
     # Nothing new: nothing re-sent (a nested result of None leaves all of its widgets alone).
-    assert all(x == gr.skip() or x is None for x in vars(ctl.poll(shown.signature)).values())
+    assert all(x == gr.skip() or x is None for x in vars(ctl.follow.poll(shown.signature)).values())
     assert shown.start_button["interactive"] and shown.try_panel.button["interactive"]
-    tried = ctl.try_it("good great movie")
+    tried = ctl.tryit.try_it("good great movie")
     assert tried.message == "" and set(tried.label["value"]) == {"neg", "pos"}
     assert abs(sum(tried.label["value"].values()) - 1) < 1e-3
 

@@ -17,11 +17,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from app import cleanup, dataview, jobs, limits
+from app import cleanup, limits
 from app.api import ScriptApi
-from app.handlers import Controller
-from app.jobs import KILLED, JobManager, zip_model
+from app.downloads import zip_model
+from app.jobs import training as jobs
+from app.jobs.training import KILLED, JobManager
 from app.mapping import FIELD_NAMES, config_to_values, problems_text
+from app.tabs import Handlers, handlers
+from app.train import preview
 from finetune.config.batch import resolve_batch
 from finetune.config.schema import Config, ConfigError, from_dict
 from finetune.run.rundir import MARKER
@@ -37,9 +40,9 @@ def _values(**changes) -> list:
     return values
 
 
-def _controller(tmp_path: Path, **server_limits) -> Controller:
+def _controller(tmp_path: Path, **server_limits) -> Handlers:
     runs = tmp_path / "runs"
-    return Controller(runs, JobManager(runs), server_limits=limits.Limits(**server_limits))
+    return handlers(runs, JobManager(runs), server_limits=limits.Limits(**server_limits))
 
 
 # --- limits
@@ -65,7 +68,7 @@ def test_absurd_batch_and_steps_are_refused_by_the_schema_at_once():
 def test_plan_with_absurd_values_answers_at_once_on_the_page_and_the_api(tmp_path):
     ctl = _controller(tmp_path, max_effective_batch=1024, max_steps=1000, max_epochs=20)
     started = time.perf_counter()
-    shown = ctl.plan(*_values(effective_batch_size="1000000000000", micro_batch_size="7"))
+    shown = ctl.plan.plan(*_values(effective_batch_size="1000000000000", micro_batch_size="7"))
     assert shown.error.startswith("⚠️ **Effective batch size** must be at most")
     assert ScriptApi(ctl).plan(ABSURD, None)["error"].startswith("`effective_batch_size` must be at most")
     # Within the schema but above this server's limits: refused before any planner process starts.
@@ -106,7 +109,7 @@ def test_a_huge_imported_config_is_refused_before_it_is_read(tmp_path):
     big.write_text("".join(f"key_{i}: {'x' * 40}\n" for i in range(110_000)))  # about 5 MB
     ctl = _controller(tmp_path)
     started = time.perf_counter()
-    shown = ctl.import_config(str(big))
+    shown = ctl.reproduce.import_config(str(big))
     assert time.perf_counter() - started < 0.5
     assert shown.note.startswith("⚠️ The config is 5,") and "a config is at most 64 KB" in shown.note
     assert len(shown.note) < 200
@@ -133,21 +136,21 @@ def test_a_hub_preview_that_hangs_times_out_without_blocking_a_local_preview(mon
     def never_answers(source, config_name, split):
         time.sleep(10)
 
-    monkeypatch.setattr(dataview, "_hub_sample", never_answers)
-    monkeypatch.setattr(dataview, "HUB_TIMEOUT_S", 3.0)
-    dataview.inspect(cls_csv, None, "train", "classification", {})  # warm the readers' imports, then forget it
-    dataview._hub.cache_clear()
-    dataview._local.cache_clear()
-    answers: dict[str, tuple[float, dataview.DatasetView]] = {}
+    monkeypatch.setattr(preview, "_hub_sample", never_answers)
+    monkeypatch.setattr(preview, "HUB_TIMEOUT_S", 3.0)
+    preview.inspect(cls_csv, None, "train", "classification", {})  # warm the readers' imports, then forget it
+    preview._hub.cache_clear()
+    preview._local.cache_clear()
+    answers: dict[str, tuple[float, preview.DatasetView]] = {}
     begin = time.perf_counter()
 
-    def preview(name: str, source: str) -> None:
-        view = dataview.inspect(source, None, "train", "classification", {})
+    def look(name: str, source: str) -> None:
+        view = preview.inspect(source, None, "train", "classification", {})
         answers[name] = (time.perf_counter() - begin, view)
 
-    hub = threading.Thread(target=preview, args=("hub", "someone/slow-dataset"))
+    hub = threading.Thread(target=look, args=("hub", "someone/slow-dataset"))
     hub.start()
-    preview("local", cls_csv)
+    look("local", cls_csv)
     hub.join()
     local_s, local = answers["local"]
     hub_s, hung = answers["hub"]
@@ -173,11 +176,11 @@ def test_a_hub_preview_is_streamed_and_says_it_counted_only_the_first_rows(monke
                                           ).to_iterable_dataset()
 
     monkeypatch.setattr(datasets, "load_dataset", streamed)
-    dataview._hub.cache_clear()
-    view = dataview.inspect("someone/big-dataset", None, "train", "classification", {})
-    dataview._hub.cache_clear()
-    assert seen.read_text() == "True" and view.error == "" and view.rows == dataview.HUB_SAMPLE_ROWS
-    assert dataview.labels_markdown(view).startswith("the first 1000 rows (streamed) · 2 labels")
+    preview._hub.cache_clear()
+    view = preview.inspect("someone/big-dataset", None, "train", "classification", {})
+    preview._hub.cache_clear()
+    assert seen.read_text() == "True" and view.error == "" and view.rows == preview.HUB_SAMPLE_ROWS
+    assert preview.labels_markdown(view).startswith("the first 1000 rows (streamed) · 2 labels")
 
 
 def test_a_local_preview_writes_nothing_into_the_datasets_cache(tmp_path, monkeypatch, cls_csv):
@@ -188,7 +191,7 @@ def test_a_local_preview_writes_nothing_into_the_datasets_cache(tmp_path, monkey
     frame.to_json(tmp_path / "data.jsonl", orient="records", lines=True)
     frame.to_parquet(tmp_path / "data.parquet")
     for path in (Path(cls_csv), tmp_path / "data.jsonl", tmp_path / "data.parquet"):
-        view = dataview.inspect(str(path), None, "train", "classification", {})
+        view = preview.inspect(str(path), None, "train", "classification", {})
         assert view.error == "" and view.rows == 37 and sum(view.labels.values()) == 37, path
     assert not (tmp_path / "cache").exists()
 
@@ -210,12 +213,12 @@ def test_try_it_truncates_a_long_text_and_says_so(tmp_path, monkeypatch):
     run = tmp_path / "runs" / "r"
     (run / "model").mkdir(parents=True)
     (run / "events.jsonl").write_text(json.dumps({"event": "done", "time": time.time() + 10}) + "\n")
-    ctl.jobs._job = jobs._Job(run_dir=run, config_path=run / "config.yaml", log_path=run / "launch.log",
-                              command=["python"], pid=-1, proc=None, launched=time.time())
-    shown = ctl.try_it("word " * 10_000)
+    ctl.state.jobs.training._job = jobs._Job(run_dir=run, config_path=run / "config.yaml", log_path=run / "launch.log",
+                                             command=["python"], pid=-1, proc=None, launched=time.time())
+    shown = ctl.tryit.try_it("word " * 10_000)
     assert len(seen["texts"][0]) == limits.MAX_TRY_CHARS and seen["max_new_tokens"] == limits.MAX_NEW_TOKENS
     assert shown.message == "Only the first 2,000 characters of the text were used."
-    assert ctl.try_it("short").message == ""
+    assert ctl.tryit.try_it("short").message == ""
 
 
 # --- disk and clean-up
@@ -224,7 +227,7 @@ def test_try_it_truncates_a_long_text_and_says_so(tmp_path, monkeypatch):
 def test_a_run_does_not_start_on_a_nearly_full_disk(tmp_path, monkeypatch, cls_csv):
     monkeypatch.setattr(cleanup, "free_bytes", lambda path: 1.2e9)
     ctl = _controller(tmp_path, min_free_gb=5)
-    started = ctl.start_run(from_dict({"dataset": cls_csv}))
+    started = ctl.run.start_run(from_dict({"dataset": cls_csv}))
     assert not started.started and started.message == (
         f"Only 1.2 GB free on the disk of {tmp_path / 'runs'}: at least 5 GB is needed to start a run; delete old "
         "runs, or free space on that disk.")
@@ -349,7 +352,7 @@ def test_a_child_killed_from_outside_is_failed_and_resumable_before_and_after_a_
     killed = _until(manager, lambda s: not s.active)
     assert (killed.state, killed.message, killed.resumable) == ("failed", KILLED, True)
     assert killed.checkpoint == str(run / "checkpoints" / "step-0000002")
-    shown = Controller(runs, manager).poll(None)
+    shown = handlers(runs, manager).follow.poll(None)
     assert "Failed" in shown.status and KILLED in shown.status and shown.resume_button["visible"]
 
     restarted = JobManager(runs, python=python).status()  # a new app process adopts the same record

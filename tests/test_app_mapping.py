@@ -13,8 +13,7 @@ import yaml
 from conftest import ROOT
 
 from app.device import DeviceMemory
-from app.handlers import Controller
-from app.jobs import JobManager
+from app.jobs.training import JobManager
 from app.mapping import (
     BOUND_WORDS,
     FIELD_NAMES,
@@ -29,6 +28,7 @@ from app.mapping import (
     values_to_config,
     values_to_dict,
 )
+from app.tabs import handlers
 from finetune.config.schema import FIELDS, Config, ConfigError, field_type, from_dict
 
 # Options the config only accepts together with others (its cross-checks).
@@ -177,7 +177,7 @@ def test_task_is_inferred_from_presets_and_local_folders(tmp_path):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The real page, built (not served) with the repository's preset and a fixed memory figure."""
-    from app.ui import build
+    from app.page import build
 
     runs = tmp_path_factory.mktemp("runs")
     return build(runs, memory=DeviceMemory(12.5, "test memory"), preset=ROOT / "assets" / "demo.yaml",
@@ -203,57 +203,57 @@ def test_page_opens_with_the_bundled_model_on_the_sample_data(built):
 
 
 def test_export_then_import_through_the_handlers(tmp_path):
-    ctl = Controller(tmp_path, JobManager(tmp_path / "runs"))
+    ctl = handlers(tmp_path, JobManager(tmp_path / "runs"))
     # Every field changed at once, but for those the cross-checks forbid together with the others.
     clash = {*COMPANIONS, "resume", "task", "eval_fraction", "tasks"}  # tasks: each names its own data
     config = from_dict({name: sample(name) for name in FIELD_NAMES if name not in clash})
-    exported = ctl.export(*config_to_values(config))
+    exported = ctl.reproduce.export(*config_to_values(config))
     assert Path(exported.file).read_text() == exported.yaml
     assert exported.command == "finetune train finetune-config.yaml"
-    imported = ctl.import_config(exported.file)
+    imported = ctl.reproduce.import_config(exported.file)
     assert imported.values == dict(zip(FIELD_NAMES, config_to_values(config), strict=True))
     assert "Imported" in imported.note and imported.yaml == config_yaml(config)
     assert values_to_config(list(imported.values.values())) == config
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("epochs: many\n")
-    refused = ctl.import_config(str(bad))
+    refused = ctl.reproduce.import_config(str(bad))
     assert "`epochs` must be a number, not 'many'." in refused.note and refused.values == {}
 
 
 def test_start_refuses_bad_input_before_anything_runs(tmp_path):
     runs = tmp_path / "runs"
-    ctl = Controller(runs, JobManager(runs))
+    ctl = handlers(runs, JobManager(runs))
     values = config_to_values(from_dict({"dataset": str(tmp_path / "missing.csv")}))
-    refused = ctl.start(*values)
+    refused = ctl.run.start(*values)
     assert "does not exist" in refused.note and "does not exist" in refused.dataset_note
     values[FIELD_NAMES.index("learning_rate")] = -1
-    refused = ctl.start(*values)
+    refused = ctl.run.start(*values)
     # The API's message keeps the config's key; the page says the field's label.
     assert not refused.started and "`learning_rate` must be at least 0" in refused.message
     assert refused.note == "⚠️ **Learning rate** must be at least 0, not -1.0."
-    assert ctl.jobs.status().state == "idle" and not list(runs.glob("*.yaml"))
+    assert ctl.state.jobs.status().state == "idle" and not list(runs.glob("*.yaml"))
     ids = tmp_path / "ids.csv"  # no text column: the only other column, a number, is not taken for the text
     ids.write_text("id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(20)))
-    refused = ctl.start(*config_to_values(from_dict({"dataset": str(ids), "label_column": "label"})))
+    refused = ctl.run.start(*config_to_values(from_dict({"dataset": str(ids), "label_column": "label"})))
     assert not refused.started and "Text column `id`" in refused.dataset_note and "holds numbers" in refused.note
-    assert ctl.jobs.status().state == "idle" and not any(runs.iterdir())
+    assert ctl.state.jobs.status().state == "idle" and not any(runs.iterdir())
 
 
 def test_named_results_go_to_the_widgets_named_for_their_fields():
     import gradio as gr
 
-    from app.results import DatasetShown, UploadShown
-    from app.ui import _components, _updates
+    from app.results import DatasetShown, components, updates
+    from app.train.dataset import UploadShown
 
     dataset, preview, text_column, labels, error = (gr.Textbox() for _ in range(5))
     targets = {"dataset": dataset, "data": {"preview": preview, "columns": {"text_column": text_column},
                                             "labels": labels, "error": error}}
-    assert _components(targets) == [dataset, preview, text_column, labels, error]
-    assert _updates(UploadShown(), targets) == {dataset: gr.skip()}  # no preview: those widgets stay as they are
+    assert components(targets) == [dataset, preview, text_column, labels, error]
+    assert updates(UploadShown(), targets) == {dataset: gr.skip()}  # no preview: those widgets stay as they are
     shown = UploadShown(dataset="a.csv", data=DatasetShown(preview=None, columns={}, labels="3 rows", error=""))
     # A column not named in the group keeps its dropdown; every other field goes to its widget.
-    assert _updates(shown, targets) == {dataset: "a.csv", preview: None, labels: "3 rows", error: ""}
+    assert updates(shown, targets) == {dataset: "a.csv", preview: None, labels: "3 rows", error: ""}
 
 
 def test_the_epochs_help_states_the_rule_the_config_checks():
@@ -264,11 +264,13 @@ def test_the_epochs_help_states_the_rule_the_config_checks():
 
 
 def test_a_handler_without_request_cannot_be_wired_to_the_page():
-    """`ui._on` passes the request to every handler; one that cannot take it fails when the page is built (Export
-    and Import config once failed only in the browser, as a red Error badge)."""
+    """The request policy's door passes the request to every handler; one that cannot take it fails when the page
+    is built (Export and Import config once failed only in the browser, as a red Error badge)."""
     import gradio as gr
 
-    from app.ui import _on
+    from app.policy import RequestPolicy
+
+    _on = RequestPolicy().on
 
     def no_request(path: str) -> dict:
         return {}
@@ -277,7 +279,8 @@ def test_a_handler_without_request_cannot_be_wired_to_the_page():
         button = gr.Button()
         with pytest.raises(TypeError, match="no_request is wired to the page but takes no request="):
             _on(button.click, no_request, None, {})
-        _on(button.click, Controller(Path("runs"), JobManager(Path("runs"))).export, None, {"message": gr.Markdown()})
+        _on(button.click, handlers(Path("runs"), JobManager(Path("runs"))).reproduce.export, None,
+            {"message": gr.Markdown()})
 
 
 def test_messages_on_the_page_use_the_forms_labels_not_config_keys():
@@ -299,7 +302,7 @@ def test_messages_on_the_page_use_the_forms_labels_not_config_keys():
 def test_a_reload_shows_the_runs_settings_without_its_folder_and_old_notes_go_when_it_ends(tmp_path, monkeypatch):
     import time
 
-    from app import jobs
+    from app.jobs import training as jobs
 
     monkeypatch.chdir(tmp_path)
     runs = Path("runs")
@@ -310,42 +313,42 @@ def test_a_reload_shows_the_runs_settings_without_its_folder_and_old_notes_go_wh
     launch.write_text(config_yaml(from_dict({"dataset": str(ROOT / "assets" / "sst2_sample.csv"), "epochs": 2.0,
                                              "output_dir": str(run), "overwrite": True})))
     (run / "events.jsonl").write_text("")  # started, no event yet: running
-    ctl = Controller(runs, JobManager(runs))
-    ctl.jobs._job = jobs._Job(run_dir=run, config_path=launch, log_path=run / "launch.log", command=["python"],
-                              pid=-1, proc=None, launched=time.time() - 60)
-    form = ctl.running_config()
+    ctl = handlers(runs, JobManager(runs))
+    ctl.state.jobs.training._job = jobs._Job(run_dir=run, config_path=launch, log_path=run / "launch.log",
+                                             command=["python"], pid=-1, proc=None, launched=time.time() - 60)
+    form = ctl.form.running_config()
     assert form.values["epochs"] == 2.0 and form.values["output_dir"] == "" and form.values["overwrite"] is False
     assert form.note == (f"The form shows the settings of run `{run}`. Start makes a new run (in a new folder) "
                          "from them.")
     # The run's folder typed in again: refused in the form's words, nothing written.
     values = config_to_values(from_dict({"dataset": str(ROOT / "assets" / "sst2_sample.csv"),
                                          "output_dir": str(run)}))
-    ctl.jobs._job = None
-    refused = ctl.start(*values)
+    ctl.state.jobs.training._job = None
+    refused = ctl.run.start(*values)
     assert refused.note == (f"⚠️ **Output dir** '{run}' holds an earlier run that never got to a checkpoint: tick "
                             "**Overwrite** to replace it. Or clear **Output dir** (under Training) for a new run.")
     assert "overwrite=true" in refused.message  # the API keeps the config's words
     assert not (run / "config.yaml").exists()
     # "Stopping…" (the Run panel's message) is replaced when the run ends, and kept while nothing changed.
-    ctl.jobs._job = jobs._Job(run_dir=run, config_path=launch, log_path=run / "launch.log", command=["python"],
-                              pid=-1, proc=None, launched=time.time() - 60)
+    ctl.state.jobs.training._job = jobs._Job(run_dir=run, config_path=launch, log_path=run / "launch.log",
+                                             command=["python"], pid=-1, proc=None, launched=time.time() - 60)
     (run / "events.jsonl").write_text(json.dumps({"event": "stopped", "time": time.time(), "step": 3,
                                                   "checkpoint": str(run / "checkpoints" / "step-3")}) + "\n")
-    assert ctl.poll((str(run), 0, "stopping")).note == ""
-    assert ctl.poll(ctl.poll(None).signature).note == gr.skip()
+    assert ctl.follow.poll((str(run), 0, "stopping")).note == ""
+    assert ctl.follow.poll(ctl.follow.poll(None).signature).note == gr.skip()
 
 
 def test_start_runs_the_plans_checks_first_and_refuses_an_impossible_budget_without_a_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     runs = Path("runs")
-    ctl = Controller(runs, JobManager(runs))
+    ctl = handlers(runs, JobManager(runs))
     config = from_dict({"dataset": str(ROOT / "assets" / "sst2_sample.csv"), "memory_budget_gb": 0.01})
-    planned = ctl.plan(*config_to_values(config))
+    planned = ctl.plan.plan(*config_to_values(config))
     assert planned.error.startswith("⚠️ Nothing fits **Memory budget (GB)** 0.01:")
     calls = []
-    monkeypatch.setattr(ctl, "_run_planner", lambda c: calls.append(c))  # Start reuses Plan's answer
-    refused = ctl.start(*config_to_values(config))
+    monkeypatch.setattr(ctl.state.jobs.planner, "run", lambda *a: calls.append(a))  # Start reuses Plan's answer
+    refused = ctl.run.start(*config_to_values(config))
     assert not refused.started and refused.note.startswith(
         "⚠️ Not started (nothing was written): Nothing fits **Memory budget (GB)** 0.01:")
     assert "memory_budget_gb=0.01" in refused.message and calls == []  # the API keeps the planner's words
-    assert ctl.jobs.status().state == "idle" and not [p for p in runs.glob("*") if p.name != "uploads"]
+    assert ctl.state.jobs.status().state == "idle" and not [p for p in runs.glob("*") if p.name != "uploads"]

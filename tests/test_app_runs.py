@@ -16,11 +16,12 @@ import pytest
 import test_token_classification as tokcls
 from conftest import run_train
 
-from app import jobs
 from app.access import Access
-from app.handlers import Controller, entity_pieces
-from app.jobs import JobManager
-from app.runsview import RunsController, config_diff, list_runs
+from app.jobs import training as jobs
+from app.jobs.training import JobManager
+from app.runs.listing import config_diff, list_runs
+from app.tabs import Handlers, handlers
+from app.tryit.renderers import entity_pieces
 
 ner_jsonl, tiny_bert_tagger = tokcls.ner_jsonl, tokcls.tiny_bert_tagger  # its session fixtures, shared
 
@@ -39,10 +40,10 @@ def two_runs(tmp_path_factory, tiny_bert, cls_csv) -> Path:
     return runs
 
 
-def _attach(ctl: Controller, run: Path) -> None:
+def _attach(ctl: Handlers, run: Path) -> None:
     """The job manager follows `run` as its last (finished) run, as after an app restart."""
-    ctl.jobs._job = jobs._Job(run_dir=run, config_path=run / "config.yaml", log_path=run / "launch.log",
-                              command=["python"], pid=-1, proc=None, launched=time.time() - 3600)
+    ctl.state.jobs.training._job = jobs._Job(run_dir=run, config_path=run / "config.yaml", log_path=run / "launch.log",
+                                             command=["python"], pid=-1, proc=None, launched=time.time() - 3600)
 
 
 def test_the_runs_are_listed_compared_and_diffed(two_runs, tmp_path):
@@ -50,7 +51,7 @@ def test_the_runs_are_listed_compared_and_diffed(two_runs, tmp_path):
     shutil.copytree(two_runs, runs)
     (runs / "uploads").mkdir()
     (runs / "not-a-run").mkdir()  # no marker: not a run of the tool's
-    ctl = RunsController(Controller(runs, JobManager(runs)))
+    ctl = handlers(runs, JobManager(runs)).runs
     shown = ctl.refresh(None)
     assert sorted(shown.table.Run) == ["run-a", "run-b"]
     assert set(shown.table.Status) == {"Done"} and all(s == f"{STEPS}/{STEPS}" for s in shown.table.Steps)
@@ -85,7 +86,7 @@ def test_a_shared_server_lists_only_the_users_own_runs(two_runs, tmp_path):
     shutil.copytree(two_runs / "run-a", runs / "alice" / "run-a")
     shutil.copytree(two_runs / "run-b", runs / "bob" / "run-b")
     access = Access("password", accounts=(("alice", "a"), ("bob", "b")))
-    ctl = RunsController(Controller(runs, JobManager(runs), access=access))
+    ctl = handlers(runs, JobManager(runs), access=access).runs
     alice, bob, nobody = (SimpleNamespace(username=u) for u in ("alice", "bob", None))
     assert list(ctl.refresh(None, request=alice).table.Run) == ["run-a"]
     assert list(ctl.refresh(None, request=bob).table.Run) == ["run-b"]
@@ -105,7 +106,7 @@ def test_delete_asks_first_and_removes_only_what_finetune_wrote(two_runs, tmp_pa
     runs = tmp_path / "runs"
     shutil.copytree(two_runs, runs)
     (runs / "run-b" / "model" / "NOTES.md").write_text("mine")
-    ctl = RunsController(Controller(runs, JobManager(runs)))
+    ctl = handlers(runs, JobManager(runs)).runs
     asked = ctl.ask_delete(["run-a"])
     assert "Delete run `run-a`?" in asked["message"] and asked["confirm"]["visible"]
     assert ctl.cancel_delete()["message"] == "Nothing was deleted." and (runs / "run-a").is_dir()
@@ -133,11 +134,11 @@ def test_a_stopped_run_with_a_checkpoint_is_resumed_from_the_runs_tab(two_runs, 
     (run / "checkpoints" / "step-0000014").mkdir(parents=True, exist_ok=True)
     (info,) = list_runs(runs)
     assert info.state == "stopped" and info.resumable
-    ctl = RunsController(Controller(runs, JobManager(runs)))
+    ctl = handlers(runs, JobManager(runs)).runs
     assert ctl.select(["stopped"]).resume["interactive"]
     assert ctl.select(["stopped"]).command.endswith("stopped/config.yaml resume=true")
     started = []
-    monkeypatch.setattr(ctl.controller.jobs, "resume", lambda path, owner=None: started.append(path))
+    monkeypatch.setattr(ctl.state.jobs, "resume", lambda path, owner=None: started.append(path))
     assert ctl.resume(["stopped"]).startswith("Resuming `stopped`") and started == [run]
     assert "Nothing to resume" in ctl.resume([]) or "Select one run" in ctl.resume([])
 
@@ -145,12 +146,12 @@ def test_a_stopped_run_with_a_checkpoint_is_resumed_from_the_runs_tab(two_runs, 
 def test_try_it_shows_the_runs_label_names_and_the_download_is_named_after_the_run(two_runs, tmp_path):
     runs = tmp_path / "runs"
     shutil.copytree(two_runs / "run-a", runs / "run-a")
-    ctl = Controller(runs, JobManager(runs))
+    ctl = handlers(runs, JobManager(runs))
     _attach(ctl, runs / "run-a")
-    shown = ctl.try_it("a good great film")
+    shown = ctl.tryit.try_it("a good great film")
     assert shown.label["visible"] and set(shown.label["value"]) == {"pos", "neg"}  # the data's names, not 0/1
     assert not shown.entities["visible"]
-    download = ctl.poll(None).download
+    download = ctl.follow.poll(None).download
     assert Path(download["value"]).name == "run-a.zip" and download["interactive"]
 
 
@@ -158,10 +159,10 @@ def test_try_it_highlights_the_entities_of_a_token_classification_run(tmp_path, 
     run = tmp_path / "runs" / "ner"
     run_train(run, model=tiny_bert_tagger, dataset=ner_jsonl, task="token_classification", max_steps=2,
               effective_batch_size=8, max_length=32)
-    ctl = Controller(tmp_path / "runs", JobManager(tmp_path / "runs"))
+    ctl = handlers(tmp_path / "runs", JobManager(tmp_path / "runs"))
     _attach(ctl, run)
     text = "Clara went to Paris and Berlin"
-    shown = ctl.try_it(text)
+    shown = ctl.tryit.try_it(text)
     assert shown.message == "" and shown.entities["visible"]
     assert not shown.label["visible"] and not shown.generated["visible"]
     pieces = shown.entities["value"]

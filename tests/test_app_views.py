@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from app import dataview, views
-from app.jobs import JobStatus
-from app.tail import EventTail, error_from_output, session_output
+from app import charts, report
+from app.jobs.tail import EventTail, error_from_output, session_output
+from app.jobs.training import JobStatus
+from app.train import plan_report, preview, run_report
+from app.tryit import panel, renderers
 
 GIB = 1024**3
 
@@ -27,7 +29,7 @@ def _events(steps: int, total: int = 10, evals: tuple[int, ...] = ()) -> list[di
 
 
 def test_loss_frame_is_long_format_with_train_and_eval():
-    frame = views.loss_frame(_events(4, evals=(2, 4)))
+    frame = charts.loss_frame(_events(4, evals=(2, 4)))
     assert list(frame.columns) == ["step", "loss", "split"]
     assert frame.step.dtype == "int64" and frame.loss.dtype == "float64"
     assert frame[frame.split == "train"].step.tolist() == [1, 2, 3, 4]
@@ -37,52 +39,54 @@ def test_loss_frame_is_long_format_with_train_and_eval():
 def test_loss_chart_draws_every_split_from_the_first_update_and_eval_as_points():
     import re
 
-    chart = views.loss_chart_html(views.loss_frame(_events(4, evals=(4,))))  # one eval so far: still visible
+    chart = charts.loss_chart_html(charts.loss_frame(_events(4, evals=(4,))))  # one eval so far: still visible
     train = re.search(r'<path data-split="train" d="([^"]+)"', chart).group(1)
     assert train.count("M") + train.count("L") == 4
     assert len(re.findall(r'<circle data-split="eval"', chart)) == 1
     assert 'stroke="#1d4ed8"' in chart and 'fill="#c2410c"' in chart  # each split its own colour, from the start
     legend = chart[chart.index('class="ft-legend"'):chart.index("<svg viewBox")]
     assert ">train</span>" in legend and ">eval</span>" in legend  # outside the plot's frame: never cut off
-    assert views.loss_chart_html(views.loss_frame([])) == ""
+    assert charts.loss_chart_html(charts.loss_frame([])) == ""
 
 
 def test_long_curves_are_thinned_but_keep_their_last_step():
-    frame = views.loss_frame(_events(2500, total=2500))
+    frame = charts.loss_frame(_events(2500, total=2500))
     train = frame[frame.split == "train"].step.tolist()
-    assert len(train) <= views.MAX_PLOT_POINTS + 1 and train[0] == 1 and train[-1] == 2500
+    assert len(train) <= charts.MAX_PLOT_POINTS + 1 and train[0] == 1 and train[-1] == 2500
 
 
 def test_progress_shows_step_total_and_eta():
     s = JobStatus(state="running", run_dir=Path("runs/x"), events=_events(3))
-    assert views.eta_seconds(s.events) == 14.0  # 2 s a step, 7 steps left
-    html = views.progress_html(s)
+    assert run_report.eta_seconds(s.events) == 14.0  # 2 s a step, 7 steps left
+    html = run_report.progress_html(s)
     assert 'max="10" value="3"' in html and "step 3 / 10" in html and "ETA 0:14" in html
-    assert "step 10 / 10" in views.progress_html(JobStatus(state="done", run_dir=Path("runs/x"), events=_events(10)))
-    assert "No run yet" in views.progress_html(JobStatus(state="idle"))
+    done = JobStatus(state="done", run_dir=Path("runs/x"), events=_events(10))
+    assert "step 10 / 10" in run_report.progress_html(done)
+    assert "No run yet" in run_report.progress_html(JobStatus(state="idle"))
 
 
 def test_eta_counts_only_the_steps_since_the_latest_start():
     events = _events(4) + [{**_events(0)[0], "time": 1000.0, "step": 4, "resumed": True},
                            {**_events(5)[-1], "time": 1003.0}, {**_events(6)[-1], "time": 1006.0}]
-    assert views.eta_seconds(events) == 12.0  # 3 s a step since the resume, 4 steps left
+    assert run_report.eta_seconds(events) == 12.0  # 3 s a step since the resume, 4 steps left
 
 
 def test_stats_status_and_log():
     s = JobStatus(state="running", run_dir=Path("runs/x"), events=_events(2, evals=(2,)))
-    stats = views.stats_markdown(s)
+    stats = run_report.stats_markdown(s)
     for part in ("**loss** 0.5000", "**lr** 1.00e-04", "**grad norm** 0.5", "**samples/s** 4.0",
                  "**skipped fp16 steps** 0", "**eval @ 2** loss 0.4500, accuracy 0.5000"):
         assert part in stats
-    log = views.log_text(s)
+    log = run_report.log_text(s)
     assert "micro-batch 4 × accumulation 2 × 1 process(es) = 8, fp32 on cpu" in log and "step 2/10" in log
     failed = JobStatus(state="failed", run_dir=Path("runs/x"), message="Label column 'y' is not in the data.")
-    assert "Failed" in views.status_markdown(failed) and "Label column 'y'" in views.status_markdown(failed)
-    assert "see the log" in views.status_markdown(JobStatus(state="failed", run_dir=Path("runs/x")))  # never a blank
+    assert "Failed" in run_report.status_markdown(failed) and "Label column 'y'" in run_report.status_markdown(failed)
+    # Never a blank:
+    assert "see the log" in run_report.status_markdown(JobStatus(state="failed", run_dir=Path("runs/x")))
     done = JobStatus(state="done", run_dir=Path("runs/x"),
                      events=[*_events(1), {"event": "done", "time": 1.0, "step": 1, "metrics": {"accuracy": 0.875},
                                            "model_dir": "m"}])
-    assert "accuracy 0.8750" in views.status_markdown(done) and views.final_metrics(done) == {"accuracy": 0.875}
+    assert "accuracy 0.8750" in run_report.status_markdown(done) and report.final_metrics(done) == {"accuracy": 0.875}
 
 
 PLAN = {"micro_batch_size": 4, "grad_accum_steps": 8, "num_processes": 1, "effective_batch_size": 32,
@@ -93,7 +97,7 @@ PLAN = {"micro_batch_size": 4, "grad_accum_steps": 8, "num_processes": 1, "effec
 
 
 def test_plan_is_shown_as_batch_arithmetic_and_a_bar_against_the_budget():
-    text = views.plan_markdown(PLAN)
+    text = plan_report.plan_markdown(PLAN)
     assert "micro-batch 4 × accumulation 8 × 1 process(es) = effective batch 32" in text
     assert "precision **bf16**" in text and "gradient checkpointing **on**" in text and "LoRA **off**" in text
     assert "quantization **none**" in text
@@ -101,13 +105,13 @@ def test_plan_is_shown_as_batch_arithmetic_and_a_bar_against_the_budget():
     assert "- gradient checkpointing: the plan without it needs 9.1 GiB" in text
     assert "weights 1.00 GiB · gradients 1.00 GiB · optimizer state 2.00 GiB · activations 2.00 GiB" in text
     # Samples of different lengths: the longest micro-batch the planner counted holds padding, said in plain words.
-    padded = views.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": True, "method": "dry-run"})
+    padded = plan_report.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": True, "method": "dry-run"})
     assert "longest micro-batch 4 × 512 tokens (shorter samples padded to it)" in padded
     assert "dry-run" not in padded and "estimated on a weightless copy of the model" in padded
-    assert "padded to it" not in views.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": False})
-    assert "padded to it" not in views.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": True,
+    assert "padded to it" not in plan_report.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": False})
+    assert "padded to it" not in plan_report.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": True,
                                                      "micro_batch_size": 1})
-    frame = views.plan_frame(PLAN)
+    frame = plan_report.plan_frame(PLAN)
     assert frame.part.tolist() == ["weights", "gradients", "optimizer state", "activations", "predicted peak",
                                    "budget"]
     assert frame.GiB.tolist() == [1.0, 1.0, 2.0, 2.0, 6.0, 8.0]
@@ -120,7 +124,7 @@ def _bar_widths(chart: str) -> dict[str, float]:
 
 def test_plan_chart_keeps_small_parts_readable_and_the_budget_a_marker():
     # Near the budget: one scale for all, the budget a marker line at its place.
-    near = views.plan_chart_html(PLAN)
+    near = plan_report.plan_chart_html(PLAN)
     widths = _bar_widths(near)
     assert widths["optimizer state"] == 25.0 and widths["predicted peak"] == 75.0
     assert 'ft-budget-mark" style="left:100.0%' in near and "8.00 GiB" in near
@@ -128,10 +132,10 @@ def test_plan_chart_keeps_small_parts_readable_and_the_budget_a_marker():
     # 0.6 GiB part is a tenth of the chart, not a sliver; the budget is said in words, not drawn off the scale.
     small = {**PLAN, "predicted_peak_bytes": 6 * GIB * 0.1, "budget_bytes": 23.5 * GIB,
              "breakdown": {"weights": 0.06 * GIB, "activations": 0.54 * GIB, "overhead": 1024}}
-    chart = views.plan_chart_html(small)
+    chart = plan_report.plan_chart_html(small)
     widths = _bar_widths(chart)
     assert widths["predicted peak"] == 100.0 and widths["activations"] == 90.0 and widths["weights"] == 10.0
-    assert widths["overhead"] == views.MIN_BAR_PCT  # too small to see: a sliver, with its number beside it
+    assert widths["overhead"] == plan_report.MIN_BAR_PCT  # too small to see: a sliver, with its number beside it
     assert ">1 KiB<" in chart
     assert "ft-budget-mark" not in chart and "off the scale (the plan uses 3 % of it)" in chart
 
@@ -140,56 +144,56 @@ def test_plan_view_names_the_quantization_and_drops_savings_notes_on_a_roomy_pla
     quantized = {**PLAN, "lora": True, "quantization": "4bit", "base_dtype": "bf16",
                  "breakdown": {"weights": 0.2 * GIB, "quantized_weights": 1.0 * GIB,
                                "quantization_constants": 0.1 * GIB, "activations": 2 * GIB}}
-    text = views.plan_markdown(quantized)
+    text = plan_report.plan_markdown(quantized)
     assert "quantization **4bit**" in text and "frozen base quantized **4bit**" in text
     assert "quantized weights (4bit) 1.00 GiB" in text and "unquantized weights" in text
-    assert "quantized weights (4bit)" in _bar_widths(views.plan_chart_html(quantized))
+    assert "quantized weights (4bit)" in _bar_widths(plan_report.plan_chart_html(quantized))
     skipped = "8-bit AdamW and quantized bases skipped: they need bitsandbytes."
     roomy = {**PLAN, "predicted_peak_bytes": GIB, "notes": [skipped]}
-    assert "8-bit AdamW" not in views.plan_markdown(roomy)  # 12 % of the budget: nothing to save
-    assert "8-bit AdamW" in views.plan_markdown({**PLAN, "notes": [skipped]})  # 75 %: worth knowing
+    assert "8-bit AdamW" not in plan_report.plan_markdown(roomy)  # 12 % of the budget: nothing to save
+    assert "8-bit AdamW" in plan_report.plan_markdown({**PLAN, "notes": [skipped]})  # 75 %: worth knowing
 
 
 def test_dataset_block_guesses_columns_and_counts_labels(cls_csv):
-    view = dataview.inspect(cls_csv, None, "train", "classification", {})
+    view = preview.inspect(cls_csv, None, "train", "classification", {})
     assert view.error == "" and view.columns == ["sentence", "label"] and view.rows == 37
     assert view.chosen["text_column"] == "sentence" and view.chosen["label_column"] == "label"
     assert set(view.labels) == {"neg", "pos"} and sum(view.labels.values()) == 37
-    assert len(view.preview) == dataview.PREVIEW_ROWS
-    assert "37 rows · 2 labels" in dataview.labels_markdown(view)
+    assert len(view.preview) == preview.PREVIEW_ROWS
+    assert "37 rows · 2 labels" in preview.labels_markdown(view)
 
 
 def test_dataset_block_errors_are_one_sentence_next_to_the_field(tmp_path, cls_csv):
-    assert "does not exist" in dataview.inspect(str(tmp_path / "nope.csv"), None, "train", "classification",
+    assert "does not exist" in preview.inspect(str(tmp_path / "nope.csv"), None, "train", "classification",
                                                 {}).error
-    same = dataview.inspect(cls_csv, None, "train", "classification",
+    same = preview.inspect(cls_csv, None, "train", "classification",
                             {"text_column": "label", "label_column": "label"})
     assert same.error == "The same column is mapped twice: pick a different column for each role."
     one_class = tmp_path / "one.csv"
     one_class.write_text("text,label\na,x\nb,x\n")
-    assert "has only one class" in dataview.inspect(str(one_class), None, "train", "classification", {}).error
-    causal = dataview.inspect(cls_csv, None, "train", "causal_lm", {"label_column": "label"})
+    assert "has only one class" in preview.inspect(str(one_class), None, "train", "classification", {}).error
+    causal = preview.inspect(cls_csv, None, "train", "causal_lm", {"label_column": "label"})
     assert causal.error == "" and causal.chosen["text_column"] == "sentence" and not causal.chosen["label_column"]
 
 
 def test_a_text_column_of_numbers_or_ids_is_refused_and_conversations_suggest_causal_lm(tmp_path, cls_csv):
     numbers = tmp_path / "numbers.csv"
     numbers.write_text("id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(20)))
-    refused = dataview.inspect(str(numbers), None, "train", "classification", {"label_column": "label"})
+    refused = preview.inspect(str(numbers), None, "train", "classification", {"label_column": "label"})
     assert refused.error == ("Text column `id` (guessed: it is the only column beside the label) holds numbers, not "
                              "text: pick the column with the text under Text column, or add one to the file.")
     codes = tmp_path / "codes.csv"
     codes.write_text("sku,review,label\n" + "".join(f"A-{i:04d},meh {i},{i % 2}\n" for i in range(20)))
-    chosen = dataview.inspect(str(codes), None, "train", "classification", {"text_column": "sku"})
+    chosen = preview.inspect(str(codes), None, "train", "classification", {"text_column": "sku"})
     assert chosen.error.startswith("Text column `sku` looks like ids (one distinct code per row)")
-    assert dataview.inspect(str(codes), None, "train", "classification", {"text_column": "review"}).error == ""
-    assert dataview.inspect(cls_csv, None, "train", "classification", {}).error == ""  # real text passes
+    assert preview.inspect(str(codes), None, "train", "classification", {"text_column": "review"}).error == ""
+    assert preview.inspect(cls_csv, None, "train", "classification", {}).error == ""  # real text passes
     chat = tmp_path / "chat.jsonl"
     chat.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
-    assert dataview.inspect(str(chat), None, "train", "classification", {}).error == (
+    assert preview.inspect(str(chat), None, "train", "classification", {}).error == (
         "Column `messages` holds conversations, which a classifier cannot learn from: set Task to Causal language "
         "modelling and pick a causal LM model (one with a chat template) to fine-tune on them.")
-    assert dataview.inspect(str(chat), None, "train", "causal_lm", {}).error == ""
+    assert preview.inspect(str(chat), None, "train", "causal_lm", {}).error == ""
 
 
 def test_uploads_are_kept_once_under_a_content_hash(tmp_path):
@@ -197,16 +201,16 @@ def test_uploads_are_kept_once_under_a_content_hash(tmp_path):
     a.parent.mkdir()
     a.write_text("text,label\na,0\nb,1\n")
     inode = a.stat().st_ino
-    kept = dataview.keep_upload(str(a), tmp_path / "uploads")
+    kept = preview.keep_upload(str(a), tmp_path / "uploads")
     assert kept.read_text() == "text,label\na,0\nb,1\n" and kept.name.startswith("data-") and kept.suffix == ".csv"
     # Kept once: the same bytes on disk (moved by a hard link, never copied), and Gradio's temporary name is gone.
     assert kept.stat().st_ino == inode and kept.stat().st_nlink == 1 and not a.exists()
     assert [p.name for p in kept.parent.iterdir()] == [kept.name]  # no temporary name left behind
     a.write_text("text,label\nc,0\nd,1\n")  # a new file under the same name never replaces the old copy
-    again = dataview.keep_upload(str(a), tmp_path / "uploads")
+    again = preview.keep_upload(str(a), tmp_path / "uploads")
     assert again != kept and kept.read_text().startswith("text,label\na")
     a.write_text("text,label\nc,0\nd,1\n")  # the same file uploaded again: one kept file, the upload removed
-    assert dataview.keep_upload(str(a), tmp_path / "uploads") == again and not a.exists()
+    assert preview.keep_upload(str(a), tmp_path / "uploads") == again and not a.exists()
 
 
 def test_event_tail_reads_only_complete_new_lines(tmp_path):
@@ -233,18 +237,23 @@ def test_the_childs_message_is_taken_from_this_session_of_the_log(tmp_path):
 
 
 def test_try_it_offers_a_chat_only_for_a_finished_run_trained_on_conversations(tmp_path):
-    from app.handlers import Controller
-
     run = tmp_path / "run"
     (run / "model").mkdir(parents=True)
     done = JobStatus(state="done", run_dir=run)
     (run / "config.yaml").write_text("task: classification\n")
-    assert views.try_kind(done) == "classify"
+    assert panel.try_view(done) == "probabilities"
     (run / "config.yaml").write_text("task: causal_lm\nmessages_column: messages\n")
-    assert views.try_kind(done) == "chat"
+    assert panel.try_view(done) == "chat"
     (run / "config.yaml").write_text("task: causal_lm\ntext_column: text\n")
-    assert views.try_kind(done) == "generate"
-    assert views.try_kind(JobStatus(state="running", run_dir=run)) is None  # no finished model yet
-    before = Controller.try_panel(JobStatus(state="idle"), new_model=True)
+    assert panel.try_view(done) == "text"
+    assert panel.try_view(JobStatus(state="running", run_dir=run)) is None  # no finished model yet
+    # Each kind's view is its registry entry's, and each view has its renderer.
+    for task, view in (("regression", "value"), ("reward", "score"), ("token_classification", "entities"),
+                       ("preference", "text")):
+        (run / "config.yaml").write_text(f"task: {task}\n")
+        assert panel.try_view(done) == view and view in renderers.RENDERERS
+    (run / "model" / "chat_template.jinja").write_text("{{ messages }}")  # a tuned model with a template: a chat
+    assert panel.try_view(done) == "chat"
+    before = panel.panel(JobStatus(state="idle"), new_model=True)
     assert before.button["interactive"] is False and before.push["interactive"] is False
     assert before.chat["visible"] is False and before.new_chat["visible"] is False

@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import _causal_tokenizer, assert_same_weights, bundled_tokenizer, run_train, step_losses
 
-from app import views
-from app.jobs import JobStatus
+from app.jobs.training import JobStatus
+from app.train import plan_report, run_report
 from finetune.cli import main
 from finetune.config.schema import ConfigError, from_dict
 from finetune.data.load import IGNORE_INDEX, collate, load_data
@@ -196,11 +196,11 @@ def test_the_start_event_cli_and_gui_show_the_counts(tmp_path, tiny_gpt2, long_c
     assert "9 of 13 samples (69 %) are longer than max_length=32" in counts["warning"]
     assert start["eval_segmentation"] == counts  # the evaluation set (the same file here) is cut the same way
     status = JobStatus(state="running", run_dir=tmp_path / "run", events=events)
-    shown = views.status_markdown(status)
+    shown = run_report.status_markdown(status)
     assert "training data: 13 documents → 13 samples of at most 32 tokens (long_documents=truncate): 0 split, " \
            "9 truncated" in shown
     assert f"⚠️ {counts['warning']}" in shown and "evaluation data: 13 documents" in shown
-    assert "training data: 13 documents" in views.log_text(status)
+    assert "training data: 13 documents" in run_report.log_text(status)
 
     assert main(["train", f"model={tiny_gpt2}", f"dataset={long_csv}", "task=causal_lm", "max_length=32",
                  "max_steps=1", "effective_batch_size=4", "eval_fraction=0", f"output_dir={tmp_path / 'cli'}",
@@ -231,5 +231,5 @@ def test_finetune_plan_shows_the_counts_before_a_run(tmp_path, tiny_llama, long_
     plan = json.loads(out.read_text())
     assert plan["segmentation"]["truncated"] == 9 and "eval_segmentation" not in plan
     assert plan["worst_case_tokens"] == 32
-    shown = views.plan_markdown(plan)  # the app's plan view, from the same JSON
+    shown = plan_report.plan_markdown(plan)  # the app's plan view, from the same JSON
     assert "training data: 13 documents → 13 samples" in shown and "⚠️ 9 of 13 samples" in shown

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from app.charts import loss_frame
 from app.mapping import FIELD_NAMES, SPECS, config_to_values, values_to_config
-from app.tasksview import tasks_frame
-from app.views import loss_frame
+from app.train.tasks import tasks_frame
 from finetune.config.schema import from_dict
 
 TASKS_YAML = "- name: a\n  dataset: {a}\n- name: b\n  dataset: {b}\n  label_column: topic\n  weight: 0.5\n"

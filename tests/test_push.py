@@ -20,10 +20,11 @@ import yaml
 from conftest import run_train
 from fakehub import fake_hub
 
-from app import views
 from app.access import Access, AccessError
-from app.handlers import Controller
-from app.jobs import JobStatus
+from app.export import publish
+from app.jobs.training import JobStatus
+from app.tabs import handlers
+from app.train import run_report
 from finetune.config.schema import ConfigError, from_dict
 from finetune.run.events import read_events
 from finetune.run.hub import check_can_push
@@ -244,47 +245,48 @@ def test_the_push_button_pushes_a_finished_run_and_never_shows_the_token(finishe
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setenv("HF_TOKEN", "hf_write")
-        space = Controller(tmp_path, _Jobs(run, "alice"), access=_space("alice"))
+        space = handlers(tmp_path, _Jobs(run, "alice"), access=_space("alice"))
         # Bob may train but is not a pusher; and he does not own this run.
-        assert "Only the one who started the run" in space.push("alice/m", True, request=_signed_in("bob")).message
+        refused = space.publish.push("alice/m", True, request=_signed_in("bob")).message
+        assert "Only the one who started the run" in refused
         hub.fail_commits = True
-        failed = space.push("alice/m", True, request=_signed_in("alice")).message
+        failed = space.publish.push("alice/m", True, request=_signed_in("alice")).message
         assert failed.startswith("⚠️ Pushing to alice/m failed (") and "try again" in failed
         hub.fail_commits = False
-        done = space.push("alice/m", False, request=_signed_in("alice")).message
+        done = space.publish.push("alice/m", False, request=_signed_in("alice")).message
         assert done == f"Pushed to [alice/m]({hub.url}/alice/m) (commit `0000000`)."
         assert hub.repos["alice/m"]["visibility"] == "private"  # created private by the failed try; kept
         assert set(hub.repos["alice/m"]["files"]) >= {"README.md", "model.safetensors", "loss.png"}
-        owned_by_owner = Controller(tmp_path, _Jobs(run, "owner"), access=_space())
+        owned_by_owner = handlers(tmp_path, _Jobs(run, "owner"), access=_space())
         # The token is the server's (here @alice's, member of team): the Space's owner pushes with it too.
-        assert owned_by_owner.push("team/m", True, request=_signed_in("owner")).message.startswith("Pushed to")
-        local = Controller(tmp_path, _Jobs(run, None), access=Access())
-        assert "bad name" in local.push("alice/bad name", True).message
-        assert "cannot create repositories under 'bob'" in local.push("bob/m", True).message
+        assert owned_by_owner.publish.push("team/m", True, request=_signed_in("owner")).message.startswith("Pushed to")
+        local = handlers(tmp_path, _Jobs(run, None), access=Access())
+        assert "bad name" in local.publish.push("alice/bad name", True).message
+        assert "cannot create repositories under 'bob'" in local.publish.push("bob/m", True).message
         monkeypatch.delenv("HF_TOKEN")
         monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "none"))
-        assert "This server has no Hugging Face token" in local.push("alice/m", True).message
+        assert "This server has no Hugging Face token" in local.publish.push("alice/m", True).message
     pushes = [e for e in read_events(run / "events.jsonl") if e["event"] == "push"]
     assert [bool(e["url"]) for e in pushes] == [False, True, True]
     everything = json.dumps(pushes) + failed + done
     assert "hf_write" not in everything
     # The page: the last push, and the Space's advice to push what its disk will lose.
     status = _Jobs(run, "owner").status()
-    assert views.hub_markdown(status, on_space=True) == f"✅ Pushed to [team/m]({hub.url}/team/m)."
+    assert publish.hub_markdown(status, on_space=True) == f"✅ Pushed to [team/m]({hub.url}/team/m)."
     fresh = JobStatus(state="done", run_dir=finished_run, events=read_events(finished_run / "events.jsonl"))
-    assert "This Space's disk is wiped" in views.hub_markdown(fresh, on_space=True)
-    assert views.hub_markdown(fresh, on_space=False) == ""
+    assert "This Space's disk is wiped" in publish.hub_markdown(fresh, on_space=True)
+    assert publish.hub_markdown(fresh, on_space=False) == ""
 
 
 def test_the_page_has_the_tracker_choice_and_the_push_controls(tmp_path):
-    from app.ui import build
+    from app.page import build
 
     built = build(tmp_path / "runs")
     group = built.fields["report_to"]
     assert isinstance(group, gr.Dropdown) and group.multiselect and "tensorboard" in [c[0] for c in group.choices]
     labels = {getattr(c, "label", None) for c in built.demo.blocks.values()}
     assert {"Hub repository", "Private"} <= labels
-    assert views.trackers_markdown(["tensorboard", "wandb"], Path("runs/x")) == (
+    assert run_report.trackers_markdown(["tensorboard", "wandb"], Path("runs/x")) == (
         "Dashboard: `tensorboard --logdir runs/x/tensorboard`\n\nAlso logged to wandb (see that service's own page).")
 
 

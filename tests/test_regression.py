@@ -322,43 +322,44 @@ def test_the_kind_is_told_from_a_saved_config():
 
 
 def test_the_gui_maps_the_columns_and_previews_the_numbers(tmp_path, reg_csv):
-    from app import dataview
-    from app.handlers import TASK_COLUMNS
+    from app.train import preview
+    from app.train.dataset import TASK_COLUMNS
 
     assert TASK_COLUMNS["regression"] == ("text_column", "text_pair_column", "label_column")
-    view = dataview.inspect(reg_csv, None, "train", "regression", {})
+    view = preview.inspect(reg_csv, None, "train", "regression", {})
     assert view.error == "" and view.chosen["text_column"] == "sentence" and view.chosen["label_column"] == "score"
     scores = [float(r["score"]) for r in csv.DictReader(open(reg_csv))]
     assert view.targets == pytest.approx({"min": min(scores), "mean": np.mean(scores), "max": max(scores)})
-    assert dataview.labels_markdown(view).startswith(f"37 rows · numbers from {min(scores):g} to {max(scores):g}")
+    assert preview.labels_markdown(view).startswith(f"37 rows · numbers from {min(scores):g} to {max(scores):g}")
     # The same file as classification has fractional "classes": refused, as before.
-    assert "fractional" in dataview.inspect(reg_csv, None, "train", "classification", {"label_column": "score"}).error
+    assert "fractional" in preview.inspect(reg_csv, None, "train", "classification", {"label_column": "score"}).error
     bad = write_rows(tmp_path / "bad.csv", [("good", "1"), ("bad", "two")])
-    assert dataview.inspect(bad, None, "train", "regression", {}).error == (
+    assert preview.inspect(bad, None, "train", "regression", {}).error == (
         f"Target column 'score' of {bad!r} at row 2 is 'two', not a finite number: regression needs a number in "
         "every row; fix or remove that row.")
 
 
 def test_the_scatter_and_try_it_after_a_regression_run(tmp_path, tiny_bert, reg_csv, monkeypatch):
-    from app import regressionview
-    from app.handlers import Controller
-    from app.jobs import JobStatus
+    from app.jobs.training import JobStatus
+    from app.policy import RequestPolicy
+    from app.tabs import handlers
+    from app.train import scatter
 
     run = tmp_path / "run"
     result = train(from_dict({"model": tiny_bert, "dataset": reg_csv, "task": "regression", "epochs": 1,
                               "effective_batch_size": 16, "eval_fraction": 0.25, "output_dir": str(run)}))
-    frame = regressionview.scatter_frame(run)
+    frame = scatter.scatter_frame(run)
     assert list(frame.columns) == ["true", "predicted"] and len(frame) == 10  # 25 % of 37 rows held out
     model = AutoModelForSequenceClassification.from_pretrained(run / "model")
     assert result.metrics["mse"] == pytest.approx(float(((frame.predicted - frame.true) ** 2).mean()), rel=1e-4)
     done = JobStatus(state="done", run_dir=run)
-    shown = regressionview.scatter_update(done)
+    shown = scatter.scatter_update(done)
     assert shown["visible"] is True and shown["value"] is frame
-    assert regressionview.scatter_update(JobStatus(state="running", run_dir=run))["visible"] is False
+    assert scatter.scatter_update(JobStatus(state="running", run_dir=run))["visible"] is False
 
-    controller = Controller(tmp_path / "runs", jobs=type("Jobs", (), {"status": lambda self: done})())
-    monkeypatch.setattr(Controller, "is_mine", lambda self, status, user: True)
-    out = controller.try_it("good film")
+    controller = handlers(tmp_path / "runs", jobs=type("Jobs", (), {"status": lambda self: done})())
+    monkeypatch.setattr(RequestPolicy, "is_mine", lambda self, status, user: True)
+    out = controller.tryit.try_it("good film")
     tok = AutoTokenizer.from_pretrained(run / "model")
     with torch.no_grad():
         expected = model(**tok(["good film"], return_tensors="pt")).logits[0, 0].item()

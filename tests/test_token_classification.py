@@ -368,11 +368,11 @@ def test_not_a_task_of_a_multi_task_run(tmp_path):
 
 
 def test_the_gui_maps_the_word_and_tag_columns(tmp_path, ner_jsonl):
-    from app import handlers
-    from app.dataview import inspect
     from app.mapping import SECTIONS
+    from app.train.dataset import TASK_COLUMNS
+    from app.train.preview import inspect
 
-    assert handlers.TASK_COLUMNS["token_classification"] == ("tokens_column", "tags_column")
+    assert TASK_COLUMNS["token_classification"] == ("tokens_column", "tags_column")
     assert {"tokens_column", "tags_column"} <= set(SECTIONS["columns"])
     view = inspect(ner_jsonl, None, "train", "token_classification", {"label_column": "label"})
     assert view.error is None or view.error == "", view.error

@@ -1,91 +1,63 @@
-"""The Export tab's Export block and the `/export` endpoints: `finetune export` of the caller's own finished run as a
-child process (as training is: its own session, the environment a training child gets), its progress, the
-behaviour check's result, the files to download, and a push of the export.
+"""The Export tab's *Export for local inference* block and the `/export` endpoints: `finetune export` of the
+caller's own finished run as a child process (through the job client: its own session, the environment a training
+child gets), its progress, the behaviour check's result, the files to download, and a push of the export.
 
 On a shared server a visitor cannot point it anywhere or exhaust the machine: the run is the caller's current run,
 or a run folder that must resolve inside their own runs folder (`access.resolve_output_dir`) and have finished; the
 export always goes to RUN/export/ (inside the runs folder); one export runs at a time on the server and none while
 a run trains; it needs the free disk a run needs (`min_free_gb`), and is killed (its whole process group) past the
-server's run-time limit, else `EXPORT_LIMIT_S`.
+server's run-time limit, else `app.jobs.export.EXPORT_LIMIT_S`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
-from app import cleanup, publish
+from app import cleanup
 from app.access import AccessError, resolve_output_dir
-from app.jobs import zip_model
+from app.downloads import zip_model
+from app.export.publish import PushHandlers, PushOutcome
+from app.jobs.training import JobBusy
+from app.state import AppState
 from finetune.run.rundir import is_finished
 from finetune.use.export import EXPORT_DIR, FORMATS, MERGED_DIR, QUANTS, RECORD, describe_check
-
-EXPORT_LIMIT_S = 3600.0  # without a server run-time limit (locally): an export is minutes even for a 7B model
-LOG = "export.log"  # in the run directory, beside export/ (which the child creates)
 
 
 class Refused(ValueError):
     """An export the caller may not start: one sentence."""
 
 
-@dataclass
-class _Child:
-    """The export child process and what is needed to follow it."""
+class InferenceExport:
+    """The export handlers of one app (the block's buttons and the API's `/export` and `/export_status`)."""
 
-    run_dir: Path
-    owner: str | None
-    proc: subprocess.Popen
-    log: Path
-    started: float
-    timed_out: bool = False
+    def __init__(self, state: AppState, pushes: PushHandlers):
+        self.state, self.pushes = state, pushes
 
-
-class Exporter:
-    """The export handlers of one app, bound to its `Controller` (its access policy, limits and job manager)."""
-
-    def __init__(self, controller: Any):
-        self.controller = controller
-        self._lock = threading.Lock()
-        self._child: _Child | None = None
-
-    # --- the door (app.ui._on calls these on the handler's owner)
-    def admit(self, request: Any, args: tuple[Any, ...], gate: str = "signed_in") -> str:
-        """As `Controller.admit`: inputs too large, or a caller who may not train, are refused."""
-        return self.controller.admit(request, args, gate)
-
-    def who(self, request: Any) -> tuple[str | None, str]:
-        """The user behind `request` and why they may not train."""
-        return self.controller.who(request)
-
-    # --- which run
     def run_of(self, user: str | None, run: str | None = None) -> Path:
         """The finished run `user` may export: their current run, or `run` inside their runs folder."""
-        controller = self.controller
+        state = self.state
         if not run or not str(run).strip():
-            status = controller.jobs.status()
-            if not controller.is_mine(status, user) or status.run_dir is None:
+            status = state.jobs.status()
+            if not state.policy.is_mine(status, user) or status.run_dir is None:
                 raise Refused("Nothing to export yet: train a run to the end first.")
             if status.state != "done":
                 raise Refused("The run has not finished: export it once it is done.")
             return status.run_dir
-        home = controller.access.home(controller.runs_dir, user)
+        home = state.access.home(state.runs_dir, user)
         try:
             path = resolve_output_dir(str(run), home)
         except AccessError as e:
             raise Refused(str(e).replace("output_dir", "The run")) from None
         if path is None or not (path / "config.yaml").is_file():
             raise Refused(f"There is no run {str(run)!r} in your runs folder: give the name of one of your runs.")
-        status = controller.jobs.status()
+        status = state.jobs.status()
         if status.active and status.run_dir is not None and status.run_dir.resolve() == path.resolve():
             raise Refused("The run has not finished: export it once it is done.")
         if not is_finished(path):
@@ -93,11 +65,10 @@ class Exporter:
                           "export it.")
         return path
 
-    # --- starting
     def start(self, fmt: str, quant: str | None, ollama: bool, run: str | None = None, *,
               request: Any = None) -> dict[str, Any]:
         """Start `finetune export` of the caller's finished run: {started, run_dir, command, message}."""
-        user, refusal = self.who(request)
+        user, refusal = self.state.policy.who(request)
         try:
             if refusal:
                 raise Refused(refusal)
@@ -108,55 +79,26 @@ class Exporter:
             if quant is not None and quant not in QUANTS:
                 raise Refused(f"The quantization must be one of {', '.join(QUANTS)}.")
             run_dir = self.run_of(user, run)
-            controller = self.controller
-            if controller.access.shared and controller.jobs.status().active:
-                raise Refused("A run is training on this server: export when it is done (one job at a time).")
-            if problem := cleanup.disk_problem(controller.runs_dir, controller.limits.min_free_gb):
+            if other := self.state.jobs.export_refusal():
+                raise Refused(other)
+            if problem := cleanup.disk_problem(self.state.runs_dir, self.state.limits.min_free_gb):
                 raise Refused(problem.replace("to start a run", "to export"))
             command = [sys.executable, "-m", "finetune", "export", str(run_dir), "--format", fmt,
                        *(["--quant", quant] if quant else []), *(["--ollama"] if ollama and fmt == "gguf" else [])]
-            with self._lock:
-                if self._child is not None and self._child.proc.poll() is None:
-                    raise Refused("An export is in progress on this server: wait for it to finish.")
-                log = run_dir / LOG
-                with open(log, "w", encoding="utf-8") as out:
-                    out.write(f"$ finetune {' '.join(command[3:])}\n")
-                    out.flush()
-                    env = controller.access.child_env(os.environ) if controller.access.shared else dict(os.environ)
-                    proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"})
-                self._child = _Child(run_dir=run_dir, owner=user, proc=proc, log=log, started=time.time())
-                threading.Thread(target=self._watch, args=(self._child,), daemon=True).start()
+            try:
+                self.state.jobs.start_export(command, run_dir, user)
+            except JobBusy as e:
+                raise Refused(str(e)) from None
         except Refused as e:
             return {"started": False, "run_dir": None, "command": "", "message": str(e)}
         return {"started": True, "run_dir": str(run_dir), "command": f"finetune {' '.join(command[3:])}",
                 "message": f"Exporting ({fmt}{' ' + quant if quant else ''})…"}
 
-    def running(self) -> bool:
-        """Whether an export is in progress on this server (a shared server then starts no run)."""
-        with self._lock:
-            return self._child is not None and self._child.proc.poll() is None
-
-    def _watch(self, child: _Child) -> None:
-        """Kill the export's process group past the time limit."""
-        limit = self.controller.limits.max_run_s or EXPORT_LIMIT_S
-        try:
-            child.proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            child.timed_out = True
-            try:
-                os.killpg(child.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            child.proc.wait()
-
-    # --- following
     def status(self, *, request: Any = None) -> dict[str, Any]:
         """The caller's export: {state (idle, running, done, failed), run_dir, stage, message, check, files}."""
-        user, _ = self.who(request)
-        child = self._child
-        mine = child is not None and self.controller.access.owns(user, child.owner)
-        if not mine:
+        user, _ = self.state.policy.who(request)
+        child = self.state.jobs.exports.child
+        if child is None or not self.state.access.owns(user, child.owner):
             try:
                 run_dir = self.run_of(user)
             except Refused:
@@ -186,7 +128,7 @@ class Exporter:
             path = Path(shown["run_dir"]) / EXPORT_DIR / name
             if name == MERGED_DIR:
                 path = zip_model(path, path.parent / "merged.zip")
-            out.append(self.controller._handout(path))
+            out.append(self.state.downloads.handout(path))
         return out
 
     # --- the page
@@ -209,20 +151,9 @@ class Exporter:
         """The Push the export button: the current run's export to `repo`, as Push to the Hub pushes the model."""
         return {"message": self.push_run(repo, private, request=request).message}
 
-    def push_run(self, repo: str, private: bool, *, request: Any = None) -> publish.PushOutcome:
-        """Push the caller's finished run's export (see `publish.push_finished_run`)."""
-        user, _ = self.who(request)
-        status = self.controller.jobs.status()
-        if status.state != "idle" and not self.controller.is_mine(status, user):
-            return publish.PushOutcome("⚠️ Only the one who started the run can push it.")
-        return publish.push_finished_run(self.controller.access, status, user, repo, bool(private), export=True)
-
-
-def exporter_of(controller: Any) -> Exporter:
-    """The one `Exporter` of `controller` (the page and the scripting API share it, and its one export)."""
-    if not isinstance(getattr(controller, "exporter", None), Exporter):
-        controller.exporter = Exporter(controller)
-    return controller.exporter
+    def push_run(self, repo: str, private: bool, *, request: Any = None) -> PushOutcome:
+        """Push the caller's finished run's export (see `app.export.publish.push_finished_run`)."""
+        return self.pushes.push_run(repo, private, request=request, export=True)
 
 
 def _record(run_dir: Path) -> dict[str, Any] | None:
@@ -253,11 +184,8 @@ def _finished(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     return _shown("done", run_dir, message="\n\n".join(lines), check=check, files=files)
 
 
-def place(controller: Any, private: dict[str, Any]) -> Exporter:
-    """The Export block, inside the Export tab being built, wired to the controller's `Exporter`."""
-    from app.ui import _on  # here: app.ui imports this module
-
-    exporter = exporter_of(controller)
+def place_export_block(on: Callable[..., Any], exporter: InferenceExport) -> None:
+    """The Export block, inside the Export tab being built, wired to its handlers."""
     with gr.Column(variant="panel", elem_id="export-block"):
         gr.Markdown("### Export for local inference\n\nMerged weights (a plain transformers folder), or a GGUF for "
                     "llama.cpp and Ollama with the chat template and end-of-turn token the run trained with, "
@@ -278,9 +206,8 @@ def place(controller: Any, private: dict[str, Any]) -> Exporter:
         push_msg = gr.Markdown(elem_id="export-push-message")
         seen = gr.State(None)
         timer = gr.Timer(1.0)
+    private = {"api_visibility": "private"}
     out = {"signature": seen, "status": status, "files": files, "button": button, "push": push}
-    _on(timer.tick, exporter.poll, seen, out, gate="public", concurrency_limit=None, show_progress="hidden",
-        **private)
-    _on(button.click, exporter.export, [fmt, quant, ollama], {"status": status}, concurrency_id="export", **private)
-    _on(push.click, exporter.push, [repo, private_repo], {"message": push_msg}, concurrency_id="push", **private)
-    return exporter
+    on(timer.tick, exporter.poll, seen, out, gate="public", concurrency_limit=None, show_progress="hidden", **private)
+    on(button.click, exporter.export, [fmt, quant, ollama], {"status": status}, concurrency_id="export", **private)
+    on(push.click, exporter.push, [repo, private_repo], {"message": push_msg}, concurrency_id="push", **private)

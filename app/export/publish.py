@@ -1,4 +1,5 @@
-"""Push to the Hub from the page: who may, with which token, and the sentence the page shows.
+"""Push to the Hub from the Export tab (and the API's `/push`): who may, with which token, and the sentence the page
+shows; and what the page says of a run's last push.
 
 The push runs in the app's own process with the token of whoever runs the app (`HF_TOKEN`, or their stored login),
 which never leaves that process: the training child of a shared server does not get it, and no answer contains it
@@ -12,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from app.access import Access
-from app.jobs import JobStatus
+from app.jobs.training import JobStatus
+from app.state import AppState
 from finetune.config.schema import read_yaml, repo_id_problem
 from finetune.errors import ConfigError, InputError
 from finetune.run import hub
@@ -81,3 +83,43 @@ def run_options(status: JobStatus) -> dict[str, Any]:
             return {"report_to": report_to.split(",") if isinstance(report_to, str) else list(report_to),
                     "push_to_hub": values.get("push_to_hub")}
     return {"report_to": [], "push_to_hub": None}
+
+
+def hub_markdown(status: JobStatus, on_space: bool) -> str:
+    """How the run's last push went; on a Space (whose disk does not last) a finished, unpushed run is told to push."""
+    push = status.last("push")
+    if push and push.get("url"):
+        return f"✅ Pushed to [{push['repo_id']}]({push['url']})."
+    note = f"⚠️ The push to {push['repo_id']} failed: {push.get('error')}" if push else ""
+    if on_space and status.state == "done":
+        advice = ("💡 This Space's disk is wiped when the Space restarts: push the model to the Hub (or download "
+                  "it) to keep it.")
+        note = f"{note}\n\n{advice}" if note else advice
+    return note
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushShown:
+    """Push to the Hub: how it went, in one line."""
+
+    message: str
+
+
+class PushHandlers:
+    """The Push to the Hub button and the API's `/push`, for the caller's finished run."""
+
+    def __init__(self, state: AppState):
+        self.state = state
+
+    def push(self, repo: str, private: bool, *, request: Any = None) -> PushShown:
+        """Push the finished run's model and its model card to `repo` (the Push button)."""
+        return PushShown(message=self.push_run(repo, private, request=request).message)
+
+    def push_run(self, repo: str, private: bool, *, request: Any = None, export: bool = False) -> PushOutcome:
+        """Push the finished run's model (or with `export` its export) and its model card to `repo`, with the token
+        of whoever runs the app (only for those `Access.may_push` allows)."""
+        user, _ = self.state.policy.who(request)
+        status = self.state.jobs.status()
+        if status.state != "idle" and not self.state.policy.is_mine(status, user):
+            return PushOutcome("⚠️ Only the one who started the run can push it.")
+        return push_finished_run(self.state.access, status, user, repo, bool(private), export=export)

@@ -15,17 +15,16 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from app.tail import EventTail, error_from_output, session_output
+from app.jobs.children import signal_group, spawn
+from app.jobs.tail import EventTail, error_from_output, session_output
 from finetune.run.rundir import checkpoints, write_json
 
 # After a Stop, how long the child may take to finish its optimizer step and write the checkpoint before it is
@@ -165,9 +164,7 @@ class JobManager:
                 log.flush()
                 # A new session: Stop signals the whole group, and closing the browser tab (or the app) does not
                 # take the run down with it.
-                proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True, env={**(os.environ if self.env is None else self.env),
-                                                                          "PYTHONUNBUFFERED": "1"})
+                proc = spawn(command, log, os.environ if self.env is None else self.env)
             self._job = _Job(run_dir=run_dir, config_path=config_path, log_path=log_path, command=command,
                              pid=proc.pid, proc=proc, launched=time.time() - 1.0, owner=owner)
             self._save_current()
@@ -196,12 +193,7 @@ class JobManager:
             return "Killed the run. It resumes from its last checkpoint, if it wrote one."
 
     def _signal(self, job: _Job, sig: int) -> None:
-        if job.pid <= 0:
-            return
-        try:
-            os.killpg(job.pid, sig)
-        except ProcessLookupError:
-            pass
+        signal_group(job.pid, sig)
 
     def _kill(self, job: _Job) -> None:
         job.killed = True
@@ -355,30 +347,3 @@ class JobManager:
             return any("finetune" in arg for arg in psutil.Process(pid).cmdline())
         except psutil.Error:
             return False
-
-
-_ZIP_LOCK = threading.Lock()  # two tabs (or a tab and a script) asking for the same zip build it once
-
-
-def zip_model(model_dir: Path, out: Path) -> Path:
-    """A zip of the model folder (weights stored, other files deflated) at `out`, rebuilt only when the folder is
-    newer; built once under a lock, into a unique temporary name that is renamed into place when complete."""
-    with _ZIP_LOCK:
-        files = sorted(path for path in model_dir.rglob("*") if path.is_file())
-        newest = max((path.stat().st_mtime for path in files), default=0.0)
-        if out.is_file() and out.stat().st_mtime >= newest:
-            return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-        try:
-            with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w") as archive:
-                for path in files:
-                    # Weights hardly compress and are most of the bytes: store them, deflate the small text files.
-                    kind = zipfile.ZIP_STORED if path.suffix in (".safetensors", ".bin") else zipfile.ZIP_DEFLATED
-                    archive.write(path, f"{model_dir.parent.name}-{model_dir.name}/{path.relative_to(model_dir)}",
-                                  compress_type=kind)
-            os.replace(tmp, out)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return out

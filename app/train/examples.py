@@ -1,9 +1,9 @@
-"""Conversation data in the app: the first conversation as the model sees it, with the learned tokens highlighted,
-and the chat history of *Try it* as turns for the model.
+"""The Dataset block's first example, as its kind's registry entry names it (`data_preview`): the first conversation
+as the model sees it, with the learned tokens highlighted, or the first preference pair with its scored tokens.
 
-The example is rendered by the same code that encodes the training data
+A conversation is rendered by the same code that encodes the training data
 (`finetune.data.chat.encode_conversations`), with the model's tokenizer and the form's `chat_template`, `train_on`
-and `max_length`.
+and `max_length`; a pair is tokenized as the kind encodes one.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from app import dataview, worker
+from app.jobs import bounded
+from app.train import preview
 from finetune.config.schema import Config
 from finetune.data.chat import DROPPED, DROPPED_WORDS, encode_conversations, require_template, turns_of
 from finetune.errors import InputError
+from finetune.kinds import registry as kinds
 
 LEARNED = "learned"
 # One conversation renders in milliseconds with a real template; one that needs longer loops (nested `range`s, say).
@@ -28,20 +30,20 @@ def _stamp(path: str | None) -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(model: str, chat_template: str | None, stamp: Any) -> Any:
+def _tokenizer(model: str, task: str, chat_template: str | None, stamp: Any) -> Any:
     # `stamp` (size and mtime of the template file) makes an edited template load again.
     from finetune.models.load import load_tokenizer
 
-    return load_tokenizer(Config(model=model, task="causal_lm", chat_template=chat_template))
+    return load_tokenizer(Config(model=model, task=task, chat_template=chat_template))
 
 
 def example(source: str, config_name: str | None, split: str, column: str, model: str, chat_template: str | None,
-            train_on: str, max_length: int) -> tuple[list[tuple[str, str | None]], str]:
+            train_on: str, max_length: int, task: str) -> tuple[list[tuple[str, str | None]], str]:
     """The first conversation of the data as (text, "learned" or None) pieces, and a note (why nothing is learned,
-    or why it cannot be shown)."""
+    or why it cannot be shown); `task` is the kind that reads it."""
     try:
-        head = dataview.load(source, config_name, split, head=1)
-        tokenizer = _tokenizer(model, chat_template or None, _stamp(chat_template))
+        head = preview.load(source, config_name, split, head=1)
+        tokenizer = _tokenizer(model, task, chat_template or None, _stamp(chat_template))
         require_template(tokenizer, model)
     except InputError as e:
         return [], f"⚠️ {e}"
@@ -51,10 +53,10 @@ def example(source: str, config_name: str | None, split: str, column: str, model
     if turns_of(value) is None:
         return [], "⚠️ The first row is not a conversation (a list of {role, content} or {from, value} turns)."
     try:  # the template is the visitor's: it renders in a child with a time and memory limit
-        out = worker.bounded(lambda: encode_conversations([value], tokenizer=tokenizer, train_on=train_on,
+        out = bounded.bounded(lambda: encode_conversations([value], tokenizer=tokenizer, train_on=train_on,
                                                           max_length=max_length), RENDER_TIMEOUT_S,
                              "Rendering the first conversation with the chat template")
-    except worker.Overrun as e:
+    except bounded.Overrun as e:
         return [], f"⚠️ {e} A template that loops this long would not finish a dataset: simplify it."
     reason = out["dropped"][0]
     if reason:
@@ -74,16 +76,14 @@ CHOSEN, REJECTED = "chosen (scored)", "rejected (scored)"
 
 
 def pair_example(source: str, config_name: str | None, split: str, columns: tuple[str, str, str], model: str,
-                 max_length: int) -> tuple[list[tuple[str, str | None]], str]:
+                 max_length: int, task: str) -> tuple[list[tuple[str, str | None]], str]:
     """The first preference pair as the model sees it: the prompt (not scored) with the chosen completion, then with
-    the rejected one, each completion's tokens highlighted (the only ones the loss scores), tokenized as
-    `finetune.kinds.preference` encodes a pair; and a note."""
-    from finetune.kinds import registry
-
+    the rejected one, each completion's tokens highlighted (the only ones the loss scores), tokenized as kind `task`
+    encodes a pair; and a note."""
     prompt_col, chosen_col, rejected_col = columns
     try:
-        head = dataview.load(source, config_name, split, head=1)
-        tokenizer = _tokenizer(model, None, None)
+        head = preview.load(source, config_name, split, head=1)
+        tokenizer = _tokenizer(model, task, None, None)
     except InputError as e:
         return [], f"⚠️ {e}"
     row = head[0] if len(head) else {}
@@ -91,7 +91,7 @@ def pair_example(source: str, config_name: str | None, split: str, columns: tupl
         return [], ""
     prompt = tokenizer(str(row[prompt_col]) if prompt_col in row else "", add_special_tokens=True,
                        verbose=False)["input_ids"]
-    eos = registry.kind("preference").end_of_document(tokenizer)
+    eos = kinds.kind(task).end_of_document(tokenizer)
     pieces: list[tuple[str, str | None]] = []
     cut = []
     for column, category in ((chosen_col, CHOSEN), (rejected_col, REJECTED)):
@@ -103,14 +103,3 @@ def pair_example(source: str, config_name: str | None, split: str, columns: tupl
                              f"Max length (tokens) ({max_length}).")
     return pieces[:-1], ("The first pair: the prompt with the chosen completion, then with the rejected one; only "
                          "the completions' tokens (highlighted) are scored.")
-
-
-def history_turns(history: list[dict[str, Any]] | None) -> list[dict[str, str]]:
-    """The Chatbot's messages (Gradio 6 gives each content as a list of parts) as {role, content} turns."""
-    turns = []
-    for message in history or []:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        turns.append({"role": message.get("role", "user"), "content": str(content or "")})
-    return turns

@@ -23,7 +23,7 @@ from typing import Any
 
 import pandas as pd
 
-from app import regressionview, worker
+from app.jobs import bounded
 from app.limits import short_text
 from app.mapping import COLUMN_FIELDS, task_label
 from finetune.config.schema import Config
@@ -171,11 +171,11 @@ def _hub_sample(source: str, config_name: str | None, split: str) -> Any:
 
 
 def _within(timeout_s: float, what: str, work: Callable[[], Any]) -> Any:
-    """`work()` in a forked child (`app.worker`); a `DataError` when it has not answered within `timeout_s`, and
+    """`work()` in a forked child (`app.jobs.bounded`); a `DataError` when it has not answered within `timeout_s`, and
     the child is killed then: a hub search that hangs does not go on holding a core after its answer."""
     try:
-        return worker.bounded(work, timeout_s, f"Dataset {what!r}")
-    except worker.Overrun:
+        return bounded.bounded(work, timeout_s, f"Dataset {what!r}")
+    except bounded.Overrun:
         raise DataError(f"Dataset {what!r}: the hub did not answer within {timeout_s:g} s; check the id, or try "
                         "again later.") from None
 
@@ -185,7 +185,8 @@ def _hub(source: str, config_name: str | None, split: str) -> Any:
     return _within(HUB_TIMEOUT_S, source, lambda: _hub_sample(source, config_name, split))
 
 
-def _stamp(source: str) -> Any:
+def file_stamp(source: str) -> Any:
+    """The size and modification time of a local file (None for anything else): a changed file reads again."""
     path = Path(source).expanduser()
     return (path.stat().st_size, path.stat().st_mtime_ns) if path.is_file() else None
 
@@ -195,7 +196,7 @@ def load(source: str, config_name: str | None = None, split: str = "train", colu
     """The table behind `source`: `columns` (default all) and the first `head` rows (default all) of a local file,
     or the first `HUB_SAMPLE_ROWS` rows of a hub dataset; cached while a local file is unchanged."""
     if is_local(source):
-        return _local(source, columns, head, _stamp(source))
+        return _local(source, columns, head, file_stamp(source))
     return _hub(source, config_name or None, split or "train")
 
 
@@ -251,16 +252,23 @@ def _short_cells(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.map(cut) if len(frame) else frame
 
 
+# The kind that trains on conversations (its Dataset block shows the first one).
+TALKER = next((n for n in kinds.names() if kinds.entry(n).data_preview == "conversation"), kinds.DEFAULT)
+
+
 def _conversation_hint(head: Any, task: str) -> str:
-    """For conversation data under a classification model: the advice to switch to causal LM ("" otherwise)."""
-    if task != "classification":
+    """For conversation data under the form's default kind (a classifier): the advice to switch to the kind that
+    trains on conversations ("" otherwise)."""
+    # The one kind compared: conversation data lands in the default kind when Task is left as the form opened (the
+    # commonest mistake); another kind's own column errors already say what it needs.
+    if task != kinds.DEFAULT:
         return ""
     for name in head.column_names:
         first = head[0][name] if len(head) else None
         turns = isinstance(first, list) and first and all(isinstance(t, dict) and "role" in t for t in first)
         if name in MESSAGES_NAMES or turns:
             return (f"Column `{name}` holds conversations, which a classifier cannot learn from: set Task to "
-                    f"{task_label('causal_lm')} and pick a causal LM model (one with a chat template) to fine-tune "
+                    f"{task_label(TALKER)} and pick a causal LM model (one with a chat template) to fine-tune "
                     "on them.")
     return ""
 
@@ -314,9 +322,22 @@ def _check(view: DatasetView, table: Any, source: str, task: str = kinds.DEFAULT
         return DatasetView(view.columns, view.preview, view.rows, view.chosen, error=_said(e), sampled=view.sampled)
     if names is None:
         return DatasetView(view.columns, view.preview, view.rows, view.chosen, sampled=view.sampled,
-                           targets=regressionview.target_summary(table, label))
+                           targets=target_summary(table, label))
     return DatasetView(view.columns, view.preview, view.rows, view.chosen, label_counts(table, label),
                        sampled=view.sampled)
+
+
+def target_summary(table: Any, column: str) -> dict[str, float]:
+    """The smallest, mean and largest target of a column of numbers (checked by the kind before)."""
+    import pyarrow.compute as pc
+
+    values = pc.cast(table.with_format("arrow")[column], "float64")
+    return {"min": pc.min(values).as_py(), "mean": pc.mean(values).as_py(), "max": pc.max(values).as_py()}
+
+
+def summary_markdown(rows: str, summary: dict[str, float]) -> str:
+    """The preview's line for a target column: how many rows, and the range of the numbers."""
+    return f"{rows} · numbers from {summary['min']:g} to {summary['max']:g} (mean {summary['mean']:.4g})"
 
 
 def labels_markdown(view: DatasetView) -> str:
@@ -325,7 +346,7 @@ def labels_markdown(view: DatasetView) -> str:
         return ""
     rows = f"the first {view.rows} rows (streamed)" if view.sampled else f"{view.rows} rows"
     if view.targets:
-        return regressionview.summary_markdown(rows, view.targets)
+        return summary_markdown(rows, view.targets)
     if not view.labels:
         return f"{rows} · columns: {_listed(view.columns)}"
     counts = _listed([f"`{str(name)[:MAX_CELL_CHARS]}` {n}" for name, n in view.labels.items()], " · ")

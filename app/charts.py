@@ -1,0 +1,136 @@
+"""The loss charts the app draws itself, as SVG: the Run panel's training and evaluation loss (each task's too, in a
+multi-task run; a preference or reward run's reward curves beside it), and the Runs tab's comparison of several runs.
+
+Drawn by the app, not `gr.LinePlot`: Gradio 6.31 fixes a plot's colours from its first data (an eval split that
+comes later got no colour until a reload) and cuts its legend off below the frame.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+import pandas as pd
+
+MAX_PLOT_POINTS = 1000  # the whole curve is re-sent each update; beyond this, every k-th training step is shown
+
+
+def loss_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
+    """Training and evaluation loss per optimizer step, long format (step, loss, split), for `loss_chart_html`."""
+    train = [(e["step"], e["loss"]) for e in events if e.get("event") == "step"]
+    evals = [(e["step"], e["metrics"]["loss"]) for e in events
+             if e.get("event") == "eval" and "loss" in e.get("metrics", {})]
+    # A resumed run repeats no steps, but a run restarted with overwrite could: keep each step's latest value.
+    train = list(dict(train).items())
+    if len(train) > MAX_PLOT_POINTS:
+        stride = -(-len(train) // MAX_PLOT_POINTS)
+        train = train[::stride] + ([train[-1]] if (len(train) - 1) % stride else [])
+    rows = [(s, float(v), "train") for s, v in train] + [(s, float(v), "eval") for s, v in evals]
+    rows += _task_rows(events)
+    frame = pd.DataFrame(rows, columns=["step", "loss", "split"])
+    return frame.astype({"step": "int64", "loss": "float64", "split": "str"})
+
+
+SERIES_COLOURS = {"train": "#1d4ed8", "eval": "#c2410c"}  # 6.7:1 and 5.2:1 on white: lines and text both readable
+TASK_COLOURS = ("#1d4ed8", "#c2410c", "#047857", "#7e22ce", "#b45309", "#be123c")
+CHART_W, CHART_H, PAD_L, PAD_R, PAD_T, PAD_B = 640, 240, 56, 16, 12, 34
+
+
+def _colour(split: str, order: list[str]) -> str:
+    if split in SERIES_COLOURS:
+        return SERIES_COLOURS[split]
+    tasks = sorted({s.split("/", 1)[1] for s in order if "/" in s})
+    return TASK_COLOURS[tasks.index(split.split("/", 1)[1]) % len(TASK_COLOURS)] if "/" in split else "#374151"
+
+
+def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
+    """About `n` round values from lo to hi (1, 2 or 5 times a power of ten apart)."""
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / n
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+REWARD_CURVES = ("rewards/margins", "rewards/accuracies")  # preference runs' evaluation metrics, TRL's names
+def reward_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
+    """A preference run's reward margin and accuracy at each evaluation (step, loss, split as in `loss_frame`;
+    the value in `loss`); empty for other runs."""
+    rows = [(e["step"], float(e["metrics"][name]), name) for name in REWARD_CURVES for e in events
+            if e.get("event") == "eval" and isinstance(e.get("metrics", {}).get(name), (int, float))]
+    frame = pd.DataFrame(rows, columns=["step", "loss", "split"])
+    return frame.astype({"step": "int64", "loss": "float64", "split": "str"})
+
+
+def curves_html(events: list[dict[str, Any]]) -> str | None:
+    """The run's charts: the loss, then (a preference run) its reward curves beside it; None before any point."""
+    frame, rewards = loss_frame(events), reward_frame(events)
+    if not len(frame):
+        return None
+    extra = loss_chart_html(rewards, title="Rewards at each evaluation", points=True) if len(rewards) else ""
+    return loss_chart_html(frame) + extra
+
+
+def loss_chart_html(frame: pd.DataFrame, title: str = "Loss per optimizer step", points: bool = False) -> str:
+    """The loss curves as an SVG the page draws itself: every split in its colour from the first update, evaluation
+    (or, with `points`, every series) as points on its line (a single eval is still visible), and a legend above the
+    chart that cannot be cut off."""
+    if not len(frame):
+        return ""
+    splits = list(dict.fromkeys(frame.split))
+    x_lo, x_hi = float(frame.step.min()), float(frame.step.max())
+    y_lo, y_hi = float(frame.loss.min()), float(frame.loss.max())
+    if x_hi == x_lo:
+        x_lo, x_hi = x_lo - 1, x_hi + 1
+    margin = (y_hi - y_lo) * 0.05 or max(abs(y_hi) * 0.05, 0.05)
+    y_lo, y_hi = y_lo - margin, y_hi + margin
+    inner_w, inner_h = CHART_W - PAD_L - PAD_R, CHART_H - PAD_T - PAD_B
+
+    def at(step: float, loss: float) -> tuple[float, float]:
+        return (PAD_L + (step - x_lo) / (x_hi - x_lo) * inner_w, PAD_T + (y_hi - loss) / (y_hi - y_lo) * inner_h)
+
+    parts = [f'<rect x="{PAD_L}" y="{PAD_T}" width="{inner_w}" height="{inner_h}" fill="none" stroke="#9ca3af"/>']
+    for y in _ticks(y_lo, y_hi):
+        _, py = at(x_lo, y)
+        parts.append(f'<line x1="{PAD_L}" x2="{PAD_L + inner_w}" y1="{py:.1f}" y2="{py:.1f}" stroke="#e5e7eb"/>'
+                     f'<text x="{PAD_L - 6}" y="{py + 4:.1f}" text-anchor="end">{y:.4g}</text>')
+    for x in _ticks(x_lo, x_hi, 6):
+        if float(x).is_integer():
+            px, _ = at(x, y_lo)
+            parts.append(f'<text x="{px:.1f}" y="{PAD_T + inner_h + 16}" text-anchor="middle">{int(x)}</text>')
+    parts.append(f'<text x="{PAD_L + inner_w / 2}" y="{CHART_H - 2}" text-anchor="middle">optimizer step</text>')
+    for split in splits:
+        rows = frame[frame.split == split].sort_values("step")
+        points = [at(float(s), float(v)) for s, v in zip(rows.step, rows.loss, strict=True)]
+        colour = _colour(split, splits)
+        dash = ' stroke-dasharray="6 3"' if split.startswith("eval") else ""
+        path = " ".join(f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(points))
+        parts.append(f'<path data-split="{html.escape(split)}" d="{path}" fill="none" stroke="{colour}" '
+                     f'stroke-width="2"{dash}/>')
+        if split.startswith("eval") or points:
+            parts += [f'<circle data-split="{html.escape(split)}" cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{colour}"/>'
+                      for x, y in points]
+    key_dash = ' stroke-dasharray="5 3"'
+    legend = " ".join(
+        f'<span class="ft-key"><svg width="22" height="10" aria-hidden="true"><line x1="1" x2="21" y1="5" y2="5" '
+        f'stroke="{_colour(s, splits)}" stroke-width="3"{key_dash if s.startswith("eval") else ""}/></svg>'
+        f'{html.escape(s)}</span>' for s in splits)
+    return (f'<div class="ft-chart"><div class="ft-legend"><b>{html.escape(title)}</b> {legend}</div>'
+            f'<svg viewBox="0 0 {CHART_W} {CHART_H}" role="img" aria-label="{html.escape(title)}: '
+            f'{html.escape(", ".join(splits))}">{"".join(parts)}</svg></div>')
+
+
+def _task_rows(events: list[dict[str, Any]]) -> list[tuple[int, float, str]]:
+    """A multi-task run's curves: each task's training loss (`train/<task>`) and evaluation loss (`eval/<task>`)."""
+    steps = [e for e in events if e.get("event") == "step" and e.get("task_losses")]
+    if len(steps) > MAX_PLOT_POINTS:
+        steps = steps[:: -(-len(steps) // MAX_PLOT_POINTS)]
+    rows = [(e["step"], float(v), f"train/{task}") for e in steps for task, v in e["task_losses"].items()]
+    rows += [(e["step"], float(v), f"eval/{key.removesuffix('/loss')}") for e in events if e.get("event") == "eval"
+             for key, v in e.get("metrics", {}).items() if key.endswith("/loss")]
+    return rows
+
+

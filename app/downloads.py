@@ -1,0 +1,84 @@
+"""What the page hands out to download: a run's model as a zip, its log, an export's files.
+
+Gradio copies a file a handler returns into its cache (under a path nobody can guess) only from the working or the
+temporary directory, and nothing under the runs folder is served by URL; so a file from elsewhere is handed out from
+a temporary folder of this app's, one folder per run folder (two users' runs of the same name never share a file),
+under the name the browser saves it as.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import zipfile
+from pathlib import Path
+
+
+class Downloads:
+    """The app's folder of handed-out files (made on first use)."""
+
+    def __init__(self) -> None:
+        self._folder: Path | None = None
+
+    def _root(self) -> Path:
+        if self._folder is None:
+            self._folder = Path(tempfile.mkdtemp(prefix="finetune-downloads-"))
+        return self._folder
+
+    def _named(self, source_folder: Path, name: str) -> Path:
+        """Where a file of `source_folder` is handed out as `name`."""
+        folder = self._root() / hashlib.sha256(str(source_folder.resolve()).encode()).hexdigest()[:16]
+        folder.mkdir(exist_ok=True)
+        return folder / name
+
+    def handout(self, path: Path, name: str | None = None) -> str:
+        """A path the download button may take, named `name` (default: the file's own name, after its folder's when
+        it is handed out from elsewhere)."""
+        resolved = path.resolve()
+        if name in (None, path.name) and any(resolved.is_relative_to(Path(d).resolve())
+                                             for d in (Path.cwd(), tempfile.gettempdir())):
+            return str(path)
+        out = self._named(resolved.parent, name) if name else self._root() / f"{path.parent.name}-{path.name}"
+        if not out.is_file() or out.stat().st_mtime < path.stat().st_mtime:
+            out.unlink(missing_ok=True)
+            try:
+                os.link(path, out)  # free on the same file system
+            except OSError:
+                shutil.copyfile(path, out)
+        return str(out)
+
+    def text(self, run_dir: Path, name: str, text: str) -> str:
+        """`text` as a file named `name` of run folder `run_dir` (a run's whole log, written afresh each time)."""
+        out = self._named(run_dir, name)
+        out.write_text(text, encoding="utf-8")
+        return str(out)
+
+
+_ZIP_LOCK = threading.Lock()  # two tabs (or a tab and a script) asking for the same zip build it once
+
+
+def zip_model(model_dir: Path, out: Path) -> Path:
+    """A zip of the model folder (weights stored, other files deflated) at `out`, rebuilt only when the folder is
+    newer; built once under a lock, into a unique temporary name that is renamed into place when complete."""
+    with _ZIP_LOCK:
+        files = sorted(path for path in model_dir.rglob("*") if path.is_file())
+        newest = max((path.stat().st_mtime for path in files), default=0.0)
+        if out.is_file() and out.stat().st_mtime >= newest:
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        try:
+            with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w") as archive:
+                for path in files:
+                    # Weights hardly compress and are most of the bytes: store them, deflate the small text files.
+                    kind = zipfile.ZIP_STORED if path.suffix in (".safetensors", ".bin") else zipfile.ZIP_DEFLATED
+                    archive.write(path, f"{model_dir.parent.name}-{model_dir.name}/{path.relative_to(model_dir)}",
+                                  compress_type=kind)
+            os.replace(tmp, out)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return out

@@ -1,0 +1,75 @@
+"""The Export tab: download the model, push it to the Hub, export it for local inference, and the config that
+reproduces the run; its widgets and events (the poll, `app.follow`, enables Download and Push once a run is done)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import gradio as gr
+
+from app.export.inference import place_export_block
+
+if TYPE_CHECKING:
+    from app.tabs import Handlers
+    from app.train.tab import TrainTab
+
+PRIVATE = {"api_visibility": "private"}
+
+
+@dataclass
+class ExportTab:
+    """The Export tab's components (the inference block's stay inside it)."""
+
+    download: Any
+    hub_note: Any
+    push_repo: Any
+    push_private: Any
+    push: Any
+    push_message: Any
+    export_config: Any
+    import_config: Any
+    message: Any
+    command: Any
+    yaml: Any
+    config_file: Any
+
+
+def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
+    """The Export tab's widgets, inside the open `gr.Tab` (the inference block wired as it is made)."""
+    gr.Markdown("### Download or push the model")
+    download = gr.DownloadButton("Download model", interactive=False)
+    hub_note = gr.Markdown(elem_id="hub-note")
+    with gr.Row():
+        push_repo = gr.Textbox(label="Hub repository", placeholder="your-name/my-model", scale=3, max_length=200,
+                               elem_id="push-repo")
+        push_private = gr.Checkbox(label="Private", value=True, scale=1)
+        push = gr.Button("Push to the Hub", scale=1, interactive=False)
+    push_message = gr.Markdown(elem_id="push-message")
+    place_export_block(on, h.inference)
+    with gr.Column(variant="panel"):
+        gr.Markdown("### Reproduce")
+        with gr.Row():
+            export_config = gr.Button("Export config")
+            import_config = gr.UploadButton("Import config", file_types=[".yaml", ".yml"])
+        message = gr.Markdown(elem_id="repro-message")
+        command = gr.Textbox(label="Command", interactive=False, buttons=["copy"])
+        yaml_code = gr.Code(language="yaml", label="Config (YAML)", interactive=False)
+        config_file = gr.File(label="Config file", interactive=False)
+    return ExportTab(download=download, hub_note=hub_note, push_repo=push_repo, push_private=push_private, push=push,
+                     push_message=push_message, export_config=export_config, import_config=import_config,
+                     message=message, command=command, yaml=yaml_code, config_file=config_file)
+
+
+def wire_export_tab(on: Callable[..., Any], h: Handlers, tab: ExportTab, train: TrainTab) -> None:
+    """Push, Export config and Import config (which fills the Train tab's form, then reads its data again)."""
+    on(tab.push.click, h.publish.push, [tab.push_repo, tab.push_private], {"message": tab.push_message},
+       concurrency_id="push", **PRIVATE)
+    on(tab.export_config.click, h.reproduce.export, train.form.values,
+       {"yaml": tab.yaml, "file": tab.config_file, "command": tab.command, "message": tab.message}, **PRIVATE)
+    imported = on(tab.import_config.upload, h.reproduce.import_config, tab.import_config,
+                  {"values": train.form.by_name, "note": tab.message, "yaml": tab.yaml}, **PRIVATE)
+    refreshed = on(imported.then, h.dataset.refresh_dataset, train.data_inputs, train.data_targets,
+                   show_progress="hidden", **PRIVATE)
+    on(refreshed.then, h.form.clear_note, None, {}, outputs=train.model_note, gate="public", **PRIVATE)

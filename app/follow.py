@@ -1,0 +1,105 @@
+"""Following the current run: the one poll (a timer tick every second, and each page load) that refreshes every
+tab's view of the caller's run — the Run panel and Results (Train), Try it's chat or text box, the Export tab's
+Download and Push — and skips every update when nothing changed.
+
+Someone else's run shows only that it is in progress, and at which step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import gradio as gr
+
+from app import charts
+from app.downloads import zip_model
+from app.export import publish
+from app.jobs.training import JobStatus
+from app.report import final_metrics, reproduce_command
+from app.results import keep
+from app.state import AppState
+from app.train import run_report, scatter
+from app.tryit.panel import TryPanel, panel
+
+TERMINAL = ("stopped", "done", "failed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShown:
+    """The run panel and results, refreshed by the poll; all left as they are when nothing changed."""
+
+    signature: Any = keep()  # what the poll last showed, to tell whether anything changed
+    status: Any = keep()
+    progress: Any = keep()
+    stats: Any = keep()
+    loss_curve: Any = keep()
+    log: Any = keep()
+    metrics: Any = keep()
+    run_dir: Any = keep()
+    download: Any = keep()
+    start_button: Any = keep()  # disabled while the user's own run is active (someone else's: Start says why not)
+    stop_button: Any = keep()
+    resume_button: Any = keep()
+    command: Any = keep()
+    trackers: Any = keep()  # how to open the run's TensorBoard / trackio dashboard
+    hub_note: Any = keep()  # the last push, or (on a Space) the advice to push
+    push_repo: Any = keep()  # the repository box, filled from the run's push_to_hub
+    try_panel: TryPanel | None = None  # None: Try it stays as it is
+    note: Any = keep()  # the last action's message (Start, Stop, Resume), cleared when the run ends
+    scatter: Any = keep()  # a finished run whose kind plots it: predicted against true values (app.train.scatter)
+
+
+class Follow:
+    """The poll of one app."""
+
+    def __init__(self, state: AppState):
+        self.state = state
+
+    def _seen_by(self, request: Any) -> tuple[JobStatus, str]:
+        """The status the caller may see (someone else's run: idle) and its state line."""
+        policy = self.state.policy
+        user, refusal = policy.who(request)
+        status = self.state.jobs.status()
+        if policy.is_mine(status, user):
+            return status, run_report.status_markdown(status)
+        note = policy.in_progress(status) if status.active else ""
+        idle = JobStatus(state="idle")
+        return idle, "\n\n".join(f"**{line}**" for line in (note, refusal) if line) or run_report.status_markdown(idle)
+
+    def _download(self, status: JobStatus) -> Any:
+        """Download model: the finished run's model zipped (once), named after the run."""
+        model_dir = status.model_dir
+        if status.state != "done" or model_dir is None:
+            return gr.update(value=None, interactive=False)
+        zipped = zip_model(model_dir, status.run_dir / "model.zip")
+        return gr.update(value=self.state.downloads.handout(zipped, f"{status.run_dir.name}.zip"), interactive=True)
+
+    def poll(self, seen: Any, *, request: Any = None) -> RunShown:
+        """Refresh the run's progress, curve, log and results, Try it and Export; leave everything as it is when
+        nothing changed."""
+        status, text = self._seen_by(request)
+        signature = (str(status.run_dir), len(status.events), status.state, status.message, status.output_tail,
+                     text)
+        if seen == signature:
+            return RunShown()
+        known = isinstance(seen, (list, tuple))  # what this page showed before (None: a new page)
+        changed_run = not known or list(seen[:1]) + list(seen[2:3]) != [str(status.run_dir), status.state]
+        new_model = not known or seen[0] != str(status.run_dir) or status.state == "done"
+        command = reproduce_command(status)
+        options = publish.run_options(status) if status.run_dir else {"report_to": [], "push_to_hub": None}
+        return RunShown(signature=signature, status=text,
+                        progress=run_report.progress_html(status), stats=run_report.stats_markdown(status),
+                        loss_curve=charts.curves_html(status.events), log=run_report.log_text(status),
+                        metrics=final_metrics(status) or None, run_dir=str(status.run_dir or ""),
+                        download=self._download(status), start_button=gr.update(interactive=not status.active),
+                        stop_button=gr.update(interactive=status.active),
+                        resume_button=gr.update(visible=status.resumable),
+                        command=command if command else gr.skip(),
+                        trackers=run_report.trackers_markdown(options["report_to"], status.run_dir),
+                        hub_note=publish.hub_markdown(status, on_space=self.state.access.mode == "space"),
+                        push_repo=options["push_to_hub"] or gr.skip(),
+                        try_panel=panel(status, new_model=new_model) if changed_run else None,
+                        # "Started…", "Stopping…" and the like answered an action on this run: its end replaces them.
+                        note="" if changed_run and status.state in TERMINAL and known else gr.skip(),
+                        scatter=scatter.scatter_update(status))

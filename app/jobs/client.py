@@ -1,0 +1,91 @@
+"""The one client the tabs ask for child processes: the training run, the export and the planner, and whether this
+server has room for another job now.
+
+One job at a time on a shared server: no run starts while an export runs, and no export while a run trains (locally
+the one user may export one run while another trains). Before a run starts the server's clean-up runs, and its
+limits and free disk are checked. A run queue, or a backend that trains elsewhere, would sit behind these methods.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+from app import cleanup, limits
+from app.access import Access
+from app.jobs.export import ExportChild, ExportJobs
+from app.jobs.planner import Planner
+from app.jobs.training import JobManager, JobStatus
+from finetune.config.schema import Config
+
+
+class JobClient:
+    """The training job manager, the export child and the planner of one app, over its runs folder."""
+
+    def __init__(self, training: JobManager, *, runs_dir: Path, access: Access | None = None,
+                 server_limits: limits.Limits = limits.LOCAL):
+        self.training = training  # a `JobManager` (or a stand-in with its methods, in tests)
+        self.runs_dir = runs_dir
+        self.access = access or Access()
+        self.limits = server_limits
+        self.exports = ExportJobs(server_limits.max_run_s)
+        self.planner = Planner()
+
+    # --- the training run
+    def status(self) -> JobStatus:
+        """The current (or last) run's state, events and messages."""
+        return self.training.status()
+
+    def start(self, config_path: Path, run_dir: Path, owner: str | None) -> JobStatus:
+        """Start `finetune train CONFIG`; `JobBusy` while a run is in progress."""
+        return self.training.start(config_path, run_dir, owner=owner)
+
+    def resume(self, run_dir: Path, owner: str | None) -> JobStatus:
+        """Continue a stopped or failed run from its newest checkpoint; `JobBusy` while a run is in progress."""
+        return self.training.resume(run_dir, owner=owner)
+
+    def stop(self) -> str:
+        """Stop the run after its optimizer step (a second call kills it); what happened, in a sentence."""
+        return self.training.stop()
+
+    def busy_message(self) -> str:
+        """Why a second run cannot start now."""
+        return self.training.busy_message()
+
+    # --- room for another job
+    def run_refusal(self) -> str:
+        """Why no run may start now because of another job ("" when it may)."""
+        if self.access.shared and self.exports.running():
+            return "An export is in progress on this server: start the run when it is done (one job at a time)."
+        return ""
+
+    def export_refusal(self) -> str:
+        """Why no export may start now because of another job ("" when it may)."""
+        if self.access.shared and self.status().active:
+            return "A run is training on this server: export when it is done (one job at a time)."
+        return ""
+
+    def server_refusal(self, config: Config | None) -> str:
+        """Why this server will not start `config` (its limits, its disk; None: a resumed run, disk only), after
+        deleting what its clean-up policy says is old; "" when it may start."""
+        cleanup.tidy(self.runs_dir, self.limits.keep_days, keep=self.status().run_dir,
+                     gradio_dir=cleanup.gradio_temp_dir())
+        problems = limits.check(config, self.limits) if config is not None else []
+        disk = cleanup.disk_problem(self.runs_dir, self.limits.min_free_gb)
+        return " ".join([*problems, *([disk] if disk else [])])
+
+    # --- the other children
+    def child_env(self) -> dict[str, str]:
+        """The environment of an export or planner child: the app's locally, only what it needs when shared."""
+        return self.access.child_env(os.environ)
+
+    def start_export(self, command: list[str], run_dir: Path, owner: str | None) -> ExportChild:
+        """Start `finetune export` (`command`) of `run_dir` for `owner`; `JobBusy` while another export runs."""
+        return self.exports.start(command, run_dir, owner, self.child_env())
+
+    def plan(self, config: Config, key: Hashable, device: str = "here") -> dict[str, Any]:
+        """`finetune plan` of `config` for `device`, remembered under `key`; `Unanswered` with the planner's
+        sentence."""
+        return self.planner.plan(config, key, device=device, training=self.status().active, env=self.child_env())

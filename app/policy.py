@@ -1,0 +1,89 @@
+"""The request policy: the one place every page event and every API route asks who is asking and whether they may.
+
+Every page event is wired through `RequestPolicy.on`, which refuses inputs too large for anyone and (unless the
+event is "public") a caller who may not train, before the handler runs; every handler, and the scripting API's
+routes, then ask `who(request)` and `is_mine(status, user)`. What a user may read and where their runs go is the
+access policy's (`app.access`); the HTTP routes Gradio serves itself are guarded by `app.guard`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from app import limits
+from app.access import Access
+from app.jobs.training import JobStatus
+from app.results import Targets, components, updates
+
+# How an event passes the door: "signed_in" (it reads a file or a visitor's input: refused, with Gradio's toast, to
+# whoever may not train), "quiet" (it runs by itself, on page load: refused silently), "public" (progress, Stop, the
+# form of one's own run: the handler checks ownership itself).
+GATES = ("signed_in", "quiet", "public")
+
+
+class RequestPolicy:
+    """Who asks, and what they may see and read, for one app (its access policy, runs folder and sample files)."""
+
+    def __init__(self, access: Access | None = None, runs_dir: Path = Path("runs"), samples: tuple[Path, ...] = ()):
+        self.access = access or Access()
+        self.runs_dir = runs_dir
+        self.samples = tuple(Path(p).resolve() for p in samples)  # the app's own sample data, readable by all
+
+    def who(self, request: Any) -> tuple[str | None, str]:
+        """The user behind `request` and why they may not train ("" when they may)."""
+        user = self.access.identify(request)
+        return user, self.access.refusal(user)
+
+    def admit(self, request: Any, args: tuple[Any, ...], gate: str = "signed_in") -> str:
+        """The door of every page event: "" when the event may run, else why not. Inputs over
+        `limits.MAX_INPUT_CHARS` are refused for everyone; with `gate` "signed_in" (every event that reads a file
+        or a visitor's input) so is a caller who may not train. "public" events check ownership themselves."""
+        if over := limits.input_size_problem(args):
+            return over
+        return "" if gate == "public" else self.who(request)[1]
+
+    def readable(self, user: str | None) -> tuple[Path, ...]:
+        """The folders and files `user` may read on a shared server: their uploads and the app's sample data."""
+        return (self.access.uploads(self.runs_dir, user).resolve(), *self.samples)
+
+    def is_mine(self, status: JobStatus, user: str | None) -> bool:
+        """Whether `status` is a run `user` may see and steer (every run, locally)."""
+        return status.state != "idle" and self.access.owns(user, status.owner)
+
+    @staticmethod
+    def in_progress(status: JobStatus) -> str:
+        """All that someone else's run shows of itself."""
+        step, total = status.progress or (0, None)
+        return f"A run is in progress (step {step}/{total})." if total else "A run is in progress (starting)."
+
+    def on(self, event: Callable[..., Any], handler: Callable[..., Any], inputs: Any, targets: Targets, *,
+           gate: str = "signed_in", **kwargs: Any) -> Any:
+        """Wire `handler` to `event` through the door (`admit`), its named result going to the components of
+        `targets` (or to `outputs=` when `targets` is empty); the handler gets the request too (who asks).
+
+        A refused event raises Gradio's error (its toast), or for a "quiet" one leaves everything as it is.
+        tests/test_app_attacks.py walks the Blocks' events to check that none goes around it."""
+        # Checked when the page is built, not when a button is pressed: a handler without `request` would turn its
+        # outputs into Gradio's red "Error" badge only in the browser.
+        if "request" not in inspect.signature(handler).parameters:
+            raise TypeError(f"{getattr(handler, '__qualname__', handler)} is wired to the page but takes no request=")
+
+        # Gradio passes the request to a leading parameter typed gr.Request. Nothing to update is Gradio's skip: an
+        # empty dict would read as one value for the first output.
+        def guarded(request: gr.Request, *args: Any) -> Any:
+            if refusal := self.admit(request, args, gate):
+                if gate == "quiet":
+                    return gr.skip()
+                raise gr.Error(refusal)
+            result = handler(*args, request=request)
+            if not targets:
+                return result
+            return updates(result, targets) or gr.skip()
+
+        guarded.gate, guarded.handler = gate, handler  # what the event walk of the tests reads
+        return event(guarded, inputs, components(targets) if targets else kwargs.pop("outputs"), **kwargs)

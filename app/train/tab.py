@@ -1,0 +1,117 @@
+"""The Train tab: its layout (Model, Dataset, Memory and Training panels on the left, the Run panel and Results on
+the right; at 400 px the Run panel comes first) and its events."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import gradio as gr
+
+from app import limits
+from app.mapping import COLUMN_FIELDS
+from app.train.dataset import EXAMPLE_INPUTS, TASK_FIELDS, DatasetPanel, build_dataset_panel
+from app.train.form import Form
+from app.train.plan import PlanPanel, build_plan_panel
+from app.train.run import RunPanel, build_run_panel
+
+if TYPE_CHECKING:
+    from app.tabs import Handlers
+
+PRIVATE = {"api_visibility": "private"}  # the page's own events: scripts get the named API of `app.api` instead
+
+
+@dataclass
+class TrainTab:
+    """The Train tab's form and panels."""
+
+    form: Form
+    model_note: Any
+    model_fit: Any
+    dataset: DatasetPanel
+    plan: PlanPanel
+    run: RunPanel
+
+    @property
+    def data_inputs(self) -> list[Any]:
+        """What the preview is read from: the dataset, its config and split, the task and the column fields."""
+        f = self.form.fields
+        return [f["dataset"], f["dataset_config"], f["train_split"], f["task"], *self.form.columns.values()]
+
+    @property
+    def data_targets(self) -> dict[str, Any]:
+        """Where a `DatasetShown` goes."""
+        return {**self.dataset.shown, "columns": self.form.columns}
+
+
+def create_train_tab(form: Form) -> TrainTab:
+    """The Train tab's widgets, inside the open `gr.Tab`: the config form, panel by panel, and the Run panel."""
+    with gr.Row(equal_height=False, elem_id="train-row"):
+        with gr.Column(scale=5):
+            with gr.Column(variant="panel"):
+                gr.Markdown("### 1 · Model")
+                form.place("model", per_row=2)
+                model_note = gr.Markdown()
+                model_fit = gr.Markdown(elem_classes="ft-error", elem_id="model-fit")
+            with gr.Column(variant="panel"):
+                dataset = build_dataset_panel(form)
+            with gr.Column(variant="panel"):
+                plan = build_plan_panel(form)
+            with gr.Column(variant="panel"):
+                gr.Markdown("### 4 · Training")
+                form.place("training")
+                form.place("run")
+                with gr.Accordion("Advanced", open=False):
+                    form.place("advanced")
+        with gr.Column(scale=4):
+            run = build_run_panel()
+    return TrainTab(form=form, model_note=model_note, model_fit=model_fit, dataset=dataset, plan=plan, run=run)
+
+
+def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any) -> None:
+    """The Train tab's events, to its handlers in `h`; `load` is the page's load event."""
+    fields, values, by_name = tab.form.fields, tab.form.values, tab.form.by_name
+    data_in, data_out = tab.data_inputs, tab.data_targets
+    # .input, not .change: an imported config keeps its own task.
+    picked = on(fields["model"].input, h.form.on_model, fields["model"],
+                {"task": fields["task"], "note": tab.model_note}, **PRIVATE)
+    # Then whether it can fit the budget at all (even at 4-bit): the planner names the smallest budget that does.
+    # (Only on a pick: a planner child on every blur of the budget would compete with the run for the cores.)
+    on(picked.then, h.plan.model_fit, values, {}, outputs=tab.model_fit, concurrency_id="plan",
+       concurrency_limit=limits.PLAN_CONCURRENCY, show_progress="hidden", **PRIVATE)
+    on(fields["task"].change, h.dataset.refresh_dataset, data_in, data_out, **PRIVATE)
+    # Only what applies: the chosen kind's fields, and no hub config or split for a local file.
+    fields_out = {"fields": by_name, "tasks_section": tab.dataset.tasks_section, "chat_example": tab.dataset.example}
+    for event in (fields["task"].change, fields["dataset"].change):
+        on(event, h.form.form_fields, [fields["task"], fields["dataset"]], fields_out, gate="public",
+           show_progress="hidden", **PRIVATE)
+    for name in ("dataset", "dataset_config", "train_split"):
+        on(fields[name].submit, h.dataset.refresh_dataset, data_in, data_out, **PRIVATE)
+        on(fields[name].blur, h.dataset.refresh_dataset, data_in, data_out, **PRIVATE)
+    for name in COLUMN_FIELDS:
+        on(fields[name].input, h.dataset.refresh_dataset, data_in, data_out, **PRIVATE)
+    task_inputs = [fields[n] for n in TASK_FIELDS]
+    for name in TASK_FIELDS:
+        on(fields[name].change, h.dataset.tasks_table, task_inputs,
+           {"table": tab.dataset.tasks_table, "note": tab.dataset.tasks_note}, gate="quiet", **PRIVATE)
+    upload_out = {"dataset": fields["dataset"], "eval_dataset": fields["eval_dataset"],
+                  "eval_split": fields["eval_split"], "eval_fraction": fields["eval_fraction"], "data": data_out}
+    on(tab.dataset.upload.upload, h.dataset.on_upload, [tab.dataset.upload, *data_in[1:]], upload_out, **PRIVATE)
+    plan = tab.plan
+    on(plan.button.click, h.plan.plan_for, [plan.device, *values],
+       {"text": plan.text, "chart": plan.chart, "error": plan.error, "fields": by_name},
+       concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, **PRIVATE)
+    run = tab.run
+    on(run.start.click, h.run.start, values, {"note": run.message, "dataset_note": tab.dataset.error,
+                                              "fields": by_name}, **PRIVATE)
+    on(run.stop.click, h.run.stop, None, {}, outputs=run.message, gate="public", concurrency_limit=None, **PRIVATE)
+    on(run.resume.click, h.run.resume, None, {}, outputs=run.message, **PRIVATE)
+    # The example follows the data (its preview), the messages column, the model, the template and `train_on`.
+    example_in = [fields[n] for n in EXAMPLE_INPUTS]
+    example_out = {"example": tab.dataset.example, "note": tab.dataset.example_note}
+    for event in (tab.dataset.preview.change, fields["messages_column"].change, fields["model"].change,
+                  fields["prompt_column"].input, fields["chosen_column"].input, fields["rejected_column"].input,
+                  fields["chat_template"].submit, fields["chat_template"].blur, fields["train_on"].change,
+                  fields["max_length"].blur, load):
+        on(event, h.dataset.chat_example, example_in, example_out, gate="quiet", show_progress="hidden", **PRIVATE)

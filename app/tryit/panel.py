@@ -1,0 +1,151 @@
+"""What Try it does: the finished run's model on the caller's text, shown by its kind's view (`renderers`), or the
+next turn of a chat through the template the run trained with; and which of the two the panel offers for a run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from app import limits
+from app.jobs.training import JobStatus
+from app.results import Unanswered, keep
+from app.state import AppState
+from app.tryit import renderers
+from finetune.config.schema import read_yaml
+from finetune.kinds import registry as kinds
+
+
+def has_chat_template(model_dir: Any) -> bool:
+    """Whether a saved model folder has a chat template (its own file, or in its tokenizer config)."""
+    folder = Path(model_dir)
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+# When a kind's run is chatted with (its entry's `chat_when`), from the run's config and its saved model folder.
+CHATS: dict[str, Callable[[dict[str, Any], Path], bool]] = {
+    "messages": lambda options, model_dir: bool(options.get("messages_column")),  # as `finetune predict` decides
+    "template": lambda options, model_dir: has_chat_template(model_dir),  # as `finetune.use.predict.chat` needs
+}
+
+
+def try_view(status: JobStatus) -> str | None:
+    """What Try it offers for the finished run: "chat" when its kind chats with such a run (its entry's
+    `chat_when`), else the view its entry names (`try_view`: probabilities, entities, value, score, text); None
+    before a finished model."""
+    if status.model_dir is None or status.run_dir is None:
+        return None
+    config = status.run_dir / "config.yaml"
+    options = read_yaml(config) if config.is_file() else {}
+    task = options.get("task", kinds.DEFAULT)
+    entry = kinds.entry(task if task in kinds.names() else kinds.DEFAULT)
+    chats = CHATS.get(entry.chat_when)
+    return "chat" if chats is not None and chats(options, status.model_dir) else entry.try_view
+
+
+def history_turns(history: list[dict[str, Any]] | None) -> list[dict[str, str]]:
+    """The Chatbot's messages (Gradio 6 gives each content as a list of parts) as {role, content} turns."""
+    turns = []
+    for message in history or []:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        turns.append({"role": message.get("role", "user"), "content": str(content or "")})
+    return turns
+
+
+@dataclass(frozen=True, kw_only=True)
+class TryPanel:
+    """Try it, set when the run (or its state) changes: a chat box for a run trained to chat, a text box for the
+    others, Predict only once a model is finished; a new run's model starts a new chat."""
+
+    chat: Any = keep()
+    label: Any = keep()
+    generated: Any = keep()
+    button: Any = keep()
+    new_chat: Any = keep()
+    text: Any = keep()
+    message: Any = keep()
+    push: Any = keep()  # Push, like Predict, acts only on a finished model
+    entities: Any = keep()  # token classification: the words with their entities highlighted
+
+
+def panel(status: JobStatus, *, new_model: bool) -> TryPanel:
+    """Try it for `status`: the chat box (a run its kind chats with) or the text box, Predict enabled once the model
+    is finished; a new model clears the last one's chat, prediction and message."""
+    view = try_view(status)
+    chat = view == "chat"
+    cleared = {"label": gr.update(value=None, visible=False), "generated": gr.update(value="", visible=False),
+               "entities": gr.update(value=None, visible=False), "message": ""} if new_model else {}
+    ready = view is not None
+    return TryPanel(chat=gr.update(visible=chat, **({"value": []} if new_model else {})),
+                    new_chat=gr.update(visible=chat), push=gr.update(interactive=ready),
+                    button=gr.update(interactive=ready, value="Send" if chat else "Predict"),
+                    text=gr.update(label="Your message" if chat else "Try it",
+                                   placeholder="Write to the trained model" if chat
+                                   else "Type a text for the trained model"), **cleared)
+
+
+class TryItHandlers:
+    """Try it and the scripting API's `predict`, on the caller's own finished run."""
+
+    def __init__(self, state: AppState):
+        self.state = state
+
+    def _finished_run(self, text: str, request: Any) -> tuple[str, JobStatus]:
+        """The text cut to the Try it limit and the finished run of the user who asks, or `Unanswered`."""
+        user, refusal = self.state.policy.who(request)
+        if refusal:
+            raise Unanswered(refusal)
+        text, _ = limits.truncate_try_text(text)
+        if not text:
+            raise Unanswered("Type a text first.")
+        status = self.state.jobs.status()
+        if status.model_dir is None or not self.state.policy.is_mine(status, user):
+            raise Unanswered("No trained model yet: train (or resume) a run to the end first.")
+        return text, status
+
+    def predict(self, text: str, *, request: Any = None) -> dict[str, Any]:
+        """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
+        text is the user's turn), {generated}, {value}, {score} or {words, tags, entities} (the kind's record).
+
+        Raises `Unanswered` without a text or a finished model, and `finetune.models.load.ModelError` when the model
+        cannot be loaded."""
+        text, status = self._finished_run(text, request)
+        from finetune.use.predict import predict
+
+        out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS)[0]
+        return {k: v for k, v in out.items() if k != "text"}  # the kind's record, less the text it was given
+
+    def try_it(self, text: str, history: list[dict[str, Any]] | None = None, *, request: Any = None
+               ) -> renderers.PredictionShown:
+        """Try it: the finished model's prediction shown by its kind's view, or (a run its kind chats with) the
+        next turn of a chat with it, through the template it was trained with."""
+        from finetune.models.load import ModelError
+        from finetune.use.predict import chat
+
+        try:
+            view = try_view(self.state.jobs.status())
+            if history or view == "chat":  # the model answers the whole conversation
+                text, status = self._finished_run(text, request)
+                turns = [*history_turns(history), {"role": "user", "content": text}]
+                reply = chat(str(status.run_dir), turns, max_new_tokens=limits.MAX_NEW_TOKENS)
+            else:
+                out = self.predict(text, request=request)
+        except Unanswered as e:
+            return renderers.PredictionShown(message=str(e))
+        except ModelError as e:
+            return renderers.PredictionShown(message=f"⚠️ {e}")
+        shown_text, note = limits.truncate_try_text(text)
+        if history or view == "chat":
+            return renderers.chat([*history_turns(history), {"role": "user", "content": shown_text}], reply, note)
+        return renderers.RENDERERS[view or kinds.entry(kinds.DEFAULT).try_view](out, note)

@@ -1,0 +1,95 @@
+"""Try it's views of a prediction, one renderer per view name a kind's registry entry gives (`Entry.try_view`), and
+the chat's: a new kind picks one of these by name in the registry; a new kind of view is one renderer here and its
+widget in `app.tryit.tab`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gradio as gr
+
+from app.results import hidden, keep
+
+
+@dataclass(frozen=True, kw_only=True)
+class PredictionShown:
+    """Try it: label probabilities, highlighted entities, a number or generated text, or the chat with the model
+    (the others hidden), or a message; `text` clears the box once a chat message is answered."""
+
+    label: Any = keep()
+    generated: Any = keep()
+    chat: Any = keep()
+    text: Any = keep()
+    message: str = ""
+    entities: Any = hidden()  # token classification: the words, each entity highlighted with its type
+
+
+def entity_pieces(out: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """A token-classification prediction as gr.HighlightedText pieces: each entity's words as one piece labelled
+    with its type, the other words unlabelled (a tagging without entities, e.g. part of speech: each word's tag)."""
+    words, tags, found = out.get("words") or [], out.get("tags") or [], out.get("entities") or []
+    if not found:
+        return [(f"{w} ", None if t == "O" else t) for w, t in zip(words, tags, strict=False)]
+    starts = {e["start"]: e for e in found}
+    pieces, i = [], 0
+    while i < len(words):
+        if i in starts:
+            entity = starts[i]
+            pieces += [(" ".join(words[i:entity["end"]]), entity["type"]), (" ", None)]
+            i = entity["end"]
+        else:
+            pieces.append((f"{words[i]} ", None))
+            i += 1
+    return pieces
+
+
+def _in_box(value: str, label: str, note: str) -> PredictionShown:
+    """One line of text in the result box, labelled."""
+    return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
+                           generated=gr.update(value=value, label=label, visible=True))
+
+
+def probabilities(out: dict[str, Any], note: str) -> PredictionShown:
+    """A classifier's probability of each label (by the names in its `id2label`)."""
+    return PredictionShown(label=gr.update(value=out["probabilities"], visible=True),
+                           generated=gr.update(visible=False), chat=gr.update(visible=False), message=note)
+
+
+def entities(out: dict[str, Any], note: str) -> PredictionShown:
+    """The text with its entities highlighted (token classification)."""
+    return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
+                           generated=gr.update(visible=False),
+                           entities=gr.update(value=entity_pieces(out), visible=True))
+
+
+def score(out: dict[str, Any], note: str) -> PredictionShown:
+    """A reward model's score of the text."""
+    return _in_box(f"{out['score']:.4g}", "Reward (score)", note)
+
+
+def value(out: dict[str, Any], note: str) -> PredictionShown:
+    """A regression model's predicted number."""
+    return _in_box(f"{out['value']:.4g}", "Predicted value", note)
+
+
+def text(out: dict[str, Any], note: str) -> PredictionShown:
+    """A causal LM's continuation of the text."""
+    return _in_box(out["generated"], "Generated continuation", note)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any], str], PredictionShown]] = {
+    "probabilities": probabilities, "entities": entities, "score": score, "value": value, "text": text}
+
+
+def chat(turns: list[dict[str, str]], reply: str, note: str) -> PredictionShown:
+    """The conversation so far (`turns`, the user's last message included) and the model's `reply`, in the chat box;
+    an empty reply says so rather than showing an empty bubble."""
+    if not reply.strip():  # an empty bubble reads as a broken page
+        reply = "*(no reply)*"
+        note = " ".join(n for n in (note, "The model answered with nothing: it may need more training, or more "
+                                    "data.") if n)
+    return PredictionShown(label=gr.update(visible=False), generated=gr.update(visible=False),
+                           chat=gr.update(value=[*turns, {"role": "assistant", "content": reply}], visible=True),
+                           text="", message=note)

@@ -1,0 +1,57 @@
+"""The Try it tab: its widgets (the chat box or the text box, and one widget per view of a prediction) and its
+events. The poll (`app.follow`) switches between chat and text when a run finishes (`panel.panel`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gradio as gr
+
+from app import limits
+from app.tryit.panel import TryItHandlers
+
+
+@dataclass
+class TryItTab:
+    """The Try it tab's components."""
+
+    chat: Any
+    text: Any
+    button: Any
+    new_chat: Any
+    message: Any
+    label: Any
+    generated: Any
+    entities: Any
+
+    @property
+    def shown(self) -> dict[str, Any]:
+        """Where a `PredictionShown` goes."""
+        return {"label": self.label, "generated": self.generated, "chat": self.chat, "text": self.text,
+                "message": self.message, "entities": self.entities}
+
+
+def create_tryit_tab() -> TryItTab:
+    """The Try it tab's widgets, inside the open `gr.Tab`: a chat box for a run trained to chat, a text box for the
+    others; a label's probabilities, generated text (or a value, a score) and highlighted entities below."""
+    chat = gr.Chatbot(label="Chat with the trained model (through its chat template)", visible=False, height=280,
+                      elem_id="try-chat")
+    with gr.Row():
+        text = gr.Textbox(label="Try it", placeholder="Type a text for the trained model",
+                          max_length=limits.MAX_INPUT_CHARS, scale=4, elem_id="try-box")
+        button = gr.Button("Predict", scale=1, interactive=False, elem_id="try-button")
+    new_chat = gr.ClearButton([chat], value="New chat", size="sm", visible=False)
+    message = gr.Markdown(elem_id="try-message")
+    label = gr.Label(label="Prediction", num_top_classes=5, visible=False, elem_id="prediction")
+    generated = gr.Textbox(label="Generated continuation", visible=False, interactive=False)
+    entities = gr.HighlightedText(label="Entities", visible=False, show_legend=True, elem_id="try-entities")
+    return TryItTab(chat=chat, text=text, button=button, new_chat=new_chat, message=message, label=label,
+                    generated=generated, entities=entities)
+
+
+def wire_tryit_tab(on: Callable[..., Any], handlers: TryItHandlers, tab: TryItTab) -> None:
+    """Predict (or Send) and Enter in the box ask the model."""
+    for event in (tab.button.click, tab.text.submit):
+        on(event, handlers.try_it, [tab.text, tab.chat], tab.shown, api_visibility="private")
