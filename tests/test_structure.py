@@ -1,6 +1,8 @@
-"""How the engine is put together: its modules import each other without a cycle, only the CLI imports the training
-loop, imports of other engine modules sit at the top of a module (function-local only in the CLI, to keep
-`finetune --help` fast), and the error classes import nothing."""
+"""How the engine and the app are put together: the engine's modules import each other without a cycle, only the CLI
+imports the training loop, imports of other engine modules sit at the top of a module (function-local only in the
+CLI, to keep `finetune --help` fast), and the error classes import nothing; the app's modules import each other
+without a cycle (function-local imports included), its tabs import one another only for type hints, it writes no
+kind's name, and none of its classes has more than 20 methods, nor any function more than 80 lines."""
 
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ PACKAGES = {name for name, path in MODULES.items() if path.stem == "__init__"}
 LOOP = "finetune.train"  # the training loop's package: only the CLI imports it
 
 
-def _imports(path: Path) -> list[tuple[str, bool]]:
-    """(engine module imported, whether at module level) for every import in a file, function-local ones too."""
+def _imports(path: Path, modules: dict[str, Path] = MODULES, packages: set[str] = PACKAGES
+             ) -> list[tuple[str, bool, bool]]:
+    """(module of `modules` imported, whether at module level, whether for type checkers only) for every import in a
+    file, function-local ones too."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     # Module level: the file's own statements, and the imports only type checkers read (`if TYPE_CHECKING:`).
     type_only = [n for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
                  for n in node.body]
-    top = {id(node) for node in [*tree.body, *type_only]}
+    top, hints = {id(node) for node in [*tree.body, *type_only]}, {id(node) for node in type_only}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -36,24 +40,25 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # `from finetune.data import load` imports the module finetune.data.load; `from finetune.data.load import
             # x` imports finetune.data.load.
-            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
                      for alias in node.names]
         else:
             continue
-        found += [(name, id(node) in top) for name in names if name in MODULES and name not in PACKAGES]
+        found += [(name, id(node) in top, id(node) in hints) for name in names
+                  if name in modules and name not in packages]
     return found
 
 
-GRAPH = {name: {target for target, _ in _imports(path)} for name, path in MODULES.items()}
+GRAPH = {name: {target for target, _, _ in _imports(path)} for name, path in MODULES.items()}
 
 
-def _cycle() -> list[str] | None:
-    """One import cycle among the engine's modules, as a path that returns to its start, or None."""
+def _cycle(graph: dict[str, set[str]] = GRAPH) -> list[str] | None:
+    """One import cycle among the modules of `graph`, as a path that returns to its start, or None."""
     state: dict[str, str] = {}
 
     def visit(name: str, path: list[str]) -> list[str] | None:
         state[name] = "open"
-        for target in sorted(GRAPH[name]):
+        for target in sorted(graph[name]):
             if state.get(target) == "open":
                 return path[path.index(target):] + [target]
             if target not in state and (found := visit(target, [*path, target])):
@@ -61,7 +66,7 @@ def _cycle() -> list[str] | None:
         state[name] = "done"
         return None
 
-    for name in sorted(GRAPH):
+    for name in sorted(graph):
         if name not in state and (found := visit(name, [name])):
             return found
     return None
@@ -85,7 +90,7 @@ def test_only_the_cli_imports_the_training_loop():
 
 def test_engine_modules_are_imported_at_the_top_outside_the_cli():
     lazy = [(name, target) for name, path in MODULES.items() if name != "finetune.cli"
-            for target, at_top in _imports(path) if not at_top]
+            for target, at_top, _ in _imports(path) if not at_top]
     assert lazy == []
 
 
@@ -116,3 +121,66 @@ def test_the_task_kind_layer_imports_nothing_above_it():
 
 def test_the_kind_registry_imports_no_kind():
     assert GRAPH["finetune.kinds.registry"] == set()
+
+
+# --- the app
+APP_MODULES = {_module(p): p for p in sorted((ROOT / "app").rglob("*.py"))}
+APP_PACKAGES = {name for name, path in APP_MODULES.items() if path.stem == "__init__"}
+APP_IMPORTS = {name: _imports(path, APP_MODULES, APP_PACKAGES) for name, path in APP_MODULES.items()}
+APP_GRAPH = {name: {target for target, _, _ in found} for name, found in APP_IMPORTS.items()}
+TABS = ("app.train.", "app.tryit.", "app.runs.", "app.export.")  # one package per tab of the page
+MAX_METHODS, MAX_LINES = 20, 80
+
+
+def test_the_app_graph_sees_the_imports_it_should():
+    assert "app.page" in APP_GRAPH["app.server"]  # function-local
+    assert {"app.policy", "app.jobs.client", "app.jobs.training"} <= APP_GRAPH["app.state"]
+    assert "app.tabs" in APP_GRAPH["app.export.tab"]  # for type checkers only
+    assert {"app.train.tab", "app.tryit.tab", "app.runs.tab", "app.export.tab", "app.api"} <= APP_GRAPH["app.page"]
+
+
+def test_app_modules_import_each_other_without_a_cycle():
+    # Function-local imports count too: the one circle the app had (page → api → export → page) hid in one.
+    assert _cycle(APP_GRAPH) is None, " → ".join(_cycle(APP_GRAPH))
+
+
+def test_the_tabs_import_one_another_only_for_type_hints():
+    """Each tab builds its own widgets and wires its own events; what they share is in app/ itself (the request
+    policy, the job client, the state, the results), and the page wires the events that cross tabs."""
+    def tab(name: str) -> str | None:
+        return next((t for t in TABS if name.startswith(t)), None)
+
+    crossing = sorted((name, target) for name, found in APP_IMPORTS.items() for target, _, type_only in found
+                      if tab(name) and tab(target) and tab(name) != tab(target) and not type_only)
+    assert crossing == []
+    assert {tab(name) for name in APP_MODULES} >= {*TABS, None}
+
+
+def _defs(kind: type) -> list[tuple[str, ast.AST]]:
+    return [(f"{name}.{node.name}", node) for name, path in APP_MODULES.items()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(node, kind)]
+
+
+def test_no_class_of_the_app_has_more_than_20_methods():
+    methods = {name: sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
+               for name, node in _defs(ast.ClassDef)}
+    assert len(methods) > 20 and "app.jobs.training.JobManager" in methods
+    assert {name: n for name, n in methods.items() if n > MAX_METHODS} == {}
+
+
+def test_no_function_of_the_app_is_longer_than_80_lines():
+    lengths = {name: node.end_lineno - node.lineno + 1
+               for kind in (ast.FunctionDef, ast.AsyncFunctionDef) for name, node in _defs(kind)}
+    assert lengths["app.page.build"] > 20
+    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
+
+
+def test_the_app_writes_no_kinds_name():
+    """A kind's views, previews, plots and presets are chosen through its registry entry (`Entry.try_view`, …), so
+    adding a kind touches no app module; a string that is a kind's name would be a comparison waiting to happen."""
+    from finetune.kinds import registry
+
+    named = sorted((name, node.value) for name, path in APP_MODULES.items()
+                   for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                   if isinstance(node, ast.Constant) and node.value in registry.names())
+    assert named == []
