@@ -56,6 +56,8 @@ def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
 
 
 REWARD_CURVES = ("rewards/margins", "rewards/accuracies")  # preference runs' evaluation metrics, TRL's names
+
+
 def reward_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
     """A preference run's reward margin and accuracy at each evaluation (step, loss, split as in `loss_frame`;
     the value in `loss`); empty for other runs."""

@@ -218,7 +218,6 @@ def tasks_from_widget(value: Any) -> Any:
     return value if problems else specs
 
 
-
 def values_to_dict(values: list[Any] | tuple[Any, ...]) -> dict[str, Any]:
     """Widget values (in `FIELD_NAMES` order) → the options that differ from the schema defaults.
 

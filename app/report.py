@@ -38,6 +38,7 @@ def final_metrics(status: JobStatus) -> dict[str, Any]:
 
 
 def event_line(event: dict[str, Any], total: int | None) -> str | None:
+    """One event as a line of the log (its clock time first), or None for an event the log does not show."""
     kind = event.get("event")
     clock = time.strftime("%H:%M:%S", time.localtime(event.get("time", 0)))
     if kind == "start":
@@ -67,7 +68,6 @@ def event_line(event: dict[str, Any], total: int | None) -> str | None:
         where = event.get("url") or f"{event['repo_id']} failed: {event.get('error')}"
         return f"{clock} push: {where}"
     return None
-
 
 
 def display_path(path: Path | str) -> str:

@@ -94,7 +94,7 @@ def test_a_task_dataset_of_someone_else_is_refused_on_plan_start_and_the_tasks_t
     table = ctl.dataset.tasks_table(yaml_text, "proportional", 2.0, None, request=BOB)
     assert table.note.startswith(f"⚠️ {refusal}") and table.table.empty
     mine = ctl.dataset.tasks_table(f"- name: a\n  dataset: {secret}\n- name: b\n  dataset: {uploads['alice']}\n",
-                           "proportional", 2.0, None, request=ALICE)
+                                   "proportional", 2.0, None, request=ALICE)
     assert list(mine.table["rows"]) == [4, 37] and mine.note == ""
     assert ctl.dataset.tasks_table(yaml_text, "proportional", 2.0, None, request=ANON).note == "⚠️ Sign in to train."
 
@@ -147,7 +147,7 @@ def test_the_alias_bomb_is_refused_at_once_through_the_api_and_the_tasks_box(tmp
                                                                           request=r))
         assert seconds < 1.0 and len(shown.note) < 300, shown.note
     assert "expands to more than 10,000" in ctl.dataset.tasks_table(tasks_yaml, "proportional", 2.0, None,
-                                                            request=_signed_in("alice")).note
+                                                                    request=_signed_in("alice")).note
 
 
 def test_errors_show_a_bounded_summary_of_a_value_never_its_repr():
@@ -294,7 +294,7 @@ def test_a_looping_chat_template_is_stopped_within_a_second(tmp_path, tiny_gpt2)
         path = tmp_path / f"template-{len(template)}.csv"  # uploaded under a data extension: its text is Jinja
         path.write_text(template)
         return ctl.dataset.chat_example(str(data), "", "train", "causal_lm", "messages", tiny_gpt2, str(path),
-                                "assistant", 64)
+                                        "assistant", 64)
 
     assert example(CHATML).note.endswith("tokens are learned (highlighted): `train_on: assistant`.")
     shown, seconds = _timed(lambda: example(LOOPING))

@@ -63,12 +63,12 @@ def test_the_first_conversation_shows_its_learned_tokens(tmp_path, chat_model, t
     bare = ctl.dataset.chat_example(data, "", "train", "causal_lm", "messages", tiny_llama, "", "assistant", 256)
     assert not bare.example["visible"] and "`chat_template`" in bare.note
     shipped = ctl.dataset.chat_example(data, "", "train", "causal_lm", "messages", tiny_llama,
-                               str(ROOT / "assets" / "chatml.jinja"), "assistant", 256)
+                                       str(ROOT / "assets" / "chatml.jinja"), "assistant", 256)
     assert shipped.example["visible"]
     cut = ctl.dataset.chat_example(data, "", "train", "causal_lm", "messages", chat_model, "", "assistant", 8)
     assert not cut.example["visible"] and "max_length cuts off" in cut.note
     assert not ctl.dataset.chat_example(data, "", "train", "classification", "", chat_model, "", "assistant", 256
-                                ).example["visible"]
+                                        ).example["visible"]
 
 
 def test_a_shared_server_reads_only_the_users_template(tmp_path):
@@ -78,7 +78,7 @@ def test_a_shared_server_reads_only_the_users_template(tmp_path):
         shared.check_config(config, ())
     ctl = _controller(tmp_path, access=shared)
     shown = ctl.dataset.chat_example("x/y", "", "train", "causal_lm", "messages", "gpt2", "/etc/hostname", "assistant",
-                             256, request=SimpleNamespace(username="alice"))
+                                     256, request=SimpleNamespace(username="alice"))
     assert "is not one of your uploads" in shown.note and not shown.example["visible"]
 
 

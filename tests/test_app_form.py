@@ -135,7 +135,7 @@ def test_a_missing_column_is_shown_at_its_dropdown(tmp_path):
     data = tmp_path / "two.csv"
     data.write_text("title,body,label\na b,c d,x\ne f,g h,y\n")  # two text columns, neither named as a text's
     shown = _controller(tmp_path).dataset.refresh_dataset(str(data), "", "train", "classification",
-                                                  *[""] * len(COLUMN_FIELDS))
+                                                          *[""] * len(COLUMN_FIELDS))
     assert shown.error.startswith("⚠️ No text column found")
     assert shown.columns["text_column"]["info"].startswith("⚠️ No text column found")
     assert shown.columns["text_column"]["info"].endswith("Set Text column.")  # the form's words
@@ -146,7 +146,7 @@ def test_a_missing_column_is_shown_at_its_dropdown(tmp_path):
     ids = tmp_path / "ids.csv"
     ids.write_text("id,label\n" + "".join(f"row-{i},{i % 2}\n" for i in range(6)))
     shown = _controller(tmp_path).dataset.refresh_dataset(str(ids), "", "train", "classification",
-                                                  *[""] * len(COLUMN_FIELDS))
+                                                          *[""] * len(COLUMN_FIELDS))
     assert shown.columns["text_column"]["info"].startswith("⚠️ Text column id (guessed")
     assert shown.columns["text_column"]["elem_classes"] == ["ft-invalid"]
 
@@ -158,7 +158,7 @@ def test_a_preference_dataset_maps_and_previews_its_scored_tokens(tmp_path, pair
     assert {c: u["value"] for c, u in shown.columns.items() if u["visible"]} == {
         "prompt_column": "prompt", "chosen_column": "chosen", "rejected_column": "rejected"}
     example = ctl.dataset.chat_example(pairs_csv, "", "train", "preference", "", tiny_gpt2, "", "assistant", 64,
-                               "prompt", "chosen", "rejected")
+                                       "prompt", "chosen", "rejected")
     pieces = example.example["value"]
     scored = [(text, cat) for text, cat in pieces if cat]
     from transformers import AutoTokenizer
@@ -171,7 +171,7 @@ def test_a_preference_dataset_maps_and_previews_its_scored_tokens(tmp_path, pair
     assert len(prompts) == 2 and all("the film was" in t.lower() for t in prompts)  # the prompt: not scored
     assert example.example["label"].startswith("The first pair") and "scored" in example.note
     cut = ctl.dataset.chat_example(pairs_csv, "", "train", "preference", "", tiny_gpt2, "", "assistant", 4,
-                           "prompt", "chosen", "rejected")
+                                   "prompt", "chosen", "rejected")
     assert "left out of training" in cut.note
 
 

@@ -110,7 +110,7 @@ def test_plan_is_shown_as_batch_arithmetic_and_a_bar_against_the_budget():
     assert "dry-run" not in padded and "estimated on a weightless copy of the model" in padded
     assert "padded to it" not in plan_report.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": False})
     assert "padded to it" not in plan_report.plan_markdown({**PLAN, "worst_case_tokens": 512, "padded": True,
-                                                     "micro_batch_size": 1})
+                                                            "micro_batch_size": 1})
     frame = plan_report.plan_frame(PLAN)
     assert frame.part.tolist() == ["weights", "gradients", "optimizer state", "activations", "predicted peak",
                                    "budget"]
@@ -165,9 +165,9 @@ def test_dataset_block_guesses_columns_and_counts_labels(cls_csv):
 
 def test_dataset_block_errors_are_one_sentence_next_to_the_field(tmp_path, cls_csv):
     assert "does not exist" in preview.inspect(str(tmp_path / "nope.csv"), None, "train", "classification",
-                                                {}).error
+                                               {}).error
     same = preview.inspect(cls_csv, None, "train", "classification",
-                            {"text_column": "label", "label_column": "label"})
+                           {"text_column": "label", "label_column": "label"})
     assert same.error == "The same column is mapped twice: pick a different column for each role."
     one_class = tmp_path / "one.csv"
     one_class.write_text("text,label\na,x\nb,x\n")

@@ -54,7 +54,6 @@ class JobStatus:
     owner: str | None = None  # who started it, on a shared server
     latest_checkpoint: Path | None = None  # the newest complete checkpoint on disk
 
-
     @property
     def active(self) -> bool:
         """Whether a child process is (or may still be) running."""

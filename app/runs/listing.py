@@ -59,6 +59,7 @@ def _config_of(path: Path) -> dict[str, Any]:
 
 
 def clock(stamp: float | None) -> str:
+    """A time as the Runs tab shows it ("" for none)."""
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp)) if stamp else ""
 
 
