@@ -169,8 +169,7 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
                              "button": tryit.button, "entities": tryit.entities, "new_chat": tryit.new_chat,
                              "text": tryit.text, "message": tryit.message, "push": export.push},
                "note": run.message, "scatter": run.scatter}
-    private = {"api_visibility": "private"}
     on(timer.tick, follow.poll, seen, targets, gate="public", concurrency_limit=None, show_progress="hidden",
-       **private)
+       **PRIVATE)
     # A reload (or a second tab) shows the running job at once rather than at the next tick.
-    on(load, follow.poll, seen, targets, gate="public", show_progress="hidden", **private)
+    on(load, follow.poll, seen, targets, gate="public", show_progress="hidden", **PRIVATE)
