@@ -12,6 +12,7 @@
       loss.png       the loss curve, drawn from events.jsonl by a background process when the run ends
       tensorboard/   TensorBoard event files, with report_to=tensorboard
       export/        what `finetune export` wrote: merged/ (a transformers folder), *.gguf, Modelfile, export.json
+      job.json       a run on Hugging Face Jobs: its job (id, URL, flavor, image, bucket), see finetune.remote
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ MANIFEST_DIRS = ("checkpoints", "model", "adapter")
 RUN_FILES = (MARKER, MANIFEST, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter",
              "metrics.json", "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "export",
              "export.log",  # the app's log of `finetune export`, beside export/
-             "wandb", "mlruns", *LAUNCH_FILES)
+             "wandb", "mlruns", *LAUNCH_FILES,
+             "job.json", ".fetch.partial")  # a run on Hugging Face Jobs (finetune.remote): its job, a fetch under way
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every", "report_to",
                      "push_to_hub", "hub_private"}

@@ -1,0 +1,391 @@
+"""Hugging Face Jobs as a backend of `finetune train`: launch a run as a job, follow it, cancel it, re-attach to it
+and fetch its results, through huggingface_hub's own client (`run_job`, `fetch_job_logs`, `inspect_job`,
+`cancel_job`, buckets and repositories).
+
+What a job is made of (`job_spec`): the image (a copy of this project's Space, `hf.co/spaces/USER/SPACE`); the
+command `finetune train /inputs/config.yaml -q --log-events` (under `accelerate launch --num_processes N` on a flavor
+with N GPUs), run under coreutils' `timeout`, which asks it to stop (SIGTERM: a checkpoint, then exit 130) a grace
+period before the job's own time limit; the token as the job's secret `HF_TOKEN` and nowhere else; two volumes: the
+user's private bucket, which holds the run folder (`/runs/<run>`: checkpoints, events, model), and the folder of
+the private inputs dataset repository that holds the config and the local files it names (`/inputs`, read-only).
+
+Every function takes the token to act with (default: huggingface_hub's, `HF_TOKEN` or the stored login), so that a
+server can act for each signed-in user with theirs; none prints: the launcher and the app say what they like.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub as hf
+from huggingface_hub import HfApi, Volume
+from huggingface_hub import constants as hf_constants
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.errors import HTTPError as HubNetworkError
+
+from finetune.config.schema import Config, from_dict
+from finetune.errors import ConfigError, FinetuneError, InputError
+from finetune.remote import flavors as flavor_tables
+from finetune.remote.inputs import CONFIG_NAME, INPUTS, commit_operations, describe, job_inputs, local_view
+from finetune.remote.jobfile import RUNS_MOUNT, JobHandle, read_handle, write_handle
+from finetune.remote.mirror import Mirror, Outcome, outcome
+from finetune.remote.preflight import Preflight, preflight
+from finetune.remote.timelimit import TimeLimit
+from finetune.run.events import parse_log_line, read_events
+from finetune.run.rundir import (
+    check_run_dir,
+    clear_run_dir,
+    default_output_dir,
+    is_finished,
+    mark_run_dir,
+    write_json,
+    write_text,
+)
+
+BUCKET_NAME = "finetune-runs"  # in the job's namespace, created private when missing
+INPUTS_NAME = "finetune-inputs"  # a dataset repository in the job's namespace, created private when missing
+TERMINAL = ("COMPLETED", "CANCELED", "ERROR", "DELETED")
+# The job's environment: plain settings only (the token is a secret, never here).
+JOB_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+class JobError(FinetuneError):
+    """The job could not be started, followed or fetched; the message says what to do (exit 1)."""
+
+
+class JobRefused(InputError):
+    """The Hub refused to start the job for a reason the user can fix (token, namespace, credits): exit 2."""
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """How to run on Jobs: the flavor, the image (default: this Space's own, inside a Space), the time limit in
+    seconds (default: the estimate), the namespace billed (default: the token's user), the bucket and the inputs
+    repository (default: `<namespace>/finetune-runs` and `<namespace>/finetune-inputs`)."""
+
+    flavor: str | None = None
+    image: str | None = None
+    timeout_s: int | None = None
+    namespace: str | None = None
+    bucket: str | None = None
+    inputs_repo: str | None = None
+
+
+@dataclass(frozen=True)
+class JobState:
+    """A job's stage as the Hub reports it now, its message and how long it has run."""
+
+    stage: str
+    message: str | None
+    running_s: int | None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the job has ended (completed, cancelled, failed or deleted)."""
+        return self.stage in TERMINAL
+
+
+def resolve_image(image: str | None, space_id: str | None) -> str:
+    """The image to run: `image`, else the Space's own when this runs inside one (`SPACE_ID`)."""
+    if image:
+        return image
+    if space_id:
+        return f"hf.co/spaces/{space_id}"
+    raise ConfigError(["Hugging Face Jobs needs an image with finetune installed: give --image "
+                       "hf.co/spaces/USER/SPACE, a copy of this project's Space built for a GPU (docs/jobs.md)."])
+
+
+def hub_token(token: str | None = None) -> str:
+    """The token to act with, or one sentence when there is none (or the Hub is switched off)."""
+    if hf_constants.is_offline_mode():
+        raise ConfigError(["Hugging Face Jobs needs the network, but HF_HUB_OFFLINE is set: unset it to launch, "
+                           "follow or fetch a job."])
+    token = token or hf.get_token()
+    if not token:
+        raise ConfigError(["Hugging Face Jobs needs a token with write access and the `jobs` permission: set "
+                           "HF_TOKEN (or run `hf auth login`)."])
+    return token
+
+
+def flavor_table(api: HfApi, name: str | None, token: str | None) -> flavor_tables.FlavorTable:
+    """The built-in table when it knows `name` (no request: a refusal costs nothing), else the Hub's own."""
+    if name and flavor_tables.BUILT_IN.get(name):
+        return flavor_tables.BUILT_IN
+    if hf_constants.is_offline_mode():
+        return flavor_tables.BUILT_IN
+    return flavor_tables.live_table(api, token or False) or flavor_tables.BUILT_IN
+
+
+def job_command(limit: TimeLimit, gpus: int) -> list[str]:
+    """The job's command: the run under `timeout`, which sends SIGTERM `limit.grace_s` before the limit (the
+    run then checkpoints and exits 130, `--preserve-status` keeps that code); on several GPUs, `accelerate
+    launch` with one process per GPU."""
+    launcher = ["python", "-m", "finetune"] if gpus <= 1 else [
+        "accelerate", "launch", "--multi_gpu", "--num_processes", str(gpus), "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "finetune"]
+    return ["timeout", "--signal=TERM", "--preserve-status", f"{limit.stop_after_s}s", *launcher, "train",
+            f"{INPUTS}/{CONFIG_NAME}", "-q", "--log-events"]
+
+
+def job_spec(*, image: str, flavor: str, command: list[str], limit: TimeLimit, token: str, bucket: str,
+             remote_dir: str, inputs_repo: str, inputs_path: str, inputs_revision: str | None) -> dict[str, Any]:
+    """The keyword arguments of `HfApi.run_job` (less namespace and token): the token only in `secrets`."""
+    return {"image": image, "command": command, "env": dict(JOB_ENV), "secrets": {"HF_TOKEN": token},
+            "flavor": flavor, "timeout": limit.seconds, "name": f"finetune-{remote_dir}",
+            "labels": {"finetune-run": remote_dir},
+            "volumes": [Volume(type="bucket", source=bucket, mount_path=RUNS_MOUNT),
+                        Volume(type="dataset", source=inputs_repo, mount_path=INPUTS, path=inputs_path,
+                               revision=inputs_revision)]}
+
+
+def _refused(e: HfHubHTTPError, what: str, token: str) -> JobRefused | JobError:
+    """An HTTP refusal in one sentence, without the token."""
+    status = e.response.status_code if e.response is not None else None
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].replace(token, "***")
+    hints = {401: "the token is not valid: create one with write access and the `jobs` permission at "
+                  "https://huggingface.co/settings/tokens",
+             402: "the account has no credits for Jobs: add some at https://huggingface.co/settings/billing",
+             403: "the token may not do that in this namespace: check --namespace and the token's permissions"}
+    if status in hints:
+        return JobRefused(f"The Hub refused to {what} ({hints[status]}).")
+    return JobError(f"Could not {what}: {text}. Nothing was started; try again.")
+
+
+def _local_run(c: Config, options: JobOptions) -> tuple[Path, JobHandle | None]:
+    """The local run folder the job mirrors into, checked as `finetune train` checks it, and the run's earlier
+    job when `resume=true` continues one."""
+    run_dir = Path(c.output_dir or default_output_dir())
+    if not c.resume:
+        check_run_dir(c.replace(output_dir=str(run_dir)))
+        return run_dir, None
+    previous = read_handle(run_dir)
+    if is_finished(run_dir):
+        raise ConfigError([f"The run in {str(run_dir)!r} already finished: nothing to resume."])
+    return run_dir, previous
+
+
+def _same_budget(previous: JobHandle, flavor: flavor_tables.Flavor) -> None:
+    """A resumed run keeps its plan: refuse a flavor with other GPUs than the one it ran on."""
+    before = flavor_tables.BUILT_IN.get(previous.flavor)
+    if before is not None and (before.budget_gib, before.gpus) != (flavor.budget_gib, flavor.gpus):
+        raise ConfigError([f"The run trained on {previous.flavor} ({before.gpus} × {before.gpu_model}); resume it "
+                           f"on the same GPUs (`--flavor {previous.flavor}`), since its plan was made for them."])
+
+
+def _remote_name(run_dir: Path) -> str:
+    """The run's folder in the bucket: the local folder's name and the time, so that runs never collide."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", Path(run_dir).resolve().name)[:60].strip("-") or "run"
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def check(c: Config, options: JobOptions, *, space_id: str | None = None, api: HfApi | None = None,
+          token: str | None = None) -> tuple[Preflight, str, Path, JobHandle | None]:
+    """Everything that can be refused before anything is created: the image, the flavor, the local run folder,
+    the plan for the flavor's GPU and the time limit. Returns the preflight, the image, the run folder and the
+    earlier job of a resumed run."""
+    api = api or HfApi()
+    image = resolve_image(options.image, space_id)
+    run_dir, previous = _local_run(c, options)
+    name = options.flavor or (previous.flavor if previous else None)
+    if not name:
+        raise ConfigError(["--backend hf-jobs needs --flavor: the GPU to train on (`finetune jobs flavors` lists "
+                           "them with their memory and price)."])
+    flavor = flavor_tables.find(name, flavor_table(api, name, token))
+    if previous is not None:
+        _same_budget(previous, flavor)
+    return preflight(c, flavor, timeout_s=options.timeout_s, api=api), image, run_dir, previous
+
+
+def launch(c: Config, options: JobOptions, *, token: str | None = None, space_id: str | None = None,
+           api: HfApi | None = None, say: Callable[[str], None] = lambda _: None) -> JobHandle:
+    """Start `c` as a job and record it in the local run folder (job.json, the config, the plan for the flavor).
+    Refusals (flavor, plan, image, run folder) come before anything is created; on a failure after that, a
+    new local run folder is removed again."""
+    api = api or HfApi()
+    pre, image, run_dir, previous = check(c, options, space_id=space_id, api=api, token=token)
+    say(pre.summary())
+    token = hub_token(token)
+    try:
+        namespace = options.namespace or (previous.namespace if previous else api.whoami(token=token)["name"])
+    except HfHubHTTPError as e:
+        raise _refused(e, "read the token's account", token) from None
+    remote_dir = previous.remote_dir if previous else _remote_name(run_dir)
+    bucket = options.bucket or (previous.bucket if previous else f"{namespace}/{BUCKET_NAME}")
+    inputs_repo = options.inputs_repo or (previous.inputs_repo if previous else f"{namespace}/{INPUTS_NAME}")
+    inputs_path = f"{remote_dir}/{time.strftime('%Y%m%d-%H%M%S')}"
+    job_config, uploads = job_inputs(pre.config, f"{RUNS_MOUNT}/{remote_dir}")
+    local = {u.remote: str(u.local) for u in uploads}
+    created = not run_dir.exists()
+    if c.overwrite and not c.resume and run_dir.is_dir():
+        clear_run_dir(run_dir)
+    events_before = len(read_events(run_dir / "events.jsonl"))
+    mark_run_dir(run_dir)
+    write_text(run_dir / "config.yaml", from_dict(local_view(job_config.to_dict(), local, str(run_dir))).to_yaml())
+    write_json(run_dir / "plan.json", pre.plan.to_dict())
+    try:
+        revision = _send_inputs(api, inputs_repo, inputs_path, uploads, job_config.to_yaml(), token, say)
+        _private_bucket(api, bucket, token)
+        command = job_command(pre.limit, pre.flavor.gpus)
+        spec = job_spec(image=image, flavor=pre.flavor.name, command=command, limit=pre.limit, token=token,
+                        bucket=bucket, remote_dir=remote_dir, inputs_repo=inputs_repo, inputs_path=inputs_path,
+                        inputs_revision=revision)
+        info = api.run_job(**spec, namespace=namespace, token=token)
+    except BaseException as e:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(e, HfHubHTTPError):
+            raise _refused(e, "start the job", token) from None
+        if isinstance(e, HubNetworkError):
+            raise JobError(f"The Hub could not be reached to start the job ({type(e).__name__}): nothing was "
+                           "started; try again.") from None
+        raise
+    handle = JobHandle(run_dir=run_dir, job_id=info.id, namespace=namespace, url=info.url, endpoint=api.endpoint,
+                       flavor=pre.flavor.name, gpus=pre.flavor.gpus, image=image, command=tuple(command),
+                       timeout_s=pre.limit.seconds, stop_after_s=pre.limit.stop_after_s, bucket=bucket,
+                       remote_dir=remote_dir, inputs_repo=inputs_repo, inputs_path=inputs_path,
+                       inputs_revision=revision, uploads=local, events_before=events_before, created=time.time())
+    write_handle(handle, outcome=None, fetched=None, time_limit_reason=pre.limit.reason)
+    return handle
+
+
+
+def _send_inputs(api: HfApi, repo: str, folder: str, uploads: list[Any], config_text: str, token: str,
+                 say: Callable[[str], None]) -> str | None:
+    """Upload the job's config and local inputs to `repo` (a private dataset repository) in one commit; returns
+    the commit, which the job mounts (later uploads do not change what a running job reads)."""
+    api.create_repo(repo, repo_type="dataset", private=True, exist_ok=True, token=token)
+    if not api.repo_info(repo, repo_type="dataset", token=token).private:
+        raise JobRefused(f"The inputs repository {repo} is public: your data would be too. Make it private, or "
+                         "give another with --inputs-repo.")
+    say(f"uploading {describe(uploads)} to hf.co/datasets/{repo}/{folder}")
+    commit = api.create_commit(repo, repo_type="dataset", operations=commit_operations(uploads, folder, config_text),
+                               commit_message=f"finetune: inputs of {folder}", token=token)
+    return commit.oid
+
+
+def _private_bucket(api: HfApi, bucket: str, token: str) -> None:
+    """Create the runs bucket (private) when missing; refuse one that is public."""
+    api.create_bucket(bucket, private=True, exist_ok=True, token=token)
+    if not api.bucket_info(bucket, token=token).private:
+        raise JobRefused(f"The bucket {bucket} is public: your runs would be too. Make it private, or give another "
+                         "with --bucket.")
+
+
+def _api(handle: JobHandle) -> HfApi:
+    return HfApi(endpoint=handle.endpoint)
+
+
+def status(handle: JobHandle, *, token: str | None = None) -> JobState:
+    """The job's stage now."""
+    token = hub_token(token)
+    try:
+        info = _api(handle).inspect_job(job_id=handle.job_id, namespace=handle.namespace, token=token)
+    except HfHubHTTPError as e:
+        raise _refused(e, f"read job {handle.job_id}", token) from None
+    durations = info.durations
+    return JobState(str(info.status.stage), info.status.message, durations.running_secs if durations else None)
+
+
+def cancel(handle: JobHandle, *, token: str | None = None) -> None:
+    """Cancel the job (billing stops; the run's checkpoints stay in the bucket)."""
+    token = hub_token(token)
+    try:
+        _api(handle).cancel_job(job_id=handle.job_id, namespace=handle.namespace, token=token)
+    except HfHubHTTPError as e:
+        raise _refused(e, f"cancel job {handle.job_id}", token) from None
+
+
+def attach(run_dir: Path) -> JobHandle:
+    """The job of a run folder (its job.json), to follow, stop or fetch after the launcher is gone."""
+    return read_handle(Path(run_dir))
+
+
+def resume_command(handle: JobHandle) -> str:
+    """The command that continues the run on a new job."""
+    return f"finetune train {handle.run_dir / 'config.yaml'} resume=true --backend hf-jobs --flavor {handle.flavor}"
+
+
+class Follower:
+    """Streams a job's logs until it ends: each record into the local events.jsonl (`Mirror`) and to `on_record`,
+    every other line to `on_log`. `run` may be called again after it was interrupted (Ctrl-C): records and lines
+    already handled are not handled twice."""
+
+    RETRIES = 5
+
+    def __init__(self, handle: JobHandle, *, token: str | None = None,
+                 on_record: Callable[[dict[str, Any]], None] | None = None,
+                 on_log: Callable[[str], None] | None = None):
+        self.handle, self.token = handle, token
+        self.on_record, self.on_log = on_record or (lambda _: None), on_log or (lambda _: None)
+        self.mirror = Mirror(handle.run_dir, handle.job_run_dir, handle.events_before)
+        self.lines_shown = 0
+        self.last_error_line: str | None = None
+        self.refusal: Outcome | None = None  # set when the job had to be cancelled (it trains without a GPU)
+
+    def _line(self, line: str, index: int) -> None:
+        if parse_log_line(line) is None:
+            if index >= self.lines_shown:
+                self.lines_shown += 1
+                if line.startswith("error:"):
+                    self.last_error_line = line
+                self.on_log(line)
+            return
+        record = self.mirror.feed(line)
+        if record is None:
+            return
+        if record["event"] == "start" and self.handle.gpus and not str(record.get("device", "")).startswith("cuda"):
+            self._refuse(str(record.get("device")))
+        self.on_record(record)
+
+    def _refuse(self, device: str) -> None:
+        """The image's torch has no CUDA: the job would bill a GPU it does not use."""
+        cancel(self.handle, token=self.token)
+        self.refusal = Outcome("failed", 2, f"The job trained on {device}, not on the {self.handle.flavor} GPU: the "
+                               f"image {self.handle.image} has torch without CUDA, so the job was cancelled; build "
+                               "the Space with the variable TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 "
+                               "(docs/jobs.md).", "CANCELED")
+
+    def run(self) -> Outcome:
+        """Follow to the end; record the outcome in job.json and return it."""
+        token = hub_token(self.token)
+        api, failures = _api(self.handle), 0
+        while True:
+            self.mirror.restart()
+            plain = 0
+            try:
+                for line in api.fetch_job_logs(job_id=self.handle.job_id, namespace=self.handle.namespace,
+                                               follow=True, token=token):
+                    is_plain = parse_log_line(line) is None
+                    self._line(line, plain)
+                    plain += is_plain
+                state = status(self.handle, token=token)
+            except HfHubHTTPError as e:
+                raise _refused(e, f"follow job {self.handle.job_id}", token) from None
+            except (HubNetworkError, OSError) as e:
+                failures += 1
+                if failures > self.RETRIES:
+                    raise JobError(f"Lost the job's logs ({type(e).__name__}); it goes on: follow it again with "
+                                   f"`finetune jobs follow {self.handle.run_dir}`.") from None
+                time.sleep(min(2 ** failures, 30))
+                continue
+            if state.finished:
+                break
+            time.sleep(2)  # the stream ended before the job: open it again
+        result = self.refusal or outcome(state.stage, state.message, self.mirror.job_records(),
+                                         running_s=state.running_s, timeout_s=self.handle.timeout_s,
+                                         resume_command=resume_command(self.handle),
+                                         last_error_line=self.last_error_line)
+        write_handle(self.handle, outcome=result.to_dict())
+        return result
+
+
+def follow(handle: JobHandle, *, token: str | None = None, on_record: Callable[[dict[str, Any]], None] | None = None,
+           on_log: Callable[[str], None] | None = None) -> Outcome:
+    """Follow a job to its end (see `Follower`)."""
+    return Follower(handle, token=token, on_record=on_record, on_log=on_log).run()
