@@ -70,6 +70,7 @@ class FakeJob:
     running_s: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     changed: threading.Condition = field(default_factory=threading.Condition)
+    script: JobScript | None = None  # what it plays, once it started
 
     def info(self, endpoint: str) -> dict[str, Any]:
         """The JobInfo the API answers (secrets by name only)."""
@@ -108,12 +109,23 @@ def _volume(spec: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 def _play(hub: Any, job: FakeJob) -> None:
-    """Run a stand-in job: read its config from the dataset volume, print, write into the bucket volume, end."""
+    """Run a stand-in job; one that cannot be played (no script, no config) ends in ERROR, as a broken job does."""
+    try:
+        _play_script(hub, job)
+    except Exception as e:
+        with job.changed:
+            job.stage, job.message = "ERROR", f"stand-in job failed: {type(e).__name__}: {e}"
+            job.changed.notify_all()
+        raise
+
+
+def _play_script(hub: Any, job: FakeJob) -> None:
+    """Read the job's config from its dataset volume, print, write into its bucket volume, end."""
     inputs, bucket = _volume(job.spec, "dataset"), _volume(job.spec, "bucket")
     files = hub.repos[inputs["source"]]["files"]
     command_config = next(a for a in job.spec["command"] if a.startswith(inputs["mountPath"] + "/"))
     config = yaml.safe_load(files[f"{inputs['path']}/{command_config[len(inputs['mountPath']) + 1:]}"])
-    script = hub.jobs.script(job, config)
+    script = job.script = hub.jobs.script(job, config)
     run_folder = config["output_dir"][len(bucket["mountPath"]) + 1:]
 
     def say(line: str) -> None:
@@ -211,7 +223,8 @@ def _jobs_route(request: Any, hub: Any, method: str, rest: list[str], user: tupl
 
 
 def _stream_logs(request: Any, job: FakeJob) -> None:
-    """Server-sent events: every line so far, then each new one, until the job ends."""
+    """Server-sent events: every line so far, then each new one, until the job ends; a keep-alive comment when
+    nothing was printed for a second (the Hub sends one every 30 s)."""
     request.send_response(200)
     request.send_header("content-type", "text/event-stream")
     request.send_header("connection", "close")
@@ -222,10 +235,12 @@ def _stream_logs(request: Any, job: FakeJob) -> None:
                             .encode())
         while True:
             with job.changed:
-                while sent == len(job.lines) and job.stage not in TERMINAL and not job.cancelled.is_set():
-                    job.changed.wait(0.5)
+                if sent == len(job.lines) and job.stage not in TERMINAL:
+                    job.changed.wait(1.0)
                 new, sent = job.lines[sent:], len(job.lines)
                 ended = job.stage in TERMINAL
+            if not new and not ended:
+                request.wfile.write(b": keep-alive\n\n")
             for line in new:
                 request.wfile.write(f"data: {json.dumps({'timestamp': _now(), 'data': line})}\n\n".encode())
             request.wfile.flush()
@@ -239,7 +254,8 @@ def _bucket_api(request: Any, jobs: FakeJobs, method: str, rest: list[str], quer
     bucket_id = "/".join(rest[:2])
     if len(rest) == 2 and method == "POST":
         if bucket_id in jobs.buckets:
-            request._send(409, {"error": "You already created this bucket"})
+            request._send(409, {"error": "You already created this bucket",
+                                "url": f"{request.hub_url}/buckets/{bucket_id}"})
             return True
         payload = json.loads(request._body() or b"{}")
         jobs.buckets[bucket_id] = {"private": payload.get("visibility") == "private", "files": {}}

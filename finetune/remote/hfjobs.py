@@ -196,7 +196,7 @@ def check(c: Config, options: JobOptions, *, space_id: str | None = None, api: H
     if not name:
         raise ConfigError(["--backend hf-jobs needs --flavor: the GPU to train on (`finetune jobs flavors` lists "
                            "them with their memory and price)."])
-    flavor = flavor_tables.find(name, flavor_table(api, name, token))
+    flavor = flavor_tables.find(name, flavor_table(api, name, token or hf.get_token()))
     if previous is not None:
         _same_budget(previous, flavor)
     return preflight(c, flavor, timeout_s=options.timeout_s, api=api), image, run_dir, previous

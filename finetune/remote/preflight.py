@@ -67,13 +67,11 @@ def plan_for(c: Config, flavor: Flavor) -> Any:
         plan, _ = plan_run(single, [], labels, num_processes=flavor.gpus, device=None,
                            distributed="ddp" if flavor.gpus > 1 else "single", planned_device=device)
     except PlanError as e:
-        raise PlanError([f"Not sent to Hugging Face Jobs: on {flavor.describe()} ({c.memory_budget_gb:g} GiB per "
-                         f"GPU), {_lower(' '.join(e.problems))} (`finetune jobs flavors` lists larger GPUs)"]) from None
+        inner = " ".join(e.problems).rstrip(".")
+        raise PlanError([f"Not sent to Hugging Face Jobs: on {flavor.name} ({flavor.gpus} × {flavor.gpu_model}, "
+                         f"{c.memory_budget_gb:g} GiB per GPU) {inner[:1].lower()}{inner[1:]}; `finetune jobs "
+                         "flavors` lists the flavors with more GPU memory."]) from None
     return plan
-
-
-def _lower(text: str) -> str:
-    return text[:1].lower() + text[1:] if text else text
 
 
 def preflight(c: Config, flavor: Flavor, *, timeout_s: int | None, api: Any | None = None) -> Preflight:
