@@ -93,6 +93,7 @@ class FakeJobs:
     jobs: dict[str, FakeJob] = field(default_factory=dict)
     buckets: dict[str, dict[str, Any]] = field(default_factory=dict)
     counter: itertools.count = field(default_factory=lambda: itertools.count(1))
+    refuse_runs: int | None = None  # answer run_job with this status (402: no credits)
 
     def only(self) -> FakeJob:
         """The one job started."""
@@ -196,8 +197,16 @@ def _jobs_route(request: Any, hub: Any, method: str, rest: list[str], user: tupl
         request._send(403, {"error": "This token has no write access"})
         return True
     namespace = rest[0]
+    if len(rest) == 1 and method == "GET":  # list_jobs, by label
+        labels = [v.partition("=") for v in parse_qs(urlparse(request.path).query).get("label", [])]
+        request._send(200, [job.info(hub.url) for job in jobs.jobs.values() if job.namespace == namespace and all(
+            (job.spec.get("labels") or {}).get(k) == v for k, _, v in labels)])
+        return True
     if len(rest) == 1 and method == "POST":
         spec = json.loads(request._body())
+        if jobs.refuse_runs:
+            request._send(jobs.refuse_runs, {"error": "Payment required: add credits to run Jobs"})
+            return True
         job = FakeJob(id=f"{next(jobs.counter):024x}", namespace=namespace, spec=spec)
         jobs.jobs[job.id] = job
         threading.Thread(target=_play, args=(hub, job), daemon=True).start()

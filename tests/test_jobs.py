@@ -24,6 +24,7 @@ from huggingface_hub import constants as hf_constants
 from finetune.config.schema import ConfigError, from_dict, read_yaml
 from finetune.errors import EXIT_STOPPED
 from finetune.remote import flavors, hfjobs
+from finetune.remote.follow import follow
 from finetune.remote.jobfile import JobHandle, read_handle, write_handle
 from finetune.remote.mirror import Mirror, from_record
 from finetune.remote.preflight import plan_for, preflight
@@ -428,7 +429,7 @@ def test_a_stopped_job_resumes_on_a_new_job_in_the_same_bucket_folder(hub, tmp_p
                                                     stage="ERROR", running_s=1800)
     options = hfjobs.JobOptions(flavor="t4-small", image=IMAGE, timeout_s=parse_duration("30m"))
     first = hfjobs.launch(c, options, token=TOKEN, api=api)
-    assert hfjobs.follow(first, token=TOKEN).status == "stopped"
+    assert follow(first, token=TOKEN).status == "stopped"
     local = read_yaml(first.run_dir / "config.yaml")
     assert (local["dataset"], local["model"], local["memory_budget_gb"]) == (cls_csv, tiny_bert, 14.9)
     hub.jobs.script = lambda job, config: JobScript(lines=[_line("step", step=2, epoch=0.5, loss=0.5, grad_norm=1.0,
@@ -446,7 +447,7 @@ def test_a_stopped_job_resumes_on_a_new_job_in_the_same_bucket_folder(hub, tmp_p
     resumed = yaml.safe_load(hub.repos["alice/finetune-inputs"]["files"][f"{second.inputs_path}/config.yaml"])
     assert resumed["resume"] is True and resumed["output_dir"] == f"/runs/{first.remote_dir}"
     assert resumed["dataset"] == "/inputs/dataset/cls.csv"  # the same path in the job as the first time
-    assert hfjobs.follow(second, token=TOKEN).status == "done"
+    assert follow(second, token=TOKEN).status == "done"
     assert [r["event"] for r in read_events(second.run_dir / "events.jsonl")] == ["start", "step", "checkpoint",
                                                                                    "step", "done"]
     recorded_job = json.loads((second.run_dir / "job.json").read_text())
@@ -505,3 +506,27 @@ def test_records_read_back_from_log_lines_are_the_typed_events(recorded):
     assert read_events(recorded.parent / "mirror" / "events.jsonl") == [
         {k: v.replace(RECORDED_DIR[0], str(recorded.parent / "mirror")) if isinstance(v, str) else v
          for k, v in r.items()} for r in records]
+
+
+def test_a_start_that_fails_leaves_nothing_behind(hub, tmp_path, tiny_bert, cls_csv, monkeypatch):
+    api = HfApi(endpoint=hub.url)
+    c = from_dict({"model": tiny_bert, "dataset": cls_csv, "output_dir": str(tmp_path / "run"), "max_steps": 2})
+    options = hfjobs.JobOptions(flavor="t4-small", image=IMAGE)
+    hub.jobs.refuse_runs = 402
+    with pytest.raises(hfjobs.JobRefused, match="no credits for Jobs"):
+        hfjobs.launch(c, options, token=TOKEN, api=api)
+    assert not (tmp_path / "run").exists() and hub.jobs.jobs == {}
+    # Interrupted (Ctrl-C) after the Hub made the job, before its answer was read: the job is cancelled.
+    hub.jobs.refuse_runs = None
+    hub.jobs.script = lambda job, config: JobScript(lines=[START], hold_after=0)
+    real = HfApi.run_job
+
+    def interrupted(self, **kwargs):
+        real(self, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HfApi, "run_job", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hfjobs.launch(c, options, token=TOKEN, api=api)
+    _wait_for(lambda: hub.jobs.only().stage == "CANCELED")
+    assert not (tmp_path / "run").exists()

@@ -8,12 +8,13 @@ the token to act with, so a server acts for each signed-in user with their own):
 - `hfjobs.launch(config, JobOptions, token=…) -> JobHandle`: upload the inputs, start the job, write `job.json`.
 - `hfjobs.attach(run_dir) -> JobHandle`: the job of a run folder, after the launcher is gone.
 - `hfjobs.status(handle) -> JobState`; `hfjobs.cancel(handle)`.
-- `hfjobs.follow(handle, on_record=…, on_log=…) -> Outcome` (or a `Follower`, re-runnable after an interrupt):
-  blocks until the job ends, mirroring its events into the run folder's `events.jsonl`.
+- `follow.follow(handle, on_record=…, on_log=…) -> Outcome` (or a `follow.Follower`, re-runnable after an
+  interrupt): blocks until the job ends, mirroring its events into the run folder's `events.jsonl`.
 - `fetch.fetch(handle) -> [files]`: the finished run folder (all but the checkpoints) from the bucket.
 
 Modules: `flavors` (the hardware table), `preflight` and `timelimit` (the plan for the flavor, the time limit),
 `inputs` (what is uploaded, and the config the job runs), `jobfile` (job.json), `mirror` (events from the logs,
-and what the job's end means), `hfjobs` (the job itself), `fetch`, `args` and `cli` (the commands).
+and what the job's end means), `hfjobs` (starting, reading and cancelling the job), `follow`, `fetch`, `args` and
+`cli` (the commands).
 User guide: docs/jobs.md.
 """

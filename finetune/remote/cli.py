@@ -21,6 +21,7 @@ from finetune.config.schema import Config
 from finetune.errors import EXIT_STOPPED
 from finetune.remote import fetch as fetching
 from finetune.remote import flavors, hfjobs
+from finetune.remote.follow import Follower
 from finetune.remote.jobfile import JobHandle, recorded
 from finetune.remote.mirror import from_record
 from finetune.remote.timelimit import parse_duration
@@ -58,7 +59,7 @@ def follow_to_end(handle: JobHandle, *, quiet: bool = False, fetch: bool = True)
         if event is not None:
             bar(event)
 
-    follower = hfjobs.Follower(handle, on_record=on_record, on_log=_say)
+    follower = Follower(handle, on_record=on_record, on_log=_say)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         try:

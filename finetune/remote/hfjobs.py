@@ -34,11 +34,11 @@ from finetune.errors import ConfigError, FinetuneError, InputError
 from finetune.remote import flavors as flavor_tables
 from finetune.remote.inputs import CONFIG_NAME, INPUTS, commit_operations, describe, job_inputs, local_view
 from finetune.remote.jobfile import RUNS_MOUNT, JobHandle, read_handle, write_handle
-from finetune.remote.mirror import Mirror, Outcome, outcome
 from finetune.remote.preflight import Preflight, preflight
 from finetune.remote.timelimit import TimeLimit
-from finetune.run.events import parse_log_line, read_events
+from finetune.run.events import read_events
 from finetune.run.rundir import (
+    MARKER,
     check_run_dir,
     clear_run_dir,
     default_output_dir,
@@ -137,14 +137,14 @@ def job_spec(*, image: str, flavor: str, command: list[str], limit: TimeLimit, t
              remote_dir: str, inputs_repo: str, inputs_path: str, inputs_revision: str | None) -> dict[str, Any]:
     """The keyword arguments of `HfApi.run_job` (less namespace and token): the token only in `secrets`."""
     return {"image": image, "command": command, "env": dict(JOB_ENV), "secrets": {"HF_TOKEN": token},
-            "flavor": flavor, "timeout": limit.seconds, "name": f"finetune-{remote_dir}",
+            "flavor": flavor, "timeout": limit.seconds, "name": remote_dir,
             "labels": {"finetune-run": remote_dir},
             "volumes": [Volume(type="bucket", source=bucket, mount_path=RUNS_MOUNT),
                         Volume(type="dataset", source=inputs_repo, mount_path=INPUTS, path=inputs_path,
                                revision=inputs_revision)]}
 
 
-def _refused(e: HfHubHTTPError, what: str, token: str) -> JobRefused | JobError:
+def refusal(e: HfHubHTTPError, what: str, token: str) -> JobRefused | JobError:
     """An HTTP refusal in one sentence, without the token."""
     status = e.response.status_code if e.response is not None else None
     text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].replace(token, "***")
@@ -180,7 +180,7 @@ def _same_budget(previous: JobHandle, flavor: flavor_tables.Flavor) -> None:
 
 def _remote_name(run_dir: Path) -> str:
     """The run's folder in the bucket: the local folder's name and the time, so that runs never collide."""
-    name = re.sub(r"[^A-Za-z0-9_-]", "-", Path(run_dir).resolve().name)[:60].strip("-") or "run"
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", Path(run_dir).resolve().name)[:40].strip("-") or "run"
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -205,8 +205,8 @@ def check(c: Config, options: JobOptions, *, space_id: str | None = None, api: H
 def launch(c: Config, options: JobOptions, *, token: str | None = None, space_id: str | None = None,
            api: HfApi | None = None, say: Callable[[str], None] = lambda _: None) -> JobHandle:
     """Start `c` as a job and record it in the local run folder (job.json, the config, the plan for the flavor).
-    Refusals (flavor, plan, image, run folder) come before anything is created; on a failure after that, a
-    new local run folder is removed again."""
+    Refusals (flavor, plan, image, run folder) come before anything is created; when starting fails after that,
+    what was written here is removed again, and a job that may have been created anyway is cancelled."""
     api = api or HfApi()
     pre, image, run_dir, previous = check(c, options, space_id=space_id, api=api, token=token)
     say(pre.summary())
@@ -214,33 +214,31 @@ def launch(c: Config, options: JobOptions, *, token: str | None = None, space_id
     try:
         namespace = options.namespace or (previous.namespace if previous else api.whoami(token=token)["name"])
     except HfHubHTTPError as e:
-        raise _refused(e, "read the token's account", token) from None
+        raise refusal(e, "read the token's account", token) from None
     remote_dir = previous.remote_dir if previous else _remote_name(run_dir)
     bucket = options.bucket or (previous.bucket if previous else f"{namespace}/{BUCKET_NAME}")
     inputs_repo = options.inputs_repo or (previous.inputs_repo if previous else f"{namespace}/{INPUTS_NAME}")
     inputs_path = f"{remote_dir}/{time.strftime('%Y%m%d-%H%M%S')}"
     job_config, uploads = job_inputs(pre.config, f"{RUNS_MOUNT}/{remote_dir}")
     local = {u.remote: str(u.local) for u in uploads}
-    created = not run_dir.exists()
-    if c.overwrite and not c.resume and run_dir.is_dir():
-        clear_run_dir(run_dir)
+    undo = _prepare_folder(run_dir, c, from_dict(local_view(job_config.to_dict(), local, str(run_dir))), pre)
     events_before = len(read_events(run_dir / "events.jsonl"))
-    mark_run_dir(run_dir)
-    write_text(run_dir / "config.yaml", from_dict(local_view(job_config.to_dict(), local, str(run_dir))).to_yaml())
-    write_json(run_dir / "plan.json", pre.plan.to_dict())
+    command = job_command(pre.limit, pre.flavor.gpus)
+    starting = False
     try:
         revision = _send_inputs(api, inputs_repo, inputs_path, uploads, job_config.to_yaml(), token, say)
         _private_bucket(api, bucket, token)
-        command = job_command(pre.limit, pre.flavor.gpus)
         spec = job_spec(image=image, flavor=pre.flavor.name, command=command, limit=pre.limit, token=token,
                         bucket=bucket, remote_dir=remote_dir, inputs_repo=inputs_repo, inputs_path=inputs_path,
                         inputs_revision=revision)
+        starting = True
         info = api.run_job(**spec, namespace=namespace, token=token)
     except BaseException as e:
-        if created:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        undo()
+        if starting and not isinstance(e, HfHubHTTPError):  # the Hub may have made the job: none is left running
+            _cancel_started(api, namespace, remote_dir, token)
         if isinstance(e, HfHubHTTPError):
-            raise _refused(e, "start the job", token) from None
+            raise refusal(e, "start the job", token) from None
         if isinstance(e, HubNetworkError):
             raise JobError(f"The Hub could not be reached to start the job ({type(e).__name__}): nothing was "
                            "started; try again.") from None
@@ -253,6 +251,37 @@ def launch(c: Config, options: JobOptions, *, token: str | None = None, space_id
     write_handle(handle, outcome=None, fetched=None, time_limit_reason=pre.limit.reason)
     return handle
 
+
+def _prepare_folder(run_dir: Path, c: Config, local_config: Config, pre: Preflight) -> Callable[[], None]:
+    """Make the local run folder (marker, the config with local paths, the plan for the flavor) as the run asks
+    (`overwrite` clears an earlier run); returns what takes a new folder's files away again."""
+    created = not run_dir.exists()
+    fresh = created or not any(run_dir.iterdir())
+    if c.overwrite and not c.resume and run_dir.is_dir():
+        clear_run_dir(run_dir)
+    mark_run_dir(run_dir)
+    write_text(run_dir / "config.yaml", local_config.to_yaml())
+    write_json(run_dir / "plan.json", pre.plan.to_dict())
+
+    def undo() -> None:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        elif fresh:
+            for name in (MARKER, "config.yaml", "plan.json"):
+                (run_dir / name).unlink(missing_ok=True)
+
+    return undo
+
+
+def _cancel_started(api: HfApi, namespace: str, remote_dir: str, token: str) -> None:
+    """Cancel the job of `remote_dir` if starting it was interrupted after the Hub created it (best effort: the
+    Hub may not be reachable)."""
+    try:
+        for info in api.list_jobs(labels={"finetune-run": remote_dir}, namespace=namespace, token=token):
+            if str(info.status.stage) not in TERMINAL:
+                api.cancel_job(job_id=info.id, namespace=namespace, token=token)
+    except (HubNetworkError, OSError):
+        pass
 
 
 def _send_inputs(api: HfApi, repo: str, folder: str, uploads: list[Any], config_text: str, token: str,
@@ -277,7 +306,8 @@ def _private_bucket(api: HfApi, bucket: str, token: str) -> None:
                          "with --bucket.")
 
 
-def _api(handle: JobHandle) -> HfApi:
+def api_for(handle: JobHandle) -> HfApi:
+    """A client of the Hub the job runs on."""
     return HfApi(endpoint=handle.endpoint)
 
 
@@ -285,9 +315,9 @@ def status(handle: JobHandle, *, token: str | None = None) -> JobState:
     """The job's stage now."""
     token = hub_token(token)
     try:
-        info = _api(handle).inspect_job(job_id=handle.job_id, namespace=handle.namespace, token=token)
+        info = api_for(handle).inspect_job(job_id=handle.job_id, namespace=handle.namespace, token=token)
     except HfHubHTTPError as e:
-        raise _refused(e, f"read job {handle.job_id}", token) from None
+        raise refusal(e, f"read job {handle.job_id}", token) from None
     durations = info.durations
     return JobState(str(info.status.stage), info.status.message, durations.running_secs if durations else None)
 
@@ -296,96 +326,11 @@ def cancel(handle: JobHandle, *, token: str | None = None) -> None:
     """Cancel the job (billing stops; the run's checkpoints stay in the bucket)."""
     token = hub_token(token)
     try:
-        _api(handle).cancel_job(job_id=handle.job_id, namespace=handle.namespace, token=token)
+        api_for(handle).cancel_job(job_id=handle.job_id, namespace=handle.namespace, token=token)
     except HfHubHTTPError as e:
-        raise _refused(e, f"cancel job {handle.job_id}", token) from None
+        raise refusal(e, f"cancel job {handle.job_id}", token) from None
 
 
 def attach(run_dir: Path) -> JobHandle:
     """The job of a run folder (its job.json), to follow, stop or fetch after the launcher is gone."""
     return read_handle(Path(run_dir))
-
-
-def resume_command(handle: JobHandle) -> str:
-    """The command that continues the run on a new job."""
-    return f"finetune train {handle.run_dir / 'config.yaml'} resume=true --backend hf-jobs --flavor {handle.flavor}"
-
-
-class Follower:
-    """Streams a job's logs until it ends: each record into the local events.jsonl (`Mirror`) and to `on_record`,
-    every other line to `on_log`. `run` may be called again after it was interrupted (Ctrl-C): records and lines
-    already handled are not handled twice."""
-
-    RETRIES = 5
-
-    def __init__(self, handle: JobHandle, *, token: str | None = None,
-                 on_record: Callable[[dict[str, Any]], None] | None = None,
-                 on_log: Callable[[str], None] | None = None):
-        self.handle, self.token = handle, token
-        self.on_record, self.on_log = on_record or (lambda _: None), on_log or (lambda _: None)
-        self.mirror = Mirror(handle.run_dir, handle.job_run_dir, handle.events_before)
-        self.lines_shown = 0
-        self.last_error_line: str | None = None
-        self.refusal: Outcome | None = None  # set when the job had to be cancelled (it trains without a GPU)
-
-    def _line(self, line: str, index: int) -> None:
-        if parse_log_line(line) is None:
-            if index >= self.lines_shown:
-                self.lines_shown += 1
-                if line.startswith("error:"):
-                    self.last_error_line = line
-                self.on_log(line)
-            return
-        record = self.mirror.feed(line)
-        if record is None:
-            return
-        if record["event"] == "start" and self.handle.gpus and not str(record.get("device", "")).startswith("cuda"):
-            self._refuse(str(record.get("device")))
-        self.on_record(record)
-
-    def _refuse(self, device: str) -> None:
-        """The image's torch has no CUDA: the job would bill a GPU it does not use."""
-        cancel(self.handle, token=self.token)
-        self.refusal = Outcome("failed", 2, f"The job trained on {device}, not on the {self.handle.flavor} GPU: the "
-                               f"image {self.handle.image} has torch without CUDA, so the job was cancelled; build "
-                               "the Space with the variable TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 "
-                               "(docs/jobs.md).", "CANCELED")
-
-    def run(self) -> Outcome:
-        """Follow to the end; record the outcome in job.json and return it."""
-        token = hub_token(self.token)
-        api, failures = _api(self.handle), 0
-        while True:
-            self.mirror.restart()
-            plain = 0
-            try:
-                for line in api.fetch_job_logs(job_id=self.handle.job_id, namespace=self.handle.namespace,
-                                               follow=True, token=token):
-                    is_plain = parse_log_line(line) is None
-                    self._line(line, plain)
-                    plain += is_plain
-                state = status(self.handle, token=token)
-            except HfHubHTTPError as e:
-                raise _refused(e, f"follow job {self.handle.job_id}", token) from None
-            except (HubNetworkError, OSError) as e:
-                failures += 1
-                if failures > self.RETRIES:
-                    raise JobError(f"Lost the job's logs ({type(e).__name__}); it goes on: follow it again with "
-                                   f"`finetune jobs follow {self.handle.run_dir}`.") from None
-                time.sleep(min(2 ** failures, 30))
-                continue
-            if state.finished:
-                break
-            time.sleep(2)  # the stream ended before the job: open it again
-        result = self.refusal or outcome(state.stage, state.message, self.mirror.job_records(),
-                                         running_s=state.running_s, timeout_s=self.handle.timeout_s,
-                                         resume_command=resume_command(self.handle),
-                                         last_error_line=self.last_error_line)
-        write_handle(self.handle, outcome=result.to_dict())
-        return result
-
-
-def follow(handle: JobHandle, *, token: str | None = None, on_record: Callable[[dict[str, Any]], None] | None = None,
-           on_log: Callable[[str], None] | None = None) -> Outcome:
-    """Follow a job to its end (see `Follower`)."""
-    return Follower(handle, token=token, on_record=on_record, on_log=on_log).run()
