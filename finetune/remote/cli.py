@@ -15,7 +15,9 @@ import signal
 import sys
 from typing import Any
 
+import huggingface_hub as hf
 from huggingface_hub import HfApi
+from huggingface_hub import constants as hf_constants
 
 from finetune.config.schema import Config
 from finetune.errors import EXIT_STOPPED
@@ -92,8 +94,8 @@ def follow_to_end(handle: JobHandle, *, quiet: bool = False, fetch: bool = True)
 def jobs_command(args: argparse.Namespace) -> int:
     """`finetune jobs follow|status|cancel|fetch|flavors`."""
     if args.jobs_command == "flavors":
-        token = hfjobs.hf.get_token()
-        table = (None if hfjobs.hf_constants.is_offline_mode() else flavors.live_table(HfApi(), token or False))
+        token = hf.get_token()
+        table = None if hf_constants.is_offline_mode() else flavors.live_table(HfApi(), token or False)
         print((table or flavors.BUILT_IN).render())
         return 0
     handle = hfjobs.attach(args.run_dir)

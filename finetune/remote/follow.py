@@ -36,7 +36,7 @@ class Follower:
         self.mirror = Mirror(handle.run_dir, handle.job_run_dir, handle.events_before)
         self.lines_shown = 0
         self.last_error_line: str | None = None
-        self.refusal: Outcome | None = None  # set when the job had to be cancelled (it trains without a GPU)
+        self.guard: Outcome | None = None  # set when the job had to be cancelled (it trains without a GPU)
 
     def _line(self, line: str, index: int) -> None:
         if parse_log_line(line) is None:
@@ -56,7 +56,7 @@ class Follower:
     def _refuse(self, device: str) -> None:
         """The image's torch has no CUDA: the job would bill a GPU it does not use."""
         cancel(self.handle, token=self.token)
-        self.refusal = Outcome("failed", 2, f"The job trained on {device}, not on the {self.handle.flavor} GPU: the "
+        self.guard = Outcome("failed", 2, f"The job trained on {device}, not on the {self.handle.flavor} GPU: the "
                                f"image {self.handle.image} has torch without CUDA, so the job was cancelled; build "
                                "the Space with the variable TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 "
                                "(docs/jobs.md).", "CANCELED")
@@ -87,7 +87,7 @@ class Follower:
             if state.finished:
                 break
             time.sleep(2)  # the stream ended before the job: open it again
-        result = self.refusal or outcome(state.stage, state.message, self.mirror.job_records(),
+        result = self.guard or outcome(state.stage, state.message, self.mirror.job_records(),
                                          running_s=state.running_s, timeout_s=self.handle.timeout_s,
                                          resume_command=resume_command(self.handle),
                                          last_error_line=self.last_error_line)

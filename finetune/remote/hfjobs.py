@@ -1,6 +1,6 @@
-"""Hugging Face Jobs as a backend of `finetune train`: launch a run as a job, follow it, cancel it, re-attach to it
-and fetch its results, through huggingface_hub's own client (`run_job`, `fetch_job_logs`, `inspect_job`,
-`cancel_job`, buckets and repositories).
+"""Hugging Face Jobs as a backend of `finetune train`: check a run, start it as a job, read the job's stage and
+cancel it, through huggingface_hub's own client (`run_job`, `inspect_job`, `cancel_job`, `list_jobs`, buckets and
+repositories); `finetune.remote.follow` follows a job and `finetune.remote.fetch` copies its results.
 
 What a job is made of (`job_spec`): the image (a copy of this project's Space, `hf.co/spaces/USER/SPACE`); the
 command `finetune train /inputs/config.yaml -q --log-events` (under `accelerate launch --num_processes N` on a flavor
