@@ -530,3 +530,14 @@ def test_a_start_that_fails_leaves_nothing_behind(hub, tmp_path, tiny_bert, cls_
         hfjobs.launch(c, options, token=TOKEN, api=api)
     _wait_for(lambda: hub.jobs.only().stage == "CANCELED")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_guard_refuses_any_host_but_this_one(hub, tmp_path):
+    import socket
+
+    with pytest.raises(OSError, match="loopback only"):
+        socket.create_connection(("192.0.2.1", 443), timeout=1)  # TEST-NET-1: never routed
+    proc = subprocess.run([sys.executable, "-c", "import socket; socket.create_connection(('192.0.2.1', 443), 1)"],
+                          env=_env(hub, tmp_path), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "loopback only" in proc.stderr
+    assert HfApi(endpoint=hub.url).whoami(token=TOKEN)["name"] == "alice"  # the stand-in is reachable
