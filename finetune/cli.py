@@ -1,7 +1,7 @@
-"""`finetune` command line: train, plan, eval, predict, export, push, init, ui.
+"""`finetune` command line: train, plan, eval, predict, export, push, init, ui, jobs.
 
 Exit codes: 0 done, 2 bad input (one sentence, no traceback, nothing overwritten), 130 stopped, 1 internal error,
-3 trained and saved but the push to the Hub failed.
+3 trained and saved but the push to the Hub (or, on Hugging Face Jobs, the fetch from the bucket) failed.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import Config, ConfigError, load
-from finetune.errors import FinetuneError, describe
+from finetune.errors import EXIT_STOPPED, FinetuneError, describe
+from finetune.remote.args import REMOTE_ONLY, add_backend_arguments, add_jobs_parser
 
 # Only the light modules above load at start: each command imports the engine (torch, transformers, …) inside its
 # function when it runs, so that `finetune --help` answers at once.
 
-EXIT_OK, EXIT_STOPPED = 0, 130
+EXIT_OK = 0
 
 
 def _install_stop_handlers(stop: Any) -> dict[int, Any]:
@@ -69,16 +70,25 @@ def _print_note(event: Any) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Run `finetune train CONFIG [key=value …]`."""
-    from finetune.run.events import ProgressBar
+    """Run `finetune train CONFIG [key=value …]` here, or as a Hugging Face Job (`--backend hf-jobs`)."""
+    cfg = _load_config(args)
+    if args.backend == "hf-jobs":
+        from finetune.remote.cli import train_remote
+
+        return train_remote(args, cfg)
+    if given := [f"--{name.replace('_', '-')}" for name in REMOTE_ONLY if getattr(args, name)]:
+        raise ConfigError([f"{given[0]} is an option of --backend hf-jobs: add `--backend hf-jobs`, or drop it."])
+    from finetune.run.events import ProgressBar, log_line
     from finetune.train.loop import StopFlag, train
 
-    cfg = _load_config(args)
     stop = StopFlag()
     previous = _install_stop_handlers(stop)
+    # The notes first: printed after the bar is drawn, they would land on its line.
+    callbacks = [_print_note, ProgressBar(disable=args.quiet)]
+    if args.log_events:  # one line per event on stdout, for a launcher that reads the logs (a Hugging Face Job)
+        callbacks.append(lambda event: print(log_line(event), flush=True))
     try:
-        # The notes first: printed after the bar is drawn, they would land on its line.
-        result = train(cfg, stop=stop, callbacks=[_print_note, ProgressBar(disable=args.quiet)])
+        result = train(cfg, stop=stop, callbacks=callbacks)
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -235,6 +245,13 @@ def cmd_init(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_jobs(args: argparse.Namespace) -> int:
+    """Run `finetune jobs follow|status|cancel|fetch|flavors` (runs on Hugging Face Jobs)."""
+    from finetune.remote.cli import jobs_command
+
+    return jobs_command(args)
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     """Run `finetune ui`: serve the GUI (the `app` package, a thin client of this CLI)."""
     from app.server import serve
@@ -252,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config file (see `finetune init`).")
     p.add_argument("overrides", nargs="*", help="key=value options, e.g. learning_rate=2e-5 epochs=1")
     p.add_argument("-q", "--quiet", action="store_true", help="No progress bar.")
+    p.add_argument("--log-events", action="store_true", help="Also print each event on stdout as one line "
+                   "(`finetune-event: {json}`, its events.jsonl record), for a launcher that reads the logs.")
+    add_backend_arguments(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("plan", help="Show how a config would train within its memory budget.",
                        description="Predict peak memory and choose micro-batch, accumulation, checkpointing and "
@@ -320,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", nargs="?", default="finetune.yaml")
     p.add_argument("--force", action="store_true", help="Replace an existing file.")
     p.set_defaults(func=cmd_init)
+    add_jobs_parser(sub, cmd_jobs)
     try:
         from app.server import build_parser as ui_parser  # argparse only: gradio is imported when `ui` runs
     except ImportError:  # installed without the GUI package: every other command still works

@@ -6,6 +6,8 @@ loading torch, and the modules that raise them import them from here.
 
 from __future__ import annotations
 
+EXIT_STOPPED = 130  # a run stopped on request (Ctrl-C, SIGTERM, a cancelled job): `resume=true` continues it
+
 
 class FinetuneError(Exception):
     """A failure explained in words a user can act on; `exit_code` is what `finetune` exits with."""

@@ -3,7 +3,11 @@
 It answers what a push uses: whoami-v2 (token → user, orgs and role), repos/create, model info (404: no card to read
 a license from), validate-yaml (the card's front matter must be a mapping of known keys), preupload (every file
 "regular", so the commit carries the files inline: the LFS/Xet transfer path is not served) and commit (NDJSON:
-a header, then one base64 file per line). What it received is kept in `repos`.
+a header, then one base64 file per line), for model and dataset repositories, and a dataset's info (its privacy).
+What it received is kept in `repos`. Jobs and storage buckets are served by tests/fakejobs.py (`hub.jobs`).
+
+`loopback_only` and `loopback_site` make a test fail on any connection that is not to 127.0.0.1, in the test's own
+process and in the processes it starts.
 """
 
 from __future__ import annotations
@@ -12,13 +16,17 @@ import base64
 import contextlib
 import json
 import re
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import yaml
+from fakejobs import FakeJobs
+from fakejobs import handle as jobs_route
 
 TOKENS = {"hf_write": ("alice", "write"), "hf_read": ("alice", "read")}
 ORGS = ["team"]
@@ -32,6 +40,7 @@ class FakeHub:
     repos: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)  # method, path, token
     fail_commits: bool = False
+    jobs: FakeJobs = field(default_factory=FakeJobs)
 
 
 def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
@@ -59,8 +68,24 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
         def _user(self) -> tuple[str, str] | None:
             return TOKENS.get(self._token() or "")
 
+        @property
+        def hub_url(self) -> str:
+            return hub.url
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            hub.requests.append(("HEAD", self.path, self._token()))
+            if not jobs_route(self, hub, "HEAD"):
+                self._send(404, {"error": f"not served: {self.path}"})
+
         def do_GET(self) -> None:  # noqa: N802
             hub.requests.append(("GET", self.path, self._token()))
+            if jobs_route(self, hub, "GET"):
+                return
+            parts = self.path.split("?")[0].split("/")  # /api/datasets/<ns>/<name>: its info
+            if len(parts) == 5 and parts[:3] == ["", "api", "datasets"] and f"{parts[3]}/{parts[4]}" in hub.repos:
+                repo = hub.repos[f"{parts[3]}/{parts[4]}"]
+                return self._send(200, {"id": f"{parts[3]}/{parts[4]}", "private": repo["visibility"] == "private",
+                                        "sha": f"{len(repo['commits']):040x}", "siblings": []})
             if self.path == "/api/whoami-v2":
                 user = self._user()
                 if user is None:
@@ -71,6 +96,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:  # noqa: N802
             hub.requests.append(("POST", self.path, self._token()))
+            if jobs_route(self, hub, "POST"):
+                return
             body = self._body()
             user = self._user()
             if user is None or user[1] != "write":
@@ -90,8 +117,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 errors = _card_errors(json.loads(body)["content"])
                 return self._send(400 if errors else 200, {"errors": [{"message": e} for e in errors],
                                                            "warnings": []})
-            parts = self.path.split("/")  # /api/models/<ns>/<name>/<preupload|commit>/<revision>
-            if len(parts) == 7 and parts[:3] == ["", "api", "models"]:
+            parts = self.path.split("/")  # /api/<models|datasets>/<ns>/<name>/<preupload|commit>/<revision>
+            if len(parts) == 7 and parts[:2] == ["", "api"] and parts[2] in ("models", "datasets"):
                 repo_id, action = f"{parts[3]}/{parts[4]}", parts[5]
                 if repo_id not in hub.repos:
                     return self._send(404, {"error": "Repository not found"})
@@ -130,6 +157,42 @@ def _card_errors(content: str) -> list[str]:
     if not isinstance(meta, dict):
         return ["the front matter is not a mapping"]
     return [f"{k}: expected {t.__name__}" for k, t in CARD_KEYS.items() if k in meta and not isinstance(meta[k], t)]
+
+
+LOOPBACK_SITE = """import socket
+
+_connect = socket.socket.connect
+
+
+def _loopback_only(self, address):
+    host = address[0] if isinstance(address, tuple) else address
+    if self.family in (socket.AF_INET, socket.AF_INET6) and host not in ("127.0.0.1", "::1", "localhost"):
+        raise OSError(f"test guard: a connection to {host!r} is not allowed (loopback only)")
+    return _connect(self, address)
+
+
+socket.socket.connect = _loopback_only
+"""
+
+
+def loopback_site(folder: Path) -> str:
+    """A folder with a `sitecustomize.py` that refuses every connection not to the loopback interface: put it first
+    on PYTHONPATH of a process a test starts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(LOOPBACK_SITE, encoding="utf-8")
+    return str(folder)
+
+
+@contextlib.contextmanager
+def loopback_only() -> Iterator[None]:
+    """Within the block, this process may connect to 127.0.0.1 only."""
+    namespace: dict[str, Any] = {}
+    real = socket.socket.connect
+    exec(LOOPBACK_SITE, namespace)  # installs the guard
+    try:
+        yield
+    finally:
+        socket.socket.connect = real
 
 
 @contextlib.contextmanager

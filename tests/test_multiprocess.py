@@ -1,10 +1,12 @@
-"""Two processes (`accelerate launch --multi_gpu --num_processes 2`: two gloo CPU processes here) train exactly like
-one process with the same effective batch, and only the main process writes."""
+"""Two processes (`accelerate launch --multi_gpu --num_processes 2`: two gloo CPU processes here), and two machines
+(`--num_machines 2`, both on 127.0.0.1), train exactly like one process with the same effective batch, and only the
+main process writes."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -84,3 +86,40 @@ def test_fsdp_asked_for_on_cpu_says_it_runs_ddp(tmp_path, tiny_bert, cls_csv):
     assert proc.stderr.count(f"note: {start['note']}") == 1  # printed once, by the main process
     assert one_events[0]["distributed"] == "single" and one_events[0]["note"] is None
     assert_same_weights(load_weights(two_dir), one)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_machines_equal_one_process(tmp_path, tiny_bert, cls_csv):
+    """`accelerate launch --num_machines 2`, machine ranks 0 and 1 on 127.0.0.1 (one gloo CPU process each, the
+    run folder shared as a bucket or NFS mount would share it) trains to the weights of one process with the same
+    effective batch; only the first machine's main process writes the run's files."""
+    values = {"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 16, "max_steps": 3, "shuffle": True,
+              "group_by_length": True}
+    cfg = tmp_path / "machines.yaml"
+    cfg.write_text(yaml.safe_dump({**COMMON, **values, "micro_batch_size": 4, "output_dir": str(tmp_path / "two")}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    port = _free_port()
+    machines = [subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
+         "--machine_rank", str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+         "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
+         "-m", "finetune", "train", str(cfg), "-q"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    outputs = [m.communicate(timeout=300) for m in machines]
+    for machine, (_, err) in zip(machines, outputs, strict=True):
+        assert machine.returncode == 0, err[-3000:]
+    one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": 8})
+    two_events = read_events(tmp_path / "two" / "events.jsonl")
+    start = two_events[0]
+    assert (start["num_processes"], start["micro_batch_size"], start["grad_accum_steps"]) == (2, 4, 2)
+    assert start["distributed"] == "ddp"
+    assert_same_weights(load_weights(tmp_path / "two"), one)
+    torch.testing.assert_close(step_losses(two_events), step_losses(one_events), rtol=1e-5, atol=1e-6)
+    assert [e["event"] for e in two_events].count("done") == 1
+    assert [out.count('"run_dir"') for out, _ in outputs] == [1, 0]  # the result printed by machine 0 only

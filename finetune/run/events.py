@@ -3,6 +3,9 @@
 Each line of `events.jsonl` is one JSON object with `event` in start, step, backoff, eval, checkpoint, stopped, done,
 push, export, error and `time` (Unix seconds). Tests and the GUI read these records, never printed text. A
 checkpoint's path is `checkpoint` in every record that names one.
+
+A run on another machine (a Hugging Face Job, `finetune.remote`) prints each record as one log line, `LOG_PREFIX`
+and the JSON (`finetune train --log-events`); the launcher reads them back from the logs with `parse_log_line`.
 """
 
 from __future__ import annotations
@@ -205,6 +208,33 @@ class EventLog:
         except Exception as e:
             self.emit(Error(message=describe(e), exit_code=exit_code(e)))
             raise
+
+
+LOG_PREFIX = "finetune-event: "  # a record printed on stdout for a launcher that reads the logs
+
+
+def log_line(event: Event) -> str:
+    """The event as one log line: `LOG_PREFIX` and its record."""
+    return LOG_PREFIX + json.dumps(to_record(event))
+
+
+def parse_log_line(line: str) -> dict[str, Any] | None:
+    """The record a `log_line` holds, or None for any other line (or a record cut off)."""
+    if not line.startswith(LOG_PREFIX):
+        return None
+    try:
+        record = json.loads(line[len(LOG_PREFIX):])
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("event"), str) else None
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """Append one record to an `events.jsonl` written by someone else (a mirror of a remote run's events): on a
+    fresh line when the last one was cut off."""
+    prefix = "\n" if _ends_mid_line(path) else ""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(prefix + json.dumps(record) + "\n")
 
 
 def _ends_mid_line(path: Path) -> bool:

@@ -6,12 +6,15 @@
       .finetune-run  the tool's marker: only a folder that has it may be overwritten
       checkpoints/   step-0000100/ ... (accelerate save_state + trainer_state.json), the last few kept; a checkpoint
                      is written as step-…/.partial and renamed when complete, so a crash never leaves a half one
+                     (where the mount cannot rename a folder, it is copied in under an `.incomplete` marker that
+                     is removed last: see finetune.run.storage)
       model/         final model + tokenizer (from_pretrained-loadable), or a LoRA adapter
       adapter/       the LoRA adapter, when merge_lora put the merged model in model/
       metrics.json   final evaluation and training figures
       loss.png       the loss curve, drawn from events.jsonl by a background process when the run ends
       tensorboard/   TensorBoard event files, with report_to=tensorboard
       export/        what `finetune export` wrote: merged/ (a transformers folder), *.gguf, Modelfile, export.json
+      job.json       a run on Hugging Face Jobs: its job (id, URL, flavor, image, bucket), see finetune.remote
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ from typing import Any
 from finetune.config.schema import Config, from_dict, read_yaml
 from finetune.errors import RunDirError, TrainingError
 from finetune.run.events import read_events
+from finetune.run.storage import NO_RENAME
 
 KEEP_CHECKPOINTS = 3
 MARKER = ".finetune-run"
 PARTIAL = ".partial"  # suffix of a checkpoint being written
+INCOMPLETE = ".incomplete"  # inside a checkpoint being copied into place, where the mount cannot rename a folder
 TRAINER_STATE = "trainer_state.json"  # progress and LR schedule, as JSON: resuming never unpickles them
 # What a launcher (the app) puts in a run folder before `finetune train` starts in it: the config it launched with
 # and the child's printed output. They belong to the launch, so a new run may start beside them and
@@ -48,7 +53,8 @@ MANIFEST_DIRS = ("checkpoints", "model", "adapter")
 RUN_FILES = (MARKER, MANIFEST, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter",
              "metrics.json", "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "export",
              "export.log",  # the app's log of `finetune export`, beside export/
-             "wandb", "mlruns", *LAUNCH_FILES)
+             "wandb", "mlruns", *LAUNCH_FILES,
+             "job.json", ".fetch.partial")  # a run on Hugging Face Jobs (finetune.remote): its job, a fetch under way
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every", "report_to",
                      "push_to_hub", "hub_private"}
@@ -60,11 +66,13 @@ def default_output_dir() -> str:
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """The run's complete checkpoints, oldest first (a half-written `….partial` one is not among them)."""
+    """The run's complete checkpoints, oldest first (a half-written `….partial` one, or one still being copied into
+    place, is not among them)."""
     folder = run_dir / "checkpoints"
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and re.fullmatch(r"step-\d{7}", p.name))
+    return sorted(p for p in folder.iterdir() if p.is_dir() and re.fullmatch(r"step-\d{7}", p.name)
+                  and not (p / INCOMPLETE).exists())
 
 
 def partial_checkpoint(path: Path) -> Path:
@@ -73,17 +81,37 @@ def partial_checkpoint(path: Path) -> Path:
 
 
 def commit_checkpoint(partial: Path, path: Path) -> None:
-    """Make a fully written checkpoint visible under its final name (one rename: never half there)."""
+    """Make a fully written checkpoint visible under its final name (one rename: never half there; on a mount
+    that cannot rename a folder, a copy that counts only once its last file is in)."""
     if path.exists():  # the same step saved again (a stop right after a periodic save)
         shutil.rmtree(path)
-    os.replace(partial, path)
+    try:
+        os.replace(partial, path)
+    except OSError as e:
+        if e.errno not in NO_RENAME:
+            raise
+        _copy_in(partial, path)
+
+
+def _copy_in(partial: Path, path: Path) -> None:
+    """The checkpoint copied to its final name under an `INCOMPLETE` marker, removed last (`checkpoints` skips a
+    folder that still has it, so a crash mid-copy leaves the previous checkpoint the newest)."""
+    path.mkdir()
+    (path / INCOMPLETE).write_text("", encoding="utf-8")
+    for item in sorted(partial.iterdir()):
+        if item.is_dir():
+            shutil.copytree(item, path / item.name)
+        else:
+            shutil.copy2(item, path / item.name)
+    (path / INCOMPLETE).unlink()
+    shutil.rmtree(partial, ignore_errors=True)
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:
     """Delete what a crash (or a full disk) left half-written."""
     folder = run_dir / "checkpoints"
     if folder.is_dir():
-        for p in folder.glob(f"step-*{PARTIAL}"):
+        for p in [*folder.glob(f"step-*{PARTIAL}"), *(p.parent for p in folder.glob(f"step-*/{INCOMPLETE}"))]:
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -248,7 +276,13 @@ def write_text(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     try:
         tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        try:
+            tmp.replace(path)
+        except OSError as e:  # a mount that does not rename (finetune.run.storage): written in place instead
+            if e.errno not in NO_RENAME:
+                raise
+            path.write_text(text, encoding="utf-8")
+            tmp.unlink(missing_ok=True)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)

@@ -1,0 +1,116 @@
+"""The commands of training on Hugging Face Jobs: `finetune train … --backend hf-jobs` and `finetune jobs …`.
+
+What the terminal shows: the plan and time limit before anything is sent, the job's URL, its logs (on stderr) and a
+progress bar fed by its events; at the end the metrics as JSON (as a local run prints them) once the model is
+fetched. The exit code is the run's: 0 done, 130 stopped or cancelled (Ctrl-C cancels the job), the run's own code
+when it failed, 3 when only the fetch failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import huggingface_hub as hf
+from huggingface_hub import HfApi
+from huggingface_hub import constants as hf_constants
+
+from finetune.config.schema import Config
+from finetune.errors import EXIT_STOPPED
+from finetune.remote import fetch as fetching
+from finetune.remote import flavors, hfjobs
+from finetune.remote.follow import Follower
+from finetune.remote.jobfile import JobHandle, recorded
+from finetune.remote.mirror import from_record
+from finetune.remote.timelimit import parse_duration
+from finetune.run.events import ProgressBar
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def train_remote(args: argparse.Namespace, c: Config) -> int:
+    """`finetune train CONFIG --backend hf-jobs --flavor F …`: check, launch, then follow to the end."""
+    options = hfjobs.JobOptions(flavor=args.flavor, image=args.image, namespace=args.namespace, bucket=args.bucket,
+                                inputs_repo=args.inputs_repo,
+                                timeout_s=parse_duration(args.timeout) if args.timeout else None)
+    handle = hfjobs.launch(c, options, space_id=os.environ.get("SPACE_ID"), say=_say)
+    _say(f"job {handle.job_id} started: {handle.url}")
+    _say(f"run folder: {handle.run_dir} (re-attach with `finetune jobs follow {handle.run_dir}`)")
+    if args.detach:
+        print(json.dumps({"run_dir": str(handle.run_dir), "job_id": handle.job_id, "url": handle.url}, indent=2))
+        return 0
+    return follow_to_end(handle, quiet=args.quiet, fetch=not args.no_fetch)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM (a `kill`, the app) cancels the job as Ctrl-C does
+
+
+def follow_to_end(handle: JobHandle, *, quiet: bool = False, fetch: bool = True) -> int:
+    """Stream the job until it ends, mirror its events, cancel it on Ctrl-C; fetch the model when it is done."""
+    bar = ProgressBar(disable=quiet)
+
+    def on_record(record: dict[str, Any]) -> None:
+        event = from_record(record)
+        if event is not None:
+            bar(event)
+
+    follower = Follower(handle, on_record=on_record, on_log=_say)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        try:
+            result = follower.run()
+        except KeyboardInterrupt:
+            _say("\nCancelling the job (billing stops; its checkpoints stay in the bucket). Ctrl-C again leaves "
+                 "without waiting for it to end.")
+            hfjobs.cancel(handle)
+            try:
+                result = follower.run()
+            except KeyboardInterrupt:
+                return EXIT_STOPPED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if result.status != "done":
+        _say(("error: " if result.status == "failed" else "") + result.message)
+        return result.exit_code
+    done = next((r for r in reversed(follower.mirror.job_records()) if r.get("event") == "done"), {})
+    if fetch:
+        files = fetching.fetch(handle)
+        _say(f"fetched {len(files)} file(s) from hf://buckets/{handle.bucket}/{handle.remote_dir} into "
+             f"{handle.run_dir}")
+    else:
+        _say(f"the model stays in hf://buckets/{handle.bucket}/{handle.remote_dir}: `finetune jobs fetch "
+             f"{handle.run_dir}` copies it here")
+    print(json.dumps({"run_dir": str(handle.run_dir), **(done.get("metrics") or {})}, indent=2))
+    return 0
+
+
+def jobs_command(args: argparse.Namespace) -> int:
+    """`finetune jobs follow|status|cancel|fetch|flavors`."""
+    if args.jobs_command == "flavors":
+        token = hf.get_token()
+        table = None if hf_constants.is_offline_mode() else flavors.live_table(HfApi(), token or False)
+        print((table or flavors.BUILT_IN).render())
+        return 0
+    handle = hfjobs.attach(args.run_dir)
+    if args.jobs_command == "follow":
+        return follow_to_end(handle, quiet=args.quiet, fetch=not args.no_fetch)
+    if args.jobs_command == "status":
+        state = hfjobs.status(handle)
+        print(json.dumps({"job_id": handle.job_id, "url": handle.url, "flavor": handle.flavor, "stage": state.stage,
+                          "message": state.message, "running_s": state.running_s,
+                          "outcome": recorded(handle.run_dir, "outcome")}, indent=2))
+        return 0
+    if args.jobs_command == "cancel":
+        hfjobs.cancel(handle)
+        _say(f"cancelled job {handle.job_id} ({handle.url})")
+        return 0
+    files = fetching.fetch(handle)
+    print(json.dumps({"run_dir": str(handle.run_dir), "files": files}, indent=2))
+    return 0
