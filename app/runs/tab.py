@@ -32,6 +32,7 @@ from app.runs.listing import (
 )
 from app.state import AppState
 
+
 @dataclass(frozen=True, kw_only=True)
 class SelectionShown:
     """What the selected runs show: the one run's details and actions, or the comparison of several."""
@@ -124,7 +125,8 @@ class RunsHandlers:
             f" · {headline(run.metrics)}" if run.metrics else "")
         config_file = run.path / ("launch.yaml" if (run.path / "launch.yaml").is_file() else "config.yaml")
         config_text = config_file.read_text(encoding="utf-8", errors="replace") if config_file.is_file() else ""
-        command = f"finetune train {report.display_path(run.path / 'config.yaml')}" + (" resume=true" if run.resumable else "")
+        command = (f"finetune train {report.display_path(run.path / 'config.yaml')}"
+                   + (" resume=true" if run.resumable else ""))
         return SelectionShown(details=details, config=config_text, command=command,
                               log=gr.update(value=self._log_file(run), interactive=True),
                               resume=gr.update(interactive=run.resumable and not self._busy()),
