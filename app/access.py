@@ -234,7 +234,7 @@ class Access:
 
 
 def _model_is_local(name: str) -> bool:
-    # The same test as `finetune.models.load.resolve_model_path`.
+    # The same test as `finetune.models.pretrained.resolve_model_path`.
     return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
 
 

@@ -138,7 +138,7 @@ class ScriptApi:
     def predict(self, text: str, request: gr.Request) -> dict[str, Any]:
         """The finished run's model on `text`: {label, probabilities}, {generated}, {words, tags,
         entities}, or {"error": message}."""
-        from finetune.models.load import ModelError
+        from finetune.models.pretrained import ModelError
 
         try:
             return self.handlers.tryit.predict(text, request=request)

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from app.limits import config_size_problem, short_problems
-from finetune.config.multitask import parse_tasks
+from finetune.config.tasks import parse_tasks
 from finetune.config.schema import (
     FIELDS,
     YAML_TOO_BIG,

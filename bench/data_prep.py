@@ -7,7 +7,7 @@ reads the TSV into Arrow and tokenises it, the *second* finds both in the cache.
 
 - `finetune`: `load_data` (max_length=128, eval_fraction=0, the bundled MiniLM tokenizer), the epoch's windows
   (`Encoded.windows`, length grouping on) and the first micro-batch collated from Arrow. Its second run memory-maps
-  the encoded Arrow files without reading or checking the TSV again (finetune/data/cache.py).
+  the encoded Arrow files without reading or checking the TSV again (finetune/data/datacache.py).
 - `plain`: `load_dataset("csv", ...)`, `Dataset.map(tokenizer(truncation=True, max_length=128), batched=True)`
   with the same number of processes, and `DataCollatorWithPadding` on the first 32 rows.
 
@@ -43,7 +43,7 @@ def child(pipeline: str, data: str) -> None:
     """Prepare the data once in this process and print the seconds it took (the parent measures memory)."""
     from transformers import AutoTokenizer
 
-    from finetune.models.load import resolve_model_path
+    from finetune.models.pretrained import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("bundled:all-MiniLM-L6-v2"))
     # Every child imports the same libraries, so that the baseline child's peak is theirs.
@@ -75,7 +75,7 @@ def run_child(pipeline: str, data: Path, cache: Path) -> dict[str, float]:
     import psutil
 
     # The datasets cache and finetune's own (the entries that let a second run skip reading and checking the file,
-    # finetune/data/cache.py) both live in the run's fresh folder.
+    # finetune/data/datacache.py) both live in the run's fresh folder.
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "XDG_CACHE_HOME": str(cache / "xdg"),
            "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen([sys.executable, __file__, "--child", pipeline, "--child-data", str(data)],

@@ -38,7 +38,7 @@ def make_inputs(folder: Path) -> tuple[Path, Path]:
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from finetune.models.load import resolve_model_path
+    from finetune.models.pretrained import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("bundled:all-MiniLM-L6-v2"))
     tok.eos_token = "[SEP]"

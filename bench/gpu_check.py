@@ -5,7 +5,7 @@
     python bench/gpu_check.py --device cpu --shape tiny   # the same rows on a CPU (live-tensor peaks), a smoke run
 
 A model of the shape is built from its config (random weights, no download) and saved in bf16. Each row loads it
-as a run does (`finetune.models.load.load_model`: a bf16 base under LoRA, or bitsandbytes' 8-bit or 4-bit), runs
+as a run does (`finetune.models.pretrained.load_model`: a bf16 base under LoRA, or bitsandbytes' 8-bit or 4-bit), runs
 two windows of micro-batch 2 × 2 accumulated at 2,048 tokens (the second measured, as the planner's probe does) and
 prints the dry run's prediction for a CUDA GPU beside the measured allocator peak; the prediction's CUDA-context
 and allocator-slack term (`overhead`) is printed apart, since `max_memory_allocated` leaves both out. Rows: LoRA on
@@ -31,7 +31,7 @@ from memory_plan import _stored_extra  # noqa: E402
 
 from finetune.config.schema import from_dict  # noqa: E402
 from finetune.kinds.causal_lm import CHUNKED, KIND  # noqa: E402
-from finetune.models.load import (  # noqa: E402
+from finetune.models.pretrained import (  # noqa: E402
     load_model,
     prepare_for_training,
     quiet_transformers,

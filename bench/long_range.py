@@ -43,7 +43,7 @@ from finetune.engine.recurrence import Recurrence
 from finetune.engine.recurrence import backward_window as recurrent_backward_window
 from finetune.engine.step import backward_window
 from finetune.kinds.registry import kind
-from finetune.models.load import load_tokenizer
+from finetune.models.pretrained import load_tokenizer
 from finetune.plan.memory import LiveTensorTracker, tensor_bytes
 from finetune.train.loop import train
 

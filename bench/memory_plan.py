@@ -11,7 +11,7 @@ It prints one table with the error of each row (target: within ±10 % on CPU, ne
 
 `--bases` measures the frozen bases and the loss instead: LoRA on a bf16 base, 8-bit and 4-bit (bitsandbytes) bases,
 and the chunked loss (`chunked_loss`) against the full one on a Llama with a 128 k vocabulary. There the weights are
-loaded by `finetune.models.load.load_model` as a run loads them, and the measured peak counts what bitsandbytes
+loaded by `finetune.models.pretrained.load_model` as a run loads them, and the measured peak counts what bitsandbytes
 stores beside its packed weights (each 4-bit layer's constants, each 8-bit layer's scales).
 
     python bench/memory_plan.py                 # the whole matrix on CPU (about a quarter of an hour)
@@ -35,7 +35,7 @@ import torch
 from finetune.config.schema import from_dict
 from finetune.kinds.causal_lm import CHUNKED
 from finetune.kinds.registry import kind
-from finetune.models.load import load_model, prepare_for_training, quiet_transformers, resolve_model_path
+from finetune.models.pretrained import load_model, prepare_for_training, quiet_transformers, resolve_model_path
 from finetune.plan.memory import measure_window, model_skeleton, tensor_bytes
 from finetune.plan.planner import estimate
 

@@ -54,7 +54,7 @@ def make_model(path: Path) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from finetune.models.load import resolve_model_path
+    from finetune.models.pretrained import resolve_model_path
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(resolve_model_path("bundled:all-MiniLM-L6-v2"))

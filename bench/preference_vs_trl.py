@@ -96,7 +96,7 @@ def tiny_model(folder: Path) -> str:
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from finetune.models.load import resolve_model_path
+    from finetune.models.pretrained import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("bundled:all-MiniLM-L6-v2"))
     tok.eos_token = "[SEP]"
@@ -219,7 +219,7 @@ def reference_memory(model: str, micro: int) -> list[dict]:
     from finetune.config.schema import from_dict
     from finetune.kinds import preference
     from finetune.kinds.registry import configured
-    from finetune.models.load import prepare_for_training
+    from finetune.models.pretrained import prepare_for_training
     from finetune.plan.memory import LiveTensorTracker, measure_window, model_skeleton, synthetic_batch, tensor_bytes
     from finetune.plan.planner import _reference_inputs, estimate
 
@@ -287,7 +287,7 @@ def main() -> None:
         held_out = make_pairs(val_positive, val_negative, args.held_out)
     # The SFT sentences are the ones after those the pairs use.
     sft = sft_rows(positive[args.pairs:], negative[args.pairs:], 16 * args.sft_steps)
-    from finetune.models.load import quiet_transformers
+    from finetune.models.pretrained import quiet_transformers
 
     quiet_transformers()
     results: dict = {}

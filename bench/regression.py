@@ -105,7 +105,7 @@ def run_trainer(folder: Path, out: Path, train_samples: int | None) -> dict[str,
         set_seed,
     )
 
-    from finetune.models.load import resolve_model_path
+    from finetune.models.pretrained import resolve_model_path
 
     set_seed(SEED)
     path = resolve_model_path(MODEL)

@@ -97,7 +97,7 @@ def trainer_child(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(REPO_ROOT))
     import datasets
 
-    from finetune.models.load import resolve_model_path
+    from finetune.models.pretrained import resolve_model_path
 
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -135,7 +135,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Run `finetune plan [CONFIG] [key=value …]`: print the plan and optionally write plan.json."""
     from finetune.data.load import load_data
     from finetune.engine.runtime import make_accelerator, requested_mode, resolve_precision
-    from finetune.models.load import load_tokenizer
+    from finetune.models.pretrained import load_tokenizer
     from finetune.plan.planner import plan_run, render
     from finetune.run.rundir import write_json
 
@@ -144,7 +144,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     distributed = args.distributed or requested_mode() or "ddp"
     distributed = "single" if args.num_processes == 1 else distributed
     if cfg.tasks:  # multi-task: the largest single task's graph (finetune.train.multitask)
-        from finetune.data.multitask import MultiData, load_tasks
+        from finetune.data.mixing import MultiData, load_tasks
         from finetune.train.multitask import plan_tasks
 
         data = MultiData(cfg, load_tasks(cfg, load_tokenizer(cfg)))
@@ -190,7 +190,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     """Run `finetune push RUN_DIR REPO`: the run's model and its model card to the Hub."""
     from finetune.config.schema import repo_id_problem
     from finetune.errors import PushError
-    from finetune.models.load import resolve_model_dir
+    from finetune.models.pretrained import resolve_model_dir
     from finetune.run import hub
 
     if problem := repo_id_problem(args.repo):

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from finetune.config.schema import from_dict
 from finetune.data import encoding
-from finetune.models.load import resolve_model_path
+from finetune.models.pretrained import resolve_model_path
 from finetune.run.events import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def fresh_accelerate_state():
 
 @pytest.fixture(autouse=True)
 def own_plan_cache(tmp_path, monkeypatch):
-    """Each test plans afresh: reused plans (finetune/plan/cache.py) go to a cache folder of its own, here and in
+    """Each test plans afresh: reused plans (finetune/plan/plancache.py) go to a cache folder of its own, here and in
     the processes it starts."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 

@@ -203,7 +203,7 @@ def test_refusals(tmp_path, tiny_llama):
         _encoded(tmp_path, tok, [_conversations(1)[0], []])
     data = _write_jsonl(tmp_path / "chat.jsonl", _conversations(4))
     c = from_dict({"task": "causal_lm", "model": tiny_llama, "dataset": data})
-    from finetune.models.load import load_tokenizer
+    from finetune.models.pretrained import load_tokenizer
 
     with pytest.raises(ModelError, match="has no chat template .* set `chat_template`"):
         load_data(c, load_tokenizer(c))

@@ -1,4 +1,4 @@
-"""The data cache's fast path (finetune/data/cache.py): a second load of the same local files and settings reads the
+"""The data cache's fast path (finetune/data/datacache.py): a second load of the same local files and settings reads the
 encoded Arrow files without reading or checking the source again, and anything the checks depend on sends it back
 to the full path."""
 
@@ -16,7 +16,7 @@ import pytest
 from conftest import bundled_tokenizer
 
 from finetune.config.schema import from_dict
-from finetune.data import cache as datacache
+from finetune.data import datacache
 from finetune.data import encoding
 from finetune.data import load as data
 from finetune.errors import DataError

@@ -18,7 +18,7 @@ from conftest import ROOT, WORDS, run_train
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.cli import main
-from finetune.models.load import load_trained
+from finetune.models.pretrained import load_trained
 from finetune.run.events import read_events
 from finetune.use import export as export_mod
 from finetune.use import ollama

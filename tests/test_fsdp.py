@@ -148,7 +148,7 @@ def run(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     from transformers import AutoTokenizer
 
     from finetune.engine.runtime import is_sharded
-    from finetune.models.load import save_model
+    from finetune.models.pretrained import save_model
 
     torch.set_num_threads(1)
     sharded = world > 1

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.config.schema import from_dict
 from finetune.errors import ConfigError
-from finetune.models.load import load_trained
+from finetune.models.pretrained import load_trained
 from finetune.run.events import Step, read_events
 from finetune.train.loop import StopFlag, train
 from finetune.use.evaluate import evaluate_target
@@ -157,7 +157,7 @@ def _stored_bytes(model) -> int:
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_planned_weights_are_what_bitsandbytes_stores(llama64, short_lm, quantization):
     from finetune.models import quantize
-    from finetune.models.load import load_model, prepare_for_training
+    from finetune.models.pretrained import load_model, prepare_for_training
     from finetune.plan.memory import model_skeleton
 
     c = from_dict({**_common(llama64, short_lm, quantization), "lora": "true"})

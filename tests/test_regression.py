@@ -253,7 +253,7 @@ def test_cli_train_eval_predict_and_the_saved_folder(tmp_path, tiny_bert, reg_cs
 
 
 def test_lora_uses_the_sequence_classification_task_type_and_loads_back(tmp_path, tiny_bert, reg_csv, capsys):
-    from finetune.models.load import task_of
+    from finetune.models.pretrained import task_of
     from finetune.use.predict import predict
 
     result = train(from_dict({"model": tiny_bert, "dataset": reg_csv, "task": "regression", "epochs": 1,
@@ -292,7 +292,7 @@ def test_stop_then_resume_equals_uninterrupted(tmp_path, tiny_bert_dropout, reg_
 
 
 def test_a_multitask_run_of_regression_tasks(tmp_path, tiny_bert, reg_csv, capsys):
-    from finetune.models.load import task_of
+    from finetune.models.pretrained import task_of
 
     other = write_rows(tmp_path / "other.csv", [(f"{w} {w}", i * 0.5) for i, w in enumerate(WORDS)])
     result = train(from_dict({"model": tiny_bert, "task": "regression", "output_dir": str(tmp_path / "mt"),

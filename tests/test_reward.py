@@ -110,7 +110,7 @@ def test_lora_run_saves_a_plain_reward_model_that_predict_and_eval_use(tmp_path,
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.models.load import task_of
+    from finetune.models.pretrained import task_of
     from finetune.run.modelcard import render
     from finetune.use.evaluate import evaluate_target
     from finetune.use.predict import predict
@@ -192,7 +192,7 @@ def test_refusals(tmp_path, tiny_gpt2, pairs_csv):
     """A missing column or a row without a rejected completion (naming the row), a reward option on another kind,
     a preference loss option on a reward run, and packing: each one sentence."""
     from finetune.data.load import load_data
-    from finetune.models.load import load_tokenizer
+    from finetune.models.pretrained import load_tokenizer
 
     no_column = tmp_path / "a.csv"
     pd.DataFrame({"prompt": ["hi", "yo"], "chosen": ["good", "fine"]}).to_csv(no_column, index=False)

@@ -32,7 +32,7 @@ def _stamp(path: str | None) -> Any:
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model: str, task: str, chat_template: str | None, stamp: Any) -> Any:
     # `stamp` (size and mtime of the template file) makes an edited template load again.
-    from finetune.models.load import load_tokenizer
+    from finetune.models.pretrained import load_tokenizer
 
     return load_tokenizer(Config(model=model, task=task, chat_template=chat_template))
 

@@ -38,7 +38,7 @@ def _frame(run_dir: str, stamp: int | None) -> pd.DataFrame | None:
 
     from finetune.config.schema import from_dict
     from finetune.data.load import collate, load_data
-    from finetune.models.load import load_tokenizer, load_trained
+    from finetune.models.pretrained import load_tokenizer, load_trained
 
     c = from_dict({**read_yaml(Path(run_dir) / "config.yaml"), "resume": False, "overwrite": False})
     tokenizer = load_tokenizer(c)

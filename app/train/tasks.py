@@ -1,7 +1,7 @@
 """The Tasks table of a multi-task config: each task's data, columns, weight and resulting share of a window.
 
 A pure function of the form's values (the `tasks` YAML and the mixing options), so it is tested without a browser;
-the shares are those the run will use (`finetune.data.multitask.mixing_probabilities`), counted from the tasks' files.
+the shares are those the run will use (`finetune.data.mixing.mixing_probabilities`), counted from the tasks' files.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pandas as pd
 
 from app.mapping import problems_text, tasks_from_widget
 from finetune.config.schema import Config, ConfigError, from_dict
-from finetune.data.multitask import mixing_probabilities
+from finetune.data.mixing import mixing_probabilities
 from finetune.errors import InputError
 
 COLUMNS = ["task", "dataset", "columns", "weight", "rows", "share of a window"]

@@ -118,7 +118,7 @@ class TryItHandlers:
         """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
         text is the user's turn), {generated}, {value}, {score} or {words, tags, entities} (the kind's record).
 
-        Raises `Unanswered` without a text or a finished model, and `finetune.models.load.ModelError` when the model
+        Raises `Unanswered` without a text or a finished model, and `finetune.models.pretrained.ModelError` when the model
         cannot be loaded."""
         text, status = self._finished_run(text, request)
         from finetune.use.predict import predict
@@ -130,7 +130,7 @@ class TryItHandlers:
                ) -> renderers.PredictionShown:
         """Try it: the finished model's prediction shown by its kind's view, or (a run its kind chats with) the
         next turn of a chat with it, through the template it was trained with."""
-        from finetune.models.load import ModelError
+        from finetune.models.pretrained import ModelError
         from finetune.use.predict import chat
 
         try:

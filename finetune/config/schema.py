@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from finetune.config import exclusions
-from finetune.config.multitask import MIXINGS, TaskSpec, check_tasks, parse_tasks
+from finetune.config.tasks import MIXINGS, TaskSpec, check_tasks, parse_tasks
 from finetune.errors import ConfigError, summary
 from finetune.kinds import registry as kinds
 

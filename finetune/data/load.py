@@ -2,7 +2,7 @@
 
 A file or hub dataset becomes a memory-mapped `datasets.Dataset`; its columns are checked, its labels named and its
 rows tokenised once, in Arrow, into a cache that the next run with the same rows and settings reuses (from a local
-file, without reading or checking the file again: `finetune.data.cache`). With
+file, without reading or checking the file again: `finetune.data.datacache`). With
 `streaming: true` the training rows are read as a stream instead (`finetune.data.stream`). The window order lives in
 `finetune.data.windows`.
 """
@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from finetune.config.batch import resolve_batch
 from finetune.config.schema import Config
-from finetune.data import cache as datacache
+from finetune.data import datacache
 from finetune.data.encoding import IGNORE_INDEX, Columns, Encoded, collate, encode
 from finetune.data.packing import check_architecture, pack
 from finetune.data.stream import StreamData

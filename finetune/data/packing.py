@@ -25,7 +25,7 @@ import torch
 from finetune.config.schema import Config
 from finetune.data.encoding import Encoded
 from finetune.errors import ConfigError, ModelError
-from finetune.models.load import resolve_model_path
+from finetune.models.pretrained import resolve_model_path
 
 # Bump when pack() changes what it stores, so that packed rows written by an older version are not reused.
 PACKING_VERSION = 2

@@ -30,7 +30,7 @@ from finetune.kinds.base import TaskKind
 from finetune.kinds.registry import configured
 from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
-from finetune.models.load import prepare_for_training, quiet_transformers, resolve_model_path
+from finetune.models.pretrained import prepare_for_training, quiet_transformers, resolve_model_path
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions that autocast to half
 

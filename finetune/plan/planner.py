@@ -29,8 +29,8 @@ from finetune.kinds.causal_lm import CHUNKED
 from finetune.kinds.registry import configured
 from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
-from finetune.models.load import load_model, prepare_for_training, resolve_model_path
-from finetune.plan import cache as plancache
+from finetune.models.pretrained import load_model, prepare_for_training, resolve_model_path
+from finetune.plan import plancache
 from finetune.plan.memory import Skeleton, dry_run, dry_run_segments, measure_window, model_skeleton
 
 GIB = 2**30

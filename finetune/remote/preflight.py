@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.config.multitask import single_task_values
+from finetune.config.tasks import single_task_values
 from finetune.config.schema import Config, from_dict
 from finetune.errors import ConfigError, PlanError
-from finetune.models.load import resolve_model_path
+from finetune.models.pretrained import resolve_model_path
 from finetune.plan.planner import plan_run
 from finetune.remote.flavors import GIB, Flavor
 from finetune.remote.timelimit import TimeLimit, estimate, format_duration, parameter_count, training_rows

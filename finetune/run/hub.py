@@ -23,7 +23,7 @@ from huggingface_hub.errors import HTTPError as HubNetworkError
 
 from finetune.config.schema import Config, read_yaml
 from finetune.errors import ConfigError, FinetuneError, InputError, PushError
-from finetune.models.load import resolve_model_dir
+from finetune.models.pretrained import resolve_model_dir
 from finetune.run import modelcard
 from finetune.run.events import EventLog, Pushed
 from finetune.run.rundir import plot_loss

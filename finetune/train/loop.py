@@ -26,7 +26,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from finetune.config.batch import BatchSplit, divisors, resolve_batch
 from finetune.config.schema import Config
 from finetune.data.load import Encoded, windows_per_epoch
-from finetune.data.multitask import MultiData
+from finetune.data.mixing import MultiData
 from finetune.data.stream import StreamData
 from finetune.engine.optim import make_optimizer, make_scheduler
 from finetune.engine.runtime import (
@@ -42,7 +42,7 @@ from finetune.engine.step import optimizer_step
 from finetune.errors import RunDirError, TrainingError
 from finetune.kinds.base import TaskKind
 from finetune.kinds.registry import configured
-from finetune.models.load import load_tokenizer
+from finetune.models.pretrained import load_tokenizer
 from finetune.run import hub, rundir, tracking
 from finetune.run.events import Backoff, Checkpoint, Done, Error, Eval, Event, EventLog, Start, Step, Stopped
 from finetune.train.precompute import precompute

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from finetune.config.schema import Config
-from finetune.data.multitask import MultiData, TaskData, task_counts, task_micro_batches
-from finetune.engine.evaluate import evaluate
+from finetune.data.mixing import MultiData, TaskData, task_counts, task_micro_batches
+from finetune.engine.metrics import evaluate
 from finetune.engine.step import backward_tasks
 from finetune.kinds.base import TaskKind
 from finetune.kinds.registry import entry
@@ -23,7 +23,7 @@ from finetune.models.heads import (
     save_tasks_file,
     unwrap_multihead,
 )
-from finetune.models.load import load_model, prepare_for_training, save_model
+from finetune.models.pretrained import load_model, prepare_for_training, save_model
 from finetune.plan.planner import Plan, plan_run
 
 # Bytes a trained parameter costs beyond its forward: its gradient and the optimizer's state (fp32).

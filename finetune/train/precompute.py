@@ -1,6 +1,6 @@
 """Columns a task kind computes once from a model before training (a preference run's reference log-probabilities,
 `precompute_reference`): one inference pass over the encoded training and evaluation samples, or the values stored
-by an earlier run in the data cache (`finetune.data.cache.load_columns`), joined to the data so that every
+by an earlier run in the data cache (`finetune.data.datacache.load_columns`), joined to the data so that every
 micro-batch collates them.
 
 A kind opts in with `precomputes` (the column names; empty: nothing to compute), `precompute_source()` (the model
@@ -18,10 +18,10 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 
 from finetune.config.schema import Config
-from finetune.data import cache as datacache
+from finetune.data import datacache
 from finetune.data.encoding import Encoded, collate
 from finetune.kinds.base import TaskKind
-from finetune.models.load import resolve_model_path
+from finetune.models.pretrained import resolve_model_path
 
 
 def model_identity(name: str) -> list[Any]:

@@ -15,13 +15,13 @@ import torch
 
 from finetune.config.schema import Config
 from finetune.data.load import collate, load_data
-from finetune.data.multitask import MultiData, load_tasks
+from finetune.data.mixing import MultiData, load_tasks
 from finetune.data.packing import check_keeps_samples_apart, packing_note
-from finetune.engine.evaluate import AcrossProcesses, evaluate
+from finetune.engine.metrics import AcrossProcesses, evaluate
 from finetune.engine.recurrence import Recurrence, self_check
 from finetune.engine.recurrence import backward_window as recurrent_backward_window
 from finetune.engine.step import backward_window, per_count, share_of
-from finetune.models.load import save_model
+from finetune.models.pretrained import save_model
 from finetune.plan.planner import Plan, plan_run
 from finetune.train.multitask import (
     backward_multitask,

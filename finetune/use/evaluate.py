@@ -3,7 +3,7 @@ multi-task model (`task=<name>`: its own head or prompt prefix, its own data).
 
 The data is the run's own evaluation data (the task's, for a task of a multi-task run), or `dataset=…`, read whole
 with the labels the model was trained with. The metrics are the task kind's, computed as training computes them
-(`finetune.engine.evaluate.evaluate`).
+(`finetune.engine.metrics.evaluate`).
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 
-from finetune.config.multitask import TaskSpec, single_task_values
+from finetune.config.tasks import TaskSpec, single_task_values
 from finetune.config.schema import Config, ConfigError, from_dict, parse_overrides, read_yaml
 from finetune.data.encoding import Encoded, encode
 from finetune.data.load import load_data, load_table, resolve_columns
-from finetune.data.multitask import load_task, with_prefix
-from finetune.engine.evaluate import evaluate
+from finetune.data.mixing import load_task, with_prefix
+from finetune.engine.metrics import evaluate
 from finetune.engine.recurrence import Recurrence
 from finetune.kinds.registry import configured, entry
 from finetune.models.heads import read_tasks_file, task_model_dir
-from finetune.models.load import load_tokenizer, load_trained, resolve_model_dir, saved_label_names, task_of
+from finetune.models.pretrained import load_tokenizer, load_trained, resolve_model_dir, saved_label_names, task_of
 
 
 @dataclass(frozen=True)

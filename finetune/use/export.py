@@ -30,7 +30,7 @@ from finetune.data.chat import end_of_turn_ids, turns_of
 from finetune.errors import ConfigError, InputError, ModelError
 from finetune.models import quantize
 from finetune.models.heads import TASKS_FILE
-from finetune.models.load import (
+from finetune.models.pretrained import (
     is_adapter,
     load_trained,
     quiet_transformers,

@@ -12,7 +12,7 @@ from finetune.config.schema import read_yaml
 from finetune.data.chat import MESSAGES_NAMES, reply, require_template, turns_of
 from finetune.kinds.registry import kind
 from finetune.models.heads import task_model_dir
-from finetune.models.load import load_trained, resolve_model_dir, task_of
+from finetune.models.pretrained import load_trained, resolve_model_dir, task_of
 
 
 def conversation_of(text: str) -> list[dict[str, Any]]:

@@ -51,7 +51,7 @@ DATA_OPTIONS = tuple(dict.fromkeys((
                 "chunked_loss")))
 # The modules whose code decides what load_data returns: a change to any of them never reuses an old entry.
 # Paths under finetune/.
-DATA_CODE = ("data/load.py", "data/encoding.py", "data/cache.py", "data/segments.py", "data/chat.py",
+DATA_CODE = ("data/load.py", "data/encoding.py", "data/datacache.py", "data/segments.py", "data/chat.py",
              "data/packing.py", "data/arrow.py", "kinds/base.py", "kinds/registry.py",
              *(f"{e.module.removeprefix('finetune.').replace('.', '/')}.py" for e in kinds.ENTRIES.values()
                if e.module.startswith("finetune.")))  # the kinds' modules encode the rows

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import Config
-from finetune.models.load import resolve_model_path
+from finetune.models.pretrained import resolve_model_path
 
 # The options make_plan reads (directly or through the skeleton it builds); anything else cannot change a plan.
 PLAN_OPTIONS = ("task", "max_length", "effective_batch_size", "micro_batch_size", "grad_accum_steps",
@@ -30,7 +30,7 @@ PLAN_OPTIONS = ("task", "max_length", "effective_batch_size", "micro_batch_size"
                 "quantization", "preference_loss", "reference_model", "precompute_reference", "streaming",
                 "chunked_loss")
 # Paths under finetune/.
-PLANNING_CODE = ("plan/planner.py", "plan/memory.py", "models/load.py", "engine/losses.py", "config/batch.py",
+PLANNING_CODE = ("plan/planner.py", "plan/memory.py", "models/pretrained.py", "engine/losses.py", "config/batch.py",
                  "engine/recurrence.py", "data/packing.py", "models/quantize.py",
                  "kinds/chunked.py", "kinds/causal_lm.py")
 LIBRARIES = ("torch", "transformers", "peft")

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from finetune.config.multitask import TaskSpec, single_task_values
+from finetune.config.tasks import TaskSpec, single_task_values
 from finetune.config.schema import Config, from_dict
 from finetune.data.encoding import Columns, Encoded, encode
 from finetune.data.load import collate, load_tables
