@@ -2,7 +2,8 @@
 
 Every public option is a field of `Config`. Its metadata (help text, choices, bounds) is what the CLI's `init`
 template, the option table of docs/configuration.md and the GUI's widgets are generated from, so defaults live here
-and only here.
+and only here, or, for an option only one task kind reads, in that kind's registry entry (`Entry.declares`), from
+which `Config` gets the field (`_with_kind_options`).
 """
 
 from __future__ import annotations
@@ -49,14 +50,40 @@ def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min
     return field(default=default, metadata=meta)
 
 
+KIND_OPTIONS_AFTER = "rejected_column"  # the kinds' own options follow the columns every kind may read
+
+
+def _with_kind_options(cls: type) -> type:
+    """`cls` with the options the task kinds declare (`finetune.kinds.registry.Option`, in registry order) as fields
+    after `KIND_OPTIONS_AFTER`, before `dataclass` makes it: a kind's option is a field like any other, declared
+    with its kind."""
+    declared = [o for e in kinds.ENTRIES.values() for o in e.declares]
+    names = [o.name for o in declared]
+    own = cls.__dict__.get("__annotations__", {})
+    clash = sorted({n for n in names if names.count(n) > 1 or n in own})
+    if clash:
+        raise TypeError(f"Options declared twice (by two kinds, or by a kind and the schema): {', '.join(clash)}.")
+    annotations: dict[str, Any] = {}
+    for name, hint in own.items():
+        annotations[name] = hint
+        if name == KIND_OPTIONS_AFTER:
+            for o in declared:
+                annotations[o.name] = o.annotation
+                setattr(cls, o.name, _opt(o.default, o.help, choices=o.choices, min=o.min, max=o.max, group=o.group,
+                                          source=o.source))
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass(frozen=True)
+@_with_kind_options
 class Config:
     """A fine-tuning run, exactly as `config.yaml` spells it."""
 
     # --- what to train on
     model: str = _opt(DEFAULT_MODEL, "Hub id or local folder of a Transformers model; the default is the bundled "
                       "MiniLM-L6 (works offline).", source="model")
-    task: str = _opt("classification", TASK_HELP, choices=TASKS)
+    task: str = _opt(kinds.DEFAULT, TASK_HELP, choices=TASKS)
     dataset: str | None = _opt(None, "Hub dataset id or a local .csv/.tsv/.json/.jsonl/.parquet file.", source="data")
     dataset_config: str | None = _opt(None, "Hub dataset configuration name (for example 'sst2' of 'glue').",
                                       group="data")
@@ -82,34 +109,6 @@ class Config:
                                      group="data")
     rejected_column: str | None = _opt(None, "Preference, reward: the dispreferred completion's column (default "
                                        "'rejected').", group="data")
-    preference_loss: str = _opt("dpo", "Preference: the loss: dpo (against a reference), ipo (DPO's squared, "
-                                "per-token form), simpo (length-normalised, no reference) or orpo (likelihood + "
-                                "odds ratio, no reference).", choices=("dpo", "ipo", "simpo", "orpo"),
-                                group="advanced")
-    beta: float = _opt(0.1, "Preference: β, the strength of the preference term (DPO/IPO's KL weight, SimPO's "
-                       "reward scale).", min=1e-6, max=100.0, group="advanced")
-    simpo_gamma: float = _opt(0.5, "Preference, simpo: the target reward margin γ.", min=0.0, max=100.0,
-                              group="advanced")
-    orpo_lambda: float = _opt(1.0, "Preference, orpo: λ, the weight of the odds-ratio term beside the likelihood.",
-                              min=0.0, max=100.0, group="advanced")
-    reference_model: str | None = _opt(None, "Preference, dpo/ipo: Hub id or local folder of the reference model "
-                                       "(default: the model being tuned, as it starts; with LoRA, its base with "
-                                       "the adapter switched off).", group="advanced", source="model")
-    precompute_reference: str = _opt("auto", "Preference, dpo/ipo: compute the reference's log-probabilities once "
-                                     "before training and keep them in the data cache, so that no reference is in "
-                                     "memory while training (auto: unless LoRA's adapter-off base is the reference, "
-                                     "or the data is streamed; false: a frozen copy beside the model).",
-                                     choices=("auto", "true", "false"), group="advanced")
-    tokens_column: str | None = _opt(None, "Token classification: column of word lists (default 'tokens' or "
-                                     "'words').", group="data")
-    tags_column: str | None = _opt(None, "Token classification: column of per-word tag lists, integers (with the "
-                                   "hub's ClassLabel names) or strings (default 'ner_tags' or 'tags').", group="data")
-    label_all_tokens: bool = _opt(False, "Token classification: put each word's tag on all its sub-tokens (a B- tag "
-                                  "continuing as I-), not only on the first.", group="data")
-    center_rewards_coefficient: float | None = _opt(None, "Reward: weight of the centring term c·(r_chosen + "
-                                                    "r_rejected)² added to each pair's loss, which keeps the "
-                                                    "scores near 0 (TRL's; unset: none).", min=0.0, max=100.0,
-                                                    group="advanced")
     max_length: int = _opt(256, "Tokens per sample: a longer input is truncated or split as `long_documents` says.",
                            min=8, max=131072, group="data")
     streaming: bool = _opt(False, "Read the training data as a stream, for data bigger than memory or disk: "
@@ -410,22 +409,20 @@ def from_dict(values: dict[str, Any]) -> Config:
 
 
 COLUMN_KEYS = tuple(f.name for f in fields(Config) if f.name.endswith("_column"))  # what a task kind reads
-PREFERENCE_LOSS_KEYS = ("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model",
-                        "precompute_reference")
 
 
 def _cross_checks(c: Config) -> list[str]:
     problems = []
-    if c.task in TASKS:  # another kind's columns (an unknown task is refused on its own)
+    if c.task in TASKS:  # another kind's columns and options (an unknown task is refused on its own)
         problems += kinds.column_problems(c.task, {key: getattr(c, key) for key in COLUMN_KEYS + kinds.OPTION_KEYS})
-    if c.task == "reward":  # the preference kind's loss options: a reward model has one loss and no reference
-        problems += [f"`{f.name}` is for task=preference; task=reward trains with the Bradley–Terry loss and no "
-                     f"reference model: drop `{f.name}`." for f in fields(Config)
-                     if f.name in PREFERENCE_LOSS_KEYS and getattr(c, f.name) != f.default]
+        problems += _declined(c)
     if c.messages_column and (c.prompt_column or c.text_column):
         problems.append("`messages_column` replaces `text_column` and `prompt_column`/`completion_column`: set "
                         "only one of them.")
-    if bool(c.prompt_column) != bool(c.completion_column) and c.task not in ("preference", "reward"):
+    # A kind that reads a prompt alone (preference pairs) takes one without a completion.
+    alone = c.task in TASKS and "prompt_column" in kinds.entry(c.task).columns and \
+        "completion_column" not in kinds.entry(c.task).columns
+    if bool(c.prompt_column) != bool(c.completion_column) and not alone:
         problems.append("`prompt_column` and `completion_column` go together: set both, or neither.")
     if c.streaming and c.max_steps is None:
         problems.append("`streaming=true` needs `max_steps`: a stream's length is unknown, so epochs cannot be "
@@ -443,16 +440,26 @@ def _cross_checks(c: Config) -> list[str]:
     return problems + _recurrence_checks(c)
 
 
+def _declined(c: Config) -> list[str]:
+    """One sentence per option of another kind that kind `c.task` declines (`Entry.declines`) set away from its
+    default: a reward model refuses the preference loss's settings."""
+    mine = kinds.entry(c.task)
+    return [f"`{key}` is for task={owner}; task={c.task} {mine.decline_reason}: drop `{key}`."
+            for owner, keys in mine.declines.items() for key in FIELDS if key in keys
+            and getattr(c, key) != FIELDS[key].default]
+
+
 def _quantization_checks(c: Config) -> list[str]:
     if c.quantization not in ("8bit", "4bit"):
         return []
     problems = []
+    takers = [n for n in TASKS if "quantization" in kinds.entry(n).features]
     if c.lora == "false":
         problems.append(f"`quantization={c.quantization}` trains LoRA adapters on a frozen quantized base, so it "
                         "cannot train without LoRA: set lora=auto (or true), or quantization=none.")
-    if c.task != "causal_lm":
-        problems.append(f"`quantization={c.quantization}` is for task=causal_lm (a classifier's head would be "
-                        "quantized with its base): set quantization=none.")
+    if c.task not in takers:
+        problems.append(f"`quantization={c.quantization}` is for task={' or '.join(takers)} (a classifier's head "
+                        "would be quantized with its base): set quantization=none.")
     for key in ("segment_recurrence", "tasks"):
         if getattr(c, key):
             problems.append(f"`quantization={c.quantization}` is not available with `{key}` yet: set "

@@ -111,11 +111,6 @@ def resolve_columns(c: Config, columns: list[str]) -> Columns:
     return kind(c.task).resolve_columns(c, columns)
 
 
-def label_names_of(table: Any, column: str, source: str) -> list[str]:
-    """The class names of a label column, in id order: a `ClassLabel`'s names, else the sorted distinct values."""
-    return kind("classification").label_names(table, Columns(label=column), source)
-
-
 def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
               ) -> tuple[Encoded | StreamData, Encoded | None, list[str] | None]:
     """Training and evaluation data, tokenised, and the class names (classification). A stream's length is the

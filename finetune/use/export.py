@@ -28,9 +28,11 @@ from typing import Any
 from finetune.config.schema import read_yaml
 from finetune.data.chat import end_of_turn_ids, turns_of
 from finetune.errors import ConfigError, InputError, ModelError
+from finetune.kinds.registry import ENTRIES, entry
 from finetune.models import quantize
 from finetune.models.heads import TASKS_FILE
 from finetune.models.pretrained import (
+    auto_class,
     is_adapter,
     load_trained,
     quiet_transformers,
@@ -123,7 +125,8 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
     config = read_yaml(run_dir / "config.yaml")
     task = task_of(model_dir)
     kind = str(config.get("task") or task)
-    if fmt == "gguf" and (task != "causal_lm" or kind != "causal_lm"):
+    # Both the saved model and the run that trained it (a preference run saves a causal LM too).
+    if fmt == "gguf" and not all(fmt in (ENTRIES[k].exports if k in ENTRIES else ()) for k in (task, kind)):
         raise ExportError(f"GGUF is for models that generate text, and this run trained a {kind} model: export it "
                           "with --format merged (a transformers folder) instead.")
     out_dir = Path(out).expanduser() if out else run_dir / EXPORT_DIR
@@ -211,7 +214,7 @@ def write_merged(model_dir: Path, out: Path, task: str, dtype: str, chat: bool, 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    if task == "causal_lm":
+    if entry(task).generates:
         # Stop where the run learned to stop: after its end-of-turn token (chat), else at end of sequence.
         stops = end_of_turn_ids(tokenizer) if chat else [tokenizer.eos_token_id]
         gen = GenerationConfig.from_model_config(model.config)
@@ -221,7 +224,7 @@ def write_merged(model_dir: Path, out: Path, task: str, dtype: str, chat: bool, 
         model.generation_config = gen
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)
-    if task == "causal_lm":
+    if entry(task).generates:
         _write_tokenizer_settings(partial, tokenizer, chat)
         if (spm := _sentencepiece_model(base)) is not None and not (partial / "tokenizer.model").exists():
             shutil.copy(spm, partial / "tokenizer.model")
@@ -300,11 +303,11 @@ def stop_ids(merged: Path) -> list[int]:
 def parameter_count(model_dir: Path) -> int:
     """The saved model's parameters, from its config on the meta device (no weights read)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
     quiet_transformers()
     config = AutoConfig.from_pretrained(model_dir)
-    auto = AutoModelForCausalLM if task_of(model_dir) == "causal_lm" else AutoModelForSequenceClassification
+    auto = auto_class(task_of(model_dir))
     with torch.device("meta"):
         model = auto.from_config(config)
     return sum(p.numel() for p in model.parameters())
