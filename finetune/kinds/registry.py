@@ -198,8 +198,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           architectures=("ForSequenceClassification",), example="The answer is 4.", output_name="reward",
           options=("center_rewards_coefficient",), metrics=("rewards/accuracies", "rewards/margins"),
           declares=(Option("center_rewards_coefficient", float, None, "Reward: weight of the centring term "
-                           "c·(r_chosen + r_rejected)² added to each pair's loss, which keeps the scores near 0 (TRL's; "
-                           "unset: none).", min=0.0, max=100.0, group="advanced"),),
+                           "c·(r_chosen + r_rejected)² added to each pair's loss, which keeps the scores near 0 "
+                           "(TRL's; unset: none).", min=0.0, max=100.0, group="advanced"),),
           declines={"preference": (*PREFERENCE_SETTINGS, "precompute_reference")},
           decline_reason="trains with the Bradley–Terry loss and no reference model",
           step_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"),
