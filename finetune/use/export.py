@@ -11,7 +11,7 @@
       export.json      what was exported, how long it took, the files and the check
 
 Everything that can be refused is refused before any work (`prepare`): a run that has not finished, a multi-task
-run, GGUF for a model that does not generate text, an architecture or a tokenizer llama.cpp's converter
+run, GGUF for a model that does not generate text (its kind's registry entry says which do), an architecture or a tokenizer llama.cpp's converter
 does not take, not enough disk space. The run's `events.jsonl` gets an `export` event.
 """
 
@@ -28,6 +28,7 @@ from typing import Any
 from finetune.config.schema import read_yaml
 from finetune.data.chat import end_of_turn_ids, turns_of
 from finetune.errors import ConfigError, InputError, ModelError
+from finetune.kinds import registry
 from finetune.models import quantize
 from finetune.models.heads import TASKS_FILE
 from finetune.models.pretrained import (
@@ -123,7 +124,7 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
     config = read_yaml(run_dir / "config.yaml")
     task = task_of(model_dir)
     kind = str(config.get("task") or task)
-    if fmt == "gguf" and (task != "causal_lm" or kind != "causal_lm"):
+    if fmt == "gguf" and not (generates_text(task) and generates_text(kind)):
         raise ExportError(f"GGUF is for models that generate text, and this run trained a {kind} model: export it "
                           "with --format merged (a transformers folder) instead.")
     out_dir = Path(out).expanduser() if out else run_dir / EXPORT_DIR
@@ -144,7 +145,7 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
                               "become a GGUF: --format merged (safetensors for transformers) still works.")
         if problem := llamacpp.tokenizer_problem(converter, model_dir):
             raise ExportError(problem)
-    chat = bool(config.get("messages_column")) or bool(config.get("chat_template"))
+    chat = _is_chat(config, kind, model_dir)
     if ollama_file:
         _check_ollama_template(model_dir)
     return ExportPlan(run_dir=run_dir, model_dir=model_dir, out=out_dir, format=fmt, quant=quant, dtype=dtype,
@@ -192,6 +193,22 @@ def export(target: str, *, fmt: str = "merged", quant: str | None = None, out: s
     EventLog(plan.run_dir / "events.jsonl").emit(Exported(format=plan.format, quant=plan.quant,
                                                           path=str(gguf or merged), seconds=seconds, check=report))
     return result
+
+
+def generates_text(kind: str) -> bool:
+    """Whether the models of task kind `kind` generate text (causal LM, preference tuning): its registry entry's
+    pipeline, not its name."""
+    return kind in registry.names() and registry.entry(kind).pipeline_tag == "text-generation"
+
+
+def _is_chat(config: dict[str, Any], kind: str, model_dir: Path) -> bool:
+    """Whether the run talks in turns: it trained on conversations (`messages_column`) or with a `chat_template`,
+    or its kind chats whenever its saved model has a template (as Try it does: a preference-tuned chat model)."""
+    if config.get("messages_column") or config.get("chat_template"):
+        return True
+    chats_by_template = kind in registry.names() and registry.entry(kind).chat_when == "template"
+    saved = _json(model_dir / "tokenizer_config.json")
+    return chats_by_template and (bool(saved.get("chat_template")) or (model_dir / "chat_template.jinja").is_file())
 
 
 def write_merged(model_dir: Path, out: Path, task: str, dtype: str, chat: bool, base: str | None = None) -> Path:
