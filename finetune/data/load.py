@@ -35,6 +35,12 @@ __all__ = ["IGNORE_INDEX", "Columns", "DataError", "Encoded", "collate", "encode
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # A stream's class names, when its features do not list them, are the distinct labels of its first rows.
 LABEL_PEEK = 10_000
+# The most fields one JSON record may have. `datasets` (pyarrow) makes a column of every key it meets: a JSON Lines
+# file whose second record had 200,000 keys took 97.8 s before it failed. A real record has a few dozen.
+MAX_RECORD_KEYS = 1_000
+# A JSON record with more than MAX_RECORD_KEYS keys is at least this long ('"k":0,' per key, keys all distinct): only
+# lines this long are parsed to count their keys, so that the check reads the file at the speed of the disk.
+RECORD_KEY_BYTES = 4 * MAX_RECORD_KEYS
 SANITY_ROWS = 200  # rows of a text column read to tell text from numbers or ids
 ID_LIKE = re.compile(r"^[A-Za-z0-9_.:#/-]{1,64}$")
 TEXT_ROLES = ("text", "text_pair", "prompt", "completion")  # the columns that must hold text, of `Columns`
@@ -87,6 +93,8 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
             raise DataError(f"Dataset file {source!r} does not exist: check the path.")
         if fmt is None:
             raise DataError(f"Dataset file {source!r} has an unknown type: use .csv, .tsv, .json, .jsonl or .parquet.")
+        if fmt == "json":
+            check_json_width(path, source)
         kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
         try:
             table = datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=streaming,
@@ -107,6 +115,53 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
     if not streaming and len(table) == 0:
         raise DataError(f"Dataset {source!r} has no rows.")
     return table
+
+
+def check_json_width(path: Path, source: str) -> None:
+    """A `DataError` for a JSON or JSON Lines file with a record of more than `MAX_RECORD_KEYS` keys, found before
+    `datasets` reads it: one pass over the lines, parsing only those long enough to hold that many."""
+    import json
+
+    with open(path, "rb") as f:
+        first = f.read(1)
+        f.seek(0)
+        records: Any = None
+        if first == b"[":  # a JSON array of records: one document, read whole (`datasets` would too)
+            try:
+                records = json.load(f)
+            except ValueError:
+                return  # not JSON: `datasets` words the problem
+            lines: Any = enumerate(records if isinstance(records, list) else [], start=1)
+        else:
+            lines = ((n, line) for n, line in enumerate(f, start=1) if len(line) > RECORD_KEY_BYTES)
+        for number, line in lines:
+            if records is None:
+                try:
+                    line = json.loads(line)
+                except (ValueError, RecursionError):
+                    return  # `datasets` words the problem
+            if _fields(line) > MAX_RECORD_KEYS:
+                where = f"record {number:,}" if records is not None else f"line {number:,}"
+                raise DataError(f"Dataset file {source!r}: {where} has more than {MAX_RECORD_KEYS:,} fields (nested "
+                                f"ones counted), and a record may have at most {MAX_RECORD_KEYS:,}: keep only the "
+                                "fields you train on.")
+
+
+def _fields(value: Any) -> int:
+    """The columns and struct fields a JSON value makes in Arrow: its distinct key paths, nested mappings included
+    (the mappings of a list share one struct, so a long conversation's turns count once); stops past the bound."""
+    paths: set[tuple[str, ...]] = set()
+    stack: list[tuple[tuple[str, ...], Any]] = [((), value)]
+    while stack and len(paths) <= MAX_RECORD_KEYS:
+        prefix, item = stack.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                paths.add((*prefix, str(key)))
+                if isinstance(inner, (dict, list)):
+                    stack.append(((*prefix, str(key)), inner))
+        elif isinstance(item, list):
+            stack.extend(((*prefix, "[]"), v) for v in item if isinstance(v, (dict, list)))
+    return len(paths)
 
 
 def resolve_columns(c: Config, columns: list[str]) -> Columns:

@@ -44,6 +44,7 @@ def quiet_transformers() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    quantize.quiet_bitsandbytes()  # peft imports it, when it is installed, for its quantized LoRA layers
 
 
 def load_tokenizer(c: Config) -> Any:
