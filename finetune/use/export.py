@@ -475,5 +475,7 @@ def _check_disk(out: Path, parameters: int, dtype: str, quant: str | None) -> No
     existing = next(p for p in (out, *out.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free < need:
-        raise ExportError(f"The export needs about {need / 2**30:.1f} GiB and {existing} has {free / 2**30:.1f} GiB "
+        # The folder by its last two parts: on a shared server the ones above it are the server's own.
+        shown = "/".join(existing.parts[-2:]) or str(existing)
+        raise ExportError(f"The export needs about {need / 2**30:.1f} GiB and {shown} has {free / 2**30:.1f} GiB "
                           "free: free some space or give --out on another disk.")
