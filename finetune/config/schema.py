@@ -409,6 +409,8 @@ def from_dict(values: dict[str, Any]) -> Config:
     return config
 
 
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
+
 COLUMN_KEYS = tuple(f.name for f in fields(Config) if f.name.endswith("_column"))  # what a task kind reads
 PREFERENCE_LOSS_KEYS = ("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model",
                         "precompute_reference")
@@ -435,6 +437,10 @@ def _cross_checks(c: Config) -> list[str]:
                         "`eval_dataset` or `eval_split` (read whole, not streamed).")
     if c.push_to_hub and (problem := repo_id_problem(c.push_to_hub)):
         problems.append(problem)
+    for key in ("model", "reference_model"):  # longer than any path the OS takes, and a Hub id has at most 96
+        if len(value := getattr(c, key) or "") > MAX_PATH_CHARS:
+            problems.append(f"`{key}` has {len(value):,} characters, more than a folder's path (at most "
+                            f"{MAX_PATH_CHARS:,}) or a Hub id (at most 96) has: give a model folder or a Hub id.")
     problems += _long_document_checks(c)
     problems += exclusions.problems(c)  # the features that do not combine, and those a kind does not take
     problems += _quantization_checks(c)

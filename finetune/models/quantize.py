@@ -85,6 +85,13 @@ def import_bitsandbytes() -> Any:
     return bitsandbytes
 
 
+def unquantized_layers(model: Any) -> list[str]:
+    """The layers bitsandbytes replaced whose weight is still a plain tensor: layers the checkpoint lacks (a BERT's
+    language-model head, loaded as a causal LM), which transformers creates after quantizing."""
+    return [name for name, module in model.named_modules() if type(module).__module__.startswith("bitsandbytes")
+            and type(getattr(module, "weight", None)) is torch.nn.Parameter]
+
+
 def upcast_trainable(model: Any) -> Any:
     """Trainable parameters (adapters, a classifier head peft trains in full) in fp32 over a half base: the
     optimizer updates them, and half-precision master weights would lose small updates."""

@@ -11,8 +11,8 @@
       export.json      what was exported, how long it took, the files and the check
 
 Everything that can be refused is refused before any work (`prepare`): a run that has not finished, a multi-task
-run, GGUF for a model that does not generate text (its kind's registry entry says which do), an architecture or a tokenizer llama.cpp's converter
-does not take, not enough disk space. The run's `events.jsonl` gets an `export` event.
+run, GGUF for a model that does not generate text (its kind's registry entry says which do), an architecture or
+a tokenizer llama.cpp's converter does not take, not enough disk space. The run's `events.jsonl` gets an `export` event.
 """
 
 from __future__ import annotations
