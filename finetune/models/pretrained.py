@@ -101,8 +101,8 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
         # peft's quantized LoRA layers would fail on them with an AttributeError, after the plan
         raise ModelError(f"quantization={c.quantization} cannot quantize {c.model!r} as a {c.task} model: "
                          f"the checkpoint lacks {len(new)} layer(s) of that model ({', '.join(new[:3])}), which "
-                         "transformers creates after quantizing (this checkpoint was not trained for this task): pick a "
-                         "model trained for it, or set quantization=none.")
+                         "transformers creates after quantizing (this checkpoint was not trained for this task): "
+                         "pick a model trained for it, or set quantization=none.")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
