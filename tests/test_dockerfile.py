@@ -8,7 +8,9 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
+import pytest
 import yaml
 from conftest import ROOT
 
@@ -128,3 +130,19 @@ def test_readme_first_command_installs_and_opens_the_app():
     assert "finetune train assets/demo.yaml" in quick_start.split("## Using it", 1)[0]  # the CLI demo beside it
     args = build_parser().parse_args(command[2:])  # every flag it uses exists
     assert args.open and "![" in readme and (ROOT / "assets" / "screenshot.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_space_starts_without_gradios_hot_reloader(tmp_path):
+    """Gradio starts its Spaces hot-reloader wherever SYSTEM=spaces; without the `spaces` package (this image has
+    none) every start logged a RuntimeError from its thread. The app turns the watcher off."""
+    from conftest import served_app
+
+    log = tmp_path / "app.log"
+    space = {"SPACE_ID": "owner/finetune", "SYSTEM": "spaces", "SPACE_AUTHOR_NAME": "owner",
+             "OAUTH_CLIENT_ID": "x", "OAUTH_CLIENT_SECRET": "x", "OAUTH_SCOPES": "openid profile",
+             "OPENID_PROVIDER_URL": "https://huggingface.co"}
+    with served_app(tmp_path, log=log, **space) as (url, _):
+        time.sleep(1)  # the watcher's thread starts beside the server's
+    text = log.read_text()
+    assert "hot-reloading" not in text and "Traceback" not in text, text
