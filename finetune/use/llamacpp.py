@@ -44,7 +44,8 @@ REINSTALL = f'CMAKE_ARGS="{PORTABLE}" pip install --force-reinstall --no-cache-d
 INSTALL = (f'CMAKE_ARGS="{PORTABLE}" pip install "finetune[export]" (it builds llama-cpp-python from source with '
            "your C++ compiler)")
 # What the child Python runs: the call named in the request file (`_serve`). Tests replace it to crash the child.
-CHILD = "import sys; from finetune.use.llamacpp import _serve; _serve(sys.argv[1])"
+# (This package's folder is appended to its path, behind the ones the child has, for a checkout that is not installed.)
+CHILD = "import sys; sys.path.append(sys.argv[2]); from finetune.use.llamacpp import _serve; _serve(sys.argv[1])"
 
 
 class LlamaCppError(InputError):
@@ -289,12 +290,11 @@ def _in_child(call: str, what: str, **kwargs: Any) -> Any:
     or a `LlamaCppCrash` sentence when llama.cpp killed it."""
     import finetune
 
-    root = str(Path(finetune.__file__).resolve().parents[1])  # the child imports this very package
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    root = str(Path(finetune.__file__).resolve().parents[1])
     with tempfile.TemporaryDirectory() as tmp:
         request, answer = Path(tmp) / "request.json", Path(tmp) / "answer.json"
         request.write_text(json.dumps({"call": call, "kwargs": kwargs, "answer": str(answer)}), encoding="utf-8")
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(request)], capture_output=True, text=True, env=env)
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(request), root], capture_output=True, text=True)
         if proc.returncode < 0:
             raise LlamaCppCrash(crash_sentence(-proc.returncode, what))
         if not answer.is_file():
