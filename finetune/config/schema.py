@@ -408,6 +408,8 @@ def from_dict(values: dict[str, Any]) -> Config:
     return config
 
 
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
+
 COLUMN_KEYS = tuple(f.name for f in fields(Config) if f.name.endswith("_column"))  # what a task kind reads
 
 
@@ -432,6 +434,10 @@ def _cross_checks(c: Config) -> list[str]:
                         "`eval_dataset` or `eval_split` (read whole, not streamed).")
     if c.push_to_hub and (problem := repo_id_problem(c.push_to_hub)):
         problems.append(problem)
+    for key in ("model", "reference_model"):  # longer than any path the OS takes, and a Hub id has at most 96
+        if len(value := getattr(c, key) or "") > MAX_PATH_CHARS:
+            problems.append(f"`{key}` has {len(value):,} characters, more than a folder's path (at most "
+                            f"{MAX_PATH_CHARS:,}) or a Hub id (at most 96) has: give a model folder or a Hub id.")
     problems += _long_document_checks(c)
     problems += exclusions.problems(c)  # the features that do not combine, and those a kind does not take
     problems += _quantization_checks(c)
@@ -498,12 +504,33 @@ def _long_document_checks(c: Config) -> list[str]:
 MAX_YAML_NODES = 10_000  # values of a config once its aliases are expanded; a real one has a few hundred
 YAML_TOO_BIG = (f"The config's YAML expands to more than {MAX_YAML_NODES:,} values (through `&anchor`/`*alias` "
                 "references): write the values out.")
+MAX_YAML_DEPTH = 50  # levels of nesting; a config has three (tasks: a list of mappings of values)
+YAML_TOO_DEEP = (f"The config's YAML nests lists or mappings more than {MAX_YAML_DEPTH} levels deep; a config is a "
+                 "mapping of option: value lines (`tasks` a list of mappings): write it flat.")
+YAML_NUMBER_TOO_LONG = ("The config's YAML holds a number too long to read (more than 4,300 digits); no option takes "
+                        "one: write the number out shorter.")
+
+
+class YamlRefused(yaml.YAMLError):
+    """YAML the config reader will not build (too big, too deep, a number too long): its message is the sentence."""
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader that refuses a document whose aliases expand past `MAX_YAML_NODES` values, before it
-    is constructed: nested aliases grow ninefold per level, and a 450-byte bomb would otherwise become a list whose
-    text (in any message or copy) takes gigabytes and minutes."""
+    """PyYAML's safe loader that refuses a document nested deeper than `MAX_YAML_DEPTH` as it is composed (PyYAML
+    composes by recursion, and 12,000 levels ended in a RecursionError) and one whose aliases expand past
+    `MAX_YAML_NODES` values, before it is constructed: nested aliases grow ninefold per level, and a 450-byte bomb
+    would otherwise become a list whose text (in any message or copy) takes gigabytes and minutes."""
+
+    depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise YamlTooDeep(YAML_TOO_DEEP)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def construct_document(self, node: yaml.Node) -> Any:
         if _expanded_size(node, {}) > MAX_YAML_NODES:
@@ -511,8 +538,12 @@ class _BoundedLoader(yaml.SafeLoader):
         return super().construct_document(node)
 
 
-class YamlTooBig(yaml.YAMLError):
+class YamlTooBig(YamlRefused):
     """A YAML document larger than `MAX_YAML_NODES` values once expanded."""
+
+
+class YamlTooDeep(YamlRefused):
+    """A YAML document nested deeper than `MAX_YAML_DEPTH` levels (aliases included)."""
 
 
 def _expanded_size(node: yaml.Node, seen: dict[int, int]) -> int:
@@ -531,9 +562,16 @@ def _expanded_size(node: yaml.Node, seen: dict[int, int]) -> int:
 
 
 def load_yaml(text: str) -> Any:
-    """YAML text as Python values, safely (no tags that run code) and bounded (`MAX_YAML_NODES`); raises
-    `yaml.YAMLError` (`YamlTooBig` when the aliases expand too far)."""
-    return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+    """YAML text as Python values, safely (no tags that run code) and bounded (`MAX_YAML_NODES`, `MAX_YAML_DEPTH`);
+    raises `yaml.YAMLError` (a `YamlRefused`, whose message is the sentence, for what it will not build)."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:  # aliases chained deeper than the composer's bound sees (each alias is one node)
+        raise YamlTooDeep(YAML_TOO_DEEP) from None
+    except ValueError as e:  # int() of more than 4,300 digits (Python's bound on int parsing)
+        if "digits" not in str(e):
+            raise
+        raise YamlRefused(YAML_NUMBER_TOO_LONG) from None
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -547,8 +585,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             continue
         try:
             out[key.strip()] = load_yaml(raw) if raw.strip() else None
-        except YamlTooBig:
-            problems.append(YAML_TOO_BIG)
+        except YamlRefused as e:
+            problems.append(f"Override {summary(key.strip())}: {str(e)[0].lower()}{str(e)[1:]}")
         except yaml.YAMLError:
             out[key.strip()] = raw
     if problems:
@@ -563,8 +601,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError([f"Config file {str(path)!r} does not exist; `finetune init` writes an example."])
     try:
         data = load_yaml(path.read_text(encoding="utf-8"))
-    except YamlTooBig:
-        raise ConfigError([f"Config file {str(path)!r}: {YAML_TOO_BIG[0].lower()}{YAML_TOO_BIG[1:]}"]) from None
+    except YamlRefused as e:
+        raise ConfigError([f"Config file {str(path)!r}: {str(e)[0].lower()}{str(e)[1:]}"]) from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         where = getattr(e, "problem_mark", None)
         line = f" (line {where.line + 1})" if where else ""

@@ -11,8 +11,8 @@
       export.json      what was exported, how long it took, the files and the check
 
 Everything that can be refused is refused before any work (`prepare`): a run that has not finished, a multi-task
-run, GGUF for a model that does not generate text, an architecture or a tokenizer llama.cpp's converter
-does not take, not enough disk space. The run's `events.jsonl` gets an `export` event.
+run, GGUF for a model that does not generate text (its kind's registry entry says which do), an architecture or
+a tokenizer llama.cpp's converter does not take, not enough disk space. The run's `events.jsonl` gets an `export` event.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
                               "become a GGUF: --format merged (safetensors for transformers) still works.")
         if problem := llamacpp.tokenizer_problem(converter, model_dir):
             raise ExportError(problem)
-    chat = bool(config.get("messages_column")) or bool(config.get("chat_template"))
+    chat = _is_chat(config, kind, model_dir)
     if ollama_file:
         _check_ollama_template(model_dir)
     return ExportPlan(run_dir=run_dir, model_dir=model_dir, out=out_dir, format=fmt, quant=quant, dtype=dtype,
@@ -195,6 +195,22 @@ def export(target: str, *, fmt: str = "merged", quant: str | None = None, out: s
     EventLog(plan.run_dir / "events.jsonl").emit(Exported(format=plan.format, quant=plan.quant,
                                                           path=str(gguf or merged), seconds=seconds, check=report))
     return result
+
+
+def generates_text(kind: str) -> bool:
+    """Whether the models of task kind `kind` generate text (causal LM, preference tuning): its registry entry says
+    so (`generates`), not its name."""
+    return kind in ENTRIES and ENTRIES[kind].generates
+
+
+def _is_chat(config: dict[str, Any], kind: str, model_dir: Path) -> bool:
+    """Whether the run talks in turns: it trained on conversations (`messages_column`) or with a `chat_template`,
+    or its kind chats whenever its saved model has a template (as Try it does: a preference-tuned chat model)."""
+    if config.get("messages_column") or config.get("chat_template"):
+        return True
+    chats_by_template = kind in ENTRIES and ENTRIES[kind].chat_when == "template"
+    saved = _json(model_dir / "tokenizer_config.json")
+    return chats_by_template and (bool(saved.get("chat_template")) or (model_dir / "chat_template.jinja").is_file())
 
 
 def write_merged(model_dir: Path, out: Path, task: str, dtype: str, chat: bool, base: str | None = None) -> Path:
@@ -461,5 +477,7 @@ def _check_disk(out: Path, parameters: int, dtype: str, quant: str | None) -> No
     existing = next(p for p in (out, *out.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free < need:
-        raise ExportError(f"The export needs about {need / 2**30:.1f} GiB and {existing} has {free / 2**30:.1f} GiB "
+        # The folder by its last two parts: on a shared server the ones above it are the server's own.
+        shown = "/".join(existing.parts[-2:]) or str(existing)
+        raise ExportError(f"The export needs about {need / 2**30:.1f} GiB and {shown} has {free / 2**30:.1f} GiB "
                           "free: free some space or give --out on another disk.")
