@@ -40,6 +40,8 @@ button.primary { background: #c2410c !important; color: #fff !important; }
 button.primary:hover:not(:disabled) { background: #9a3412 !important; }
 button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !important; }
 .ft-chart svg { width: 100%; height: auto; display: block; }
+/* What still shows the previous run (or plan) while Start (or Plan) checks the next: dimmed, at once. */
+.ft-stale { opacity: 0.45; transition: opacity 0.2s; }
 /* A narrow window stacks the Train tab's columns: the Run panel (Start, progress) comes first. */
 @media (max-width: 720px) {
   #train-row { flex-direction: column-reverse; }
@@ -48,7 +50,15 @@ button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !import
   #train-row > * { width: 100% !important; flex-basis: 100% !important; }
   .gradio-container .row > * { min-width: min(100%, 160px) !important; }
 }
-.ft-chart svg text { font-size: 12px; fill: var(--body-text-color, #1f2937); }
+/* The chart's numbers are HTML around the drawing (app.charts), so they keep their size however narrow it is. */
+.ft-plot { padding: 0 4px 20px 52px; }
+.ft-area { position: relative; }
+.ft-area svg { overflow: visible; }
+.ft-tick { position: absolute; font-size: 12px; line-height: 1; white-space: nowrap;
+  font-variant-numeric: tabular-nums; color: var(--body-text-color, #1f2937); }
+.ft-ty { right: calc(100% + 6px); transform: translateY(-50%); }
+.ft-tx { top: calc(100% + 4px); transform: translateX(-50%); }
+.ft-axis-title { text-align: center; font-size: 12px; color: var(--body-text-color, #1f2937); }
 .ft-legend { display: flex; gap: 16px; flex-wrap: wrap; font-size: 13px; }
 .ft-key { display: inline-flex; align-items: center; gap: 6px; white-space: nowrap; }
 /* A field whose value is refused says so in its help line, in red, with a red frame. */

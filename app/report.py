@@ -70,6 +70,16 @@ def event_line(event: dict[str, Any], total: int | None) -> str | None:
     return None
 
 
+def waiting_note(status: JobStatus) -> str:
+    """What Try it and Export say before there is a finished model to use: why not yet, and what to do."""
+    if status.active:
+        return "The run is training: its model can be used here once the run has finished."
+    if status.state in ("stopped", "failed"):
+        return ("The last run did not finish, so there is no model to use yet: resume it (Run panel) or train "
+                "another to the end on the Train tab.")
+    return "No trained model yet: train a run to the end on the Train tab, then use its model here."
+
+
 def display_path(path: Path | str) -> str:
     """`path` relative to the working directory when it is inside it (shorter, and what a CLI user would type)."""
     given = Path(path)

@@ -4,7 +4,7 @@ when it cannot fit the budget at all."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import gradio as gr
@@ -29,6 +29,18 @@ class PlanShown:
     chart: Any = hidden()
     error: str = ""
     fields: dict[str, Any] | None = None  # each field's help, or its problem in its place (None: left as they are)
+    button: Any = field(default_factory=lambda: gr.update(interactive=True))  # Plan again, once this one answered
+
+
+@dataclass(frozen=True, kw_only=True)
+class Planning:
+    """What Plan answers at once, before the planner's child does (seconds to a minute): a sentence where the plan
+    goes, the last plan's bars dimmed and the button off; no spinner over the form."""
+
+    text: str = "⏳ Planning: the model is weighed for this config (seconds, a minute at most)…"
+    error: str = ""
+    chart: Any = field(default_factory=lambda: gr.update(elem_classes=["ft-stale"]))
+    button: Any = field(default_factory=lambda: gr.update(interactive=False))
 
 
 class PlanHandlers:
@@ -54,6 +66,10 @@ class PlanHandlers:
         device = device if device in PLAN_DEVICES else "here"
         return self.state.jobs.plan(config, (*_plan_key(config, user), device), device)
 
+    def planning(self, *, request: Any = None) -> Planning:
+        """The press of Plan, answered at once (`plan_for` follows it)."""
+        return Planning()
+
     def plan(self, *values: Any, request: Any = None) -> PlanShown:
         """Plan the form's config for this machine (see `plan_for`)."""
         return self.plan_for("here", *values, request=request)
@@ -68,7 +84,7 @@ class PlanHandlers:
         except Unanswered as e:
             return PlanShown(error=f"⚠️ {in_form_words(str(e))}", fields=self.notes.notes({}))
         return PlanShown(text=plan_report.plan_markdown(plan),
-                         chart=gr.update(value=plan_report.plan_chart_html(plan), visible=True),
+                         chart=gr.update(value=plan_report.plan_chart_html(plan), visible=True, elem_classes=[]),
                          fields=self.notes.notes({}))
 
     def model_fit(self, *values: Any, request: Any = None) -> str:

@@ -98,13 +98,24 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
     upload_out = {"dataset": fields["dataset"], "eval_dataset": fields["eval_dataset"],
                   "eval_split": fields["eval_split"], "eval_fraction": fields["eval_fraction"], "data": data_out}
     on(tab.dataset.upload.upload, h.dataset.on_upload, [tab.dataset.upload, *data_in[1:]], upload_out, **PRIVATE)
+    # Plan and Start answer at once (a sentence, the button off, the old results dimmed), then do their checks with
+    # no spinner over the form: their outputs include every field's help line. `.success`: a press the door refuses
+    # gets its one toast, and no second.
     plan = tab.plan
-    on(plan.button.click, h.plan.plan_for, [plan.device, *values],
-       {"text": plan.text, "chart": plan.chart, "error": plan.error, "fields": by_name},
-       concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, **PRIVATE)
+    planning = on(plan.button.click, h.plan.planning, None,
+                  {"text": plan.text, "error": plan.error, "chart": plan.chart, "button": plan.button},
+                  show_progress="hidden", **PRIVATE)
+    on(planning.success, h.plan.plan_for, [plan.device, *values],
+       {"text": plan.text, "chart": plan.chart, "error": plan.error, "fields": by_name, "button": plan.button},
+       concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, show_progress="hidden", **PRIVATE)
     run = tab.run
-    on(run.start.click, h.run.start, values, {"note": run.message, "dataset_note": tab.dataset.error,
-                                              "fields": by_name}, **PRIVATE)
+    panel = {"status": run.status, "progress": run.progress, "stats": run.stats, "loss": run.loss, "log": run.log,
+             "metrics": run.metrics}
+    checking = on(run.start.click, h.run.checking, None,
+                  {"note": run.message, "start_button": run.start, "panel": panel}, show_progress="hidden", **PRIVATE)
+    on(checking.success, h.run.start, values, {"note": run.message, "dataset_note": tab.dataset.error,
+                                               "fields": by_name, "start_button": run.start, "panel": panel},
+       show_progress="hidden", **PRIVATE)
     on(run.stop.click, h.run.stop, None, {}, outputs=run.message, gate="public", concurrency_limit=None, **PRIVATE)
     on(run.resume.click, h.run.resume, None, {}, outputs=run.message, **PRIVATE)
     # The example follows the data (its preview), the messages column, the model, the template and `train_on`.

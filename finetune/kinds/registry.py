@@ -118,7 +118,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           # A tuned model is a causal LM: a saved one is told as causal_lm, which comes first.
           architectures=("ForCausalLM", "LMHeadModel"),
           metrics=("rewards/accuracies", "rewards/margins"),
-          settings=("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model"),
+          settings=("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model", "precompute_reference"),
           step_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                         "logps/rejected"),
           refusals={"packing": "a preference pair's two sequences are scored side by side, not packed",
