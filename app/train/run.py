@@ -31,8 +31,8 @@ from app.train import preview
 from app.train.form import FieldNotes
 from app.train.plan import PlanHandlers
 from app.train.run_report import progress_html
-from finetune.config.tasks import single_task_values
 from finetune.config.schema import Config, ConfigError, from_dict
+from finetune.config.tasks import single_task_values
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
 
