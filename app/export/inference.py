@@ -188,7 +188,7 @@ def _finished(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
 def place_export_block(on: Callable[..., Any], exporter: InferenceExport) -> None:
     """The Export block, inside the Export tab being built, wired to its handlers."""
     with gr.Column(variant="panel", elem_id="export-block"):
-        gr.Markdown("### Export for local inference\n\nMerged weights (a plain transformers folder), or a GGUF for "
+        gr.Markdown("## Export for local inference\n\nMerged weights (a plain transformers folder), or a GGUF for "
                     "llama.cpp and Ollama with the chat template and end-of-turn token the run trained with, "
                     "checked against transformers.")
         with gr.Row():

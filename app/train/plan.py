@@ -126,7 +126,7 @@ class PlanPanel:
 
 def build_plan_panel(form: Form) -> PlanPanel:
     """The memory panel, inside the open Train tab column."""
-    gr.Markdown("### 3 · Memory budget and batch")
+    gr.Markdown("## 3 · Memory budget and batch")
     form.place("batch", per_row=2)
     form.place("memory", per_row=2)
     with gr.Row():
@@ -134,7 +134,7 @@ def build_plan_panel(form: Form) -> PlanPanel:
                           label="Plan for", elem_id="plan-device",
                           info="A CUDA GPU: plan here for a GPU you will train on (precision bf16, the CUDA context "
                                "counted); Start trains on this machine.")
-        button = gr.Button("Plan", scale=0)
+        button = gr.Button("Plan", scale=0, elem_id="plan-button")
     error = gr.Markdown(elem_classes="ft-error", elem_id="plan-error")
     text = gr.Markdown(elem_id="plan")
     # Drawn by the app (app.train.plan_report.plan_chart_html): bars scaled to the peak, the budget a marker, each

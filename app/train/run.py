@@ -79,6 +79,7 @@ class Started:
 
 STALE = "ft-stale"  # the class of a Run panel part that still shows the previous run (dimmed by the page's CSS)
 PANEL_PARTS = ("status", "progress", "stats", "loss", "log", "metrics")  # what a new run replaces
+RUN_PARTS = ("run-status", "run-progress", "run-stats", "loss-plot", "run-log", "run-metrics")  # their elem_ids
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,9 +257,9 @@ class RunPanel:
 def build_run_panel() -> RunPanel:
     """The Run panel (Start, Stop, Resume, progress, the loss chart, the log) and Results, in the open column."""
     with gr.Column(variant="panel"):
-        gr.Markdown("### Run")
+        gr.Markdown("## Run")
         with gr.Row():
-            start = gr.Button("Start training", variant="primary")
+            start = gr.Button("Start training", variant="primary", elem_id="start-button")
             stop = gr.Button("Stop", variant="stop", interactive=False)
             resume = gr.Button("Resume", visible=False)
         message = gr.Markdown(elem_id="run-message")
@@ -268,10 +269,11 @@ def build_run_panel() -> RunPanel:
         trackers = gr.Markdown(elem_id="run-trackers")
         # Drawn by the app (app.charts.loss_chart_html), not gr.LinePlot: see app.charts.
         loss = gr.HTML(label="Loss per optimizer step", container=True, elem_id="loss-plot")
-        log = gr.Textbox(label="Log", lines=12, max_lines=12, autoscroll=True, interactive=False)
+        log = gr.Textbox(label="Log", lines=12, max_lines=12, autoscroll=True, interactive=False,
+                         elem_id="run-log")
     with gr.Column(variant="panel"):
-        gr.Markdown("### Results")
-        metrics = gr.JSON(label="Final metrics", open=True)
+        gr.Markdown("## Results")
+        metrics = gr.JSON(label="Final metrics", open=True, elem_id="run-metrics")
         scatter = gr.ScatterPlot(None, x="true", y="predicted", height=260, visible=False,
                                  label="Predicted against true values (evaluation rows)", elem_id="regression-scatter")
         run_dir = gr.Textbox(label="Run directory", interactive=False)

@@ -3,6 +3,7 @@ the right; at 400 px the Run panel comes first) and its events."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,13 +14,23 @@ from app import limits
 from app.mapping import COLUMN_FIELDS
 from app.train.dataset import EXAMPLE_INPUTS, TASK_FIELDS, DatasetPanel, build_dataset_panel
 from app.train.form import Form
-from app.train.plan import PlanPanel, build_plan_panel
-from app.train.run import RunPanel, build_run_panel
+from app.train.plan import Planning, PlanPanel, build_plan_panel
+from app.train.run import RUN_PARTS, Checking, RunPanel, build_run_panel
 
 if TYPE_CHECKING:
     from app.tabs import Handlers
 
 PRIVATE = {"api_visibility": "private"}  # the page's own events: scripts get the named API of `app.api` instead
+
+
+def pressed_js(button: str, note: str, text: str, stale: tuple[str, ...]) -> str:
+    """The browser's own answer to a press, before the server's (which says the same, a round trip later: seconds
+    on a busy machine): `button` off, `text` in `note`, the `stale` parts dimmed. Returns no inputs for the handler."""
+    return (f"() => {{ const b = document.querySelector('#{button}'); if (b) b.disabled = true;"
+            f" const n = document.querySelector('#{note} .prose') || document.querySelector('#{note}');"
+            f" if (n) n.textContent = {json.dumps(text)};"
+            f" {json.dumps(list(stale))}.forEach((id) => document.getElementById(id)?.classList.add('ft-stale'));"
+            " return []; }")
 
 
 @dataclass
@@ -50,7 +61,7 @@ def create_train_tab(form: Form) -> TrainTab:
     with gr.Row(equal_height=False, elem_id="train-row"):
         with gr.Column(scale=5):
             with gr.Column(variant="panel"):
-                gr.Markdown("### 1 · Model")
+                gr.Markdown("## 1 · Model")
                 form.place("model", per_row=2)
                 model_note = gr.Markdown()
                 model_fit = gr.Markdown(elem_classes="ft-error", elem_id="model-fit")
@@ -59,7 +70,7 @@ def create_train_tab(form: Form) -> TrainTab:
             with gr.Column(variant="panel"):
                 plan = build_plan_panel(form)
             with gr.Column(variant="panel"):
-                gr.Markdown("### 4 · Training")
+                gr.Markdown("## 4 · Training")
                 form.place("training")
                 form.place("run")
                 with gr.Accordion("Advanced", open=False):
@@ -104,7 +115,8 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
     plan = tab.plan
     planning = on(plan.button.click, h.plan.planning, None,
                   {"text": plan.text, "error": plan.error, "chart": plan.chart, "button": plan.button},
-                  show_progress="hidden", **PRIVATE)
+                  show_progress="hidden", js=pressed_js("plan-button", "plan", Planning.text, ("plan-plot",)),
+                  **PRIVATE)
     on(planning.success, h.plan.plan_for, [plan.device, *values],
        {"text": plan.text, "chart": plan.chart, "error": plan.error, "fields": by_name, "button": plan.button},
        concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, show_progress="hidden", **PRIVATE)
@@ -112,7 +124,8 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
     panel = {"status": run.status, "progress": run.progress, "stats": run.stats, "loss": run.loss, "log": run.log,
              "metrics": run.metrics}
     checking = on(run.start.click, h.run.checking, None,
-                  {"note": run.message, "start_button": run.start, "panel": panel}, show_progress="hidden", **PRIVATE)
+                  {"note": run.message, "start_button": run.start, "panel": panel}, show_progress="hidden",
+                  js=pressed_js("start-button", "run-message", Checking.note, RUN_PARTS), **PRIVATE)
     on(checking.success, h.run.start, values, {"note": run.message, "dataset_note": tab.dataset.error,
                                                "fields": by_name, "start_button": run.start, "panel": panel},
        show_progress="hidden", **PRIVATE)
