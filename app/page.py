@@ -24,7 +24,7 @@ from app.runs.tab import RunsTab
 from app.tabs import Handlers, handlers
 from app.train import preview
 from app.train.form import Form
-from app.train.tab import PRIVATE, TrainTab, create_train_tab, wire_train_tab
+from app.train.tab import PRIVATE, TrainTab, create_train_tab, pressed_css, wire_train_tab
 from app.tryit.tab import TryItTab, create_tryit_tab, wire_tryit_tab
 from finetune.config.schema import Config, from_dict
 
@@ -125,7 +125,7 @@ class App:
     fields: dict[str, gr.components.Component]
     jobs: JobManager
     handlers: Handlers
-    css: str = CSS
+    css: str = CSS + pressed_css()
     js: str = JS
 
 

@@ -23,14 +23,33 @@ if TYPE_CHECKING:
 PRIVATE = {"api_visibility": "private"}  # the page's own events: scripts get the named API of `app.api` instead
 
 
-def pressed_js(button: str, note: str, text: str, stale: tuple[str, ...]) -> str:
-    """The browser's own answer to a press, before the server's (which says the same, a round trip later: seconds
-    on a busy machine): `button` off, `text` in `note`, the `stale` parts dimmed. Returns no inputs for the handler."""
-    return (f"() => {{ const b = document.querySelector('#{button}'); if (b) b.disabled = true;"
-            f" const n = document.querySelector('#{note} .prose') || document.querySelector('#{note}');"
-            f" if (n) n.textContent = {json.dumps(text)};"
-            f" {json.dumps(list(stale))}.forEach((id) => document.getElementById(id)?.classList.add('ft-stale'));"
-            " return []; }")
+# A press of Start or Plan is answered by the browser at once, before the server's answer (which says the same, a
+# round trip later: seconds on a busy machine): a class on <body> that the page's CSS (`pressed_css`) turns into the
+# sentence in place of the last message, the button greyed and the old results dimmed. Nothing of Gradio's own DOM
+# is touched (Svelte would lose track of it); the class goes once the server's answer is on the page.
+PRESSES = {"ft-checking": ("run-message", Checking.note, "start-button", RUN_PARTS),
+           "ft-planning": ("plan", Planning.text, "plan-button", ("plan-plot",))}
+
+
+def pressed_js(name: str) -> str:
+    """The browser's answer to a press (see `PRESSES`); returns no inputs for the handler."""
+    return f"() => {{ document.body.classList.add({json.dumps(name)}); return []; }}"
+
+
+def answered_js(name: str) -> str:
+    """The server has answered the press: its own sentence and state are on the page."""
+    return f"() => {{ document.body.classList.remove({json.dumps(name)}); }}"
+
+
+def pressed_css() -> str:
+    """The page's CSS for `PRESSES`."""
+    rules = []
+    for name, (note, text, button, stale) in PRESSES.items():
+        rules += [f"body.{name} #{note} .prose {{ display: none; }}",
+                  f"body.{name} #{note}::before {{ content: {json.dumps(text, ensure_ascii=False)}; }}",
+                  f"body.{name} #{button} {{ opacity: 0.6; pointer-events: none; }}",
+                  ", ".join(f"body.{name} #{part}" for part in stale) + " { opacity: 0.45; }"]
+    return "\n".join(rules) + "\n"
 
 
 @dataclass
@@ -115,8 +134,8 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
     plan = tab.plan
     planning = on(plan.button.click, h.plan.planning, None,
                   {"text": plan.text, "error": plan.error, "chart": plan.chart, "button": plan.button},
-                  show_progress="hidden", js=pressed_js("plan-button", "plan", Planning.text, ("plan-plot",)),
-                  **PRIVATE)
+                  show_progress="hidden", js=pressed_js("ft-planning"), **PRIVATE)
+    planning.then(None, js=answered_js("ft-planning"))  # refused or not
     on(planning.success, h.plan.plan_for, [plan.device, *values],
        {"text": plan.text, "chart": plan.chart, "error": plan.error, "fields": by_name, "button": plan.button},
        concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, show_progress="hidden", **PRIVATE)
@@ -125,7 +144,8 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
              "metrics": run.metrics}
     checking = on(run.start.click, h.run.checking, None,
                   {"note": run.message, "start_button": run.start, "panel": panel}, show_progress="hidden",
-                  js=pressed_js("start-button", "run-message", Checking.note, RUN_PARTS), **PRIVATE)
+                  js=pressed_js("ft-checking"), **PRIVATE)
+    checking.then(None, js=answered_js("ft-checking"))
     on(checking.success, h.run.start, values, {"note": run.message, "dataset_note": tab.dataset.error,
                                                "fields": by_name, "start_button": run.start, "panel": panel},
        show_progress="hidden", **PRIVATE)
