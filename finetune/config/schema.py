@@ -110,6 +110,29 @@ class Config:
                                                     "r_rejected)² added to each pair's loss, which keeps the "
                                                     "scores near 0 (TRL's; unset: none).", min=0.0, max=100.0,
                                                     group="advanced")
+    # --- task: embedding (finetune/kinds/embedding.py)
+    anchor_column: str | None = _opt(None, "Embedding: the anchor (query) column (default 'anchor', 'query' or "
+                                     "'sentence1').", group="data")
+    positive_column: str | None = _opt(None, "Embedding: the positive (document) column, or the second sentence of "
+                                       "a scored pair (default 'positive', 'document' or 'sentence2').", group="data")
+    negative_column: str | None = _opt(None, "Embedding: an optional hard-negative column (default 'negative' if "
+                                       "present).", group="data")
+    score_column: str | None = _opt(None, "Embedding: the similarity of a scored pair, in [0, 1] (default 'score' "
+                                    "or 'similarity' beside sentence pairs); scored pairs train with CoSENT.",
+                                    group="data")
+    embedding_loss: str = _opt("auto", "Embedding: the loss: mnrl (multiple-negatives ranking: each anchor's "
+                               "positive against every positive and negative of the window) or cosent (scored "
+                               "pairs); auto follows the data's shape.", choices=("auto", "mnrl", "cosent"),
+                               group="advanced")
+    embedding_scale: float = _opt(20.0, "Embedding: the scale of the cosine similarities in the loss (an inverse "
+                                  "temperature; sentence-transformers' default 20).", min=1e-3, max=1000.0,
+                                  group="advanced")
+    pooling: str = _opt("auto", "Embedding: how token states become one vector: mean, cls or last token (auto: a "
+                        "sentence-transformers model's own pooling, else mean).",
+                        choices=("auto", "mean", "cls", "last"), group="advanced")
+    normalize: str = _opt("auto", "Embedding: scale the saved model's embeddings to unit length (auto: as a "
+                          "sentence-transformers model does, else true; the cosine loss is the same either way).",
+                          choices=("auto", "true", "false"), group="advanced")
     max_length: int = _opt(256, "Tokens per sample: a longer input is truncated or split as `long_documents` says.",
                            min=8, max=131072, group="data")
     streaming: bool = _opt(False, "Read the training data as a stream, for data bigger than memory or disk: "

@@ -48,7 +48,9 @@ DATA_OPTIONS = tuple(dict.fromkeys((
                 # ... and its reference strategy, which LoRA and `precompute_reference` choose.
                 "precompute_reference", "lora",
                 # Read by the causal-LM kind's module for its loss (chunked or whole), likewise.
-                "chunked_loss")))
+                "chunked_loss",
+                # Read by the embedding kind's module (its loss and pooling, not its rows), likewise.
+                "embedding_loss", "embedding_scale", "pooling", "normalize")))
 # The modules whose code decides what load_data returns: a change to any of them never reuses an old entry.
 # Paths under finetune/.
 DATA_CODE = ("data/load.py", "data/encoding.py", "data/datacache.py", "data/segments.py", "data/chat.py",

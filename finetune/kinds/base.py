@@ -45,6 +45,10 @@ class Columns:
     rejected: str | None = None
     tokens: str | None = None
     tags: str | None = None
+    anchor: str | None = None
+    positive: str | None = None
+    negative: str | None = None
+    score: str | None = None
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,10 @@ class Entry:
     eval_plot: str = ""
     # Models the app's Model dropdown offers for this kind (hub ids, or the bundled model), grouped under it.
     presets: tuple[str, ...] = ()
+    # Its loss couples the window's samples (in-batch negatives): the loop embeds the whole window without a graph,
+    # takes the loss over every process's outputs, and back-propagates each micro-batch's slice of its gradient
+    # (finetune.engine.gradcache). Such a kind has `embed` and `window_loss_sum` besides the protocol.
+    whole_window: bool = False
 
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (
@@ -155,6 +159,22 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                     "split_documents": "a row's words and tags are cut at `max_length` together, not split; use "
                                        "long_documents=truncate (or auto)"},
           try_view="entities"),
+    Entry(name="embedding", module="finetune.kinds.embedding",
+          summary="sentence embeddings (anchor–positive pairs or scored sentence pairs)",
+          columns=("anchor_column", "positive_column", "negative_column", "score_column"),
+          own_columns=(("anchor_column", "positive_column", "negative_column", "score_column"),),
+          uses="`anchor_column` and `positive_column` (or with `score_column`)",
+          auto_model="AutoModel", peft_task_type="FEATURE_EXTRACTION", peft_auto_model="AutoPeftModel",
+          pipeline_tag="sentence-similarity",
+          # A base model (BertModel, …): after causal_lm, whose GPT-2 "LMHeadModel" also ends so.
+          architectures=("Model",), example="A man is eating food.",
+          metrics=("cosine_accuracy@1", "cosine_ndcg@10", "spearman_cosine"),
+          settings=("embedding_loss", "embedding_scale", "pooling", "normalize"), whole_window=True,
+          refusals={"packing": "an embedding model reads each sentence whole, in-batch negatives beside it",
+                    "segment_recurrence": "an embedding model reads each sentence whole; turn it off",
+                    "split_documents": "a pair's sentences are cut at `max_length`, not split; use "
+                                       "long_documents=truncate (or auto)"},
+          try_view="embedding"),
 )}
 OPTION_KEYS = tuple(dict.fromkeys(key for e in ENTRIES.values() for key in e.options))  # every kind's own options
 DEFAULT = "classification"
