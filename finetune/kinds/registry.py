@@ -56,7 +56,8 @@ class Entry:
     # How the app shows the kind, each by a name the app keeps a table of (app/tryit/renderers.py, …), so that a kind
     # chooses its views here and the app compares no kind's name:
     # Try it's view of a prediction: "probabilities" (of each label), "entities" (the words with their entities
-    # highlighted), "value" (a number), "score" (a reward) or "text" (a generated continuation).
+    # highlighted), "value" (a number), "score" (a reward), "text" (a generated continuation) or "embedding" (a
+    # vector).
     try_view: str = "probabilities"
     # When Try it chats with the model instead: "messages" (the run trained on conversations: its config names
     # `messages_column`), "template" (its saved model has a chat template), or "" (never).
