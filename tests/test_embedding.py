@@ -406,3 +406,28 @@ def test_the_cli_trains_and_predicts(tmp_path, tiny_encoder, pairs_csv):
     assert shown.returncode == 0, shown.stderr[-2000:]
     records = [json.loads(line) for line in shown.stdout.strip().splitlines()]
     assert len(records) == 2 and all(len(r["embedding"]) == 32 for r in records)
+    evaluated = subprocess.run([sys.executable, "-m", "finetune", "eval", str(out)], capture_output=True, text=True,
+                               env=env, cwd=ROOT)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    metrics = json.loads(evaluated.stdout)
+    final = json.loads((out / "metrics.json").read_text())
+    assert metrics["cosine_ndcg@10"] == pytest.approx(final["cosine_ndcg@10"], abs=1e-6)
+
+
+def test_lora_merged_is_a_sentence_transformers_model(tmp_path, tiny_encoder, pairs_csv):
+    from sentence_transformers import SentenceTransformer
+
+    from finetune.train.loop import train
+    from finetune.use.predict import predict
+
+    values = {**_values(tiny_encoder, pairs_csv), "output_dir": str(tmp_path / "lora"), "lora": "true",
+              "merge_lora": True, "micro_batch_size": 4, "effective_batch_size": 8, "max_steps": 2,
+              "eval_fraction": 0.2, "pooling": "cls", "normalize": "false", "precision": "fp32"}
+    train(from_dict(values))
+    modules = json.loads((tmp_path / "lora" / "model" / "modules.json").read_text())
+    assert [m["type"].rsplit(".", 1)[-1] for m in modules] == ["Transformer", "Pooling"]  # no Normalize
+    st = SentenceTransformer(str(tmp_path / "lora" / "model"), device="cpu")
+    theirs = st.encode(["good movie"], convert_to_tensor=True)
+    ours = torch.tensor([predict(str(tmp_path / "lora" / "model"), ["good movie"])[0]["embedding"]])
+    torch.testing.assert_close(ours, theirs.float(), atol=1e-5, rtol=0)
+    assert (tmp_path / "lora" / "adapter" / "adapter_config.json").is_file()

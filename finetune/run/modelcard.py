@@ -47,6 +47,8 @@ def metadata(c: Config, *, adapter: bool, license: str | None, metrics: dict[str
     base, data = base_model_id(c.model), dataset_id(c.dataset)
     license = license or (BUNDLED_LICENSE if c.model == DEFAULT_MODEL else None)
     meta: dict[str, Any] = {"library_name": "peft" if adapter else "transformers"}
+    if PIPELINES[c.task] == "sentence-similarity" and not adapter:  # the folder is a sentence-transformers model
+        meta["library_name"] = "sentence-transformers"
     if license:
         meta["license"] = license
     if base:
@@ -139,6 +141,11 @@ def _usage(c: Config, repo_id: str, adapter: bool) -> str:
                 f'ids = tokenizer(prompt)["input_ids"] + tokenizer(completion, add_special_tokens=False)["input_ids"]'
                 f' + [tokenizer.eos_token_id]\n'
                 f'print(model(input_ids=torch.tensor([ids])).logits.item())  # the reward')
+    elif PIPELINES[c.task] == "sentence-similarity" and not adapter:  # a sentence-transformers folder (embedding)
+        code = (f'from sentence_transformers import SentenceTransformer\n\n'
+                f'model = SentenceTransformer("{repo_id}")\n'
+                f'embeddings = model.encode(["{example}", "Someone is having a meal."])\n'
+                f'print(model.similarity(embeddings, embeddings))')
     elif not adapter:
         code = (f'from transformers import pipeline\n\npipe = pipeline("{PIPELINES[c.task]}", model="{repo_id}")\n'
                 f'print(pipe("{example}"))')
