@@ -336,6 +336,9 @@ def test_training_through_the_loop_is_exact_and_saves_a_sentence_transformers_fo
     assert acc_events[0]["grad_accum_steps"] == 4
     assert_same_weights(big, acc)
     torch.testing.assert_close(step_losses(acc_events), step_losses(big_events), rtol=1e-5, atol=1e-6)
+    # The plan counts one micro-batch's graph (its dry run) and the window's embeddings and cosines besides.
+    breakdown = json.loads((tmp_path / "acc" / "plan.json").read_text())["breakdown"]
+    assert breakdown["window_embeddings"] == 3 * 16 * 2 * 32 * 4 and breakdown["window_scores"] == 3 * 16 * 16 * 4
     metrics = json.loads((tmp_path / "big" / "metrics.json").read_text())
     assert {"loss", "cosine_accuracy@1", "cosine_recall@10", "cosine_mrr@10", "cosine_ndcg@10"} <= metrics.keys()
     # The pooler no pooling reads stays as loaded (frozen), the encoder moved.

@@ -408,6 +408,15 @@ class Embedding:
         """Negligible: one vector per sentence and a window's cosines (counted with the activations)."""
         return 0
 
+    def plan_window(self, window: int, hidden: int) -> dict[str, int]:
+        """What the whole window's loss keeps beside one micro-batch's graph, on every process (the planner's dry
+        run counts that graph): the window's float32 embeddings (anchors and positives; hard negatives add a third)
+        with their gradient and this process's cached copy, and the anchors' scaled cosines against every positive
+        with their log-softmax and gradient."""
+        groups = self.sequences_per_sample
+        return {"window_embeddings": 3 * window * groups * hidden * 4,
+                "window_scores": 3 * window * window * (groups - 1) * 4}
+
     # --- the saved model
     def save_layout(self, folder: Path, model: Any, max_length: int) -> None:
         """Make a saved model folder a sentence-transformers one too: modules.json, the pooling's config and

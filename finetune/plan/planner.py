@@ -270,6 +270,9 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
                              padded=uneven and micro > 1, quantization=step.quantization, windows=windows)
             if hasattr(kind, "plan_reference"):  # a reference model's weights, when one sits beside the model
                 terms |= kind.plan_reference(**_reference_inputs(skeleton, cuda, micro, tokens))[0]
+            if hasattr(kind, "plan_window"):  # a loss over the whole window: its embeddings and scores, resident
+                terms |= kind.plan_window(batch.effective_batch_size,
+                                          getattr(getattr(skeleton.model, "config", None), "hidden_size", 0) or 0)
             tried.append(Attempt(step.name, micro, sum(terms.values())))
             known[micro] = sum(terms.values()), terms
             return known[micro]
