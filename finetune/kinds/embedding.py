@@ -202,11 +202,14 @@ class EmbeddingMetrics:
 
     def result(self, reduce: Reduce) -> dict[str, float]:
         """Loss over the whole evaluation set and the retrieval (or correlation) metrics."""
-        groups = self.samples[0].shape[1] if self.samples else 2
-        width = self.samples[0].shape[2] if self.samples else 0
+        # The samples' shape from the processes that have some (one with no evaluation row still gathers).
+        shape = torch.tensor(self.samples[0].shape[1:] if self.samples else (), dtype=torch.float64,
+                             device=self.device)
+        shape = reduce.gather(shape)
+        groups, width = (int(shape[0]), int(shape[1])) if len(shape) else (2, 0)
         mine = torch.cat(self.samples) if self.samples else torch.zeros(0, groups, width, dtype=torch.float64,
                                                                         device=self.device)
-        samples = reduce.gather(mine.reshape(-1)).view(-1, groups, width) if width else mine
+        samples = reduce.gather(mine.reshape(-1)).view(-1, groups, width)
         labels = reduce.gather(torch.cat(self.labels) if self.labels else
                                torch.zeros(0, dtype=torch.float64, device=self.device))
         # Every process knows the data's shape, even one that evaluated no batch.
