@@ -176,7 +176,7 @@ def test_the_loss_and_gradient_are_sentence_transformers_cached_mnrl(tiny_encode
     theirs = _grads(encoder)
     loss, ours = _cached(encoder, kind, collate_fn, [idx[i: i + 4] for i in range(0, 16, 4)], 16)
     # The same rows in the same order (no shuffling of an unsplit table, `_window` reads them as written).
-    assert abs(loss - float(expected)) < 1e-5, (loss, float(expected))
+    assert abs(loss - expected.item()) < 1e-5, (loss, expected.item())
     assert _max_diff(ours, theirs) < 1e-5
 
 

@@ -56,8 +56,8 @@ class Entry:
     # How the app shows the kind, each by a name the app keeps a table of (app/tryit/renderers.py, …), so that a kind
     # chooses its views here and the app compares no kind's name:
     # Try it's view of a prediction: "probabilities" (of each label), "entities" (the words with their entities
-    # highlighted), "value" (a number), "score" (a reward), "text" (a generated continuation) or "embedding" (a
-    # vector).
+    # highlighted), "value" (a number), "score" (a reward), "text" (a generated continuation) or "vector" (an
+    # embedding).
     try_view: str = "probabilities"
     # When Try it chats with the model instead: "messages" (the run trained on conversations: its config names
     # `messages_column`), "template" (its saved model has a chat template), or "" (never).
@@ -175,7 +175,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                     "segment_recurrence": "an embedding model reads each sentence whole; turn it off",
                     "split_documents": "a pair's sentences are cut at `max_length`, not split; use "
                                        "long_documents=truncate (or auto)"},
-          try_view="embedding"),
+          try_view="vector"),
 )}
 OPTION_KEYS = tuple(dict.fromkeys(key for e in ENTRIES.values() for key in e.options))  # every kind's own options
 DEFAULT = "classification"
