@@ -434,3 +434,13 @@ def test_lora_merged_is_a_sentence_transformers_model(tmp_path, tiny_encoder, pa
     ours = torch.tensor([predict(str(tmp_path / "lora" / "model"), ["good movie"])[0]["embedding"]])
     torch.testing.assert_close(ours, theirs.float(), atol=1e-5, rtol=0)
     assert (tmp_path / "lora" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_the_model_card_says_sentence_transformers():
+    from finetune.run.modelcard import _usage, metadata
+
+    c = from_dict({"task": "embedding", "dataset": "pairs.csv"})
+    meta = metadata(c, adapter=False, license=None, metrics={"cosine_ndcg@10": 0.9})
+    assert meta["library_name"] == "sentence-transformers" and meta["pipeline_tag"] == "sentence-similarity"
+    usage = _usage(c, "me/model", adapter=False)
+    assert 'SentenceTransformer("me/model")' in usage and "pipeline(" not in usage
