@@ -12,9 +12,12 @@ ARG TORCH_VERSION=2.13.0
 # that has no GPU to use them. For a GPU image pass the CUDA wheel index that matches the host's driver.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
+# CMAKE_ARGS: `pip install "finetune[export]"` in this image (or one built from it) compiles llama.cpp for any x86-64
+# processor, not for the build machine's (a Space runs the image on other hardware; docs/export.md).
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 
 # torch first, in its own layer: `pip install .` below then finds `torch>=2.4` satisfied and keeps this build.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"

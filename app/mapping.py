@@ -16,13 +16,11 @@ from typing import Any
 import yaml
 
 from app.limits import config_size_problem, short_problems
-from finetune.config.tasks import parse_tasks
 from finetune.config.schema import (
     FIELDS,
-    YAML_TOO_BIG,
     Config,
     ConfigError,
-    YamlTooBig,
+    YamlRefused,
     field_type,
     format_bound,
     from_dict,
@@ -30,6 +28,7 @@ from finetune.config.schema import (
     load_yaml,
     read_yaml,
 )
+from finetune.config.tasks import parse_tasks
 from finetune.kinds import registry as kinds
 
 FIELD_NAMES: tuple[str, ...] = tuple(FIELDS)
@@ -210,8 +209,8 @@ def tasks_from_widget(value: Any) -> Any:
             return None
         try:
             value = load_yaml(value)
-        except YamlTooBig:
-            raise ConfigError([YAML_TOO_BIG]) from None
+        except YamlRefused as e:  # too big, too deep, a number too long: its own sentence
+            raise ConfigError([str(e)]) from None
         except yaml.YAMLError:
             return value
     specs, problems = parse_tasks(value)
@@ -261,8 +260,8 @@ def parse_config_yaml(text: str) -> Config:
         raise ConfigError([too_big])
     try:
         data = load_yaml(text)
-    except YamlTooBig:
-        raise ConfigError([YAML_TOO_BIG]) from None
+    except YamlRefused as e:  # too big, too deep, a number too long: its own sentence
+        raise ConfigError([str(e)]) from None
     except yaml.YAMLError:
         raise ConfigError(["The config is not valid YAML: fix its syntax."]) from None
     if data is None:

@@ -105,10 +105,21 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
 
     # As PID 1 of a container, Python ignores SIGTERM; make `docker stop` close the server like Ctrl-C does.
     signal.signal(signal.SIGTERM, on_sigterm)
+    _no_spaces_reloader()
     app.demo.queue(default_concurrency_limit=1).launch(
         server_name=args.host, server_port=args.port, max_file_size=args.max_file_size, css=app.css, js=app.js,
         footer_links=["gradio", "settings"], inbrowser=args.open, **kwargs)
     return app
+
+
+def _no_spaces_reloader() -> None:
+    """Gradio starts its hot-reloader on every Space (no setting turns it off), and that needs the `spaces` package,
+    which a Gradio-SDK Space has and this Docker image does not: each start logged "RuntimeError: `spaces` package
+    is required to run hot-reloading in Spaces" from the watcher's thread. The app is never reloaded in place (a
+    new image is a new container), so its watcher does nothing."""
+    from gradio import http_server
+
+    http_server.watchfn_spaces = lambda reloader: None
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -13,12 +13,14 @@ import json
 import os
 import signal
 import sys
+import textwrap
 import threading
 from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import Config, ConfigError, load
 from finetune.errors import EXIT_STOPPED, FinetuneError, describe
+from finetune.kinds import registry as kinds
 from finetune.remote.args import REMOTE_ONLY, add_backend_arguments, add_jobs_parser
 
 # Only the light modules above load at start: each command imports the engine (torch, transformers, …) inside its
@@ -259,13 +261,24 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def kind_options_help() -> str:
+    """The options each task kind brings, by kind (their registry entries' declarations), for `train --help`."""
+    lines = ["options a task kind brings (every option, with its help: `finetune init`, docs/configuration.md):"]
+    for e in kinds.ENTRIES.values():
+        if e.declares:
+            names = ", ".join(o.name for o in e.declares)
+            lines += textwrap.wrap(f"task={e.name}: {names}", width=100, initial_indent="  ", subsequent_indent="    ")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `finetune` command."""
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune Transformers models within a memory "
                                      "budget, with exact gradient accumulation.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="Fine-tune a model.", description="Fine-tune as CONFIG says; key=value "
-                       "arguments override its options (CONFIG may be left out).")
+                       "arguments override its options (CONFIG may be left out).", epilog=kind_options_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="YAML config file (see `finetune init`).")
     p.add_argument("overrides", nargs="*", help="key=value options, e.g. learning_rate=2e-5 epochs=1")
     p.add_argument("-q", "--quiet", action="store_true", help="No progress bar.")

@@ -83,6 +83,9 @@ def summary(value: object, max_chars: int = SUMMARY_CHARS) -> str:
         return f"a mapping of {len(value):,} keys"
     if isinstance(value, (str, bytes)) and len(value) > 4 * max_chars:
         value = value[:4 * max_chars]  # the repr of a 100 MB string is not built just to be cut
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * max_chars:
+        # Python refuses the repr of an int of more than 4,300 digits (a JSON config can carry one)
+        return f"a whole number of about {int(value.bit_length() * 0.30103):,} digits"
     if value is None or isinstance(value, (str, bytes, bool, int, float)):
         text = repr(value)
     else:

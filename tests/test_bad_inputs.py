@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,105 @@ def test_a_failure_after_the_start_is_the_runs_last_event(capsys, monkeypatch, t
     assert "Traceback" not in err
     last = read_events(tmp_path / "run" / "events.jsonl")[-1]
     assert (last["event"], last["exit_code"], last["message"]) == ("error", 1, "training diverged")
+
+
+# --- Issue 28: what a new user or an attacker gave, each one sentence with exit 2 before training starts
+
+def _cli(tmp_path, *argv: str) -> tuple[int, str, float]:
+    """`python -m finetune train …` in a child (as a user runs it): exit code, stderr, seconds."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "finetune", "train", *argv, f"output_dir={tmp_path / 'run'}", "-q"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    return proc.returncode, proc.stderr, time.perf_counter() - start
+
+
+def _one_sentence(code: int, err: str, tmp_path: Path) -> None:
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_text_column_of_numbers_or_ids_is_refused_as_the_app_refuses_it(capsys, tmp_path, base):
+    numbers = tmp_path / "scores.csv"
+    numbers.write_text("id,score\n" + "".join(f"{i},{i % 2}\n" for i in range(40)))
+    code, err = _run(capsys, *base, f"dataset={numbers}", "label_column=score")
+    assert code == 2 and err == ("error: Column 'id', the `text_column` (guessed: no `text_column` was given), holds "
+                                 "numbers, not text: set text_column= to the column with the text, or add one to the "
+                                 "file.\n")
+    codes = tmp_path / "codes.csv"
+    codes.write_text("code,sentence,label\n" + "".join(f"A-{i},fine film {i},{i % 2}\n" for i in range(40)))
+    code, err = _run(capsys, *base, f"dataset={codes}", "text_column=code")
+    assert code == 2 and err.startswith("error: Column 'code', the `text_column`, looks like ids (one distinct code "
+                                        "per row), not text: set text_column= to the column with the text (the "
+                                        "others are: sentence)")
+    assert _run(capsys, *base, f"dataset={codes}", "text_column=sentence")[0] == 0  # its text column trains
+
+
+def test_a_json_record_with_200000_fields_is_refused_at_once(tmp_path, tiny_bert):
+    """The second record of a 2.7 MB JSON Lines file has 200,000 keys: `datasets` took 97.8 s to fail on it."""
+    data = tmp_path / "wide.jsonl"
+    rows = [{"text": "good film", "label": "pos"}, {f"k{i}": 0 for i in range(200_000)},
+            *({"text": f"film {i}", "label": ["pos", "neg"][i % 2]} for i in range(20))]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, err, seconds = _cli(tmp_path, f"model={tiny_bert}", f"dataset={data}")
+    _one_sentence(code, err, tmp_path)
+    assert err == ("error: Dataset file '" + str(data) + "': line 2 has more than 1,000 fields (nested ones "
+                   "counted), and a record may have at most 1,000: keep only the fields you train on.\n")
+    assert seconds < 30  # about 12 s here, nearly all of it the start of a Python that imports torch
+
+
+def test_conversations_count_their_turns_fields_once():
+    from finetune.data.load import MAX_RECORD_KEYS, _fields
+
+    long_chat = {"messages": [{"role": "user", "content": "hi"}] * 5_000, "id": 3}
+    assert _fields(long_chat) == 4  # messages, messages[].role, messages[].content, id
+    assert _fields({f"k{i}": {"a": 1} for i in range(MAX_RECORD_KEYS)}) > MAX_RECORD_KEYS
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), [
+    ("digits", "max_steps: " + "6" * 60_000 + "\n", "a number too long to read (more than 4,300 digits)"),
+    ("deep_mapping", "epochs: " + "{a: " * 12_000 + "1" + "}" * 12_000 + "\n", "more than 50 levels deep"),
+    ("deep_list", "epochs: " + "[" * 20_000 + "]" * 20_000 + "\n", "more than 50 levels deep"),
+    ("aliases", "a: &a [1]\n" + "".join(f"a{i}: &a{i} [*{'a' if i == 0 else f'a{i - 1}'}]\n"
+                                        for i in range(3_000)), "expands to more than 10,000 values"),
+])
+def test_yaml_that_cannot_be_built_is_one_sentence(tmp_path, name, text, expected):
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(text)
+    code, err, _ = _cli(tmp_path, str(config))
+    _one_sentence(code, err, tmp_path)
+    assert err.startswith(f"error: Config file {str(config)!r}: the config's YAML ") and expected in err
+
+
+def test_a_60000_digit_override_is_one_sentence(capsys, base):
+    code, err = _run(capsys, *base, "max_steps=" + "6" * 60_000)
+    assert code == 2 and err.startswith("error: Override 'max_steps': the config's YAML holds a number too long")
+
+
+def test_a_5000_character_reference_model_is_one_sentence(tmp_path, tiny_gpt2, pairs_csv):
+    code, err, _ = _cli(tmp_path, "task=preference", f"model={tiny_gpt2}", f"dataset={pairs_csv}",
+                        "reference_model=" + "a" * 5_000)
+    _one_sentence(code, err, tmp_path)
+    assert err == ("error: `reference_model` has 5,000 characters, more than a folder's path (at most 4,096) or a "
+                   "Hub id (at most 96) has: give a model folder or a Hub id.\n")
+    code, err, _ = _cli(tmp_path, "task=preference", f"model={tiny_gpt2}", f"dataset={pairs_csv}",
+                        "reference_model=" + "a" * 300)  # too long for a file name, not for a path
+    assert code == 2 and err.startswith("error: Model 'aaaa") and "nor a Hub id (its name has 300 characters" in err
+
+
+def test_a_regression_target_written_as_python_writes_numbers_is_refused(capsys, tmp_path, base):
+    data = tmp_path / "targets.csv"
+    data.write_text("sentence,label\ngood film,1_000\n" + "".join(f"film {i},{i}.5\n" for i in range(20)))
+    code, err = _run(capsys, *base, f"dataset={data}", "task=regression")
+    assert code == 2 and err == (f"error: Target column 'label' of {str(data)!r} at row 1 is '1_000', not a finite "
+                                 "number: regression needs a number in every row; fix or remove that row.\n")
+
+
+def test_integer_and_string_tags_side_by_side_are_refused(tmp_path, tiny_bert):
+    data = tmp_path / "tags.jsonl"
+    data.write_text("".join(json.dumps({"tokens": ["Ann", "runs"], "tags": [0, "B-PER"] if i == 3 else
+                                        ["B-PER", "O"]}) + "\n" for i in range(20)))
+    code, err, _ = _cli(tmp_path, "task=token_classification", f"model={tiny_bert}", f"dataset={data}")
+    _one_sentence(code, err, tmp_path)
+    assert err == (f"error: Tags column 'tags' of {str(data)!r} mixes kinds of values: tags are all strings, or all "
+                   "integers.\n")

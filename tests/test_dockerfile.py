@@ -8,7 +8,9 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
+import pytest
 import yaml
 from conftest import ROOT
 
@@ -128,3 +130,35 @@ def test_readme_first_command_installs_and_opens_the_app():
     assert "finetune train assets/demo.yaml" in quick_start.split("## Using it", 1)[0]  # the CLI demo beside it
     args = build_parser().parse_args(command[2:])  # every flag it uses exists
     assert args.open and "![" in readme and (ROOT / "assets" / "screenshot.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_space_starts_without_gradios_hot_reloader(tmp_path):
+    """Gradio starts its Spaces hot-reloader wherever SYSTEM=spaces; without the `spaces` package (this image has
+    none) every start logged a RuntimeError from its thread. The app turns the watcher off."""
+    from conftest import served_app
+
+    log = tmp_path / "app.log"
+    space = {"SPACE_ID": "owner/finetune", "SYSTEM": "spaces", "SPACE_AUTHOR_NAME": "owner",
+             "OAUTH_CLIENT_ID": "x", "OAUTH_CLIENT_SECRET": "x", "OAUTH_SCOPES": "openid profile",
+             "OPENID_PROVIDER_URL": "https://huggingface.co"}
+    with served_app(tmp_path, log=log, **space) as (url, _):
+        time.sleep(1)  # the watcher's thread starts beside the server's
+    text = log.read_text()
+    assert "hot-reloading" not in text and "Traceback" not in text, text
+
+
+def test_llama_cpp_is_built_portable_wherever_it_is_installed():
+    """llama-cpp-python compiles llama.cpp on install: for any x86-64 processor, not the build machine's own
+    instruction set (a native build died of SIGILL on a virtual machine that advertises AVX-512 and AMX)."""
+    from finetune.use.llamacpp import PORTABLE, REINSTALL
+
+    flag = f'CMAKE_ARGS="{PORTABLE}"'
+    assert _env()["CMAKE_ARGS"] == PORTABLE  # a `pip install "finetune[export]"` in the image, or one built on it
+    ci = re.sub(r"\\\n\s*", "", (ROOT / ".ci" / "run").read_text())
+    install = next(line for line in ci.splitlines() if "pip install" in line and ".[test]" in line)
+    assert install.startswith(flag + " ")
+    readme = (ROOT / "README.md").read_text()
+    assert f'{flag} python -m pip install torch==2.13.0 -e ".[test]" && python -m pytest -q -n 2' in readme
+    export_page = (ROOT / "docs" / "export.md").read_text()
+    assert f'{flag} pip install "finetune[export]"' in export_page and "--force-reinstall --no-cache-dir" in REINSTALL

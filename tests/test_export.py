@@ -231,10 +231,96 @@ def test_the_cli_exports_merged_and_refuses_with_exit_2(chat_run, tmp_path, caps
     assert err.startswith("error: --quant is for --format gguf") and err.count("\n") == 1
 
 
-# --- GGUF: llama.cpp's converter, quantizer and runtime (llama-cpp-python, built from source; the `export` extra)
+def test_gguf_is_offered_for_every_kind_that_generates_text(tmp_path, tiny_gpt2, pairs_csv, tiny_bert, cls_csv,
+                                                              monkeypatch):
+    """By the kind's registry entry (its text-generation pipeline), not its name: a preference-tuned model is a
+    causal LM that Try it chats with, so it converts; a classifier does not."""
+    from finetune.kinds import registry
+    from finetune.use import llamacpp
+
+    assert {k for k in registry.names() if export_mod.generates_text(k)} == {"causal_lm", "preference"}
+
+    def reached(llama_cpp=None):
+        raise llamacpp.LlamaCppError("reached llama.cpp's converter")
+
+    monkeypatch.setattr(llamacpp, "converter", reached)
+    run_train(tmp_path / "pref", model=tiny_gpt2, dataset=pairs_csv, task="preference", max_steps=1,
+              effective_batch_size=8)
+    with pytest.raises(llamacpp.LlamaCppError, match="reached llama.cpp's converter"):
+        prepare(str(tmp_path / "pref"), fmt="gguf", out=str(tmp_path / "never"))
+    run_train(tmp_path / "cls", model=tiny_bert, dataset=cls_csv, max_steps=1, effective_batch_size=8)
+    with pytest.raises(ExportError, match="this run trained a classification model"):
+        prepare(str(tmp_path / "cls"), fmt="gguf", out=str(tmp_path / "never"))
+
+
+# --- llama.cpp in child processes: relative paths, crashes and failures are sentences
+
+CONVERTER = """import pathlib, sys
+model, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[3])
+if not model.is_dir():
+    sys.exit(f"error: {model} is not a directory")
+out.write_bytes(b"GGUF")
+"""
+SIGILL = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+CRASHED = ('llama.cpp crashed on this processor (SIGILL) while {}: reinstall it built for any x86-64 processor with '
+           'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install --force-reinstall '
+           '--no-cache-dir llama-cpp-python.')
+
+
+def test_the_converter_gets_absolute_paths_and_its_crash_is_a_sentence(tmp_path, monkeypatch):
+    """The app exports with relative paths (runs/…/export/merged) and the converter runs in its own folder."""
+    from finetune.use import llamacpp
+
+    script = tmp_path / "llama.cpp" / llamacpp.CONVERTER
+    script.parent.mkdir()
+    script.write_text(CONVERTER)
+    (tmp_path / "work" / "runs" / "r" / "export" / "merged").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    out = llamacpp.convert(script, Path("runs/r/export/merged"), Path("runs/r/export/model-f16.gguf"))
+    assert out.read_bytes() == b"GGUF"
+    script.write_text(SIGILL)
+    with pytest.raises(llamacpp.LlamaCppCrash) as crash:
+        llamacpp.convert(script, Path("runs/r/export/merged"), Path("runs/r/export/model-f16.gguf"))
+    assert str(crash.value) == CRASHED.format("converting the model to GGUF") and crash.value.exit_code == 2
+
+
+def test_a_llama_cpp_crash_ends_the_export_with_one_sentence_and_exit_2(chat_run, tmp_path, monkeypatch, capsys):
+    """llama.cpp's quantizer dies of SIGILL (as a native build does on a processor that advertises instructions it
+    does not allow): the CLI, and this test worker, live on and say how to reinstall it portable."""
+    from finetune.use import llamacpp
+
+    out = tmp_path / "g"
+    export(str(chat_run), out=str(out))  # the merged folder; then an f16 GGUF as a conversion would leave it
+    (out / "model-f16.gguf").write_bytes(b"GGUF")
+    record = json.loads((out / "export.json").read_text())
+    (out / "export.json").write_text(json.dumps({**record, "gguf": str(out / "model-f16.gguf")}))
+    monkeypatch.setattr(llamacpp, "converter", lambda llama_cpp=None: Path(llamacpp.CONVERTER))
+    monkeypatch.setattr(llamacpp, "CHILD", SIGILL)
+    capsys.readouterr()
+    assert main(["export", str(chat_run), "--format", "gguf", "--quant", "q8_0", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == ("export: quantizing to q8_0 with llama.cpp's quantizer…\nerror: "
+                                       + CRASHED.format("quantizing model-f16.gguf to q8_0") + "\n")
+    assert not (out / "model-q8_0.gguf").exists()
+
+
+# --- GGUF: llama.cpp's converter, quantizer and runtime (llama-cpp-python, built from source; the `export` extra).
+# Every test that runs llama.cpp is slow (minutes here): the fast lane (-m "not slow") leaves them out.
 
 needs_llama_cpp = pytest.mark.skipif(find_spec("llama_cpp") is None or find_spec("gguf") is None,
                                      reason="llama-cpp-python and gguf are not installed (pip install '.[export]')")
+
+
+@needs_llama_cpp
+def test_a_gguf_llama_cpp_cannot_load_is_a_sentence(tmp_path):
+    from finetune.use import llamacpp
+
+    broken = tmp_path / "export" / "model-f16.gguf"
+    broken.parent.mkdir()
+    broken.write_bytes(b"GGUF\x03\x00\x00\x00 not a model")
+    with pytest.raises(llamacpp.LlamaCppError, match=r"^llama.cpp could not load model-f16.gguf \(.*its notes are "
+                       r"in llama.cpp.log beside it\): export with --no-check") as e:
+        llamacpp.end_of_generation(broken)
+    assert str(tmp_path) not in str(e.value)
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +334,7 @@ def f16_export(chat_run, tmp_path_factory):
 
 
 @needs_llama_cpp
+@pytest.mark.slow
 def test_the_gguf_carries_the_runs_template_tokens_and_end_of_turn(f16_export):
     from finetune.use import llamacpp
 
@@ -268,6 +355,7 @@ def test_the_gguf_carries_the_runs_template_tokens_and_end_of_turn(f16_export):
 
 
 @needs_llama_cpp
+@pytest.mark.slow
 def test_slow_llama_cpp_greedy_generation_matches_transformers(chat_run, f16_export, tmp_path, capsys):
     """The behaviour check, end to end through the CLI: f16 and q8_0 agree token for token and stop at
     <|im_end|>; q4_k_m reports its agreement rate. About 20 s when written; 276 s at a load of 10 to 20.
@@ -297,6 +385,7 @@ def test_slow_llama_cpp_greedy_generation_matches_transformers(chat_run, f16_exp
 
 
 @needs_llama_cpp
+@pytest.mark.slow
 def test_gguf_refusals_name_the_tokenizer_or_architecture(chat_run, tmp_path):
     from test_chat import _llama3_tokenizer
 
@@ -410,6 +499,7 @@ def test_a_template_with_more_than_turn_wrappers_is_refused(tmp_path):
 
 # --- Pushing the export to the Hub (`finetune push RUN REPO --export`), against tests/fakehub.py
 
+@pytest.mark.slow  # it converts and runs a GGUF when llama.cpp is installed
 def test_push_uploads_the_export_with_a_card_that_says_how_to_run_it(chat_run, tmp_path, monkeypatch, capsys,
                                                                      request):
     import huggingface_hub

@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -172,3 +174,32 @@ def test_planned_weights_are_what_bitsandbytes_stores(llama64, short_lm, quantiz
     # Quantized, the 14 linear layers take an eighth (4-bit) or a quarter (8-bit) of their fp32 bytes, plus constants.
     fp32 = sum(m.in_features * m.out_features * 4 for m in quantized)
     assert planned["quantized_weights"] == fp32 // (8 if quantization == "4bit" else 4)
+
+
+def test_a_run_without_quantization_never_imports_bitsandbytes(tmp_path, tiny_bert, cls_csv):
+    """The planner asks whether bitsandbytes is installed without importing it (2 to 4 s, and its CPU kernels'
+    notes on stderr); only a quantized base or 8-bit AdamW imports it. Checked in a child: this test process has
+    imported it above."""
+    script = ("import sys\nfrom finetune.cli import main\n"
+              f"code = main(['train', 'model={tiny_bert}', 'dataset={cls_csv}', 'output_dir={tmp_path / 'run'}', "
+              "'max_steps=2', 'effective_batch_size=8', 'eval_fraction=0', 'lora=auto', '-q'])\n"
+              "print(code, 'bitsandbytes' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.stdout.split()[-2:] == ["0", "False"], proc.stderr
+    assert "gemm_4bit" not in proc.stderr and "kernels" not in proc.stderr
+    from finetune.models import quantize
+
+    assert quantize.available()  # installed (this module was skipped otherwise), all the same
+
+
+def test_a_checkpoint_without_some_layers_is_refused_before_quantizing_them(tmp_path, short_lm):
+    """The bundled MiniLM as a causal LM lacks its language-model head's dense layer: transformers creates it after
+    quantizing, and peft's 4-bit LoRA layer failed on it with an AttributeError. One sentence, exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "finetune", "train", "task=causal_lm", "quantization=4bit",
+                           f"dataset={short_lm}", f"output_dir={tmp_path / 'run'}", "max_steps=1", "-q"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: quantization=4bit cannot quantize 'bundled:all-MiniLM-L6-v2' as a "
+                                  "causal_lm model: the checkpoint lacks 1 layer(s) of that model "
+                                  "(cls.predictions.transform.dense)") and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "run" / "model").exists()

@@ -13,7 +13,6 @@ import hashlib
 import io
 import itertools
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -28,7 +27,16 @@ from app.limits import short_text
 from app.mapping import COLUMN_FIELDS, task_label
 from finetune.config.schema import Config
 from finetune.data.chat import MESSAGES_NAMES
-from finetune.data.load import Columns, DataError, is_local, label_counts, load_table, resolve_columns
+from finetune.data.load import (
+    SANITY_ROWS,
+    Columns,
+    DataError,
+    is_local,
+    label_counts,
+    load_table,
+    not_text,
+    resolve_columns,
+)
 from finetune.kinds import registry as kinds
 
 PREVIEW_ROWS = 5
@@ -43,8 +51,6 @@ MAX_PREVIEW_COLUMNS = 50
 MAX_CELL_CHARS = 300
 MAX_LISTED = 30  # labels or column names listed under the preview
 MAX_ERROR_CHARS = 600  # a data error lists the columns that exist: at most this much of it
-SANITY_ROWS = 200  # rows of a text column read to tell text from numbers or ids
-ID_LIKE = re.compile(r"^[A-Za-z0-9_.:#/-]{1,64}$")
 TEXT_ROLES = {"text_column": "Text column", "text_pair_column": "Text pair column", "prompt_column": "Prompt column",
               "completion_column": "Completion column"}
 
@@ -285,16 +291,11 @@ def _text_problem(source: str, config_name: str | None, split: str, chosen: dict
             table = load(source, config_name, split, columns=(column,), head=SANITY_ROWS)
         except DataError:
             return None  # the full check below words the problem
-        values = [v for v in table[column][:SANITY_ROWS] if v is not None]
         how = "" if given.get(role) == column else " (guessed: it is the only column beside the label)"
-        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            return (f"{what} `{column}`{how} holds numbers, not text: pick the column with the text under {what}, "
-                    "or add one to the file.", role)
-        strings = [v for v in values if isinstance(v, str)]
-        if len(strings) >= 2 and len(set(strings)) == len(strings) and all(
-                ID_LIKE.match(v) and any(ch.isdigit() for ch in v) for v in strings):
-            return (f"{what} `{column}`{how} looks like ids (one distinct code per row), not text: pick the column "
-                    f"with the text under {what}, or add one to the file.", role)
+        # The same check as `finetune train`'s (finetune.data.load.not_text), in the form's words.
+        if reason := not_text(table[column][:SANITY_ROWS]):
+            return (f"{what} `{column}`{how} {reason}, not text: pick the column with the text under {what}, or "
+                    "add one to the file.", role)
     return None
 
 

@@ -118,8 +118,8 @@ class TryItHandlers:
         """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
         text is the user's turn), {generated}, {value}, {score} or {words, tags, entities} (the kind's record).
 
-        Raises `Unanswered` without a text or a finished model, and `finetune.models.pretrained.ModelError` when the model
-        cannot be loaded."""
+        Raises `Unanswered` without a text or a finished model, and `finetune.models.pretrained.ModelError` when the
+        model cannot be loaded."""
         text, status = self._finished_run(text, request)
         from finetune.use.predict import predict
 

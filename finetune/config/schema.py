@@ -2,7 +2,8 @@
 
 Every public option is a field of `Config`. Its metadata (help text, choices, bounds) is what the CLI's `init`
 template, the option table of docs/configuration.md and the GUI's widgets are generated from, so defaults live here
-and only here.
+and only here, or, for an option only one task kind reads, in that kind's registry entry (`Entry.declares`), from
+which `Config` gets the field (`_with_kind_options`).
 """
 
 from __future__ import annotations
@@ -49,14 +50,40 @@ def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, min
     return field(default=default, metadata=meta)
 
 
+KIND_OPTIONS_AFTER = "rejected_column"  # the kinds' own options follow the columns every kind may read
+
+
+def _with_kind_options(cls: type) -> type:
+    """`cls` with the options the task kinds declare (`finetune.kinds.registry.Option`, in registry order) as fields
+    after `KIND_OPTIONS_AFTER`, before `dataclass` makes it: a kind's option is a field like any other, declared
+    with its kind."""
+    declared = [o for e in kinds.ENTRIES.values() for o in e.declares]
+    names = [o.name for o in declared]
+    own = cls.__dict__.get("__annotations__", {})
+    clash = sorted({n for n in names if names.count(n) > 1 or n in own})
+    if clash:
+        raise TypeError(f"Options declared twice (by two kinds, or by a kind and the schema): {', '.join(clash)}.")
+    annotations: dict[str, Any] = {}
+    for name, hint in own.items():
+        annotations[name] = hint
+        if name == KIND_OPTIONS_AFTER:
+            for o in declared:
+                annotations[o.name] = o.annotation
+                setattr(cls, o.name, _opt(o.default, o.help, choices=o.choices, min=o.min, max=o.max, group=o.group,
+                                          source=o.source))
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass(frozen=True)
+@_with_kind_options
 class Config:
     """A fine-tuning run, exactly as `config.yaml` spells it."""
 
     # --- what to train on
     model: str = _opt(DEFAULT_MODEL, "Hub id or local folder of a Transformers model; the default is the bundled "
                       "MiniLM-L6 (works offline).", source="model")
-    task: str = _opt("classification", TASK_HELP, choices=TASKS)
+    task: str = _opt(kinds.DEFAULT, TASK_HELP, choices=TASKS)
     dataset: str | None = _opt(None, "Hub dataset id or a local .csv/.tsv/.json/.jsonl/.parquet file.", source="data")
     dataset_config: str | None = _opt(None, "Hub dataset configuration name (for example 'sst2' of 'glue').",
                                       group="data")
@@ -82,57 +109,6 @@ class Config:
                                      group="data")
     rejected_column: str | None = _opt(None, "Preference, reward: the dispreferred completion's column (default "
                                        "'rejected').", group="data")
-    preference_loss: str = _opt("dpo", "Preference: the loss: dpo (against a reference), ipo (DPO's squared, "
-                                "per-token form), simpo (length-normalised, no reference) or orpo (likelihood + "
-                                "odds ratio, no reference).", choices=("dpo", "ipo", "simpo", "orpo"),
-                                group="advanced")
-    beta: float = _opt(0.1, "Preference: β, the strength of the preference term (DPO/IPO's KL weight, SimPO's "
-                       "reward scale).", min=1e-6, max=100.0, group="advanced")
-    simpo_gamma: float = _opt(0.5, "Preference, simpo: the target reward margin γ.", min=0.0, max=100.0,
-                              group="advanced")
-    orpo_lambda: float = _opt(1.0, "Preference, orpo: λ, the weight of the odds-ratio term beside the likelihood.",
-                              min=0.0, max=100.0, group="advanced")
-    reference_model: str | None = _opt(None, "Preference, dpo/ipo: Hub id or local folder of the reference model "
-                                       "(default: the model being tuned, as it starts; with LoRA, its base with "
-                                       "the adapter switched off).", group="advanced", source="model")
-    precompute_reference: str = _opt("auto", "Preference, dpo/ipo: compute the reference's log-probabilities once "
-                                     "before training and keep them in the data cache, so that no reference is in "
-                                     "memory while training (auto: unless LoRA's adapter-off base is the reference, "
-                                     "or the data is streamed; false: a frozen copy beside the model).",
-                                     choices=("auto", "true", "false"), group="advanced")
-    tokens_column: str | None = _opt(None, "Token classification: column of word lists (default 'tokens' or "
-                                     "'words').", group="data")
-    tags_column: str | None = _opt(None, "Token classification: column of per-word tag lists, integers (with the "
-                                   "hub's ClassLabel names) or strings (default 'ner_tags' or 'tags').", group="data")
-    label_all_tokens: bool = _opt(False, "Token classification: put each word's tag on all its sub-tokens (a B- tag "
-                                  "continuing as I-), not only on the first.", group="data")
-    center_rewards_coefficient: float | None = _opt(None, "Reward: weight of the centring term c·(r_chosen + "
-                                                    "r_rejected)² added to each pair's loss, which keeps the "
-                                                    "scores near 0 (TRL's; unset: none).", min=0.0, max=100.0,
-                                                    group="advanced")
-    # --- task: embedding (finetune/kinds/embedding.py)
-    anchor_column: str | None = _opt(None, "Embedding: the anchor (query) column (default 'anchor', 'query' or "
-                                     "'sentence1').", group="data")
-    positive_column: str | None = _opt(None, "Embedding: the positive (document) column, or the second sentence of "
-                                       "a scored pair (default 'positive', 'document' or 'sentence2').", group="data")
-    negative_column: str | None = _opt(None, "Embedding: an optional hard-negative column (default 'negative' if "
-                                       "present).", group="data")
-    score_column: str | None = _opt(None, "Embedding: the similarity of a scored pair, in [0, 1] (default 'score' "
-                                    "or 'similarity' beside sentence pairs); scored pairs train with CoSENT.",
-                                    group="data")
-    embedding_loss: str = _opt("auto", "Embedding: the loss: mnrl (multiple-negatives ranking: each anchor's "
-                               "positive against every positive and negative of the window) or cosent (scored "
-                               "pairs); auto follows the data's shape.", choices=("auto", "mnrl", "cosent"),
-                               group="advanced")
-    embedding_scale: float = _opt(20.0, "Embedding: the scale of the cosine similarities in the loss (an inverse "
-                                  "temperature; sentence-transformers' default 20).", min=1e-3, max=1000.0,
-                                  group="advanced")
-    pooling: str = _opt("auto", "Embedding: how token states become one vector: mean, cls or last token (auto: a "
-                        "sentence-transformers model's own pooling, else mean).",
-                        choices=("auto", "mean", "cls", "last"), group="advanced")
-    normalize: str = _opt("auto", "Embedding: scale the saved model's embeddings to unit length (auto: as a "
-                          "sentence-transformers model does, else true; the cosine loss is the same either way).",
-                          choices=("auto", "true", "false"), group="advanced")
     max_length: int = _opt(256, "Tokens per sample: a longer input is truncated or split as `long_documents` says.",
                            min=8, max=131072, group="data")
     streaming: bool = _opt(False, "Read the training data as a stream, for data bigger than memory or disk: "
@@ -432,23 +408,23 @@ def from_dict(values: dict[str, Any]) -> Config:
     return config
 
 
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
+
 COLUMN_KEYS = tuple(f.name for f in fields(Config) if f.name.endswith("_column"))  # what a task kind reads
-PREFERENCE_LOSS_KEYS = ("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model",
-                        "precompute_reference")
 
 
 def _cross_checks(c: Config) -> list[str]:
     problems = []
-    if c.task in TASKS:  # another kind's columns (an unknown task is refused on its own)
+    if c.task in TASKS:  # another kind's columns and options (an unknown task is refused on its own)
         problems += kinds.column_problems(c.task, {key: getattr(c, key) for key in COLUMN_KEYS + kinds.OPTION_KEYS})
-    if c.task == "reward":  # the preference kind's loss options: a reward model has one loss and no reference
-        problems += [f"`{f.name}` is for task=preference; task=reward trains with the Bradley–Terry loss and no "
-                     f"reference model: drop `{f.name}`." for f in fields(Config)
-                     if f.name in PREFERENCE_LOSS_KEYS and getattr(c, f.name) != f.default]
+        problems += _declined(c)
     if c.messages_column and (c.prompt_column or c.text_column):
         problems.append("`messages_column` replaces `text_column` and `prompt_column`/`completion_column`: set "
                         "only one of them.")
-    if bool(c.prompt_column) != bool(c.completion_column) and c.task not in ("preference", "reward"):
+    # A kind that reads a prompt alone (preference pairs) takes one without a completion.
+    alone = c.task in TASKS and "prompt_column" in kinds.entry(c.task).columns and \
+        "completion_column" not in kinds.entry(c.task).columns
+    if bool(c.prompt_column) != bool(c.completion_column) and not alone:
         problems.append("`prompt_column` and `completion_column` go together: set both, or neither.")
     if c.streaming and c.max_steps is None:
         problems.append("`streaming=true` needs `max_steps`: a stream's length is unknown, so epochs cannot be "
@@ -458,6 +434,10 @@ def _cross_checks(c: Config) -> list[str]:
                         "`eval_dataset` or `eval_split` (read whole, not streamed).")
     if c.push_to_hub and (problem := repo_id_problem(c.push_to_hub)):
         problems.append(problem)
+    for key in ("model", "reference_model"):  # longer than any path the OS takes, and a Hub id has at most 96
+        if len(value := getattr(c, key) or "") > MAX_PATH_CHARS:
+            problems.append(f"`{key}` has {len(value):,} characters, more than a folder's path (at most "
+                            f"{MAX_PATH_CHARS:,}) or a Hub id (at most 96) has: give a model folder or a Hub id.")
     problems += _long_document_checks(c)
     problems += exclusions.problems(c)  # the features that do not combine, and those a kind does not take
     problems += _quantization_checks(c)
@@ -466,16 +446,26 @@ def _cross_checks(c: Config) -> list[str]:
     return problems + _recurrence_checks(c)
 
 
+def _declined(c: Config) -> list[str]:
+    """One sentence per option of another kind that kind `c.task` declines (`Entry.declines`) set away from its
+    default: a reward model refuses the preference loss's settings."""
+    mine = kinds.entry(c.task)
+    return [f"`{key}` is for task={owner}; task={c.task} {mine.decline_reason}: drop `{key}`."
+            for owner, keys in mine.declines.items() for key in FIELDS if key in keys
+            and getattr(c, key) != FIELDS[key].default]
+
+
 def _quantization_checks(c: Config) -> list[str]:
     if c.quantization not in ("8bit", "4bit"):
         return []
     problems = []
+    takers = [n for n in TASKS if "quantization" in kinds.entry(n).features]
     if c.lora == "false":
         problems.append(f"`quantization={c.quantization}` trains LoRA adapters on a frozen quantized base, so it "
                         "cannot train without LoRA: set lora=auto (or true), or quantization=none.")
-    if c.task != "causal_lm":
-        problems.append(f"`quantization={c.quantization}` is for task=causal_lm (a classifier's head would be "
-                        "quantized with its base): set quantization=none.")
+    if c.task not in takers:
+        problems.append(f"`quantization={c.quantization}` is for task={' or '.join(takers)} (a classifier's head "
+                        "would be quantized with its base): set quantization=none.")
     for key in ("segment_recurrence", "tasks"):
         if getattr(c, key):
             problems.append(f"`quantization={c.quantization}` is not available with `{key}` yet: set "
@@ -514,12 +504,33 @@ def _long_document_checks(c: Config) -> list[str]:
 MAX_YAML_NODES = 10_000  # values of a config once its aliases are expanded; a real one has a few hundred
 YAML_TOO_BIG = (f"The config's YAML expands to more than {MAX_YAML_NODES:,} values (through `&anchor`/`*alias` "
                 "references): write the values out.")
+MAX_YAML_DEPTH = 50  # levels of nesting; a config has three (tasks: a list of mappings of values)
+YAML_TOO_DEEP = (f"The config's YAML nests lists or mappings more than {MAX_YAML_DEPTH} levels deep; a config is a "
+                 "mapping of option: value lines (`tasks` a list of mappings): write it flat.")
+YAML_NUMBER_TOO_LONG = ("The config's YAML holds a number too long to read (more than 4,300 digits); no option takes "
+                        "one: write the number out shorter.")
+
+
+class YamlRefused(yaml.YAMLError):
+    """YAML the config reader will not build (too big, too deep, a number too long): its message is the sentence."""
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader that refuses a document whose aliases expand past `MAX_YAML_NODES` values, before it
-    is constructed: nested aliases grow ninefold per level, and a 450-byte bomb would otherwise become a list whose
-    text (in any message or copy) takes gigabytes and minutes."""
+    """PyYAML's safe loader that refuses a document nested deeper than `MAX_YAML_DEPTH` as it is composed (PyYAML
+    composes by recursion, and 12,000 levels ended in a RecursionError) and one whose aliases expand past
+    `MAX_YAML_NODES` values, before it is constructed: nested aliases grow ninefold per level, and a 450-byte bomb
+    would otherwise become a list whose text (in any message or copy) takes gigabytes and minutes."""
+
+    depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise YamlTooDeep(YAML_TOO_DEEP)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def construct_document(self, node: yaml.Node) -> Any:
         if _expanded_size(node, {}) > MAX_YAML_NODES:
@@ -527,8 +538,12 @@ class _BoundedLoader(yaml.SafeLoader):
         return super().construct_document(node)
 
 
-class YamlTooBig(yaml.YAMLError):
+class YamlTooBig(YamlRefused):
     """A YAML document larger than `MAX_YAML_NODES` values once expanded."""
+
+
+class YamlTooDeep(YamlRefused):
+    """A YAML document nested deeper than `MAX_YAML_DEPTH` levels (aliases included)."""
 
 
 def _expanded_size(node: yaml.Node, seen: dict[int, int]) -> int:
@@ -547,9 +562,16 @@ def _expanded_size(node: yaml.Node, seen: dict[int, int]) -> int:
 
 
 def load_yaml(text: str) -> Any:
-    """YAML text as Python values, safely (no tags that run code) and bounded (`MAX_YAML_NODES`); raises
-    `yaml.YAMLError` (`YamlTooBig` when the aliases expand too far)."""
-    return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+    """YAML text as Python values, safely (no tags that run code) and bounded (`MAX_YAML_NODES`, `MAX_YAML_DEPTH`);
+    raises `yaml.YAMLError` (a `YamlRefused`, whose message is the sentence, for what it will not build)."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:  # aliases chained deeper than the composer's bound sees (each alias is one node)
+        raise YamlTooDeep(YAML_TOO_DEEP) from None
+    except ValueError as e:  # int() of more than 4,300 digits (Python's bound on int parsing)
+        if "digits" not in str(e):
+            raise
+        raise YamlRefused(YAML_NUMBER_TOO_LONG) from None
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -563,8 +585,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             continue
         try:
             out[key.strip()] = load_yaml(raw) if raw.strip() else None
-        except YamlTooBig:
-            problems.append(YAML_TOO_BIG)
+        except YamlRefused as e:
+            problems.append(f"Override {summary(key.strip())}: {str(e)[0].lower()}{str(e)[1:]}")
         except yaml.YAMLError:
             out[key.strip()] = raw
     if problems:
@@ -579,8 +601,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError([f"Config file {str(path)!r} does not exist; `finetune init` writes an example."])
     try:
         data = load_yaml(path.read_text(encoding="utf-8"))
-    except YamlTooBig:
-        raise ConfigError([f"Config file {str(path)!r}: {YAML_TOO_BIG[0].lower()}{YAML_TOO_BIG[1:]}"]) from None
+    except YamlRefused as e:
+        raise ConfigError([f"Config file {str(path)!r}: {str(e)[0].lower()}{str(e)[1:]}"]) from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         where = getattr(e, "problem_mark", None)
         line = f" (line {where.line + 1})" if where else ""

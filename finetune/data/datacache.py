@@ -41,16 +41,15 @@ DATA_OPTIONS = tuple(dict.fromkeys((
                 "eval_split", "eval_fraction", "seed", "max_train_samples", "max_length", "text_column",
                 "text_pair_column", "label_column", "prompt_column", "completion_column", "messages_column",
                 "train_on", "chat_template", "long_documents", "stride", "packing", "segment_recurrence",
-                "max_document_length", "streaming", *COLUMN_KEYS, *kinds.OPTION_KEYS,  # a new kind's own too
-                # Read by the preference kind's module (its loss, not its rows): keyed too, so that the test's
-                # walk over the data code stays a plain subset check and a precomputed reference can join the entry.
-                "preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model",
-                # ... and its reference strategy, which LoRA and `precompute_reference` choose.
-                "precompute_reference", "lora",
+                "max_document_length", "streaming", *COLUMN_KEYS,
+                # Every option a kind brings (a new kind's too). Most are read by the kind's module for its loss,
+                # not its rows: keyed all the same, so that the test's walk over the data code stays a plain subset
+                # check and a precomputed reference (the preference kind's) can join the entry ...
+                *(o.name for e in kinds.ENTRIES.values() for o in e.declares), *kinds.OPTION_KEYS,
+                # ... with its reference strategy, which LoRA chooses too.
+                "lora",
                 # Read by the causal-LM kind's module for its loss (chunked or whole), likewise.
-                "chunked_loss",
-                # Read by the embedding kind's module (its loss and pooling, not its rows), likewise.
-                "embedding_loss", "embedding_scale", "pooling", "normalize")))
+                "chunked_loss")))
 # The modules whose code decides what load_data returns: a change to any of them never reuses an old entry.
 # Paths under finetune/.
 DATA_CODE = ("data/load.py", "data/encoding.py", "data/datacache.py", "data/segments.py", "data/chat.py",

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import importlib.util
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,15 @@ __all__ = ["IGNORE_INDEX", "Columns", "DataError", "Encoded", "collate", "encode
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # A stream's class names, when its features do not list them, are the distinct labels of its first rows.
 LABEL_PEEK = 10_000
+# The most fields one JSON record may have. `datasets` (pyarrow) makes a column of every key it meets: a JSON Lines
+# file whose second record had 200,000 keys took 97.8 s before it failed. A real record has a few dozen.
+MAX_RECORD_KEYS = 1_000
+# A JSON record with more than MAX_RECORD_KEYS keys is at least this long ('"k":0,' per key, keys all distinct): only
+# lines this long are parsed to count their keys, so that the check reads the file at the speed of the disk.
+RECORD_KEY_BYTES = 4 * MAX_RECORD_KEYS
+SANITY_ROWS = 200  # rows of a text column read to tell text from numbers or ids
+ID_LIKE = re.compile(r"^[A-Za-z0-9_.:#/-]{1,64}$")
+TEXT_ROLES = ("text", "text_pair", "prompt", "completion")  # the columns that must hold text, of `Columns`
 
 
 @functools.cache
@@ -83,6 +93,8 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
             raise DataError(f"Dataset file {source!r} does not exist: check the path.")
         if fmt is None:
             raise DataError(f"Dataset file {source!r} has an unknown type: use .csv, .tsv, .json, .jsonl or .parquet.")
+        if fmt == "json":
+            check_json_width(path, source)
         kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
         try:
             table = datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=streaming,
@@ -105,15 +117,88 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
     return table
 
 
+def check_json_width(path: Path, source: str) -> None:
+    """A `DataError` for a JSON or JSON Lines file with a record of more than `MAX_RECORD_KEYS` keys, found before
+    `datasets` reads it: one pass over the lines, parsing only those long enough to hold that many."""
+    import json
+
+    with open(path, "rb") as f:
+        first = f.read(1)
+        f.seek(0)
+        records: Any = None
+        if first == b"[":  # a JSON array of records: one document, read whole (`datasets` would too)
+            try:
+                records = json.load(f)
+            except ValueError:
+                return  # not JSON: `datasets` words the problem
+            lines: Any = enumerate(records if isinstance(records, list) else [], start=1)
+        else:
+            lines = ((n, line) for n, line in enumerate(f, start=1) if len(line) > RECORD_KEY_BYTES)
+        for number, line in lines:
+            if records is None:
+                try:
+                    line = json.loads(line)
+                except (ValueError, RecursionError):
+                    return  # `datasets` words the problem
+            if _fields(line) > MAX_RECORD_KEYS:
+                where = f"record {number:,}" if records is not None else f"line {number:,}"
+                raise DataError(f"Dataset file {source!r}: {where} has more than {MAX_RECORD_KEYS:,} fields (nested "
+                                f"ones counted), and a record may have at most {MAX_RECORD_KEYS:,}: keep only the "
+                                "fields you train on.")
+
+
+def _fields(value: Any) -> int:
+    """The columns and struct fields a JSON value makes in Arrow: its distinct key paths, nested mappings included
+    (the mappings of a list share one struct, so a long conversation's turns count once); stops past the bound."""
+    paths: set[tuple[str, ...]] = set()
+    stack: list[tuple[tuple[str, ...], Any]] = [((), value)]
+    while stack and len(paths) <= MAX_RECORD_KEYS:
+        prefix, item = stack.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                paths.add((*prefix, str(key)))
+                if isinstance(inner, (dict, list)):
+                    stack.append(((*prefix, str(key)), inner))
+        elif isinstance(item, list):
+            stack.extend(((*prefix, "[]"), v) for v in item if isinstance(v, (dict, list)))
+    return len(paths)
+
+
 def resolve_columns(c: Config, columns: list[str]) -> Columns:
     """The columns to use, from the config or guessed from common names, as the task kind reads them; a `DataError`
     naming what is missing."""
     return kind(c.task).resolve_columns(c, columns)
 
 
-def label_names_of(table: Any, column: str, source: str) -> list[str]:
-    """The class names of a label column, in id order: a `ClassLabel`'s names, else the sorted distinct values."""
-    return kind("classification").label_names(table, Columns(label=column), source)
+def not_text(values: list[Any]) -> str | None:
+    """Why a column whose first rows are `values` cannot be a text column ("holds numbers", "looks like ids (one
+    distinct code per row)"), or None when it may hold text. The app's Dataset block and `finetune train` both ask."""
+    values = [v for v in values if v is not None]
+    if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return "holds numbers"
+    strings = [v for v in values if isinstance(v, str)]
+    if len(strings) >= 2 and len(set(strings)) == len(strings) and all(
+            ID_LIKE.match(v) and any(ch.isdigit() for ch in v) for v in strings):
+        return "looks like ids (one distinct code per row)"
+    return None
+
+
+def check_text_columns(c: Config, cols: Columns, rows: dict[str, list[Any]], columns: list[str]) -> None:
+    """A `DataError` for a text column (text, text pair, prompt, completion) whose first rows are numbers or ids: a
+    CSV of `id,score` would otherwise train on the ids, without a word."""
+    for role in TEXT_ROLES:
+        column = getattr(cols, role)
+        if not column or column not in rows:
+            continue
+        if reason := not_text(rows[column][:SANITY_ROWS]):
+            option = f"{role}_column"
+            how = "" if getattr(c, option, None) == column else f" (guessed: no `{option}` was given)"
+            others = [name for name in columns if name not in dataclasses.astuple(cols)]
+            where = f"set {option}= to the column with the text" + (f" (the others are: {', '.join(others[:20])})"
+                                                                     if others else "")
+            raise DataError(f"Column {column!r}, the `{option}`{how}, {reason}, not text: {where}, or add one to "
+                            "the file.")
+
 
 
 def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
@@ -146,6 +231,9 @@ def load_tables(c: Config) -> tuple[Any, Columns, list[str] | None, Any | None]:
     evaluation rows (a separate set, a split, the hold-out, or None), untokenised."""
     table = load_table(c.dataset, c.dataset_config, c.train_split)
     cols = resolve_columns(c, list(table.column_names))
+    texts = [getattr(cols, role) for role in TEXT_ROLES if getattr(cols, role)]
+    check_text_columns(c, cols, table.select(range(min(SANITY_ROWS, len(table)))).select_columns(texts).to_dict(),
+                       list(table.column_names))
     if c.max_train_samples:
         table = table.select(range(min(c.max_train_samples, len(table))))
     # Named before the hold-out is split off: a split table is read through an index, and its distinct labels
@@ -181,6 +269,8 @@ def _load_stream(c: Config, tokenizer: Any, window_size: int) -> tuple[StreamDat
     if not head:
         raise DataError(f"Dataset {c.dataset!r} has no rows.")
     cols = resolve_columns(c, list(head[0]))
+    check_text_columns(c, cols, {name: [row.get(name) for row in head[:SANITY_ROWS]] for name in head[0]},
+                       list(head[0]))
     # A `ClassLabel` feature of the stream names the classes; else the first rows do.
     names = kind(c.task).label_names(datasets.Dataset.from_list(head, features=stream.features), cols, c.dataset) \
         if entry(c.task).has_labels else None

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from finetune.config.tasks import TaskSpec, single_task_values
 from finetune.config.schema import Config, from_dict
+from finetune.config.tasks import TaskSpec, single_task_values
 from finetune.data.encoding import Columns, Encoded, encode
 from finetune.data.load import collate, load_tables
 from finetune.data.windows import Windows, epoch_windows, micro_batches

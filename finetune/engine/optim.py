@@ -19,9 +19,9 @@ def make_optimizer(c: Config, model: Any) -> torch.optim.Optimizer:
     if c.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=c.learning_rate)
     if c.optimizer == "adamw_8bit":
-        import bitsandbytes as bnb
+        from finetune.models.quantize import import_bitsandbytes
 
-        return bnb.optim.AdamW8bit(groups, lr=c.learning_rate)
+        return import_bitsandbytes().optim.AdamW8bit(groups, lr=c.learning_rate)
     # The fused kernel is ~9x faster than the per-tensor loop on CPU (7 vs 62 ms a step for MiniLM) and on GPU.
     try:
         return torch.optim.AdamW(groups, lr=c.learning_rate, fused=True)

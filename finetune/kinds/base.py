@@ -22,6 +22,7 @@ import torch
 
 from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
+from finetune.kinds import registry
 
 if TYPE_CHECKING:
     from finetune.config.schema import Config
@@ -31,24 +32,24 @@ IGNORE_INDEX = -100  # a label position that is not a target (transformers' and 
 TEXT_NAMES = ("text", "sentence", "sentence1", "content", "review", "document", "question")
 
 
-@dataclass(frozen=True)
-class Columns:
-    """Which data columns feed the model (each kind reads its own; the others stay None)."""
+# A column's role is its option's name less `_column` (`text_column` → `text`), for every column a kind reads.
+ROLES = tuple(dict.fromkeys(key.removesuffix("_column") for e in registry.ENTRIES.values() for key in e.columns))
 
-    text: str | None = None
-    text_pair: str | None = None
-    label: str | None = None
-    prompt: str | None = None
-    completion: str | None = None
-    messages: str | None = None
-    chosen: str | None = None
-    rejected: str | None = None
-    tokens: str | None = None
-    tags: str | None = None
-    anchor: str | None = None
-    positive: str | None = None
-    negative: str | None = None
-    score: str | None = None
+
+def _with_roles(cls: type) -> type:
+    """`cls` with a field per role in `ROLES` (None by default), before `dataclass` makes it: a kind's own columns,
+    declared in its registry entry, need no change here."""
+    cls.__annotations__ = {role: "str | None" for role in ROLES}
+    for role in ROLES:
+        setattr(cls, role, None)
+    return cls
+
+
+@dataclass(frozen=True)
+@_with_roles
+class Columns:
+    """Which data columns feed the model, by role (`text`, `label`, `tokens`, …): each kind sets its own; the
+    others stay None."""
 
 
 @dataclass(frozen=True)

@@ -444,6 +444,14 @@ class Embedding:
             (folder / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
 
     # --- use after training
+    def usage_code(self, repo_id: str, example: str) -> str:
+        """The model card's snippet for the saved model: a sentence-transformers folder (its pooling and
+        normalisation are modules a plain pipeline would not apply)."""
+        return (f'from sentence_transformers import SentenceTransformer\n\n'
+                f'model = SentenceTransformer("{repo_id}")\n'
+                f'embeddings = model.encode(["{example}", "Someone is having a meal."])\n'
+                f'print(model.similarity(embeddings, embeddings))')
+
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 0
                 ) -> list[dict[str, Any]]:
         """Each text's embedding, pooled as the saved model says (its modules.json)."""

@@ -98,6 +98,13 @@ class Preference:
         return _configured(c.preference_loss, c.beta, c.simpo_gamma, c.orpo_lambda, c.reference_model, c.model,
                            strategy)
 
+    def card_rows(self, c: Config) -> list[tuple[str, Any]]:
+        """The model card's rows for the method and its weights (those its loss uses)."""
+        return [("preference_loss", c.preference_loss), ("beta", c.beta)] + \
+            ([("simpo_gamma", c.simpo_gamma)] if c.preference_loss == "simpo" else []) + \
+            ([("orpo_lambda", c.orpo_lambda)] if c.preference_loss == "orpo" else []) + \
+            ([("reference_model", c.reference_model)] if c.reference_model else [])
+
     # --- data
     def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
         """The prompt, chosen and rejected columns, set or named as TRL's preference format names them (the prompt

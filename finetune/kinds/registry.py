@@ -1,9 +1,12 @@
 """The task kinds, by name: where each one's module is and what the configuration and the GUI need to know about it
-without importing it (its columns, their rules and help, its Hugging Face names).
+without importing it (its columns and options, declared with their types, defaults, bounds and help; their rules;
+its Hugging Face names).
 
 Importing this module imports nothing heavy (`finetune --help` stays fast: tests/test_fast_start.py): a kind's
 module, which brings torch, is imported by `kind()` when a run, an evaluation or a prediction needs it. Adding a kind
-is one entry here and one module that defines `KIND` (see docs/task-kind-protocol.md).
+is one entry here and one module that defines `KIND` (see docs/task-kind-protocol.md); an option only the kind
+reads is declared in its entry (`Option`), and the schema, `finetune init`, docs/configuration.md, the CLI's help
+and the GUI's form are assembled from the declarations.
 """
 
 from __future__ import annotations
@@ -12,6 +15,52 @@ import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Option:
+    """A config option a kind brings (a column only it reads, a setting of its loss): `finetune.config.schema.Config`
+    gets a field of it, so `finetune init`, docs/configuration.md, the CLI's help and the GUI's widget come from here.
+    What the kind does with it is said by its entry's name lists: `columns` (it reads the column), `own_columns`
+    (the other kinds refuse it when set), `options` (its encoding reads it), `settings` (the form shows it for this
+    kind alone; the other kinds hold its default)."""
+
+    name: str  # the key, as config.yaml and `key=value` spell it
+    type: type  # str, bool, int or float; with a default of None the option may also be unset
+    default: Any
+    help: str  # one or two sentences, starting with the kind's name ("Token classification: …")
+    choices: tuple[str, ...] | None = None
+    min: float | None = None
+    max: float | None = None
+    group: str = "data"  # where the form puts it: "main", "data" or "advanced"
+    source: str | None = None  # what it names, if anything (finetune.config.schema.SOURCE_KINDS)
+
+    @property
+    def annotation(self) -> str:
+        """The field's type as the schema writes it ("float | None")."""
+        return self.type.__name__ + (" | None" if self.default is None else "")
+
+
+# The preference loss's settings: the preference kind's, which a reward model (one loss, no reference) refuses.
+PREFERENCE_SETTINGS = ("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model")
+PREFERENCE_OPTIONS = (
+    Option("preference_loss", str, "dpo", "Preference: the loss: dpo (against a reference), ipo (DPO's squared, "
+           "per-token form), simpo (length-normalised, no reference) or orpo (likelihood + odds ratio, no "
+           "reference).", choices=("dpo", "ipo", "simpo", "orpo"), group="advanced"),
+    Option("beta", float, 0.1, "Preference: β, the strength of the preference term (DPO/IPO's KL weight, SimPO's "
+           "reward scale).", min=1e-6, max=100.0, group="advanced"),
+    Option("simpo_gamma", float, 0.5, "Preference, simpo: the target reward margin γ.", min=0.0, max=100.0,
+           group="advanced"),
+    Option("orpo_lambda", float, 1.0, "Preference, orpo: λ, the weight of the odds-ratio term beside the "
+           "likelihood.", min=0.0, max=100.0, group="advanced"),
+    Option("reference_model", str, None, "Preference, dpo/ipo: Hub id or local folder of the reference model "
+           "(default: the model being tuned, as it starts; with LoRA, its base with the adapter switched off).",
+           group="advanced", source="model"),
+    Option("precompute_reference", str, "auto", "Preference, dpo/ipo: compute the reference's log-probabilities "
+           "once before training and keep them in the data cache, so that no reference is in memory while training "
+           "(auto: unless LoRA's adapter-off base is the reference, or the data is streamed; false: a frozen copy "
+           "beside the model).", choices=("auto", "true", "false"), group="advanced"),
+)
 
 
 @dataclass(frozen=True)
@@ -37,7 +86,8 @@ class Entry:
     # task), or "" (not a task of a multi-task run).
     multitask: str = ""
     # The optional features it takes (finetune.config.exclusions.KIND_FEATURES: packing, segment_recurrence,
-    # split_documents, chunked_loss) and, for those it does not, why not (the end of the refusal's sentence).
+    # split_documents, chunked_loss; and quantization, a quantized base under LoRA, which the schema refuses in its
+    # own words) and, for those it does not, why not (the end of the refusal's sentence).
     features: tuple[str, ...] = ()
     refusals: dict[str, str] = field(default_factory=dict)
     problem_type: str | None = None  # the saved config's `problem_type` this kind needs (regression's, say)
@@ -48,6 +98,15 @@ class Entry:
     # Options only this kind reads that have a default (its loss's settings): the app's form shows them for this kind
     # alone. Unlike `options` they are not refused for the other kinds (which hold their defaults).
     settings: tuple[str, ...] = ()
+    # The config options it brings (`Option`): fields of the schema, named in the lists above for what the kind does
+    # with them. A kind's columns that other kinds read too (`prompt_column`) are the schema's own.
+    declares: tuple[Option, ...] = ()
+    # Options another kind brings that this one refuses when they are set away from their defaults, by that kind,
+    # and the end of the sentence that says why ("`beta` is for task=preference; task=reward trains with …").
+    declines: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    decline_reason: str = ""
+    generates: bool = False  # its model generates text: prediction may chat with it, an export sets where it stops
+    exports: tuple[str, ...] = ("merged",)  # what `finetune export --format` writes of its runs: merged, gguf
     # The single output's name in a saved config's `id2label`, for a kind that shares its architecture and problem
     # type with another (a reward model's "reward", beside a classifier's class names).
     output_name: str | None = None
@@ -98,8 +157,10 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           column_reasons={"messages_column": "conversations train a language model"},
           auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
           pipeline_tag="text-generation", architectures=("ForCausalLM", "LMHeadModel"), example="Once upon a time",
-          multitask="shared", features=("packing", "segment_recurrence", "split_documents", "chunked_loss"),
-          metrics=("perplexity",), try_view="text", chat_when="messages", data_preview="conversation",
+          multitask="shared",
+          features=("packing", "segment_recurrence", "split_documents", "chunked_loss", "quantization"),
+          metrics=("perplexity",), generates=True, exports=("merged", "gguf"), try_view="text", chat_when="messages",
+          data_preview="conversation",
           # The Instruct model has a chat template: for conversation data.
           presets=("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B",
                    "openai-community/gpt2")),
@@ -123,7 +184,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           # A tuned model is a causal LM: a saved one is told as causal_lm, which comes first.
           architectures=("ForCausalLM", "LMHeadModel"),
           metrics=("rewards/accuracies", "rewards/margins"),
-          settings=("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model"),
+          settings=PREFERENCE_SETTINGS, declares=PREFERENCE_OPTIONS, generates=True, exports=("merged", "gguf"),
           step_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                         "logps/rejected"),
           refusals={"packing": "a preference pair's two sequences are scored side by side, not packed",
@@ -141,6 +202,11 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           peft_auto_model="AutoPeftModelForSequenceClassification", pipeline_tag="text-classification",
           architectures=("ForSequenceClassification",), example="The answer is 4.", output_name="reward",
           options=("center_rewards_coefficient",), metrics=("rewards/accuracies", "rewards/margins"),
+          declares=(Option("center_rewards_coefficient", float, None, "Reward: weight of the centring term "
+                           "c·(r_chosen + r_rejected)² added to each pair's loss, which keeps the scores near 0 "
+                           "(TRL's; unset: none).", min=0.0, max=100.0, group="advanced"),),
+          declines={"preference": (*PREFERENCE_SETTINGS, "precompute_reference")},
+          decline_reason="trains with the Bradley–Terry loss and no reference model",
           step_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"),
           refusals={"packing": "a reward pair's two sequences are scored side by side, not packed",
                     "segment_recurrence": "a reward model scores each sequence whole; turn it off",
@@ -155,6 +221,12 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           peft_auto_model="AutoPeftModelForTokenClassification", pipeline_tag="token-classification",
           architectures=("ForTokenClassification",), example="My name is Clara and I live in Berkeley.",
           has_labels=True, options=("label_all_tokens",),
+          declares=(Option("tokens_column", str, None, "Token classification: column of word lists (default 'tokens' "
+                           "or 'words')."),
+                    Option("tags_column", str, None, "Token classification: column of per-word tag lists, integers "
+                           "(with the hub's ClassLabel names) or strings (default 'ner_tags' or 'tags')."),
+                    Option("label_all_tokens", bool, False, "Token classification: put each word's tag on all its "
+                           "sub-tokens (a B- tag continuing as I-), not only on the first.")),
           refusals={"packing": "token classification takes one sentence per row",
                     "segment_recurrence": "token classification tags each row whole; turn it off",
                     "split_documents": "a row's words and tags are cut at `max_length` together, not split; use "
@@ -171,6 +243,28 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           architectures=("Model",), example="A man is eating food.",
           metrics=("cosine_accuracy@1", "cosine_ndcg@10", "spearman_cosine"),
           settings=("embedding_loss", "embedding_scale", "pooling", "normalize"), whole_window=True,
+          declares=(Option("anchor_column", str, None, "Embedding: the anchor (query) column (default 'anchor', "
+                           "'query' or 'sentence1')."),
+                    Option("positive_column", str, None, "Embedding: the positive (document) column, or the second "
+                           "sentence of a scored pair (default 'positive', 'document' or 'sentence2')."),
+                    Option("negative_column", str, None, "Embedding: an optional hard-negative column (default "
+                           "'negative' if present)."),
+                    Option("score_column", str, None, "Embedding: the similarity of a scored pair, in [0, 1] "
+                           "(default 'score' or 'similarity' beside sentence pairs); scored pairs train with "
+                           "CoSENT."),
+                    Option("embedding_loss", str, "auto", "Embedding: the loss: mnrl (multiple-negatives ranking: "
+                           "each anchor's positive against every positive and negative of the window) or cosent "
+                           "(scored pairs); auto follows the data's shape.", choices=("auto", "mnrl", "cosent"),
+                           group="advanced"),
+                    Option("embedding_scale", float, 20.0, "Embedding: the scale of the cosine similarities in the "
+                           "loss (an inverse temperature; sentence-transformers' default 20).", min=1e-3,
+                           max=1000.0, group="advanced"),
+                    Option("pooling", str, "auto", "Embedding: how token states become one vector: mean, cls or "
+                           "last token (auto: a sentence-transformers model's own pooling, else mean).",
+                           choices=("auto", "mean", "cls", "last"), group="advanced"),
+                    Option("normalize", str, "auto", "Embedding: scale the saved model's embeddings to unit length "
+                           "(auto: as a sentence-transformers model does, else true; the cosine loss is the same "
+                           "either way).", choices=("auto", "true", "false"), group="advanced")),
           refusals={"packing": "an embedding model reads each sentence whole, in-batch negatives beside it",
                     "segment_recurrence": "an embedding model reads each sentence whole; turn it off",
                     "split_documents": "a pair's sentences are cut at `max_length`, not split; use "

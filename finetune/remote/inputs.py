@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.config.tasks import TASK_KEYS
 from finetune.config.schema import DEFAULT_MODEL, FIELDS, Config, from_dict
+from finetune.config.tasks import TASK_KEYS
 from finetune.data.load import is_local
 from finetune.errors import ConfigError
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.config.tasks import single_task_values
 from finetune.config.schema import Config, from_dict
+from finetune.config.tasks import single_task_values
 from finetune.errors import ConfigError, PlanError
 from finetune.models.pretrained import resolve_model_path
 from finetune.plan.planner import plan_run

@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.config.tasks import single_task_values
 from finetune.config.schema import Config, from_dict
+from finetune.config.tasks import single_task_values
 from finetune.data.load import is_local, load_table
 from finetune.errors import ConfigError
 from finetune.kinds.registry import entry

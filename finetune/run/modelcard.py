@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from finetune.config.schema import DEFAULT_MODEL, FIELDS, Config, from_dict, read_yaml
-from finetune.kinds.registry import entry, names
+from finetune.kinds.registry import entry, kind, names
 from finetune.run.events import read_events
 
 # The bundled model is this Hub model, shipped in a pip package.
@@ -133,19 +133,9 @@ def _results(metrics: dict[str, Any], evals: list[dict[str, Any]], task: str) ->
 
 def _usage(c: Config, repo_id: str, adapter: bool) -> str:
     example = entry(c.task).example
-    if c.task == "reward" and not adapter:  # a raw score: the text-classification pipeline would squash it
-        code = (f'import torch\nfrom transformers import AutoModelForSequenceClassification, AutoTokenizer\n\n'
-                f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
-                f'model = AutoModelForSequenceClassification.from_pretrained("{repo_id}")\n'
-                f'prompt, completion = "What is 2 + 2?", " {example}"\n'
-                f'ids = tokenizer(prompt)["input_ids"] + tokenizer(completion, add_special_tokens=False)["input_ids"]'
-                f' + [tokenizer.eos_token_id]\n'
-                f'print(model(input_ids=torch.tensor([ids])).logits.item())  # the reward')
-    elif PIPELINES[c.task] == "sentence-similarity" and not adapter:  # a sentence-transformers folder (embedding)
-        code = (f'from sentence_transformers import SentenceTransformer\n\n'
-                f'model = SentenceTransformer("{repo_id}")\n'
-                f'embeddings = model.encode(["{example}", "Someone is having a meal."])\n'
-                f'print(model.similarity(embeddings, embeddings))')
+    own = getattr(kind(c.task), "usage_code", None)  # a kind whose model a pipeline would misread
+    if own is not None and not adapter:
+        code = own(repo_id, example)
     elif not adapter:
         code = (f'from transformers import pipeline\n\npipe = pipeline("{PIPELINES[c.task]}", model="{repo_id}")\n'
                 f'print(pipe("{example}"))')
@@ -164,7 +154,9 @@ def _usage(c: Config, repo_id: str, adapter: bool) -> str:
 def _export_usage(c: Config, repo_id: str, export: dict[str, Any]) -> str:
     """How to run a pushed export: Ollama and llama.cpp straight from the Hub for GGUF, transformers for merged."""
     if export.get("format") != "gguf":
-        if c.task != "causal_lm":
+        # A kind whose runs export to GGUF generates text and its export stops where it learned to: the card shows
+        # chatting with it; another kind's export is used like its model.
+        if "gguf" not in entry(c.task).exports:
             return _usage(c, repo_id, adapter=False)
         code = (f'from transformers import AutoModelForCausalLM, AutoTokenizer\n\n'
                 f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
@@ -235,14 +227,8 @@ def _procedure(c: Config, start: dict[str, Any], metrics: dict[str, Any], run_di
         rows.append(("optimizer steps", start.get("total_steps")))
     if (run_dir / "model" / "adapter_config.json").is_file() or (run_dir / "adapter").is_dir():
         rows += [(k, getattr(c, k)) for k in LORA_KEYS]
-    if c.task == "preference":  # the method and its weights
-        rows += [("preference_loss", c.preference_loss), ("beta", c.beta)] + \
-            ([("simpo_gamma", c.simpo_gamma)] if c.preference_loss == "simpo" else []) + \
-            ([("orpo_lambda", c.orpo_lambda)] if c.preference_loss == "orpo" else []) + \
-            ([("reference_model", c.reference_model)] if c.reference_model else [])
-    if c.task == "reward":  # the method and its weight
-        rows += [("method", "Bradley–Terry reward model: −log σ(r_chosen − r_rejected) per pair")] + \
-            ([("center_rewards_coefficient", c.center_rewards_coefficient)] if c.center_rewards_coefficient else [])
+    if hasattr(kind(c.task), "card_rows"):  # the kind's own method and settings (a loss and its weights)
+        rows += kind(c.task).card_rows(c)
     for key in ("train_seconds", "train_samples_per_s"):
         if key in metrics:
             rows.append((key.replace("_", " "), metrics[key]))

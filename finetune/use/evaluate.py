@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from finetune.config.tasks import TaskSpec, single_task_values
 from finetune.config.schema import Config, ConfigError, from_dict, parse_overrides, read_yaml
+from finetune.config.tasks import TaskSpec, single_task_values
 from finetune.data.encoding import Encoded, encode
 from finetune.data.load import load_data, load_table, resolve_columns
 from finetune.data.mixing import load_task, with_prefix

@@ -11,8 +11,8 @@
       export.json      what was exported, how long it took, the files and the check
 
 Everything that can be refused is refused before any work (`prepare`): a run that has not finished, a multi-task
-run, GGUF for a model that does not generate text, an architecture or a tokenizer llama.cpp's converter
-does not take, not enough disk space. The run's `events.jsonl` gets an `export` event.
+run, GGUF for a model that does not generate text (its kind's registry entry says which do), an architecture or
+a tokenizer llama.cpp's converter does not take, not enough disk space. The run's `events.jsonl` gets an `export` event.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from typing import Any
 from finetune.config.schema import read_yaml
 from finetune.data.chat import end_of_turn_ids, turns_of
 from finetune.errors import ConfigError, InputError, ModelError
+from finetune.kinds.registry import ENTRIES, entry
 from finetune.models import quantize
 from finetune.models.heads import TASKS_FILE
 from finetune.models.pretrained import (
+    auto_class,
     is_adapter,
     load_trained,
     quiet_transformers,
@@ -123,7 +125,8 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
     config = read_yaml(run_dir / "config.yaml")
     task = task_of(model_dir)
     kind = str(config.get("task") or task)
-    if fmt == "gguf" and (task != "causal_lm" or kind != "causal_lm"):
+    # Both the saved model and the run that trained it (a preference run saves a causal LM too).
+    if fmt == "gguf" and not all(fmt in (ENTRIES[k].exports if k in ENTRIES else ()) for k in (task, kind)):
         raise ExportError(f"GGUF is for models that generate text, and this run trained a {kind} model: export it "
                           "with --format merged (a transformers folder) instead.")
     out_dir = Path(out).expanduser() if out else run_dir / EXPORT_DIR
@@ -144,7 +147,7 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
                               "become a GGUF: --format merged (safetensors for transformers) still works.")
         if problem := llamacpp.tokenizer_problem(converter, model_dir):
             raise ExportError(problem)
-    chat = bool(config.get("messages_column")) or bool(config.get("chat_template"))
+    chat = _is_chat(config, kind, model_dir)
     if ollama_file:
         _check_ollama_template(model_dir)
     return ExportPlan(run_dir=run_dir, model_dir=model_dir, out=out_dir, format=fmt, quant=quant, dtype=dtype,
@@ -194,6 +197,22 @@ def export(target: str, *, fmt: str = "merged", quant: str | None = None, out: s
     return result
 
 
+def generates_text(kind: str) -> bool:
+    """Whether the models of task kind `kind` generate text (causal LM, preference tuning): its registry entry says
+    so (`generates`), not its name."""
+    return kind in ENTRIES and ENTRIES[kind].generates
+
+
+def _is_chat(config: dict[str, Any], kind: str, model_dir: Path) -> bool:
+    """Whether the run talks in turns: it trained on conversations (`messages_column`) or with a `chat_template`,
+    or its kind chats whenever its saved model has a template (as Try it does: a preference-tuned chat model)."""
+    if config.get("messages_column") or config.get("chat_template"):
+        return True
+    chats_by_template = kind in ENTRIES and ENTRIES[kind].chat_when == "template"
+    saved = _json(model_dir / "tokenizer_config.json")
+    return chats_by_template and (bool(saved.get("chat_template")) or (model_dir / "chat_template.jinja").is_file())
+
+
 def write_merged(model_dir: Path, out: Path, task: str, dtype: str, chat: bool, base: str | None = None) -> Path:
     """The run's model with its adapter merged in, cast to `dtype`, with tokenizer and generation config (and the
     base model's SentencePiece `tokenizer.model`, when it has one)."""
@@ -211,7 +230,7 @@ def write_merged(model_dir: Path, out: Path, task: str, dtype: str, chat: bool, 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    if task == "causal_lm":
+    if entry(task).generates:
         # Stop where the run learned to stop: after its end-of-turn token (chat), else at end of sequence.
         stops = end_of_turn_ids(tokenizer) if chat else [tokenizer.eos_token_id]
         gen = GenerationConfig.from_model_config(model.config)
@@ -221,7 +240,7 @@ def write_merged(model_dir: Path, out: Path, task: str, dtype: str, chat: bool, 
         model.generation_config = gen
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)
-    if task == "causal_lm":
+    if entry(task).generates:
         _write_tokenizer_settings(partial, tokenizer, chat)
         if (spm := _sentencepiece_model(base)) is not None and not (partial / "tokenizer.model").exists():
             shutil.copy(spm, partial / "tokenizer.model")
@@ -300,11 +319,11 @@ def stop_ids(merged: Path) -> list[int]:
 def parameter_count(model_dir: Path) -> int:
     """The saved model's parameters, from its config on the meta device (no weights read)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
     quiet_transformers()
     config = AutoConfig.from_pretrained(model_dir)
-    auto = AutoModelForCausalLM if task_of(model_dir) == "causal_lm" else AutoModelForSequenceClassification
+    auto = auto_class(task_of(model_dir))
     with torch.device("meta"):
         model = auto.from_config(config)
     return sum(p.numel() for p in model.parameters())
@@ -458,5 +477,7 @@ def _check_disk(out: Path, parameters: int, dtype: str, quant: str | None) -> No
     existing = next(p for p in (out, *out.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free < need:
-        raise ExportError(f"The export needs about {need / 2**30:.1f} GiB and {existing} has {free / 2**30:.1f} GiB "
+        # The folder by its last two parts: on a shared server the ones above it are the server's own.
+        shown = "/".join(existing.parts[-2:]) or str(existing)
+        raise ExportError(f"The export needs about {need / 2**30:.1f} GiB and {shown} has {free / 2**30:.1f} GiB "
                           "free: free some space or give --out on another disk.")

@@ -6,15 +6,21 @@ The converter is a script of the llama.cpp source tree, not part of either packa
 from the source package of the installed `llama-cpp-python` release (so that the converter and the runtime are the
 same llama.cpp), fetched once with pip and kept in `~/.cache/finetune/llama.cpp/<version>/`, or from a llama.cpp
 checkout given as `--llama-cpp DIR`, with the `gguf-py` of the same tree (PyPI's `gguf` reads the files).
+
+llama.cpp's runtime and quantizer run in a child Python (`_in_child`), never in the process that asked: a build of
+llama.cpp that uses instructions this processor does not allow dies of SIGILL, which would otherwise kill the CLI,
+the app's export or a test worker; here it becomes one sentence that says how to reinstall it portable.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -31,11 +37,36 @@ QUANT_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json", "config.json",
                    "generation_config.json")
-INSTALL = 'pip install "finetune[export]" (it builds llama-cpp-python from source with your C++ compiler)'
+# llama.cpp built for any x86-64 processor of the last decade, not for the build machine's own instruction set: a
+# native build on a virtual machine whose processor advertises AVX-512 and AMX died of SIGILL in `decode`.
+PORTABLE = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+REINSTALL = f'CMAKE_ARGS="{PORTABLE}" pip install --force-reinstall --no-cache-dir llama-cpp-python'
+INSTALL = (f'CMAKE_ARGS="{PORTABLE}" pip install "finetune[export]" (it builds llama-cpp-python from source with '
+           "your C++ compiler)")
+# What the child Python runs: the call named in the request file (`_serve`). Tests replace it to crash the child.
+# (This package's folder is appended to its path, behind the ones the child has, for a checkout that is not installed.)
+CHILD = "import sys; sys.path.append(sys.argv[2]); from finetune.use.llamacpp import _serve; _serve(sys.argv[1])"
 
 
 class LlamaCppError(InputError):
     """llama.cpp's tools are missing, or refuse this model: one sentence saying what to do (exit 2)."""
+
+
+class LlamaCppCrash(LlamaCppError):
+    """llama.cpp died of a signal (an instruction this processor does not allow, most often): reinstall it portable."""
+
+
+def crash_sentence(signum: int, what: str) -> str:
+    """The sentence for a llama.cpp process that died of signal `signum` while doing `what`."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    if signum == getattr(signal, "SIGKILL", None):
+        return (f"llama.cpp was killed (SIGKILL, most often for lack of memory) while {what}: free some memory, or "
+                "export a smaller quant.")
+    return (f"llama.cpp crashed on this processor ({name}) while {what}: reinstall it built for any x86-64 "
+            f"processor with {REINSTALL}.")
 
 
 def runtime_version() -> str:
@@ -131,8 +162,14 @@ def _env(script: Path) -> dict[str, str]:
 
 
 def _run_converter(script: Path, model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), str(model), "--outfile", str(out), *extra],
-                          capture_output=True, text=True, env=_env(script), cwd=script.parent)
+    # The converter runs in its own folder (it reads its templates from there): every path it is given is
+    # absolute, or a relative one (the app's runs/…) would be read from that folder instead of ours.
+    proc = subprocess.run([sys.executable, str(script.resolve()), str(model.resolve()), "--outfile",
+                           str(out.resolve()), *extra], capture_output=True, text=True, env=_env(script),
+                          cwd=script.parent)
+    if proc.returncode < 0:
+        raise LlamaCppCrash(crash_sentence(-proc.returncode, "converting the model to GGUF"))
+    return proc
 
 
 def tokenizer_problem(script: Path, model_dir: Path) -> str | None:
@@ -163,9 +200,14 @@ def convert(script: Path, merged: Path, out: Path) -> Path:
     proc = _run_converter(script, merged, partial, "--outtype", "f16")
     if proc.returncode != 0 or not partial.is_file():
         partial.unlink(missing_ok=True)
-        raise TrainingError(f"llama.cpp's converter failed on {merged} ({_last_error(proc.stderr)}).")
+        raise TrainingError(f"llama.cpp's converter failed on {_shown(merged)} ({_last_error(proc.stderr)}).")
     partial.replace(out)
     return out
+
+
+def _shown(path: Path) -> str:
+    """A path as messages show it: its last two parts (`export/merged`), not the server's folders above the run."""
+    return "/".join(path.parts[-2:])
 
 
 def _last_error(stderr: str) -> str:
@@ -198,6 +240,9 @@ def mark_end_of_turn(script: Path, gguf_path: Path, stops: list[int]) -> None:
     proc = subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(gguf_path), str(partial),
                            "--special-token-by-id", "eot", str(missing[0]), "--force"], capture_output=True,
                           text=True, env=_env(script))
+    if proc.returncode < 0:
+        partial.unlink(missing_ok=True)
+        raise LlamaCppCrash(crash_sentence(-proc.returncode, f"recording the end-of-turn token in {gguf_path.name}"))
     if proc.returncode != 0:
         partial.unlink(missing_ok=True)
         raise TrainingError(f"Recording the end-of-turn token in {gguf_path.name} failed ({_last_error(proc.stderr)}).")
@@ -221,40 +266,14 @@ def quiet(log: Path | None = None) -> Any:
         os.close(target)
 
 
-def _load(gguf_path: Path, *, vocab_only: bool = False, n_ctx: int = 512, logits_all: bool = False) -> Any:
-    from llama_cpp import Llama
-
-    with quiet(gguf_path.with_name("llama.cpp.log")):
-        return Llama(model_path=str(gguf_path), vocab_only=vocab_only, n_ctx=n_ctx, logits_all=logits_all,
-                 n_threads=max(1, min(4, os.cpu_count() or 1)), verbose=False, seed=0)
-
-
 def end_of_generation(gguf_path: Path) -> list[int]:
     """The token ids llama.cpp ends generation at for this GGUF (its end-of-generation set)."""
-    import llama_cpp
-
-    model = _load(gguf_path, vocab_only=True)
-    vocab = model._model.vocab
-    found = [i for i in range(model.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]
-    with quiet(gguf_path.with_name("llama.cpp.log")):
-        model.close()
-    return found
+    return _in_child("end_of_generation", f"reading {gguf_path.name}", gguf_path=str(gguf_path))
 
 
 def quantize(f16: Path, out: Path, quant: str) -> Path:
     """llama.cpp's quantizer (`llama_model_quantize`, what `llama-quantize` runs) from the f16 GGUF to `quant`."""
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, QUANT_TYPES[quant])
-    params.nthread = max(1, min(4, os.cpu_count() or 1))
-    partial = out.with_name(out.name + ".partial")
-    with quiet(out.with_name("llama.cpp.log")):
-        code = llama_cpp.llama_model_quantize(str(f16).encode(), str(partial).encode(), params)
-    if code != 0 or not partial.is_file():
-        partial.unlink(missing_ok=True)
-        raise TrainingError(f"llama.cpp's quantizer failed to make {out.name} from {f16.name} (code {code}).")
-    partial.replace(out)
+    _in_child("quantize", f"quantizing {f16.name} to {quant}", f16=str(f16), out=str(out), quant=quant)
     return out
 
 
@@ -262,15 +281,99 @@ def greedy(gguf_path: Path, text: str, prompt: list[int], n_tokens: int, teacher
     """llama.cpp on `prompt`: its greedy tokens (until an end-of-generation token or `n_tokens`), its argmax at
     each position of `teacher` given the tokens before it, how it tokenises `text` by itself, its chat template and
     its end-of-generation set."""
+    return _in_child("greedy", f"generating with {gguf_path.name}", gguf_path=str(gguf_path), text=text,
+                     prompt=prompt, n_tokens=n_tokens, teacher=teacher)
+
+
+def _in_child(call: str, what: str, **kwargs: Any) -> Any:
+    """`_CALLS[call](**kwargs)` in a child Python: its answer, its own error (re-raised here as the same sentence),
+    or a `LlamaCppCrash` sentence when llama.cpp killed it."""
+    import finetune
+
+    root = str(Path(finetune.__file__).resolve().parents[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        request, answer = Path(tmp) / "request.json", Path(tmp) / "answer.json"
+        request.write_text(json.dumps({"call": call, "kwargs": kwargs, "answer": str(answer)}), encoding="utf-8")
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(request), root], capture_output=True, text=True)
+        if proc.returncode < 0:
+            raise LlamaCppCrash(crash_sentence(-proc.returncode, what))
+        if not answer.is_file():
+            raise TrainingError(f"llama.cpp's child process ended without an answer while {what} (exit "
+                                f"{proc.returncode}: {_last_error(proc.stderr)}).")
+        result = json.loads(answer.read_text(encoding="utf-8"))
+    if "error" in result:
+        raise (LlamaCppError if result["input"] else TrainingError)(result["error"])
+    return result["value"]
+
+
+def _serve(request_path: str) -> None:
+    """The child's side of `_in_child`: run the call, write its value (or the sentence of its failure)."""
+    request = json.loads(Path(request_path).read_text(encoding="utf-8"))
+    try:
+        result: dict[str, Any] = {"value": _CALLS[request["call"]](**request["kwargs"])}
+    except InputError as e:
+        result = {"error": str(e), "input": True}
+    except TrainingError as e:
+        result = {"error": str(e), "input": False}
+    Path(request["answer"]).write_text(json.dumps(result), encoding="utf-8")
+
+
+# --- What the child runs (`_serve`): llama.cpp's runtime and quantizer, in this process.
+
+def _load(gguf_path: Path, *, vocab_only: bool = False, n_ctx: int = 512, logits_all: bool = False) -> Any:
+    from llama_cpp import Llama
+
+    log = gguf_path.with_name("llama.cpp.log")
+    with quiet(log):
+        try:
+            return Llama(model_path=str(gguf_path), vocab_only=vocab_only, n_ctx=n_ctx, logits_all=logits_all,
+                         n_threads=max(1, min(4, os.cpu_count() or 1)), verbose=False, seed=0)
+        except (ValueError, RuntimeError, OSError) as e:  # llama-cpp-python's "Failed to load model from file"
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0].replace(str(gguf_path.parent) + "/", "")
+            raise LlamaCppError(f"llama.cpp could not load {gguf_path.name} ({reason[:200]}; its notes are in "
+                                f"{log.name} beside it): export with --no-check to keep the GGUF unchecked, or "
+                                f"reinstall llama.cpp with {REINSTALL}.") from None
+
+
+def _end_of_generation(gguf_path: str) -> list[int]:
+    import llama_cpp
+
+    path = Path(gguf_path)
+    model = _load(path, vocab_only=True)
+    vocab = model._model.vocab
+    found = [i for i in range(model.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+    with quiet(path.with_name("llama.cpp.log")):
+        model.close()
+    return found
+
+
+def _quantize(f16: str, out: str, quant: str) -> None:
+    import llama_cpp
+
+    source, target = Path(f16), Path(out)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANT_TYPES[quant])
+    params.nthread = max(1, min(4, os.cpu_count() or 1))
+    partial = target.with_name(target.name + ".partial")
+    with quiet(target.with_name("llama.cpp.log")):
+        code = llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), params)
+    if code != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        raise TrainingError(f"llama.cpp's quantizer failed to make {target.name} from {source.name} (code {code}).")
+    partial.replace(target)
+
+
+def _greedy(gguf_path: str, text: str, prompt: list[int], n_tokens: int, teacher: list[int]) -> dict[str, Any]:
     import llama_cpp
     import numpy as np
 
-    model = _load(gguf_path, n_ctx=max(64, len(prompt) + max(n_tokens, len(teacher)) + 8), logits_all=True)
+    path = Path(gguf_path)
+    model = _load(path, n_ctx=max(64, len(prompt) + max(n_tokens, len(teacher)) + 8), logits_all=True)
     try:
         vocab = model._model.vocab
         eog = [i for i in range(model.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]
         tokens: list[int] = []
-        with quiet(gguf_path.with_name("llama.cpp.log")):
+        with quiet(path.with_name("llama.cpp.log")):
             model.reset()
             model.eval(prompt)
             for _ in range(n_tokens):
@@ -290,5 +393,8 @@ def greedy(gguf_path: Path, text: str, prompt: list[int], n_tokens: int, teacher
                 "prompt_tokens": model.tokenize(text.encode("utf-8"), add_bos=True, special=True),
                 "chat_template": model.metadata.get("tokenizer.chat_template")}
     finally:
-        with quiet(gguf_path.with_name("llama.cpp.log")):
+        with quiet(path.with_name("llama.cpp.log")):
             model.close()
+
+
+_CALLS = {"end_of_generation": _end_of_generation, "quantize": _quantize, "greedy": _greedy}

@@ -10,6 +10,7 @@ import torch
 
 from finetune.config.schema import read_yaml
 from finetune.data.chat import MESSAGES_NAMES, reply, require_template, turns_of
+from finetune.kinds import registry
 from finetune.kinds.registry import kind
 from finetune.models.heads import task_model_dir
 from finetune.models.pretrained import load_trained, resolve_model_dir, task_of
@@ -48,7 +49,7 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool 
     model = load_trained(model_dir, task).eval()
     if chat is None:
         chat = _trained_to_chat(tokenizer, run_dir)
-    if task == "causal_lm" and chat:  # chatting is a use of a causal LM trained on conversations
+    if registry.entry(task).generates and chat:  # chatting is a use of a causal LM trained on conversations
         require_template(tokenizer, str(model_dir))
         return [{"text": text, "reply": reply(model, tokenizer, conversation_of(text), max_new_tokens)}
                 for text in texts]
@@ -70,6 +71,8 @@ def chat(target: str, turns: list[dict[str, Any]], max_new_tokens: int = 40) -> 
     model_dir, _ = resolve_model_dir(target)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     require_template(tokenizer, str(model_dir))
+    # The one kind a chat loads as, whatever its config's architectures say (a run's saved model tells its kind by
+    # them, and a chat model folder from elsewhere may name an architecture the registry does not list).
     return reply(load_trained(model_dir, "causal_lm").eval(), tokenizer, turns, max_new_tokens)
 
 
