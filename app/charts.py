@@ -34,7 +34,7 @@ def loss_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
 
 SERIES_COLOURS = {"train": "#1d4ed8", "eval": "#c2410c"}  # 6.7:1 and 5.2:1 on white: lines and text both readable
 TASK_COLOURS = ("#1d4ed8", "#c2410c", "#047857", "#7e22ce", "#b45309", "#be123c")
-CHART_W, CHART_H, PAD_L, PAD_R, PAD_T, PAD_B = 640, 240, 56, 16, 12, 34
+CHART_W, CHART_H, PAD = 640, 220, 6  # the drawing's units; its axes' numbers sit outside it, in the page's
 
 
 def _colour(split: str, order: list[str]) -> str:
@@ -79,7 +79,10 @@ def curves_html(events: list[dict[str, Any]]) -> str | None:
 def loss_chart_html(frame: pd.DataFrame, title: str = "Loss per optimizer step", points: bool = False) -> str:
     """The loss curves as an SVG the page draws itself: every split in its colour from the first update, evaluation
     (or, with `points`, every series) as points on its line (a single eval is still visible), and a legend above the
-    chart that cannot be cut off."""
+    chart that cannot be cut off.
+
+    The axes' numbers are HTML beside the SVG, not SVG text: the lines scale with the width of the page, the
+    numbers keep their size (SVG text in a 640-wide drawing shown 330 px wide was 6 px high)."""
     if not len(frame):
         return ""
     splits = list(dict.fromkeys(frame.split))
@@ -89,21 +92,21 @@ def loss_chart_html(frame: pd.DataFrame, title: str = "Loss per optimizer step",
         x_lo, x_hi = x_lo - 1, x_hi + 1
     margin = (y_hi - y_lo) * 0.05 or max(abs(y_hi) * 0.05, 0.05)
     y_lo, y_hi = y_lo - margin, y_hi + margin
-    inner_w, inner_h = CHART_W - PAD_L - PAD_R, CHART_H - PAD_T - PAD_B
+    inner_w, inner_h = CHART_W - 2 * PAD, CHART_H - 2 * PAD
 
     def at(step: float, loss: float) -> tuple[float, float]:
-        return (PAD_L + (step - x_lo) / (x_hi - x_lo) * inner_w, PAD_T + (y_hi - loss) / (y_hi - y_lo) * inner_h)
+        return (PAD + (step - x_lo) / (x_hi - x_lo) * inner_w, PAD + (y_hi - loss) / (y_hi - y_lo) * inner_h)
 
-    parts = [f'<rect x="{PAD_L}" y="{PAD_T}" width="{inner_w}" height="{inner_h}" fill="none" stroke="#9ca3af"/>']
+    parts = [f'<rect x="{PAD}" y="{PAD}" width="{inner_w}" height="{inner_h}" fill="none" stroke="#9ca3af"/>']
+    ticks = []
     for y in _ticks(y_lo, y_hi):
         _, py = at(x_lo, y)
-        parts.append(f'<line x1="{PAD_L}" x2="{PAD_L + inner_w}" y1="{py:.1f}" y2="{py:.1f}" stroke="#e5e7eb"/>'
-                     f'<text x="{PAD_L - 6}" y="{py + 4:.1f}" text-anchor="end">{y:.4g}</text>')
+        parts.append(f'<line x1="{PAD}" x2="{PAD + inner_w}" y1="{py:.1f}" y2="{py:.1f}" stroke="#e5e7eb"/>')
+        ticks.append(f'<span class="ft-tick ft-ty" style="top:{100 * py / CHART_H:.2f}%">{y:.4g}</span>')
     for x in _ticks(x_lo, x_hi, 6):
         if float(x).is_integer():
             px, _ = at(x, y_lo)
-            parts.append(f'<text x="{px:.1f}" y="{PAD_T + inner_h + 16}" text-anchor="middle">{int(x)}</text>')
-    parts.append(f'<text x="{PAD_L + inner_w / 2}" y="{CHART_H - 2}" text-anchor="middle">optimizer step</text>')
+            ticks.append(f'<span class="ft-tick ft-tx" style="left:{100 * px / CHART_W:.2f}%">{int(x)}</span>')
     for split in splits:
         rows = frame[frame.split == split].sort_values("step")
         points = [at(float(s), float(v)) for s, v in zip(rows.step, rows.loss, strict=True)]
@@ -121,8 +124,10 @@ def loss_chart_html(frame: pd.DataFrame, title: str = "Loss per optimizer step",
         f'stroke="{_colour(s, splits)}" stroke-width="3"{key_dash if s.startswith("eval") else ""}/></svg>'
         f'{html.escape(s)}</span>' for s in splits)
     return (f'<div class="ft-chart"><div class="ft-legend"><b>{html.escape(title)}</b> {legend}</div>'
+            f'<div class="ft-plot"><div class="ft-area">'
             f'<svg viewBox="0 0 {CHART_W} {CHART_H}" role="img" aria-label="{html.escape(title)}: '
-            f'{html.escape(", ".join(splits))}">{"".join(parts)}</svg></div>')
+            f'{html.escape(", ".join(splits))}">{"".join(parts)}</svg>{"".join(ticks)}</div></div>'
+            '<div class="ft-axis-title">optimizer step</div></div>')
 
 
 def _task_rows(events: list[dict[str, Any]]) -> list[tuple[int, float, str]]:

@@ -319,15 +319,33 @@ _KEY_RE = re.compile(rf"`(?P<name>{_KEYS})(?:=(?P<value>[^`\s]*))?`"
                      rf"|(?<![\w/.-])(?P<bare>{_UNDERSCORED}|(?:{_KEYS})(?==))(?:=(?P<bvalue>[^\s,;:)]+))?(?![\w/])")
 
 
+# Two keys written as one (`micro_batch_size/grad_accum_steps`), which the key pattern skips as a path.
+_KEY_PAIR_RE = re.compile(rf"(?<![\w/.-])({_KEYS})/({_KEYS})(?![\w/])")
+# The data's column types as Arrow names them ("found large_string"), in words; a list says what it holds.
+_ARROW_WORDS = {"large_string": "text", "string": "text", "large_utf8": "text", "utf8": "text", "double": "numbers",
+                "float": "numbers", "halffloat": "numbers", "bool": "true/false values", "null": "empty cells"}
+_ARROW_RE = re.compile(r"\b(found|holds|of type|is of type) (large_list|list)?<?(?:item: )?"
+                       r"(large_string|string|large_utf8|utf8|u?int(?:8|16|32|64)|double|float|halffloat|bool|null)"
+                       r">?(?![\w<])")
+
+
+def _arrow_words(m: re.Match) -> str:
+    kind = m.group(3)
+    words = "whole numbers" if kind.lstrip("u").startswith("int") else _ARROW_WORDS[kind]
+    return f"{m.group(1)} {'lists of ' + words if m.group(2) else words}"
+
+
 def in_form_words(text: str) -> str:
     """A message from the config, planner or run folder in the words of the form: a field's label for its config
-    key (`memory_budget_gb` → Memory budget (GB)), "tick Overwrite" for `overwrite=true`."""
+    key (`memory_budget_gb` → Memory budget (GB)), "tick Overwrite" for `overwrite=true`, "text" for a column of
+    Arrow's `large_string`."""
     def word(m: re.Match) -> str:
         before = m.string[:m.start()]
         advice = re.search(r"(?:\b(?:set|or|and|to|use)|,)\s*$", before, re.IGNORECASE) is not None
         return _form_word(m.group("name") or m.group("bare"),
                           m.group("value") if m.group("name") else m.group("bvalue"), advice)
 
+    text = _ARROW_RE.sub(_arrow_words, _KEY_PAIR_RE.sub(r"`\1` and `\2`", text))
     text = re.sub(r"\bset (?=(?:un)?tick \*\*)", "", _KEY_RE.sub(word, text), flags=re.IGNORECASE)
     return re.sub(r"(^|[.!?]\s+)((?:un)?tick \*\*)", lambda m: m.group(1) + m.group(2).capitalize(), text)
 

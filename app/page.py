@@ -24,7 +24,7 @@ from app.runs.tab import RunsTab
 from app.tabs import Handlers, handlers
 from app.train import preview
 from app.train.form import Form
-from app.train.tab import PRIVATE, TrainTab, create_train_tab, wire_train_tab
+from app.train.tab import PRIVATE, TrainTab, create_train_tab, pressed_css, wire_train_tab
 from app.tryit.tab import TryItTab, create_tryit_tab, wire_tryit_tab
 from finetune.config.schema import Config, from_dict
 
@@ -36,10 +36,27 @@ CSS = """
 /* WCAG AA: help text 4.5:1 (Gradio's grey is 1.9:1 on white), white on the Start button 4.5:1 (2.8:1 on its orange). */
 .info-text { color: #4b5563 !important; }
 .dark .info-text { color: #d1d5db !important; }
+/* Gradio's light grey (#bbbbc2, 1.9:1) on the upload's "- or -", a multiselect's box once it has a choice, and the
+   footer's links: the help text's grey instead (7.6:1). */
+.or, input.subdued, footer .built-with, footer .settings, footer a, footer button { color: #4b5563 !important; }
+.dark .or, .dark input.subdued, .dark footer .built-with, .dark footer .settings { color: #d1d5db !important; }
+/* The final metrics' JSON viewer and the YAML viewers (CodeMirror): Gradio's pale token colours (2–2.9:1) made
+   readable (4.5:1 and more); the YAML keeps its weight for keys instead of colours. */
+.json-node .key { color: #9a3412 !important; }
+.json-node .value.number { color: #1d4ed8 !important; }
+.json-node .value.string { color: #047857 !important; }
+.json-node .value.bool, .json-node .value.null { color: #6d28d9 !important; }
+.cm-content span { color: inherit !important; }
+.cm-line > span:first-child { font-weight: 600; }
+.cm-gutterElement { color: #4b5563 !important; }
+/* Panel titles are the page's second level (under its title): sized as before, in order for screen readers. */
+.prose h2 { font-size: var(--text-lg) !important; margin: 0 0 4px !important; }
 button.primary { background: #c2410c !important; color: #fff !important; }
 button.primary:hover:not(:disabled) { background: #9a3412 !important; }
 button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !important; }
 .ft-chart svg { width: 100%; height: auto; display: block; }
+/* What still shows the previous run (or plan) while Start (or Plan) checks the next: dimmed, at once. */
+.ft-stale { opacity: 0.45; transition: opacity 0.2s; }
 /* A narrow window stacks the Train tab's columns: the Run panel (Start, progress) comes first. */
 @media (max-width: 720px) {
   #train-row { flex-direction: column-reverse; }
@@ -47,8 +64,18 @@ button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !import
   .gradio-container .row { flex-wrap: wrap !important; }
   #train-row > * { width: 100% !important; flex-basis: 100% !important; }
   .gradio-container .row > * { min-width: min(100%, 160px) !important; }
+  /* The Runs table keeps readable columns and scrolls sideways, rather than one letter a line. */
+  #runs-table table { min-width: 880px; }
 }
-.ft-chart svg text { font-size: 12px; fill: var(--body-text-color, #1f2937); }
+/* The chart's numbers are HTML around the drawing (app.charts), so they keep their size however narrow it is. */
+.ft-plot { padding: 0 4px 20px 52px; }
+.ft-area { position: relative; }
+.ft-area svg { overflow: visible; }
+.ft-tick { position: absolute; font-size: 12px; line-height: 1; white-space: nowrap;
+  font-variant-numeric: tabular-nums; color: var(--body-text-color, #1f2937); }
+.ft-ty { right: calc(100% + 6px); transform: translateY(-50%); }
+.ft-tx { top: calc(100% + 4px); transform: translateX(-50%); }
+.ft-axis-title { text-align: center; font-size: 12px; color: var(--body-text-color, #1f2937); }
 .ft-legend { display: flex; gap: 16px; flex-wrap: wrap; font-size: 13px; }
 .ft-key { display: inline-flex; align-items: center; gap: 6px; white-space: nowrap; }
 /* A field whose value is refused says so in its help line, in red, with a red frame. */
@@ -73,8 +100,16 @@ JS = """
       const title = box.closest('label')?.querySelector('[data-testid="block-info"]');
       if (title && title.textContent.trim()) box.setAttribute('aria-label', title.textContent.trim());
     });
-  name();
-  new MutationObserver(name).observe(document.body, {childList: true, subtree: true});
+  // Gradio's empty-box placeholder is a <div aria-label="Empty value">: a name on an element without a role is
+  // prohibited (axe-core's aria-prohibited-attr); it is an icon, so it is given the image role its name describes.
+  const roles = () => document.querySelectorAll('div.empty[aria-label]:not([role])').forEach(
+    (box) => box.setAttribute('role', 'img'));
+  // An icon whose alt text repeats its button's words ("Settings" beside "Settings") is read twice: it is decoration.
+  const alts = () => document.querySelectorAll('button img[alt]:not([alt=""]), a img[alt]:not([alt=""])').forEach(
+    (img) => { if (img.closest('button, a').textContent.includes(img.alt)) img.alt = ''; });
+  const all = () => { name(); roles(); alts(); };
+  all();
+  new MutationObserver(all).observe(document.body, {childList: true, subtree: true});
 }
 """
 INTRO = ("# finetune\nFine-tune a Transformers model on your own data: pick a model and a dataset, check the plan "
@@ -90,7 +125,7 @@ class App:
     fields: dict[str, gr.components.Component]
     jobs: JobManager
     handlers: Handlers
-    css: str = CSS
+    css: str = CSS + pressed_css()
     js: str = JS
 
 

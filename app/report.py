@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from app.jobs.training import JobStatus
+from app.mapping import in_form_words
 from finetune.data.chat import describe_dropped
 from finetune.data.segments import Segmentation
 from finetune.kinds import registry as kinds
@@ -21,13 +22,13 @@ STATE_TITLES = {"idle": "Ready", "starting": "Starting", "running": "Training", 
 
 def data_lines(facts: dict[str, Any] | None) -> list[str]:
     """What `long_documents` did to the data, from a start event or a plan: one line per data set, then any
-    warning."""
+    warning, in the form's words."""
     lines, warnings = [], []
     for name, key in (("training data", "segmentation"), ("evaluation data", "eval_segmentation")):
         counts = (facts or {}).get(key)
         if isinstance(counts, dict):
-            lines.append(f"{name}: {Segmentation(**counts).sentence()}")
-            warnings += [f"⚠️ {counts['warning']}"] if counts.get("warning") else []
+            lines.append(f"{name}: {in_form_words(Segmentation(**counts).sentence())}")
+            warnings += [f"⚠️ {in_form_words(counts['warning'])}"] if counts.get("warning") else []
     return lines + warnings
 
 
@@ -68,6 +69,16 @@ def event_line(event: dict[str, Any], total: int | None) -> str | None:
         where = event.get("url") or f"{event['repo_id']} failed: {event.get('error')}"
         return f"{clock} push: {where}"
     return None
+
+
+def waiting_note(status: JobStatus) -> str:
+    """What Try it and Export say before there is a finished model to use: why not yet, and what to do."""
+    if status.active:
+        return "The run is training: its model can be used here once the run has finished."
+    if status.state in ("stopped", "failed"):
+        return ("The last run did not finish, so there is no model to use yet: resume it (Run panel) or train "
+                "another to the end on the Train tab.")
+    return "No trained model yet: train a run to the end on the Train tab, then use its model here."
 
 
 def display_path(path: Path | str) -> str:

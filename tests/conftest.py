@@ -246,16 +246,20 @@ def _kill_training(runs: Path) -> None:
 
 
 @contextlib.contextmanager
-def served_app(folder: Path, log: Path | None = None, **env: str) -> Iterator[tuple[str, Path]]:
+def served_app(folder: Path, log: Path | None = None, ignore_sigint: bool = False,
+               **env: str) -> Iterator[tuple[str, Path]]:
     """`python -m app` on a free localhost port, started in `folder` (its runs and Gradio files go there), with
     `env` added to the environment; yields its URL and runs directory and ends it (and any run) after. With `log`,
-    the app's output (tracebacks included) goes to that file."""
+    the app's output (tracebacks included) goes to that file; with `ignore_sigint`, the app starts with SIGINT
+    ignored, as a shell's background job does (and is ended by SIGTERM)."""
     port, runs = _free_port(), folder / "runs"
     env = {**os.environ, "GRADIO_TEMP_DIR": str(folder / "gradio"), "GRADIO_ANALYTICS_ENABLED": "False", **env}
     out = open(log, "w", encoding="utf-8") if log else subprocess.PIPE  # noqa: SIM115 (closed below)
     # Started elsewhere than the repository, as an installed app is: it still opens with the sample data.
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
     proc = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port), "--runs-dir", "runs"], cwd=folder,
-                            env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=ignore)  # noqa: PLW1509 (one signal call, in a test)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.time() + 90
     while True:
@@ -270,7 +274,7 @@ def served_app(folder: Path, log: Path | None = None, **env: str) -> Iterator[tu
         yield url, runs
     finally:
         _kill_training(runs)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM if ignore_sigint else signal.SIGINT)
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:

@@ -104,8 +104,9 @@ def test_only_the_callers_own_finished_run_exports(alices_run, tmp_path):
     # The page: the block shows the result, enables Push the export; Bob's page stays empty.
     page = exporter.poll(None, request=alice)
     assert page["status"] == shown["message"] and page["push"]["interactive"]
-    assert exporter.poll(None, request=bob)["status"] == "" and not exporter.poll(None, request=bob)["push"][
-        "interactive"]
+    # (Bob has no finished run of his own: the block says so, and nothing of Alice's.)
+    assert exporter.poll(None, request=bob)["status"] == "Nothing to export yet: train a run to the end first." \
+        and not exporter.poll(None, request=bob)["push"]["interactive"]
     # A push of the export passes Push to the Hub's checks: alice may train but not push with the server's token.
     assert "Pushing uses the Space's owner's Hugging Face token" in exporter.push("alice/m", True,
                                                                                   request=alice)["message"]

@@ -14,6 +14,7 @@ import torch
 from conftest import _causal_tokenizer, assert_same_weights, bundled_tokenizer, run_train, step_losses
 
 from app.jobs.training import JobStatus
+from app.mapping import in_form_words
 from app.train import plan_report, run_report
 from finetune.cli import main
 from finetune.config.schema import ConfigError, from_dict
@@ -197,9 +198,10 @@ def test_the_start_event_cli_and_gui_show_the_counts(tmp_path, tiny_gpt2, long_c
     assert start["eval_segmentation"] == counts  # the evaluation set (the same file here) is cut the same way
     status = JobStatus(state="running", run_dir=tmp_path / "run", events=events)
     shown = run_report.status_markdown(status)
-    assert "training data: 13 documents → 13 samples of at most 32 tokens (long_documents=truncate): 0 split, " \
+    # The page says it in the form's words (the CLI, below, in the config's).
+    assert "training data: 13 documents → 13 samples of at most 32 tokens (**Long documents** truncate): 0 split, " \
            "9 truncated" in shown
-    assert f"⚠️ {counts['warning']}" in shown and "evaluation data: 13 documents" in shown
+    assert f"⚠️ {in_form_words(counts['warning'])}" in shown and "evaluation data: 13 documents" in shown
     assert "training data: 13 documents" in run_report.log_text(status)
 
     assert main(["train", f"model={tiny_gpt2}", f"dataset={long_csv}", "task=causal_lm", "max_length=32",

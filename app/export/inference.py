@@ -101,8 +101,8 @@ class InferenceExport:
         if child is None or not self.state.access.owns(user, child.owner):
             try:
                 run_dir = self.run_of(user)
-            except Refused:
-                return _shown("idle")
+            except Refused as e:  # no finished run yet: the block says so rather than nothing
+                return _shown("idle", message=str(e))
             record = _record(run_dir)
             return _finished(run_dir, record) if record else _shown("idle", run_dir)
         rc = child.proc.poll()
@@ -139,7 +139,8 @@ class InferenceExport:
         signature = [shown["state"], shown["run_dir"], shown["message"], ready]
         if seen == signature:
             return {}
-        return {"signature": signature, "status": shown["message"],
+        failed = "⚠️ " if shown["state"] == "failed" else ""  # the export's own sentence, marked as a failure
+        return {"signature": signature, "status": failed + shown["message"],
                 "files": gr.update(value=self.files(shown) or None, visible=shown["state"] == "done"),
                 "button": gr.update(interactive=ready), "push": gr.update(interactive=shown["state"] == "done")}
 
@@ -187,7 +188,7 @@ def _finished(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
 def place_export_block(on: Callable[..., Any], exporter: InferenceExport) -> None:
     """The Export block, inside the Export tab being built, wired to its handlers."""
     with gr.Column(variant="panel", elem_id="export-block"):
-        gr.Markdown("### Export for local inference\n\nMerged weights (a plain transformers folder), or a GGUF for "
+        gr.Markdown("## Export for local inference\n\nMerged weights (a plain transformers folder), or a GGUF for "
                     "llama.cpp and Ollama with the chat template and end-of-turn token the run trained with, "
                     "checked against transformers.")
         with gr.Row():

@@ -14,6 +14,7 @@ from typing import Any
 
 from app.access import Access
 from app.jobs.training import JobStatus
+from app.report import waiting_note
 from app.state import AppState
 from finetune.config.schema import read_yaml, repo_id_problem
 from finetune.errors import ConfigError, InputError
@@ -91,6 +92,8 @@ def hub_markdown(status: JobStatus, on_space: bool) -> str:
     if push and push.get("url"):
         return f"✅ Pushed to [{push['repo_id']}]({push['url']})."
     note = f"⚠️ The push to {push['repo_id']} failed: {push.get('error')}" if push else ""
+    if status.model_dir is None:
+        return waiting_note(status)
     if on_space and status.state == "done":
         advice = ("💡 This Space's disk is wiped when the Space restarts: push the model to the Hub (or download "
                   "it) to keep it.")

@@ -38,7 +38,7 @@ class ExportTab:
 
 def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
     """The Export tab's widgets, inside the open `gr.Tab` (the inference block wired as it is made)."""
-    gr.Markdown("### Download or push the model")
+    gr.Markdown("## Download or push the model")
     download = gr.DownloadButton("Download model", interactive=False)
     hub_note = gr.Markdown(elem_id="hub-note")
     with gr.Row():
@@ -49,7 +49,7 @@ def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
     push_message = gr.Markdown(elem_id="push-message")
     place_export_block(on, h.inference)
     with gr.Column(variant="panel"):
-        gr.Markdown("### Reproduce")
+        gr.Markdown("## Reproduce")
         with gr.Row():
             export_config = gr.Button("Export config")
             import_config = gr.UploadButton("Import config", file_types=[".yaml", ".yml"])

@@ -8,15 +8,25 @@ run in forked children instead (`app.jobs.bounded`).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Mapping
 from typing import IO
 
 
+def _default_sigint() -> None:
+    """In the child, before it execs: SIGINT back to its default. An app started with SIGINT ignored (a shell's
+    background job) would pass that on through exec, and a Stop before the CLI installs its handler (while it
+    imports, the first seconds) would be lost: the run went on to the end under "Stopping…"."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(command: list[str], log: IO[str], env: Mapping[str, str]) -> subprocess.Popen:
-    """`command` in a new session, its output (and errors) appended to `log`, unbuffered so the log follows it."""
+    """`command` in a new session, its output (and errors) appended to `log`, unbuffered so the log follows it;
+    SIGINT stops it whatever the app's own disposition (`_default_sigint`)."""
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"})
+                            start_new_session=True, preexec_fn=_default_sigint,  # noqa: PLW1509 (one signal call)
+                            env={**env, "PYTHONUNBUFFERED": "1"})
 
 
 def run(command: list[str], timeout_s: float, env: Mapping[str, str]) -> subprocess.CompletedProcess:

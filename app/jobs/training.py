@@ -25,6 +25,7 @@ import psutil
 
 from app.jobs.children import signal_group, spawn
 from app.jobs.tail import EventTail, error_from_output, session_output
+from finetune.config.schema import ConfigError, read_yaml
 from finetune.run.rundir import checkpoints, write_json
 
 # After a Stop, how long the child may take to finish its optimizer step and write the checkpoint before it is
@@ -33,6 +34,7 @@ STOP_TIMEOUT_S = 600.0
 TERMINAL = ("stopped", "done", "error")
 KILLED = "The training process was killed (out of memory?)."
 WATCH_INTERVAL_S = 1.0
+ENDED = "# ended: "  # the launch log's line saying how a session ended, as the app saw it (`ended_as`)
 
 
 class JobBusy(RuntimeError):
@@ -132,6 +134,14 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _pushes(config_path: Path) -> bool:
+    """Whether the run's config (as launched) pushes the model to the Hub when it is done."""
+    try:
+        return bool(read_yaml(config_path).get("push_to_hub"))
+    except (OSError, ValueError, AttributeError, ConfigError):
+        return False
+
+
 class JobManager:
     """Starts, stops and reports on one `finetune train` child process at a time."""
 
@@ -155,6 +165,7 @@ class JobManager:
             current = self.status()
             if current.active:
                 raise JobBusy(self._busy_message(current))
+            self._record_end(current)
             command = [self.python, "-m", "finetune", "train", str(config_path), *(overrides or []), "-q"]
             log_path = run_dir / "launch.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,6 +180,13 @@ class JobManager:
             self._save_current()
             self._watch(self._job)
             return self.status()
+
+    def _record_end(self, ended: JobStatus) -> None:
+        """Write how the previous run ended into its launch log, once it is no longer the current run: a run stopped
+        (or killed) before it wrote an event of its end is then "Stopped" on the Runs tab too, not "Failed"."""
+        if self._job is not None and ended.state in ("stopped", "failed", "done"):
+            with open(self._job.log_path, "a", encoding="utf-8") as log:
+                log.write(f"{ENDED}{ended.state}\n")
 
     def resume(self, run_dir: Path, owner: str | None = None) -> JobStatus:
         """Continue a stopped run from its latest checkpoint (`finetune train RUN/config.yaml resume=true`)."""
@@ -275,8 +293,11 @@ class JobManager:
         if running:
             if job.stop_requested_at is not None:
                 return "stopping", "Stopping after the current optimizer step…"
-            if any(e.get("event") == "done" for e in mine):  # push_to_hub: the upload follows `done`
-                return "running", "Training is done; pushing the model to the Hub…"
+            if any(e.get("event") == "done" for e in mine):  # the model is saved; the child is ending
+                # Only a run whose config pushes uploads after `done`: any other would flash a push that never was.
+                if _pushes(job.config_path):
+                    return "running", "Training is done; pushing the model to the Hub…"
+                return "running", "Training is done; finishing…"
             started = any(e.get("event") == "start" for e in mine)
             return ("running", "") if started else ("starting", "Loading the data and the model…")
         kind = (last or {}).get("event")

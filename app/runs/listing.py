@@ -14,6 +14,7 @@ import pandas as pd
 import yaml
 
 from app import charts, report
+from app.jobs.training import ENDED
 from finetune.config.schema import ConfigError, from_dict, read_yaml
 from finetune.run.events import read_events
 from finetune.run.rundir import LAUNCH_FILES, MARKER, checkpoints, clear_run_dir, is_finished
@@ -63,6 +64,20 @@ def clock(stamp: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp)) if stamp else ""
 
 
+def ended_as(path: Path) -> str | None:
+    """How the run's last session ended as the app saw it (its launch log's last line of `ENDED`: a run stopped
+    before its first event of an end is "stopped", as the Train tab said); None when it does not say."""
+    log = path / "launch.log"
+    if not log.is_file():
+        return None
+    with open(log, "rb") as f:  # its end is enough: the line is written after the session's output
+        f.seek(max(0, log.stat().st_size - 65536))
+        lines = f.read().decode("utf-8", errors="replace").splitlines()
+    last_launch = max((i for i, line in enumerate(lines) if line.startswith("$ ")), default=-1)
+    said = [line.removeprefix(ENDED).strip() for line in lines[last_launch + 1:] if line.startswith(ENDED)]
+    return said[-1] if said and said[-1] in ("stopped", "failed", "done") else None
+
+
 def run_info(path: Path, current: Any = None) -> RunInfo:
     """What `path` holds: its state (the job manager's `current` status when it is that run), last step, final
     metrics and times, from its events."""
@@ -76,7 +91,8 @@ def run_info(path: Path, current: Any = None) -> RunInfo:
             and current.state != "idle":
         state = current.state
     else:
-        state = {"done": "done", "stopped": "stopped", "error": "failed"}.get((final or {}).get("event"), "failed")
+        state = {"done": "done", "stopped": "stopped", "error": "failed"}.get((final or {}).get("event")) \
+            or ended_as(path) or "failed"
     finished = is_finished(path)
     metrics = dict(next((e["metrics"] for e in reversed(events) if e.get("event") == "done"), None) or {})
     steps = [e["step"] for e in events if e.get("event") == "step"]

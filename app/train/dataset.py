@@ -203,7 +203,7 @@ class DatasetPanel:
 def build_dataset_panel(form: Form) -> DatasetPanel:
     """The Dataset panel, inside the open Train tab column: its fields, the upload, the preview and the rest."""
     data, initial = form.data, form.initial
-    gr.Markdown("### 2 · Dataset")
+    gr.Markdown("## 2 · Dataset")
     with gr.Row():
         with gr.Column(scale=3):
             form.place("dataset", per_row=1)

@@ -6,6 +6,7 @@ problem in its place."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -13,6 +14,7 @@ import gradio as gr
 from app import limits
 from app.access import AccessError
 from app.device import DeviceMemory
+from app.jobs.training import JobStatus
 from app.mapping import (
     COLUMN_FIELDS,
     FIELD_NAMES,
@@ -151,6 +153,13 @@ class FieldsShown:
     chat_example: Any = keep()  # the first example: hidden for a kind whose entry names no data preview
 
 
+def asked_config(status: JobStatus) -> Path:
+    """The config the user asked for (`launch.yaml`, what the form held at Start: `auto` where it said auto), not
+    the one the run resolved (`config.yaml`, which a resumed run is launched with: micro-batch 32, LoRA false…)."""
+    launched = status.run_dir / "launch.yaml" if status.run_dir is not None else None
+    return launched if launched is not None and launched.is_file() else status.config_path
+
+
 class FormHandlers:
     """The form's own handlers; `refresh` is the Dataset panel's (a reload's config shows its data too)."""
 
@@ -205,7 +214,7 @@ class FormHandlers:
         if status.config_path is None or not self.state.policy.is_mine(status, user):
             return FormShown()
         try:
-            config = load_config_file(status.config_path)
+            config = load_config_file(asked_config(status))
         except ConfigError:  # a config the app did not write, which no longer validates: keep the form
             return FormShown()
         config = from_dict({k: v for k, v in changed_options(config).items() if k not in RUN_FOLDER_FIELDS})

@@ -4,7 +4,7 @@ when it cannot fit the budget at all."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import gradio as gr
@@ -29,6 +29,18 @@ class PlanShown:
     chart: Any = hidden()
     error: str = ""
     fields: dict[str, Any] | None = None  # each field's help, or its problem in its place (None: left as they are)
+    button: Any = field(default_factory=lambda: gr.update(interactive=True))  # Plan again, once this one answered
+
+
+@dataclass(frozen=True, kw_only=True)
+class Planning:
+    """What Plan answers at once, before the planner's child does (seconds to a minute): a sentence where the plan
+    goes, the last plan's bars dimmed and the button off; no spinner over the form."""
+
+    text: str = "⏳ Planning: the model is weighed for this config (seconds, a minute at most)…"
+    error: str = ""
+    chart: Any = field(default_factory=lambda: gr.update(elem_classes=["ft-stale"]))
+    button: Any = field(default_factory=lambda: gr.update(interactive=False))
 
 
 class PlanHandlers:
@@ -54,6 +66,10 @@ class PlanHandlers:
         device = device if device in PLAN_DEVICES else "here"
         return self.state.jobs.plan(config, (*_plan_key(config, user), device), device)
 
+    def planning(self, *, request: Any = None) -> Planning:
+        """The press of Plan, answered at once (`plan_for` follows it)."""
+        return Planning()
+
     def plan(self, *values: Any, request: Any = None) -> PlanShown:
         """Plan the form's config for this machine (see `plan_for`)."""
         return self.plan_for("here", *values, request=request)
@@ -68,7 +84,7 @@ class PlanHandlers:
         except Unanswered as e:
             return PlanShown(error=f"⚠️ {in_form_words(str(e))}", fields=self.notes.notes({}))
         return PlanShown(text=plan_report.plan_markdown(plan),
-                         chart=gr.update(value=plan_report.plan_chart_html(plan), visible=True),
+                         chart=gr.update(value=plan_report.plan_chart_html(plan), visible=True, elem_classes=[]),
                          fields=self.notes.notes({}))
 
     def model_fit(self, *values: Any, request: Any = None) -> str:
@@ -110,7 +126,7 @@ class PlanPanel:
 
 def build_plan_panel(form: Form) -> PlanPanel:
     """The memory panel, inside the open Train tab column."""
-    gr.Markdown("### 3 · Memory budget and batch")
+    gr.Markdown("## 3 · Memory budget and batch")
     form.place("batch", per_row=2)
     form.place("memory", per_row=2)
     with gr.Row():
@@ -118,7 +134,7 @@ def build_plan_panel(form: Form) -> PlanPanel:
                           label="Plan for", elem_id="plan-device",
                           info="A CUDA GPU: plan here for a GPU you will train on (precision bf16, the CUDA context "
                                "counted); Start trains on this machine.")
-        button = gr.Button("Plan", scale=0)
+        button = gr.Button("Plan", scale=0, elem_id="plan-button")
     error = gr.Markdown(elem_classes="ft-error", elem_id="plan-error")
     text = gr.Markdown(elem_id="plan")
     # Drawn by the app (app.train.plan_report.plan_chart_html): bars scaled to the peak, the budget a marker, each

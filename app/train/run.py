@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from app.state import AppState
 from app.train import preview
 from app.train.form import FieldNotes
 from app.train.plan import PlanHandlers
+from app.train.run_report import progress_html
 from finetune.config.schema import Config, ConfigError, from_dict
 from finetune.config.tasks import single_task_values
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
@@ -53,11 +54,43 @@ class Started:
         return self.message if self.started else f"⚠️ {in_form_words(self.form_message or self.message)}"
 
     @property
+    def start_button(self) -> Any:
+        """Start, disabled at the press (`Checking`): enabled again when refused; a started run keeps it off (the
+        poll enables it when the run ends)."""
+        return gr.update(interactive=not self.started)
+
+    @property
+    def panel(self) -> dict[str, Any]:
+        """The Run panel, dimmed at the press: a started run's panel says it starts (the poll fills it next), a
+        refused one's comes back as it was."""
+        if not self.started:
+            return {name: gr.update(elem_classes=[]) for name in PANEL_PARTS}
+        fresh = {"status": f"**Starting** — `{self.run_dir}`", "progress": progress_html(JobStatus(state="starting")),
+                 "stats": "", "loss": None, "log": "", "metrics": None}
+        return {name: gr.update(value=fresh[name], elem_classes=[]) for name in PANEL_PARTS}
+
+    @property
     def dataset_note(self) -> Any:
         """The line under the Dataset field: its problem, cleared by a start, else left as it is."""
         if self.data_error:
             return f"⚠️ {in_form_words(self.data_error)}"
         return "" if self.started else gr.skip()
+
+
+STALE = "ft-stale"  # the class of a Run panel part that still shows the previous run (dimmed by the page's CSS)
+PANEL_PARTS = ("status", "progress", "stats", "loss", "log", "metrics")  # what a new run replaces
+RUN_PARTS = ("run-status", "run-progress", "run-stats", "loss-plot", "run-log", "run-metrics")  # their elem_ids
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checking:
+    """What Start answers at once, before its checks (the data, the plan: seconds, up to a minute): a sentence,
+    Start disabled (a second press would start the checks again) and the previous run's panel dimmed."""
+
+    note: str = "⏳ Checking the data and the plan before the run starts…"
+    start_button: Any = field(default_factory=lambda: gr.update(interactive=False))
+    panel: dict[str, Any] = field(default_factory=lambda: {name: gr.update(elem_classes=[STALE])
+                                                           for name in PANEL_PARTS})
 
 
 def run_dir_words(error: RunDirError, config: Config) -> str:
@@ -102,6 +135,10 @@ class RunHandlers:
         if self.state.policy.is_mine(status, user):
             return self.state.jobs.busy_message()
         return f"{self.state.policy.in_progress(status)} Only one job runs at a time: start yours when it has finished."
+
+    def checking(self, *, request: Any = None) -> Checking:
+        """The press of Start, answered at once (`start` follows it)."""
+        return Checking()
 
     def start(self, *values: Any, request: Any = None) -> Started:
         """Start the form's config (see `start_run`)."""
@@ -220,9 +257,9 @@ class RunPanel:
 def build_run_panel() -> RunPanel:
     """The Run panel (Start, Stop, Resume, progress, the loss chart, the log) and Results, in the open column."""
     with gr.Column(variant="panel"):
-        gr.Markdown("### Run")
+        gr.Markdown("## Run")
         with gr.Row():
-            start = gr.Button("Start training", variant="primary")
+            start = gr.Button("Start training", variant="primary", elem_id="start-button")
             stop = gr.Button("Stop", variant="stop", interactive=False)
             resume = gr.Button("Resume", visible=False)
         message = gr.Markdown(elem_id="run-message")
@@ -232,10 +269,11 @@ def build_run_panel() -> RunPanel:
         trackers = gr.Markdown(elem_id="run-trackers")
         # Drawn by the app (app.charts.loss_chart_html), not gr.LinePlot: see app.charts.
         loss = gr.HTML(label="Loss per optimizer step", container=True, elem_id="loss-plot")
-        log = gr.Textbox(label="Log", lines=12, max_lines=12, autoscroll=True, interactive=False)
+        log = gr.Textbox(label="Log", lines=12, max_lines=12, autoscroll=True, interactive=False,
+                         elem_id="run-log")
     with gr.Column(variant="panel"):
-        gr.Markdown("### Results")
-        metrics = gr.JSON(label="Final metrics", open=True)
+        gr.Markdown("## Results")
+        metrics = gr.JSON(label="Final metrics", open=True, elem_id="run-metrics")
         scatter = gr.ScatterPlot(None, x="true", y="predicted", height=260, visible=False,
                                  label="Predicted against true values (evaluation rows)", elem_id="regression-scatter")
         run_dir = gr.Textbox(label="Run directory", interactive=False)

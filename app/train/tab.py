@@ -3,6 +3,7 @@ the right; at 400 px the Run panel comes first) and its events."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,13 +14,42 @@ from app import limits
 from app.mapping import COLUMN_FIELDS
 from app.train.dataset import EXAMPLE_INPUTS, TASK_FIELDS, DatasetPanel, build_dataset_panel
 from app.train.form import Form
-from app.train.plan import PlanPanel, build_plan_panel
-from app.train.run import RunPanel, build_run_panel
+from app.train.plan import Planning, PlanPanel, build_plan_panel
+from app.train.run import RUN_PARTS, Checking, RunPanel, build_run_panel
 
 if TYPE_CHECKING:
     from app.tabs import Handlers
 
 PRIVATE = {"api_visibility": "private"}  # the page's own events: scripts get the named API of `app.api` instead
+
+
+# A press of Start or Plan is answered by the browser at once, before the server's answer (which says the same, a
+# round trip later: seconds on a busy machine): a class on <body> that the page's CSS (`pressed_css`) turns into the
+# sentence in place of the last message, the button greyed and the old results dimmed. Nothing of Gradio's own DOM
+# is touched (Svelte would lose track of it); the class goes once the server's answer is on the page.
+PRESSES = {"ft-checking": ("run-message", Checking.note, "start-button", RUN_PARTS),
+           "ft-planning": ("plan", Planning.text, "plan-button", ("plan-plot",))}
+
+
+def pressed_js(name: str) -> str:
+    """The browser's answer to a press (see `PRESSES`); returns no inputs for the handler."""
+    return f"() => {{ document.body.classList.add({json.dumps(name)}); return []; }}"
+
+
+def answered_js(name: str) -> str:
+    """The server has answered the press: its own sentence and state are on the page."""
+    return f"() => {{ document.body.classList.remove({json.dumps(name)}); }}"
+
+
+def pressed_css() -> str:
+    """The page's CSS for `PRESSES`."""
+    rules = []
+    for name, (note, text, button, stale) in PRESSES.items():
+        rules += [f"body.{name} #{note} .prose {{ display: none; }}",
+                  f"body.{name} #{note}::before {{ content: {json.dumps(text, ensure_ascii=False)}; }}",
+                  f"body.{name} #{button} {{ opacity: 0.6; pointer-events: none; }}",
+                  ", ".join(f"body.{name} #{part}" for part in stale) + " { opacity: 0.45; }"]
+    return "\n".join(rules) + "\n"
 
 
 @dataclass
@@ -50,7 +80,7 @@ def create_train_tab(form: Form) -> TrainTab:
     with gr.Row(equal_height=False, elem_id="train-row"):
         with gr.Column(scale=5):
             with gr.Column(variant="panel"):
-                gr.Markdown("### 1 · Model")
+                gr.Markdown("## 1 · Model")
                 form.place("model", per_row=2)
                 model_note = gr.Markdown()
                 model_fit = gr.Markdown(elem_classes="ft-error", elem_id="model-fit")
@@ -59,7 +89,7 @@ def create_train_tab(form: Form) -> TrainTab:
             with gr.Column(variant="panel"):
                 plan = build_plan_panel(form)
             with gr.Column(variant="panel"):
-                gr.Markdown("### 4 · Training")
+                gr.Markdown("## 4 · Training")
                 form.place("training")
                 form.place("run")
                 with gr.Accordion("Advanced", open=False):
@@ -98,13 +128,27 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
     upload_out = {"dataset": fields["dataset"], "eval_dataset": fields["eval_dataset"],
                   "eval_split": fields["eval_split"], "eval_fraction": fields["eval_fraction"], "data": data_out}
     on(tab.dataset.upload.upload, h.dataset.on_upload, [tab.dataset.upload, *data_in[1:]], upload_out, **PRIVATE)
+    # Plan and Start answer at once (a sentence, the button off, the old results dimmed), then do their checks with
+    # no spinner over the form: their outputs include every field's help line. `.success`: a press the door refuses
+    # gets its one toast, and no second.
     plan = tab.plan
-    on(plan.button.click, h.plan.plan_for, [plan.device, *values],
-       {"text": plan.text, "chart": plan.chart, "error": plan.error, "fields": by_name},
-       concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, **PRIVATE)
+    planning = on(plan.button.click, h.plan.planning, None,
+                  {"text": plan.text, "error": plan.error, "chart": plan.chart, "button": plan.button},
+                  show_progress="hidden", js=pressed_js("ft-planning"), **PRIVATE)
+    planning.then(None, js=answered_js("ft-planning"))  # refused or not
+    on(planning.success, h.plan.plan_for, [plan.device, *values],
+       {"text": plan.text, "chart": plan.chart, "error": plan.error, "fields": by_name, "button": plan.button},
+       concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, show_progress="hidden", **PRIVATE)
     run = tab.run
-    on(run.start.click, h.run.start, values, {"note": run.message, "dataset_note": tab.dataset.error,
-                                              "fields": by_name}, **PRIVATE)
+    panel = {"status": run.status, "progress": run.progress, "stats": run.stats, "loss": run.loss, "log": run.log,
+             "metrics": run.metrics}
+    checking = on(run.start.click, h.run.checking, None,
+                  {"note": run.message, "start_button": run.start, "panel": panel}, show_progress="hidden",
+                  js=pressed_js("ft-checking"), **PRIVATE)
+    checking.then(None, js=answered_js("ft-checking"))
+    on(checking.success, h.run.start, values, {"note": run.message, "dataset_note": tab.dataset.error,
+                                               "fields": by_name, "start_button": run.start, "panel": panel},
+       show_progress="hidden", **PRIVATE)
     on(run.stop.click, h.run.stop, None, {}, outputs=run.message, gate="public", concurrency_limit=None, **PRIVATE)
     on(run.resume.click, h.run.resume, None, {}, outputs=run.message, **PRIVATE)
     # The example follows the data (its preview), the messages column, the model, the template and `train_on`.

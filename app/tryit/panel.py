@@ -13,6 +13,7 @@ import gradio as gr
 
 from app import limits
 from app.jobs.training import JobStatus
+from app.report import waiting_note
 from app.results import Unanswered, keep
 from app.state import AppState
 from app.tryit import renderers
@@ -81,12 +82,14 @@ class TryPanel:
 
 def panel(status: JobStatus, *, new_model: bool) -> TryPanel:
     """Try it for `status`: the chat box (a run its kind chats with) or the text box, Predict enabled once the model
-    is finished; a new model clears the last one's chat, prediction and message."""
+    is finished; a new model clears the last one's chat, prediction and message; without one, a sentence says why."""
     view = try_view(status)
     chat = view == "chat"
+    ready = view is not None
     cleared = {"label": gr.update(value=None, visible=False), "generated": gr.update(value="", visible=False),
                "entities": gr.update(value=None, visible=False), "message": ""} if new_model else {}
-    ready = view is not None
+    if not ready:
+        cleared["message"] = waiting_note(status)
     return TryPanel(chat=gr.update(visible=chat, **({"value": []} if new_model else {})),
                     new_chat=gr.update(visible=chat), push=gr.update(interactive=ready),
                     button=gr.update(interactive=ready, value="Send" if chat else "Predict"),

@@ -42,7 +42,8 @@ class Option:
 
 
 # The preference loss's settings: the preference kind's, which a reward model (one loss, no reference) refuses.
-PREFERENCE_SETTINGS = ("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model")
+PREFERENCE_SETTINGS = ("preference_loss", "beta", "simpo_gamma", "orpo_lambda", "reference_model",
+                       "precompute_reference")
 PREFERENCE_OPTIONS = (
     Option("preference_loss", str, "dpo", "Preference: the loss: dpo (against a reference), ipo (DPO's squared, "
            "per-token form), simpo (length-normalised, no reference) or orpo (likelihood + odds ratio, no "
@@ -205,7 +206,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           declares=(Option("center_rewards_coefficient", float, None, "Reward: weight of the centring term "
                            "c·(r_chosen + r_rejected)² added to each pair's loss, which keeps the scores near 0 "
                            "(TRL's; unset: none).", min=0.0, max=100.0, group="advanced"),),
-          declines={"preference": (*PREFERENCE_SETTINGS, "precompute_reference")},
+          declines={"preference": PREFERENCE_SETTINGS},
           decline_reason="trains with the Bradley–Terry loss and no reference model",
           step_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"),
           refusals={"packing": "a reward pair's two sequences are scored side by side, not packed",

@@ -121,8 +121,9 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
 
 
 def prune_checkpoints(run_dir: Path, keep: int = KEEP_CHECKPOINTS) -> None:
-    """Delete all but the newest `keep` checkpoints."""
-    for old in checkpoints(run_dir)[:-keep]:
+    """Delete all but the newest `keep` checkpoints (0: all of them)."""
+    found = checkpoints(run_dir)
+    for old in found[:max(len(found) - keep, 0)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
