@@ -49,6 +49,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "label_all_tokens": {"task": "token_classification"},
     "center_rewards_coefficient": {"task": "reward"},
     "chunked_loss": {"task": "causal_lm"},
+    **{key: {"task": "embedding"} for key in ("anchor_column", "positive_column", "negative_column", "score_column")},
 }
 # Structured options, which the schema's type and bounds cannot derive a sample for.
 SAMPLES: dict[str, Any] = {"tasks": [{"name": "a", "dataset": "a.csv"}, {"name": "b", "dataset": "b.csv",

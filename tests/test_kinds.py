@@ -36,13 +36,14 @@ def test_every_kind_implements_the_whole_protocol(name):
     missing = [m for m in PROTOCOL if not callable(getattr(kind, m, None))]
     assert missing == []
     e = kind.entry
-    assert e.auto_model.startswith("AutoModelFor") and e.peft_auto_model.startswith("AutoPeftModelFor")
+    # A head's auto class (AutoModelFor…), or the bare encoder's (AutoModel, for embeddings).
+    assert e.auto_model.startswith("AutoModel") and e.peft_auto_model.startswith("AutoPeftModel")
     assert e.pipeline_tag and e.peft_task_type and e.columns and e.architectures
 
 
 def test_the_config_accepts_exactly_the_registered_kinds():
     assert TASKS == registry.names() == ("classification", "causal_lm", "regression", "preference", "reward",
-                                         "token_classification")
+                                         "token_classification", "embedding")
     with pytest.raises(ConfigError, match="task"):
         from_dict({"task": "summarisation"})
 
@@ -75,6 +76,7 @@ def test_a_kinds_own_columns_are_not_refused():
     ({"architectures": ["BertForSequenceClassification"]}, "classification"),
     ({"architectures": ["LlamaForCausalLM"]}, "causal_lm"),
     ({"architectures": ["GPT2LMHeadModel"]}, "causal_lm"),
+    ({"architectures": ["BertModel"]}, "embedding"),  # a bare encoder (a sentence-transformers model's)
     ({"architectures": None}, "classification"),
 ])
 def test_a_saved_models_kind_is_read_from_its_config(model_config, kind):
@@ -84,3 +86,4 @@ def test_a_saved_models_kind_is_read_from_its_config(model_config, kind):
 def test_a_saved_adapters_kind_is_read_from_its_peft_task_type():
     assert registry.kind_of_peft_task_type("CAUSAL_LM") == "causal_lm"
     assert registry.kind_of_peft_task_type("SEQ_CLS") == "classification"
+    assert registry.kind_of_peft_task_type("FEATURE_EXTRACTION") == "embedding"

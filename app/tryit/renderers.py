@@ -79,8 +79,16 @@ def text(out: dict[str, Any], note: str) -> PredictionShown:
     return _in_box(out["generated"], "Generated continuation", note)
 
 
+def vector(out: dict[str, Any], note: str) -> PredictionShown:
+    """An embedding model's vector of the text (the record's one list of numbers): its size and first values."""
+    values = next(v for v in out.values() if isinstance(v, list))
+    shown = ", ".join(f"{x:.4f}" for x in values[:8]) + (", …" if len(values) > 8 else "")
+    return _in_box(f"[{shown}]", f"Embedding ({len(values)} dimensions)", note)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], PredictionShown]] = {
-    "probabilities": probabilities, "entities": entities, "score": score, "value": value, "text": text}
+    "probabilities": probabilities, "entities": entities, "score": score, "value": value, "text": text,
+    "vector": vector}
 
 
 def chat(turns: list[dict[str, str]], reply: str, note: str) -> PredictionShown:

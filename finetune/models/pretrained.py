@@ -105,7 +105,8 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
                          "pick a model trained for it, or set quantization=none.")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
-    return model
+    # A kind that trains part of the model (an embedding model's encoder, not its pooler) says which.
+    return kind.trained_model(model) if hasattr(kind, "trained_model") else model
 
 
 def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bool) -> Any:

@@ -231,6 +231,9 @@ class _Peaks:
                          padded=s.uneven and micro > 1, quantization=step.quantization, windows=s.windows)
         if hasattr(kind, "plan_reference"):  # a reference model's weights, when one sits beside the model
             terms |= kind.plan_reference(**_reference_inputs(self.skeleton, s.cuda, micro, s.tokens))[0]
+        if hasattr(kind, "plan_window"):  # a loss over the whole window: its embeddings and scores, resident
+            terms |= kind.plan_window(s.batch.effective_batch_size,
+                                      getattr(getattr(self.skeleton.model, "config", None), "hidden_size", 0) or 0)
         s.tried.append(Attempt(step.name, micro, sum(terms.values())))
         self.known[micro] = sum(terms.values()), terms
         return self.known[micro]

@@ -47,6 +47,8 @@ def metadata(c: Config, *, adapter: bool, license: str | None, metrics: dict[str
     base, data = base_model_id(c.model), dataset_id(c.dataset)
     license = license or (BUNDLED_LICENSE if c.model == DEFAULT_MODEL else None)
     meta: dict[str, Any] = {"library_name": "peft" if adapter else "transformers"}
+    if PIPELINES[c.task] == "sentence-similarity" and not adapter:  # the folder is a sentence-transformers model
+        meta["library_name"] = "sentence-transformers"
     if license:
         meta["license"] = license
     if base:

@@ -17,6 +17,7 @@ from finetune.config.schema import Config
 from finetune.data.load import collate, load_data
 from finetune.data.mixing import MultiData, load_tasks
 from finetune.data.packing import check_keeps_samples_apart, packing_note
+from finetune.engine.gradcache import cached_backward_window
 from finetune.engine.metrics import AcrossProcesses, evaluate
 from finetune.engine.recurrence import Recurrence, self_check
 from finetune.engine.recurrence import backward_window as recurrent_backward_window
@@ -125,6 +126,9 @@ class SingleTask:
     def _backward(self, s: Setup, micro: list[list[int]], count: int, weight: float) -> torch.Tensor:
         # A fresh accumulator per call: a window retried after an OOM back-off counts once. A stand-in (weight 0)
         # adds nothing but still joins the reduction.
+        if s.kind.entry.whole_window:  # in-batch negatives: the loss over the whole window, by gradient caching
+            return cached_backward_window(s.model, micro, self._collate(s), count, s.accelerator, kind=s.kind,
+                                          weight=weight)
         acc = self._window_metrics = s.kind.metrics(s.label_names, s.accelerator.device) \
             if s.kind.entry.step_metrics else None
         return backward_window(s.model, micro, self._collate(s), count, s.accelerator, kind=s.kind, weight=weight,
@@ -151,6 +155,8 @@ class SingleTask:
     def save(self, s: Setup, model: Any, state_dict: dict[str, Any] | None) -> None:
         """model/ (and adapter/ with merge_lora)."""
         save_model(model, s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora, state_dict=state_dict)
+        if hasattr(s.kind, "save_layout"):  # a kind whose folder has files of its own (sentence-transformers')
+            s.kind.save_layout(s.run_dir / "model", model, s.config.max_length)
 
 
 class Recurrent(SingleTask):
