@@ -64,6 +64,13 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
     once with `prevent_thread_lock=True`. A training run outlives the server: the next start re-attaches to it.
     SIGTERM closes the server like Ctrl-C and sets `terminated`."""
     access = Access.from_env(os.environ, args.host, args.no_auth)
+    from app.guard import TRUSTED_PROXIES_VAR, trusted_networks
+
+    trusted = os.environ.get(TRUSTED_PROXIES_VAR, "")
+    try:
+        trusted_networks(trusted)
+    except ValueError as e:
+        raise AccessError(str(e)) from None
     runs_dir = Path(args.runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     # Gradio keeps uploads and served files here; it must be writable (the Docker image points it at $HOME).
@@ -93,8 +100,12 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
 
     from app.guard import Guard
 
+    # uvicorn (which Gradio starts without saying) would take X-Forwarded-For from any client on 127.0.0.1 as the
+    # client's address: the sign-in throttle's key would be whatever a client sends. The guard reads the forwarded
+    # headers itself, and only from the proxies listed.
+    os.environ["FORWARDED_ALLOW_IPS"] = ""
     guard = Middleware(Guard, access=access, upload_quota=limits.size_bytes(server_limits.upload_quota)
-                       if access.shared else None)
+                       if access.shared else None, trusted=trusted)
     app_kwargs = kwargs.setdefault("app_kwargs", {})
     app_kwargs["middleware"] = [*app_kwargs.get("middleware", []), guard]
 

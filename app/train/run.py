@@ -14,7 +14,7 @@ import gradio as gr
 
 from app.access import AccessError, new_run_name, resolve_output_dir
 from app.jobs.planner import PLANNER_SLOW
-from app.jobs.training import JobBusy, JobStatus
+from app.jobs.training import JobBusy
 from app.mapping import (
     COLUMN_FIELDS,
     changed_options,
@@ -98,11 +98,6 @@ class RunHandlers:
     def __init__(self, state: AppState, notes: FieldNotes, plans: PlanHandlers):
         self.state, self.notes, self.plans = state, notes, plans
 
-    def _busy(self, status: JobStatus, user: str | None) -> str:
-        if self.state.policy.is_mine(status, user):
-            return self.state.jobs.busy_message()
-        return f"{self.state.policy.in_progress(status)} Only one job runs at a time: start yours when it has finished."
-
     def start(self, *values: Any, request: Any = None) -> Started:
         """Start the form's config (see `start_run`)."""
         try:
@@ -115,11 +110,6 @@ class RunHandlers:
     def _refused(self, config: Config, user: str | None, request: Any) -> Started | Path:
         """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder."""
         state = self.state
-        status = state.jobs.status()
-        if status.active:
-            return Started(started=False, message=self._busy(status, user))
-        if other := state.jobs.run_refusal():
-            return Started(started=False, message=other)
         home = state.access.home(state.runs_dir, user)
         try:
             state.access.check_config(config, state.policy.readable(user))
@@ -149,6 +139,15 @@ class RunHandlers:
         user, refusal = self.state.policy.who(request)
         if refusal:
             return Started(started=False, message=refusal)
+        try:
+            # The server's one job is held from the first check to the start: an export asked for while this
+            # Start plans (a minute, for a big model) is refused, not run beside it.
+            with self.state.jobs.preparing(user):
+                return self._start_checked(config, user, request)
+        except JobBusy as e:
+            return Started(started=False, message=str(e))
+
+    def _start_checked(self, config: Config, user: str | None, request: Any) -> Started:
         run_dir = self._refused(config, user, request)
         if isinstance(run_dir, Started):
             return run_dir
@@ -162,10 +161,7 @@ class RunHandlers:
         mark_run_dir(run_dir)
         config_path.write_text(config_yaml(config, f"Written by the finetune app, {time.strftime('%Y-%m-%d %H:%M')}."
                                                    f"\nReproduce: {command}"), encoding="utf-8")
-        try:
-            self.state.jobs.start(config_path, run_dir, owner=user)
-        except JobBusy as e:
-            return Started(started=False, message=str(e))
+        self.state.jobs.start(config_path, run_dir, owner=user)
         return Started(started=True, message=f"Started. Reproduce from a terminal with `{command}`.",
                        run_dir=display_path(run_dir), command=command)
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from finetune.config.schema import read_yaml
-from finetune.data.chat import MESSAGES_NAMES, reply, require_template, turns_of
+from finetune.data.chat import MESSAGES_NAMES, prompt_of, reply, require_template, turns_of
 from finetune.kinds.registry import kind
 from finetune.models.heads import task_model_dir
 from finetune.models.pretrained import load_trained, resolve_model_dir, task_of
@@ -33,11 +34,12 @@ def conversation_of(text: str) -> list[dict[str, Any]]:
 
 @torch.inference_mode()
 def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool | None = None,
-            task_name: str | None = None) -> list[dict[str, Any]]:
+            task_name: str | None = None, prompt: Callable[..., tuple[str, list[int]]] = prompt_of
+            ) -> list[dict[str, Any]]:
     """Per text: the label with class probabilities (classification), the model's reply through its chat template
     (a causal LM trained on conversations, or a model folder with a template, or `chat=True`; a text may be a JSON
     conversation), or a generated continuation. A multi-task model needs `task_name`: that task's head, or its
-    prompt prefix before each text."""
+    prompt prefix before each text. `prompt` renders a chat (`finetune.data.chat.reply`)."""
     from transformers import AutoTokenizer
 
     model_dir, run_dir = resolve_model_dir(target)
@@ -50,7 +52,7 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool 
         chat = _trained_to_chat(tokenizer, run_dir)
     if task == "causal_lm" and chat:  # chatting is a use of a causal LM trained on conversations
         require_template(tokenizer, str(model_dir))
-        return [{"text": text, "reply": reply(model, tokenizer, conversation_of(text), max_new_tokens)}
+        return [{"text": text, "reply": reply(model, tokenizer, conversation_of(text), max_new_tokens, prompt)}
                 for text in texts]
     return kind(task).predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens)
 
@@ -63,13 +65,15 @@ def _trained_to_chat(tokenizer: Any, run_dir: Path | None) -> bool:
 
 
 @torch.inference_mode()
-def chat(target: str, turns: list[dict[str, Any]], max_new_tokens: int = 40) -> str:
-    """The trained causal LM's next assistant turn after `turns`, through the chat template it was trained with."""
+def chat(target: str, turns: list[dict[str, Any]], max_new_tokens: int = 40,
+         prompt: Callable[..., tuple[str, list[int]]] = prompt_of) -> str:
+    """The trained causal LM's next assistant turn after `turns`, through the chat template it was trained with
+    (rendered by `prompt`)."""
     from transformers import AutoTokenizer
 
     model_dir, _ = resolve_model_dir(target)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     require_template(tokenizer, str(model_dir))
-    return reply(load_trained(model_dir, "causal_lm").eval(), tokenizer, turns, max_new_tokens)
+    return reply(load_trained(model_dir, "causal_lm").eval(), tokenizer, turns, max_new_tokens, prompt)
 
 
