@@ -24,7 +24,7 @@ from app.mapping import (
     problems_text,
     values_to_config,
 )
-from app.report import display_path
+from app.report import display_path, shown_path
 from app.results import Unanswered
 from app.state import AppState
 from app.train import preview
@@ -155,6 +155,9 @@ class RunHandlers:
         try:
             run_dir = check_run_dir(config)
         except RunDirError as e:
+            # The run folder by its place in the runs folder, not where the server keeps it.
+            shown = shown_path(run_dir, self.state.runs_dir, self.state.access.shared)
+            e = RunDirError(str(e).replace(str(config.output_dir), shown))
             return Started(started=False, message=str(e), form_message=run_dir_words(e, config))
         config_path = run_dir / "launch.yaml"
         command = f"finetune train {display_path(config_path)}"
