@@ -349,13 +349,13 @@ def test_a_config_of_20000_tasks_is_refused_fast_anonymous_and_signed_in(tmp_pat
 
     ctl = handlers(tmp_path / "runs", JobManager(tmp_path / "runs"), access=_space())
     api = ScriptApi(ctl)
-    tasks = {"tasks": [{"name": f"t{i}", "dataset": f"data-{i}.csv"} for i in range(20_000)]}
-    assert 700_000 < len(json.dumps(tasks)) < 900_000  # the 789 KB of the attack
+    tasks = {"tasks": [{"name": f"t{i}", "dataset": f"d{i}.csv"} for i in range(20_000)]}
+    assert 700_000 < len(json.dumps(tasks)) < 900_000  # about the 789 KB of the attack
     for call in (api.plan, api.start):
         out, seconds = _timed(lambda c=call: c(tasks, ANON))
         assert seconds < 1.0 and "Sign in with Hugging Face to train." in str(out), out
         out, seconds = _timed(lambda c=call: c(tasks, _signed_in("alice")))
-        assert seconds < 1.0 and "The config holds more than 10,000 values" in str(out), out
+        assert seconds < 1.0 and "The config holds more than" in str(out), out  # 64 KB of text, first
     deep: dict = {}
     for _ in range(12_000):
         deep = {"a": deep}
