@@ -204,7 +204,7 @@ def test_try_it_truncates_a_long_text_and_says_so(tmp_path, monkeypatch):
 
     seen = {}
 
-    def fake_predict(target, texts, max_new_tokens=40):
+    def fake_predict(target, texts, max_new_tokens=40, prompt=None):
         seen.update(texts=texts, max_new_tokens=max_new_tokens)
         return [{"label": "pos", "probabilities": {"pos": 0.9, "neg": 0.1}}]
 
