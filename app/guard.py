@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -165,6 +166,11 @@ class UploadedFiles:
             while len(mine) > UPLOADS_KEPT:
                 mine.pop(next(iter(mine)))
 
+    def owner_of(self, path: str) -> str | None:
+        """Whose upload `path` is (None: nobody's)."""
+        with self.lock:
+            return next((user for user, paths in self.paths.items() if path in paths), None)
+
     def owns(self, user: str, path: str) -> bool:
         """Whether `path` is one of `user`'s uploads."""
         with self.lock:
@@ -288,6 +294,12 @@ class Guard:
         return self.access.identify(SimpleNamespace(scope=scope, username=_password_user(scope)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        served = re.split(r"/gradio_api/file[=/]", scope.get("path", ""), maxsplit=1)
+        if scope["type"] == "http" and scope.get("method") in ("GET", "HEAD") and len(served) == 2:
+            # Gradio serves its upload folder to anyone signed in: an upload is its uploader's alone. (The path is
+            # decoded by the server, as Gradio reads it.)
+            if self.uploads.owner_of(served[1]) not in (None, self._user(scope) or ""):
+                return await _answer(send, 404, "File not found.")
         if scope["type"] == "http" and scope.get("method") == "POST":
             path = scope.get("path", "").rstrip("/")
             if path.endswith("/upload"):

@@ -116,6 +116,9 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
 
     # As PID 1 of a container, Python ignores SIGTERM; make `docker stop` close the server like Ctrl-C does.
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Gradio's run history would keep every call's inputs (file references too) in the browser and offer to copy
+    # them to a Hub bucket: nothing a shared training server needs.
+    kwargs.setdefault("run_history", False)
     app.demo.queue(default_concurrency_limit=1).launch(
         server_name=args.host, server_port=args.port, max_file_size=args.max_file_size, css=app.css, js=app.js,
         footer_links=["gradio", "settings"], inbrowser=args.open, **kwargs)
