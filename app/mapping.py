@@ -16,7 +16,6 @@ from typing import Any
 import yaml
 
 from app.limits import config_size_problem, mapping_size_problem, short_problems
-from finetune.config.tasks import parse_tasks
 from finetune.config.schema import (
     FIELDS,
     YAML_TOO_BIG,
@@ -30,6 +29,7 @@ from finetune.config.schema import (
     load_yaml,
     read_yaml,
 )
+from finetune.config.tasks import parse_tasks
 from finetune.kinds import registry as kinds
 
 FIELD_NAMES: tuple[str, ...] = tuple(FIELDS)

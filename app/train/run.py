@@ -30,8 +30,8 @@ from app.state import AppState
 from app.train import preview
 from app.train.form import FieldNotes
 from app.train.plan import PlanHandlers
-from finetune.config.tasks import single_task_values
 from finetune.config.schema import Config, ConfigError, from_dict
+from finetune.config.tasks import single_task_values
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
 

@@ -20,7 +20,6 @@ from app.tryit import renderers
 from finetune.config.schema import read_yaml
 from finetune.kinds import registry as kinds
 
-
 # The run's chat template is a visitor's text: it renders in a forked child stopped after this long (or past
 # `bounded.MEMORY_HEADROOM` more memory), and what it renders is at most this long (the model reads far less).
 RENDER_TIMEOUT_S = 2.0
