@@ -21,7 +21,9 @@ SHARED_HELP = (
     "training process gets no secrets (such as HF_TOKEN) from the app's environment. Accounts: "
     "FINETUNE_USERS='alice:secret,bob:other' (name:password pairs) and/or FINETUNE_PASSWORD=secret (an account named "
     "admin), asked for by Gradio's login form. On a Space, visitors sign in with Hugging Face: its owner and "
-    "FINETUNE_ALLOWED_USERS=alice,bob may train.")
+    "FINETUNE_ALLOWED_USERS=alice,bob may train. Behind a reverse proxy, list its addresses (or networks) in "
+    "FINETUNE_TRUSTED_PROXIES=10.0.0.1,172.16.0.0/12: only from them are forwarded client addresses believed (the "
+    "sign-in throttle counts by address).")
 PRESET = Path("assets") / "demo.yaml"
 
 

@@ -498,3 +498,20 @@ def test_no_run_resumes_while_an_export_runs_and_no_export_starts_while_a_start_
     mine = ctl.runs.resume([alices], request=ALICE)
     assert mine.startswith("⚠️ A run is in progress (runs/alice/") and str(Path.cwd()) not in mine
     ctl.run.stop(request=ALICE)
+
+
+def test_messages_name_a_folder_by_its_place_in_the_runs_folder_never_by_the_servers_path(tmp_path):
+    from app import cleanup
+    from app.report import shown_path
+
+    home = tmp_path / "srv" / "runs" / "bob"
+    for typed in ("../x", str(tmp_path / "elsewhere")):
+        with pytest.raises(AccessError) as e:
+            resolve_output_dir(typed, home)
+        assert str(home) not in str(e.value) and "your runs folder" in str(e.value)
+    said = cleanup.disk_problem(tmp_path / "srv" / "runs", 5, lambda path: 1e9)
+    assert str(tmp_path) not in said and "the runs folder (runs)" in said
+    run = home / "20261201-120000-978a2325"
+    assert shown_path(run / "config.yaml", tmp_path / "srv" / "runs", shared=True) == \
+        "runs/bob/20261201-120000-978a2325/config.yaml"
+    assert shown_path(tmp_path / "other" / "x", tmp_path / "srv" / "runs", shared=True) == "x"
