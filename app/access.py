@@ -259,14 +259,15 @@ def resolve_output_dir(typed: str | None, home: Path) -> Path | None:
                           "without control characters: give a shorter name for the run.")
     path = Path(typed.strip()).expanduser()
     if ".." in path.parts:
-        raise AccessError(f"output_dir {typed!r} may not contain '..': give a name for the run inside {home}.")
+        raise AccessError(f"output_dir {typed!r} may not contain '..': give a name for the run (it goes in your "
+                          "runs folder).")
     inside = home.resolve()
     resolved = path.resolve()
     if resolved.is_relative_to(inside) and resolved != inside:
         return home / resolved.relative_to(inside)
     if path.is_absolute():
-        raise AccessError(f"output_dir {typed!r} is outside the app's runs folder: give a name for the run "
-                          f"inside {home}.")
+        raise AccessError(f"output_dir {typed!r} is outside the app's runs folder: give a name for the run (it "
+                          "goes in your runs folder).")
     return home / path
 
 

@@ -17,7 +17,7 @@ from app import limits
 from app.mapping import parse_config, problems_text
 from app.report import final_metrics, reproduce_command
 from app.results import Unanswered
-from finetune.config.schema import ConfigError
+from finetune.config.schema import Config, ConfigError
 
 if TYPE_CHECKING:
     from app.tabs import Handlers
@@ -93,12 +93,21 @@ class ScriptApi:
         gr.api(self.export, api_name="export", concurrency_id="export", concurrency_limit=1)
         gr.api(self.export_status, api_name="export_status", concurrency_limit=None)
 
+    def _read(self, config: Any, request: Any) -> Config:
+        """The caller's config, read only once the caller may train (anyone's text is bounded before it is
+        parsed: `limits.config_size_problem`, `limits.mapping_size_problem`); `Unanswered` with the refusal."""
+        refusal = self.handlers.state.policy.who(request)[1]
+        if refusal:
+            raise Unanswered(refusal)
+        return parse_config(config)
+
     def start(self, config: str | dict[str, Any], request: gr.Request) -> StartResult:
         """Start training `config` (YAML text, or a mapping of config options) as a `finetune train` child process."""
         try:
-            parsed = parse_config(config)
-        except ConfigError as e:
-            return StartResult(started=False, run_dir=None, command="", message=problems_text(e))
+            parsed = self._read(config, request)
+        except (ConfigError, Unanswered) as e:
+            message = problems_text(e) if isinstance(e, ConfigError) else str(e)
+            return StartResult(started=False, run_dir=None, command="", message=message)
         result = self.handlers.run.start_run(parsed, request=request)
         return StartResult(started=result.started, run_dir=result.run_dir, command=result.command,
                            message=result.message)
@@ -106,7 +115,7 @@ class ScriptApi:
     def plan(self, config: str | dict[str, Any], request: gr.Request) -> dict[str, Any]:
         """The training plan for `config` (what `finetune plan --json` writes), or {"error": message}."""
         try:
-            return self.handlers.plan.make_plan(parse_config(config), request=request)
+            return self.handlers.plan.make_plan(self._read(config, request), request=request)
         except ConfigError as e:
             return {"error": problems_text(e)}
         except Unanswered as e:
@@ -138,11 +147,11 @@ class ScriptApi:
     def predict(self, text: str, request: gr.Request) -> dict[str, Any]:
         """The finished run's model on `text`: {label, probabilities}, {generated}, {words, tags,
         entities}, or {"error": message}."""
-        from finetune.models.pretrained import ModelError
+        from finetune.errors import InputError
 
         try:
             return self.handlers.tryit.predict(text, request=request)
-        except (Unanswered, ModelError) as e:
+        except (Unanswered, InputError) as e:  # InputError: the model cannot be loaded, or its template fails
             return {"error": str(e)}
 
     def push(self, repo: str, private: bool, request: gr.Request) -> PushResult:

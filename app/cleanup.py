@@ -36,8 +36,9 @@ def disk_problem(runs_dir: Path, min_free_gb: float, free: Callable[[Path], int]
     available = (free or free_bytes)(runs_dir) / 1e9
     if available >= min_free_gb:
         return None
-    return (f"Only {available:.1f} GB free on the disk of {runs_dir}: at least {min_free_gb:g} GB is needed to start "
-            "a run; delete old runs, or free space on that disk.")
+    # The runs folder by its name: the page is no place for where the server keeps it.
+    return (f"Only {available:.1f} GB free on the disk of the runs folder ({Path(runs_dir).name}): at least "
+            f"{min_free_gb:g} GB is needed to start a run; delete old runs, or free space on that disk.")
 
 
 def _age_s(path: Path, now: float) -> float:

@@ -1,22 +1,30 @@
-"""The door of the app's HTTP routes that Gradio does not guard the way a shared server needs: its upload route (on a
-Space anyone could post files to it, signed in or not) and its login form (which answers wrong passwords at once,
-as fast as they come).
+"""The door of the app's HTTP routes, in front of Gradio's own handling: its upload route (on a Space anyone could
+post files to it, signed in or not), its login form (which answers wrong passwords at once, as fast as they come)
+and the routes that run events (whose file inputs Gradio would fetch from a URL, or copy from a server path, while
+it prepares the inputs, before any handler of the app asks who is calling).
 
 An ASGI middleware (`Guard`), put inside Gradio's own (its session middleware has run, so a Space's signed-in user
-is known). Uploads: on a Space only users who may train may upload at all; on any shared server each user may post
-at most the upload quota within the time Gradio's copies are kept (`cleanup.GRADIO_KEEP_S`). Sign-in: after
-`FREE_FAILURES` failed sign-ins of one account, or from one address, the next is refused for a delay that doubles
-with each further failure (up to `MAX_DELAY_S`), without checking the password; a success clears the account's and
-the address's count.
+is known).
+
+- Uploads: on a Space only users who may train may upload at all; on any shared server each user may post at most
+  the upload quota within the time Gradio's copies are kept (`cleanup.GRADIO_KEEP_S`). The paths Gradio answers an
+  upload with are remembered for the user who posted it (`UploadedFiles`).
+- Events: a request that runs an event names files only by the paths of the caller's own uploads; a file object
+  with any other path (a URL, a file of the server's, someone else's upload) is refused before Gradio reads it.
+- Sign-in (`Throttle`), keyed on what a client cannot choose: the account Gradio checks (a form that names two is
+  refused) and the address of the connection (a forwarded address only from `FINETUNE_TRUSTED_PROXIES`). One
+  account guessed from one address waits after a few failures; an account guessed from many addresses makes every
+  address that has failed wait too, but never a fresh one or one the account signed in from: the owner gets in.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 import threading
 import time
-import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -24,47 +32,99 @@ from typing import Any
 from app.access import Access
 from app.cleanup import GRADIO_KEEP_S
 
-FREE_FAILURES = 3  # failed sign-ins answered without delay (a typo or two)
+FREE_FAILURES = 3  # failed sign-ins of one account from one address answered without delay (a typo or two)
+ACCOUNT_FREE_FAILURES = 10  # failures of one account, from any addresses, before its own delay starts
 MAX_DELAY_S = 300.0
+FORGET_S = 3600.0  # failures older than this (past the longest delay) are forgotten
 MAX_LOGIN_BODY = 16 * 1024  # a login form is a name and a password
+MAX_EVENT_BODY = 1 << 20  # an event's request: its inputs are text (at most 256 K characters) and file references
+UPLOADS_KEPT = 1000  # upload paths remembered per user (the newest)
+TRUSTED_PROXIES_VAR = "FINETUNE_TRUSTED_PROXIES"
+EVENT_ROUTES = ("/queue/join", "/run/", "/api/", "/call/", "/stream/")  # under Gradio's /gradio_api prefix
+NOT_YOUR_FILE = ("A file input takes only a file you uploaded to this app (not a URL or a path on the server): "
+                 "upload the file.")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+def delay(count: int, free: int = FREE_FAILURES) -> float:
+    """Seconds to wait after `count` failures: none for the first `free`, then 1, 2, 4, … up to `MAX_DELAY_S`."""
+    return 0.0 if count < free else min(2.0 ** min(count - free, 32), MAX_DELAY_S)
+
+
 @dataclass
 class Throttle:
-    """Failed sign-ins per key (an account, an address) and when the last one was; thread-safe."""
+    """Failed sign-ins by account and address; thread-safe, and its memory bounded by `FORGET_S`.
+
+    - per (account, address): `FREE_FAILURES` free, then 1, 2, 4, … s (one address guessing one account);
+    - per account, from any address: after `ACCOUNT_FREE_FAILURES`, the account's delay applies to each address
+      that has failed a sign-in (of any account) and has not signed in to this account before; a fresh address,
+      such as the owner's, is checked at once.
+
+    An attempt counts as a failure from the moment it is admitted (`admit`) until it succeeds, so that many
+    guesses sent at once are counted as they arrive, not after their answers."""
 
     clock: Callable[[], float] = time.monotonic
-    failures: dict[str, tuple[int, float]] = field(default_factory=dict)
+    pairs: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
+    accounts: dict[str, tuple[int, float]] = field(default_factory=dict)
+    failed_from: dict[str, float] = field(default_factory=dict)  # address → its latest failure, of any account
+    known: dict[str, dict[str, float]] = field(default_factory=dict)  # account → address → latest sign-in
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    @staticmethod
-    def delay(count: int) -> float:
-        """Seconds a key must wait after `count` failures: none for the first `FREE_FAILURES`, then 1, 2, 4, …"""
-        return 0.0 if count < FREE_FAILURES else min(2.0 ** (count - FREE_FAILURES), MAX_DELAY_S)
-
-    def wait_s(self, keys: list[str]) -> float:
-        """How long until the next sign-in of `keys` may be checked (0 when it may now)."""
+    def wait_s(self, account: str, address: str) -> float:
+        """How long until a sign-in of `account` from `address` may be checked (0: now)."""
         now = self.clock()
         with self.lock:
-            return max([0.0, *(last + self.delay(n) - now for n, last in (self.failures.get(k, (0, 0.0))
-                                                                            for k in keys))])
+            return self._wait(account, address, now)
 
-    def failed(self, keys: list[str]) -> None:
-        """Count a failed sign-in of each of `keys`."""
+    def _wait(self, account: str, address: str, now: float) -> float:
+        count, last = self.pairs.get((account, address), (0, 0.0))
+        wait = last + delay(count) - now if count else 0.0
+        total, last_any = self.accounts.get(account, (0, 0.0))
+        if total and address in self.failed_from and address not in self.known.get(account, {}):
+            wait = max(wait, last_any + delay(total, ACCOUNT_FREE_FAILURES) - now)
+        return max(0.0, wait)
+
+    def admit(self, account: str, address: str) -> float:
+        """0 when a sign-in of `account` from `address` may be checked now, and it is counted as failed (until
+        `succeeded`); otherwise the seconds to wait, and nothing is counted."""
         now = self.clock()
         with self.lock:
-            for k in keys:
-                self.failures[k] = (self.failures.get(k, (0, 0.0))[0] + 1, now)
+            self._forget(now)
+            if (wait := self._wait(account, address, now)) > 0:
+                return wait
+            pair = self.pairs.get((account, address), (0, 0.0))
+            self.pairs[(account, address)] = (pair[0] + 1, now)
+            total = self.accounts.get(account, (0, 0.0))
+            self.accounts[account] = (total[0] + 1, now)
+            self.failed_from[address] = now
+            return 0.0
 
-    def succeeded(self, keys: list[str]) -> None:
-        """Forget the failures of `keys`."""
+    def succeeded(self, account: str, address: str) -> None:
+        """The sign-in admitted last was right: it is no failure, the pair starts again, and the address is one
+        this account signs in from."""
         with self.lock:
-            for k in keys:
-                self.failures.pop(k, None)
+            self.pairs.pop((account, address), None)
+            count, last = self.accounts.get(account, (0, 0.0))
+            if count <= 1:
+                self.accounts.pop(account, None)
+            else:
+                self.accounts[account] = (count - 1, last)
+            self.known.setdefault(account, {})[address] = self.clock()
+
+    def _forget(self, now: float) -> None:
+        for table in (self.pairs, self.accounts):
+            for key in [k for k, (_, last) in table.items() if now - last > FORGET_S]:
+                del table[key]
+        for key in [k for k, last in self.failed_from.items() if now - last > FORGET_S]:
+            del self.failed_from[key]
+        for account, addresses in list(self.known.items()):
+            for key in [k for k, last in addresses.items() if now - last > 30 * 24 * 3600]:
+                del addresses[key]
+            if not addresses:
+                del self.known[account]
 
 
 @dataclass
@@ -88,6 +148,92 @@ class UploadLedger:
             return True
 
 
+@dataclass
+class UploadedFiles:
+    """The paths Gradio answered each user's uploads with (the newest `UPLOADS_KEPT`): the only files an event's
+    file input may name."""
+
+    paths: dict[str, dict[str, None]] = field(default_factory=dict)  # user → paths, oldest first
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, user: str, paths: Iterable[str]) -> None:
+        """Remember `paths` as `user`'s uploads."""
+        with self.lock:
+            mine = self.paths.setdefault(user, {})
+            for path in paths:
+                mine.pop(path, None)
+                mine[path] = None
+            while len(mine) > UPLOADS_KEPT:
+                mine.pop(next(iter(mine)))
+
+    def owner_of(self, path: str) -> str | None:
+        """Whose upload `path` is (None: nobody's)."""
+        with self.lock:
+            return next((user for user, paths in self.paths.items() if path in paths), None)
+
+    def owns(self, user: str, path: str) -> bool:
+        """Whether `path` is one of `user`'s uploads."""
+        with self.lock:
+            return path in self.paths.get(user, {})
+
+
+def trusted_networks(text: str | None) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """The proxies named by `FINETUNE_TRUSTED_PROXIES` (addresses or CIDR networks, comma-separated); raises
+    `ValueError` with a sentence for one that is neither."""
+    networks = []
+    for item in (text or "").split(","):
+        if item.strip():
+            try:
+                networks.append(ipaddress.ip_network(item.strip(), strict=False))
+            except ValueError:
+                raise ValueError(f"{TRUSTED_PROXIES_VAR} lists {item.strip()!r}, which is neither an address nor a "
+                                 "network (such as 10.0.0.0/8): list the addresses of your reverse proxies.") from None
+    return tuple(networks)
+
+
+def _is_in(host: str, networks: tuple[Any, ...]) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return any(address in n for n in networks)
+
+
+def _forwarded_hosts(headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """The addresses of `X-Forwarded-For` and `Forwarded: for=` in the order the proxies added them."""
+    hosts: list[str] = []
+    for name, value in headers:
+        text = value.decode("latin-1")
+        if name == b"x-forwarded-for":
+            hosts += [h.strip() for h in text.split(",")]
+        elif name == b"forwarded":
+            for element in text.split(","):
+                for pair in element.split(";"):
+                    key, _, val = pair.strip().partition("=")
+                    if key.lower() == "for":
+                        hosts.append(val.strip().strip('"'))
+    return [_host_only(h) for h in hosts if h]
+
+
+def _host_only(value: str) -> str:
+    """`1.2.3.4:80` → `1.2.3.4`, `[::1]:80` → `::1`; anything else as it is."""
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def client_address(scope: Scope, trusted: tuple[Any, ...] = ()) -> str:
+    """The address a request comes from: its connection's, or, when that is one of the `trusted` proxies, the
+    nearest address the proxies forwarded that is not one of them."""
+    address = (scope.get("client") or ("?",))[0] or "?"
+    if not _is_in(address, trusted):
+        return address
+    for host in reversed(_forwarded_hosts(scope.get("headers") or [])):
+        if not _is_in(host, trusted):
+            return host
+    return address
+
+
 async def _answer(send: Send, status: int, detail: str) -> None:
     body = json.dumps({"detail": detail}).encode()
     await send({"type": "http.response.start", "status": status,
@@ -95,30 +241,81 @@ async def _answer(send: Send, status: int, detail: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+async def _read_body(receive: Receive, limit: int) -> tuple[list[dict[str, Any]], bytes | None]:
+    """The request's body messages, and its bytes (None when it is longer than `limit`)."""
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        chunks.append(message)
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+        if size > limit:
+            return chunks, None
+    return chunks, b"".join(m.get("body", b"") for m in chunks)
+
+
+def _replay(chunks: list[dict[str, Any]], receive: Receive) -> Receive:
+    pending = iter(chunks)
+
+    async def replayed() -> dict[str, Any]:
+        return next(pending, None) or await receive()
+
+    return replayed
+
+
+def file_paths(value: Any) -> Iterator[str]:
+    """Every path a request's JSON names as a file (a mapping with a `path` text, as Gradio reads file data),
+    walked without recursion."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("path"), str):
+                yield item["path"]
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 class Guard:
-    """ASGI middleware: sign-in and a quota for Gradio's upload route, a throttle for its login form."""
+    """ASGI middleware: sign-in and a quota for Gradio's upload route, the caller's own uploads only for the event
+    routes' file inputs, a throttle for its login form."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], access: Access, upload_quota: int | None = None,
-                 throttle: Throttle | None = None, ledger: UploadLedger | None = None):
+                 throttle: Throttle | None = None, ledger: UploadLedger | None = None,
+                 uploads: UploadedFiles | None = None, trusted: str | None = None):
         self.app, self.access, self.upload_quota = app, access, upload_quota
         self.throttle = throttle or Throttle()
         self.ledger = ledger or UploadLedger()
+        self.uploads = uploads or UploadedFiles()
+        self.trusted = trusted_networks(trusted)
+
+    def _user(self, scope: Scope) -> str | None:
+        return self.access.identify(SimpleNamespace(scope=scope, username=_password_user(scope)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST" and self.access.shared:
+        served = re.split(r"/gradio_api/file[=/]", scope.get("path", ""), maxsplit=1)
+        if scope["type"] == "http" and scope.get("method") in ("GET", "HEAD") and len(served) == 2:
+            # Gradio serves its upload folder to anyone signed in: an upload is its uploader's alone. (The path is
+            # decoded by the server, as Gradio reads it.)
+            if self.uploads.owner_of(served[1]) not in (None, self._user(scope) or ""):
+                return await _answer(send, 404, "File not found.")
+        if scope["type"] == "http" and scope.get("method") == "POST":
             path = scope.get("path", "").rstrip("/")
             if path.endswith("/upload"):
                 return await self._upload(scope, receive, send)
             if path.endswith("/login") and self.access.mode == "password":
                 return await self._login(scope, receive, send)
+            if "/gradio_api/" in path + "/" and any(r in path + "/" for r in EVENT_ROUTES):
+                return await self._event(scope, receive, send)
         await self.app(scope, receive, send)
 
     async def _upload(self, scope: Scope, receive: Receive, send: Send) -> None:
-        user = self.access.identify(SimpleNamespace(scope=scope, username=_password_user(scope)))
-        if self.access.mode == "space" and not self.access.may_run(user):
+        user = self._user(scope)
+        if self.access.shared and self.access.mode == "space" and not self.access.may_run(user):
             # Refused before a byte of the file is read: on a Space, signing in is what lets anyone upload.
             return await _answer(send, 401, self.access.refusal(user).replace("to train", "to upload"))
-        if self.upload_quota is not None:
+        if self.access.shared and self.upload_quota is not None:
             headers = dict(scope.get("headers") or [])
             try:
                 size = int(headers.get(b"content-length", b""))
@@ -127,29 +324,55 @@ class Guard:
             if not self.ledger.admit(user or "", size, self.upload_quota):
                 return await _answer(send, 429, "You have uploaded as much as this server keeps for one user "
                                                 "today: try again later, or use a file you uploaded before.")
-        await self.app(scope, receive, send)
+        status: list[int] = []
+        body: list[bytes] = []
+
+        async def watched(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            elif message["type"] == "http.response.body" and sum(map(len, body)) < MAX_EVENT_BODY:
+                body.append(message.get("body", b""))
+            await send(message)
+
+        await self.app(scope, receive, watched)
+        if status and status[0] == 200:
+            try:
+                answer = json.loads(b"".join(body) or b"[]")
+            except ValueError:
+                answer = []
+            self.uploads.add(user or "", [p for p in answer if isinstance(p, str)] if isinstance(answer, list)
+                             else [])
+
+    async def _event(self, scope: Scope, receive: Receive, send: Send) -> None:
+        chunks, raw = await _read_body(receive, MAX_EVENT_BODY)
+        if raw is None:
+            return await _answer(send, 413, f"A request to the app is at most {MAX_EVENT_BODY >> 20} MB (a config "
+                                            "is a few hundred bytes; a dataset goes in as an upload).")
+        try:
+            payload = json.loads(raw) if raw.strip() else None
+        except (ValueError, RecursionError):
+            payload = None  # Gradio answers a body it cannot read itself
+        user = self._user(scope) or ""
+        if any(not self.uploads.owns(user, p) for p in file_paths(payload)):
+            return await _answer(send, 403, NOT_YOUR_FILE)
+        await self.app(scope, _replay(chunks, receive), send)
 
     async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            chunks.append(message)
-            size += len(message.get("body", b""))
-            more = message.get("more_body", False)
-            if size > MAX_LOGIN_BODY:
-                return await _answer(send, 413, "A sign-in is a name and a password.")
-        form = urllib.parse.parse_qs(b"".join(m.get("body", b"") for m in chunks).decode("utf-8", "replace"))
-        name = (form.get("username") or [""])[0].strip()
-        address = (scope.get("client") or ("?",))[0]
-        keys = [f"account:{name}", f"address:{address}"]
-        if (wait := self.throttle.wait_s(keys)) > 0:
-            return await _answer(send, 429, f"Too many failed sign-ins for this account or address: try again in "
-                                            f"{wait:.0f} s.")
-        replay = iter(chunks)
-
-        async def replayed() -> dict[str, Any]:
-            return next(replay, None) or await receive()
-
+        chunks, raw = await _read_body(receive, MAX_LOGIN_BODY)
+        if raw is None:
+            return await _answer(send, 413, "A sign-in is a name and a password.")
+        form = await _form(scope, raw)
+        if form is None or len(form.get("username", [])) != 1 or len(form.get("password", [])) != 1:
+            # Gradio would check one of several names (the last) while a throttle might count another.
+            return await _answer(send, 400, "A sign-in has one username and one password.")
+        # Names that are no account share one key per address: guessing them opens nothing, and made-up names
+        # cannot fill the throttle's memory.
+        name = form["username"][0].strip()
+        name = name if name in {n for n, _ in self.access.accounts} else ""
+        address = client_address(scope, self.trusted)
+        if (wait := self.throttle.admit(name, address)) > 0:
+            return await _answer(send, 429, f"Too many failed sign-ins for this account from this address: try "
+                                            f"again in {wait:.0f} s.")
         status: list[int] = []
 
         async def watched(message: dict[str, Any]) -> None:
@@ -157,11 +380,34 @@ class Guard:
                 status.append(message["status"])
             await send(message)
 
-        await self.app(scope, replayed, watched)
+        await self.app(scope, _replay(chunks, receive), watched)
         if status and status[0] == 200:
-            self.throttle.succeeded(keys)
-        elif status and status[0] in (400, 401):
-            self.throttle.failed(keys)
+            self.throttle.succeeded(name, address)
+
+
+async def _form(scope: Scope, raw: bytes) -> dict[str, list[str]] | None:
+    """The text fields of a form body, each with all its values, parsed as Gradio's login route parses it
+    (Starlette's form parser: URL-encoded or multipart); None for a body that is not a form."""
+    from starlette.requests import Request
+
+    sent = False
+
+    async def body() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    try:
+        form = await Request(dict(scope), body).form()
+    except Exception:  # noqa: BLE001 (python-multipart's parse errors are of several kinds): not a form
+        return None
+    fields: dict[str, list[str]] = {}
+    for key, value in form.multi_items():
+        fields.setdefault(key, []).append(value if isinstance(value, str) else "")
+    await form.close()
+    return fields
 
 
 def _password_user(scope: Scope) -> str | None:

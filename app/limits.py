@@ -18,6 +18,7 @@ from finetune.config.schema import Config
 MAX_PROBLEMS = 5  # problems shown of a config error; the rest are counted
 MAX_PROBLEM_CHARS = 200
 MAX_CONFIG_BYTES = 64 * 1024  # an imported (or API) config: a real one is a few hundred bytes
+MAX_CONFIG_DEPTH = 8  # a config as a mapping: options, `tasks` entries, their values (lists of trackers, say)
 MAX_TRY_CHARS = 2000  # Try it: characters of the text the model sees
 MAX_NEW_TOKENS = 64  # Try it: tokens a causal LM may generate
 MAX_INPUT_CHARS = 64 * 1024  # one text box of the page (the Tasks YAML is a config: at most MAX_CONFIG_BYTES too)
@@ -139,6 +140,35 @@ def config_size_problem(config: str | Path | Any, *, is_file: bool = False) -> s
         return None
     return (f"The config is {size / 1024:,.0f} KB; a config is at most {MAX_CONFIG_BYTES // 1024} KB (a real one is "
             "a few hundred bytes): check that this is the right file.")
+
+
+def mapping_size_problem(value: Any) -> str | None:
+    """Why a config given as a mapping (what a script sends the API as JSON) is too big to read, checked before it
+    is built, as YAML text is: more than `MAX_YAML_NODES` values, deeper than `MAX_CONFIG_DEPTH`, or more than
+    `MAX_CONFIG_BYTES` of text; None when it is not. Walked without recursion, and only as far as the first bound."""
+    from finetune.config.schema import MAX_YAML_NODES
+
+    nodes, chars, stack = 0, 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_YAML_NODES:
+            return (f"The config holds more than {MAX_YAML_NODES:,} values; a config has a few dozen (and `tasks` a "
+                    "few entries): check what is being sent.")
+        if depth > MAX_CONFIG_DEPTH:
+            return (f"The config nests deeper than {MAX_CONFIG_DEPTH} levels; a config is a mapping of options, "
+                    "`tasks` a list of mappings: check what is being sent.")
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            chars += sum(len(k) for k in item if isinstance(k, str))
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)
+        if chars > MAX_CONFIG_BYTES:
+            return (f"The config holds more than {MAX_CONFIG_BYTES // 1024} KB of text; a config is at most "
+                    f"{MAX_CONFIG_BYTES // 1024} KB (a real one is a few hundred bytes): check what is being sent.")
+    return None
 
 
 def size_bytes(text: str | None) -> int | None:

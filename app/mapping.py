@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from app.limits import config_size_problem, short_problems
+from app.limits import config_size_problem, mapping_size_problem, short_problems
 from finetune.config.schema import (
     FIELDS,
     Config,
@@ -276,6 +276,8 @@ def parse_config(config: str | Mapping[str, Any]) -> Config:
     if isinstance(config, str):
         return parse_config_yaml(config)
     if isinstance(config, Mapping):
+        if too_big := mapping_size_problem(config):
+            raise ConfigError([too_big])
         return from_dict(dict(config))
     raise ConfigError(["The config must be YAML text or a mapping of option: value."])
 

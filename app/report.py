@@ -90,6 +90,18 @@ def display_path(path: Path | str) -> str:
         return str(given)
 
 
+def shown_path(path: Path | str, runs_dir: Path, shared: bool) -> str:
+    """`path` as a message shows it: locally as `display_path` does; on a shared server by its place in the runs
+    folder (`runs/<user>/<run>/…`, the folder by its name alone), never by where the server keeps it."""
+    if not shared:
+        return display_path(path)
+    try:
+        inside = Path(path).resolve().relative_to(Path(runs_dir).resolve())
+    except (ValueError, OSError):
+        return Path(path).name
+    return str(Path(Path(runs_dir).resolve().name) / inside)
+
+
 def reproduce_command(status: JobStatus) -> str:
     """The command that reproduces the current (or last) run from a terminal; "" before any run."""
     if status.config_path is None:

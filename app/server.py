@@ -21,7 +21,9 @@ SHARED_HELP = (
     "training process gets no secrets (such as HF_TOKEN) from the app's environment. Accounts: "
     "FINETUNE_USERS='alice:secret,bob:other' (name:password pairs) and/or FINETUNE_PASSWORD=secret (an account named "
     "admin), asked for by Gradio's login form. On a Space, visitors sign in with Hugging Face: its owner and "
-    "FINETUNE_ALLOWED_USERS=alice,bob may train.")
+    "FINETUNE_ALLOWED_USERS=alice,bob may train. Behind a reverse proxy, list its addresses (or networks) in "
+    "FINETUNE_TRUSTED_PROXIES=10.0.0.1,172.16.0.0/12: only from them are forwarded client addresses believed (the "
+    "sign-in throttle counts by address).")
 PRESET = Path("assets") / "demo.yaml"
 
 
@@ -64,6 +66,13 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
     once with `prevent_thread_lock=True`. A training run outlives the server: the next start re-attaches to it.
     SIGTERM closes the server like Ctrl-C and sets `terminated`."""
     access = Access.from_env(os.environ, args.host, args.no_auth)
+    from app.guard import TRUSTED_PROXIES_VAR, trusted_networks
+
+    trusted = os.environ.get(TRUSTED_PROXIES_VAR, "")
+    try:
+        trusted_networks(trusted)
+    except ValueError as e:
+        raise AccessError(str(e)) from None
     runs_dir = Path(args.runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     # Gradio keeps uploads and served files here; it must be writable (the Docker image points it at $HOME).
@@ -93,8 +102,12 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
 
     from app.guard import Guard
 
+    # uvicorn (which Gradio starts without saying) would take X-Forwarded-For from any client on 127.0.0.1 as the
+    # client's address: the sign-in throttle's key would be whatever a client sends. The guard reads the forwarded
+    # headers itself, and only from the proxies listed.
+    os.environ["FORWARDED_ALLOW_IPS"] = ""
     guard = Middleware(Guard, access=access, upload_quota=limits.size_bytes(server_limits.upload_quota)
-                       if access.shared else None)
+                       if access.shared else None, trusted=trusted)
     app_kwargs = kwargs.setdefault("app_kwargs", {})
     app_kwargs["middleware"] = [*app_kwargs.get("middleware", []), guard]
 
@@ -106,6 +119,9 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
     # As PID 1 of a container, Python ignores SIGTERM; make `docker stop` close the server like Ctrl-C does.
     signal.signal(signal.SIGTERM, on_sigterm)
     _no_spaces_reloader()
+    # Gradio's run history would keep every call's inputs (file references too) in the browser and offer to copy
+    # them to a Hub bucket: nothing a shared training server needs.
+    kwargs.setdefault("run_history", False)
     app.demo.queue(default_concurrency_limit=1).launch(
         server_name=args.host, server_port=args.port, max_file_size=args.max_file_size, css=app.css, js=app.js,
         footer_links=["gradio", "settings"], inbrowser=args.open, **kwargs)

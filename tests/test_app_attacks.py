@@ -14,7 +14,7 @@ from test_app_access import ALICE, ANON, BOB, _config, _signed_in, _space
 
 from app.access import AccessError, resolve_output_dir
 from app.api import ScriptApi
-from app.jobs.training import JobManager
+from app.jobs.training import JobBusy, JobManager
 from app.mapping import COLUMN_FIELDS, in_form_words, parse_config
 from app.page import build
 from app.policy import GATES
@@ -334,3 +334,184 @@ def test_a_wide_file_is_refused_before_its_rows_are_read_and_cells_are_cut(share
     shown, _ = upload("many.csv", ",".join(f"c{i}" for i in range(n)) + ",text\n" + "1," * n + "hello\n")
     assert shown.data.preview.shape[1] == preview.MAX_PREVIEW_COLUMNS
     assert len(shown.data.error.removeprefix("⚠️ ")) == preview.MAX_ERROR_CHARS
+
+
+# --- issue 28: the third attack pass
+def _wait_for(check, seconds: float = 30.0) -> None:
+    deadline = time.time() + seconds
+    while not check():
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
+def test_a_config_of_20000_tasks_is_refused_fast_anonymous_and_signed_in(tmp_path):
+    import json
+
+    ctl = handlers(tmp_path / "runs", JobManager(tmp_path / "runs"), access=_space())
+    api = ScriptApi(ctl)
+    tasks = {"tasks": [{"name": f"t{i}", "dataset": f"d{i}.csv"} for i in range(20_000)]}
+    assert 700_000 < len(json.dumps(tasks)) < 900_000  # about the 789 KB of the attack
+    for call in (api.plan, api.start):
+        out, seconds = _timed(lambda c=call: c(tasks, ANON))
+        assert seconds < 1.0 and "Sign in with Hugging Face to train." in str(out), out
+        out, seconds = _timed(lambda c=call: c(tasks, _signed_in("alice")))
+        assert seconds < 1.0 and "The config holds more than" in str(out), out  # 64 KB of text, first
+    deep: dict = {}
+    for _ in range(12_000):
+        deep = {"a": deep}
+    out, seconds = _timed(lambda: api.plan({"epochs": deep}, _signed_in("alice")))
+    assert seconds < 1.0 and "nests deeper than 8 levels" in out["error"]
+    out = api.plan({"dataset": "x" * 70_000}, _signed_in("alice"))
+    assert "more than 64 KB of text" in out["error"]
+    # The task-name check is linear now: the command line's own check of 20,000 tasks takes well under a second
+    # more than parsing them (it was 11.5 s).
+    names = [{"name": "same", "dataset": "d.csv"}] * 20_000
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        from_dict({"tasks": names})
+    seconds = time.perf_counter() - start
+    print(f"20,000 tasks through from_dict: {seconds:.2f} s")
+    assert seconds < 3.0 and "Task name 'same' is used 20000 times: give every task its own name." in \
+        e.value.problems
+
+
+def test_a_huge_chosen_cell_is_previewed_within_a_bound(tmp_path, tiny_gpt2):
+    import csv
+
+    data = tmp_path / "pairs.csv"
+    with open(data, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prompt", "chosen", "rejected"])
+        w.writerow(["the film was", "good " * 880_000, "dull"])  # a 4.4 MB cell
+    assert data.stat().st_size > 4_400_000
+    ctl = handlers(tmp_path / "runs", JobManager(tmp_path / "runs"))
+    shown, seconds = _timed(lambda: ctl.dataset.chat_example(str(data), "", "train", "preference", "", tiny_gpt2, "",
+                                                             "assistant", 64, "prompt", "chosen", "rejected"))
+    print(f"4.4 MB chosen cell: previewed in {seconds:.2f} s")
+    assert seconds < 5.0 and "left out of training" in shown.note
+    assert sum(len(text) for text, _ in shown.example["value"]) < 5000  # max_length tokens of it, not 4.4 MB
+
+
+LOOP_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(400) %}{% endfor %}{% endfor %}"
+                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+MEM_TEMPLATE = ("{% set ns = namespace(s='x') %}{% for i in range(31) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+                "{{ ns.s }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def test_a_runs_looping_or_memory_eating_chat_template_is_cut_in_try_it_and_predict(tmp_path):
+    import json
+    import multiprocessing
+
+    from conftest import run_train
+    from test_chat import _chatml_tokenizer, _conversations, _tiny_chat_llama, _write_jsonl
+
+    from app.jobs import training as jobs
+
+    model = _tiny_chat_llama(_chatml_tokenizer(), tmp_path / "chat_model")
+    run = tmp_path / "runs" / "r"
+    run_train(run, model=model, dataset=_write_jsonl(tmp_path / "chat.jsonl", _conversations(8)), task="causal_lm",
+              max_steps=1, effective_batch_size=4)
+    ctl = handlers(tmp_path / "runs", JobManager(tmp_path / "runs"))
+    ctl.state.jobs.training._job = jobs._Job(run_dir=run, config_path=run / "config.yaml", log_path=run / "launch.log",
+                                             command=["python"], pid=-1, proc=None, launched=time.time() - 60)
+    assert set(ctl.tryit.predict("hello")) == {"reply"}
+
+    def set_template(template: str) -> None:
+        saved = run / "model" / "chat_template.jinja"
+        if saved.is_file():
+            saved.write_text(template)
+        config = run / "model" / "tokenizer_config.json"
+        values = json.loads(config.read_text())
+        if "chat_template" in values or not saved.is_file():
+            values["chat_template"] = template
+            config.write_text(json.dumps(values))
+
+    api = ScriptApi(ctl)
+    for template, said in ((LOOP_TEMPLATE, "took longer than 2 s and was stopped"),
+                           (MEM_TEMPLATE, "")):
+        set_template(template)
+        shown, seconds = _timed(lambda: ctl.tryit.try_it("good movie"))
+        print(f"Try it with a {'LOOP' if template is LOOP_TEMPLATE else 'MEM'} template: {seconds:.2f} s, "
+              f"{shown.message!r}")
+        assert seconds < 10.0 and shown.message.startswith("⚠️ ") and said in shown.message
+        assert "fix" in shown.message and "Traceback" not in shown.message
+        out, seconds = _timed(lambda: api.predict("good movie", None))
+        assert seconds < 10.0 and set(out) == {"error"} and said in out["error"]
+    assert not [c for c in multiprocessing.active_children() if c.name == "finetune-bounded"]
+
+
+def _resumable(ctl: Handlers, user, dataset: str) -> str:
+    """A run of `user`'s, stopped with a checkpoint (by the fake child): its name."""
+    started = ctl.run.start_run(_config(dataset=dataset), request=user)
+    assert started.started, started.message
+    _wait_for(lambda: ctl.state.jobs.status().progress)
+    ctl.run.stop(request=user)
+    _wait_for(lambda: not ctl.state.jobs.status().active)
+    (Path(started.run_dir) / "checkpoints" / "step-0000120").mkdir(parents=True)
+    return Path(started.run_dir).name
+
+
+def test_no_run_resumes_while_an_export_runs_and_no_export_starts_while_a_start_plans(shared, monkeypatch):
+    import os
+    import sys
+    import threading
+
+    ctl, uploads = shared
+    bobs = _resumable(ctl, BOB, uploads["bob"])
+    alices = _resumable(ctl, ALICE, uploads["alice"])
+    export = ctl.state.jobs.start_export([sys.executable, "-c", "import time; time.sleep(60)", "export"],
+                                         Path("runs/alice") / alices, "alice")
+    try:
+        refusal = "An export is in progress on this server: start the run when it is done (one job at a time)."
+        assert ctl.runs.resume([bobs], request=BOB) == f"⚠️ {refusal}"  # the Runs tab
+        assert ctl.run.resume(request=ALICE) == f"⚠️ {refusal}"  # the Train tab (her stopped run)
+        assert not ctl.state.jobs.status().active
+    finally:
+        os.killpg(export.proc.pid, 9)
+        export.proc.wait()
+    # A Start with a budget plans first (a minute, for a big model): the server's one job is held meanwhile.
+    planning = threading.Event()
+
+    def slow_plan(*args, **kwargs):
+        planning.set()
+        time.sleep(2.0)
+        return {"micro_batch_size": 8, "notes": []}
+
+    monkeypatch.setattr(ctl.state.jobs.planner, "run", slow_plan)
+    result = {}
+    start = threading.Thread(target=lambda: result.update(started=ctl.run.start_run(
+        _config(dataset=uploads["alice"], memory_budget_gb=8.0), request=ALICE)))
+    start.start()
+    assert planning.wait(30)
+    with pytest.raises(JobBusy, match="^A run is being started on this server: export when it is done"):
+        ctl.state.jobs.start_export([sys.executable, "-c", "pass", "export"], Path("runs/alice") / alices, "alice")
+    other = ctl.run.start_run(_config(dataset=uploads["bob"]), request=BOB)
+    assert not other.started and other.message.startswith("A run is being started on this server")
+    start.join(30)
+    assert result["started"].started, result["started"].message
+    # bob's Resume while alice trains says that a run is in progress, and nothing of hers.
+    _wait_for(lambda: ctl.state.jobs.status().progress)
+    said = ctl.runs.resume([bobs], request=BOB)
+    assert said == ("⚠️ A run is in progress (step 120/400). Only one job runs at a time: start yours when it has "
+                    "finished.")
+    assert "alice" not in said and result["started"].run_dir.split("/")[-1] not in said
+    mine = ctl.runs.resume([alices], request=ALICE)
+    assert mine.startswith("⚠️ A run is in progress (runs/alice/") and str(Path.cwd()) not in mine
+    ctl.run.stop(request=ALICE)
+
+
+def test_messages_name_a_folder_by_its_place_in_the_runs_folder_never_by_the_servers_path(tmp_path):
+    from app import cleanup
+    from app.report import shown_path
+
+    home = tmp_path / "srv" / "runs" / "bob"
+    for typed in ("../x", str(tmp_path / "elsewhere")):
+        with pytest.raises(AccessError) as e:
+            resolve_output_dir(typed, home)
+        assert str(home) not in str(e.value) and "your runs folder" in str(e.value)
+    said = cleanup.disk_problem(tmp_path / "srv" / "runs", 5, lambda path: 1e9)
+    assert str(tmp_path) not in said and "the runs folder (runs)" in said
+    run = home / "20261201-120000-978a2325"
+    assert shown_path(run / "config.yaml", tmp_path / "srv" / "runs", shared=True) == \
+        "runs/bob/20261201-120000-978a2325/config.yaml"
+    assert shown_path(tmp_path / "other" / "x", tmp_path / "srv" / "runs", shared=True) == "x"

@@ -204,7 +204,7 @@ def test_try_it_truncates_a_long_text_and_says_so(tmp_path, monkeypatch):
 
     seen = {}
 
-    def fake_predict(target, texts, max_new_tokens=40):
+    def fake_predict(target, texts, max_new_tokens=40, prompt=None):
         seen.update(texts=texts, max_new_tokens=max_new_tokens)
         return [{"label": "pos", "probabilities": {"pos": 0.9, "neg": 0.1}}]
 
@@ -229,7 +229,7 @@ def test_a_run_does_not_start_on_a_nearly_full_disk(tmp_path, monkeypatch, cls_c
     ctl = _controller(tmp_path, min_free_gb=5)
     started = ctl.run.start_run(from_dict({"dataset": cls_csv}))
     assert not started.started and started.message == (
-        f"Only 1.2 GB free on the disk of {tmp_path / 'runs'}: at least 5 GB is needed to start a run; delete old "
+        "Only 1.2 GB free on the disk of the runs folder (runs): at least 5 GB is needed to start a run; delete old "
         "runs, or free space on that disk.")
     assert cleanup.disk_problem(tmp_path, 0, lambda path: 0) is None  # 0: no check
 

@@ -1,15 +1,20 @@
 """The one client the tabs ask for child processes: the training run, the export and the planner, and whether this
 server has room for another job now.
 
-One job at a time on a shared server: no run starts while an export runs, and no export while a run trains (locally
-the one user may export one run while another trains). Before a run starts the server's clean-up runs, and its
-limits and free disk are checked. A run queue, or a backend that trains elsewhere, would sit behind these methods.
+One job at a time on a shared server: no run starts (or resumes) while an export runs or another Start is being
+checked, and no export while a run trains or a Start is being checked (its plan can take a minute); locally the one
+user may export one run while another trains. A plan measures no probe while a run trains or an export runs. A
+refusal names the run in progress only to its owner, and by its place in the runs folder (`runs/<user>/<run>`),
+never by a path of the server. Before a run starts the server's clean-up runs, and its limits and free disk are
+checked. A run queue, or a backend that trains elsewhere, would sit behind these methods.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Hashable
+import threading
+from collections.abc import Hashable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +22,8 @@ from app import cleanup, limits
 from app.access import Access
 from app.jobs.export import ExportChild, ExportJobs
 from app.jobs.planner import Planner
-from app.jobs.training import JobManager, JobStatus
+from app.jobs.training import JobBusy, JobManager, JobStatus
+from app.report import shown_path
 from finetune.config.schema import Config
 
 
@@ -32,6 +38,8 @@ class JobClient:
         self.limits = server_limits
         self.exports = ExportJobs(server_limits.max_run_s)
         self.planner = Planner()
+        self._lock = threading.RLock()  # one decision at a time about the server's one job
+        self._preparing: int | None = None  # the thread checking a Start (`preparing`)
 
     # --- the training run
     def status(self) -> JobStatus:
@@ -39,24 +47,61 @@ class JobClient:
         return self.training.status()
 
     def start(self, config_path: Path, run_dir: Path, owner: str | None) -> JobStatus:
-        """Start `finetune train CONFIG`; `JobBusy` while a run is in progress."""
-        return self.training.start(config_path, run_dir, owner=owner)
+        """Start `finetune train CONFIG`; `JobBusy` (with `run_refusal`'s sentence) while another job is in the way."""
+        with self._lock:
+            if other := self.run_refusal(owner):
+                raise JobBusy(other)
+            return self.training.start(config_path, run_dir, owner=owner)
 
     def resume(self, run_dir: Path, owner: str | None) -> JobStatus:
-        """Continue a stopped or failed run from its newest checkpoint; `JobBusy` while a run is in progress."""
-        return self.training.resume(run_dir, owner=owner)
+        """Continue a stopped or failed run from its newest checkpoint; `JobBusy` while another job is in the way."""
+        with self._lock:
+            if other := self.run_refusal(owner):
+                raise JobBusy(other)
+            return self.training.resume(run_dir, owner=owner)
 
     def stop(self) -> str:
         """Stop the run after its optimizer step (a second call kills it); what happened, in a sentence."""
         return self.training.stop()
 
-    def busy_message(self) -> str:
-        """Why a second run cannot start now."""
-        return self.training.busy_message()
+    def busy_message(self, user: str | None = None) -> str:
+        """Why a second run cannot start now, as `user` may read it: their own run by its place in the runs folder,
+        someone else's by its progress alone."""
+        status = self.status()
+        step, total = status.progress or (0, None)
+        if self.access.shared and not self.access.owns(user, status.owner):
+            where = f"step {step}/{total}" if total else "starting"
+            return (f"A run is in progress ({where}). Only one job runs at a time: start yours when it has "
+                    "finished.")
+        place = shown_path(status.run_dir, self.runs_dir, self.access.shared) if status.run_dir else "starting"
+        where = f", step {step} of {total}" if total else ""
+        return (f"A run is in progress ({place}{where}): only one job runs at a time. Stop it, or wait for it to "
+                "finish, before starting another.")
 
     # --- room for another job
-    def run_refusal(self) -> str:
+    @contextlib.contextmanager
+    def preparing(self, user: str | None) -> Iterator[None]:
+        """Hold the server's one job while a Start of `user` is checked (its data, its plan) and started: an export
+        or another Start asked for meanwhile is refused. `JobBusy` when another job is in the way now."""
+        with self._lock:
+            if other := self.run_refusal(user):
+                raise JobBusy(other)
+            self._preparing = threading.get_ident()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._preparing = None
+
+    def _someone_preparing(self) -> bool:
+        return self._preparing is not None and self._preparing != threading.get_ident()
+
+    def run_refusal(self, user: str | None = None) -> str:
         """Why no run may start now because of another job ("" when it may)."""
+        if self.status().active:
+            return self.busy_message(user)
+        if self._someone_preparing():
+            return "A run is being started on this server: try again when it has started (one job at a time)."
         if self.access.shared and self.exports.running():
             return "An export is in progress on this server: start the run when it is done (one job at a time)."
         return ""
@@ -65,6 +110,8 @@ class JobClient:
         """Why no export may start now because of another job ("" when it may)."""
         if self.access.shared and self.status().active:
             return "A run is training on this server: export when it is done (one job at a time)."
+        if self.access.shared and self._someone_preparing():
+            return "A run is being started on this server: export when it is done (one job at a time)."
         return ""
 
     def server_refusal(self, config: Config | None) -> str:
@@ -83,9 +130,13 @@ class JobClient:
 
     def start_export(self, command: list[str], run_dir: Path, owner: str | None) -> ExportChild:
         """Start `finetune export` (`command`) of `run_dir` for `owner`; `JobBusy` while another export runs."""
-        return self.exports.start(command, run_dir, owner, self.child_env())
+        with self._lock:
+            if other := self.export_refusal():
+                raise JobBusy(other)
+            return self.exports.start(command, run_dir, owner, self.child_env())
 
     def plan(self, config: Config, key: Hashable, device: str = "here") -> dict[str, Any]:
         """`finetune plan` of `config` for `device`, remembered under `key`; `Unanswered` with the planner's
         sentence."""
-        return self.planner.plan(config, key, device=device, training=self.status().active, env=self.child_env())
+        busy = self.status().active or self.exports.running()  # a probe would share the device with that job
+        return self.planner.plan(config, key, device=device, training=busy, env=self.child_env())

@@ -20,7 +20,7 @@ from finetune.config.schema import FIELDS, Config
 PLAN_TIMEOUT_S = 120
 PLAN_MEMO = 16  # plans (or planner errors) kept per app, by config: Start reuses what Plan just answered
 PLANNER_SLOW = "The planner took longer than"
-PROBE_OFF = "Estimated without a measured probe while a run is training."
+PROBE_OFF = "Estimated without a measured probe while another job (a run or an export) uses the device."
 
 
 class Planner:

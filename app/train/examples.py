@@ -73,6 +73,33 @@ def example(source: str, config_name: str | None, split: str, column: str, model
 
 
 CHOSEN, REJECTED = "chosen (scored)", "rejected (scored)"
+# A pair's cells are a visitor's data: they are tokenized in a bounded child (a 4.4 MB cell took 44 s in the app's
+# own process), each cut first to what `max_length` tokens can span, and shown up to `max_length` tokens.
+PAIR_TIMEOUT_S = 5.0
+CHARS_PER_TOKEN = 16  # no tokenizer's tokens average longer: a longer cell is over `max_length` tokens
+
+
+def _pair_pieces(tokenizer: Any, task: str, row: dict[str, Any], columns: tuple[str, str, str], max_length: int
+                 ) -> tuple[list[tuple[str, str | None]], bool]:
+    """The first pair's pieces (prompt, then each completion, its tokens highlighted) and whether it is longer than
+    `max_length` tokens."""
+    prompt_col, chosen_col, rejected_col = columns
+    most = max(1, max_length) * CHARS_PER_TOKEN
+
+    def ids(text: str, special: bool) -> tuple[list[int], bool]:
+        return tokenizer(text[:most], add_special_tokens=special, verbose=False)["input_ids"], len(text) > most
+
+    prompt, long_prompt = ids(str(row[prompt_col]) if prompt_col in row else "", True)
+    eos = kinds.kind(task).end_of_document(tokenizer)
+    pieces: list[tuple[str, str | None]] = []
+    cut = [long_prompt]
+    for column, category in ((chosen_col, CHOSEN), (rejected_col, REJECTED)):
+        completion, long_text = ids(str(row[column]), False)
+        completion += eos
+        cut += [long_text or len(prompt) + len(completion) > max_length]
+        pieces += [(tokenizer.decode(prompt[:max_length]), None),
+                   (tokenizer.decode(completion[:max(0, max_length - len(prompt))]), category), ("\n\n", None)]
+    return pieces[:-1], any(cut)
 
 
 def pair_example(source: str, config_name: str | None, split: str, columns: tuple[str, str, str], model: str,
@@ -80,7 +107,7 @@ def pair_example(source: str, config_name: str | None, split: str, columns: tupl
     """The first preference pair as the model sees it: the prompt (not scored) with the chosen completion, then with
     the rejected one, each completion's tokens highlighted (the only ones the loss scores), tokenized as kind `task`
     encodes a pair; and a note."""
-    prompt_col, chosen_col, rejected_col = columns
+    _, chosen_col, rejected_col = columns
     try:
         head = preview.load(source, config_name, split, head=1)
         tokenizer = _tokenizer(model, task, None, None)
@@ -89,17 +116,13 @@ def pair_example(source: str, config_name: str | None, split: str, columns: tupl
     row = head[0] if len(head) else {}
     if not row or chosen_col not in row or rejected_col not in row:
         return [], ""
-    prompt = tokenizer(str(row[prompt_col]) if prompt_col in row else "", add_special_tokens=True,
-                       verbose=False)["input_ids"]
-    eos = kinds.kind(task).end_of_document(tokenizer)
-    pieces: list[tuple[str, str | None]] = []
-    cut = []
-    for column, category in ((chosen_col, CHOSEN), (rejected_col, REJECTED)):
-        completion = tokenizer(str(row[column]), add_special_tokens=False, verbose=False)["input_ids"] + eos
-        cut += [len(prompt) + len(completion) > max_length]
-        pieces += [(tokenizer.decode(prompt), None), (tokenizer.decode(completion), category), ("\n\n", None)]
-    if any(cut):
-        return pieces[:-1], (f"⚠️ The first pair is left out of training: prompt and completion are longer than "
-                             f"Max length (tokens) ({max_length}).")
-    return pieces[:-1], ("The first pair: the prompt with the chosen completion, then with the rejected one; only "
-                         "the completions' tokens (highlighted) are scored.")
+    try:
+        pieces, cut = bounded.bounded(lambda: _pair_pieces(tokenizer, task, row, columns, max_length),
+                                      PAIR_TIMEOUT_S, "Tokenizing the first pair")
+    except bounded.Overrun as e:
+        return [], f"⚠️ {e} Check that its columns hold text of a sensible length."
+    if cut:
+        return pieces, (f"⚠️ The first pair is left out of training: prompt and completion are longer than "
+                        f"Max length (tokens) ({max_length}).")
+    return pieces, ("The first pair: the prompt with the chosen completion, then with the rejected one; only "
+                    "the completions' tokens (highlighted) are scored.")

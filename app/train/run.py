@@ -24,7 +24,7 @@ from app.mapping import (
     problems_text,
     values_to_config,
 )
-from app.report import display_path
+from app.report import display_path, shown_path
 from app.results import Unanswered
 from app.state import AppState
 from app.train import preview
@@ -131,11 +131,6 @@ class RunHandlers:
     def __init__(self, state: AppState, notes: FieldNotes, plans: PlanHandlers):
         self.state, self.notes, self.plans = state, notes, plans
 
-    def _busy(self, status: JobStatus, user: str | None) -> str:
-        if self.state.policy.is_mine(status, user):
-            return self.state.jobs.busy_message()
-        return f"{self.state.policy.in_progress(status)} Only one job runs at a time: start yours when it has finished."
-
     def checking(self, *, request: Any = None) -> Checking:
         """The press of Start, answered at once (`start` follows it)."""
         return Checking()
@@ -152,11 +147,6 @@ class RunHandlers:
     def _refused(self, config: Config, user: str | None, request: Any) -> Started | Path:
         """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder."""
         state = self.state
-        status = state.jobs.status()
-        if status.active:
-            return Started(started=False, message=self._busy(status, user))
-        if other := state.jobs.run_refusal():
-            return Started(started=False, message=other)
         home = state.access.home(state.runs_dir, user)
         try:
             state.access.check_config(config, state.policy.readable(user))
@@ -186,6 +176,15 @@ class RunHandlers:
         user, refusal = self.state.policy.who(request)
         if refusal:
             return Started(started=False, message=refusal)
+        try:
+            # The server's one job is held from the first check to the start: an export asked for while this
+            # Start plans (a minute, for a big model) is refused, not run beside it.
+            with self.state.jobs.preparing(user):
+                return self._start_checked(config, user, request)
+        except JobBusy as e:
+            return Started(started=False, message=str(e))
+
+    def _start_checked(self, config: Config, user: str | None, request: Any) -> Started:
         run_dir = self._refused(config, user, request)
         if isinstance(run_dir, Started):
             return run_dir
@@ -193,16 +192,16 @@ class RunHandlers:
         try:
             run_dir = check_run_dir(config)
         except RunDirError as e:
+            # The run folder by its place in the runs folder, not where the server keeps it.
+            shown = shown_path(run_dir, self.state.runs_dir, self.state.access.shared)
+            e = RunDirError(str(e).replace(str(config.output_dir), shown))
             return Started(started=False, message=str(e), form_message=run_dir_words(e, config))
         config_path = run_dir / "launch.yaml"
         command = f"finetune train {display_path(config_path)}"
         mark_run_dir(run_dir)
         config_path.write_text(config_yaml(config, f"Written by the finetune app, {time.strftime('%Y-%m-%d %H:%M')}."
                                                    f"\nReproduce: {command}"), encoding="utf-8")
-        try:
-            self.state.jobs.start(config_path, run_dir, owner=user)
-        except JobBusy as e:
-            return Started(started=False, message=str(e))
+        self.state.jobs.start(config_path, run_dir, owner=user)
         return Started(started=True, message=f"Started. Reproduce from a terminal with `{command}`.",
                        run_dir=display_path(run_dir), command=command)
 

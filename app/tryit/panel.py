@@ -12,6 +12,7 @@ from typing import Any
 import gradio as gr
 
 from app import limits
+from app.jobs import bounded
 from app.jobs.training import JobStatus
 from app.report import waiting_note
 from app.results import Unanswered, keep
@@ -19,6 +20,30 @@ from app.state import AppState
 from app.tryit import renderers
 from finetune.config.schema import read_yaml
 from finetune.kinds import registry as kinds
+
+# The run's chat template is a visitor's text: it renders in a forked child stopped after this long (or past
+# `bounded.MEMORY_HEADROOM` more memory), and what it renders is at most this long (the model reads far less).
+RENDER_TIMEOUT_S = 2.0
+MAX_PROMPT_CHARS = 4 * limits.MAX_INPUTS_CHARS
+
+
+def bounded_prompt(tokenizer: Any, turns: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    """`finetune.data.chat.prompt_of` in a bounded child (`app.jobs.bounded`): the chat's prompt and its stop tokens,
+    or `DataError` with a sentence when the template loops, eats memory or writes too much."""
+    from finetune.data.chat import prompt_of
+    from finetune.errors import DataError
+
+    def render() -> tuple[str, list[int]]:
+        text, stop = prompt_of(tokenizer, turns)
+        if len(text) > MAX_PROMPT_CHARS:
+            raise DataError(f"The run's chat template turned this chat into {len(text):,} characters (at most "
+                            f"{MAX_PROMPT_CHARS:,} are read): start a new chat, or fix the template.")
+        return text, stop
+
+    try:
+        return bounded.bounded(render, RENDER_TIMEOUT_S, "Rendering the chat with the run's chat template")
+    except bounded.Overrun as e:
+        raise DataError(f"{e} A template that needs this much cannot chat: fix the run's chat_template.") from None
 
 
 def has_chat_template(model_dir: Any) -> bool:
@@ -121,19 +146,19 @@ class TryItHandlers:
         """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
         text is the user's turn), {generated}, {value}, {score} or {words, tags, entities} (the kind's record).
 
-        Raises `Unanswered` without a text or a finished model, and `finetune.models.pretrained.ModelError` when the
-        model cannot be loaded."""
+        Raises `Unanswered` without a text or a finished model, `finetune.models.pretrained.ModelError` when the
+        model cannot be loaded, and `finetune.errors.DataError` when its chat template cannot render the text."""
         text, status = self._finished_run(text, request)
         from finetune.use.predict import predict
 
-        out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS)[0]
+        out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS, prompt=bounded_prompt)[0]
         return {k: v for k, v in out.items() if k != "text"}  # the kind's record, less the text it was given
 
     def try_it(self, text: str, history: list[dict[str, Any]] | None = None, *, request: Any = None
                ) -> renderers.PredictionShown:
         """Try it: the finished model's prediction shown by its kind's view, or (a run its kind chats with) the
         next turn of a chat with it, through the template it was trained with."""
-        from finetune.models.pretrained import ModelError
+        from finetune.errors import InputError
         from finetune.use.predict import chat
 
         try:
@@ -141,12 +166,12 @@ class TryItHandlers:
             if history or view == "chat":  # the model answers the whole conversation
                 text, status = self._finished_run(text, request)
                 turns = [*history_turns(history), {"role": "user", "content": text}]
-                reply = chat(str(status.run_dir), turns, max_new_tokens=limits.MAX_NEW_TOKENS)
+                reply = chat(str(status.run_dir), turns, max_new_tokens=limits.MAX_NEW_TOKENS, prompt=bounded_prompt)
             else:
                 out = self.predict(text, request=request)
         except Unanswered as e:
             return renderers.PredictionShown(message=str(e))
-        except ModelError as e:
+        except InputError as e:  # the model cannot be loaded, or its template cannot render the chat
             return renderers.PredictionShown(message=f"⚠️ {e}")
         shown_text, note = limits.truncate_try_text(text)
         if history or view == "chat":

@@ -7,6 +7,7 @@ evaluation data) plus how much it counts (`weight`), its share of the windows un
 
 from __future__ import annotations
 
+import collections
 import difflib
 import math
 from dataclasses import dataclass, field, fields
@@ -139,9 +140,9 @@ def check_tasks(c: Any) -> list[str]:
     problems = []
     if len(tasks) < 2:
         problems.append("`tasks` needs at least two entries: for one dataset, drop `tasks` and set `dataset`.")
-    names = [t.name for t in tasks]
-    for name in sorted({n for n in names if names.count(n) > 1}):
-        problems.append(f"Task name {name!r} is used {names.count(name)} times: give every task its own name.")
+    used = collections.Counter(t.name for t in tasks)  # counted once: `list.count` per name was quadratic
+    for name in sorted(n for n, count in used.items() if count > 1):
+        problems.append(f"Task name {name!r} is used {used[name]} times: give every task its own name.")
     for t in tasks:
         if not t.name.replace("_", "").replace("-", "").isalnum():
             problems.append(f"Task name {t.name!r} may hold only letters, digits, '-' and '_' (it names a folder "

@@ -12,6 +12,7 @@ never trained as empty.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -218,9 +219,8 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def reply(model: Any, tokenizer: Any, turns: list[dict[str, Any]], max_new_tokens: int) -> str:
-    """The model's next assistant turn after `turns`, generated greedily through the chat template."""
-    import torch
+def prompt_of(tokenizer: Any, turns: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    """The text the model continues after `turns`, through its chat template, and the tokens that end its turn."""
     from jinja2 import TemplateError
 
     try:
@@ -228,8 +228,17 @@ def reply(model: Any, tokenizer: Any, turns: list[dict[str, Any]], max_new_token
     except (TemplateError, TypeError, ValueError) as e:
         raise DataError(f"The chat template cannot render this conversation ({str(e)[:200]}): check its roles and "
                         "their order.") from None
+    return text, end_of_turn_ids(tokenizer)
+
+
+def reply(model: Any, tokenizer: Any, turns: list[dict[str, Any]], max_new_tokens: int,
+          prompt: Callable[[Any, list[dict[str, Any]]], tuple[str, list[int]]] = prompt_of) -> str:
+    """The model's next assistant turn after `turns`, generated greedily through the chat template; `prompt`
+    renders it (`prompt_of`: a server passes one that runs the template in a bounded child process)."""
+    import torch
+
+    text, stop = prompt(tokenizer, turns)
     enc = tokenizer(text, add_special_tokens=False, return_tensors="pt")
-    stop = end_of_turn_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0] if stop else None
     with torch.inference_mode():
         ids = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],

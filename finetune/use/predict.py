@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from finetune.config.schema import read_yaml
-from finetune.data.chat import MESSAGES_NAMES, reply, require_template, turns_of
+from finetune.data.chat import MESSAGES_NAMES, prompt_of, reply, require_template, turns_of
 from finetune.kinds import registry
 from finetune.kinds.registry import kind
 from finetune.models.heads import task_model_dir
@@ -34,11 +35,12 @@ def conversation_of(text: str) -> list[dict[str, Any]]:
 
 @torch.inference_mode()
 def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool | None = None,
-            task_name: str | None = None) -> list[dict[str, Any]]:
+            task_name: str | None = None, prompt: Callable[..., tuple[str, list[int]]] = prompt_of
+            ) -> list[dict[str, Any]]:
     """Per text: the label with class probabilities (classification), the model's reply through its chat template
     (a causal LM trained on conversations, or a model folder with a template, or `chat=True`; a text may be a JSON
     conversation), or a generated continuation. A multi-task model needs `task_name`: that task's head, or its
-    prompt prefix before each text."""
+    prompt prefix before each text. `prompt` renders a chat (`finetune.data.chat.reply`)."""
     from transformers import AutoTokenizer
 
     model_dir, run_dir = resolve_model_dir(target)
@@ -51,7 +53,7 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool 
         chat = _trained_to_chat(tokenizer, run_dir)
     if registry.entry(task).generates and chat:  # chatting is a use of a causal LM trained on conversations
         require_template(tokenizer, str(model_dir))
-        return [{"text": text, "reply": reply(model, tokenizer, conversation_of(text), max_new_tokens)}
+        return [{"text": text, "reply": reply(model, tokenizer, conversation_of(text), max_new_tokens, prompt)}
                 for text in texts]
     return kind(task).predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens)
 
@@ -64,8 +66,10 @@ def _trained_to_chat(tokenizer: Any, run_dir: Path | None) -> bool:
 
 
 @torch.inference_mode()
-def chat(target: str, turns: list[dict[str, Any]], max_new_tokens: int = 40) -> str:
-    """The trained causal LM's next assistant turn after `turns`, through the chat template it was trained with."""
+def chat(target: str, turns: list[dict[str, Any]], max_new_tokens: int = 40,
+         prompt: Callable[..., tuple[str, list[int]]] = prompt_of) -> str:
+    """The trained causal LM's next assistant turn after `turns`, through the chat template it was trained with
+    (rendered by `prompt`)."""
     from transformers import AutoTokenizer
 
     model_dir, _ = resolve_model_dir(target)
@@ -73,6 +77,6 @@ def chat(target: str, turns: list[dict[str, Any]], max_new_tokens: int = 40) -> 
     require_template(tokenizer, str(model_dir))
     # The one kind a chat loads as, whatever its config's architectures say (a run's saved model tells its kind by
     # them, and a chat model folder from elsewhere may name an architecture the registry does not list).
-    return reply(load_trained(model_dir, "causal_lm").eval(), tokenizer, turns, max_new_tokens)
+    return reply(load_trained(model_dir, "causal_lm").eval(), tokenizer, turns, max_new_tokens, prompt)
 
 
