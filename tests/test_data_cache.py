@@ -16,8 +16,7 @@ import pytest
 from conftest import bundled_tokenizer
 
 from finetune.config.schema import from_dict
-from finetune.data import datacache
-from finetune.data import encoding
+from finetune.data import datacache, encoding
 from finetune.data import load as data
 from finetune.errors import DataError
 from finetune.kinds.registry import kind

@@ -11,8 +11,8 @@ import yaml
 
 from finetune.cli import main
 from finetune.config import exclusions as x
-from finetune.config.tasks import parse_tasks
 from finetune.config.schema import Config, ConfigError, from_dict
+from finetune.config.tasks import parse_tasks
 from finetune.kinds import registry
 
 
