@@ -27,10 +27,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import assert_same_weights, load_weights, run_train, step_losses
+from kind_cases import COUNTS, Case
 
 from finetune.config.schema import from_dict
 from finetune.kinds import registry
-from kind_cases import COUNTS, Case
 
 CASES = Path(__file__).parent / "kind_cases"
 
@@ -210,6 +210,10 @@ def test_two_ranks_reduce_like_one_process(tmp_path, request, kind, variant):
     kind_object = configured(c)
     _ranks(1, lambda one: precompute(c, kind_object, model, tokenizer, one, {"train": train_data, "eval": eval_data},
                                      batch_size=4))
+    with torch.no_grad():  # away from the starting point (a preference run's reference), as after some steps
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.02 * p.abs().mean() * torch.randn(p.shape, generator=g))
     windows = train_data.windows(case.batch, seed=c.seed, epoch=0, shuffle=c.shuffle,
                                  group_by_length=c.group_by_length)
     assert len(windows[-1]) < case.batch
@@ -248,6 +252,10 @@ def test_two_ranks_reduce_like_one_process(tmp_path, request, kind, variant):
 # --- resume, the CLI, LoRA, the planner
 
 
+def _printed(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_stop_then_resume_equals_uninterrupted(tmp_path, request, kind):
     from finetune.run.events import Step
@@ -270,38 +278,65 @@ def test_stop_then_resume_equals_uninterrupted(tmp_path, request, kind):
     assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
 
 
-def _printed(out: str) -> list[dict]:
-    return [json.loads(line) for line in out.splitlines() if line.strip()]
+@pytest.fixture(scope="module")
+def cli_run(request, tmp_path_factory) -> tuple[str, Path]:
+    """`finetune train` of the kind's case, once per kind and worker: (kind, run folder)."""
+    from finetune.cli import main
+
+    kind = request.param
+    case = case_of(kind)
+    values = _values(request, case, next(iter(case.variants)), epochs=1, eval_fraction=0.25)
+    values.pop("micro_batch_size", None)
+    run = tmp_path_factory.mktemp(f"cli-{kind}") / "run"
+    assert main(["train", *(f"{k}={v}" for k, v in values.items()), f"output_dir={run}", "-q"]) == 0
+    return kind, run
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_cli_trains_evaluates_and_predicts(tmp_path, request, capsys, kind):
+def _eval_params() -> list:
+    """Every kind, a kind whose case names a known gap in `finetune eval` expected to fail (strictly: a fix shows)."""
+    params = []
+    for name in KINDS:
+        try:
+            gap = importlib.import_module(f"kind_cases.{name}").CASE.eval_gap
+        except ModuleNotFoundError:
+            gap = ""
+        params.append(pytest.param(name, id=name, marks=[pytest.mark.xfail(strict=True, reason=gap)] if gap else []))
+    return params
+
+
+@pytest.mark.parametrize("cli_run", KINDS, indirect=True)
+def test_cli_trains_and_predicts(capsys, cli_run):
     import transformers
 
     from finetune.cli import main
 
-    case = case_of(kind)
-    values = _values(request, case, next(iter(case.variants)), epochs=1, eval_fraction=0.25)
-    values.pop("micro_batch_size", None)
-    run = tmp_path / "run"
-    assert main(["train", *(f"{k}={v}" for k, v in values.items()), f"output_dir={run}", "-q"]) == 0
+    kind, run = cli_run
+    case, entry = case_of(kind), registry.entry(kind)
     saved = json.loads((run / "metrics.json").read_text())
-    entry = registry.entry(kind)
     assert {"loss", *entry.metrics} <= saved.keys()
     # The saved folder is a plain transformers model of the kind's auto class and architecture.
     model = getattr(transformers, entry.auto_model).from_pretrained(run / "model")
     assert type(model).__name__.endswith(entry.architectures)
     capsys.readouterr()
-    assert main(["eval", str(run)]) == 0
-    evaluated = json.loads(capsys.readouterr().out)
-    for name in ("loss", *entry.metrics):  # the run's own held-out rows, evaluated again
-        assert evaluated[name] == pytest.approx(saved[name], rel=1e-4, abs=1e-5), name
     assert main(["predict", str(run), *case.predict, "--max-new-tokens", "4"]) == 0
     predicted = _printed(capsys.readouterr().out)
     assert [r["text"] for r in predicted] == list(case.predict)
     assert all(case.predicted <= r.keys() for r in predicted), predicted
     if case.check_run:
         case.check_run(run, predicted)
+
+
+@pytest.mark.parametrize("cli_run", _eval_params(), indirect=True)
+def test_cli_eval_repeats_the_runs_last_evaluation(capsys, cli_run):
+    from finetune.cli import main
+
+    kind, run = cli_run
+    saved = json.loads((run / "metrics.json").read_text())
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    for name in ("loss", *registry.entry(kind).metrics):  # the run's own held-out rows, evaluated again
+        assert evaluated[name] == pytest.approx(saved[name], rel=1e-4, abs=1e-5), name
 
 
 @pytest.mark.parametrize("kind", KINDS)

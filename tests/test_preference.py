@@ -1,6 +1,6 @@
 """task: preference (DPO, IPO, SimPO, ORPO): pairs kept whole, the losses equal TRL's, the reference's strategies.
-(Its training contract — exact accumulation, processes, resume, the CLI, LoRA, the planner — is tests/test_contract.py's;
-its real two-process launch, ORPO's two counts, is in test_multiprocess.py.)"""
+(Its training contract — exact accumulation, processes, resume, the CLI, LoRA, the planner — is
+tests/test_contract.py's; its real two-process launch, ORPO's two counts, is in test_multiprocess.py.)"""
 
 from __future__ import annotations
 

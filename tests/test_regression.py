@@ -6,24 +6,21 @@ from __future__ import annotations
 
 import csv
 import json
-import random
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import WORDS, assert_same_weights, load_weights, run_train, served_app, step_losses
-from scipy import stats
+from conftest import WORDS, served_app
 from kind_cases.regression import write_rows
+from scipy import stats
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from finetune.cli import main
 from finetune.config.schema import ConfigError, from_dict
 from finetune.kinds import registry
 from finetune.kinds.regression import RegressionMetrics, average_ranks
-from finetune.run.events import Step, read_events
-from finetune.train.loop import StopFlag, train
-
+from finetune.train.loop import train
 
 # --- the training contract: accumulation, processes, resume, the CLI, LoRA and the planner are
 # tests/test_contract.py's, from tests/kind_cases/regression.py (which holds `reg_csv`)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 import torch
-from conftest import assert_same_weights, load_weights, run_train, step_losses
+from conftest import assert_same_weights, run_train, step_losses
 
 from finetune.config.schema import from_dict
 from finetune.errors import ConfigError, DataError

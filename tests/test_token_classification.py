@@ -5,13 +5,12 @@ resume, the CLI, LoRA, the planner — is tests/test_contract.py's.)"""
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, _save, assert_same_weights, bundled_tokenizer, load_weights, run_train, step_losses
+from conftest import ROOT, bundled_tokenizer
 
 from finetune.config.schema import from_dict
 from finetune.data.load import load_data
@@ -19,7 +18,6 @@ from finetune.errors import ConfigError, DataError
 from finetune.kinds.base import IGNORE_INDEX
 from finetune.kinds.registry import kind
 from finetune.kinds.token_classification import entities, entity_counts, entity_scores, scheme_of
-from finetune.run.events import read_events
 
 KIND = kind("token_classification")
 def _write(tmp_path, rows, name="rows.jsonl") -> str:

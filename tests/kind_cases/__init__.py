@@ -29,8 +29,11 @@ class Case:
     micro: int  # the accumulated run's micro-batch: (micro, batch / micro) must train as (batch, 1)
     predict: tuple[str, ...]  # inputs for `finetune predict`
     predicted: frozenset[str]  # the keys every prediction record has
-    # Accumulation variants: extra config keys, each checked on its own ("" names the plain run).
+    # Accumulation variants: extra config keys, each checked on its own; the first is the one the other checks use.
     variants: dict[str, dict[str, Any]] = field(default_factory=lambda: {"plain": {}})
     lora: bool = True  # whether the kind trains with LoRA adapters
     # Kind-specific checks of the CLI's trained run folder and its printed predictions.
     check_run: Callable[[Path, list[dict]], None] | None = None
+    # A known gap: why `finetune eval` of the run does not repeat its last evaluation yet. The contract then expects
+    # that check to fail (strictly, so that the fix is noticed and this is removed).
+    eval_gap: str = ""
