@@ -42,10 +42,10 @@ DATA = {"lm_csv": ("lm_csv", {}), "prompt_csv": ("prompt_csv", {}),
         "long_csv-sliding_window": ("long_csv", {**LONG, "long_documents": "sliding_window", "stride": 8})}
 
 
-# GPT-2 on plain texts is the contract's causal LM case.
+# GPT-2 on plain texts is the contract's causal LM case; Llama's (grouped-query attention, RoPE) runs are slow.
 @pytest.mark.parametrize(("model_fixture", "data_fixture", "data_values"), [
-    pytest.param(model, *DATA[data], id=f"{model}-{data}") for model in ("tiny_gpt2", "tiny_llama") for data in DATA
-    if (model, data) != ("tiny_gpt2", "lm_csv")])
+    pytest.param(model, *DATA[data], id=f"{model}-{data}", marks=[pytest.mark.slow] if model == "tiny_llama" else [])
+    for model in ("tiny_gpt2", "tiny_llama") for data in DATA if (model, data) != ("tiny_gpt2", "lm_csv")])
 def test_causal_lm_token_level_accumulation_equals_big_batch(tmp_path, request, model_fixture, data_fixture,
                                                              data_values):
     model, dataset = request.getfixturevalue(model_fixture), request.getfixturevalue(data_fixture)

@@ -17,6 +17,10 @@ from conftest import assert_same_weights, load_weights, run_train, step_losses
 
 from finetune.run.events import read_events
 
+# Real launches: tens of seconds each on two cores. The fast lane checks every kind's reduction in one process
+# instead (tests/test_contract.py).
+pytestmark = pytest.mark.slow
+
 COMMON = {"optimizer": "sgd", "learning_rate": 0.5, "warmup_ratio": 0.0, "weight_decay": 0.0, "eval_fraction": 0.0,
           "precision": "fp32", "epochs": 2, "logging_every": 1, "max_grad_norm": 1.0}
 
@@ -82,7 +86,6 @@ def test_two_processes_equal_one(tmp_path, request, case):
     assert proc.stdout.count('"run_dir"') == 1
 
 
-@pytest.mark.slow
 def test_fsdp_asked_for_on_cpu_says_it_runs_ddp(tmp_path, tiny_bert, cls_csv):
     """`accelerate launch --use_fsdp --fsdp_version 2` on a machine without CUDA: accelerate silently runs DDP; the
     run says so (stderr, the start event's note, plan.json), reports `distributed: ddp`, and still trains like one
@@ -107,7 +110,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_machines_equal_one_process(tmp_path, tiny_bert, cls_csv):
     """`accelerate launch --num_machines 2`, machine ranks 0 and 1 on 127.0.0.1 (one gloo CPU process each, the
     run folder shared as a bucket or NFS mount would share it) trains to the weights of one process with the same
