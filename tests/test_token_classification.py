@@ -5,12 +5,10 @@ resume, the CLI, LoRA, the planner — is tests/test_contract.py's.)"""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, bundled_tokenizer
+from conftest import bundled_tokenizer
 
 from finetune.config.schema import from_dict
 from finetune.data.load import load_data
@@ -184,13 +182,14 @@ def test_options_of_other_kinds_are_refused(values, message):
         from_dict({"dataset": "x.jsonl", **values})
 
 
-def test_cli_refusal_is_one_sentence_exit_2(tmp_path, tiny_bert_tagger):
+def test_cli_refusal_is_one_sentence_exit_2(tmp_path, capsys, tiny_bert_tagger):
+    from finetune.cli import main
+
     data = _write(tmp_path, [{"tokens": ["a", "b"], "ner_tags": ["O", "B-PER"]}, {"tokens": ["a"], "ner_tags": []}])
-    proc = subprocess.run([sys.executable, "-m", "finetune", "train", f"model={tiny_bert_tagger}",
-                           "task=token_classification", f"dataset={data}", f"output_dir={tmp_path / 'out'}"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "Row 2 of" in proc.stderr and "give one tag per word." in proc.stderr and "Traceback" not in proc.stderr
+    assert main(["train", f"model={tiny_bert_tagger}", "task=token_classification", f"dataset={data}",
+                 f"output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert "Row 2 of" in err and "give one tag per word." in err and "Traceback" not in err
 
 
 # --- the planner
