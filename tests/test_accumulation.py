@@ -42,9 +42,11 @@ DATA = {"lm_csv": ("lm_csv", {}), "prompt_csv": ("prompt_csv", {}),
         "long_csv-sliding_window": ("long_csv", {**LONG, "long_documents": "sliding_window", "stride": 8})}
 
 
-# GPT-2 on plain texts is the contract's causal LM case; Llama's (grouped-query attention, RoPE) runs are slow.
+# GPT-2 on plain texts is the contract's causal LM case; the fast lane keeps GPT-2 on prompt/completion pairs (only
+# completion tokens counted), the long-document splits and Llama (grouped-query attention, RoPE) are slow.
 @pytest.mark.parametrize(("model_fixture", "data_fixture", "data_values"), [
-    pytest.param(model, *DATA[data], id=f"{model}-{data}", marks=[pytest.mark.slow] if model == "tiny_llama" else [])
+    pytest.param(model, *DATA[data], id=f"{model}-{data}",
+                 marks=[] if (model, data) == ("tiny_gpt2", "prompt_csv") else [pytest.mark.slow])
     for model in ("tiny_gpt2", "tiny_llama") for data in DATA if (model, data) != ("tiny_gpt2", "lm_csv")])
 def test_causal_lm_token_level_accumulation_equals_big_batch(tmp_path, request, model_fixture, data_fixture,
                                                              data_values):
@@ -82,7 +84,8 @@ def _naive_train(model_dir: str, cfg_values: dict, micro: int, accum: int, causa
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["classification", "causal_lm"])
+@pytest.mark.parametrize("causal", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["classification", "causal_lm"])
 def test_negative_control_naive_per_micro_batch_mean_differs(tmp_path, request, causal):
     model = request.getfixturevalue("tiny_gpt2" if causal else "tiny_bert")
     values = {"dataset": request.getfixturevalue("lm_csv" if causal else "cls_csv"), "epochs": 1,

@@ -6,12 +6,13 @@ tests, from its case in tests/kind_cases/<kind>.py (its tiny model, its data, it
 - processes: two ranks, run in one process with a stand-in for the all-reduce (two threads, each rank's collectives
   meeting the other's), give the window's loss, gradient, step metrics and evaluation of one process — the kind's
   cross-process reduction, checked fast (one real launch per way of counting stays in test_multiprocess.py);
-- resume: stopped and resumed, the weights of an uninterrupted run;
+- resume: stopped and resumed, the weights of an uninterrupted run (slow);
 - the CLI: train, eval and predict end to end, the saved folder a plain transformers model of the kind;
-- LoRA (where the kind takes it): the kind's peft task type, predicted from the saved adapter;
+- LoRA (where the kind takes it): the kind's peft task type, predicted from the saved adapter (slow);
 - the planner: `finetune plan` splits the kind's batch and predicts a peak.
 
-A kind without a case file fails here, so a new kind cannot skip the contract.
+A kind without a case file fails here, so a new kind cannot skip the contract. The fast lane (`-m "not slow"`) runs
+each kind's first accumulation variant, every variant's reduction, the CLI and the planner.
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ def _variants() -> list:
     return params
 
 
+def _first_fast(params: list) -> list:
+    """The accumulation runs: each kind's first variant in the fast lane, its other variants slow."""
+    seen: set[str] = set()
+    marked = []
+    for p in params:
+        name = p.values[0]
+        marked.append(p if name not in seen else pytest.param(*p.values, id=p.id, marks=[pytest.mark.slow]))
+        seen.add(name)
+    return marked
+
+
 VARIANTS = _variants()
 KINDS = registry.names()
 
@@ -89,7 +101,7 @@ def _step_metrics(events: list[dict]) -> list[dict]:
 # --- accumulation
 
 
-@pytest.mark.parametrize(("kind", "variant"), VARIANTS)
+@pytest.mark.parametrize(("kind", "variant"), _first_fast(VARIANTS))
 def test_accumulation_equals_the_big_batch(tmp_path, request, kind, variant):
     case = case_of(kind)
     values = _values(request, case, variant)
@@ -257,7 +269,7 @@ def _printed(out: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_stop_then_resume_equals_uninterrupted(tmp_path, request, kind):
+def test_slow_stop_then_resume_equals_uninterrupted(tmp_path, request, kind):
     from finetune.run.events import Step
     from finetune.train.loop import StopFlag, train
 
@@ -340,7 +352,7 @@ def test_cli_eval_repeats_the_runs_last_evaluation(capsys, cli_run):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_lora_trains_the_kinds_adapter(tmp_path, request, capsys, kind):
+def test_slow_lora_trains_the_kinds_adapter(tmp_path, request, capsys, kind):
     from safetensors.torch import load_file
 
     from finetune.cli import main

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from finetune.config.schema import from_dict
 from finetune.run import rundir
 from finetune.run.events import read_events
@@ -72,6 +74,7 @@ def test_overwrite_keeps_the_files_a_person_put_into_the_run(tmp_path, tiny_bert
     assert "note: overwrite kept 1 file(s) that finetune did not write: model/NOTES.md" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the longest test of the fast lane (186 s at load 9)
 def test_a_full_disk_while_a_checkpoint_is_written_ends_the_run_in_one_sentence(tmp_path, tiny_bert, cls_csv):
     run = tmp_path / "run"
     args = [f"model={tiny_bert}", f"dataset={cls_csv}", f"output_dir={run}", "max_steps=3", "save_every=1",
