@@ -17,17 +17,35 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from finetune.config.schema import from_dict
-from finetune.data import encoding
-from finetune.models.pretrained import resolve_model_path
-from finetune.run.events import read_events
+# One intra-op thread, here and in every process a test starts (they inherit the environment): the tiny models gain
+# nothing from more, and two test workers on two cores would otherwise each start a thread per core.
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+import torch  # noqa: E402 (after the thread settings, which torch reads when it is imported)
+
+torch.set_num_threads(1)
+from safetensors.torch import load_file  # noqa: E402
+
+from finetune.config.schema import from_dict  # noqa: E402
+from finetune.data import encoding  # noqa: E402
+from finetune.models.pretrained import resolve_model_path  # noqa: E402
+from finetune.run.events import read_events  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# Every kind's contract case (tests/kind_cases/, read by tests/test_contract.py): its fixtures serve the contract
+# and the kind's own test file alike.
+pytest_plugins = [f"kind_cases.{p.stem}" for p in sorted((Path(__file__).parent / "kind_cases").glob("*.py"))
+                  if p.stem != "__init__"]
 WORDS = ("good bad great awful fine movie plot actor scene story music dull bright long short funny sad odd warm "
          "cold").split()
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test whose name starts with `test_slow_` is slow: `-m "not slow"` (the fast lane) leaves it out."""
+    for item in items:
+        if getattr(item, "originalname", item.name).startswith("test_slow_"):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

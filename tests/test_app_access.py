@@ -241,6 +241,7 @@ def test_a_run_belongs_to_the_one_who_started_it(shared):
     assert ctl.follow.poll(None, request=BOB).status.startswith("**Ready.**")
 
 
+@pytest.mark.slow  # builds the app twice (21 s at load 9)
 def test_the_login_button_is_on_the_page_only_on_a_space(tmp_path, monkeypatch):
     from gradio import oauth
 

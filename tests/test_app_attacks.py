@@ -305,6 +305,7 @@ def test_a_looping_chat_template_is_stopped_within_a_second(tmp_path, tiny_gpt2)
 
 
 # --- 7. wide files and huge cells
+@pytest.mark.slow  # a 2 MB cell and 200,000 columns (66 s at load 9)
 def test_a_wide_file_is_refused_before_its_rows_are_read_and_cells_are_cut(shared, tmp_path):
     ctl, _ = shared
     none = [""] * len(COLUMN_FIELDS)

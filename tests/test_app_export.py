@@ -59,6 +59,7 @@ def _wait(exporter: InferenceExport, request, limit_s: float = 240) -> dict:
     return shown
 
 
+@pytest.mark.slow  # exports for three callers (36 s at load 9)
 def test_only_the_callers_own_finished_run_exports(alices_run, tmp_path):
     runs = alices_run.parents[1]
     alice, bob = _signed_in("alice"), _signed_in("bob")

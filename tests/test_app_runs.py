@@ -13,7 +13,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import test_token_classification as tokcls
 from conftest import run_train
 
 from app.access import Access
@@ -22,8 +21,6 @@ from app.jobs.training import JobManager
 from app.runs.listing import config_diff, list_runs
 from app.tabs import Handlers, handlers
 from app.tryit.renderers import entity_pieces
-
-ner_jsonl, tiny_bert_tagger = tokcls.ner_jsonl, tokcls.tiny_bert_tagger  # its session fixtures, shared
 
 STEPS = 14  # more log lines than the Run panel's 12
 

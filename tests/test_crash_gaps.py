@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from finetune.config.schema import from_dict
 from finetune.run import rundir
 from finetune.run.events import read_events
@@ -72,6 +74,7 @@ def test_overwrite_keeps_the_files_a_person_put_into_the_run(tmp_path, tiny_bert
     assert "note: overwrite kept 1 file(s) that finetune did not write: model/NOTES.md" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a training child filling the disk (186 s at load 9)
 def test_a_full_disk_while_a_checkpoint_is_written_ends_the_run_in_one_sentence(tmp_path, tiny_bert, cls_csv):
     run = tmp_path / "run"
     args = [f"model={tiny_bert}", f"dataset={cls_csv}", f"output_dir={run}", "max_steps=3", "save_every=1",
@@ -90,6 +93,7 @@ def test_a_full_disk_while_a_checkpoint_is_written_ends_the_run_in_one_sentence(
     assert rundir.is_finished(run)
 
 
+@pytest.mark.slow  # a training child filling the disk (102 s at load 9)
 def test_a_full_disk_while_the_model_is_saved_leaves_no_finished_run(tmp_path, tiny_bert, cls_csv):
     run = tmp_path / "run"
     args = [f"model={tiny_bert}", f"dataset={cls_csv}", f"output_dir={run}", "max_steps=1", "eval_fraction=0", "-q"]
@@ -99,6 +103,7 @@ def test_a_full_disk_while_the_model_is_saved_leaves_no_finished_run(tmp_path, t
     assert not (run / "metrics.json").exists() and not rundir.is_finished(run)
 
 
+@pytest.mark.slow  # a training child filling the disk (232 s at load 9)
 def test_a_full_disk_before_the_run_begins_is_one_sentence_and_leaves_nothing_half_written(tmp_path, tiny_bert,
                                                                                         cls_csv):
     run = tmp_path / "run"

@@ -36,6 +36,7 @@ MAX_GRAD_NORM = 0.5  # small enough that every step clips
 LEARNING_RATE = {"sgd": 0.5, "adamw": 1e-3}
 
 CAUSAL = kind("causal_lm")
+pytestmark = pytest.mark.slow  # two spawned gloo processes and two optimizers' runs: the fast lane leaves it out
 
 
 class TorchDistributed:

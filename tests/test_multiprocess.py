@@ -17,6 +17,10 @@ from conftest import assert_same_weights, load_weights, run_train, step_losses
 
 from finetune.run.events import read_events
 
+# Real launches: tens of seconds each on two cores. The fast lane checks every kind's reduction in one process
+# instead (tests/test_contract.py).
+pytestmark = pytest.mark.slow
+
 COMMON = {"optimizer": "sgd", "learning_rate": 0.5, "warmup_ratio": 0.0, "weight_decay": 0.0, "eval_fraction": 0.0,
           "precision": "fp32", "epochs": 2, "logging_every": 1, "max_grad_norm": 1.0}
 
@@ -33,27 +37,33 @@ def launch_two(tmp_path, values: dict, mode: tuple[str, ...] = ("--multi_gpu",))
     return proc, tmp_path / "two"
 
 
-@pytest.mark.parametrize("case", ["classification", "causal_lm_tail_smaller_than_processes",
-                                  "long_documents_sliding_window"])
+# One real launch per way of counting a window's targets; every kind's reduction is also checked in one process
+# (tests/test_contract.py: two ranks in threads).
+LAUNCHES = ["per-sample", "per-token", "per-pair"]
+
+
+def _launch_case(request, case: str) -> tuple[dict, int, int]:
+    """The config keys of a launch, the micro-batch of each of the two processes, and that of the one process."""
+    if case == "per-sample":
+        # Classification: 37 samples in windows of 16: the tail of 5 splits 3 + 2 over the processes.
+        return {"model": request.getfixturevalue("tiny_bert"), "dataset": request.getfixturevalue("cls_csv"),
+                "effective_batch_size": 16, "shuffle": True, "group_by_length": True, "eval_fraction": 0.2}, 4, 16
+    if case == "per-token":
+        # Causal LM: 13 texts split into 49 blocks of at most 32 tokens, each repeating 8 of context: windows of 8
+        # blocks, the tail a single block (one process joins with a stand-in); targets are counted after the
+        # split, over both processes.
+        return {"model": request.getfixturevalue("tiny_llama"), "dataset": request.getfixturevalue("long_csv"),
+                "task": "causal_lm", "effective_batch_size": 8, "max_length": 32, "long_documents": "sliding_window",
+                "stride": 8, "shuffle": True, "group_by_length": True}, 2, 8
+    # Preference pairs with ORPO: pairs stay whole, and both counts (chosen tokens and pairs) are global.
+    return {"model": request.getfixturevalue("tiny_gpt2"), "dataset": request.getfixturevalue("pairs_csv"),
+            "task": "preference", "preference_loss": "orpo", "max_length": 32, "epochs": 1,
+            "effective_batch_size": 10, "learning_rate": 0.1}, 1, 10
+
+
+@pytest.mark.parametrize("case", LAUNCHES)
 def test_two_processes_equal_one(tmp_path, request, case):
-    if case == "classification":
-        # 37 samples in windows of 16: the tail of 5 splits 3 + 2 over the processes.
-        values = {"model": request.getfixturevalue("tiny_bert"), "dataset": request.getfixturevalue("cls_csv"),
-                  "effective_batch_size": 16, "shuffle": True, "group_by_length": True}
-        two_micro, one_micro = 4, 16
-    elif case == "long_documents_sliding_window":
-        # 13 texts split into 49 blocks of at most 32 tokens, each repeating 8 of context: windows of 8 blocks, the
-        # tail a single block (one process has nothing); targets are counted after the split, over both processes.
-        values = {"model": request.getfixturevalue("tiny_llama"), "dataset": request.getfixturevalue("long_csv"),
-                  "task": "causal_lm", "effective_batch_size": 8, "max_length": 32,
-                  "long_documents": "sliding_window", "stride": 8, "shuffle": True, "group_by_length": True}
-        two_micro, one_micro = 2, 8
-    else:
-        # 19 prompt/completion pairs in windows of 6: the tail holds a single pair, so one process has nothing.
-        values = {"model": request.getfixturevalue("tiny_gpt2"), "dataset": request.getfixturevalue("prompt_csv"),
-                  "task": "causal_lm", "effective_batch_size": 6, "max_train_samples": 19, "max_length": 128,
-                  "shuffle": False, "group_by_length": False}
-        two_micro, one_micro = 1, 6
+    values, two_micro, one_micro = _launch_case(request, case)
     proc, two_dir = launch_two(tmp_path, {**values, "micro_batch_size": two_micro})
     one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": one_micro})
     two_events = read_events(two_dir / "events.jsonl")
@@ -62,7 +72,13 @@ def test_two_processes_equal_one(tmp_path, request, case):
     assert (start["num_processes"], start["micro_batch_size"], start["grad_accum_steps"]) == (2, two_micro, accum)
     assert_same_weights(load_weights(two_dir), one)
     torch.testing.assert_close(step_losses(two_events), step_losses(one_events), rtol=1e-5, atol=1e-6)
-    if case == "long_documents_sliding_window":
+    steps = [[e.get("metrics") for e in events if e["event"] == "step"] for events in (two_events, one_events)]
+    for x, y in zip(*steps, strict=True):  # a kind's step metrics, summed over both processes
+        assert x == (None if y is None else pytest.approx(y, rel=1e-5, abs=1e-6))
+    evals = [[e["metrics"] for e in events if e["event"] == "eval"] for events in (two_events, one_events)]
+    for x, y in zip(*evals, strict=True):  # the evaluation's sums and gathered predictions, over both processes
+        assert x == pytest.approx(y, rel=1e-5, abs=1e-6)
+    if case == "per-token":
         assert start["segmentation"] == one_events[0]["segmentation"] and start["segmentation"]["samples"] == 49
     # Only the main process writes: one start record, one done record, one result printed.
     assert [e["event"] for e in two_events].count("start") == 1
@@ -94,7 +110,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_machines_equal_one_process(tmp_path, tiny_bert, cls_csv):
     """`accelerate launch --num_machines 2`, machine ranks 0 and 1 on 127.0.0.1 (one gloo CPU process each, the
     run folder shared as a bucket or NFS mount would share it) trains to the weights of one process with the same

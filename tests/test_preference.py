@@ -1,4 +1,6 @@
-"""task: preference (DPO, IPO, SimPO, ORPO): pairs kept whole, the losses equal TRL's, accumulation exact."""
+"""task: preference (DPO, IPO, SimPO, ORPO): pairs kept whole, the losses equal TRL's, the reference's strategies.
+(Its training contract — exact accumulation, processes, resume, the CLI, LoRA, the planner — is
+tests/test_contract.py's; its real two-process launch, ORPO's two counts, is in test_multiprocess.py.)"""
 
 from __future__ import annotations
 
@@ -22,20 +24,19 @@ def _run(out, model, data, **values):
                              "learning_rate": 0.1, **values})
 
 
-@pytest.mark.parametrize("loss", ["dpo", "orpo"])
-def test_accumulation_is_exact(tmp_path, tiny_gpt2, pairs_csv, loss):
-    """(B, k) = (2, 3) trains exactly like (6, 1): DPO (a reference, here precomputed: full fine-tuning, the
-    planner's choice) and ORPO (two counts: chosen tokens and pairs). IPO and SimPO differ from DPO only in the
-    per-pair formula, checked against TRL below."""
-    a, ea, _ = _run(tmp_path / "a", tiny_gpt2, pairs_csv, preference_loss=loss, micro_batch_size=2,
-                    grad_accum_steps=3)
-    b, eb, _ = _run(tmp_path / "b", tiny_gpt2, pairs_csv, preference_loss=loss, micro_batch_size=6,
-                    grad_accum_steps=1)
-    assert_same_weights(a, b)
-    torch.testing.assert_close(step_losses(ea), step_losses(eb))
-    assert len(step_losses(ea)) == 4 and all(x > 0 for x in step_losses(ea))
-    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
-    assert plan["reference"]["strategy"] == ("precompute" if loss == "dpo" else "none")
+# Exact accumulation (DPO and ORPO), processes, resume, the CLI, LoRA and the planner: tests/test_contract.py, from
+# tests/kind_cases/preference.py.
+
+
+@pytest.mark.parametrize(("loss", "strategy"), [("dpo", "precompute"), ("orpo", "none")])
+def test_full_fine_tuning_precomputes_the_reference_that_a_loss_needs(tmp_path, capsys, tiny_gpt2, pairs_csv, loss,
+                                                                      strategy):
+    """DPO needs a reference: full fine-tuning precomputes it (the planner's choice); ORPO needs none."""
+    from finetune.cli import main
+
+    assert main(["plan", f"model={tiny_gpt2}", f"dataset={pairs_csv}", "task=preference", f"preference_loss={loss}",
+                 "max_length=32", "--json", str(tmp_path / "plan.json")]) == 0
+    assert json.loads((tmp_path / "plan.json").read_text())["reference"]["strategy"] == strategy
 
 
 def _trl_batch(path, loss_type, reference=None):
@@ -218,22 +219,6 @@ def test_precomputed_reference_equals_the_live_one_and_is_cached(tmp_path, tiny_
     assert step_losses(e_other) != step_losses(ea)
 
 
-@pytest.mark.parametrize("loss", ["orpo"])
-def test_two_processes_equal_one(tmp_path, tiny_gpt2, pairs_csv, loss):
-    """Two gloo processes train exactly like one: pairs stay whole, counts (ORPO: tokens and pairs) are global."""
-    from test_multiprocess import COMMON, launch_two
-
-    from finetune.run.events import read_events
-
-    values = {"model": tiny_gpt2, "dataset": pairs_csv, "task": "preference", "preference_loss": loss,
-              "max_length": 32, "epochs": 1, "effective_batch_size": 8, "learning_rate": 0.1}
-    _, two_dir = launch_two(tmp_path, {**values, "micro_batch_size": 2})
-    one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": 8})
-    assert_same_weights(load_weights(two_dir), one)
-    torch.testing.assert_close(step_losses(read_events(two_dir / "events.jsonl")), step_losses(one_events),
-                               rtol=1e-5, atol=1e-6)
-
-
 def test_eval_reports_trl_metric_names_and_cut_pairs_are_counted(tmp_path, tiny_gpt2, pairs_csv):
     """Held-out pairs are evaluated with TRL's metric names; a pair that max_length cuts off is left out and
     counted (a short max_length cuts the long ones)."""
@@ -256,12 +241,12 @@ def test_eval_reports_trl_metric_names_and_cut_pairs_are_counted(tmp_path, tiny_
     assert "| preference_loss | dpo |" in card and "| beta | 0.1 |" in card
 
 
-def test_a_missing_column_or_completion_is_one_sentence(tmp_path, tiny_gpt2):
-    """No `rejected` column, or a row without a completion: one sentence naming it, exit 2 from the CLI."""
-    import subprocess
-    import sys
-
+def test_a_missing_column_or_completion_is_one_sentence(tmp_path, capsys, tiny_gpt2):
+    """No `rejected` column, or a row without a completion: one sentence naming it, exit 2 from the CLI (in-process:
+    test_bad_inputs.py runs the command itself)."""
     import yaml
+
+    from finetune.cli import main
 
     no_column = tmp_path / "a.csv"
     pd.DataFrame({"prompt": ["hi", "yo"], "chosen": ["good", "fine"]}).to_csv(no_column, index=False)
@@ -272,10 +257,9 @@ def test_a_missing_column_or_completion_is_one_sentence(tmp_path, tiny_gpt2):
         cfg = tmp_path / "c.yaml"
         cfg.write_text(yaml.safe_dump({"model": tiny_gpt2, "dataset": str(data), "task": "preference",
                                        "output_dir": str(tmp_path / "out"), "eval_fraction": 0.0}))
-        proc = subprocess.run([sys.executable, "-m", "finetune", "train", str(cfg), "-q"], capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        assert words in proc.stderr.lower() and "Traceback" not in proc.stderr
+        assert main(["train", str(cfg), "-q"]) == 2
+        err = capsys.readouterr().err
+        assert words in err.lower() and "Traceback" not in err
 
 
 def _chat_pairs(n: int) -> tuple[list[dict], list[dict]]:

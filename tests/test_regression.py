@@ -1,90 +1,29 @@
-"""`task: regression` (finetune/kinds/regression.py): exact accumulation and processes, the loss and the metrics
-against numpy/scipy, refusals of bad targets, and the kind through planning, LoRA, checkpoints, multi-task runs,
-eval, predict, the model card, the GUI's mapping and the scripting API."""
+"""`task: regression` (finetune/kinds/regression.py): the loss and the metrics against numpy/scipy, refusals of bad
+targets, and the kind in multi-task runs, the GUI's mapping and the scripting API. (Its training contract — exact
+accumulation, processes, resume, the CLI, LoRA, the planner — is tests/test_contract.py's.)"""
 
 from __future__ import annotations
 
 import csv
 import json
-import random
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import WORDS, assert_same_weights, load_weights, run_train, served_app, step_losses
+from conftest import WORDS, served_app
+from kind_cases.regression import write_rows
 from scipy import stats
-from test_multiprocess import COMMON, launch_two
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from finetune.cli import main
 from finetune.config.schema import ConfigError, from_dict
 from finetune.kinds import registry
 from finetune.kinds.regression import RegressionMetrics, average_ranks
-from finetune.run.events import Step, read_events
-from finetune.train.loop import StopFlag, train
+from finetune.train.loop import train
 
-
-def _score(text: str) -> float:
-    words = text.split()
-    return round(words.count("good") + words.count("great") - words.count("bad") + 0.1 * len(words), 3)
-
-
-def write_rows(path, rows, header=("sentence", "score")):
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        w.writerows(rows)
-    return str(path)
-
-
-@pytest.fixture(scope="session")
-def reg_csv(tmp_path_factory) -> str:
-    """37 sentences of 1 to 60 words with a number each (37 = 2 windows of 16 and a short tail of 5)."""
-    rng = random.Random(5)
-    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 2, 3, 5, 40, 60]))) for _ in range(37)]
-    return write_rows(tmp_path_factory.mktemp("data") / "reg.csv", [(t, _score(t)) for t in texts])
-
-
-def _values(model, dataset, **extra):
-    return {"model": model, "dataset": dataset, "task": "regression", "effective_batch_size": 16,
-            "max_grad_norm": 1.0, "learning_rate": 0.1, **extra}
-
-
-# --- the training contract
-
-
-@pytest.mark.parametrize("micro", [4, 1])
-def test_regression_accumulation_equals_big_batch(tmp_path, tiny_bert, reg_csv, micro):
-    common = _values(tiny_bert, reg_csv, shuffle=True, group_by_length=True)
-    big, big_events, _ = run_train(tmp_path / "big", micro_batch_size=16, **common)
-    acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=micro, **common)
-    assert len(step_losses(big_events)) == 6 and acc_events[0]["grad_accum_steps"] == 16 // micro
-    assert_same_weights(big, acc)
-    torch.testing.assert_close(step_losses(acc_events), step_losses(big_events), rtol=1e-5, atol=1e-6)
-    assert max(abs(a - b) for a, b in zip(step_losses(big_events), step_losses(big_events)[1:], strict=False)) > 0
-
-
-def test_two_processes_equal_one(tmp_path, tiny_bert, reg_csv):
-    # 37 samples in windows of 16: the tail of 5 splits 3 + 2 over the processes.
-    values = {**_values(tiny_bert, reg_csv), "shuffle": True, "group_by_length": True}
-    _, two_dir = launch_two(tmp_path, {**values, "micro_batch_size": 4, "eval_fraction": 0.2})
-    one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": 16,
-                                                        "eval_fraction": 0.2})
-    two_events = read_events(two_dir / "events.jsonl")
-    assert two_events[0]["num_processes"] == 2
-    assert_same_weights(load_weights(two_dir), one)
-    torch.testing.assert_close(step_losses(two_events), step_losses(one_events), rtol=1e-5, atol=1e-6)
-    # The metrics too: the sums are reduced and the correlations see every process's predictions.
-    two_eval = [e for e in two_events if e["event"] == "eval"][-1]["metrics"]
-    one_eval = [e for e in one_events if e["event"] == "eval"][-1]["metrics"]
-    assert two_eval.keys() == one_eval.keys() == {"loss", "mse", "rmse", "mae", "pearson", "spearman"}
-    torch.testing.assert_close({k: two_eval[k] for k in ("loss", "mse", "rmse", "mae")},
-                               {k: one_eval[k] for k in ("loss", "mse", "rmse", "mae")}, rtol=1e-5, atol=1e-6)
-    # The correlations divide by the predictions' spread, small after a few steps: float32 rounding of the forward
-    # (micro-batches padded to other widths) is magnified; their exact reduction is pinned by the metrics test.
-    torch.testing.assert_close({k: two_eval[k] for k in ("pearson", "spearman")},
-                               {k: one_eval[k] for k in ("pearson", "spearman")}, rtol=0, atol=1e-3)
+# --- the training contract: accumulation, processes, resume, the CLI, LoRA and the planner are
+# tests/test_contract.py's, from tests/kind_cases/regression.py (which holds `reg_csv`)
 
 
 def test_the_loss_is_the_squared_error_summed_per_sample(tiny_bert):
@@ -215,80 +154,6 @@ def test_what_regression_does_not_take_is_refused_in_one_sentence(tmp_path, caps
 
 
 # --- the kind through the rest of the house
-
-
-def test_cli_train_eval_predict_and_the_saved_folder(tmp_path, tiny_bert, reg_csv, capsys):
-    run = tmp_path / "run"
-    assert main(["train", f"model={tiny_bert}", f"dataset={reg_csv}", "task=regression", "epochs=2",
-                 "learning_rate=1e-3", "effective_batch_size=8", "eval_fraction=0.25", f"output_dir={run}",
-                 "-q"]) == 0
-    capsys.readouterr()
-    # The saved folder is a plain transformers regression model.
-    model = AutoModelForSequenceClassification.from_pretrained(run / "model")
-    assert model.config.num_labels == 1 and model.config.problem_type == "regression"
-    final = json.loads((run / "metrics.json").read_text())
-    assert {"mse", "rmse", "mae", "pearson", "spearman"} <= final.keys()
-    assert final["rmse"] == pytest.approx(final["mse"] ** 0.5)
-
-    assert main(["eval", str(run)]) == 0
-    evaluated = json.loads(capsys.readouterr().out)
-    for k in ("mse", "mae", "pearson", "spearman"):
-        assert evaluated[k] == pytest.approx(final[k], rel=1e-5, abs=1e-6)
-
-    assert main(["predict", str(run), "a good, great film", "bad"]) == 0
-    out = capsys.readouterr().out
-    printed = [json.loads(line) for line in out.splitlines() if line.strip()] if out.lstrip().startswith("{") \
-        else json.loads(out)
-    records = printed if isinstance(printed, list) else [printed]
-    tok = AutoTokenizer.from_pretrained(run / "model")
-    with torch.no_grad():
-        expected = model(**tok(["a good, great film", "bad"], padding=True, return_tensors="pt")).logits[:, 0]
-    assert [r["value"] for r in records] == pytest.approx(expected.tolist(), abs=1e-5)
-
-    card = (run / "model" / "README.md")
-    from finetune.run.modelcard import render
-
-    text = card.read_text() if card.is_file() else render(run, run / "model", "me/reg")
-    assert "pipeline_tag: text-classification" in text and "| rmse |" in text and "text regression" in text
-
-
-def test_lora_uses_the_sequence_classification_task_type_and_loads_back(tmp_path, tiny_bert, reg_csv, capsys):
-    from finetune.models.pretrained import task_of
-    from finetune.use.predict import predict
-
-    result = train(from_dict({"model": tiny_bert, "dataset": reg_csv, "task": "regression", "epochs": 1,
-                              "effective_batch_size": 16, "lora": True, "lora_target_modules": "query,value",
-                              "eval_fraction": 0, "output_dir": str(tmp_path / "lora")}))
-    assert result.status == "done"
-    adapter = next(p for p in (tmp_path / "lora" / "adapter", tmp_path / "lora" / "model")
-                   if (p / "adapter_config.json").is_file())
-    assert json.loads((adapter / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
-    assert task_of(adapter) == "regression"  # the base config beside the adapter says regression
-    value = predict(str(tmp_path / "lora"), ["good film"])[0]["value"]
-    assert isinstance(value, float)
-
-
-def test_the_planner_plans_a_regression_run(tmp_path, tiny_bert, reg_csv, capsys):
-    assert main(["plan", f"model={tiny_bert}", f"dataset={reg_csv}", "task=regression", "effective_batch_size=16",
-                 "--json", str(tmp_path / "plan.json")]) == 0
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["micro_batch_size"] * plan["grad_accum_steps"] * plan["num_processes"] == 16
-
-
-def test_stop_then_resume_equals_uninterrupted(tmp_path, tiny_bert_dropout, reg_csv):
-    def config(name, **extra):
-        return from_dict({"model": tiny_bert_dropout, "dataset": reg_csv, "task": "regression", "epochs": 2,
-                          "output_dir": str(tmp_path / name), "effective_batch_size": 16, "micro_batch_size": 4,
-                          "learning_rate": 1e-3, "eval_fraction": 0.0, "save_every": 2, "logging_every": 1, **extra})
-
-    full = train(config("full"))
-    stop = StopFlag()
-    stopped = train(config("cut"), stop=stop,
-                    callbacks=[lambda e: stop.request() if isinstance(e, Step) and e.step == 2 else None])
-    assert (full.step, stopped.status, stopped.step) == (6, "stopped", 2)
-    resumed = train(config("cut", resume=True))
-    assert resumed.status == "done" and resumed.step == 6
-    assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
 
 
 def test_a_multitask_run_of_regression_tasks(tmp_path, tiny_bert, reg_csv, capsys):

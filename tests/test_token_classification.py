@@ -1,17 +1,14 @@
-"""Token classification (`task: token_classification`): word tags aligned to sub-tokens, a loss per labelled token
-that accumulates exactly, entity metrics equal to seqeval's, the saved folder a plain transformers token
-classifier, and every refusal one sentence naming the row."""
+"""Token classification (`task: token_classification`): word tags aligned to sub-tokens, entity metrics equal to
+seqeval's, and every refusal one sentence naming the row. (Its training contract — exact accumulation, processes,
+resume, the CLI, LoRA, the planner — is tests/test_contract.py's.)"""
 
 from __future__ import annotations
 
 import json
-import random
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, _save, assert_same_weights, bundled_tokenizer, load_weights, run_train, step_losses
+from conftest import bundled_tokenizer
 
 from finetune.config.schema import from_dict
 from finetune.data.load import load_data
@@ -19,54 +16,8 @@ from finetune.errors import ConfigError, DataError
 from finetune.kinds.base import IGNORE_INDEX
 from finetune.kinds.registry import kind
 from finetune.kinds.token_classification import entities, entity_counts, entity_scores, scheme_of
-from finetune.run.events import read_events
 
 KIND = kind("token_classification")
-# Words the bundled (BERT wordpiece) tokenizer splits into several sub-tokens, and some it keeps whole.
-LONG_WORDS = ("unbelievably", "grzegorz", "tokenization", "shakespearean", "marrakesh")
-SHORT_WORDS = ("the", "a", "film", "city", "went", "to", "saw", "and", "good", "paris", "clara", "berlin")
-TYPES = ("PER", "LOC")
-
-
-def _sentence(rng: random.Random) -> tuple[list[str], list[str]]:
-    words, tags = [], []
-    for _ in range(rng.randint(2, 9)):
-        if rng.random() < 0.35:
-            n = rng.randint(1, 2)
-            t = rng.choice(TYPES)
-            for j in range(n):
-                words.append(rng.choice(LONG_WORDS + SHORT_WORDS[-3:]))
-                tags.append(("B-" if j == 0 else "I-") + t)
-        else:
-            words.append(rng.choice(SHORT_WORDS))
-            tags.append("O")
-    return words, tags
-
-
-@pytest.fixture(scope="session")
-def ner_jsonl(tmp_path_factory) -> str:
-    """37 sentences of 2 to 18 words with IOB2 string tags, many words split into several sub-tokens."""
-    rng = random.Random(3)
-    path = tmp_path_factory.mktemp("ner") / "ner.jsonl"
-    with path.open("w") as f:
-        for _ in range(37):
-            words, tags = _sentence(rng)
-            f.write(json.dumps({"tokens": words, "ner_tags": tags}) + "\n")
-    return str(path)
-
-
-@pytest.fixture(scope="session")
-def tiny_bert_tagger(tmp_path_factory) -> str:
-    """A 2-layer BERT token classifier (hidden 32, dropout 0) with the bundled tokenizer."""
-    from transformers import BertConfig, BertForTokenClassification
-
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=256, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
-    return _save(BertForTokenClassification(cfg), bundled_tokenizer(), tmp_path_factory.mktemp("tiny_tagger"))
-
-
 def _write(tmp_path, rows, name="rows.jsonl") -> str:
     path = tmp_path / name
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -181,32 +132,8 @@ def test_evaluation_metrics_equal_seqeval_on_a_batch():
     assert out["accuracy"] == pytest.approx(6 / 7) and out["loss"] == pytest.approx(3.5 / 7)
 
 
-# --- the training contract
-
-
-@pytest.mark.parametrize("all_tokens", [False, True])
-def test_accumulation_equals_big_batch(tmp_path, tiny_bert_tagger, ner_jsonl, all_tokens):
-    common = {"model": tiny_bert_tagger, "dataset": ner_jsonl, "task": "token_classification",
-              "effective_batch_size": 16, "max_grad_norm": 1.0, "shuffle": True, "group_by_length": True,
-              "label_all_tokens": all_tokens}
-    big, big_events, _ = run_train(tmp_path / "big", micro_batch_size=16, **common)
-    acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=4, **common)
-    assert acc_events[0]["grad_accum_steps"] == 4 and len(step_losses(big_events)) == 6
-    assert_same_weights(big, acc)
-    torch.testing.assert_close(step_losses(acc_events), step_losses(big_events), rtol=1e-5, atol=1e-6)
-
-
-def test_two_processes_equal_one(tmp_path, tiny_bert_tagger, ner_jsonl):
-    from test_multiprocess import COMMON, launch_two
-
-    values = {"model": tiny_bert_tagger, "dataset": ner_jsonl, "task": "token_classification",
-              "effective_batch_size": 16, "shuffle": True, "group_by_length": True}
-    _, two_dir = launch_two(tmp_path, {**values, "micro_batch_size": 4})
-    one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": 16})
-    two_events = read_events(two_dir / "events.jsonl")
-    assert two_events[0]["num_processes"] == 2
-    assert_same_weights(load_weights(two_dir), one)
-    torch.testing.assert_close(step_losses(two_events), step_losses(one_events), rtol=1e-5, atol=1e-6)
+# --- the training contract: accumulation, processes, resume, the CLI, LoRA and the planner are
+# tests/test_contract.py's, from tests/kind_cases/token_classification.py (which holds this file's fixtures)
 
 
 # --- refusals: one sentence naming the row
@@ -255,93 +182,17 @@ def test_options_of_other_kinds_are_refused(values, message):
         from_dict({"dataset": "x.jsonl", **values})
 
 
-def test_cli_refusal_is_one_sentence_exit_2(tmp_path, tiny_bert_tagger):
+def test_cli_refusal_is_one_sentence_exit_2(tmp_path, capsys, tiny_bert_tagger):
+    from finetune.cli import main
+
     data = _write(tmp_path, [{"tokens": ["a", "b"], "ner_tags": ["O", "B-PER"]}, {"tokens": ["a"], "ner_tags": []}])
-    proc = subprocess.run([sys.executable, "-m", "finetune", "train", f"model={tiny_bert_tagger}",
-                           "task=token_classification", f"dataset={data}", f"output_dir={tmp_path / 'out'}"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "Row 2 of" in proc.stderr and "give one tag per word." in proc.stderr and "Traceback" not in proc.stderr
+    assert main(["train", f"model={tiny_bert_tagger}", "task=token_classification", f"dataset={data}",
+                 f"output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert "Row 2 of" in err and "give one tag per word." in err and "Traceback" not in err
 
 
-# --- use after training: the CLI, the saved folder, the model card, LoRA, the planner, stop/resume
-
-
-def test_cli_train_eval_predict_and_a_plain_transformers_folder(tmp_path, capsys, tiny_bert_tagger, ner_jsonl):
-    import re
-
-    import yaml
-    from transformers import AutoModelForTokenClassification, AutoTokenizer, pipeline
-
-    from finetune.cli import main
-
-    run = tmp_path / "run"
-    assert main(["train", f"model={tiny_bert_tagger}", "task=token_classification", f"dataset={ner_jsonl}",
-                 f"output_dir={run}", "epochs=3", "effective_batch_size=8", "eval_fraction=0.25",
-                 "learning_rate=5e-3", "gradient_checkpointing=true", "-q"]) == 0
-    saved = json.loads((run / "metrics.json").read_text())
-    assert {"loss", "accuracy", "precision", "recall", "f1"} <= set(saved)
-    plan = json.loads((run / "plan.json").read_text())
-    assert plan["gradient_checkpointing"] is True
-    capsys.readouterr()
-    assert main(["eval", str(run)]) == 0
-    metrics = json.loads(capsys.readouterr().out)
-    assert metrics["f1"] == pytest.approx(saved["f1"]) and metrics["accuracy"] == pytest.approx(saved["accuracy"])
-
-    assert main(["predict", str(run), "Grzegorz went to Marrakesh", "the film"]) == 0
-    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert lines[0]["words"] == ["Grzegorz", "went", "to", "Marrakesh"] and len(lines[0]["tags"]) == 4
-    assert set(lines[0]["tags"]) <= {"O", "B-PER", "I-PER", "B-LOC", "I-LOC"}
-    assert all(set(e) == {"type", "text", "start", "end"} for line in lines for e in line["entities"])
-
-    model = AutoModelForTokenClassification.from_pretrained(run / "model")
-    assert type(model).__name__ == "BertForTokenClassification"
-    assert sorted(model.config.id2label.values()) == ["B-LOC", "B-PER", "I-LOC", "I-PER", "O"]
-    tagger = pipeline("token-classification", model=model, tokenizer=AutoTokenizer.from_pretrained(run / "model"))
-    assert len(tagger("Clara went to Paris")) >= 0
-    from finetune.run.modelcard import render
-
-    card = render(run, run / "model", "someone/tagger")
-    meta = yaml.safe_load(re.match(r"---\n(.*?)\n---\n", card, re.S).group(1))
-    assert meta["pipeline_tag"] == "token-classification"
-    assert 'pipeline("token-classification"' in card and "`B-PER`" in card
-
-
-def test_lora_uses_the_token_classification_task_type(tmp_path, capsys, tiny_bert_tagger, ner_jsonl):
-    from peft import AutoPeftModelForTokenClassification
-
-    from finetune.cli import main
-    from finetune.train.loop import train
-
-    train(from_dict({"model": tiny_bert_tagger, "dataset": ner_jsonl, "task": "token_classification",
-                     "effective_batch_size": 8, "lora": "true", "lora_r": 4, "epochs": 1, "eval_fraction": 0,
-                     "output_dir": str(tmp_path / "lora")}))
-    adapter = json.loads((tmp_path / "lora" / "model" / "adapter_config.json").read_text())
-    assert adapter["task_type"] == "TOKEN_CLS"
-    # The base model's head has 2 outputs; the adapter's saved head, 5 (the data's tags).
-    loaded = AutoPeftModelForTokenClassification.from_pretrained(tmp_path / "lora" / "model", num_labels=5,
-                                                                 ignore_mismatched_sizes=True)
-    assert sum(p.numel() for n, p in loaded.named_parameters() if "lora_" in n) > 0
-    capsys.readouterr()
-    assert main(["predict", str(tmp_path / "lora"), "Clara saw Berlin"]) == 0
-    assert len(json.loads(capsys.readouterr().out)["tags"]) == 3
-
-
-def test_stop_then_resume_equals_uninterrupted(tmp_path, tiny_bert_tagger, ner_jsonl):
-    from test_stop_resume import _config
-
-    from finetune.run.events import Step
-    from finetune.train.loop import StopFlag, train
-
-    extra = {"task": "token_classification"}
-    full = train(_config(tmp_path, tiny_bert_tagger, ner_jsonl, "full", **extra))
-    stop = StopFlag()
-    stopped = train(_config(tmp_path, tiny_bert_tagger, ner_jsonl, "cut", **extra), stop=stop,
-                    callbacks=[lambda e: stop.request() if isinstance(e, Step) and e.step == 4 else None])
-    assert (full.status, stopped.status, stopped.step) == ("done", "stopped", 4)
-    resumed = train(_config(tmp_path, tiny_bert_tagger, ner_jsonl, "cut", resume=True, **extra))
-    assert resumed.status == "done" and resumed.step == full.step
-    assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
+# --- the planner
 
 
 def test_the_planner_dry_runs_a_token_classifier(tiny_bert_tagger):
@@ -380,6 +231,7 @@ def test_the_gui_maps_the_word_and_tag_columns(tmp_path, ner_jsonl):
                            "tokens_column": "tokens", "tags_column": "ner_tags"}
 
 
+@pytest.mark.slow
 def test_the_scripting_api_starts_a_token_classification_run(tmp_path, tiny_bert_tagger, ner_jsonl):
     import time
 
