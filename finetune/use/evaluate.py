@@ -21,6 +21,7 @@ from finetune.data.load import load_data, load_table, resolve_columns
 from finetune.data.mixing import load_task, with_prefix
 from finetune.engine.metrics import evaluate
 from finetune.engine.recurrence import Recurrence
+from finetune.kinds import registry
 from finetune.kinds.registry import configured, entry
 from finetune.models.heads import read_tasks_file, task_model_dir
 from finetune.models.pretrained import load_tokenizer, load_trained, resolve_model_dir, saved_label_names, task_of
@@ -72,6 +73,10 @@ def _whole(values: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def _model_target(model_dir: Path, run_dir: Path | None, extra: dict[str, Any]) -> Target:
     values = read_yaml(run_dir / "config.yaml") if run_dir else {"task": task_of(model_dir)}
+    if run_dir and _takes_reference(values) and not values.get("reference_model") and values.get("model"):
+        # The run's reference was its starting model (the default): keep it, or the trained model, which takes
+        # `model`'s place below, would be its own reference (a DPO loss of log 2, margins of 0).
+        values["reference_model"] = values["model"]
     values.update(extra, model=str(model_dir), resume=False, overwrite=False)
     if "chat_template" not in extra:  # the saved tokenizer carries the run's template; its file may be gone
         values["chat_template"] = None
@@ -79,6 +84,12 @@ def _model_target(model_dir: Path, run_dir: Path | None, extra: dict[str, Any]) 
     if c.dataset is None:
         raise ConfigError(["Nothing to evaluate on: add dataset=<file or hub id>."])
     return Target(model_dir, c, saved_label_names(model_dir) if entry(c.task).has_labels else None)
+
+
+def _takes_reference(values: dict[str, Any]) -> bool:
+    """Whether the run's kind scores against a reference model (it declares `reference_model`)."""
+    task = values.get("task")
+    return task in registry.names() and any(o.name == "reference_model" for o in entry(task).declares)
 
 
 def _task_target(model_dir: Path, run_dir: Path | None, extra: dict[str, Any]) -> Target:
