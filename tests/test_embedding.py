@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, WORDS, assert_same_weights, bundled_tokenizer, load_weights, run_train, step_losses
-from transformers import AutoModel, BertConfig, BertModel
+from transformers import AutoModel
 
 from finetune.config.schema import from_dict
 from finetune.data.load import collate, load_data
@@ -38,17 +38,6 @@ def write_rows(path, header, rows):
 
 
 @pytest.fixture(scope="session")
-def pairs_csv(tmp_path_factory) -> str:
-    """37 anchor–positive pairs of 1 to 30 words (37 = 2 windows of 16 and a tail of 5)."""
-    rng = random.Random(7)
-    rows = []
-    for _ in range(37):
-        anchor = _sentence(rng, rng.choice([1, 2, 4, 12, 30]))
-        rows.append((anchor, anchor.split()[0] + " " + _sentence(rng, rng.choice([1, 3, 8]))))
-    return write_rows(tmp_path_factory.mktemp("emb") / "pairs.csv", ("anchor", "positive"), rows)
-
-
-@pytest.fixture(scope="session")
 def triplets_csv(tmp_path_factory) -> str:
     rng = random.Random(8)
     rows = [(_sentence(rng, rng.choice([2, 9])), _sentence(rng, rng.choice([1, 5])), _sentence(rng, 3))
@@ -62,19 +51,6 @@ def scored_csv(tmp_path_factory) -> str:
     rows = [(_sentence(rng, rng.choice([2, 7])), _sentence(rng, rng.choice([1, 6])), round(rng.random(), 3))
             for _ in range(24)]
     return write_rows(tmp_path_factory.mktemp("emb") / "scored.csv", ("sentence1", "sentence2", "score"), rows)
-
-
-@pytest.fixture(scope="session")
-def tiny_encoder(tmp_path_factory) -> str:
-    """A 2-layer BertModel (hidden 32, dropout 0) with the bundled tokenizer: a plain encoder, no head."""
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=256, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
-    path = tmp_path_factory.mktemp("tiny_encoder")
-    BertModel(cfg).save_pretrained(path, safe_serialization=True)
-    bundled_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 class OneProcess:
@@ -117,7 +93,7 @@ def _max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("data", ["pairs_csv", "triplets_csv", "scored_csv"])
+@pytest.mark.parametrize("data", ["embedding_pairs_csv", "triplets_csv", "scored_csv"])
 def test_micro_batches_of_a_window_train_exactly_like_one_batch(request, tiny_encoder, data):
     dataset = request.getfixturevalue(data)
     kind, collate_fn, idx = _window({"task": "embedding", "model": tiny_encoder, "dataset": dataset,
@@ -137,10 +113,10 @@ def test_micro_batches_of_a_window_train_exactly_like_one_batch(request, tiny_en
     assert _max_diff(_grads(model), big) > 1e-4
 
 
-def test_the_cached_gradient_is_the_full_graphs_even_with_dropout(tiny_encoder, pairs_csv):
+def test_the_cached_gradient_is_the_full_graphs_even_with_dropout(tiny_encoder, embedding_pairs_csv):
     """With dropout on, the replayed forward draws the masks of the first: the gradient is that of one graph over
     the window's micro-batches run in the same order."""
-    kind, collate_fn, idx = _window({"task": "embedding", "model": tiny_encoder, "dataset": pairs_csv,
+    kind, collate_fn, idx = _window({"task": "embedding", "model": tiny_encoder, "dataset": embedding_pairs_csv,
                                      "eval_fraction": 0.0})
     model = AutoModel.from_pretrained(tiny_encoder, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3)
     kind.trained_model(model).train()
@@ -329,8 +305,8 @@ def _values(model, dataset, **extra):
 
 
 def test_training_through_the_loop_is_exact_and_saves_a_sentence_transformers_folder(tmp_path, tiny_encoder,
-                                                                                      pairs_csv):
-    common = _values(tiny_encoder, pairs_csv, shuffle=True, group_by_length=True, eval_fraction=0.2)
+                                                                                      embedding_pairs_csv):
+    common = _values(tiny_encoder, embedding_pairs_csv, shuffle=True, group_by_length=True, eval_fraction=0.2)
     big, big_events, result = run_train(tmp_path / "big", micro_batch_size=16, **common)
     acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=4, **common)
     assert acc_events[0]["grad_accum_steps"] == 4
@@ -377,11 +353,12 @@ def test_scored_pairs_train_with_cosent_and_report_correlations(tmp_path, tiny_e
     assert -1 <= final["spearman_cosine"] <= 1
 
 
-def test_two_processes_equal_one(tmp_path, tiny_encoder, pairs_csv):
+def test_two_processes_equal_one(tmp_path, tiny_encoder, embedding_pairs_csv):
     from test_multiprocess import COMMON, launch_two
 
     # 37 samples in windows of 16: the tail of 5 splits 3 + 2 over the processes; negatives span both.
-    values = {**_values(tiny_encoder, pairs_csv), "shuffle": True, "group_by_length": True, "eval_fraction": 0.2}
+    values = {**_values(tiny_encoder, embedding_pairs_csv), "shuffle": True, "group_by_length": True,
+              "eval_fraction": 0.2}
     _, two_dir = launch_two(tmp_path, {**values, "micro_batch_size": 4})
     one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": 16})
     two_events = read_events(two_dir / "events.jsonl")
@@ -393,11 +370,11 @@ def test_two_processes_equal_one(tmp_path, tiny_encoder, pairs_csv):
     torch.testing.assert_close(two_eval, one_eval, rtol=1e-5, atol=1e-6)
 
 
-def test_the_cli_trains_and_predicts(tmp_path, tiny_encoder, pairs_csv):
+def test_the_cli_trains_and_predicts(tmp_path, tiny_encoder, embedding_pairs_csv):
     env_path = {"PYTHONPATH": str(ROOT)}
     out = tmp_path / "run"
     args = [sys.executable, "-m", "finetune", "train", "task=embedding", f"model={tiny_encoder}",
-            f"dataset={pairs_csv}", "max_steps=2", "effective_batch_size=8", "micro_batch_size=4",
+            f"dataset={embedding_pairs_csv}", "max_steps=2", "effective_batch_size=8", "micro_batch_size=4",
             f"output_dir={out}", "-q"]
     import os
 
@@ -417,13 +394,13 @@ def test_the_cli_trains_and_predicts(tmp_path, tiny_encoder, pairs_csv):
     assert metrics["cosine_ndcg@10"] == pytest.approx(final["cosine_ndcg@10"], abs=1e-6)
 
 
-def test_lora_merged_is_a_sentence_transformers_model(tmp_path, tiny_encoder, pairs_csv):
+def test_lora_merged_is_a_sentence_transformers_model(tmp_path, tiny_encoder, embedding_pairs_csv):
     from sentence_transformers import SentenceTransformer
 
     from finetune.train.loop import train
     from finetune.use.predict import predict
 
-    values = {**_values(tiny_encoder, pairs_csv), "output_dir": str(tmp_path / "lora"), "lora": "true",
+    values = {**_values(tiny_encoder, embedding_pairs_csv), "output_dir": str(tmp_path / "lora"), "lora": "true",
               "merge_lora": True, "micro_batch_size": 4, "effective_batch_size": 8, "max_steps": 2,
               "eval_fraction": 0.2, "pooling": "cls", "normalize": "false", "precision": "fp32"}
     train(from_dict(values))

@@ -32,6 +32,10 @@ class Case:
     # Accumulation variants: extra config keys, each checked on its own; the first is the one the other checks use.
     variants: dict[str, dict[str, Any]] = field(default_factory=lambda: {"plain": {}})
     lora: bool = True  # whether the kind trains with LoRA adapters
+    # The kind's headline metrics (registry entry `metrics`) this case's data yields, where the kind reports some of
+    # them only for some shapes of data (embedding: retrieval metrics for pairs, correlations for scored pairs).
+    # Empty: all of them.
+    metrics: tuple[str, ...] = ()
     # Kind-specific checks of the CLI's trained run folder and its printed predictions.
     check_run: Callable[[Path, list[dict]], None] | None = None
     # A known gap: why `finetune eval` of the run does not repeat its last evaluation yet. The contract then expects
