@@ -142,12 +142,12 @@ def check_run_dir(c: Config) -> Path:
     foreign = [e for e in entries if e not in RUN_FILES]
     unmarked = entries and not (run_dir / MARKER).is_file()
     if c.resume:
-        if not checkpoints(run_dir):
-            raise RunDirError(f"Nothing to resume in {c.output_dir!r}: it has no checkpoint. Start it without "
-                              "resume=true.")
         if is_finished(run_dir):
             raise RunDirError(f"The run in {c.output_dir!r} already finished: nothing to resume. Use another "
                               "output_dir, or overwrite=true to train it again.")
+        if not checkpoints(run_dir):
+            raise RunDirError(f"Nothing to resume in {c.output_dir!r}: it has no checkpoint. Start it without "
+                              "resume=true.")
         return run_dir
     if set(entries) <= {MARKER, *LAUNCH_FILES}:
         return run_dir
