@@ -339,6 +339,7 @@ def test_a_reload_shows_the_runs_settings_without_its_folder_and_old_notes_go_wh
     assert ctl.follow.poll(ctl.follow.poll(None).signature).note == gr.skip()
 
 
+@pytest.mark.slow  # 34-210 s in the fast lane (load 3)
 def test_start_runs_the_plans_checks_first_and_refuses_an_impossible_budget_without_a_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     runs = Path("runs")

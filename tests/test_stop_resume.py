@@ -61,6 +61,7 @@ def test_stop_then_resume_equals_uninterrupted(tmp_path, request, case):
         assert starts[0]["segmentation"] == starts[1]["segmentation"] and starts[0]["segmentation"]["samples"] == 41
 
 
+@pytest.mark.slow  # 34-210 s in the fast lane (load 3)
 def test_sigint_stops_cleanly_and_resume_finishes(tmp_path, tiny_bert, cls_csv):
     cfg = tmp_path / "run.yaml"
     run_dir = tmp_path / "run"
