@@ -13,7 +13,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, WORDS, assert_same_weights, bundled_tokenizer, load_weights, run_train, step_losses
+from conftest import ROOT, assert_same_weights, bundled_tokenizer, load_weights, run_train, step_losses
+from kind_cases.embedding import sentence, write_rows
 from transformers import AutoModel
 
 from finetune.config.schema import from_dict
@@ -25,22 +26,10 @@ from finetune.kinds.embedding import Embedding, EmbeddingMetrics, as_samples, co
 from finetune.run.events import read_events
 
 
-def _sentence(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def write_rows(path, header, rows):
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        w.writerows(rows)
-    return str(path)
-
-
 @pytest.fixture(scope="session")
 def triplets_csv(tmp_path_factory) -> str:
     rng = random.Random(8)
-    rows = [(_sentence(rng, rng.choice([2, 9])), _sentence(rng, rng.choice([1, 5])), _sentence(rng, 3))
+    rows = [(sentence(rng, rng.choice([2, 9])), sentence(rng, rng.choice([1, 5])), sentence(rng, 3))
             for _ in range(24)]
     return write_rows(tmp_path_factory.mktemp("emb") / "triplets.csv", ("query", "positive", "negative"), rows)
 
@@ -48,7 +37,7 @@ def triplets_csv(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def scored_csv(tmp_path_factory) -> str:
     rng = random.Random(9)
-    rows = [(_sentence(rng, rng.choice([2, 7])), _sentence(rng, rng.choice([1, 6])), round(rng.random(), 3))
+    rows = [(sentence(rng, rng.choice([2, 7])), sentence(rng, rng.choice([1, 6])), round(rng.random(), 3))
             for _ in range(24)]
     return write_rows(tmp_path_factory.mktemp("emb") / "scored.csv", ("sentence1", "sentence2", "score"), rows)
 
@@ -263,7 +252,7 @@ def test_metrics_need_the_scores_shape():
     ({"score_column": "score", "negative_column": "neg"}, ["anchor", "positive", "neg", "score"], "no negative"),
     ({}, ["text", "other"], "No anchor column"),
 ])
-def test_a_shape_the_loss_cannot_train_is_one_sentence(values, columns, message):
+def test_a_shape_the_loss_cannot_train_is_onesentence(values, columns, message):
     kind = registry.kind("embedding")
     with pytest.raises(DataError, match=message):
         kind.resolve_columns(from_dict({"task": "embedding", **values}), columns)
