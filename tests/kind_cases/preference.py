@@ -9,4 +9,5 @@ from kind_cases import Case
 CASE = Case(model="tiny_gpt2", data="pairs_csv", counts="pair",
             values={"task": "preference", "max_length": 32, "learning_rate": 0.1}, batch=10, micro=2,
             variants={"dpo": {"preference_loss": "dpo"}, "orpo": {"preference_loss": "orpo"}},
-            predict=("good day",), predicted=frozenset({"text", "generated"}))
+            predict=("good day",), predicted=frozenset({"text", "generated"}),
+            tied_at_start=("rewards/accuracies",))
