@@ -35,12 +35,10 @@ __all__ = ["IGNORE_INDEX", "Columns", "DataError", "Encoded", "collate", "encode
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # A stream's class names, when its features do not list them, are the distinct labels of its first rows.
 LABEL_PEEK = 10_000
-# The most fields one JSON record may have. `datasets` (pyarrow) makes a column of every key it meets: a JSON Lines
-# file whose second record had 200,000 keys took 97.8 s before it failed. A real record has a few dozen.
+# The most distinct fields the records of one JSON file may have together. `datasets` (pyarrow) makes a column of
+# every key it meets: a JSON Lines file whose second record had 200,000 keys took 97.8 s before it failed, and many
+# records each with a few new keys widen the table as much. A real file has a few dozen.
 MAX_RECORD_KEYS = 1_000
-# A JSON record with more than MAX_RECORD_KEYS keys is at least this long ('"k":0,' per key, keys all distinct): only
-# lines this long are parsed to count their keys, so that the check reads the file at the speed of the disk.
-RECORD_KEY_BYTES = 4 * MAX_RECORD_KEYS
 SANITY_ROWS = 200  # rows of a text column read to tell text from numbers or ids
 ID_LIKE = re.compile(r"^[A-Za-z0-9_.:#/-]{1,64}$")
 TEXT_ROLES = ("text", "text_pair", "prompt", "completion")  # the columns that must hold text, of `Columns`
@@ -118,10 +116,12 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
 
 
 def check_json_width(path: Path, source: str) -> None:
-    """A `DataError` for a JSON or JSON Lines file with a record of more than `MAX_RECORD_KEYS` keys, found before
-    `datasets` reads it: one pass over the lines, parsing only those long enough to hold that many."""
+    """A `DataError` for a JSON or JSON Lines file whose records have more than `MAX_RECORD_KEYS` distinct keys
+    together (one record with all of them, or many records each with new ones: `datasets` makes a column of each),
+    found before `datasets` reads it, in one pass over the records."""
     import json
 
+    paths: set[tuple[str, ...]] = set()  # the key paths of the records so far
     with open(path, "rb") as f:
         first = f.read(1)
         f.seek(0)
@@ -133,24 +133,25 @@ def check_json_width(path: Path, source: str) -> None:
                 return  # not JSON: `datasets` words the problem
             lines: Any = enumerate(records if isinstance(records, list) else [], start=1)
         else:
-            lines = ((n, line) for n, line in enumerate(f, start=1) if len(line) > RECORD_KEY_BYTES)
+            lines = enumerate(f, start=1)
         for number, line in lines:
             if records is None:
                 try:
-                    line = json.loads(line)
+                    line = json.loads(line) if line.strip() else None
                 except (ValueError, RecursionError):
                     return  # `datasets` words the problem
-            if _fields(line) > MAX_RECORD_KEYS:
+            if _fields(line, paths) > MAX_RECORD_KEYS:
                 where = f"record {number:,}" if records is not None else f"line {number:,}"
-                raise DataError(f"Dataset file {source!r}: {where} has more than {MAX_RECORD_KEYS:,} fields (nested "
-                                f"ones counted), and a record may have at most {MAX_RECORD_KEYS:,}: keep only the "
-                                "fields you train on.")
+                raise DataError(f"Dataset file {source!r}: its records have more than {MAX_RECORD_KEYS:,} distinct "
+                                f"fields together by {where} (nested ones counted), and a file may have at most "
+                                f"{MAX_RECORD_KEYS:,}: keep only the fields you train on.")
 
 
-def _fields(value: Any) -> int:
+def _fields(value: Any, paths: set[tuple[str, ...]] | None = None) -> int:
     """The columns and struct fields a JSON value makes in Arrow: its distinct key paths, nested mappings included
-    (the mappings of a list share one struct, so a long conversation's turns count once); stops past the bound."""
-    paths: set[tuple[str, ...]] = set()
+    (the mappings of a list share one struct, so a long conversation's turns count once), added to `paths` (the
+    other records' paths); stops past the bound."""
+    paths = set() if paths is None else paths
     stack: list[tuple[tuple[str, ...], Any]] = [((), value)]
     while stack and len(paths) <= MAX_RECORD_KEYS:
         prefix, item = stack.pop()
