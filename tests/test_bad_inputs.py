@@ -207,6 +207,22 @@ def test_many_json_records_each_with_new_keys_are_refused_like_one_wide_record(t
     check_json_width(same, str(same))
 
 
+def test_a_json_array_is_read_record_by_record_as_json_reads_it_whole(tmp_path):
+    """The width check reads a .json array a chunk at a time (not as one document in memory): the same records as
+    `json.load`, with records, numbers and strings cut at every place by a chunk of a few characters."""
+    import io
+
+    from finetune.data.load import _MALFORMED, _array_records
+
+    records = [{"text": "a \"quoted\" film, [not] the end]", "n": 12345678901234567890, "x": [1.5e-3, True, None]},
+               {"messages": [{"role": "user", "content": "hi" * 50}]}, 7, "ok", [], {}]
+    text = json.dumps(records, indent=1)
+    for chunk in (1, 3, 7, 64, 1 << 20):
+        assert [r for _, r in _array_records(io.StringIO(text), chunk)] == records, chunk
+    assert [r for _, r in _array_records(io.StringIO("[]"))] == []
+    assert [r for _, r in _array_records(io.StringIO('[{"a": 1}, {"b": '), 4)] == [{"a": 1}, _MALFORMED]
+
+
 def test_conversations_count_their_turns_fields_once():
     from finetune.data.load import MAX_RECORD_KEYS, _fields
 

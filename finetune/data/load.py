@@ -123,28 +123,62 @@ def check_json_width(path: Path, source: str) -> None:
 
     paths: set[tuple[str, ...]] = set()  # the key paths of the records so far
     with open(path, "rb") as f:
-        first = f.read(1)
-        f.seek(0)
-        records: Any = None
-        if first == b"[":  # a JSON array of records: one document, read whole (`datasets` would too)
-            try:
-                records = json.load(f)
-            except ValueError:
-                return  # not JSON: `datasets` words the problem
-            lines: Any = enumerate(records if isinstance(records, list) else [], start=1)
-        else:
-            lines = enumerate(f, start=1)
+        is_array = f.read(1) == b"["
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines: Any = _array_records(f) if is_array else enumerate(f, start=1)
         for number, line in lines:
-            if records is None:
+            if not is_array:
                 try:
                     line = json.loads(line) if line.strip() else None
                 except (ValueError, RecursionError):
                     return  # `datasets` words the problem
+            if line is _MALFORMED:
+                return
             if _fields(line, paths) > MAX_RECORD_KEYS:
-                where = f"record {number:,}" if records is not None else f"line {number:,}"
+                where = f"record {number:,}" if is_array else f"line {number:,}"
                 raise DataError(f"Dataset file {source!r}: its records have more than {MAX_RECORD_KEYS:,} distinct "
                                 f"fields together by {where} (nested ones counted), and a file may have at most "
                                 f"{MAX_RECORD_KEYS:,}: keep only the fields you train on.")
+
+
+_MALFORMED = object()  # what `_array_records` yields where the array is no JSON: `datasets` words the problem
+
+
+def _array_records(f: Any, chunk: int = 1 << 20) -> Any:
+    """(number, record) of a JSON array's records, read from `f` a chunk at a time, not as one document (a record
+    longer than a chunk doubles the next read); `_MALFORMED` once where the text is no JSON array."""
+    import json
+
+    decoder, text, at, number, size = json.JSONDecoder(), f.read(chunk), 1, 0, chunk
+    ended = len(text) < chunk
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at < len(text) and text[at] == "]":
+            return
+        try:
+            record, end = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            if ended:
+                yield 0, _MALFORMED
+                return
+            more = f.read(size)
+            size *= 2
+            ended = len(more) < size // 2
+            text, at = text[at:] + more, 0
+            continue
+        if end == len(text) and not ended:  # a number may go on in the next chunk: read it whole
+            more = f.read(size)
+            ended = len(more) < size
+            text, at = text[at:] + more, 0
+            continue
+        number += 1
+        yield number, record
+        at = end
+        if at > chunk and not ended:  # keep the text from growing: drop what was read
+            more = f.read(chunk)
+            ended = len(more) < chunk
+            text, at = text[at:] + more, 0
 
 
 def _fields(value: Any, paths: set[tuple[str, ...]] | None = None) -> int:
