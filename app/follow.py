@@ -16,7 +16,7 @@ from app import charts
 from app.downloads import zip_model
 from app.export import publish
 from app.jobs.training import JobStatus
-from app.report import final_metrics, reproduce_command
+from app.report import final_metrics, reproduce_command, shown_path
 from app.results import keep
 from app.state import AppState
 from app.train import run_report, scatter
@@ -67,6 +67,11 @@ class Follow:
         idle = JobStatus(state="idle")
         return idle, "\n\n".join(f"**{line}**" for line in (note, refusal) if line) or run_report.status_markdown(idle)
 
+    def _shown(self, run_dir: Any) -> str:
+        """The run folder as the Run panel shows it: on a shared server by its place in the runs folder
+        (`runs/<user>/<run>`), as every message does, never by where the server keeps it."""
+        return shown_path(run_dir, self.state.runs_dir, self.state.access.shared) if run_dir else ""
+
     def _download(self, status: JobStatus) -> Any:
         """Download model: the finished run's model zipped (once), named after the run."""
         model_dir = status.model_dir
@@ -91,7 +96,7 @@ class Follow:
         return RunShown(signature=signature, status=text,
                         progress=run_report.progress_html(status), stats=run_report.stats_markdown(status),
                         loss_curve=charts.curves_html(status.events), log=run_report.log_text(status),
-                        metrics=final_metrics(status) or None, run_dir=str(status.run_dir or ""),
+                        metrics=final_metrics(status) or None, run_dir=self._shown(status.run_dir),
                         download=self._download(status), start_button=gr.update(interactive=not status.active),
                         stop_button=gr.update(interactive=status.active),
                         resume_button=gr.update(visible=status.resumable),

@@ -20,6 +20,9 @@ from app.access import Access
 from app.jobs.training import JobStatus
 from app.results import Targets, components, updates
 
+# The components whose own preprocessing refuses a value a caller chose (one not among their choices), before the door.
+CHOICES = (gr.Dropdown, gr.Radio, gr.CheckboxGroup)
+
 # How an event passes the door: "signed_in" (it reads a file or a visitor's input: refused, with Gradio's toast, to
 # whoever may not train), "quiet" (it runs by itself, on page load: refused silently), "public" (progress, Stop, the
 # form of one's own run: the handler checks ownership itself).
@@ -66,8 +69,9 @@ class RequestPolicy:
         """Wire `handler` to `event` through the door (`admit`), its named result going to the components of
         `targets` (or to `outputs=` when `targets` is empty); the handler gets the request too (who asks).
 
-        A refused event raises Gradio's error (its toast), or for a "quiet" one leaves everything as it is.
-        tests/test_app_attacks.py walks the Blocks' events to check that none goes around it."""
+        A refused event raises Gradio's error (its toast), or for a "quiet" one leaves everything as it is; either
+        way nothing is written to the server's log (`refused`). tests/test_app_attacks.py walks the Blocks' events
+        to check that none goes around it."""
         # Checked when the page is built, not when a button is pressed: a handler without `request` would turn its
         # outputs into Gradio's red "Error" badge only in the browser.
         if "request" not in inspect.signature(handler).parameters:
@@ -79,11 +83,44 @@ class RequestPolicy:
             if refusal := self.admit(request, args, gate):
                 if gate == "quiet":
                     return gr.skip()
-                raise gr.Error(refusal)
+                raise refused(refusal)
             result = handler(*args, request=request)
             if not targets:
                 return result
             return updates(result, targets) or gr.skip()
 
         guarded.gate, guarded.handler = gate, handler  # what the event walk of the tests reads
+        quiet_choices()
         return event(guarded, inputs, components(targets) if targets else kwargs.pop("outputs"), **kwargs)
+
+
+def refused(message: str) -> gr.Error:
+    """Gradio's error for a refused input: its toast, and no traceback in the server's log. A refusal is an answer,
+    not a fault of the server; Gradio prints the traceback of every other error, about 2 KB, from its event loop,
+    so that callers who send refused inputs fast would fill the log (100 of them wrote 188 KB), and a log that is
+    read slowly (a full pipe) would stall every request of the server, anyone's sign-in included."""
+    return gr.Error(message, print_exception=False)
+
+
+def quiet_choices() -> None:
+    """Make Gradio's own check of a choice (a Dropdown's, a Radio's or a CheckboxGroup's value that is not one of its
+    choices, refused while Gradio prepares an event's inputs, before the door) a quiet refusal (`refused`).
+
+    On the classes, once for the process, as `app.server` turns off Gradio's reloader: a session's copy of a
+    component, which Gradio makes anew from its class when a handler updates it, checks its choices the same way.
+    (A subclass would not do: Gradio writes a .pyi file beside the module of every component class defined.)"""
+    for cls in CHOICES:
+        if getattr(cls.preprocess, "quiet", False):
+            continue
+        loud = cls.preprocess
+
+        def preprocess(self: Any, payload: Any, loud: Callable[..., Any] = loud) -> Any:
+            try:
+                return loud(self, payload)
+            except gr.Error as e:
+                if not e.print_exception:
+                    raise
+                raise refused(e.message) from None
+
+        preprocess.quiet = True
+        cls.preprocess = preprocess

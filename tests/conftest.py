@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -267,12 +268,14 @@ def _kill_training(runs: Path) -> None:
 def served_app(folder: Path, log: Path | None = None, ignore_sigint: bool = False,
                **env: str) -> Iterator[tuple[str, Path]]:
     """`python -m app` on a free localhost port, started in `folder` (its runs and Gradio files go there), with
-    `env` added to the environment; yields its URL and runs directory and ends it (and any run) after. With `log`,
-    the app's output (tracebacks included) goes to that file; with `ignore_sigint`, the app starts with SIGINT
-    ignored, as a shell's background job does (and is ended by SIGTERM)."""
+    `env` added to the environment; yields its URL and runs directory and ends it (and any run) after. The app's
+    output (tracebacks included) goes to `log`, or to a temporary file: never to a pipe nobody reads, where the
+    app's event loop would block on its next write once 64 KB had been written, and every request after it with
+    it. With `ignore_sigint`, the app starts with SIGINT ignored, as a shell's background job does (and is ended by
+    SIGTERM)."""
     port, runs = _free_port(), folder / "runs"
     env = {**os.environ, "GRADIO_TEMP_DIR": str(folder / "gradio"), "GRADIO_ANALYTICS_ENABLED": "False", **env}
-    out = open(log, "w", encoding="utf-8") if log else subprocess.PIPE  # noqa: SIM115 (closed below)
+    out = open(log, "w", encoding="utf-8") if log else tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 (closed below)
     # Started elsewhere than the repository, as an installed app is: it still opens with the sample data.
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
     proc = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port), "--runs-dir", "runs"], cwd=folder,
@@ -285,7 +288,7 @@ def served_app(folder: Path, log: Path | None = None, ignore_sigint: bool = Fals
             urllib.request.urlopen(url, timeout=2)
             break
         except OSError:
-            assert proc.poll() is None, log.read_text() if log else proc.stdout.read()
+            assert proc.poll() is None, log.read_text() if log else (out.seek(0), out.read())[1]
             assert time.time() < deadline, "the app did not answer within 90 s"
             time.sleep(0.5)
     try:
@@ -297,8 +300,7 @@ def served_app(folder: Path, log: Path | None = None, ignore_sigint: bool = Fals
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
-        if log:
-            out.close()
+        out.close()
 
 
 @pytest.fixture

@@ -302,3 +302,24 @@ def test_a_zip_gradio_would_not_take_is_handed_out_from_a_private_temporary_fold
     handed = Path(ctl.state.downloads.handout(zipped))
     assert handed.read_bytes() == b"PK weights" and handed.name == "r1-model.zip"
     assert handed.parent.parent == tmp_path / "tmp" and ctl.state.downloads.handout(zipped) == str(handed)
+
+
+def test_the_run_panel_shows_a_run_folder_by_its_place_in_the_runs_folder(tmp_path):
+    """On a shared server the Run directory box shows `runs/<user>/<run>`, as every message does, not where the
+    server keeps it (an absolute --runs-dir)."""
+    from types import SimpleNamespace
+
+    from app.follow import Follow
+    from app.jobs.training import JobStatus
+    from app.policy import RequestPolicy
+
+    runs = tmp_path / "srv" / "runs"
+    run_dir = runs / "alice" / "20261201-120000-978a2325"
+    run_dir.mkdir(parents=True)
+    policy = RequestPolicy(_space(), runs)
+    status = JobStatus(state="running", run_dir=run_dir, owner="alice")
+    state = SimpleNamespace(policy=policy, access=policy.access, runs_dir=runs,
+                            jobs=SimpleNamespace(status=lambda: status))
+    shown = Follow(state).poll(None, request=_signed_in("alice"))
+    assert shown.run_dir == "runs/alice/20261201-120000-978a2325"
+    assert str(tmp_path) not in shown.run_dir

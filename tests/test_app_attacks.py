@@ -516,3 +516,31 @@ def test_messages_name_a_folder_by_its_place_in_the_runs_folder_never_by_the_ser
     assert shown_path(run / "config.yaml", tmp_path / "srv" / "runs", shared=True) == \
         "runs/bob/20261201-120000-978a2325/config.yaml"
     assert shown_path(tmp_path / "other" / "x", tmp_path / "srv" / "runs", shared=True) == "x"
+
+
+def test_refused_inputs_are_answered_without_a_traceback_in_the_servers_log(space_env):
+    """Gradio prints the traceback of every error an event raises unless it says not to, from its event loop: 100
+    refused events of the route walk wrote 188 KB, and with the app's output in a pipe nobody read, the loop blocked
+    on a write and every request after it (an anonymous sign-in check too) went unanswered. A refusal, by the door
+    or by Gradio's own check of a choice, is an answer and prints nothing."""
+    with gr.Blocks() as demo:
+        choice, radio, boxes = gr.Dropdown(["a", "b"]), gr.Radio(["x", "y"]), gr.CheckboxGroup(["p", "q"])
+        out = gr.Textbox()
+        from app.policy import RequestPolicy
+
+        RequestPolicy(_space()).on(gr.Button().click, lambda *a, request: "ran", [choice, radio, boxes], {},
+                                   outputs=[out])
+    guarded = next(f.fn for f in demo.fns.values() if getattr(f.fn, "gate", None))
+    with pytest.raises(gr.Error, match="Sign in with Hugging Face") as refused:
+        guarded(ANON, "a", "x", ["p"])
+    assert not refused.value.print_exception
+    # Gradio's choice check runs before the door, on the component or on the copy it makes for a session when a
+    # handler updates it (a new instance of its class).
+    for component, wrong in ((choice, "c"), (radio, "z"), (boxes, ["r"]),
+                             (gr.Dropdown(["a", "b"], value="a"), ["a", "nope"])):
+        copy = type(component)(**{k: v for k, v in component.constructor_args.items()})
+        for each in (component, copy):
+            with pytest.raises(gr.Error, match="not in the list of choices") as refused:
+                each.preprocess(wrong)
+            assert not refused.value.print_exception
+    assert choice.preprocess("b") == "b" and boxes.preprocess(["q"]) == ["q"]

@@ -98,10 +98,6 @@ def _sign_in(url: str, name: str, password: str) -> str:
 
 
 @pytest.mark.slow
-# Known, open (issue 28): part way through the page's events an anonymous `queue/join` gets no answer within 60 s
-# (3 of 4 runs here; the cause, the throttle's backoff or Gradio's queue, is not found yet). Only that timeout is
-# expected: any leak or wrong status before it still fails the test.
-@pytest.mark.xfail(raises=TimeoutError, strict=False, reason="an anonymous queue/join unanswered for 60 s")
 def test_every_route_and_event_refuses_the_anonymous_visitor_and_shows_bob_nothing_of_alices(tmp_path,
                                                                                              monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -112,7 +108,8 @@ def test_every_route_and_event_refuses_the_anonymous_visitor_and_shows_bob_nothi
     link = f"http://127.0.0.1:{server.server_address[1]}/secret.csv"
     try:
         (tmp_path / "served").mkdir()
-        with served_app(tmp_path / "served", FINETUNE_USERS="alice:a-secret,bob:b-secret") as (url, _):
+        log = tmp_path / "app.log"
+        with served_app(tmp_path / "served", log, FINETUNE_USERS="alice:a-secret,bob:b-secret") as (url, _):
             alice, bob = _sign_in(url, "alice", "a-secret"), _sign_in(url, "bob", "b-secret")
             body, headers = _multipart("secret.csv", ("text,label\n" + f"{SECRET},{SECRET}\n" * 4).encode())
             status, text = _post(url + "gradio_api/upload", body, {**headers, "Cookie": alice})
@@ -173,5 +170,8 @@ def test_every_route_and_event_refuses_the_anonymous_visitor_and_shows_bob_nothi
             assert completed == sent, f"{completed} of {sent} events answered"
             assert SECRET not in stream and "uploads/alice" not in stream
             assert _Recorder.fetched == []
+        # A refusal is an answer, not a fault: none is logged with its traceback (the walk's refused choices wrote
+        # 188 KB of them, from the event loop; into a pipe read slowly, each write stalled every request).
+        assert "is not in the list of choices" not in log.read_text()
     finally:
         server.shutdown()

@@ -184,9 +184,43 @@ def test_a_json_record_with_200000_fields_is_refused_at_once(tmp_path, tiny_bert
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, err, seconds = _cli(tmp_path, f"model={tiny_bert}", f"dataset={data}")
     _one_sentence(code, err, tmp_path)
-    assert err == ("error: Dataset file '" + str(data) + "': line 2 has more than 1,000 fields (nested ones "
-                   "counted), and a record may have at most 1,000: keep only the fields you train on.\n")
+    assert err == ("error: Dataset file '" + str(data) + "': its records have more than 1,000 distinct fields "
+                   "together by line 2 (nested ones counted), and a file may have at most 1,000: keep only the "
+                   "fields you train on.\n")
     assert seconds < 30  # about 12 s here, nearly all of it the start of a Python that imports torch
+
+
+def test_many_json_records_each_with_new_keys_are_refused_like_one_wide_record(tmp_path):
+    """Each record under the bound, the file over it: 600 records of 2 new keys each make a table of 1,200 columns."""
+    from finetune.data.load import check_json_width
+    from finetune.errors import DataError
+
+    for name, text in (("many.jsonl", "".join(json.dumps({f"a{i}": 1, f"b{i}": "x"}) + "\n" for i in range(600))),
+                       ("many.json", json.dumps([{f"a{i}": 1, f"b{i}": "x"} for i in range(600)]))):
+        data = tmp_path / name
+        data.write_text(text)
+        with pytest.raises(DataError, match="more than 1,000 distinct fields together by (line|record) 501 "):
+            check_json_width(data, str(data))
+    same = tmp_path / "same.jsonl"  # the same keys on every line: as wide as one record
+    same.write_text("".join(json.dumps({"text": f"film {i}", "label": i % 2, "meta": {"a": i}}) + "\n"
+                            for i in range(5_000)))
+    check_json_width(same, str(same))
+
+
+def test_a_json_array_is_read_record_by_record_as_json_reads_it_whole(tmp_path):
+    """The width check reads a .json array a chunk at a time (not as one document in memory): the same records as
+    `json.load`, with records, numbers and strings cut at every place by a chunk of a few characters."""
+    import io
+
+    from finetune.data.load import _MALFORMED, _array_records
+
+    records = [{"text": "a \"quoted\" film, [not] the end]", "n": 12345678901234567890, "x": [1.5e-3, True, None]},
+               {"messages": [{"role": "user", "content": "hi" * 50}]}, 7, "ok", [], {}]
+    text = json.dumps(records, indent=1)
+    for chunk in (1, 3, 7, 64, 1 << 20):
+        assert [r for _, r in _array_records(io.StringIO(text), chunk)] == records, chunk
+    assert [r for _, r in _array_records(io.StringIO("[]"))] == []
+    assert [r for _, r in _array_records(io.StringIO('[{"a": 1}, {"b": '), 4)] == [{"a": 1}, _MALFORMED]
 
 
 def test_conversations_count_their_turns_fields_once():

@@ -203,7 +203,7 @@ class RunHandlers:
                                                    f"\nReproduce: {command}"), encoding="utf-8")
         self.state.jobs.start(config_path, run_dir, owner=user)
         return Started(started=True, message=f"Started. Reproduce from a terminal with `{command}`.",
-                       run_dir=display_path(run_dir), command=command)
+                       run_dir=shown_path(run_dir, self.state.runs_dir, self.state.access.shared), command=command)
 
     def stop(self, *, request: Any = None) -> str:
         """Ask the run to stop cleanly (a second press kills it); only its owner may."""

@@ -35,12 +35,10 @@ __all__ = ["IGNORE_INDEX", "Columns", "DataError", "Encoded", "collate", "encode
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # A stream's class names, when its features do not list them, are the distinct labels of its first rows.
 LABEL_PEEK = 10_000
-# The most fields one JSON record may have. `datasets` (pyarrow) makes a column of every key it meets: a JSON Lines
-# file whose second record had 200,000 keys took 97.8 s before it failed. A real record has a few dozen.
+# The most distinct fields the records of one JSON file may have together. `datasets` (pyarrow) makes a column of
+# every key it meets: a JSON Lines file whose second record had 200,000 keys took 97.8 s before it failed, and many
+# records each with a few new keys widen the table as much. A real file has a few dozen.
 MAX_RECORD_KEYS = 1_000
-# A JSON record with more than MAX_RECORD_KEYS keys is at least this long ('"k":0,' per key, keys all distinct): only
-# lines this long are parsed to count their keys, so that the check reads the file at the speed of the disk.
-RECORD_KEY_BYTES = 4 * MAX_RECORD_KEYS
 SANITY_ROWS = 200  # rows of a text column read to tell text from numbers or ids
 ID_LIKE = re.compile(r"^[A-Za-z0-9_.:#/-]{1,64}$")
 TEXT_ROLES = ("text", "text_pair", "prompt", "completion")  # the columns that must hold text, of `Columns`
@@ -118,39 +116,76 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
 
 
 def check_json_width(path: Path, source: str) -> None:
-    """A `DataError` for a JSON or JSON Lines file with a record of more than `MAX_RECORD_KEYS` keys, found before
-    `datasets` reads it: one pass over the lines, parsing only those long enough to hold that many."""
+    """A `DataError` for a JSON or JSON Lines file whose records have more than `MAX_RECORD_KEYS` distinct keys
+    together (one record with all of them, or many records each with new ones: `datasets` makes a column of each),
+    found before `datasets` reads it, in one pass over the records."""
     import json
 
+    paths: set[tuple[str, ...]] = set()  # the key paths of the records so far
     with open(path, "rb") as f:
-        first = f.read(1)
-        f.seek(0)
-        records: Any = None
-        if first == b"[":  # a JSON array of records: one document, read whole (`datasets` would too)
-            try:
-                records = json.load(f)
-            except ValueError:
-                return  # not JSON: `datasets` words the problem
-            lines: Any = enumerate(records if isinstance(records, list) else [], start=1)
-        else:
-            lines = ((n, line) for n, line in enumerate(f, start=1) if len(line) > RECORD_KEY_BYTES)
+        is_array = f.read(1) == b"["
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines: Any = _array_records(f) if is_array else enumerate(f, start=1)
         for number, line in lines:
-            if records is None:
+            if not is_array:
                 try:
-                    line = json.loads(line)
+                    line = json.loads(line) if line.strip() else None
                 except (ValueError, RecursionError):
                     return  # `datasets` words the problem
-            if _fields(line) > MAX_RECORD_KEYS:
-                where = f"record {number:,}" if records is not None else f"line {number:,}"
-                raise DataError(f"Dataset file {source!r}: {where} has more than {MAX_RECORD_KEYS:,} fields (nested "
-                                f"ones counted), and a record may have at most {MAX_RECORD_KEYS:,}: keep only the "
-                                "fields you train on.")
+            if line is _MALFORMED:
+                return
+            if _fields(line, paths) > MAX_RECORD_KEYS:
+                where = f"record {number:,}" if is_array else f"line {number:,}"
+                raise DataError(f"Dataset file {source!r}: its records have more than {MAX_RECORD_KEYS:,} distinct "
+                                f"fields together by {where} (nested ones counted), and a file may have at most "
+                                f"{MAX_RECORD_KEYS:,}: keep only the fields you train on.")
 
 
-def _fields(value: Any) -> int:
+_MALFORMED = object()  # what `_array_records` yields where the array is no JSON: `datasets` words the problem
+
+
+def _array_records(f: Any, chunk: int = 1 << 20) -> Any:
+    """(number, record) of a JSON array's records, read from `f` a chunk at a time, not as one document (a record
+    longer than a chunk doubles the next read); `_MALFORMED` once where the text is no JSON array."""
+    import json
+
+    decoder, text, at, number, size = json.JSONDecoder(), f.read(chunk), 1, 0, chunk
+    ended = len(text) < chunk
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at < len(text) and text[at] == "]":
+            return
+        try:
+            record, end = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            if ended:
+                yield 0, _MALFORMED
+                return
+            more = f.read(size)
+            size *= 2
+            ended = len(more) < size // 2
+            text, at = text[at:] + more, 0
+            continue
+        if end == len(text) and not ended:  # a number may go on in the next chunk: read it whole
+            more = f.read(size)
+            ended = len(more) < size
+            text, at = text[at:] + more, 0
+            continue
+        number += 1
+        yield number, record
+        at = end
+        if at > chunk and not ended:  # keep the text from growing: drop what was read
+            more = f.read(chunk)
+            ended = len(more) < chunk
+            text, at = text[at:] + more, 0
+
+
+def _fields(value: Any, paths: set[tuple[str, ...]] | None = None) -> int:
     """The columns and struct fields a JSON value makes in Arrow: its distinct key paths, nested mappings included
-    (the mappings of a list share one struct, so a long conversation's turns count once); stops past the bound."""
-    paths: set[tuple[str, ...]] = set()
+    (the mappings of a list share one struct, so a long conversation's turns count once), added to `paths` (the
+    other records' paths); stops past the bound."""
+    paths = set() if paths is None else paths
     stack: list[tuple[tuple[str, ...], Any]] = [((), value)]
     while stack and len(paths) <= MAX_RECORD_KEYS:
         prefix, item = stack.pop()
