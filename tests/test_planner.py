@@ -89,7 +89,6 @@ def test_plan_arithmetic_picks_the_largest_dividing_micro_batch_that_fits(activa
     assert sum(plan_json["breakdown"].values()) == plan_json["predicted_peak_bytes"]
 
 
-@pytest.mark.slow  # 34-210 s in the fast lane (load 3)
 def test_escalation_order_checkpointing_then_lora_then_refusal(activation_heavy_bert):
     c = from_dict({"model": activation_heavy_bert, "dataset": "x.csv", "effective_batch_size": 1})
 
@@ -116,7 +115,7 @@ def test_escalation_order_checkpointing_then_lora_then_refusal(activation_heavy_
                   device=CPU)
 
 
-@pytest.mark.slow  # 34-210 s in the fast lane (load 3)
+@pytest.mark.slow  # 26 s on 2 loaded cores
 def test_refusal_states_a_budget_that_then_works(activation_heavy_bert):
     with pytest.raises(PlanError) as info:
         _plan(activation_heavy_bert, memory_budget_gb=0.001)
