@@ -127,7 +127,8 @@ def predict(path: str, task: str, micro: int, tokens: int, accum: int, precision
     skeleton = model_skeleton(c, 2, checkpointing=ckpt, lora=False)
     # finetune trains with the model's default implementation (sdpa where supported); eager rows stand for
     # models whose default is eager.
-    skeleton.model.set_attn_implementation(attention)
+    for model in skeleton.models:  # a deep model's dry run is scaled from two fake models
+        model.set_attn_implementation(attention)
     terms = estimate(skeleton, c, kind=kind(task), micro=micro, tokens=tokens, accum=accum,
                      precision=precision, optimizer="adamw", device="cpu", padded=padded)
     return sum(v for k, v in terms.items() if k != "overhead")

@@ -51,7 +51,7 @@ def _plan(tmp_path, capsys, model, data, budget, tokens, *extra):
     return code, (json.loads(out.read_text()) if code == 0 else None), captured.out + captured.err
 
 
-@pytest.mark.slow  # 34-210 s in the fast lane (load 3)
+@pytest.mark.slow  # four 8 B plans: 32 s on 2 loaded cores (was 34-210 s before the dry run was scaled)
 def test_llama3_8b_plans_for_a_cuda_gpu(tmp_path, capsys, llama3_8b, long_texts):
     # 24 GiB: LoRA on a bf16 base (16 GB of frozen weights, not the 32 GB of fp32 the planner counted before).
     code, plan, text = _plan(tmp_path, capsys, llama3_8b, long_texts, 24, 2048)
@@ -91,7 +91,7 @@ def test_device_cuda_needs_a_budget(tmp_path, capsys, llama3_8b, long_texts):
     assert code == 2 and "memory_budget_gb" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # 34-210 s in the fast lane (load 3)
+@pytest.mark.slow  # 30 s on 2 loaded cores: a 2-layer model, not scaled, ~40 dry runs
 def test_longest_context_is_the_edge_of_what_fits(tmp_path, capsys):
     """`--longest` answers the reverse question; its N fits the budget at micro-batch 1 and N + 1 does not."""
     from transformers import LlamaConfig

@@ -89,7 +89,6 @@ def test_plan_arithmetic_picks_the_largest_dividing_micro_batch_that_fits(activa
     assert sum(plan_json["breakdown"].values()) == plan_json["predicted_peak_bytes"]
 
 
-@pytest.mark.slow  # 34-210 s in the fast lane (load 3)
 def test_escalation_order_checkpointing_then_lora_then_refusal(activation_heavy_bert):
     c = from_dict({"model": activation_heavy_bert, "dataset": "x.csv", "effective_batch_size": 1})
 
@@ -116,7 +115,7 @@ def test_escalation_order_checkpointing_then_lora_then_refusal(activation_heavy_
                   device=CPU)
 
 
-@pytest.mark.slow  # 34-210 s in the fast lane (load 3)
+@pytest.mark.slow  # 26 s on 2 loaded cores
 def test_refusal_states_a_budget_that_then_works(activation_heavy_bert):
     with pytest.raises(PlanError) as info:
         _plan(activation_heavy_bert, memory_budget_gb=0.001)
@@ -250,3 +249,49 @@ def test_plan_cli_shows_fsdp(tmp_path, capsys, tiny_bert, cls_csv):
     plan = json.loads(out.read_text())
     assert plan["distributed"] == "fsdp" and plan["num_processes"] == 2
     assert "sharded over 2 processes" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def deep_llama(tmp_path_factory) -> str:
+    """A Llama of six identical layers: deep enough that the dry run is scaled from two and three of them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("deep_llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("ckpt, lora, accum, precision, padded", [
+    (False, False, 1, "fp32", True),  # no accumulation: activations early in the backward, gradients late
+    (True, True, 2, "bf16", False),
+    (True, False, 1, "fp32", False),
+])
+def test_a_deep_models_dry_run_scaled_from_two_and_three_layers_is_the_whole_ones(monkeypatch, deep_llama, ckpt,
+                                                                                  lora, accum, precision, padded):
+    from finetune.plan import memory
+
+    c = from_dict({"model": deep_llama, "task": "causal_lm", "dataset": "x.csv"})
+    scaled = model_skeleton(c, 0, checkpointing=ckpt, lora=lora, precision=precision)
+    assert scaled.layers == 6 and len(memory.repeated_layers(scaled.model)) == 2
+    monkeypatch.setattr(memory, "_scalable_layers", lambda *args: 0)
+    whole = model_skeleton(c, 0, checkpointing=ckpt, lora=lora, precision=precision)
+    assert whole.wider is None and len(memory.repeated_layers(whole.model)) == 6
+    args = dict(kind=kind("causal_lm"), micro=3, tokens=96, accum=accum, precision=precision, optimizer="adamw",
+                device="cuda", padded=padded)
+    assert estimate(scaled, c, **args) == estimate(whole, c, **args)  # every term, to the byte
+
+
+def test_a_scaled_dry_run_predicts_the_measured_peak(deep_llama):
+    from transformers import AutoModelForCausalLM
+
+    c = from_dict({"model": deep_llama, "task": "causal_lm", "dataset": "x.csv"})
+    skeleton = model_skeleton(c, 0, checkpointing=True, lora=False)
+    assert skeleton.wider is not None
+    terms = estimate(skeleton, c, kind=kind("causal_lm"), micro=2, tokens=96, accum=2, precision="fp32",
+                     optimizer="adamw", device="cpu")
+    real = AutoModelForCausalLM.from_pretrained(deep_llama)
+    real.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    measured = measure_window(real, c, micro=2, tokens=96, accum=2, precision="fp32")
+    assert -0.05 <= (sum(terms.values()) - measured) / measured <= 0.10, (terms, measured)

@@ -164,7 +164,8 @@ def test_planned_weights_are_what_bitsandbytes_stores(llama64, short_lm, quantiz
 
     c = from_dict({**_common(llama64, short_lm, quantization), "lora": "true"})
     skeleton = model_skeleton(c, 0, checkpointing=False, lora=True)
-    planned = quantize.weight_bytes(skeleton.model, quantization)
+    planned = {term: skeleton.count(lambda m, term=term: quantize.weight_bytes(m, quantization)[term])
+               for term in quantize.weight_bytes(skeleton.model, quantization)}
     real = prepare_for_training(load_model(c), c, checkpointing=False, lora=True)
     quantized = [m for m in real.modules() if type(m).__module__.startswith("bitsandbytes")
                  and type(m).__name__ in ("Linear4bit", "Linear8bitLt")]  # not peft's LoRA wrappers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import weakref
 from collections.abc import Callable, Iterator
@@ -36,13 +37,16 @@ HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions 
 
 
 class LiveTensorTracker(TorchDispatchMode):
-    """Current and peak bytes of the tensor storages that torch ops create while the mode is active."""
+    """Current and peak bytes of the tensor storages that torch ops create while the mode is active; with
+    `phases`, also the peak within each part of the window that `phases.label` names (`LayerPhases`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, phases: LayerPhases | None = None) -> None:
         super().__init__()
         self.current = 0
         self.peak = 0
         self._live: dict[int, int] = {}  # storage key -> bytes
+        self.phases = phases
+        self.by_phase: dict[tuple, int] = {}
 
     def _forget(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)
@@ -58,6 +62,9 @@ class LiveTensorTracker(TorchDispatchMode):
         self._live[key] = nbytes
         self.current += nbytes
         self.peak = max(self.peak, self.current)
+        if self.phases is not None:
+            label = self.phases.label
+            self.by_phase[label] = max(self.by_phase.get(label, 0), self.current)
         weakref.finalize(storage, self._forget, key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -79,19 +86,46 @@ def tensor_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
+SCALED_FROM = 2  # a deep model's dry run is made on this many of its repeated layers and on one more
+
+
 @dataclass(frozen=True)
 class Skeleton:
-    """The configured model as fake tensors, and the fake mode its dry run must run under (mixing modes fails)."""
+    """The configured model as fake tensors, and the fake mode its dry run must run under (mixing modes fails).
+
+    A model of more than SCALED_FROM + 1 identical layers is built twice instead, with SCALED_FROM layers (`model`)
+    and with one more (`wider`); `layers` is the real count. Every byte count of the model (weights, gradients, a
+    window's peak in each of its parts) is then a straight line in the number of layers through the two, which
+    `count` extends to `layers`: a dry run of 5 layers instead of 32 (or 80) that predicts the same bytes."""
 
     model: Any
     fake_mode: FakeTensorMode
+    layers: int = 0  # the real model's repeated layers when `model` has SCALED_FROM of them; 0: built whole
+    wider: Any = None  # the same model with SCALED_FROM + 1 layers (under the same fake mode)
+
+    @property
+    def models(self) -> list[Any]:
+        """The fake models the dry run runs: one, or the two that a deep model is scaled from."""
+        return [self.model] if self.wider is None else [self.model, self.wider]
+
+    def count(self, of: Callable[[Any], int]) -> int:
+        """`of(model)` for the real model: measured on it, or extended along the layers from the two built."""
+        if self.wider is None:
+            return of(self.model)
+        return scaled(of(self.model), of(self.wider), self.layers)
+
+
+def scaled(small: int, wider: int, layers: int) -> int:
+    """A count measured with SCALED_FROM and SCALED_FROM + 1 layers, at `layers` layers (a straight line)."""
+    return wider + (layers - SCALED_FROM - 1) * (wider - small)
 
 
 def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool, precision: str = "fp32"
                    ) -> Skeleton:
     """The configured model as fake tensors (shapes, dtypes and a device, no data and no weights read), with
     checkpointing and LoRA as asked; under LoRA with mixed precision the frozen base is in the half dtype, as
-    `load_model` stores it (a quantized base is counted from these shapes: `quantize.weight_bytes`)."""
+    `load_model` stores it (a quantized base is counted from these shapes: `quantize.weight_bytes`). A deep model
+    of identical layers is built with two and three of them (`Skeleton`)."""
     import transformers
     from transformers import AutoConfig
 
@@ -105,11 +139,116 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
         model_config.pad_token_id = getattr(model_config, "eos_token_id", None)
     auto = getattr(transformers, kind.entry.auto_model)
     fake = FakeTensorMode()
-    with fake, _adapters_stay_where_made():
-        model = auto.from_config(model_config, trust_remote_code=c.trust_remote_code,
-                                 dtype=quantize.base_dtype(precision, lora))
-        model = prepare_for_training(model, c, checkpointing=checkpointing, lora=lora)
-    return Skeleton(model, fake)
+
+    def build(config: Any) -> Any:
+        with fake, _adapters_stay_where_made():
+            model = auto.from_config(config, trust_remote_code=c.trust_remote_code,
+                                     dtype=quantize.base_dtype(precision, lora))
+            return prepare_for_training(model, c, checkpointing=checkpointing, lora=lora)
+
+    layers = _scalable_layers(model_config, c)
+    if layers:
+        small, wider = (build(_with_layers(model_config, n)) for n in (SCALED_FROM, SCALED_FROM + 1))
+        if _uniform(repeated_layers(small), SCALED_FROM) and _uniform(repeated_layers(wider), SCALED_FROM + 1):
+            return Skeleton(small, fake, layers, wider)
+    return Skeleton(build(model_config), fake)
+
+
+def _scalable_layers(model_config: Any, c: Config) -> int:
+    """The model's count of repeated layers when its dry run may be scaled from a few of them, else 0: a stack of
+    more than SCALED_FROM + 1 layers of one type (segment recurrence's carried cache is measured whole)."""
+    layers = getattr(model_config, "num_hidden_layers", None)
+    types = getattr(model_config, "layer_types", None)
+    if c.segment_recurrence or c.trust_remote_code or not isinstance(layers, int) or layers <= SCALED_FROM + 1:
+        return 0
+    if types is not None and (not isinstance(types, list | tuple) or len(set(types)) > 1):
+        return 0  # sliding and full attention interleaved: the layers differ
+    return layers
+
+
+def _with_layers(model_config: Any, n: int) -> Any:
+    """A copy of the model's config with `n` of its (identical) layers."""
+    config = copy.deepcopy(model_config)
+    config.num_hidden_layers = n
+    if isinstance(getattr(config, "layer_types", None), list | tuple):
+        config.layer_types = list(config.layer_types[:1]) * n
+    return config
+
+
+def repeated_layers(model: Any) -> list[Any] | None:
+    """The model's stack of repeated layers (Llama's `layers`, BERT's `layer`, GPT-2's `h`), or None: the first
+    module list whose entries are all checkpointing layers of one class."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and \
+                all(isinstance(m, GradientCheckpointingLayer) and type(m) is type(module[0]) for m in module):
+            return list(module)
+    return None
+
+
+def _uniform(layers: list[Any] | None, n: int) -> bool:
+    """Whether `layers` are `n` layers of the same parameters (names, shapes, dtypes, what trains)."""
+    if layers is None or len(layers) != n:
+        return False
+    shapes = [[(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in m.named_parameters()] for m in layers]
+    return all(s == shapes[0] for s in shapes)
+
+
+class LayerPhases:
+    """Which part of a window the dry run is in, for a tracker's peak by part: a micro step's forward or backward,
+    below, in the first, a middle or the last, or above the repeated layers.
+
+    A window's peak is the largest of these parts' peaks, and in a stack of identical layers each part's peak is a
+    straight line in the number of layers (what is alive there is so many layers' saved tensors or gradients, plus
+    the same transients); a middle layer's lies between the first's and the last's. So the parts' peaks measured
+    with two and three layers give the window's peak with any number (`scaled`), where the whole window's peak
+    alone would not (early in the backward the saved activations of every layer are alive, late in it every
+    layer's gradients: which is larger can change with the count)."""
+
+    def __init__(self, layers: list[Any]) -> None:
+        self.label: tuple = (0, "forward", "below")
+        self.step = 0
+        self.handles = []
+        for k, layer in enumerate(layers):
+            where = "first" if k == 0 else "last" if k == len(layers) - 1 else "middle"
+            self.handles.append(layer.register_forward_pre_hook(functools.partial(self._enter, where),
+                                                                with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(functools.partial(self._leave, where)))
+
+    def begin(self, step: int) -> None:
+        """A micro step starts."""
+        self.step = step
+        self.label = (step, "forward", "below")
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for handle in self.handles:
+            handle.remove()
+
+    def _backward(self, where: str) -> Callable[[torch.Tensor], None]:
+        step = self.step
+
+        def hook(grad: torch.Tensor) -> None:
+            self.label = (step, "backward", where)
+
+        return hook
+
+    def _enter(self, where: str, module: Any, args: tuple, kwargs: dict) -> None:
+        if torch._C._current_autograd_node() is not None:  # checkpointing's recomputation, inside the backward
+            return
+        self.label = (self.step, "forward", where)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if where == "first" and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(self._backward("below"))  # the first layer's backward is done
+
+    def _leave(self, where: str, module: Any, args: tuple, output: Any) -> None:
+        if torch._C._current_autograd_node() is not None:
+            return
+        self.label = (self.step, "forward", "above" if where == "last" else where)
+        hidden = output[0] if isinstance(output, tuple) else output
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(self._backward(where))  # the gradient reached its output: its backward begins
 
 
 @contextlib.contextmanager
@@ -166,11 +305,13 @@ def synthetic_batch(model: Any, micro: int, tokens: int, kind: TaskKind, device:
 
 
 def _micro_steps(model: Any, next_batch: Callable[[], dict[str, Any]], kind: TaskKind, accum: int, precision: str,
-                 device_type: str) -> None:
+                 device_type: str, phases: LayerPhases | None = None) -> None:
     """The forwards and backwards of a window. Two micro-batches stand for any window of k ≥ 2: from the second
     on, the window's gradients are resident and each micro-batch repeats the same pattern."""
     half = HALF_DTYPES.get(precision)
-    for _ in range(min(accum, 2)):
+    for step in range(min(accum, 2)):
+        if phases is not None:
+            phases.begin(step)
         batch = next_batch()
         with torch.autocast(device_type, dtype=half or torch.float32, enabled=half is not None):
             loss, _ = loss_sum(model, batch, kind)
@@ -234,21 +375,36 @@ def dry_run_segments(skeleton: Skeleton, micro: int, segment: int, memory: int, 
 def dry_run(skeleton: Skeleton, kind: TaskKind, micro: int, tokens: int, accum: int, precision: str,
             packed: bool = False, padded: bool = False) -> int:
     """Peak bytes that one window's forward and backward add on top of weights and optimizer state (`padded`: see
-    `synthetic_batch`).
+    `synthetic_batch`); for a deep model, scaled from its window's parts with two and three layers (`Skeleton`).
 
     Autocast acts on fake tensors as on real ones, so mixed precision keeps exactly the half- and full-precision
     tensors a real run keeps."""
-    model = skeleton.model
+    if skeleton.wider is None:
+        return _window(skeleton.model, skeleton.fake_mode, kind, micro, tokens, accum, precision, packed, padded)[0]
+    small, wider = (_window(m, skeleton.fake_mode, kind, micro, tokens, accum, precision, packed, padded, True)[1]
+                    for m in skeleton.models)
+    parts = {label for label in small if label[2] != "middle"}  # a middle layer's peak lies between its neighbours'
+    if parts != {label for label in wider if label[2] != "middle"}:
+        raise RuntimeError(f"the dry run's parts differ between {SCALED_FROM} and {SCALED_FROM + 1} layers")
+    return max(scaled(small[label], wider[label], skeleton.layers) for label in parts)
+
+
+def _window(model: Any, fake_mode: FakeTensorMode, kind: TaskKind, micro: int, tokens: int, accum: int,
+            precision: str, packed: bool, padded: bool, by_phase: bool = False) -> tuple[int, dict[tuple, int]]:
+    """One fake model's window: its peak, and (`by_phase`) the peak of each of its parts (`LayerPhases`)."""
     model.train()
-    with skeleton.fake_mode:
+    with fake_mode:
         batch = synthetic_batch(model, micro, tokens, kind, packed=packed, padded=padded)
+    phases = LayerPhases(repeated_layers(model) or []) if by_phase else None
     try:
-        with skeleton.fake_mode, LiveTensorTracker() as tracker:
-            _micro_steps(model, lambda: batch, kind, accum, precision, "cpu")
+        with fake_mode, LiveTensorTracker(phases) as tracker:
+            _micro_steps(model, lambda: batch, kind, accum, precision, "cpu", phases)
     finally:
+        if phases is not None:
+            phases.remove()
         for p in model.parameters():
             p.grad = None
-    return tracker.peak
+    return tracker.peak, tracker.by_phase
 
 
 def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int, precision: str,

@@ -130,14 +130,14 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
     padding, so the model builds an attention mask (see `synthetic_batch`). `quantization` (8bit, 4bit): the
     skeleton's base linear layers are stored quantized (`quantize.weight_bytes`), and each is dequantized to the
     compute dtype for its matmul, one at a time. `windows` keeps dry runs already made, by skeleton and shape."""
-    params = list(skeleton.model.parameters())
-    gradients = _bytes(p for p in params if p.requires_grad)
+    gradients = skeleton.count(lambda m: _bytes(p for p in m.parameters() if p.requires_grad))
     state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
     if quantization in ("8bit", "4bit"):
-        terms = quantize.weight_bytes(skeleton.model, quantization)
+        terms = {term: skeleton.count(lambda m, term=term: quantize.weight_bytes(m, quantization)[term])
+                 for term in quantize.weight_bytes(skeleton.model, quantization)}
         terms["dequantized_layer"] = quantize.dequantize_buffer(skeleton.model, precision)
     else:
-        terms = {"weights": _bytes(params)}
+        terms = {"weights": skeleton.count(lambda m: _bytes(m.parameters()))}
     terms["optimizer_state"] = int(state_per_byte * gradients)
     key = (id(skeleton), id(kind), micro, tokens, min(accum, 2), precision, memory, padded)
     if windows is not None and key in windows:
@@ -172,7 +172,7 @@ def _reference_inputs(skeleton: Skeleton, cuda: bool, micro: int, tokens: int) -
     """What a kind's `plan_reference` reads: the model's parameter bytes (fp32: the reference is a whole model,
     whatever rung stores the trained one), the device and the worst-case micro-batch."""
     model = skeleton.model
-    weights = sum(p.numel() for p in model.parameters()) * 4
+    weights = skeleton.count(lambda m: sum(p.numel() for p in m.parameters()) * 4)
     return {"weights": weights, "cuda": cuda, "micro": micro, "tokens": tokens,
             "vocab": getattr(getattr(model, "config", None), "vocab_size", 0) or 0}
 
