@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import _save, bundled_tokenizer
+from conftest import _save, assert_same_weights, bundled_tokenizer, load_weights, run_train, step_losses
 from kind_cases.seq2seq import pairs, tiny_t5_config, write_pairs
 
 from finetune.cli import main
@@ -342,3 +342,25 @@ def test_the_planner_counts_the_decoders_length(tmp_path, tiny_t5, seq2seq_jsonl
     assert short.breakdown["logits"] == 2 * 8 * 16 * vocab * 4 and long.breakdown["logits"] == 2 * 8 * 128 * vocab * 4
     # The decoder's activations grow with its length too (the encoder's stays at the 40-token source).
     assert long.breakdown["activations"] > short.breakdown["activations"] * 2
+
+
+def test_slow_two_processes_equal_one(tmp_path, tiny_t5, seq2seq_jsonl):
+    """A real launch (two gloo processes, the model under DDP): the weights, the losses and the generated texts'
+    metrics of one process."""
+    from test_multiprocess import COMMON, launch_two
+
+    from finetune.run.events import read_events
+
+    values = {"task": "seq2seq", "model": tiny_t5, "dataset": seq2seq_jsonl, "effective_batch_size": 16,
+              "shuffle": True, "group_by_length": True, "eval_fraction": 0.25, "generation_max_length": 6,
+              "max_target_length": 24}
+    _, two_dir = launch_two(tmp_path, {**values, "micro_batch_size": 4})
+    one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": 16})
+    two_events = read_events(two_dir / "events.jsonl")
+    assert two_events[0]["num_processes"] == 2
+    assert_same_weights(load_weights(two_dir), one)
+    torch.testing.assert_close(step_losses(two_events), step_losses(one_events), rtol=1e-5, atol=1e-6)
+    two_eval = [e for e in two_events if e["event"] == "eval"][-1]["metrics"]
+    one_eval = [e for e in one_events if e["event"] == "eval"][-1]["metrics"]
+    assert {"bleu", "chrf", "rougeL", "exact_match"} <= two_eval.keys()
+    torch.testing.assert_close(two_eval, one_eval, rtol=1e-5, atol=1e-6)
