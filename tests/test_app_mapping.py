@@ -50,6 +50,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "center_rewards_coefficient": {"task": "reward"},
     "chunked_loss": {"task": "causal_lm"},
     **{key: {"task": "embedding"} for key in ("anchor_column", "positive_column", "negative_column", "score_column")},
+    **{key: {"task": "seq2seq"} for key in ("source_column", "target_column", "source_prefix")},
 }
 # Structured options, which the schema's type and bounds cannot derive a sample for.
 SAMPLES: dict[str, Any] = {"tasks": [{"name": "a", "dataset": "a.csv"}, {"name": "b", "dataset": "b.csv",
@@ -167,8 +168,9 @@ def test_import_reports_unknown_keys_and_bad_yaml():
 
 def test_task_is_inferred_from_presets_and_local_folders(tmp_path):
     assert next(iter(MODEL_PRESETS)) == "bundled:all-MiniLM-L6-v2"  # the bundled model comes first
-    assert set(MODEL_PRESETS.values()) == {"classification", "causal_lm"}
+    assert set(MODEL_PRESETS.values()) == {"classification", "causal_lm", "seq2seq"}
     assert infer_task("bundled:all-MiniLM-L6-v2") == "classification"
+    assert infer_task("google-t5/t5-small") == "seq2seq"
     assert infer_task("Qwen/Qwen2.5-0.5B") == "causal_lm"
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     assert infer_task(str(tmp_path)) == "causal_lm"

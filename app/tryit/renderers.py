@@ -86,9 +86,14 @@ def vector(out: dict[str, Any], note: str) -> PredictionShown:
     return _in_box(f"[{shown}]", f"Embedding ({len(values)} dimensions)", note)
 
 
+def generated_text(out: dict[str, Any], note: str) -> PredictionShown:
+    """A seq2seq model's target text for the text (its summary, its translation)."""
+    return _in_box(out["generated_text"], "Generated text", note)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], PredictionShown]] = {
     "probabilities": probabilities, "entities": entities, "score": score, "value": value, "text": text,
-    "vector": vector}
+    "vector": vector, "generated_text": generated_text}
 
 
 def chat(turns: list[dict[str, str]], reply: str, note: str) -> PredictionShown:

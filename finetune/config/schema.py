@@ -584,7 +584,12 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             problems.append(f"Override {pair!r} is not of the form key=value.")
             continue
         try:
-            out[key.strip()] = load_yaml(raw) if raw.strip() else None
+            value = load_yaml(raw) if raw.strip() else None
+            # A text option keeps a text that YAML would read as a mapping: T5's `source_prefix=summarize: `.
+            if isinstance(value, dict) and key.strip() in FIELDS and not is_list_field(key.strip()) and \
+                    field_type(key.strip())[0] is str:
+                value = raw
+            out[key.strip()] = value
         except YamlRefused as e:
             problems.append(f"Override {summary(key.strip())}: {str(e)[0].lower()}{str(e)[1:]}")
         except yaml.YAMLError:

@@ -88,7 +88,8 @@ class Entry:
     multitask: str = ""
     # The optional features it takes (finetune.config.exclusions.KIND_FEATURES: packing, segment_recurrence,
     # split_documents, chunked_loss; and quantization, a quantized base under LoRA, which the schema refuses in its
-    # own words) and, for those it does not, why not (the end of the refusal's sentence).
+    # own words) and, for those it does not, why not (the end of the refusal's sentence; "gguf": why `finetune
+    # export --format gguf` refuses a kind that generates text without being a causal LM).
     features: tuple[str, ...] = ()
     refusals: dict[str, str] = field(default_factory=dict)
     problem_type: str | None = None  # the saved config's `problem_type` this kind needs (regression's, say)
@@ -116,8 +117,8 @@ class Entry:
     # How the app shows the kind, each by a name the app keeps a table of (app/tryit/renderers.py, …), so that a kind
     # chooses its views here and the app compares no kind's name:
     # Try it's view of a prediction: "probabilities" (of each label), "entities" (the words with their entities
-    # highlighted), "value" (a number), "score" (a reward), "text" (a generated continuation) or "vector" (an
-    # embedding).
+    # highlighted), "value" (a number), "score" (a reward), "text" (a generated continuation), "vector" (an
+    # embedding) or "generated_text" (a seq2seq model's target text).
     try_view: str = "probabilities"
     # When Try it chats with the model instead: "messages" (the run trained on conversations: its config names
     # `messages_column`), "template" (its saved model has a chat template), or "" (never).
@@ -233,6 +234,42 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                     "split_documents": "a row's words and tags are cut at `max_length` together, not split; use "
                                        "long_documents=truncate (or auto)"},
           try_view="entities"),
+    # Before embedding: Marian's "MarianMTModel" ends in "Model" too, like the bare encoders embedding reads.
+    Entry(name="seq2seq", module="finetune.kinds.seq2seq",
+          summary="sequence-to-sequence (summarisation, translation: a target text per source text)",
+          columns=("source_column", "target_column"),
+          own_columns=(("source_column", "target_column"), ("source_prefix",)),
+          uses="`source_column` and `target_column`",
+          column_reasons={"source_prefix": "it prefixes an encoder–decoder model's source texts"},
+          auto_model="AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM",
+          peft_auto_model="AutoPeftModelForSeq2SeqLM", pipeline_tag="text2text-generation",
+          architectures=("ForConditionalGeneration", "MTModel"),
+          example="The tower is 324 metres tall, about the same height as an 81-storey building.",
+          metrics=("bleu", "chrf", "rougeL", "exact_match"), options=("source_prefix", "max_target_length"),
+          settings=("max_target_length", "generation_max_length", "num_beams"),
+          declares=(Option("source_column", str, None, "Seq2seq: the source text column (default 'source', "
+                           "'input', 'document', 'text' or 'article')."),
+                    Option("target_column", str, None, "Seq2seq: the target text column (default 'target', "
+                           "'output', 'summary' or 'highlights')."),
+                    Option("source_prefix", str, None, "Seq2seq: text put before every source (T5's 'summarize: ' "
+                           "or 'translate English to German: '; unset: none); saved with the model, which prediction "
+                           "reads."),
+                    Option("max_target_length", int, 128, "Seq2seq: targets are cut to this many tokens (the "
+                           "planner's decoder length).", min=1, max=65536),
+                    Option("generation_max_length", int, 128, "Seq2seq: the most tokens an evaluation generates "
+                           "per source.", min=1, max=65536, group="advanced"),
+                    Option("num_beams", int, 1, "Seq2seq: beams of the evaluation's generation (1: greedy).",
+                           min=1, max=64, group="advanced")),
+          # Not `generates`: that marks a causal LM (a chat, a GGUF's stop tokens); a seq2seq model generates
+          # through its own kind (`predict`, the evaluation's generation).
+          refusals={"packing": "an encoder–decoder model reads one source per row",
+                    "segment_recurrence": "an encoder–decoder model reads each source whole; turn it off",
+                    "split_documents": "a target belongs to its whole source, so the source cannot be split; use "
+                                       "long_documents=truncate (or auto)",
+                    "gguf": "this export's GGUF path converts and checks causal language models, and a seq2seq "
+                            "run trained an encoder–decoder model"},
+          try_view="generated_text",
+          presets=("google-t5/t5-small", "google/flan-t5-small", "facebook/bart-base")),
     Entry(name="embedding", module="finetune.kinds.embedding",
           summary="sentence embeddings (anchor–positive pairs or scored sentence pairs)",
           columns=("anchor_column", "positive_column", "negative_column", "score_column"),

@@ -127,7 +127,12 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
     kind = str(config.get("task") or task)
     # Both the saved model and the run that trained it (a preference run saves a causal LM too).
     if fmt == "gguf" and not all(fmt in (ENTRIES[k].exports if k in ENTRIES else ()) for k in (task, kind)):
-        raise ExportError(f"GGUF is for models that generate text, and this run trained a {kind} model: export it "
+        # A kind that generates text without a GGUF path says why in its entry (seq2seq's encoder–decoder models).
+        reason = next((ENTRIES[k].refusals["gguf"] for k in (kind, task) if "gguf" in getattr(ENTRIES.get(k),
+                                                                                            "refusals", {})), None)
+        raise ExportError(f"GGUF cannot be written for this run: {reason}; export it with --format merged (a "
+                          "transformers folder) instead." if reason else
+                          f"GGUF is for models that generate text, and this run trained a {kind} model: export it "
                           "with --format merged (a transformers folder) instead.")
     out_dir = Path(out).expanduser() if out else run_dir / EXPORT_DIR
     if out_dir.exists() and not out_dir.is_dir():
