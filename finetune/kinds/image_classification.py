@@ -19,12 +19,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
-from finetune.errors import DataError
+from finetune.errors import DataError, ModelError
 from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, named_head, pick_column
 from finetune.kinds.classification import KIND as CLASSIFICATION
 from finetune.kinds.classification import LABEL_NAMES, classification_metrics, label_key
@@ -57,8 +58,6 @@ def load_processor(path: str, trust_remote_code: bool = False) -> ImageInputs:
     try:
         return ImageInputs(AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code))
     except (OSError, ValueError) as e:
-        from finetune.errors import ModelError
-
         raise ModelError(f"Model {path!r} has no image processor ({str(e).splitlines()[0][:160]}): give a model "
                          "folder with a preprocessor_config.json (image_processor.save_pretrained).") from None
 
@@ -132,9 +131,8 @@ def has_batch_norm(c: Config) -> bool:
     import transformers
     from transformers import AutoConfig
 
-    from finetune.models.pretrained import resolve_model_path
-
-    config = AutoConfig.from_pretrained(resolve_model_path(c.model), trust_remote_code=c.trust_remote_code)
+    config = AutoConfig.from_pretrained(str(Path(c.model).expanduser()) if Path(c.model).expanduser().exists()
+                                        else c.model, trust_remote_code=c.trust_remote_code)
     with torch.device("meta"):
         model = transformers.AutoModelForImageClassification.from_config(config)
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -149,10 +147,9 @@ class ImageClassification:
     entry = entry("image_classification")
 
     def configured(self, c: Config) -> ImageClassification:
-        """This kind with the image processor of the run's model."""
-        from finetune.models.pretrained import resolve_model_path
-
-        return _configured(resolve_model_path(c.model), c.trust_remote_code)
+        """This kind with the image processor of the run's model (a folder or a hub id)."""
+        path = Path(c.model).expanduser()
+        return _configured(str(path) if path.exists() else c.model, c.trust_remote_code)
 
     def load_preprocessor(self, path: str, trust_remote_code: bool = False) -> ImageInputs:
         """What the loop keeps as its tokenizer: the model's image processor."""
@@ -187,8 +184,6 @@ class ImageClassification:
         CLASSIFICATION.check_rows(table, cols, label_names, source)
         column = table.data.column(cols.image)
         if column.null_count:
-            import pyarrow.compute as pc
-
             row = pc.index(pc.is_null(column), True).as_py()
             raise DataError(f"Image column {cols.image!r} of {source!r} has empty values (first at row {row + 1}): "
                             "fill or remove those rows.")
