@@ -202,3 +202,35 @@ def test_lora_trains_the_new_head_whole(tmp_path, tiny_vit):
     assert any("classifier" in key for key in saved) and any("lora_" in key for key in saved)
     assert json.loads((tmp_path / "r" / "model" / "adapter_config.json").read_text())["modules_to_save"] == \
         ["classifier"]
+
+
+def test_images_stored_as_bytes_in_an_image_feature_are_read_from_the_bytes(tmp_path, tiny_vit):
+    """A dataset with an `Image` feature (as hub datasets store images: bytes in parquet) is read from the bytes
+    at batch time, with its `ClassLabel` names."""
+    import datasets
+
+    files = sorted(DIGITS.rglob("*.png"))[:12]
+    table = datasets.Dataset.from_dict(
+        {"img": [{"bytes": p.read_bytes(), "path": None} for p in files],
+         "digit": [int(p.parent.name) % 3 for p in files]},
+        features=datasets.Features({"img": datasets.Image(), "digit": datasets.ClassLabel(names=["a", "b", "c"])}))
+    table.to_parquet(tmp_path / "images.parquet")
+    c, train, _, names = _load(tiny_vit, str(tmp_path / "images.parquet"), image_column="img", label_column="digit")
+    assert names == ["a", "b", "c"]
+    assert train.table.column("image_bytes")[0].as_py() == files[0].read_bytes()
+    batch = configured(c).collate_rows(train.columns([0, 5]), None)
+    assert batch["pixel_values"].shape == (2, 3, 16, 16)
+    assert batch["labels"].tolist() == [int(files[0].parent.name) % 3, int(files[5].parent.name) % 3]
+
+
+def test_named_subfolders_are_the_classes_whatever_their_order(tmp_path, tiny_vit):
+    """An image folder's labels are a `ClassLabel`'s ids: kept as ids (its names are not the ids' digits), so a
+    folder of 11 classes, sorted "0", "1", "10", "2", …, labels each image by its own subfolder."""
+    folder = tmp_path / "pets"
+    for name, digit in (("dog", "1"), ("cat", "0"), ("10", "2"), ("2", "3")):
+        shutil.copytree(DIGITS / digit, folder / name)
+    _, train, _, names = _load(tiny_vit, str(folder))
+    paths = train.table.column("image_path").to_pylist()
+    labels = train.table.column("label").to_pylist()
+    assert sorted(names) == ["10", "2", "cat", "dog"]
+    assert [names[y] for y in labels] == [Path(p).parent.name for p in paths]

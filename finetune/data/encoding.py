@@ -261,8 +261,8 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
                 "mode": mode, "context": context_tokens(c, mode)}
     if kind.entry.options:  # the kind's own options (only for a kind that has some: the others' keys stay as they were)
         settings["options"] = {key: getattr(c, key) for key in kind.entry.options}
-    if hasattr(kind, "source_options"):  # what the kind reads of where the data is (the folder image paths are in)
-        settings["options"] = {**settings.get("options", {}), **kind.source_options(source)}
+    if hasattr(kind, "encoding_options"):  # what the kind reads of the data itself (where image paths start)
+        settings["options"] = {**settings.get("options", {}), **kind.encoding_options(table, cols, source)}
     if documents:
         settings = {"task": c.task, "cols": asdict(cols), "eos": eos, "max_length": c.max_document_length or 0,
                     "label_index": settings["label_index"]}

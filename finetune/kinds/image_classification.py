@@ -107,7 +107,7 @@ def augmented(image: Any) -> Any:
     torch's random state (torchvision's transforms v2 when installed, else the same with PIL)."""
     try:
         from torchvision.transforms import v2
-    except ImportError:
+    except (ImportError, RuntimeError):  # RuntimeError: a CUDA build of torchvision beside a CPU torch (PyPI's)
         v2 = None
     size = (image.height, image.width)
     if v2 is not None:
@@ -174,14 +174,24 @@ class ImageClassification:
         feature = table.features.get(cols.image)
         return table.cast_column(cols.image, Image(decode=False)) if isinstance(feature, Image) else table
 
-    def source_options(self, source: str) -> dict[str, Any]:
-        """The folder that a data file's image paths are relative to (a hub dataset's images are bytes)."""
+    def encoding_options(self, table: Any, cols: Columns, source: str) -> dict[str, Any]:
+        """The folder that a data file's image paths are relative to (none for a hub dataset, whose images are
+        bytes), and whether the labels are class ids (a `ClassLabel`: an image folder's subfolders) or names."""
         path = Path(source).expanduser()
-        return {"root": str(path if path.is_dir() else path.parent)} if path.exists() else {}
+        root = {"root": str(path if path.is_dir() else path.parent)} if path.exists() else {}
+        return {**root, "label_ids": _class_ids(table, cols)}
 
     def check_rows(self, table: Any, cols: Columns, label_names: list[str] | None, source: str) -> None:
         """A `DataError` naming the first label that is not among the training labels, or the first empty image."""
-        CLASSIFICATION.check_rows(table, cols, label_names, source)
+        if not _class_ids(table, cols):
+            CLASSIFICATION.check_rows(table, cols, label_names, source)
+        else:  # class ids of the training classes' `ClassLabel` (-1: no label)
+            ids = table.data.column(cols.label)
+            bad = pc.or_(pc.less(ids, 0), pc.greater_equal(ids, len(label_names or [])))
+            if pc.any(bad).as_py():
+                row = pc.index(bad, True).as_py()
+                raise DataError(f"Label column {cols.label!r} of {source!r} has no class at row {row + 1} (id "
+                                f"{ids[row].as_py()}): label or remove those rows.")
         column = table.data.column(cols.image)
         if column.null_count:
             row = pc.index(pc.is_null(column), True).as_py()
@@ -212,7 +222,8 @@ class ImageClassification:
             blobs.append(data)
         return {"image_path": paths, "image_bytes": blobs, "document": indices, "segment": [0] * len(indices),
                 "dropped_tokens": [0] * len(indices),
-                "label": [e.label_index[label_key(v)] for v in batch[e.cols["label"]]]}
+                "label": list(batch[e.cols["label"]]) if (e.options or {}).get("label_ids") else
+                [e.label_index[label_key(v)] for v in batch[e.cols["label"]]]}
 
     def features(self, cols: Columns, tokenizer: Any) -> dict[str, Any]:
         """The image's path and bytes (one of them set) and the class id."""
@@ -316,6 +327,13 @@ class ImageClassification:
         return [{"text": t, "label": names[int(p.argmax())],
                  "probabilities": {names[i]: round(float(v), 4) for i, v in enumerate(p)}}
                 for t, p in zip(texts, probs, strict=True)]
+
+
+def _class_ids(table: Any, cols: Columns) -> bool:
+    """Whether the label column holds a `ClassLabel`'s ids, which are the class ids as they are."""
+    from datasets import ClassLabel
+
+    return isinstance(table.features.get(cols.label), ClassLabel)
 
 
 @functools.cache
