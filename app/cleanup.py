@@ -76,6 +76,18 @@ def old_uploads(runs_dir: Path, keep_days: float, now: float | None = None) -> l
                   if p.is_file() and _age_s(p, now) > keep_days * DAY_S and p.name not in referenced)
 
 
+def _size(path: Path) -> int:
+    """The bytes of an upload: a file's, or all files' of an unpacked folder."""
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def old_gradio_files(gradio_dir: Path, now: float | None = None) -> list[Path]:
     """Gradio's cached files older than a day (only inside its hash-named folders)."""
     now = time.time() if now is None else now
@@ -114,7 +126,8 @@ def tidy(runs_dir: Path, keep_days: float | None, *, keep: Path | None = None, g
 
 
 def upload_quota_problem(runs_dir: Path, folder: Path, new: Path, quota: str | None) -> str | None:
-    """Make room in `folder` (one user's uploads) for the file `new` under `quota` (a size such as "1gb"): delete
+    """Make room in `folder` (one user's uploads: files, and image folders unpacked from zips, app/train/images.py)
+    for the file `new` under `quota` (a size such as "1gb"): delete
     that user's oldest uploads that no kept run's config names; why `new` cannot be kept when that is not enough
     (None when it fits, or there is no quota)."""
     from app.limits import size_bytes
@@ -123,9 +136,9 @@ def upload_quota_problem(runs_dir: Path, folder: Path, new: Path, quota: str | N
     if limit is None:
         return None
     size = new.stat().st_size if new.is_file() else 0
-    kept = sorted((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime) \
-        if folder.is_dir() else []
-    used = sum(p.stat().st_size for p in kept)
+    kept = sorted((p for p in folder.iterdir() if (p.is_file() or p.is_dir()) and not p.name.startswith(".")),
+                  key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    used = sum(_size(p) for p in kept)
     if used + size > limit:
         referenced = _referenced(runs_dir) + "\n".join(p.read_text(encoding="utf-8", errors="replace")
                                                        for p in runs_dir.glob("*/*/*.yaml") if p.is_file())
@@ -133,8 +146,8 @@ def upload_quota_problem(runs_dir: Path, folder: Path, new: Path, quota: str | N
             if used + size <= limit:
                 break
             if old.name not in referenced:
-                used -= old.stat().st_size
-                old.unlink(missing_ok=True)
+                used -= _size(old)
+                _remove(old)
     if used + size <= limit:
         return None
     return (f"This upload ({size / 1e6:,.1f} MB) does not fit in your upload quota of {quota}: your runs use "

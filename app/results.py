@@ -61,6 +61,7 @@ class DatasetShown:
     columns: dict[str, Any]  # column field → dropdown update
     labels: str
     error: str
+    images: Any = field(default_factory=lambda: gr.update(visible=False))  # an image kind's grid of first images
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -377,7 +377,8 @@ def test_slow_lora_trains_the_kinds_adapter(tmp_path, request, capsys, kind):
     folder = next(p for p in (tmp_path / "lora" / "adapter", tmp_path / "lora" / "model")
                   if (p / "adapter_config.json").is_file())
     adapter = json.loads((folder / "adapter_config.json").read_text())
-    assert adapter["task_type"] == registry.entry(kind).peft_task_type
+    # (None for a kind peft has no task type for: image classification's adapter trains its head whole instead.)
+    assert adapter["task_type"] == (registry.entry(kind).peft_task_type or None)
     assert any("lora_" in key for key in load_file(str(folder / "adapter_model.safetensors")))
     capsys.readouterr()
     assert main(["predict", str(tmp_path / "lora"), case.predict[0], "--max-new-tokens", "4"]) == 0

@@ -38,12 +38,14 @@ def test_every_kind_implements_the_whole_protocol(name):
     e = kind.entry
     # A head's auto class (AutoModelFor…), or the bare encoder's (AutoModel, for embeddings).
     assert e.auto_model.startswith("AutoModel") and e.peft_auto_model.startswith("AutoPeftModel")
-    assert e.pipeline_tag and e.peft_task_type and e.columns and e.architectures
+    assert e.pipeline_tag and e.columns and e.architectures
+    # peft has no task type for images: that kind's adapter trains its new head whole (`modules_to_save`).
+    assert e.peft_task_type or e.inputs == "images"
 
 
 def test_the_config_accepts_exactly_the_registered_kinds():
     assert TASKS == registry.names() == ("classification", "causal_lm", "regression", "preference", "reward",
-                                         "token_classification", "seq2seq", "embedding")
+                                         "token_classification", "seq2seq", "embedding", "image_classification")
     with pytest.raises(ConfigError, match="task"):
         from_dict({"task": "summarisation"})
 
@@ -77,6 +79,7 @@ def test_a_kinds_own_columns_are_not_refused():
     ({"architectures": ["LlamaForCausalLM"]}, "causal_lm"),
     ({"architectures": ["GPT2LMHeadModel"]}, "causal_lm"),
     ({"architectures": ["BertModel"]}, "embedding"),  # a bare encoder (a sentence-transformers model's)
+    ({"architectures": ["ViTForImageClassification"]}, "image_classification"),
     ({"architectures": None}, "classification"),
 ])
 def test_a_saved_models_kind_is_read_from_its_config(model_config, kind):

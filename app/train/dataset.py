@@ -16,11 +16,12 @@ from app.mapping import COLUMN_FIELDS, field_problems, in_form_words, plain_word
 from app.report import display_path
 from app.results import DatasetShown, hidden, keep
 from app.state import AppState
-from app.train import examples, preview
+from app.train import examples, images, preview
 from app.train.form import NONE_CHOICE, FieldNotes, Form
 from app.train.tasks import tasks_config, tasks_frame
 from finetune.config.exclusions import takes
 from finetune.config.schema import FIELDS, ConfigError
+from finetune.errors import DataError
 from finetune.kinds import registry as kinds
 
 TASK_COLUMNS = {name: kinds.entry(name).columns for name in kinds.names()}  # the column widgets each kind shows
@@ -102,7 +103,21 @@ class DatasetHandlers:
             updates[name] = gr.update(choices=choices, value=value or "", visible=name in shown,
                                       **self.notes.column(name, about))
         return DatasetShown(preview=view.preview, columns=updates, labels=preview.labels_markdown(view),
-                            error=f"⚠️ {in_form_words(view.error)}" if view.error else "")
+                            error=f"⚠️ {in_form_words(view.error)}" if view.error else "",
+                            images=self._grid(view, source, config_name, split, task))
+
+    def _grid(self, view: preview.DatasetView, source: str, config_name: str, split: str, task: str) -> Any:
+        """The first images with their labels, for a kind whose inputs are images (hidden otherwise)."""
+        column = view.chosen.get("image_column") if view.columns and not view.error else None
+        if task not in kinds.names() or kinds.entry(task).inputs != "images" or not column:
+            return gr.update(visible=False)
+        try:
+            head = preview.load(source.strip(), (config_name or "").strip() or None, (split or "").strip() or "train",
+                                head=images.GRID_IMAGES)
+        except DataError:
+            return gr.update(visible=False)
+        return gr.update(value=images.grid(head, column, view.chosen.get("label_column"), source.strip()),
+                         visible=True)
 
     def tasks_table(self, text: str, mixing: str, temperature: Any, cap: Any, *, request: Any = None) -> TasksShown:
         """The Tasks table of the multi-task YAML: each task's data, columns, weight and share, after the same file
@@ -136,14 +151,23 @@ class DatasetHandlers:
         if over := cleanup.upload_quota_problem(self.state.runs_dir, folder, Path(uploaded), quota):
             Path(uploaded).unlink(missing_ok=True)  # Gradio's copy: refused, so not kept either
             return UploadShown(data=DatasetShown(preview=gr.skip(), columns={}, labels="", error=f"⚠️ {over}"))
-        source = display_path(preview.keep_upload(uploaded, folder))
+        kept = preview.keep_upload(uploaded, folder)
+        if kept.suffix == ".zip":  # an image folder, unpacked beside the user's other uploads
+            try:
+                unpacked = images.unpack_images(kept, folder)
+            except DataError as e:
+                kept.unlink(missing_ok=True)
+                return UploadShown(data=DatasetShown(preview=gr.skip(), columns={}, labels="", error=f"⚠️ {e}"))
+            kept.unlink(missing_ok=True)  # the images are kept, not their zip
+            kept = unpacked
+        source = display_path(kept)
         data = self.refresh_dataset(source, "", split, task, *columns, request=request)
         fraction = FIELDS["eval_fraction"].default
         note = f"Evaluation: {fraction:.0%} of this file is held out (More data options sets another evaluation set)."
         labels = f"{data.labels}\n\n{note}" if data.labels else data.labels
         return UploadShown(dataset=source, eval_dataset="", eval_split="", eval_fraction=fraction,
                            data=DatasetShown(preview=data.preview, columns=data.columns, labels=labels,
-                                             error=data.error))
+                                             error=data.error, images=data.images))
 
     def chat_example(self, source: str, config_name: str, split: str, task: str, column: str, model: str,
                      chat_template: str, train_on: str, max_length: Any, prompt_column: str = "",
@@ -193,11 +217,12 @@ class DatasetPanel:
     tasks_section: Any
     tasks_note: Any
     tasks_table: Any
+    images: Any
 
     @property
     def shown(self) -> dict[str, Any]:
         """Where `DatasetShown` goes, but the column dropdowns (the form's)."""
-        return {"preview": self.preview, "labels": self.labels, "error": self.error}
+        return {"preview": self.preview, "labels": self.labels, "error": self.error, "images": self.images}
 
 
 def build_dataset_panel(form: Form) -> DatasetPanel:
@@ -213,6 +238,8 @@ def build_dataset_panel(form: Form) -> DatasetPanel:
     first_rows = gr.Dataframe(data.preview, label="First rows", interactive=False, max_height=220, wrap=True,
                               max_chars=60)
     form.place("columns", per_row=3)
+    grid = gr.Gallery(label="First images", columns=6, height=200, visible=False, elem_id="image-grid",
+                      interactive=False)
     labels = gr.Markdown(preview.labels_markdown(data), elem_id="label-counts")
     example_note = gr.Markdown(elem_id="chat-example-note")
     example = gr.HighlightedText(label=CHAT_EXAMPLE_LABEL, color_map={
@@ -227,4 +254,5 @@ def build_dataset_panel(form: Form) -> DatasetPanel:
         table = gr.Dataframe(tasks_frame(*[to_widget(n, getattr(initial, n)) for n in TASK_FIELDS])[0],
                              label="Tasks", interactive=False, elem_id="tasks-table")
     return DatasetPanel(upload=upload, error=error, preview=first_rows, labels=labels, example_note=example_note,
-                        example=example, tasks_section=tasks_section, tasks_note=tasks_note, tasks_table=table)
+                        example=example, tasks_section=tasks_section, tasks_note=tasks_note, tasks_table=table,
+                        images=grid)

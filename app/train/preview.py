@@ -40,7 +40,7 @@ from finetune.data.load import (
 from finetune.kinds import registry as kinds
 
 PREVIEW_ROWS = 5
-UPLOAD_TYPES = [".csv", ".tsv", ".json", ".jsonl", ".parquet"]
+UPLOAD_TYPES = [".csv", ".tsv", ".json", ".jsonl", ".parquet", ".zip"]  # a zip: an image folder (app/train/images.py)
 HUB_TIMEOUT_S = 30.0
 HUB_SAMPLE_ROWS = 1000  # rows of a hub dataset read for the preview and the label check
 # What one preview may cost and send, for any visitor: a file wider than this is refused before its rows are read

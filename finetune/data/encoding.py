@@ -54,7 +54,9 @@ class Encoded:
         self._rows = rows
         self._batches: list[pa.RecordBatch] = []
         self._starts: np.ndarray | None = None  # where each record batch starts, for `columns`
-        self.lengths: np.ndarray = numpy_of(pc.list_value_length(table["input_ids"])).astype(np.int32)
+        # A sample of a kind whose inputs are not tokens (an image) counts as one unit of length.
+        self.lengths: np.ndarray = numpy_of(pc.list_value_length(table["input_ids"])).astype(np.int32) \
+            if "input_ids" in table.column_names else np.ones(len(table), dtype=np.int32)
         self._widths: np.ndarray | None = None
         self._prompt = (numpy_of(table["prompt_length"]) if "prompt_length" in table.column_names
                         else np.zeros(len(table), dtype=np.int32))
@@ -202,7 +204,7 @@ def _tokenize_documents(batch: dict[str, list], *, tokenizer: Any, task: str, co
 def _features(kind: TaskKind, cols: Columns, tokenizer: Any, documents: bool = False) -> Any:
     from datasets import Features, List, Value
 
-    spec = {"input_ids": List(Value("int32"))}
+    spec = {"input_ids": List(Value("int32"))} if kind.entry.inputs == "tokens" else {}
     if documents:  # segment recurrence: whole documents (`_tokenize_documents`)
         return Features({**spec, "prompt_length": Value("int32")} if cols.prompt else spec)
     spec.update(kind.features(cols, tokenizer))
@@ -246,6 +248,8 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     for column in (cols.text, cols.text_pair, cols.prompt, cols.completion, cols.chosen, cols.rejected):
         if column and column not in listed:
             check_strings(table, column, source)
+    if hasattr(kind, "undecoded"):  # a kind that decodes its media at batch time (images): the rows as stored
+        table = kind.undecoded(table, cols)
     eos = kind.end_of_document(tokenizer)
     documents = c.segment_recurrence and takes(c.task, "segment_recurrence")  # whole documents, split by the loop
     if documents and cols.messages:  # a conversation column guessed from the data
@@ -257,6 +261,8 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
                 "mode": mode, "context": context_tokens(c, mode)}
     if kind.entry.options:  # the kind's own options (only for a kind that has some: the others' keys stay as they were)
         settings["options"] = {key: getattr(c, key) for key in kind.entry.options}
+    if hasattr(kind, "encoding_options"):  # what the kind reads of the data itself (where image paths start)
+        settings["options"] = {**settings.get("options", {}), **kind.encoding_options(table, cols, source)}
     if documents:
         settings = {"task": c.task, "cols": asdict(cols), "eos": eos, "max_length": c.max_document_length or 0,
                     "label_index": settings["label_index"]}
@@ -281,7 +287,7 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
                      num_proc=workers if workers > 1 else None, new_fingerprint=key)  # num_proc=1 still uses a pool
     if cols.messages:
         return _kept_conversations(rows, source, cols.messages, mode, c.max_length)
-    counts = None if documents else count_segments(rows, mode, c.max_length,
+    counts = None if documents or kind.entry.inputs != "tokens" else count_segments(rows, mode, c.max_length,
                                                    splittable=takes(c.task, "split_documents") and not cols.prompt)
     data = Encoded.from_dataset(rows, segmentation=counts)
     data.source_rows = len(table)  # a kind may leave rows out (preference pairs cut by max_length)

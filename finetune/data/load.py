@@ -84,6 +84,8 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
     if is_local(source):
         path = Path(source).expanduser()
         fmt = FILE_FORMATS.get(path.suffix.lower())
+        if path.is_dir():  # a folder of images, one subfolder per class (datasets' imagefolder)
+            return _image_folder(path, source, streaming)
         if source.lower() in builder_names() and not path.is_file():
             raise DataError(f"{source!r} is the name of a `datasets` file builder, not a dataset: give the path of "
                             "your file (such as data.csv) or a hub dataset id.")
@@ -112,6 +114,22 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
                             "file.") from None
     if not streaming and len(table) == 0:
         raise DataError(f"Dataset {source!r} has no rows.")
+    return table
+
+
+def _image_folder(path: Path, source: str, streaming: bool) -> Any:
+    """The images of a folder with one subfolder per class, labelled by their subfolder (`datasets`' imagefolder:
+    each row keeps its image's path; nothing is decoded here)."""
+    import datasets
+
+    try:
+        table = datasets.load_dataset("imagefolder", data_dir=str(path), split="train", streaming=streaming)
+    except (ValueError, FileNotFoundError, datasets.exceptions.DataFilesNotFoundError) as e:
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise DataError(f"Dataset folder {source!r} could not be read as an image folder ({reason}): give a folder "
+                        "with one subfolder of images per class, or a data file.") from None
+    if not streaming and len(table) == 0:
+        raise DataError(f"Dataset folder {source!r} has no images.")
     return table
 
 
@@ -250,7 +268,7 @@ def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
     key = datacache.data_key(c, tokenizer)
     cached = datacache.load(key)
     if cached is not None:  # the same files and settings were loaded, checked and encoded before
-        return cached
+        return _for_training(c, cached)
     table, cols, names, eval_table = load_tables(c)
     train_data = encode(table, cols, c, tokenizer, names, c.dataset)
     if c.packing:  # the packed row becomes the sample unit of windows, micro-batches and the plan
@@ -258,7 +276,18 @@ def load_data(c: Config, tokenizer: Any, *, num_processes: int = 1
     eval_data = encode(eval_table, cols, c, tokenizer, names, c.eval_dataset or c.dataset) \
         if eval_table is not None else None
     datacache.save(key, train_data, eval_data, names)
-    return train_data, eval_data, names
+    return _for_training(c, (train_data, eval_data, names))
+
+
+def _for_training(c: Config, loaded: tuple[Encoded, Encoded | None, list[str] | None]
+                  ) -> tuple[Encoded, Encoded | None, list[str] | None]:
+    """The loaded data with the columns a kind marks its training rows with (images to augment), which the
+    evaluation rows lack."""
+    train_data = loaded[0]
+    marks = getattr(kind(c.task), "training_columns", None)
+    if marks is not None:
+        train_data.add_columns(marks(c, len(train_data)))
+    return loaded
 
 
 def load_tables(c: Config) -> tuple[Any, Columns, list[str] | None, Any | None]:

@@ -135,6 +135,9 @@ class Entry:
     # takes the loss over every process's outputs, and back-propagates each micro-batch's slice of its gradient
     # (finetune.engine.gradcache). Such a kind has `embed` and `window_loss_sum` besides the protocol.
     whole_window: bool = False
+    # What a sample is to the model: "tokens" (`input_ids`, tokenised when the data is encoded) or "images" (each
+    # row keeps its image's path or bytes; the kind's `collate_rows` decodes them into `pixel_values`).
+    inputs: str = "tokens"
 
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (
@@ -308,6 +311,25 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                     "split_documents": "a pair's sentences are cut at `max_length`, not split; use "
                                        "long_documents=truncate (or auto)"},
           try_view="vector"),
+    Entry(name="image_classification", module="finetune.kinds.image_classification", summary="image classification",
+          columns=("image_column", "label_column"), own_columns=(("image_column",),),
+          uses="an image folder (one subfolder per class), or `image_column` and `label_column`",
+          # peft has no task type for images: its adapter trains the new head whole (`modules_to_save`).
+          auto_model="AutoModelForImageClassification", peft_auto_model="AutoPeftModel",
+          pipeline_tag="image-classification", architectures=("ForImageClassification",), example="cat.png",
+          has_labels=True, metrics=("accuracy", "macro_f1", "top5_accuracy"), inputs="images",
+          settings=("augment",),
+          declares=(Option("image_column", str, None, "Image classification: the column of images (an Image "
+                           "feature, or paths relative to the data file, inside its folder; default 'image', 'img' "
+                           "or 'path'). An image folder (one subfolder per class) needs none."),
+                    Option("augment", str, "none", "Image classification: augment the training images as they are "
+                           "batched: none, or basic (a random resized crop and a horizontal flip).",
+                           choices=("none", "basic"), group="advanced")),
+          refusals={"packing": "an image classifier takes one image per row",
+                    "segment_recurrence": "an image has no token segments; turn it off",
+                    "split_documents": "an image is classified whole"},
+          presets=("google/vit-base-patch16-224-in21k", "facebook/convnext-tiny-224", "microsoft/resnet-50",
+                   "facebook/dinov2-small")),
 )}
 OPTION_KEYS = tuple(dict.fromkeys(key for e in ENTRIES.values() for key in e.options))  # every kind's own options
 DEFAULT = "classification"
@@ -385,6 +407,8 @@ def kind_of_peft_task_type(task_type: str | None, default: str = DEFAULT, proble
     """The kind a saved adapter's peft task type names; kinds that share a task type (classification, regression,
     reward) are told apart by the `problem_type` and output name of the base config saved beside the adapter."""
     saved = model_config or {}
+    if not task_type:  # an adapter peft has no task type for (images): its base config's architecture says
+        return kind_of_model_config(saved, default) or default
     sharing = [e for e in ENTRIES.values() if e.peft_task_type == task_type and _named(e, saved)]
     return next((e.name for e in sharing if e.problem_type == problem_type),
                 next((e.name for e in sharing if e.problem_type is None), default))

@@ -59,6 +59,9 @@ def load_tokenizer(c: Config) -> Any:
 
     quiet_transformers()
     path = resolve_model_path(c.model)
+    own = getattr(kind_named(c.task), "load_preprocessor", None)
+    if own is not None:  # a kind whose inputs are not text (images): the model's own processor
+        return own(path, c.trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=c.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -70,6 +73,14 @@ def load_tokenizer(c: Config) -> Any:
             raise ModelError(f"The tokenizer of {c.model!r} has neither a pad nor an end-of-sequence token.")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def load_saved_preprocessor(model_dir: Path, task: str) -> Any:
+    """The tokenizer saved beside a trained model, or the kind's own preprocessor (an image processor)."""
+    from transformers import AutoTokenizer
+
+    own = getattr(kind_named(task), "load_preprocessor", None)
+    return own(str(model_dir)) if own is not None else AutoTokenizer.from_pretrained(model_dir)
 
 
 def auto_class(task: str) -> Any:
@@ -103,7 +114,7 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
                          f"the checkpoint lacks {len(new)} layer(s) of that model ({', '.join(new[:3])}), which "
                          "transformers creates after quantizing (this checkpoint was not trained for this task): "
                          "pick a model trained for it, or set quantization=none.")
-    if model.config.pad_token_id is None:
+    if getattr(model.config, "pad_token_id", 0) is None:  # an image model's config has no token ids at all
         model.config.pad_token_id = model.config.eos_token_id
     # A kind that trains part of the model (an embedding model's encoder, not its pooler) says which.
     return kind.trained_model(model) if hasattr(kind, "trained_model") else model
@@ -122,10 +133,12 @@ def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bo
         # peft trains a classifier head whole (`modules_to_save`) but keeps it out of all-linear only for SEQ_CLS:
         # keep it out for every kind whose head peft trains whole (TOKEN_CLS too), or both would wrap it.
         heads = [n for n in ("classifier", "score") if getattr(model, n, None) is not None] \
-            if modules == "all-linear" and task_type != "CAUSAL_LM" else []
+            if task_type != "CAUSAL_LM" else []
+        # A kind peft has no task type for (images) names its new head to train whole, as peft's own do.
         model = get_peft_model(model, LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
-                                                 target_modules=modules, task_type=task_type,
-                                                 exclude_modules=heads or None))
+                                                 target_modules=modules, task_type=task_type or None,
+                                                 exclude_modules=(heads if modules == "all-linear" else []) or None,
+                                                 modules_to_save=(heads if not task_type else []) or None))
         quantize.upcast_trainable(model)
     return model
 

@@ -138,10 +138,14 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
     if getattr(model_config, "pad_token_id", 0) is None:  # as `load_model` sets it: a classifier needs one
         model_config.pad_token_id = getattr(model_config, "eos_token_id", None)
     auto = getattr(transformers, kind.entry.auto_model)
+    from transformers.initialization import no_init_weights
+
     fake = FakeTensorMode()
 
     def build(config: Any) -> Any:
-        with fake, _adapters_stay_where_made():
+        # No weight initialisation: the dry run needs shapes, and some initialisers (ViT's truncated normal) read
+        # values, which fake tensors have none of.
+        with fake, _adapters_stay_where_made(), no_init_weights():
             model = auto.from_config(config, trust_remote_code=c.trust_remote_code,
                                      dtype=quantize.base_dtype(precision, lora))
             return prepare_for_training(model, c, checkpointing=checkpointing, lora=lora)
@@ -287,6 +291,8 @@ def synthetic_batch(model: Any, micro: int, tokens: int, kind: TaskKind, device:
     `packed`: rows of two packed samples (position ids restarting, no attention mask), as `packing` trains them;
     more than one sample per row is what makes the model build a full block-diagonal mask. The labels are the
     task kind's (`synthetic_labels`)."""
+    if hasattr(kind, "synthetic_batch"):  # a kind whose inputs are not tokens (images of the model's size)
+        return kind.synthetic_batch(model, micro, device)
     micro *= getattr(kind, "sequences_per_sample", 1)  # a preference pair is two sequences
     ids = torch.randint(3, max(getattr(model.config, "vocab_size", 0) or 0, 4), (micro, tokens), device=device)
     labels = kind.synthetic_labels(ids)

@@ -290,6 +290,9 @@ class _Search:
             search.notes.append(f"Segment recurrence: the longest document ({longest} tokens) is {search.segments} "
                                 f"segment(s) of up to {search.tokens} tokens, each carrying a cache of up to "
                                 f"{search.memory} earlier tokens.")
+        kind_note = getattr(kind_named(c.task), "plan_note", None)
+        if kind_note is not None and (note := kind_note(c)):  # what the kind says of this model (batch norm)
+            search.notes.append(note)
         if shards > 1:
             search.notes.append(f"Weights, gradients and optimizer state sharded over {shards} processes (FSDP): "
                                 f"each holds 1/{shards} of them; activations are per process (a layer's parameters "

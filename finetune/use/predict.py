@@ -14,7 +14,7 @@ from finetune.data.chat import MESSAGES_NAMES, prompt_of, reply, require_templat
 from finetune.kinds import registry
 from finetune.kinds.registry import kind
 from finetune.models.heads import task_model_dir
-from finetune.models.pretrained import load_trained, resolve_model_dir, task_of
+from finetune.models.pretrained import load_saved_preprocessor, load_trained, resolve_model_dir, task_of
 
 
 def conversation_of(text: str) -> list[dict[str, Any]]:
@@ -41,13 +41,11 @@ def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool 
     (a causal LM trained on conversations, or a model folder with a template, or `chat=True`; a text may be a JSON
     conversation), or a generated continuation. A multi-task model needs `task_name`: that task's head, or its
     prompt prefix before each text. `prompt` renders a chat (`finetune.data.chat.reply`)."""
-    from transformers import AutoTokenizer
-
     model_dir, run_dir = resolve_model_dir(target)
     model_dir, entry = task_model_dir(model_dir, task_name)
     prefix = (entry or {}).get("prompt_prefix") or ""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task = task_of(model_dir)
+    tokenizer = load_saved_preprocessor(model_dir, task)
     model = load_trained(model_dir, task).eval()
     if chat is None:
         chat = _trained_to_chat(tokenizer, run_dir)

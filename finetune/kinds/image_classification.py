@@ -1,0 +1,344 @@
+"""Image classification (`task: image_classification`): an image and a class label per row, one loss per sample.
+
+The data is a folder with one subfolder per class (datasets' `imagefolder`), a CSV/JSON file with a column of image
+paths (relative to the file, and inside its folder), or a hub dataset with an `Image` feature. The encoded rows keep
+each image's path or bytes, never pixels: an image is decoded when its micro-batch is collated, by the model's own
+image processor (`AutoImageProcessor`), after `augment: basic`'s random resized crop and flip for training rows.
+
+Metrics: accuracy and macro-F1 from a confusion matrix summed over processes, and top-5 accuracy (a summed count)
+above five classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+import torch.nn.functional as F
+
+from finetune.config.schema import Config
+from finetune.data.arrow import numpy_of
+from finetune.errors import DataError, ModelError
+from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, named_head, pick_column
+from finetune.kinds.classification import KIND as CLASSIFICATION
+from finetune.kinds.classification import LABEL_NAMES, classification_metrics, label_key
+from finetune.kinds.registry import entry
+
+IMAGE_NAMES = ("image", "img", "picture", "image_path", "path", "file", "filename")
+TOP_K = 5  # top-5 accuracy, reported above this many classes
+CROP_SCALE = (0.5, 1.0)  # the share of the image a random resized crop keeps (torchvision's default 0.08 loses digits)
+SIZE = 224  # an image's side when neither the model config nor the processor says
+
+
+class ImageInputs:
+    """The model's image processor where the loop holds a tokenizer: nothing is padded (`pad_token_id` None), and
+    saving it writes the processor's preprocessor_config.json beside the model."""
+
+    pad_token_id = None
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+
+    def save_pretrained(self, folder: Any) -> None:
+        """The processor's configuration, in `folder`."""
+        self.processor.save_pretrained(folder)
+
+
+def load_processor(path: str, trust_remote_code: bool = False) -> ImageInputs:
+    """The image processor of the model at `path` (a folder or hub id)."""
+    from transformers import AutoImageProcessor
+
+    try:
+        return ImageInputs(AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"Model {path!r} has no image processor ({str(e).splitlines()[0][:160]}): give a model "
+                         "folder with a preprocessor_config.json (image_processor.save_pretrained).") from None
+
+
+def _where(path: str | None) -> str:
+    return repr(path) if path else "an image given as bytes"
+
+
+def open_image(path: str | None, data: bytes | None) -> Any:
+    """The image at `path` (or in `data`), decoded to RGB; a `DataError` naming the file that is not an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data) if data is not None else path) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise DataError(f"Image file {_where(path)} is not a readable image ({reason}): replace or remove it.") \
+            from None
+
+
+def check_image(path: str | None, data: bytes | None) -> None:
+    """A `DataError` naming the file whose header is not an image's (read without decoding its pixels)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data) if data is not None else path):
+            pass
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise DataError(f"Image file {_where(path)} is not a readable image ({reason}): replace or remove it.") \
+            from None
+
+
+def inside(root: str, value: str) -> str:
+    """The absolute path of image `value` of a data file in folder `root`; a `DataError` for one outside it."""
+    base = Path(root).resolve()
+    path = (base / value).resolve()
+    if not path.is_relative_to(base):
+        raise DataError(f"Image path {value!r} points outside the data file's folder ({str(base)!r}): image paths "
+                        "are relative to the file and stay inside its folder.")
+    return str(path)
+
+
+def augmented(image: Any) -> Any:
+    """`augment: basic`: a random resized crop of the image (its own size) and a random horizontal flip, drawn from
+    torch's random state (torchvision's transforms v2 when installed, else the same with PIL)."""
+    try:
+        from torchvision.transforms import v2
+    except (ImportError, RuntimeError):  # RuntimeError: a CUDA build of torchvision beside a CPU torch (PyPI's)
+        v2 = None
+    size = (image.height, image.width)
+    if v2 is not None:
+        return v2.Compose([v2.RandomResizedCrop(size, scale=CROP_SCALE, antialias=True),
+                           v2.RandomHorizontalFlip()])(image)
+    from PIL import Image
+
+    area = image.width * image.height * float(torch.empty(1).uniform_(*CROP_SCALE))
+    ratio = float(torch.empty(1).uniform_(np.log(3 / 4), np.log(4 / 3)).exp())
+    w = min(image.width, max(1, round((area * ratio) ** 0.5)))
+    h = min(image.height, max(1, round((area / ratio) ** 0.5)))
+    left = int(torch.randint(0, image.width - w + 1, (1,)))
+    top = int(torch.randint(0, image.height - h + 1, (1,)))
+    out = image.resize((image.width, image.height), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+    return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if float(torch.rand(1)) < 0.5 else out
+
+
+def has_batch_norm(c: Config) -> bool:
+    """Whether the configured model normalises with batch statistics (ResNet's BatchNorm), read from its config on
+    the meta device (no weights)."""
+    import transformers
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(Path(c.model).expanduser()) if Path(c.model).expanduser().exists()
+                                        else c.model, trust_remote_code=c.trust_remote_code)
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageClassification.from_config(config)
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageClassification:
+    """The `TaskKind` of image classification; `configured` gives it the model's image processor, which collation
+    needs."""
+
+    inputs: ImageInputs | None = None
+    entry = entry("image_classification")
+
+    def configured(self, c: Config) -> ImageClassification:
+        """This kind with the image processor of the run's model (a folder or a hub id)."""
+        path = Path(c.model).expanduser()
+        return _configured(str(path) if path.exists() else c.model, c.trust_remote_code)
+
+    def load_preprocessor(self, path: str, trust_remote_code: bool = False) -> ImageInputs:
+        """What the loop keeps as its tokenizer: the model's image processor."""
+        return load_processor(path, trust_remote_code)
+
+    # --- data
+    def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
+        """The image and label columns, set or guessed (an image folder's are `image` and `label`)."""
+        image = pick_column(columns, c.image_column, IMAGE_NAMES, "Image", "image_column")
+        label = pick_column(columns, c.label_column, LABEL_NAMES, "Label", "label_column")
+        return Columns(image=image, label=label)
+
+    def label_names(self, table: Any, cols: Columns, source: str) -> list[str]:
+        """The class names as classification names them: an image folder's subfolders, a `ClassLabel`'s names, or
+        the sorted distinct labels."""
+        return CLASSIFICATION.label_names(table, cols, source)
+
+    def undecoded(self, table: Any, cols: Columns) -> Any:
+        """The rows with their images as stored (path and bytes), so that encoding reads no pixels."""
+        from datasets import Image
+
+        feature = table.features.get(cols.image)
+        return table.cast_column(cols.image, Image(decode=False)) if isinstance(feature, Image) else table
+
+    def encoding_options(self, table: Any, cols: Columns, source: str) -> dict[str, Any]:
+        """The folder that a data file's image paths are relative to (none for a hub dataset, whose images are
+        bytes), and whether the labels are class ids (a `ClassLabel`: an image folder's subfolders) or names."""
+        path = Path(source).expanduser()
+        root = {"root": str(path if path.is_dir() else path.parent)} if path.exists() else {}
+        return {**root, "label_ids": _class_ids(table, cols)}
+
+    def check_rows(self, table: Any, cols: Columns, label_names: list[str] | None, source: str) -> None:
+        """A `DataError` naming the first label that is not among the training labels, or the first empty image."""
+        if not _class_ids(table, cols):
+            CLASSIFICATION.check_rows(table, cols, label_names, source)
+        else:  # class ids of the training classes' `ClassLabel` (-1: no label)
+            ids = table.data.column(cols.label)
+            bad = pc.or_(pc.less(ids, 0), pc.greater_equal(ids, len(label_names or [])))
+            if pc.any(bad).as_py():
+                row = pc.index(bad, True).as_py()
+                raise DataError(f"Label column {cols.label!r} of {source!r} has no class at row {row + 1} (id "
+                                f"{ids[row].as_py()}): label or remove those rows.")
+        column = table.data.column(cols.image)
+        if column.null_count:
+            row = pc.index(pc.is_null(column), True).as_py()
+            raise DataError(f"Image column {cols.image!r} of {source!r} has empty values (first at row {row + 1}): "
+                            "fill or remove those rows.")
+
+    def end_of_document(self, tokenizer: Any) -> list[int]:
+        """Nothing: an image has no tokens."""
+        return []
+
+    def encode_rows(self, batch: dict[str, list], indices: list[int], e: Encoding) -> dict[str, list]:
+        """Each image's absolute path (or its bytes), its header checked, and its class id: no pixels."""
+        root = (e.options or {}).get("root")
+        paths, blobs = [], []
+        for value in batch[e.cols["image"]]:
+            if isinstance(value, dict):  # an `Image` feature, as datasets stores it: its path or its bytes
+                path, data = value.get("path"), value.get("bytes")
+                if path is None and data is None:
+                    raise DataError("An image has neither a path nor bytes: fill or remove that row.")
+            elif root:  # a path written in a data file: relative to it, and inside its folder
+                path, data = inside(root, str(value)), None
+            else:
+                raise DataError(f"Image column {e.cols['image']!r} holds paths ({str(value)[:80]!r}) but the data "
+                                "is not a local file they could be relative to: give a CSV/JSON file beside the "
+                                "images, an image folder, or a dataset with an Image feature.")
+            check_image(path, data)
+            paths.append(path)
+            blobs.append(data)
+        return {"image_path": paths, "image_bytes": blobs, "document": indices, "segment": [0] * len(indices),
+                "dropped_tokens": [0] * len(indices),
+                "label": list(batch[e.cols["label"]]) if (e.options or {}).get("label_ids") else
+                [e.label_index[label_key(v)] for v in batch[e.cols["label"]]]}
+
+    def features(self, cols: Columns, tokenizer: Any) -> dict[str, Any]:
+        """The image's path and bytes (one of them set) and the class id."""
+        from datasets import Value
+
+        return {"image_path": Value("string"), "image_bytes": Value("binary"), "label": Value("int64")}
+
+    def check_encoded(self, data: Any, cols: Columns, c: Config, source: str, documents: bool) -> None:
+        """Nothing to check: every image has its label."""
+
+    def training_columns(self, c: Config, rows: int) -> dict[str, np.ndarray]:
+        """The training rows' marks for `augment: basic` (evaluation rows are never augmented)."""
+        return {"augment": np.full(rows, c.augment == "basic")}
+
+    def collate_rows(self, rows: pa.Table, pad_id: int | None) -> dict[str, torch.Tensor]:
+        """The micro-batch's images, decoded now and processed by the model's image processor (augmented first
+        where marked), with one class id per sample."""
+        if self.inputs is None:
+            raise TypeError("image_classification collates with its configured kind (registry.configured(c)), "
+                            "which holds the model's image processor")
+        marks = rows.column("augment").to_pylist() if "augment" in rows.column_names else [False] * rows.num_rows
+        images = [open_image(p, b) for p, b in zip(rows.column("image_path").to_pylist(),
+                                                     rows.column("image_bytes").to_pylist(), strict=True)]
+        images = [augmented(im) if mark else im for im, mark in zip(images, marks, strict=True)]
+        pixels = self.inputs.processor(images=images, return_tensors="pt")["pixel_values"]
+        return {"pixel_values": pixels,
+                "labels": torch.from_numpy(numpy_of(rows.column("label")).astype(np.int64))}
+
+    def num_targets(self, data: Any, indices: list[int]) -> int:
+        """One target per sample."""
+        return len(indices)
+
+    # --- model
+    def model_kwargs(self, label_names: list[str] | None) -> dict[str, Any]:
+        """The head sized for the classes, named by them."""
+        return named_head(label_names)
+
+    def loss_sum(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-entropy summed over the samples."""
+        logits = model(**inputs).logits.float()
+        return F.cross_entropy(logits, labels, reduction="sum"), logits
+
+    def metrics(self, label_names: list[str] | None, device: torch.device) -> Metrics:
+        """Loss, accuracy, macro-F1 and (above five classes) top-5 accuracy: the loss sum, the sample count, the
+        top-5 hits and the confusion matrix, summed."""
+        n = len(label_names or [])
+
+        def update(sums: torch.Tensor, batch: dict[str, torch.Tensor], logits: torch.Tensor | None,
+                   loss: torch.Tensor) -> None:
+            labels = batch["labels"]
+            sums[0] += loss.double()
+            sums[1] += len(labels)
+            if n > TOP_K:
+                top = logits.topk(TOP_K, dim=-1).indices
+                sums[2] += (top == labels[:, None]).any(-1).sum().double()
+            sums[3:] += torch.bincount(labels * n + logits.argmax(-1), minlength=n * n).double()
+
+        def finish(sums: torch.Tensor) -> dict[str, float]:
+            count = sums[1].clamp(min=1)
+            top = {"top5_accuracy": (sums[2] / count).item()} if n > TOP_K else {}
+            return {"loss": (sums[0] / count).item(), **classification_metrics(sums[3:].view(n, n)), **top}
+
+        return SumMetrics(3 + n * n, device, update, finish)
+
+    # --- the planner's dry run
+    def synthetic_batch(self, model: Any, micro: int, device: Any = None) -> dict[str, torch.Tensor]:
+        """A micro-batch of random images of the model's input size, and class 0 for each."""
+        config = getattr(model, "config", None)
+        size = getattr(config, "image_size", None) or SIZE
+        height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
+        channels = getattr(config, "num_channels", 3) or 3
+        return {"pixel_values": torch.randn(micro, channels, height, width, device=device),
+                "labels": torch.zeros(micro, dtype=torch.long, device=device)}
+
+    def synthetic_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Class 0 for every sample."""
+        return torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+
+    def logits_bytes(self, micro: int, tokens: int, vocab: int, num_labels: int) -> int:
+        """Negligible: one row of class scores per sample (counted with the activations)."""
+        return 0
+
+    def plan_note(self, c: Config) -> str | None:
+        """What the plan says of a model with batch norm: its statistics are the micro-batch's, so accumulation
+        is not exactly the big batch."""
+        if not has_batch_norm(c):
+            return None
+        return (f"{c.model} normalises with batch norm, whose statistics are each micro-batch's: with gradient "
+                "accumulation (micro-batches smaller than the effective batch) training is close to, not exactly, "
+                "the big batch; set micro_batch_size to the effective batch for the exact one, if it fits.")
+
+    # --- use after training
+    def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 0
+                ) -> list[dict[str, Any]]:
+        """The most likely class of each image file, with every class's probability."""
+        images = [open_image(path, None) for path in texts]
+        pixels = tokenizer.processor(images=images, return_tensors="pt")["pixel_values"]
+        probs = model(pixel_values=pixels.to(model.device)).logits.float().softmax(-1)
+        names = model.config.id2label
+        return [{"text": t, "label": names[int(p.argmax())],
+                 "probabilities": {names[i]: round(float(v), 4) for i, v in enumerate(p)}}
+                for t, p in zip(texts, probs, strict=True)]
+
+
+def _class_ids(table: Any, cols: Columns) -> bool:
+    """Whether the label column holds a `ClassLabel`'s ids, which are the class ids as they are."""
+    from datasets import ClassLabel
+
+    return isinstance(table.features.get(cols.label), ClassLabel)
+
+
+@functools.cache
+def _configured(path: str, trust_remote_code: bool) -> ImageClassification:
+    return ImageClassification(load_processor(path, trust_remote_code))
+
+
+KIND = ImageClassification()

@@ -1,0 +1,114 @@
+"""The app's image data: a zip of an image folder unpacked safely into the user's uploads (no member outside it, no
+links, bounded count and unpacked bytes, only images), and the grid of first images with their labels."""
+
+from __future__ import annotations
+
+import os
+import stat
+import zipfile
+from pathlib import Path
+
+import pytest
+from kind_cases.image_classification import DIGITS
+from test_app_access import ALICE, BOB, PASSWORDS
+
+from app.jobs.training import JobManager
+from app.mapping import COLUMN_FIELDS
+from app.tabs import handlers
+from app.train import images
+from finetune.errors import DataError
+
+
+def _zip(path: Path, members: dict[str, bytes], links: tuple[str, ...] = ()) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+        for name in links:
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (stat.S_IFLNK | 0o777) << 16
+            z.writestr(info, "/etc/passwd")
+    return path
+
+
+def _digits(prefix: str = "") -> dict[str, bytes]:
+    return {f"{prefix}{p.parent.name}/{p.name}": p.read_bytes() for p in sorted(DIGITS.rglob("*.png"))}
+
+
+def test_a_zipped_image_folder_is_unpacked_into_the_uploads_under_its_hash(tmp_path):
+    zipped = _zip(tmp_path / "digits.zip", {**_digits("digits/"), "digits/notes.txt": b"x",
+                                            "__MACOSX/digits/._0.png": b"junk"})
+    root = images.unpack_images(zipped, tmp_path / "uploads")
+    assert root.name == "digits" and root.parent.parent == tmp_path / "uploads"
+    assert root.parent.name.startswith("digits-")
+    assert sorted(p.name for p in root.iterdir()) == [str(d) for d in range(10)]
+    assert len(list(root.rglob("*.png"))) == 40 and not list(root.rglob("*.txt"))
+    assert not list((tmp_path / "uploads").glob(".*.part"))
+    assert images.unpack_images(zipped, tmp_path / "uploads") == root  # the same zip: unpacked once
+
+
+@pytest.mark.parametrize(("members", "links", "message"), [
+    ({"../evil/x.png": b"png"}, (), "points outside the folder it is unpacked in"),
+    ({"/etc/cron.d/x.png": b"png"}, (), "points outside the folder it is unpacked in"),
+    ({"C:/x/y.png": b"png"}, (), "points outside the folder it is unpacked in"),
+    ({"a/0.png": b"png"}, ("a/1.png",), "is a link"),
+    ({"a/b/c/d.png": b"png"}, (), "is nested too deep"),
+    ({"a.txt": b"text"}, (), "holds no images"),
+    ({"0.png": b"png", "1.png": b"png"}, (), "not in class subfolders"),
+])
+def test_an_unsafe_or_unusable_zip_is_refused_in_one_sentence_and_leaves_nothing(tmp_path, members, links, message):
+    zipped = _zip(tmp_path / "bad.zip", members, links)
+    with pytest.raises(DataError, match=message):
+        images.unpack_images(zipped, tmp_path / "uploads")
+    assert not (tmp_path / "evil").exists() and not Path("/etc/cron.d/x.png").exists()
+    left = list((tmp_path / "uploads").iterdir()) if (tmp_path / "uploads").exists() else []
+    assert [p for p in left if not p.is_dir() or any(p.rglob("*.png"))] == [] or message == "not in class subfolders"
+
+
+def test_counts_and_unpacked_bytes_are_bounded(tmp_path, monkeypatch):
+    zipped = _zip(tmp_path / "many.zip", _digits())
+    monkeypatch.setattr(images, "MAX_IMAGES", 39)
+    with pytest.raises(DataError, match="holds 40 images; an upload may hold at most 39"):
+        images.unpack_images(zipped, tmp_path / "a")
+    monkeypatch.setattr(images, "MAX_IMAGES", 1000)
+    monkeypatch.setattr(images, "MAX_UNPACKED_BYTES", 1000)
+    with pytest.raises(DataError, match="unpack to more than"):
+        images.unpack_images(zipped, tmp_path / "b")
+    assert not list((tmp_path / "b").iterdir())
+    (tmp_path / "not.zip").write_bytes(b"PK but not really")
+    with pytest.raises(DataError, match="not a readable zip"):
+        images.unpack_images(tmp_path / "not.zip", tmp_path / "c")
+
+
+def test_an_uploaded_zip_becomes_the_users_dataset_with_a_grid_of_labelled_images(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs = Path("runs")
+    ctl = handlers(runs, JobManager(runs), access=PASSWORDS)
+    gradio_copy = _zip(tmp_path / "digits.zip", _digits("digits/"))
+    none = [""] * len(COLUMN_FIELDS)
+    shown = ctl.dataset.on_upload(str(gradio_copy), "", "train", "image_classification", *none, request=ALICE)
+    assert shown.dataset.startswith("runs/uploads/alice/digits-") and shown.dataset.endswith("/digits")
+    assert shown.data.error == "" and not gradio_copy.exists()
+    assert not list((runs / "uploads" / "alice").glob("*.zip"))  # the images are kept, not their zip
+    grid = shown.data.images
+    assert grid["visible"] is True and len(grid["value"]) == images.GRID_IMAGES
+    assert {caption for _, caption in grid["value"]} <= {str(d) for d in range(10)}
+    # bob cannot preview alice's images, nor see them in a grid.
+    theirs = ctl.dataset.refresh_dataset(shown.dataset, "", "train", "image_classification", *none, request=BOB)
+    assert theirs.error and theirs.images.get("visible") is False
+    # Text data shows no grid.
+    csv = tmp_path / "t.csv"
+    csv.write_text("text,label\na b,x\nc d,y\n")
+    assert ctl.dataset.refresh_dataset(str(csv), "", "train", "classification", *none).images["visible"] is False
+    assert os.path.isdir(shown.dataset)
+
+
+def test_the_grid_leaves_out_paths_outside_the_data_files_folder(tmp_path):
+    import datasets
+
+    (tmp_path / "d").mkdir()
+    inside = tmp_path / "d" / "a.png"
+    inside.write_bytes((DIGITS / "1" / "1_1.png").read_bytes())
+    (tmp_path / "secret.png").write_bytes((DIGITS / "2" / "2_1.png").read_bytes())
+    table = datasets.Dataset.from_dict({"path": ["a.png", "../secret.png"], "label": ["one", "two"]})
+    shown = images.grid(table, "path", "label", str(tmp_path / "d" / "rows.csv"))
+    assert [caption for _, caption in shown] == ["one"]
