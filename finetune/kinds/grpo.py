@@ -62,6 +62,23 @@ def generation_seed(seed: int, step: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, step + 1, index]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
+class SeededSampling:
+    """A logits processor that samples the next token (temperature, then top-p, as transformers' warpers do) with
+    its own generator and leaves only that token possible, so that greedy decoding takes it."""
+
+    def __init__(self, generator: torch.Generator, temperature: float, top_p: float) -> None:
+        from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+        self.generator = generator
+        self.warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        token = torch.multinomial(torch.softmax(scores.float(), -1), 1, generator=self.generator)
+        return torch.full_like(scores, -torch.inf).scatter_(1, token, 0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPO:
     """The `TaskKind` of GRPO, with the run's rewards, generation and loss (`configured` makes one from a config)."""
@@ -226,11 +243,13 @@ class GRPO:
         try:
             for r, extra in enumerate(extras):
                 prompt = ids[r][mask[r].bool()].unsqueeze(0).expand(g, -1)
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                    torch.manual_seed(generation_seed(self.seed, step, int(extra["index"])))
-                    out = base.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
-                                        temperature=self.temperature, top_p=self.top_p, top_k=0,
-                                        max_new_tokens=t, pad_token_id=pad, eos_token_id=eos, use_cache=True)
+                generator = torch.Generator(device).manual_seed(generation_seed(self.seed, step, int(extra["index"])))
+                # Sampled by the processor with this prompt's own generator (the global one is shared by every
+                # thread and draw of the process), then taken greedily: `generate` and its cache do the rest.
+                out = base.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                    logits_processor=[SeededSampling(generator, self.temperature, self.top_p)],
+                                    max_new_tokens=t, pad_token_id=pad, eos_token_id=eos, use_cache=True,
+                                    temperature=None, top_p=None, top_k=None)
                 completions.append(out[:, prompt.shape[1]:])
         finally:
             base.train(was_training)
@@ -284,8 +303,8 @@ class GRPO:
         over the temperature (TRL's)."""
         t = self.completion_length
         ids = inputs["input_ids"]
-        out = model(input_ids=ids, attention_mask=inputs["attention_mask"], position_ids=inputs.get("position_ids"),
-                    logits_to_keep=t + 1)
+        out = model(input_ids=ids, attention_mask=inputs.get("attention_mask"),
+                    position_ids=inputs.get("position_ids"), logits_to_keep=t + 1)
         logits = out.logits[:, -t - 1:-1].float() / self.temperature
         return torch.gather(torch.log_softmax(logits, -1), 2, ids[:, -t:].unsqueeze(-1)).squeeze(-1)
 
@@ -356,7 +375,11 @@ class GRPO:
             batch = self.prepare_batch(model, {**inputs, "labels": labels}, step=EVAL_STEP)
             inputs, labels = {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
             logps = self.embed(model, inputs)
-            return self.window_loss_sum(self.as_samples(logps, len(labels)), labels), self.stats(labels, logps)
+            # Evaluation's loss is each completion's own (per-token mean, advantages within its group), so that it
+            # does not depend on how the held-out prompts are batched.
+            own = dataclasses.replace(self, loss_type="grpo",
+                                      scale_rewards="none" if self.scale_rewards == "none" else "group")
+            return own.window_loss_sum(self.as_samples(logps, len(labels)), labels), self.stats(labels, logps)
         logps = self.embed(model, inputs)
         return self.window_loss_sum(self.as_samples(logps, len(labels)), labels), logps
 
