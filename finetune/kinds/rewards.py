@@ -161,9 +161,11 @@ def _normalised(answer: str) -> str | float:
 
 
 def exact_match(completion: str, answer: Any) -> float:
-    """1.0 when the completion's final answer equals the answer's (itself read the same way), else 0.0."""
-    truth = final_answer(str(answer)) if answer is not None else None
-    truth = truth if truth is not None else str(answer)
+    """1.0 when the completion's final answer equals the answer (its final answer, for a worked answer with
+    `####` or `\\boxed{}`), else 0.0."""
+    truth = str(answer)
+    if "####" in truth or "\\boxed{" in truth:  # a worked answer (GSM8K's, MATH's): its final answer
+        truth = final_answer(truth) or truth
     mine = final_answer(completion)
     return float(mine is not None and _normalised(mine) == _normalised(truth))
 
