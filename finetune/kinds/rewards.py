@@ -288,6 +288,9 @@ def config_problems(c: Any) -> list[str]:
     if c.effective_batch_size is None and not (c.micro_batch_size and c.grad_accum_steps) and DEFAULT_BATCH % g:
         found.append(f"The default effective_batch_size={DEFAULT_BATCH} is not a whole number of groups of "
                      f"num_generations={g}: set `effective_batch_size` to a multiple of {g}.")
+    if c.num_iterations > 1:
+        found.append(f"`num_iterations`={c.num_iterations} is not built yet (the same completions trained again): "
+                     "use num_iterations=1.")
     if c.epsilon_high is not None and c.epsilon_high < c.epsilon:
         found.append(f"`epsilon_high`={c.epsilon_high} is below `epsilon`={c.epsilon}: the upper clipping range "
                      "is at least the lower one.")
