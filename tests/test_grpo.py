@@ -276,3 +276,21 @@ def test_exact_match_needs_an_answer_column(tmp_path, tiny_gpt2):
     data = load_data(c, load_tokenizer(c))[0]
     extras = json.loads(data.columns([0]).column("extras")[0].as_py())
     assert extras == {"index": 0, "prompt": "What is 1 + 1?", "answer_column": "result", "columns": {"result": 2}}
+
+
+def test_the_sample_config_is_valid_and_its_data_encodes(tiny_gpt2):
+    """assets/grpo.yaml validates, and its arithmetic sample encodes with its answers for exact_match."""
+    from conftest import ROOT
+
+    from finetune.config.schema import load
+    from finetune.data.load import load_data
+    from finetune.models.pretrained import load_tokenizer
+
+    c = load(ROOT / "assets" / "grpo.yaml").replace(model=tiny_gpt2, dataset=str(ROOT / "assets" /
+                                                                                  "arithmetic_sample.jsonl"))
+    assert c.rewards[0] == "exact_match" and c.effective_batch_size % c.num_generations == 0
+    train, held_out, _ = load_data(c, load_tokenizer(c))
+    assert len(train) + len(held_out) == 200
+    row = json.loads(train.columns([0]).column("extras")[0].as_py())
+    assert row["answer_column"] == "answer" and row["prompt"].startswith("Question: What is")
+    assert rewards.exact_match("... so #### " + row["columns"]["answer"], row["columns"]["answer"]) == 1.0

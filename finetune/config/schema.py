@@ -298,6 +298,8 @@ def _coerce_list(name: str, value: Any) -> tuple[Any, str | None]:
     if value is None or value is False:
         return (), None
     items = value.split(",") if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)):  # numbers (GRPO's reward_weights) as written
+        items = [str(i) if isinstance(i, (int, float)) and not isinstance(i, bool) else i for i in items]
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
         return None, f"`{name}` must be a list of names or a comma-separated string, not {summary(value)}."
     names = [i.strip() for i in items if i.strip() and i.strip().lower() not in ("none", "null")]
