@@ -25,6 +25,7 @@ from typing import Any
 
 from finetune.config.schema import DEFAULT_MODEL, Config, sources
 from finetune.errors import summary
+from finetune.kinds.rewards import parse_all
 
 ANYONE = "anyone"  # the one user of an `open` server
 USERS_VAR, PASSWORD_VAR, ALLOWED_VAR = "FINETUNE_USERS", "FINETUNE_PASSWORD", "FINETUNE_ALLOWED_USERS"
@@ -231,6 +232,12 @@ class Access:
         for what, kind, value in sources(config):
             if kind != "output":  # the run folder: `resolve_output_dir` confines it to the user's folder
                 self.check_source(value, what, readable, kind)
+        for reward in parse_all(config.rewards):  # the config checked them: every name parses
+            if reward.runs_code:
+                raise AccessError(f"Reward {summary(reward.argument, 120)} runs the file's Python code, which a "
+                                  "shared server does not: use a built-in reward or a reward model.")
+            if reward.kind == "reward_model":
+                self.check_source(reward.argument, "rewards", readable, "model")
 
 
 def _model_is_local(name: str) -> bool:

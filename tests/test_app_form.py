@@ -89,7 +89,8 @@ def test_a_local_file_has_no_hub_config_or_split_and_one_resume_and_push(tmp_pat
     assert out.fields["dataset_config"] == gr.update(visible=False) and out.chat_example == gr.skip()
     # Another kind's option goes back to its default as it hides (the config would refuse it unseen); columns,
     # hub fields and the one-control fields keep their values.
-    assert out.fields["beta"] == gr.update(visible=False, value=FIELDS["beta"].default)
+    assert out.fields["beta"] == gr.update(visible=False, value="")  # its default, unset (an empty number box)
+    assert FIELDS["beta"].default is None
     assert out.fields["resume"] == gr.update(visible=False) and out.fields["push_to_hub"] == gr.update(visible=False)
     regression = _controller(tmp_path).form.form_fields("regression", "a/b")
     assert regression.chat_example == gr.update(visible=False) and regression.fields["train_split"]["visible"]

@@ -51,9 +51,14 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "chunked_loss": {"task": "causal_lm"},
     **{key: {"task": "embedding"} for key in ("anchor_column", "positive_column", "negative_column", "score_column")},
     **{key: {"task": "seq2seq"} for key in ("source_column", "target_column", "source_prefix")},
+    "answer_column": {"task": "grpo", "rewards": ["exact_match"]},
+    "rewards": {"task": "grpo"},
+    "reward_weights": {"task": "grpo", "rewards": ["exact_match", "length:10"]},
+    "num_generations": {"task": "grpo", "rewards": ["exact_match"], "effective_batch_size": 36},
 }
 # Structured options, which the schema's type and bounds cannot derive a sample for.
-SAMPLES: dict[str, Any] = {"tasks": [{"name": "a", "dataset": "a.csv"}, {"name": "b", "dataset": "b.csv",
+SAMPLES: dict[str, Any] = {"rewards": ("exact_match", "regex:#### \\d+"), "reward_weights": ("1.0", "0.5"),
+                           "tasks": [{"name": "a", "dataset": "a.csv"}, {"name": "b", "dataset": "b.csv",
                                                                         "weight": 0.5}]}
 
 

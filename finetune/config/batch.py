@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from finetune.config.schema import DEFAULT_EFFECTIVE_BATCH, Config
 from finetune.errors import ConfigError
@@ -62,3 +63,14 @@ def resolve_batch(c: Config, num_processes: int = 1) -> BatchSplit:
     micro = micro or per_process // (accum or 1)
     return BatchSplit(micro_batch_size=micro, grad_accum_steps=per_process // micro, num_processes=n,
                       effective_batch_size=eff)
+
+
+def samples_of(count: int, kind: Any) -> int:
+    """Samples (data rows) in `count` of what the batch sizes count: the same for every kind but one whose sample is
+    several counted units (GRPO's group of G completions: `counted_per_sample`), which its config check keeps whole."""
+    return count // getattr(kind, "counted_per_sample", 1)
+
+
+def counted(samples: int, kind: Any) -> int:
+    """What the batch sizes count in `samples` data rows (`samples_of` undone)."""
+    return samples * getattr(kind, "counted_per_sample", 1)

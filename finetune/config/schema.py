@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib
 import math
 import types
 import typing
@@ -297,6 +298,8 @@ def _coerce_list(name: str, value: Any) -> tuple[Any, str | None]:
     if value is None or value is False:
         return (), None
     items = value.split(",") if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)):  # numbers (GRPO's reward_weights) as written
+        items = [str(i) if isinstance(i, (int, float)) and not isinstance(i, bool) else i for i in items]
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
         return None, f"`{name}` must be a list of names or a comma-separated string, not {summary(value)}."
     names = [i.strip() for i in items if i.strip() and i.strip().lower() not in ("none", "null")]
@@ -362,7 +365,7 @@ def _check_field(name: str, value: Any) -> str | None:
     if value is None:
         return None
     if isinstance(value, tuple):
-        unknown = [v for v in value if v not in meta["choices"]]
+        unknown = [v for v in value if v not in meta["choices"]] if meta["choices"] else []
         if unknown:
             return f"`{name}` takes {', '.join(meta['choices'])}, not {', '.join(map(summary, unknown[:5]))}."
         return None
@@ -439,6 +442,9 @@ def _cross_checks(c: Config) -> list[str]:
             problems.append(f"`{key}` has {len(value):,} characters, more than a folder's path (at most "
                             f"{MAX_PATH_CHARS:,}) or a Hub id (at most 96) has: give a model folder or a Hub id.")
     problems += _long_document_checks(c)
+    if c.task in TASKS and (checks := kinds.entry(c.task).config_checks):  # a kind's own options together
+        module, _, function = checks.partition(":")
+        problems += getattr(importlib.import_module(module), function)(c)
     problems += exclusions.problems(c)  # the features that do not combine, and those a kind does not take
     problems += _quantization_checks(c)
     if c.max_steps is None and c.epochs <= 0:

@@ -11,7 +11,10 @@ micro-batches and processes (Gao et al., "Scaling Deep Contrastive Learning Batc
 
 The kind provides `embed(model, inputs)` (a micro-batch's outputs, one row per sequence), `window_loss_sum(samples,
 labels)` (the loss of a whole window of samples, as a sum its target count divides) and `as_samples`/`as_rows`
-(a micro-batch's rows as samples (B, g, d), and back).
+(a micro-batch's rows as samples (B, g, d), and back). A kind whose samples are made before they are scored has
+`prepare_batch(model, batch, step=…)` too (GRPO: a micro-batch of prompts → its generated groups, their rewards in
+the labels), called once per micro-batch before its outputs are cached; the replay reuses the prepared batch, and
+`step` (the optimizer step) lets the kind seed what it draws so that it does not depend on the split.
 """
 
 from __future__ import annotations
@@ -67,11 +70,14 @@ def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def cached_backward_window(model: Any, micro: list[list[int]],
                            collate_fn: Callable[[list[int]], dict[str, torch.Tensor]], count: int,
-                           dist: Distributed, *, kind: TaskKind, weight: float = 1.0) -> torch.Tensor:
+                           dist: Distributed, *, kind: TaskKind, weight: float = 1.0, step: int = 0,
+                           observe: Callable[[dict[str, torch.Tensor], Any, torch.Tensor | None], None] | None = None
+                           ) -> torch.Tensor:
     """Forward and backward this process's micro-batches of one window by gradient caching, leaving the gradient of
     the global window's `window_loss_sum / count` in the parameters; returns this process's share of that loss sum
     (its samples' part, so that the sum over processes is the window's). A stand-in (`weight` 0) joins every
-    collective with no samples of its own."""
+    collective with no samples of its own. `observe(batch, outputs, None)` sees each micro-batch's cached outputs
+    (a metric accumulator's `add`)."""
     dist.gradient_accumulation_steps = len(micro)
     dist.step = 0
     batches, states, samples = [], [], []
@@ -80,9 +86,14 @@ def cached_backward_window(model: Any, micro: list[list[int]],
     with torch.no_grad():
         for mb in micro:
             batch = {k: v.to(dist.device) for k, v in collate_fn(mb).items()}
+            if hasattr(kind, "prepare_batch"):  # samples made before they are scored (GRPO's generated groups)
+                batch = kind.prepare_batch(model, batch, step=step)
             states.append(RandomState(dist.device))
-            samples.append(kind.as_samples(kind.embed(model, _inputs(batch)).float(), len(batch["labels"])))
+            outputs = kind.embed(model, _inputs(batch)).float()
+            samples.append(kind.as_samples(outputs, len(batch["labels"])))
             batches.append(batch)
+            if observe is not None and weight:
+                observe(batch, outputs, None)
     mine = torch.cat(samples) if weight else samples[0][:0]
     labels = torch.cat([b["labels"] for b in batches]) if weight else batches[0]["labels"][:0]
     # 2. The loss over the global window, on every process, and its gradient with respect to the embeddings.

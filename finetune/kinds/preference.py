@@ -62,6 +62,11 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return (picked * mask).sum(-1), mask.sum(-1)
 
 
+def beta_of(c: Config) -> float:
+    """The preference term's β: `beta` when set (GRPO shares the option, with another default), else 0.1."""
+    return Preference.beta if c.beta is None else c.beta
+
+
 def reference_strategy(loss: str, *, lora: bool, reference_model: str | None, precompute: str,
                        streaming: bool) -> str:
     """Where the reference's log-probabilities come from, the cheapest first: none (SimPO, ORPO), the model with
@@ -95,12 +100,12 @@ class Preference:
         plan, as it trains)."""
         strategy = reference_strategy(c.preference_loss, lora=c.lora == "true", reference_model=c.reference_model,
                                       precompute=c.precompute_reference, streaming=c.streaming)
-        return _configured(c.preference_loss, c.beta, c.simpo_gamma, c.orpo_lambda, c.reference_model, c.model,
+        return _configured(c.preference_loss, beta_of(c), c.simpo_gamma, c.orpo_lambda, c.reference_model, c.model,
                            strategy)
 
     def card_rows(self, c: Config) -> list[tuple[str, Any]]:
         """The model card's rows for the method and its weights (those its loss uses)."""
-        return [("preference_loss", c.preference_loss), ("beta", c.beta)] + \
+        return [("preference_loss", c.preference_loss), ("beta", beta_of(c))] + \
             ([("simpo_gamma", c.simpo_gamma)] if c.preference_loss == "simpo" else []) + \
             ([("orpo_lambda", c.orpo_lambda)] if c.preference_loss == "orpo" else []) + \
             ([("reference_model", c.reference_model)] if c.reference_model else [])

@@ -26,7 +26,9 @@ class Option:
     kind alone; the other kinds hold its default)."""
 
     name: str  # the key, as config.yaml and `key=value` spell it
-    type: type  # str, bool, int or float; with a default of None the option may also be unset
+    # str, bool, int or float; with a default of None the option may also be unset; tuple: a list of strings
+    # (a YAML list, or comma-separated), default ()
+    type: type
     default: Any
     help: str  # one or two sentences, starting with the kind's name ("Token classification: …")
     choices: tuple[str, ...] | None = None
@@ -37,7 +39,9 @@ class Option:
 
     @property
     def annotation(self) -> str:
-        """The field's type as the schema writes it ("float | None")."""
+        """The field's type as the schema writes it ("float | None"; `tuple`: a list of strings)."""
+        if self.type is tuple:
+            return "tuple[str, ...]"
         return self.type.__name__ + (" | None" if self.default is None else "")
 
 
@@ -48,8 +52,9 @@ PREFERENCE_OPTIONS = (
     Option("preference_loss", str, "dpo", "Preference: the loss: dpo (against a reference), ipo (DPO's squared, "
            "per-token form), simpo (length-normalised, no reference) or orpo (likelihood + odds ratio, no "
            "reference).", choices=("dpo", "ipo", "simpo", "orpo"), group="advanced"),
-    Option("beta", float, 0.1, "Preference: β, the strength of the preference term (DPO/IPO's KL weight, SimPO's "
-           "reward scale).", min=1e-6, max=100.0, group="advanced"),
+    Option("beta", float, None, "Preference: β, the strength of the preference term (DPO/IPO's KL weight, SimPO's "
+           "reward scale; default 0.1). GRPO: the weight of the KL penalty to the reference (default 0: no "
+           "reference).", min=0.0, max=100.0, group="advanced"),
     Option("simpo_gamma", float, 0.5, "Preference, simpo: the target reward margin γ.", min=0.0, max=100.0,
            group="advanced"),
     Option("orpo_lambda", float, 1.0, "Preference, orpo: λ, the weight of the odds-ratio term beside the "
@@ -61,6 +66,43 @@ PREFERENCE_OPTIONS = (
            "once before training and keep them in the data cache, so that no reference is in memory while training "
            "(auto: unless LoRA's adapter-off base is the reference, or the data is streamed; false: a frozen copy "
            "beside the model).", choices=("auto", "true", "false"), group="advanced"),
+)
+
+
+# GRPO's options (TRL's names): its rewards, its generation and its loss.
+GRPO_SETTINGS = ("rewards", "reward_weights", "num_generations", "max_completion_length", "temperature", "top_p",
+                 "loss_type", "epsilon", "epsilon_high", "beta", "scale_rewards", "num_iterations")
+GRPO_OPTIONS = (
+    Option("answer_column", str, None, "GRPO: the column exact_match compares with (default 'answer', 'solution' or "
+           "'ground_truth' when present); every column besides the prompt reaches the reward functions."),
+    Option("rewards", tuple, (), "GRPO: the reward functions, summed with `reward_weights`: exact_match, "
+           "regex:PATTERN (1 when found), format:PATTERN (1 when the whole completion matches), length:N (closer to "
+           "N tokens is better), reward_model:PATH (a task=reward run or a one-output classifier), or, on the CLI "
+           "and a local app only, file.py:function (TRL's signature).", group="main",
+           # Marked as naming files; a list, which the schema's walk of sources passes over: a shared server's
+           # `app.access.Access.check_config` parses each reward (a Python file refused, a reward model checked as a
+           # model).
+           source="file"),
+    Option("reward_weights", tuple, (), "GRPO: one weight per reward (default: all 1).", group="advanced"),
+    Option("num_generations", int, 8, "GRPO: completions generated per prompt (G, a group); `micro_batch_size` and "
+           "`effective_batch_size` count completions, whole groups.", min=2, max=1024, group="main"),
+    Option("max_completion_length", int, 256, "GRPO: the most tokens a completion may have (prompts are cut to "
+           "`max_length`).", min=1, max=131072, group="advanced"),
+    Option("temperature", float, 1.0, "GRPO: the sampling temperature of generation (the log-probabilities are "
+           "of the logits over it, as TRL's).", min=1e-3, max=100.0, group="advanced"),
+    Option("top_p", float, 1.0, "GRPO: nucleus sampling's probability mass.", min=1e-3, max=1.0, group="advanced"),
+    Option("loss_type", str, "dapo", "GRPO: how the per-token losses are averaged: grpo (per completion, then over "
+           "completions), bnpo and dapo (over the window's tokens), dr_grpo (over completions × "
+           "max_completion_length).", choices=("grpo", "bnpo", "dr_grpo", "dapo"), group="advanced"),
+    Option("epsilon", float, 0.2, "GRPO: the clipping range of the probability ratio (its lower side).", min=0.0,
+           max=10.0, group="advanced"),
+    Option("epsilon_high", float, None, "GRPO: the upper clipping range (default `epsilon`; DAPO uses 0.28).",
+           min=0.0, max=10.0, group="advanced"),
+    Option("scale_rewards", str, "group", "GRPO: advantages divided by the standard deviation of the group's "
+           "rewards, of the window's, or not at all (Dr. GRPO).", choices=("group", "batch", "none"),
+           group="advanced"),
+    Option("num_iterations", int, 1, "GRPO: optimizer steps per generated window (μ): the same completions "
+           "trained again, their probability ratio clipped.", min=1, max=64, group="advanced"),
 )
 
 
@@ -138,6 +180,9 @@ class Entry:
     # What a sample is to the model: "tokens" (`input_ids`, tokenised when the data is encoded) or "images" (each
     # row keeps its image's path or bytes; the kind's `collate_rows` decodes them into `pixel_values`).
     inputs: str = "tokens"
+    # Config checks of its own options together (`module:function`, a module that imports nothing heavy, called with
+    # the config; it returns one sentence per problem): GRPO's rewards and its batch of whole groups.
+    config_checks: str = ""
 
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in (
@@ -330,6 +375,27 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                     "split_documents": "an image is classified whole"},
           presets=("google/vit-base-patch16-224-in21k", "facebook/convnext-tiny-224", "microsoft/resnet-50",
                    "facebook/dinov2-small")),
+    Entry(name="grpo", module="finetune.kinds.grpo",
+          summary="online reinforcement learning with reward functions (GRPO, DAPO, Dr. GRPO)",
+          columns=("prompt_column", "answer_column"),
+          own_columns=(("answer_column",),),
+          uses="`prompt_column` (and `answer_column` for exact_match)",
+          column_reasons={"answer_column": "it is what a GRPO run's exact_match reward compares with"},
+          auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
+          pipeline_tag="text-generation", example="What is 2 + 3?",
+          # A tuned model is a causal LM: a saved one is told as causal_lm, which comes first.
+          architectures=("ForCausalLM", "LMHeadModel"),
+          metrics=("reward",),
+          settings=GRPO_SETTINGS, declares=GRPO_OPTIONS, generates=True, exports=("merged", "gguf"),
+          # Besides these, `rewards/<name>/mean` per reward and `kl` when `beta` > 0 (the configured kind's own
+          # `step_metrics`).
+          step_metrics=("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio", "clip_ratio"),
+          refusals={"packing": "a GRPO prompt is generated from and scored on its own, not packed",
+                    "segment_recurrence": "a GRPO completion is scored whole; turn it off",
+                    "split_documents": "a GRPO prompt is generated from whole, so it cannot be split; use "
+                                       "long_documents=truncate (or auto)"},
+          whole_window=True, config_checks="finetune.kinds.rewards:config_problems",
+          try_view="text", chat_when="template"),
 )}
 OPTION_KEYS = tuple(dict.fromkeys(key for e in ENTRIES.values() for key in e.options))  # every kind's own options
 DEFAULT = "classification"

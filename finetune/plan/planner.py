@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from finetune.config.batch import BatchSplit, divisors, resolve_batch
+from finetune.config.batch import BatchSplit, counted, divisors, resolve_batch
 from finetune.config.schema import Config
 from finetune.engine.recurrence import Recurrence, check_run
 from finetune.engine.runtime import device_memory, resolve_precision
@@ -181,14 +181,17 @@ def _micro_candidates(c: Config, batch: BatchSplit) -> list[int]:
     """Micro-batch sizes to consider, largest first: every divisor of a process's share, or the user's own."""
     if c.micro_batch_size or c.grad_accum_steps:
         return [batch.micro_batch_size]  # the user fixed the split: check it, don't change it
-    return divisors(batch.per_process)[::-1]
+    whole = counted(1, configured(c))  # micro-batches of whole samples (GRPO's groups of completions)
+    return [d for d in divisors(batch.per_process)[::-1] if d % whole == 0]
 
 
 def worst_case_tokens(c: Config, lengths: Any) -> int:
     """The longest sample (a list or a numpy array of lengths), or `max_length` when the lengths are not known yet
     (a stream before its first window)."""
     # numpy's max: Python's iterates a 6 M-sample array element by element (a quarter of a second per pass).
-    return int(np.max(lengths)) if len(lengths) else c.max_length
+    # A kind that generates (GRPO) trains on the prompt and its completion.
+    generated = getattr(configured(c), "generated_tokens", 0)
+    return (int(np.max(lengths)) if len(lengths) else c.max_length) + generated
 
 
 def may_pad(lengths: Any) -> bool:

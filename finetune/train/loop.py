@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
 
-from finetune.config.batch import BatchSplit, divisors, resolve_batch
+from finetune.config.batch import BatchSplit, counted, divisors, resolve_batch, samples_of
 from finetune.config.schema import Config
 from finetune.data.load import Encoded, windows_per_epoch
 from finetune.data.mixing import MultiData
@@ -132,7 +132,8 @@ class Setup:
         # Logits over a vocabulary grow with the batch; a kind whose logits the planner does not count has small
         # ones.
         large = self.kind.logits_bytes(1, 1, 1, 1) == 0 and self.config.gradient_checkpointing != "true"
-        return (EVAL_BATCHES_LARGE if large else EVAL_BATCHES) * self.batch.micro_batch_size
+        return (EVAL_BATCHES_LARGE if large else EVAL_BATCHES) * max(samples_of(self.batch.micro_batch_size, self.kind),
+                                                                     1)
 
 
 def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Callable[[Event], None]] | None = None
@@ -161,7 +162,7 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     with rundir.disk_full_is_one_sentence(s.run_dir, lambda m: s.log.emit(Error(message=m, exit_code=1))), \
             s.log.recording_failures():
         while p.step < s.total_steps:
-            windows = s.train_data.windows(s.batch.effective_batch_size, seed=c.seed, epoch=p.epoch,
+            windows = s.train_data.windows(samples_of(s.batch.effective_batch_size, s.kind), seed=c.seed, epoch=p.epoch,
                                            shuffle=c.shuffle, group_by_length=c.group_by_length)
             for w in range(p.window, len(windows)):
                 window = windows[w]
@@ -175,7 +176,7 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                 grad_norm, skipped = optimizer_step(params, optimizer, scheduler, accelerator, c.max_grad_norm)
                 window_loss, task_losses = s.variant.window_loss(s, window_loss_sum, count)
                 p.step += 1
-                p.samples += len(window)
+                p.samples += counted(len(window), s.kind)  # GRPO counts completions, G per prompt
                 p.tokens += s.train_data.num_tokens(window)
                 p.skipped += int(skipped)
                 p.skipped_in_a_row = p.skipped_in_a_row + 1 if skipped else 0
@@ -223,7 +224,9 @@ def _back_off(s: Setup) -> None:
         # Another process may already wait in the gradient all-reduce; they cannot re-split together.
         raise TrainingError(f"Out of memory at micro_batch_size={old.micro_batch_size} with several processes: set "
                             "a smaller micro_batch_size or memory_budget_gb and restart (resume=true keeps progress).")
-    smaller = next((d for d in reversed(divisors(old.per_process)) if d <= old.micro_batch_size // 2), None)
+    whole = counted(1, s.kind)  # a micro-batch of whole samples (GRPO: whole groups)
+    smaller = next((d for d in reversed(divisors(old.per_process))
+                    if d <= old.micro_batch_size // 2 and d % whole == 0), None)
     if smaller is None:
         raise TrainingError("Out of memory even at micro_batch_size=1: lower max_length, set lora=true or "
                             "gradient_checkpointing=true, or use a smaller model or a larger device.")
@@ -268,7 +271,7 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     if note:
         plan = dataclasses.replace(plan, notes=(note, *plan.notes))
     c = plan.apply(c)
-    steps_per_epoch = windows_per_epoch(len(train_data), plan.batch.effective_batch_size)
+    steps_per_epoch = windows_per_epoch(len(train_data), samples_of(plan.batch.effective_batch_size, configured(c)))
     total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
     optimizer = make_optimizer(c, model)
     scheduler = make_scheduler(c, optimizer, total_steps)

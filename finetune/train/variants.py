@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from finetune.config.batch import samples_of
 from finetune.config.schema import Config
 from finetune.data.load import collate, load_data
 from finetune.data.mixing import MultiData, load_tasks
@@ -86,6 +87,11 @@ def global_count(s: Setup, indices: list[int]) -> int | tuple[int, ...]:
     return tuple(int(v) for v in total.tolist()) if isinstance(local, tuple) else int(total.item())
 
 
+def step_metric_names(kind: Any) -> tuple[str, ...]:
+    """The kind's step metrics: its configured object's own (GRPO's, one per reward), else its entry's."""
+    return getattr(kind, "step_metrics", kind.entry.step_metrics)
+
+
 class SingleTask:
     """One dataset, one model: the plain loop."""
 
@@ -116,8 +122,8 @@ class SingleTask:
     def backward(self, s: Setup, window: list[int]) -> tuple[torch.Tensor, int]:
         """This process's share of the window, each micro-batch's loss sum scaled by the window's target count."""
         accelerator = s.accelerator
-        micro, weight = share_of(window, s.train_data.lengths, s.batch.micro_batch_size, accelerator.process_index,
-                                 accelerator.num_processes)
+        micro, weight = share_of(window, s.train_data.lengths, samples_of(s.batch.micro_batch_size, s.kind),
+                                 accelerator.process_index, accelerator.num_processes)
         # Count the window's targets over all processes *before* its first backward: every micro-batch's loss sum
         # is divided by this one number, which is what makes k·B and (B, k) identical.
         count = global_count(s, [i for mb in micro for i in mb] if weight else [])  # a stand-in counts for nothing
@@ -126,20 +132,21 @@ class SingleTask:
     def _backward(self, s: Setup, micro: list[list[int]], count: int, weight: float) -> torch.Tensor:
         # A fresh accumulator per call: a window retried after an OOM back-off counts once. A stand-in (weight 0)
         # adds nothing but still joins the reduction.
-        if s.kind.entry.whole_window:  # in-batch negatives: the loss over the whole window, by gradient caching
-            return cached_backward_window(s.model, micro, self._collate(s), count, s.accelerator, kind=s.kind,
-                                          weight=weight)
         acc = self._window_metrics = s.kind.metrics(s.label_names, s.accelerator.device) \
             if s.kind.entry.step_metrics else None
+        observe = acc.add if acc is not None and weight else None
+        if s.kind.entry.whole_window:  # a loss over the whole window (in-batch negatives, GRPO's groups)
+            return cached_backward_window(s.model, micro, self._collate(s), count, s.accelerator, kind=s.kind,
+                                          weight=weight, step=s.progress.step, observe=observe)
         return backward_window(s.model, micro, self._collate(s), count, s.accelerator, kind=s.kind, weight=weight,
-                               observe=acc.add if acc is not None and weight else None)
+                               observe=observe)
 
     def step_metrics(self, s: Setup) -> dict[str, float] | None:
         """The entry's `step_metrics` of the last window's batches, reduced over processes like an evaluation."""
         if self._window_metrics is None:
             return None
         result = self._window_metrics.result(AcrossProcesses(s.accelerator))
-        return {k: result[k] for k in s.kind.entry.step_metrics if k in result}
+        return {k: result[k] for k in step_metric_names(s.kind) if k in result}
 
     def window_loss(self, s: Setup, loss_sum: torch.Tensor, count: int) -> tuple[float, None]:
         """The summed loss over the window's target count."""

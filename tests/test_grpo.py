@@ -1,0 +1,296 @@
+"""GRPO's own tests (the kind contract, tests/test_contract.py, checks its exactness over splits and processes for every
+loss type from tests/kind_cases/grpo.py): each loss type against TRL's `GRPOTrainer._compute_loss` on the same
+completions, advantages and log-probabilities; advantages against TRL's formula; seeded completions; each built-in
+reward, a reward model and a Python function as rewards; the refusals."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kind_cases.grpo import REWARD
+
+from finetune.config.schema import from_dict
+from finetune.errors import ConfigError
+from finetune.kinds import rewards
+from finetune.kinds.grpo import GRPO, generation_seed
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def _trl_self(kind: GRPO, t: int, logps: torch.Tensor) -> SimpleNamespace:
+    """As much of a GRPOTrainer as its `_compute_loss` reads, its log-probabilities being `logps`."""
+    dev = SimpleNamespace(num_processes=1, reduce=lambda x, reduction="sum": x, gather=lambda x: x)
+    return SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
+        beta=kind.beta, loss_type=kind.loss_type, epsilon_low=kind.epsilon,
+        epsilon_high=kind.epsilon if kind.epsilon_high is None else kind.epsilon_high, use_vllm=False,
+        vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, max_completion_length=t, accelerator=dev,
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)})
+
+
+def _window(n: int = 3, g: int = 4, t: int = 5, r: int = 2, seed: int = 0):
+    """A window's per-token log-probabilities, old and reference ones, masks of uneven lengths and rewards."""
+    gen = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(n * g, t, generator=gen) * 3
+    old = logps + 0.3 * torch.randn(n * g, t, generator=gen)  # far enough for the ratio to be clipped
+    ref = logps + 0.5 * torch.randn(n * g, t, generator=gen)
+    lengths = torch.randint(1, t + 1, (n * g,), generator=gen)
+    mask = (torch.arange(t) < lengths[:, None]).float()
+    scores = torch.randint(0, 3, (n * g, r), generator=gen).float()
+    return logps, old, ref, mask, scores
+
+
+def _labels(old, ref, mask, scores, n, g):
+    cut = (mask[:, -1] == 1).float()[:, None]
+    return torch.cat([mask, old, ref, cut, scores], 1).view(n, g, -1)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_each_loss_type_is_trls(loss_type, beta):
+    """Our window loss over its completion count, and its gradient in the log-probabilities, equal TRL's
+    `_compute_loss` on one batch of the same completions, advantages, old and reference log-probabilities."""
+    from trl import GRPOTrainer
+
+    n, g, t = 3, 4, 5
+    logps, old, ref, mask, scores = _window(n, g, t)
+    kind = GRPO(rewards=("exact_match", "length:3"), weights=(1.0, 0.5), generations=g, completion_length=t,
+                loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28)
+    labels = _labels(old, ref, mask, scores, n, g)
+    ours_in = logps.clone().requires_grad_(True)
+    ours = kind.window_loss_sum(kind.as_samples(ours_in, n), labels) / (n * g)
+    ours.backward()
+    theirs_in = logps.clone().requires_grad_(True)
+    inputs = {"prompt_ids": torch.zeros(n * g, 2, dtype=torch.long), "prompt_mask": torch.ones(n * g, 2),
+              "completion_ids": torch.zeros(n * g, t, dtype=torch.long), "completion_mask": mask,
+              "advantages": kind.advantages(scores.view(n, g, -1)).reshape(-1), "old_per_token_logps": old,
+              "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
+    theirs = GRPOTrainer._compute_loss(_trl_self(kind, t, theirs_in), None, inputs)
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-5, atol=1e-8)
+    assert ours_in.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_are_trls(scale):
+    """TRL's sum_then_normalize advantages (its `nanstd`, the 1e-4), weights applied, over each group or the
+    batch; a completion no reward scored gets 0."""
+    from trl.trainer.utils import nanstd
+
+    n, g = 3, 4
+    scores = _window(n, g)[4]
+    scores[1, :] = torch.nan  # every function returned None
+    weights = torch.tensor([1.0, 0.5])
+    kind = GRPO(rewards=("exact_match", "length:3"), weights=(1.0, 0.5), generations=g, scale_rewards=scale)
+    rewards = (scores * weights).nansum(1)
+    rewards[torch.isnan(scores).all(1)] = torch.nan
+    mean = torch.nanmean(rewards.view(-1, g), 1).repeat_interleave(g)
+    std = nanstd(rewards.view(-1, g), dim=1).repeat_interleave(g) if scale != "batch" else \
+        nanstd(rewards).expand_as(rewards)
+    expected = rewards - mean
+    if scale != "none":
+        expected = expected / (std + 1e-4)
+    expected = torch.nan_to_num(expected, nan=0.0)
+    torch.testing.assert_close(kind.advantages(scores.view(n, g, -1)).reshape(-1), expected)
+
+
+# --- generation
+
+
+def _kind(tiny_gpt2: str, **extra) -> GRPO:
+    values = {"task": "grpo", "model": tiny_gpt2, "rewards": REWARD, "num_generations": 4,
+              "max_completion_length": 5, **extra}
+    from finetune.kinds.registry import configured
+
+    return configured(from_dict(values))
+
+
+def _prompts(tiny_gpt2: str, kind: GRPO, texts: list[str], first: int = 0) -> dict[str, torch.Tensor]:
+    """A collated micro-batch of prompts, the rows numbered from `first`."""
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_gpt2)
+    ids = [tok(t)["input_ids"] for t in texts]
+    extras = [json.dumps({"index": first + i, "prompt": t, "answer_column": None, "columns": {}})
+              for i, t in enumerate(texts)]
+    return kind.collate_rows(pa.table({"input_ids": ids, "extras": extras}), tok.pad_token_id)
+
+
+def test_completions_are_seeded_per_prompt_and_step(tiny_gpt2):
+    """A prompt's completions are the same batched with others or alone, and differ from step to step and between
+    the prompts of a group's batch."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2)
+    kind = _kind(tiny_gpt2)
+    t = kind.completion_length
+    both = kind.prepare_batch(model, _prompts(tiny_gpt2, kind, ["good movie", "a long and dull plot"]), step=3)
+    alone = kind.prepare_batch(model, _prompts(tiny_gpt2, kind, ["a long and dull plot"], first=1), step=3)
+    later = kind.prepare_batch(model, _prompts(tiny_gpt2, kind, ["a long and dull plot"], first=1), step=4)
+    assert both["input_ids"].shape[0] == 8 and both["labels"].shape[:2] == (2, 4)
+    torch.testing.assert_close(both["input_ids"][4:, -t:], alone["input_ids"][:, -t:], rtol=0, atol=0)
+    assert not torch.equal(alone["input_ids"][:, -t:], later["input_ids"][:, -t:])
+    assert len({tuple(row) for row in alone["input_ids"][:, -t:].tolist()}) > 1  # G different samples
+    # The prompt is left-padded, the positions count its real tokens only.
+    first = both["attention_mask"][0]
+    assert first[0] == 0 and both["position_ids"][0][first.bool()].tolist() == list(range(int(first.sum())))
+    # The log-probabilities of a row do not depend on its batch's padding.
+    logps_both = kind.embed(model, {k: v for k, v in both.items() if k != "labels"})
+    logps_alone = kind.embed(model, {k: v for k, v in alone.items() if k != "labels"})
+    torch.testing.assert_close(logps_both[4:], logps_alone, rtol=1e-5, atol=1e-5)
+
+
+def test_generation_leaves_the_global_random_state_alone(tiny_gpt2):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2)
+    kind = _kind(tiny_gpt2)
+    torch.manual_seed(11)
+    state = torch.get_rng_state()
+    kind.prepare_batch(model, _prompts(tiny_gpt2, kind, ["good movie"]), step=0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert generation_seed(0, 0, 1) != generation_seed(0, 1, 0) != generation_seed(1, 0, 0)
+
+
+# --- rewards
+
+
+def test_exact_match_reads_the_final_answer():
+    em = rewards.exact_match
+    assert em("so 3 + 4 = 7", "7") == 1.0 and em("3 + 4 = 7, or 8", "7") == 0.0  # the last number
+    assert em("I think 5.\n#### 1,234", "1234") == 1.0  # after ####, commas dropped
+    assert em(r"it is \boxed{\frac{1}{2}} so 3", r"\frac{1}{2}") == 1.0  # the last \boxed{}, braces balanced
+    assert em("The answer is 12.0", "Natalia sold 4 + 8 = 12 clips.\n#### 12") == 1.0  # GSM8K's answer, as numbers
+    assert em("no number here", "3") == 0.0
+    assert em("#### Paris ", "paris") == 1.0
+
+
+def test_each_built_in_reward_scores_completions():
+    def score(spec, completions, ids=None, columns=None, answer=None):
+        r = rewards.parse(spec)
+        return rewards.scorer(r, answer)(["p"] * len(completions), completions,
+                                         ids or [[0]] * len(completions), columns or {})
+
+    assert score("exact_match", ["= 5", "= 6"], columns={"answer": ["5", "5"]}, answer="answer") == [1.0, 0.0]
+    assert score(r"regex:\d+", ["a 12 b", "none"]) == [1.0, 0.0]
+    assert score(r"format:<think>.*</think>\d+", ["<think>x\ny</think>42", "<think>x</think>42 more"]) == [1.0, 0.0]
+    assert score("length:4", ["", "", ""], ids=[[1] * 4, [1] * 2, [1] * 9]) == [1.0, 0.5, 0.0]
+    # A conversational completion is its messages' text.
+    assert score("regex:yes", [[{"role": "assistant", "content": "yes"}]]) == [1.0]
+
+
+def test_a_python_function_gets_trls_arguments(tmp_path):
+    (tmp_path / "mine.py").write_text(
+        "def reward(prompts, completions, completion_ids, answer, **kwargs):\n"
+        "    return [float(a in c) + len(i) / 10 + len(p) for p, c, i, a in zip(prompts, completions, "
+        "completion_ids, answer)]\n")
+    r = rewards.parse(f"{tmp_path / 'mine.py'}:reward")
+    assert r.runs_code and r.name == "reward"
+    out = rewards.scorer(r, "answer")(["ab", "c"], ["x 3", "y"], [[1, 2], [3]], {"answer": ["3", "3"]})
+    assert out == pytest.approx([1 + 0.2 + 2, 0.1 + 1])
+
+
+def test_a_reward_model_scores_prompt_and_completion(tmp_path):
+    """A one-output sequence classifier, as a folder or as a task=reward run's model/, gives its score of the prompt
+    followed by the completion."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
+
+    from finetune.models.pretrained import resolve_model_path
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("bundled:all-MiniLM-L6-v2"))
+    model = GPT2ForSequenceClassification(GPT2Config(vocab_size=30522, n_positions=64, n_embd=16, n_layer=1,
+                                                     n_head=2, num_labels=1, pad_token_id=tok.pad_token_id))
+    run = tmp_path / "run"
+    model.save_pretrained(run / "model")
+    tok.save_pretrained(run / "model")
+    expected = []
+    for text in ["What is 2? 2", "What is 2? four"]:
+        with torch.no_grad():
+            expected.append(float(model.eval()(**tok(text, return_tensors="pt")).logits[0, 0]))
+    r = rewards.parse(f"reward_model:{run}")
+    assert r.name == "run"
+    got = rewards.scorer(r, None)(["What is 2? ", "What is 2? "], ["2", "four"], [[1], [1]], {})
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+# --- refusals
+
+
+def test_refusals_are_one_sentence_each(tmp_path, capsys, tiny_gpt2):
+    from finetune.cli import main
+
+    with pytest.raises(ConfigError, match="Unknown reward 'accuracy'"):
+        from_dict({"task": "grpo", "rewards": ["accuracy"]})
+    with pytest.raises(ConfigError, match="needs `rewards`"):
+        from_dict({"task": "grpo"})
+    with pytest.raises(ConfigError, match="whole number of groups of num_generations=4: use 8 or 12"):
+        from_dict({"task": "grpo", "rewards": ["exact_match"], "num_generations": 4, "effective_batch_size": 10})
+    with pytest.raises(ConfigError, match="2 weight"):
+        from_dict({"task": "grpo", "rewards": ["exact_match"], "reward_weights": ["1", "2"]})
+    with pytest.raises(ConfigError, match="bad pattern"):
+        from_dict({"task": "grpo", "rewards": ["regex:("]})
+    with pytest.raises(ConfigError, match="`answer_column` is for task=grpo"):
+        from_dict({"task": "causal_lm", "answer_column": "x"})
+    assert main(["train", "task=grpo", "rewards=[exact_match, accurate]", f"model={tiny_gpt2}",
+                 f"output_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown reward 'accurate'" in err and "Traceback" not in err
+
+
+def test_a_shared_server_refuses_a_python_reward(tmp_path):
+    from app.access import Access, AccessError
+
+    shared = Access.from_env({}, "0.0.0.0", no_auth=True)
+    assert shared.shared
+    c = from_dict({"task": "grpo", "rewards": ["exact_match", "mine.py:score"]})
+    with pytest.raises(AccessError, match="runs the file's Python code") as e:
+        shared.check_config(c, ())
+    assert str(e.value).count(".") <= 3  # one sentence
+    with pytest.raises(AccessError, match="Local model folders"):
+        shared.check_config(from_dict({"task": "grpo", "rewards": [f"reward_model:{tmp_path}"]}), ())
+    Access.from_env({}, "127.0.0.1").check_config(c, ())  # a local app takes it
+
+
+def test_exact_match_needs_an_answer_column(tmp_path, tiny_gpt2):
+    from finetune.data.load import load_data
+    from finetune.errors import DataError
+    from finetune.models.pretrained import load_tokenizer
+
+    path = tmp_path / "p.csv"
+    path.write_text("prompt,result\nWhat is 1 + 1?,2\n")
+    c = from_dict({"task": "grpo", "model": tiny_gpt2, "dataset": str(path), "rewards": ["exact_match"],
+                   "eval_fraction": 0})
+    with pytest.raises(DataError, match="Set `answer_column`"):
+        load_data(c, load_tokenizer(c))
+    c = c.replace(answer_column="result")
+    data = load_data(c, load_tokenizer(c))[0]
+    extras = json.loads(data.columns([0]).column("extras")[0].as_py())
+    assert extras == {"index": 0, "prompt": "What is 1 + 1?", "answer_column": "result", "columns": {"result": 2}}
+
+
+def test_the_sample_config_is_valid_and_its_data_encodes(tiny_gpt2):
+    """assets/grpo.yaml validates, and its arithmetic sample encodes with its answers for exact_match."""
+    from conftest import ROOT
+
+    from finetune.config.schema import load
+    from finetune.data.load import load_data
+    from finetune.models.pretrained import load_tokenizer
+
+    c = load(ROOT / "assets" / "grpo.yaml").replace(model=tiny_gpt2, dataset=str(ROOT / "assets" /
+                                                                                  "arithmetic_sample.jsonl"))
+    assert c.rewards[0] == "exact_match" and c.effective_batch_size % c.num_generations == 0
+    train, held_out, _ = load_data(c, load_tokenizer(c))
+    assert len(train) + len(held_out) == 200
+    row = json.loads(train.columns([0]).column("extras")[0].as_py())
+    assert row["answer_column"] == "answer" and row["prompt"].startswith("Question: What is")
+    assert rewards.exact_match("... so #### " + row["columns"]["answer"], row["columns"]["answer"]) == 1.0
