@@ -61,6 +61,9 @@ class Follow:
         policy = self.state.policy
         user, refusal = policy.who(request)
         status = self.state.jobs.status()
+        # A job whose launcher went away (the app restarted) is followed again once its owner is here to do so.
+        if not refusal and self.state.remote.reattach(self.state.jobs.training, status, user, request):
+            status = self.state.jobs.status()
         if policy.is_mine(status, user):
             return status, run_report.status_markdown(status)
         note = policy.in_progress(status) if status.active else ""

@@ -12,17 +12,19 @@ from app.jobs.client import JobClient
 from app.jobs.training import JobManager
 from app.limits import LOCAL, Limits
 from app.policy import RequestPolicy
+from app.remote.jobs import RemoteRuns
 
 
 @dataclass
 class AppState:
-    """The request policy (who asks, what they may read), the job client (every child process), the server's limits
-    and the files handed out to download."""
+    """The request policy (who asks, what they may read), the job client (every child process), the server's limits,
+    the files handed out to download, and what a run on Hugging Face Jobs needs (whose token, re-attaching)."""
 
     policy: RequestPolicy
     jobs: JobClient
     limits: Limits = LOCAL
     downloads: Downloads = field(default_factory=Downloads)
+    remote: RemoteRuns = field(default_factory=lambda: RemoteRuns(Access()))
 
     @classmethod
     def create(cls, runs_dir: Path, training: JobManager, *, access: Access | None = None,
@@ -31,7 +33,7 @@ class AppState:
         access = access or Access()
         return cls(policy=RequestPolicy(access, runs_dir, samples),
                    jobs=JobClient(training, runs_dir=runs_dir, access=access, server_limits=server_limits),
-                   limits=server_limits)
+                   limits=server_limits, remote=RemoteRuns(access))
 
     @property
     def access(self) -> Access:

@@ -159,14 +159,27 @@ class JobManager:
 
     # --- starting
     def start(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None,
-              owner: str | None = None) -> JobStatus:
-        """Run `finetune train CONFIG [overrides] -q`; raises JobBusy while another run is in progress."""
+              owner: str | None = None, env: dict[str, str] | None = None) -> JobStatus:
+        """Run `finetune train CONFIG [overrides] -q` (in `env`, default the manager's); raises JobBusy while
+        another run is in progress."""
+        command = [self.python, "-m", "finetune", "train", str(config_path), *(overrides or []), "-q"]
+        return self._launch(command, config_path, run_dir, owner, env)
+
+    def follow_job(self, run_dir: Path, owner: str | None = None, env: dict[str, str] | None = None,
+                   launched: float | None = None) -> JobStatus:
+        """Re-attach to the Hugging Face Job of `run_dir` (`finetune jobs follow RUN -q`: it mirrors the job's
+        events and ends as the job does), as the current run; events from `launched` on are this session's."""
+        command = [self.python, "-m", "finetune", "jobs", "follow", str(run_dir), "-q"]
+        return self._launch(command, run_dir / "config.yaml", run_dir, owner, env, launched, reattach=True)
+
+    def _launch(self, command: list[str], config_path: Path, run_dir: Path, owner: str | None,
+                env: dict[str, str] | None, launched: float | None = None, reattach: bool = False) -> JobStatus:
         with self._lock:
             current = self.status()
             if current.active:
                 raise JobBusy(self._busy_message(current))
-            self._record_end(current)
-            command = [self.python, "-m", "finetune", "train", str(config_path), *(overrides or []), "-q"]
+            if not reattach:  # a re-attach follows the same job on: the launcher that went away did not end it
+                self._record_end(current)
             log_path = run_dir / "launch.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "a", encoding="utf-8") as log:
@@ -174,9 +187,9 @@ class JobManager:
                 log.flush()
                 # A new session: Stop signals the whole group, and closing the browser tab (or the app) does not
                 # take the run down with it.
-                proc = spawn(command, log, os.environ if self.env is None else self.env)
+                proc = spawn(command, log, env if env is not None else os.environ if self.env is None else self.env)
             self._job = _Job(run_dir=run_dir, config_path=config_path, log_path=log_path, command=command,
-                             pid=proc.pid, proc=proc, launched=time.time() - 1.0, owner=owner)
+                             pid=proc.pid, proc=proc, launched=launched or time.time() - 1.0, owner=owner)
             self._save_current()
             self._watch(self._job)
             return self.status()
