@@ -100,7 +100,7 @@ class Follow:
                         resume_button=gr.update(visible=status.resumable),
                         command=command if command else gr.skip(),
                         trackers=run_report.trackers_markdown(options["report_to"], status.run_dir),
-                        hub_note=publish.hub_markdown(status, on_space=self.state.access.mode == "space"),
+                        hub_note=publish.hub_markdown(status, on_space=bool(self.state.restart_notice)),
                         push_repo=options["push_to_hub"] or gr.skip(),
                         try_panel=panel(status, new_model=new_model) if changed_run else None,
                         # "Started…", "Stopping…" and the like answered an action on this run: its end replaces them.

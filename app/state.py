@@ -3,9 +3,11 @@ each `create_*_tab`), instead of one controller that does everything."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app import persist
 from app.access import Access
 from app.downloads import Downloads
 from app.jobs.client import JobClient
@@ -25,6 +27,7 @@ class AppState:
     limits: Limits = LOCAL
     downloads: Downloads = field(default_factory=Downloads)
     remote: RemoteRuns = field(default_factory=lambda: RemoteRuns(Access()))
+    restart_notice: str = ""  # on a Space whose runs a restart would lose: the page says so (app.persist)
 
     @classmethod
     def create(cls, runs_dir: Path, training: JobManager, *, access: Access | None = None,
@@ -33,7 +36,8 @@ class AppState:
         access = access or Access()
         return cls(policy=RequestPolicy(access, runs_dir, samples),
                    jobs=JobClient(training, runs_dir=runs_dir, access=access, server_limits=server_limits),
-                   limits=server_limits, remote=RemoteRuns(access))
+                   limits=server_limits, remote=RemoteRuns(access),
+                   restart_notice=persist.restart_notice(runs_dir, os.environ))
 
     @property
     def access(self) -> Access:
