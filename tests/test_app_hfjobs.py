@@ -314,3 +314,83 @@ def test_the_page_of_a_space_without_persistent_storage_says_runs_are_lost(tmp_p
     _mounts(tmp_path, monkeypatch, OVERLAY, BUCKET.replace("/data", str(tmp_path)))
     app = build(tmp_path / "runs")
     assert not [b for b in app.demo.blocks.values() if getattr(b, "elem_id", None) == "restart-notice"]
+
+
+# --- the real launcher against the stand-in of the Hub's Jobs API
+@pytest.fixture
+def hub(monkeypatch):
+    """The stand-in Hub (tests/fakehub.py); this process and its children may reach nothing but it."""
+    from fakehub import fake_hub, loopback_only
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    with loopback_only(), fake_hub() as hub:
+        yield hub
+
+
+def _record(event: str, **values) -> str:
+    from finetune.run.events import LOG_PREFIX
+
+    return LOG_PREFIX + json.dumps({"event": event, "time": time.time(), **values})
+
+
+@pytest.mark.slow
+def test_stop_cancels_the_signed_in_users_job_which_ran_with_their_token_only(tmp_path, monkeypatch, hub, cls_csv):
+    import fakehub
+    from conftest import ROOT
+    from fakejobs import JobScript
+
+    monkeypatch.chdir(tmp_path)
+    # Were the Space owner's token used anywhere, the stand-in would serve it (and the test see it).
+    monkeypatch.setitem(fakehub.TOKENS, OWNER_SECRET, ("owner", "write"))
+    user_token = "hf_write"  # alice's, as the stand-in knows her
+    env = {**SPACE, "HF_TOKEN": OWNER_SECRET, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"),
+           "PYTHONPATH": os.pathsep.join([fakehub.loopback_site(tmp_path / "guard"), str(ROOT)])}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    access = Access.from_env(os.environ, "0.0.0.0")
+    runs = Path("runs")
+    ctl = handlers(runs, JobManager(runs, env=access.child_env(os.environ)), access=access)
+    ctl.plan.make_plan = lambda config, **_: {}  # the launcher plans for the flavor itself, before it sends
+    alice = _signed_in("alice", token=user_token)
+    gradio_copy = tmp_path / "gradio" / "cls.csv"
+    gradio_copy.parent.mkdir()
+    shutil.copyfile(cls_csv, gradio_copy)
+    upload = ctl.dataset.on_upload(str(gradio_copy), "", "train", "classification", *[""] * len(COLUMN_FIELDS),
+                                   request=alice).dataset
+
+    def script(job, config):  # a job that has started training, until it is cancelled
+        out = config["output_dir"]
+        return JobScript(lines=[_record("start", step=0, resumed=False, total_steps=3, steps_per_epoch=3,
+                                        num_train_samples=30, num_eval_samples=0, micro_batch_size=8,
+                                        grad_accum_steps=1, num_processes=1, effective_batch_size=8, precision="bf16",
+                                        device="cuda:0", run_dir=out),
+                                _record("step", step=1, epoch=0.3, loss=0.7, grad_norm=1.0, lr=1e-4, samples=8,
+                                        tokens=80, skipped=0, samples_per_s=50.0),
+                                "note: held here until cancelled"], hold_after=2)
+
+    hub.jobs.script = script
+    try:
+        started = ctl.run.start_on("t4-small", *_values(upload, max_steps=3), request=alice)
+        assert started.started, started.message
+        run_dir = Path(started.run_dir)
+        running = _wait_for(lambda: (s := ctl.state.jobs.status()).last("step") and s, seconds=240)
+        assert running.state == "running", running.output_tail
+        job = hub.jobs.only()
+        assert (job.namespace, job.spec["flavor"], job.spec.get("spaceId")) == ("alice", "t4-small",
+                                                                                "owner/finetune")
+        assert job.spec["secrets"] == {"HF_TOKEN": user_token}
+        assert user_token not in json.dumps({k: v for k, v in job.spec.items() if k != "secrets"})
+        shown = ctl.follow.poll(None, request=alice)
+        assert f"On Hugging Face Jobs (t4-small): {hub.url}/jobs/alice/{job.id}" in shown.status
+        assert ctl.run.stop(request=alice).startswith("Stopping after the current optimizer step")
+        stopped = _wait_for(lambda: (s := ctl.state.jobs.status()).state != "stopping" and not s.active and s,
+                            seconds=120)
+    finally:
+        _kill(runs)
+    assert stopped.state == "stopped", stopped.output_tail
+    assert stopped.message == "The job was cancelled; it had not written a checkpoint yet, so start it again."
+    assert ("POST", f"/api/jobs/alice/{job.id}/cancel", user_token) in hub.requests and job.stage == "CANCELED"
+    assert {token for _, _, token in hub.requests if token} == {user_token}  # never the Space's own token
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert user_token.encode() not in path.read_bytes() and OWNER_SECRET.encode() not in path.read_bytes()
