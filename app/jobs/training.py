@@ -134,6 +134,14 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _is_finetune(pid: int) -> bool:
+    """Whether process `pid` runs finetune (a recorded pid may since belong to an unrelated process)."""
+    try:
+        return any("finetune" in arg for arg in psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+
+
 def _pushes(config_path: Path) -> bool:
     """Whether the run's config (as launched) pushes the model to the Hub when it is done."""
     try:
@@ -215,20 +223,17 @@ class JobManager:
             if job.stop_requested_at is None:
                 job.stop_requested_at = time.time()
                 self._save_current()
-                self._signal(job, signal.SIGINT)
+                signal_group(job.pid, signal.SIGINT)
                 threading.Thread(target=self._kill_after_timeout, args=(job,), daemon=True).start()
                 return ("Stopping after the current optimizer step: a checkpoint is saved and the run can be resumed. "
                         "Press Stop again to kill it at once.")
             self._kill(job)
             return "Killed the run. It resumes from its last checkpoint, if it wrote one."
 
-    def _signal(self, job: _Job, sig: int) -> None:
-        signal_group(job.pid, sig)
-
     def _kill(self, job: _Job) -> None:
         job.killed = True
         self._save_current()
-        self._signal(job, signal.SIGKILL)
+        signal_group(job.pid, signal.SIGKILL)
         if job.proc is not None:
             job.proc.wait(timeout=30)
 
@@ -368,15 +373,8 @@ class JobManager:
                        time_limit_min=record.get("time_limit_min"))
         except (OSError, ValueError, KeyError, TypeError):
             return
-        if _alive(job.pid) and not self._is_finetune(job.pid):
+        if _alive(job.pid) and not _is_finetune(job.pid):
             job.pid = -1  # the id now belongs to an unrelated process: never signal it
         self._job = job
         if self._running(job):
             self._watch(job)  # the time limit counts from the launch, across app restarts
-
-    @staticmethod
-    def _is_finetune(pid: int) -> bool:
-        try:
-            return any("finetune" in arg for arg in psutil.Process(pid).cmdline())
-        except psutil.Error:
-            return False
