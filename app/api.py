@@ -101,8 +101,7 @@ class ScriptApi:
             raise Unanswered(refusal)
         return parse_config(config)
 
-    def start(self, config: str | dict[str, Any], run_on: str = "local", request: gr.Request = None
-              ) -> StartResult:
+    def start(self, config: str | dict[str, Any], request: gr.Request, run_on: str = "local") -> StartResult:
         """Start training `config` (YAML text, or a mapping of config options) as a `finetune train` child process,
         on this machine (`run_on` "local") or on a Hugging Face Jobs flavor (`run_on` "a10g-large", …)."""
         try:
