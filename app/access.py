@@ -130,6 +130,15 @@ class Access:
             return None
         return (info.get("userinfo") or {}).get("preferred_username") or None
 
+    def oauth_token(self, request: Any) -> tuple[str, str] | None:
+        """On a Space, the signed-in user's own Hugging Face access token and its scopes (as Gradio's OAuth keeps
+        them in the session, what `gr.OAuthToken` is made from); None elsewhere, signed out, or expired."""
+        if self.mode != "space" or self.identify(request) is None:
+            return None
+        info = _session(request).get("oauth_info") or {}
+        token = info.get("access_token")
+        return (str(token), str(info.get("scope") or "")) if token else None
+
     def may_run(self, user: str | None) -> bool:
         """Whether `user` may start, stop, resume, try and download runs (their own)."""
         if self.mode in ("local", "open"):

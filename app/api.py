@@ -101,14 +101,15 @@ class ScriptApi:
             raise Unanswered(refusal)
         return parse_config(config)
 
-    def start(self, config: str | dict[str, Any], request: gr.Request) -> StartResult:
-        """Start training `config` (YAML text, or a mapping of config options) as a `finetune train` child process."""
+    def start(self, config: str | dict[str, Any], request: gr.Request, run_on: str = "local") -> StartResult:
+        """Start training `config` (YAML text, or a mapping of config options) as a `finetune train` child process,
+        on this machine (`run_on` "local") or on a Hugging Face Jobs flavor (`run_on` "a10g-large", …)."""
         try:
             parsed = self._read(config, request)
         except (ConfigError, Unanswered) as e:
             message = problems_text(e) if isinstance(e, ConfigError) else str(e)
             return StartResult(started=False, run_dir=None, command="", message=message)
-        result = self.handlers.run.start_run(parsed, request=request)
+        result = self.handlers.run.start_run(parsed, request=request, run_on=run_on)
         return StartResult(started=result.started, run_dir=result.run_dir, command=result.command,
                            message=result.message)
 
@@ -125,7 +126,10 @@ class ScriptApi:
         """The state of the current (or last) run, its progress and, once done, its final metrics."""
         policy = self.handlers.state.policy
         user, refusal = policy.who(request)
-        status = self.handlers.state.jobs.status()
+        state = self.handlers.state
+        status = state.jobs.status()
+        if not refusal and state.remote.reattach(state.jobs.training, status, user, request):
+            status = state.jobs.status()  # a job whose launcher went away, followed again
         step, total = status.progress or (None, None)
         if not policy.is_mine(status, user):  # someone else's run: only that one is in progress, and its step
             shown = policy.in_progress(status) if status.active else ""

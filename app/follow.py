@@ -61,6 +61,9 @@ class Follow:
         policy = self.state.policy
         user, refusal = policy.who(request)
         status = self.state.jobs.status()
+        # A job whose launcher went away (the app restarted) is followed again once its owner is here to do so.
+        if not refusal and self.state.remote.reattach(self.state.jobs.training, status, user, request):
+            status = self.state.jobs.status()
         if policy.is_mine(status, user):
             return status, run_report.status_markdown(status)
         note = policy.in_progress(status) if status.active else ""
@@ -102,7 +105,7 @@ class Follow:
                         resume_button=gr.update(visible=status.resumable),
                         command=command if command else gr.skip(),
                         trackers=run_report.trackers_markdown(options["report_to"], status.run_dir),
-                        hub_note=publish.hub_markdown(status, on_space=self.state.access.mode == "space"),
+                        hub_note=publish.hub_markdown(status, on_space=bool(self.state.restart_notice)),
                         push_repo=options["push_to_hub"] or gr.skip(),
                         try_panel=panel(status, new_model=new_model) if changed_run else None,
                         # "Started…", "Stopping…" and the like answered an action on this run: its end replaces them.

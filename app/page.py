@@ -162,6 +162,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         gr.Markdown(INTRO)
         if access.mode == "space":  # only on a Space: elsewhere Gradio would mock the sign-in with a hub call
             gr.LoginButton("Sign in with Hugging Face to train")
+        if h.state.restart_notice:  # a Space whose runs a restart would take away
+            gr.Markdown(h.state.restart_notice, elem_id="restart-notice")
         form_note = gr.Markdown(elem_id="form-note")  # where the form's values came from, after a reload
         # The page's own events are private: scripts get the named API of `app.api` instead. It is registered first,
         # so that its names are free (a private event still takes its function's name).

@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT") or DEFAULT_PORT),
                    help=f"Port (default: $GRADIO_SERVER_PORT or {DEFAULT_PORT}).")
     parser.add_argument("--runs-dir", default=os.environ.get("FINETUNE_RUNS_DIR") or "runs",
-                   help="Where runs, uploads and their configs go (default: $FINETUNE_RUNS_DIR or runs).")
+                   help="Where runs, uploads and their configs go (default: $FINETUNE_RUNS_DIR or runs). On a "
+                   "Hugging Face Space, a folder a restart would lose gives way to /data/runs when a storage bucket "
+                   "(or another persistent volume) is mounted at /data.")
     parser.add_argument("--preset", default=None, help="Config YAML the form opens with (default: assets/demo.yaml, "
                    "the bundled model on the sample data, when it exists).")
     parser.add_argument("--open", action="store_true", help="Open the app in a browser tab.")
@@ -73,7 +75,12 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
         trusted_networks(trusted)
     except ValueError as e:
         raise AccessError(str(e)) from None
-    runs_dir = Path(args.runs_dir)
+    from app import persist
+
+    runs_dir = persist.runs_folder(Path(args.runs_dir), os.environ)
+    if runs_dir != Path(args.runs_dir):
+        print(f"Runs go to {runs_dir}, on the storage mounted at {persist.DATA_MOUNT}: {args.runs_dir} would be lost "
+              "when the Space restarts.", file=sys.stderr)
     runs_dir.mkdir(parents=True, exist_ok=True)
     # Gradio keeps uploads and served files here; it must be writable (the Docker image points it at $HOME).
     os.environ.setdefault("GRADIO_TEMP_DIR", str((runs_dir / ".gradio").resolve()))

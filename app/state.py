@@ -3,26 +3,31 @@ each `create_*_tab`), instead of one controller that does everything."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app import persist
 from app.access import Access
 from app.downloads import Downloads
 from app.jobs.client import JobClient
 from app.jobs.training import JobManager
 from app.limits import LOCAL, Limits
 from app.policy import RequestPolicy
+from app.remote.jobs import RemoteRuns
 
 
 @dataclass
 class AppState:
-    """The request policy (who asks, what they may read), the job client (every child process), the server's limits
-    and the files handed out to download."""
+    """The request policy (who asks, what they may read), the job client (every child process), the server's limits,
+    the files handed out to download, and what a run on Hugging Face Jobs needs (whose token, re-attaching)."""
 
     policy: RequestPolicy
     jobs: JobClient
     limits: Limits = LOCAL
     downloads: Downloads = field(default_factory=Downloads)
+    remote: RemoteRuns = field(default_factory=lambda: RemoteRuns(Access()))
+    restart_notice: str = ""  # on a Space whose runs a restart would lose: the page says so (app.persist)
 
     @classmethod
     def create(cls, runs_dir: Path, training: JobManager, *, access: Access | None = None,
@@ -31,7 +36,8 @@ class AppState:
         access = access or Access()
         return cls(policy=RequestPolicy(access, runs_dir, samples),
                    jobs=JobClient(training, runs_dir=runs_dir, access=access, server_limits=server_limits),
-                   limits=server_limits)
+                   limits=server_limits, remote=RemoteRuns(access),
+                   restart_notice=persist.restart_notice(runs_dir, os.environ))
 
     @property
     def access(self) -> Access:

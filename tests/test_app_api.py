@@ -10,7 +10,7 @@ import yaml
 from conftest import served_app
 
 pytestmark = pytest.mark.slow
-ENDPOINTS = {"/start": ["config"], "/plan": ["config"], "/status": [], "/stop": [], "/predict": ["text"],
+ENDPOINTS = {"/start": ["config", "run_on"], "/plan": ["config"], "/status": [], "/stop": [], "/predict": ["text"],
              "/push": ["repo", "private"], "/export": ["format", "quant", "ollama", "run"], "/export_status": []}
 
 

@@ -253,7 +253,7 @@ def test_every_event_given_alices_file_by_bob_shows_nothing_of_it(shared, tmp_pa
                 out = str(e)
             assert SECRET not in str(out), (block_fn.name, str(out)[:300])
         called.add(fn.handler.__name__)
-    assert {"refresh_dataset", "tasks_table", "plan_for", "model_fit", "form_fields", "start", "chat_example",
+    assert {"refresh_dataset", "tasks_table", "plan_for", "model_fit", "form_fields", "start_on", "chat_example",
             "export"} <= called
 
 

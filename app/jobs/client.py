@@ -23,6 +23,7 @@ from app.access import Access
 from app.jobs.export import ExportChild, ExportJobs
 from app.jobs.planner import Planner
 from app.jobs.training import JobBusy, JobManager, JobStatus
+from app.remote.jobs import JobLaunch, job_status
 from app.report import shown_path
 from finetune.config.schema import Config
 
@@ -43,14 +44,18 @@ class JobClient:
 
     # --- the training run
     def status(self) -> JobStatus:
-        """The current (or last) run's state, events and messages."""
-        return self.training.status()
+        """The current (or last) run's state, events and messages (a run on Hugging Face Jobs told as one)."""
+        return job_status(self.training.status())
 
-    def start(self, config_path: Path, run_dir: Path, owner: str | None) -> JobStatus:
-        """Start `finetune train CONFIG`; `JobBusy` (with `run_refusal`'s sentence) while another job is in the way."""
+    def start(self, config_path: Path, run_dir: Path, owner: str | None, launch: JobLaunch | None = None
+              ) -> JobStatus:
+        """Start `finetune train CONFIG` (on Hugging Face Jobs with `launch`'s options and environment); `JobBusy`
+        (with `run_refusal`'s sentence) while another job is in the way."""
         with self._lock:
             if other := self.run_refusal(owner):
                 raise JobBusy(other)
+            if launch is not None:
+                return self.training.start(config_path, run_dir, launch.args, owner=owner, env=launch.env)
             return self.training.start(config_path, run_dir, owner=owner)
 
     def resume(self, run_dir: Path, owner: str | None) -> JobStatus:

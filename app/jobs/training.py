@@ -134,6 +134,14 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _is_finetune(pid: int) -> bool:
+    """Whether process `pid` runs finetune (a recorded pid may since belong to an unrelated process)."""
+    try:
+        return any("finetune" in arg for arg in psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+
+
 def _pushes(config_path: Path) -> bool:
     """Whether the run's config (as launched) pushes the model to the Hub when it is done."""
     try:
@@ -159,14 +167,27 @@ class JobManager:
 
     # --- starting
     def start(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None,
-              owner: str | None = None) -> JobStatus:
-        """Run `finetune train CONFIG [overrides] -q`; raises JobBusy while another run is in progress."""
+              owner: str | None = None, env: dict[str, str] | None = None) -> JobStatus:
+        """Run `finetune train CONFIG [overrides] -q` (in `env`, default the manager's); raises JobBusy while
+        another run is in progress."""
+        command = [self.python, "-m", "finetune", "train", str(config_path), *(overrides or []), "-q"]
+        return self._launch(command, config_path, run_dir, owner, env)
+
+    def follow_job(self, run_dir: Path, owner: str | None = None, env: dict[str, str] | None = None,
+                   launched: float | None = None) -> JobStatus:
+        """Re-attach to the Hugging Face Job of `run_dir` (`finetune jobs follow RUN -q`: it mirrors the job's
+        events and ends as the job does), as the current run; events from `launched` on are this session's."""
+        command = [self.python, "-m", "finetune", "jobs", "follow", str(run_dir), "-q"]
+        return self._launch(command, run_dir / "config.yaml", run_dir, owner, env, launched, reattach=True)
+
+    def _launch(self, command: list[str], config_path: Path, run_dir: Path, owner: str | None,
+                env: dict[str, str] | None, launched: float | None = None, reattach: bool = False) -> JobStatus:
         with self._lock:
             current = self.status()
             if current.active:
                 raise JobBusy(self._busy_message(current))
-            self._record_end(current)
-            command = [self.python, "-m", "finetune", "train", str(config_path), *(overrides or []), "-q"]
+            if not reattach:  # a re-attach follows the same job on: the launcher that went away did not end it
+                self._record_end(current)
             log_path = run_dir / "launch.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "a", encoding="utf-8") as log:
@@ -174,9 +195,9 @@ class JobManager:
                 log.flush()
                 # A new session: Stop signals the whole group, and closing the browser tab (or the app) does not
                 # take the run down with it.
-                proc = spawn(command, log, os.environ if self.env is None else self.env)
+                proc = spawn(command, log, env if env is not None else os.environ if self.env is None else self.env)
             self._job = _Job(run_dir=run_dir, config_path=config_path, log_path=log_path, command=command,
-                             pid=proc.pid, proc=proc, launched=time.time() - 1.0, owner=owner)
+                             pid=proc.pid, proc=proc, launched=launched or time.time() - 1.0, owner=owner)
             self._save_current()
             self._watch(self._job)
             return self.status()
@@ -202,20 +223,17 @@ class JobManager:
             if job.stop_requested_at is None:
                 job.stop_requested_at = time.time()
                 self._save_current()
-                self._signal(job, signal.SIGINT)
+                signal_group(job.pid, signal.SIGINT)
                 threading.Thread(target=self._kill_after_timeout, args=(job,), daemon=True).start()
                 return ("Stopping after the current optimizer step: a checkpoint is saved and the run can be resumed. "
                         "Press Stop again to kill it at once.")
             self._kill(job)
             return "Killed the run. It resumes from its last checkpoint, if it wrote one."
 
-    def _signal(self, job: _Job, sig: int) -> None:
-        signal_group(job.pid, sig)
-
     def _kill(self, job: _Job) -> None:
         job.killed = True
         self._save_current()
-        self._signal(job, signal.SIGKILL)
+        signal_group(job.pid, signal.SIGKILL)
         if job.proc is not None:
             job.proc.wait(timeout=30)
 
@@ -355,15 +373,8 @@ class JobManager:
                        time_limit_min=record.get("time_limit_min"))
         except (OSError, ValueError, KeyError, TypeError):
             return
-        if _alive(job.pid) and not self._is_finetune(job.pid):
+        if _alive(job.pid) and not _is_finetune(job.pid):
             job.pid = -1  # the id now belongs to an unrelated process: never signal it
         self._job = job
         if self._running(job):
             self._watch(job)  # the time limit counts from the launch, across app restarts
-
-    @staticmethod
-    def _is_finetune(pid: int) -> bool:
-        try:
-            return any("finetune" in arg for arg in psutil.Process(pid).cmdline())
-        except psutil.Error:
-            return False

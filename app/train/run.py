@@ -24,6 +24,8 @@ from app.mapping import (
     problems_text,
     values_to_config,
 )
+from app.remote.choice import LOCAL, flavor_of, run_on_choices
+from app.remote.jobs import JobLaunch
 from app.report import display_path, shown_path
 from app.results import Unanswered
 from app.state import AppState
@@ -33,6 +35,7 @@ from app.train.plan import PlanHandlers
 from app.train.run_report import progress_html
 from finetune.config.schema import Config, ConfigError, from_dict
 from finetune.config.tasks import single_task_values
+from finetune.remote.flavors import Flavor
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
 
@@ -136,15 +139,19 @@ class RunHandlers:
         return Checking()
 
     def start(self, *values: Any, request: Any = None) -> Started:
-        """Start the form's config (see `start_run`)."""
+        """Start the form's config on this machine (see `start_run`)."""
+        return self.start_on(LOCAL, *values, request=request)
+
+    def start_on(self, run_on: str, *values: Any, request: Any = None) -> Started:
+        """Start the form's config where the form's "Run on" says: this machine, or a Hugging Face Jobs flavor."""
         try:
             config = values_to_config(values)
         except ConfigError as e:
             return Started(started=False, message=problems_text(e), fields=self.notes.notes(field_problems(e)))
-        started = self.start_run(config, request=request)
+        started = self.start_run(config, request=request, run_on=run_on)
         return dataclasses.replace(started, fields=self.notes.notes({}))
 
-    def _refused(self, config: Config, user: str | None, request: Any) -> Started | Path:
+    def _refused(self, config: Config, user: str | None, request: Any, flavor: Flavor | None) -> Started | Path:
         """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder."""
         state = self.state
         home = state.access.home(state.runs_dir, user)
@@ -159,33 +166,47 @@ class RunHandlers:
             return Started(started=False, message=refused)
         if problem := data_problem(config):
             return Started(started=False, message=problem, data_error=problem)
-        if config.memory_budget_gb is not None:
+        if flavor is not None:
+            # A job's budget is one of the flavor's GPUs (the launcher plans for it again before it sends anything).
+            from finetune.remote.preflight import job_config
+
+            planned, device = job_config(config, flavor), "cuda"
+        else:
+            planned, device = config, "here"
+        if planned.memory_budget_gb is not None:
             # The plan's checks before any folder is made: an impossible budget is refused here, in the form,
             # rather than by the run a few seconds after it started.
             try:
-                self.plans.make_plan(config, request=request)
+                self.plans.make_plan(planned, device=device, request=request)
             except Unanswered as e:
                 if not str(e).startswith(PLANNER_SLOW):  # a slow planner is no reason to refuse: the run plans too
                     return Started(started=False, message=str(e),
                                    form_message=f"Not started (nothing was written): {in_form_words(str(e))}")
         return run_dir
 
-    def start_run(self, config: Config, *, request: Any = None) -> Started:
-        """Check who asks, the server's limits and disk, the data and the run directory, write the YAML into it and
-        start `finetune train`."""
+    def start_run(self, config: Config, *, request: Any = None, run_on: str | None = None) -> Started:
+        """Check who asks, where the run goes (`run_on`: this machine, or a Hugging Face Jobs flavor: who pays for
+        it), the server's limits and disk, the data and the run directory, write the YAML into it and start
+        `finetune train` (with `--backend hf-jobs --flavor F` on Jobs)."""
         user, refusal = self.state.policy.who(request)
         if refusal:
             return Started(started=False, message=refusal)
         try:
+            flavor = flavor_of(run_on)
+            launch = self.state.remote.prepare(flavor, user, request) if flavor is not None else None
+        except (ConfigError, AccessError) as e:
+            return Started(started=False, message=problems_text(e) if isinstance(e, ConfigError) else str(e))
+        try:
             # The server's one job is held from the first check to the start: an export asked for while this
             # Start plans (a minute, for a big model) is refused, not run beside it.
             with self.state.jobs.preparing(user):
-                return self._start_checked(config, user, request)
+                return self._start_checked(config, user, request, flavor, launch)
         except JobBusy as e:
             return Started(started=False, message=str(e))
 
-    def _start_checked(self, config: Config, user: str | None, request: Any) -> Started:
-        run_dir = self._refused(config, user, request)
+    def _start_checked(self, config: Config, user: str | None, request: Any, flavor: Flavor | None,
+                       launch: JobLaunch | None) -> Started:
+        run_dir = self._refused(config, user, request, flavor)
         if isinstance(run_dir, Started):
             return run_dir
         config = from_dict({**changed_options(config), "output_dir": display_path(run_dir)})
@@ -197,12 +218,13 @@ class RunHandlers:
             e = RunDirError(str(e).replace(str(config.output_dir), shown))
             return Started(started=False, message=str(e), form_message=run_dir_words(e, config))
         config_path = run_dir / "launch.yaml"
-        command = f"finetune train {display_path(config_path)}"
+        command = " ".join(["finetune", "train", display_path(config_path), *(launch.args if launch else [])])
         mark_run_dir(run_dir)
         config_path.write_text(config_yaml(config, f"Written by the finetune app, {time.strftime('%Y-%m-%d %H:%M')}."
                                                    f"\nReproduce: {command}"), encoding="utf-8")
-        self.state.jobs.start(config_path, run_dir, owner=user)
-        return Started(started=True, message=f"Started. Reproduce from a terminal with `{command}`.",
+        self.state.jobs.start(config_path, run_dir, owner=user, launch=launch)
+        where = f" on Hugging Face Jobs ({flavor.describe()}, billed to your account)" if flavor else ""
+        return Started(started=True, message=f"Started{where}. Reproduce from a terminal with `{command}`.",
                        run_dir=shown_path(run_dir, self.state.runs_dir, self.state.access.shared), command=command)
 
     def stop(self, *, request: Any = None) -> str:
@@ -211,6 +233,8 @@ class RunHandlers:
         status = self.state.jobs.status()
         if refusal or (status.active and not self.state.policy.is_mine(status, user)):
             return f"⚠️ {refusal or 'Only the one who started the run in progress can stop it.'}"
+        if status.state == "stopping":  # this press kills the launcher: cancel its job here, or it would bill on
+            self.state.remote.cancel(status, request)
         return self.state.jobs.stop()
 
     def resume(self, *, request: Any = None) -> str:
@@ -238,6 +262,7 @@ class RunHandlers:
 class RunPanel:
     """The Run panel and the Results under it."""
 
+    run_on: Any  # this machine, or a Hugging Face Jobs flavor
     start: Any
     stop: Any
     resume: Any
@@ -257,6 +282,10 @@ def build_run_panel() -> RunPanel:
     """The Run panel (Start, Stop, Resume, progress, the loss chart, the log) and Results, in the open column."""
     with gr.Column(variant="panel"):
         gr.Markdown("## Run")
+        run_on = gr.Dropdown(run_on_choices(), value=LOCAL, label="Run on", elem_id="run-on",
+                             info="This machine, or a GPU of Hugging Face Jobs: billed by the minute to your own "
+                             "Hugging Face account (on a Space, the one you signed in with); the plan is made for "
+                             "its GPU memory before anything is sent.")
         with gr.Row():
             start = gr.Button("Start training", variant="primary", elem_id="start-button")
             stop = gr.Button("Stop", variant="stop", interactive=False)
@@ -276,6 +305,6 @@ def build_run_panel() -> RunPanel:
         scatter = gr.ScatterPlot(None, x="true", y="predicted", height=260, visible=False,
                                  label="Predicted against true values (evaluation rows)", elem_id="regression-scatter")
         run_dir = gr.Textbox(label="Run directory", interactive=False)
-    return RunPanel(start=start, stop=stop, resume=resume, message=message, status=status, progress=progress,
-                    stats=stats, trackers=trackers, loss=loss, log=log, metrics=metrics, scatter=scatter,
-                    run_dir=run_dir)
+    return RunPanel(run_on=run_on, start=start, stop=stop, resume=resume, message=message, status=status,
+                    progress=progress, stats=stats, trackers=trackers, loss=loss, log=log, metrics=metrics,
+                    scatter=scatter, run_dir=run_dir)

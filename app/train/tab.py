@@ -146,9 +146,9 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
                   {"note": run.message, "start_button": run.start, "panel": panel}, show_progress="hidden",
                   js=pressed_js("ft-checking"), **PRIVATE)
     checking.then(None, js=answered_js("ft-checking"))
-    on(checking.success, h.run.start, values, {"note": run.message, "dataset_note": tab.dataset.error,
-                                               "fields": by_name, "start_button": run.start, "panel": panel},
-       show_progress="hidden", **PRIVATE)
+    on(checking.success, h.run.start_on, [run.run_on, *values],
+       {"note": run.message, "dataset_note": tab.dataset.error, "fields": by_name, "start_button": run.start,
+        "panel": panel}, show_progress="hidden", **PRIVATE)
     on(run.stop.click, h.run.stop, None, {}, outputs=run.message, gate="public", concurrency_limit=None, **PRIVATE)
     on(run.resume.click, h.run.resume, None, {}, outputs=run.message, **PRIVATE)
     # The example follows the data (its preview), the messages column, the model, the template and `train_on`.

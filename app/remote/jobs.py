@@ -1,0 +1,165 @@
+"""What a run on Hugging Face Jobs needs from the app, and what the app shows of it.
+
+A Start with a flavor runs `finetune train CONFIG --backend hf-jobs --flavor F --image I [--namespace USER] -q` as
+the run's child process, exactly as a local run is `finetune train CONFIG -q`: the child checks, uploads, starts the
+job and follows it, mirroring its events into the run folder, so the Run panel, Stop (SIGINT: the child cancels the
+job) and the Runs tab work as they do for a local run. Whose job it is:
+
+- On a Space, the signed-in user's: their own OAuth token (the Space asks for the `jobs` scope) goes to the child
+  in its environment (`HF_TOKEN`, never in its arguments, its log or a file), which passes it to the job only as
+  its secret; the job runs in the user's namespace and is billed to them. Without a token, Jobs is refused: a
+  visitor never spends the Space owner's credits, and the owner's own `HF_TOKEN` never reaches a child.
+- Locally, the one user's (their `HF_TOKEN` or `hf auth login`), as on the command line.
+- On any other shared server (accounts, `--no-auth`), nobody's: a job would be billed to whoever runs the server.
+
+A launcher that went away (the app restarted) is replaced by `finetune jobs follow RUN -q`, once per app process,
+when the run's owner next asks (a page load or the poll, the API's status) with a token to follow it with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.access import Access, AccessError
+from app.jobs.training import JobBusy, JobManager, JobStatus
+from finetune.errors import FinetuneError
+from finetune.remote.flavors import Flavor
+from finetune.remote.jobfile import is_remote_run, read_job
+
+IMAGE_VAR = "FINETUNE_JOBS_IMAGE"  # the image a job runs (default on a Space: the Space's own)
+JOBS_SCOPE = "jobs"  # the OAuth scope that lets the Space start jobs for its user (README.md's hf_oauth_scopes)
+NO_TOKEN = ("Sign in with Hugging Face to run on Hugging Face Jobs: the job runs in your account, with your token, "
+            "and is billed to you, never to this Space's owner.")
+NO_SCOPE = ("Your sign-in does not let this Space start Hugging Face Jobs for you: sign out and sign in again to "
+            "grant it the `jobs` permission.")
+NOT_HERE = ("Hugging Face Jobs is not offered on this server: a job would be billed to whoever runs it. Run on this "
+            "machine, or use the app on a Hugging Face Space (each user runs jobs with their own account) or on your "
+            "own computer.")
+NO_IMAGE = (f"Hugging Face Jobs needs an image with finetune in it: set {IMAGE_VAR}=hf.co/spaces/USER/SPACE (a copy "
+            "of this project's Space built for a GPU, docs/jobs.md) where the app runs, then start again.")
+NO_LOCAL_TOKEN = ("Hugging Face Jobs needs your Hugging Face token (write access and the `jobs` permission): set "
+                  "HF_TOKEN or run `hf auth login` where the app runs, then start again.")
+OFFLINE = "Hugging Face Jobs needs the network, but HF_HUB_OFFLINE is set where the app runs: unset it to use Jobs."
+
+
+@dataclass(frozen=True)
+class JobLaunch:
+    """What a run on Jobs adds to `finetune train`: its options, and the child's environment (None: the app's own,
+    as for a local run)."""
+
+    args: list[str]
+    env: dict[str, str] | None
+
+
+def _on(value: str | None) -> bool:
+    return (value or "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+class RemoteRuns:
+    """The Jobs side of one app: who may start a job and with which token, and its re-attaching."""
+
+    def __init__(self, access: Access, env: Mapping[str, str] | None = None):
+        self.access = access
+        self.env = os.environ if env is None else env  # the app's environment, read when a job starts
+        self._reattached: set[Path] = set()  # runs already re-attached to by this app process (one try each)
+
+    def image(self) -> str | None:
+        """The image a job runs: `FINETUNE_JOBS_IMAGE`, else on a Space the Space's own."""
+        if self.env.get(IMAGE_VAR):
+            return self.env[IMAGE_VAR]
+        space = self.env.get("SPACE_ID")
+        return f"hf.co/spaces/{space}" if space and self.access.mode == "space" else None
+
+    def _token_env(self, request: Any) -> dict[str, str] | None:
+        """The child's environment for acting on Jobs for the caller; `AccessError` with why it cannot."""
+        if _on(self.env.get("HF_HUB_OFFLINE")):
+            raise AccessError(OFFLINE)
+        if self.access.mode == "space":
+            signed_in = self.access.oauth_token(request)
+            if signed_in is None:
+                raise AccessError(NO_TOKEN)
+            token, scope = signed_in
+            if JOBS_SCOPE not in scope.split():
+                raise AccessError(NO_SCOPE)
+            # Only what a training child gets on a shared server, and the user's token: never the Space's own.
+            return {**self.access.child_env(self.env), "HF_TOKEN": token}
+        if self.access.shared:
+            raise AccessError(NOT_HERE)
+        import huggingface_hub as hf
+
+        if not hf.get_token():
+            raise AccessError(NO_LOCAL_TOKEN)
+        return None
+
+    def prepare(self, flavor: Flavor, user: str | None, request: Any) -> JobLaunch:
+        """The options and environment of `finetune train … --backend hf-jobs` for the caller on `flavor`;
+        `AccessError` (one sentence) when the caller cannot run a job here."""
+        env = self._token_env(request)
+        image = self.image()
+        if not image:
+            raise AccessError(NO_IMAGE)
+        args = ["--backend", "hf-jobs", "--flavor", flavor.name, "--image", image]
+        if self.access.mode == "space" and user:
+            args += ["--namespace", user]  # the signed-in user's own account, whatever else their token may reach
+        return JobLaunch(args, env)
+
+    # --- a job whose launcher went away
+    def reattach(self, training: JobManager, status: JobStatus, user: str | None, request: Any) -> bool:
+        """Follow the caller's job again (`finetune jobs follow`) when its launcher is gone and the job's end is
+        not recorded yet: once per run and app process, and only with a token to follow it with."""
+        run_dir = status.run_dir
+        if status.active or run_dir is None or run_dir in self._reattached or not is_remote_run(run_dir):
+            return False
+        if not self.access.owns(user, status.owner):
+            return False
+        try:
+            job = read_job(run_dir)
+            env = self._token_env(request)
+        except (AccessError, FinetuneError):
+            return False
+        if job.get("outcome") is not None:
+            return False
+        self._reattached.add(run_dir)
+        try:
+            training.follow_job(run_dir, owner=status.owner, env=env, launched=float(job.get("created") or 0) - 1)
+        except JobBusy:
+            return False
+        return True
+
+    def cancel(self, status: JobStatus, request: Any) -> None:
+        """Cancel the job of `status` from the app itself (a second Stop kills the launcher, which would leave the
+        job billing); nothing when it is no job, or the Hub cannot be asked."""
+        if status.run_dir is None or not is_remote_run(status.run_dir):
+            return
+        from finetune.remote import hfjobs
+
+        try:
+            env = self._token_env(request)
+            token = (env or {}).get("HF_TOKEN")
+            hfjobs.cancel(hfjobs.attach(status.run_dir), token=token)
+        except (AccessError, FinetuneError, OSError):
+            return
+
+
+def job_status(status: JobStatus) -> JobStatus:
+    """`status` as the Run panel tells a run on Jobs: where it runs while it is active, and once it ended, the
+    job's own sentence (cancelled, stopped at its time limit, failed) that the launcher recorded in job.json."""
+    if status.run_dir is None or not is_remote_run(status.run_dir):
+        return status
+    try:
+        job = read_job(status.run_dir)
+    except FinetuneError:
+        return status
+    outcome = job.get("outcome") or {}
+    if status.active:
+        where = f"On Hugging Face Jobs ({job.get('flavor')}): {job.get('url')}"
+        return dataclasses.replace(status, message=f"{status.message} {where}".strip())
+    if outcome.get("status") in ("stopped", "failed") and outcome.get("message"):
+        state = "stopped" if outcome["status"] == "stopped" else "failed"
+        return dataclasses.replace(status, state=state, message=str(outcome["message"]))
+    return status
