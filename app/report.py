@@ -16,8 +16,8 @@ from finetune.kinds import registry as kinds
 
 # A finished run's headline metrics, every kind's (its registry entry), then the loss: a run has only its own kind's.
 HEADLINE_METRICS = (*dict.fromkeys(m for n in kinds.names() for m in kinds.entry(n).metrics), "loss")
-STATE_TITLES = {"idle": "Ready", "starting": "Starting", "running": "Training", "stopping": "Stopping",
-                "stopped": "Stopped", "done": "Done", "failed": "Failed"}
+STATE_TITLES = {"idle": "Ready", "queued": "Queued", "starting": "Starting", "running": "Training",
+                "stopping": "Stopping", "stopped": "Stopped", "done": "Done", "failed": "Failed"}
 
 
 def data_lines(facts: dict[str, Any] | None) -> list[str]:

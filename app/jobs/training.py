@@ -4,12 +4,19 @@ The child runs in its own session (process group), so Stop can signal it and eve
 trains in its own process. What a page needs to re-attach after a reload, or after the app itself restarts, is
 written to `<runs_dir>/current.json`.
 
+A Start while a run is in progress (`submit`) puts the run in a queue instead, kept in `<runs_dir>/queue.json`
+(written atomically, like current.json, so the queue survives an app restart): when the run in progress ends (done,
+stopped or failed) the first queued run starts by itself, from a thread that follows each run to its end. An app
+shutting down starts nothing: the next app process starts the queue's first run once the run it re-attached to ends.
+
 A run that ends without a final event of its own (killed by the out-of-memory killer, say) is a failed run, before
 and after an app restart; any failed or stopped run that has a complete checkpoint can be resumed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -17,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +47,29 @@ ENDED = "# ended: "  # the launch log's line saying how a session ended, as the 
 
 class JobBusy(RuntimeError):
     """A run is in progress; the message says which and what to do."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Queued:
+    """A run waiting in the queue for the runs before it to end: what `start` will be given, and whose it is."""
+
+    run_dir: Path
+    config_path: Path
+    overrides: tuple[str, ...] = ()  # ("resume=true",) for a queued Resume
+    owner: str | None = None
+    queued_at: float = 0.0  # Unix time
+
+    def record(self) -> dict[str, Any]:
+        """The entry as queue.json keeps it."""
+        return {"run_dir": str(self.run_dir), "config_path": str(self.config_path), "overrides": list(self.overrides),
+                "owner": self.owner, "queued_at": self.queued_at}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Queued:
+        """An entry of queue.json (`KeyError`, `TypeError` or `ValueError` for one that is not)."""
+        return cls(run_dir=Path(record["run_dir"]), config_path=Path(record["config_path"]),
+                   overrides=tuple(str(o) for o in record.get("overrides") or ()), owner=record.get("owner"),
+                   queued_at=float(record.get("queued_at") or 0.0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +186,9 @@ class JobManager:
         self.max_run_s = max_run_s  # the server's time limit: a longer run is stopped (with a checkpoint)
         self._lock = threading.RLock()
         self._job: _Job | None = None
+        self._closing = False  # the app is shutting down: no queued run starts
         self._adopt()
+        self._advance()  # a queued run whose turn came while no app was running starts now
 
     # --- starting
     def start(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None,
@@ -180,6 +213,97 @@ class JobManager:
             self._save_current()
             self._watch(self._job)
             return self.status()
+
+    def submit(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None,
+               owner: str | None = None) -> int:
+        """Start the run now (0), or while another run is in progress (or others wait) put it at the end of the
+        queue: its position then (1: it starts next). `JobBusy` when that run folder is already training or queued."""
+        with self._lock, self._queue_lock():
+            queue = self.queue()
+            current = self.status()
+            if any(q.run_dir == run_dir for q in queue) or (current.active and current.run_dir == run_dir):
+                raise JobBusy("This run is already training or waiting in the queue.")
+            if not current.active and not queue:
+                self.start(config_path, run_dir, overrides, owner)
+                return 0
+            queue.append(Queued(run_dir=run_dir, config_path=config_path, overrides=tuple(overrides or ()),
+                                owner=owner, queued_at=time.time()))
+            self._write_queue(queue)
+        self._advance()  # the run in progress may have ended while this one was queued
+        return self.position(run_dir) or 0
+
+    def queue(self) -> list[Queued]:
+        """The runs waiting, first to start first (everyone's: `JobClient.queued` shows a user only their own)."""
+        try:
+            records = json.loads(self._queue_file().read_text(encoding="utf-8"))
+            return [Queued.from_record(r) for r in records]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, KeyError, TypeError):  # not written by this app: nothing can start from it
+            return []
+
+    def position(self, run_dir: Path) -> int | None:
+        """The place of `run_dir` in the queue (1: next to start), or None when it is not queued."""
+        return next((i for i, q in enumerate(self.queue(), 1) if q.run_dir == run_dir), None)
+
+    def cancel(self, run_dir: Path) -> Queued | None:
+        """Take `run_dir` off the queue; the entry taken off, or None when it was not queued (it may have started)."""
+        with self._lock, self._queue_lock():
+            queue = self.queue()
+            taken = next((q for q in queue if q.run_dir == run_dir), None)
+            if taken is not None:
+                self._write_queue([q for q in queue if q is not taken])
+            return taken
+
+    def _queue_file(self) -> Path:
+        return self.runs_dir / "queue.json"
+
+    def _write_queue(self, queue: list[Queued]) -> None:
+        # Atomic, as current.json: an app killed mid-write leaves the old queue, never half of one.
+        write_json(self._queue_file(), [q.record() for q in queue])
+
+    @contextlib.contextmanager
+    def _queue_lock(self) -> Iterator[None]:
+        """The queue to this thread alone, across app processes too (an old one may still be ending while a new
+        one starts): a queued run is taken off once, and started once."""
+        with open(self.runs_dir / "queue.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _advance(self) -> None:
+        """Start the first queued run if no run is in progress (a run folder that is gone is dropped)."""
+        with self._lock, self._queue_lock():
+            if self._closing or self.status().active or self._adopt_newer():
+                return
+            queue = self.queue()
+            while queue:
+                first = queue.pop(0)
+                self._write_queue(queue)
+                if first.run_dir.is_dir():  # deleted while it waited: nothing to start
+                    self.start(first.config_path, first.run_dir, list(first.overrides), first.owner)
+                    return
+
+    def _adopt_newer(self) -> bool:
+        """Whether another app process has started a run after ours (it took the queue's first run): followed
+        from now on, as after a restart."""
+        try:
+            launched = float(json.loads(self._current_file().read_text(encoding="utf-8"))["launched"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if self._job is not None and launched <= self._job.launched:
+            return False
+        self._adopt()
+        return self._job is not None and self.status().active
+
+    def _advance_after(self, job: _Job) -> None:
+        """Follow `job` to its end, then start the first queued run (a thread that ends with the run)."""
+        while self._running(job):
+            time.sleep(WATCH_INTERVAL_S)
+        if self._job is job:
+            self._advance()
 
     def _record_end(self, ended: JobStatus) -> None:
         """Write how the previous run ended into its launch log, once it is no longer the current run: a run stopped
@@ -230,7 +354,9 @@ class JobManager:
                 self._kill(job)
 
     def _watch(self, job: _Job) -> None:
-        """Enforce the server's time limit on `job` (a thread that ends with the run)."""
+        """Start the queue's next run when `job` ends, and enforce the server's time limit on it (threads that end
+        with the run)."""
+        threading.Thread(target=self._advance_after, args=(job,), daemon=True).start()
         if self.max_run_s is not None:
             threading.Thread(target=self._stop_at_time_limit, args=(job, self.max_run_s), daemon=True).start()
 
@@ -246,7 +372,8 @@ class JobManager:
 
     def shutdown(self, grace_s: float) -> str:
         """The app is going away (SIGTERM, `docker stop`): stop the run with a checkpoint and wait up to `grace_s`
-        for it to exit; says what happened."""
+        for it to exit; says what happened. No queued run starts after it: the next app process starts them."""
+        self._closing = True
         status = self.status()
         if not status.active:
             return ""

@@ -1,6 +1,6 @@
 """The Train tab's Run panel: Start (every check before anything is written, then `finetune train` through the job
-client), Stop and Resume, and the panel's components with the Results under it (the poll, `app.follow`, fills
-them)."""
+client, or into the queue while a run trains), Stop, Resume and Cancel (of the caller's newest queued run), and the
+panel's components with the Results under it (the poll, `app.follow`, fills them)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ from app.state import AppState
 from app.train import preview
 from app.train.form import FieldNotes
 from app.train.plan import PlanHandlers
-from app.train.run_report import progress_html
+from app.train.run_report import progress_html, waits_for
 from finetune.config.schema import Config, ConfigError, from_dict
 from finetune.config.tasks import single_task_values
-from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
+from finetune.run.rundir import LAUNCH_FILES, MARKER, RunDirError, check_run_dir, mark_run_dir
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +42,8 @@ class Started:
 
     started: bool
     message: str
+    queued: bool = False  # put in the queue behind the run in progress: it starts by itself
+    position: int | None = None  # its place in the queue (1: next to start)
     run_dir: str | None = None
     command: str = ""  # the command that reproduces the run from a terminal
     data_error: str = ""  # the dataset's problem, when that is what stopped the start
@@ -51,7 +53,9 @@ class Started:
     @property
     def note(self) -> str:
         """The message as the page shows it, in the form's words: a refusal gets a warning sign."""
-        return self.message if self.started else f"⚠️ {in_form_words(self.form_message or self.message)}"
+        if self.started or self.queued:
+            return self.message
+        return f"⚠️ {in_form_words(self.form_message or self.message)}"
 
     @property
     def start_button(self) -> Any:
@@ -201,7 +205,11 @@ class RunHandlers:
         mark_run_dir(run_dir)
         config_path.write_text(config_yaml(config, f"Written by the finetune app, {time.strftime('%Y-%m-%d %H:%M')}."
                                                    f"\nReproduce: {command}"), encoding="utf-8")
-        self.state.jobs.start(config_path, run_dir, owner=user)
+        position = self.state.jobs.start(config_path, run_dir, owner=user)
+        if position:
+            return Started(started=False, queued=True, position=position, run_dir=display_path(run_dir),
+                           command=command, message=f"{queued_words(position)} Reproduce from a terminal with "
+                                                    f"`{command}`.")
         return Started(started=True, message=f"Started. Reproduce from a terminal with `{command}`.",
                        run_dir=display_path(run_dir), command=command)
 
@@ -227,11 +235,49 @@ class RunHandlers:
         if refused := self.state.jobs.server_refusal(None):
             return f"⚠️ {refused}"
         try:
-            self.state.jobs.resume(status.run_dir, owner=user)
+            position = self.state.jobs.resume(status.run_dir, owner=user)
         except JobBusy as e:
             return f"⚠️ {e}"
-        return (f"Resuming. From a terminal: `finetune train {display_path(status.run_dir / 'config.yaml')} "
-                "resume=true`.")
+        return (f"{queued_words(position) if position else 'Resuming.'} From a terminal: "
+                f"`finetune train {display_path(status.run_dir / 'config.yaml')} resume=true`.")
+
+    def cancel(self, *, request: Any = None) -> str:
+        """Take the caller's newest queued run off the queue (its folder too, when nothing had run in it)."""
+        user, refusal = self.state.policy.who(request)
+        if refusal:
+            return f"⚠️ {refusal}"
+        queued = self.state.jobs.queued(user)
+        if not queued:
+            return "Nothing to cancel: you have no run waiting in the queue."
+        run_dir = queued[-1][0].run_dir
+        if self.state.jobs.cancel(run_dir, user) is None:
+            return "That run has already started: Stop it instead."
+        return cancelled_words(run_dir, self.state)
+
+
+def queued_words(position: int) -> str:
+    """What a Start (or Resume) that was queued says."""
+    return (f"Queued, position {position}: it starts by itself when {waits_for(position)}; Cancel takes it off "
+            "the queue.")
+
+
+def cancelled_words(run_dir: Path, state: AppState) -> str:
+    """What a Cancel did: the run off the queue, and its folder removed when nothing had run in it yet."""
+    shown = shown_path(run_dir, state.runs_dir, state.access.shared)
+    if remove_unstarted(run_dir):
+        return f"Cancelled the queued run `{shown}`; nothing had run, so its folder is removed."
+    return f"Cancelled the queued run `{shown}`; its folder is kept."
+
+
+def remove_unstarted(run_dir: Path) -> bool:
+    """Remove a run folder that holds only what Start wrote in it (its marker, launch.yaml and launch.log): a queued
+    run cancelled before it ran. A folder with anything else (a queued Resume's run) is kept."""
+    if not run_dir.is_dir() or any(p.name not in (MARKER, *LAUNCH_FILES) for p in run_dir.iterdir()):
+        return False
+    for name in (MARKER, *LAUNCH_FILES):
+        (run_dir / name).unlink(missing_ok=True)
+    run_dir.rmdir()
+    return True
 
 
 @dataclass
@@ -241,6 +287,7 @@ class RunPanel:
     start: Any
     stop: Any
     resume: Any
+    cancel: Any
     message: Any
     status: Any
     progress: Any
@@ -261,6 +308,7 @@ def build_run_panel() -> RunPanel:
             start = gr.Button("Start training", variant="primary", elem_id="start-button")
             stop = gr.Button("Stop", variant="stop", interactive=False)
             resume = gr.Button("Resume", visible=False)
+            cancel = gr.Button("Cancel queued run", visible=False, elem_id="cancel-queued")
         message = gr.Markdown(elem_id="run-message")
         status = gr.Markdown(elem_id="run-status")
         progress = gr.HTML(elem_id="run-progress")
@@ -276,6 +324,6 @@ def build_run_panel() -> RunPanel:
         scatter = gr.ScatterPlot(None, x="true", y="predicted", height=260, visible=False,
                                  label="Predicted against true values (evaluation rows)", elem_id="regression-scatter")
         run_dir = gr.Textbox(label="Run directory", interactive=False)
-    return RunPanel(start=start, stop=stop, resume=resume, message=message, status=status, progress=progress,
-                    stats=stats, trackers=trackers, loss=loss, log=log, metrics=metrics, scatter=scatter,
-                    run_dir=run_dir)
+    return RunPanel(start=start, stop=stop, resume=resume, cancel=cancel, message=message, status=status,
+                    progress=progress, stats=stats, trackers=trackers, loss=loss, log=log, metrics=metrics,
+                    scatter=scatter, run_dir=run_dir)
