@@ -275,6 +275,8 @@ class JobManager:
 
     def _advance(self) -> None:
         """Start the first queued run if no run is in progress (a run folder that is gone is dropped)."""
+        if self._closing:
+            return
         with self._lock, self._queue_lock():
             if self._closing or self.status().active or self._adopt_newer():
                 return
