@@ -1,5 +1,5 @@
-"""The app's scripting API: `start`, `plan`, `status`, `stop`, `predict`, `push`, `export` and `export_status`,
-with named parameters and results.
+"""The app's scripting API: `start`, `plan`, `status`, `stop`, `cancel`, `predict`, `push`, `export` and
+`export_status`, with named parameters and results.
 
 A script passes a run's config as one value, YAML text or a mapping of the config's options, and gets JSON back
 (see "Scripting the app" in docs/app.md). The endpoints call the same handlers as the page's buttons (`app.tabs`),
@@ -103,6 +103,7 @@ class ScriptApi:
         # Status and Stop must answer while another call (a plan, say) is being served.
         gr.api(self.status, api_name="status", concurrency_limit=None)
         gr.api(self.stop, api_name="stop", concurrency_limit=None)
+        gr.api(self.cancel, api_name="cancel", concurrency_limit=None)
         gr.api(self.predict, api_name="predict")
         gr.api(self.push, api_name="push", concurrency_id="push", concurrency_limit=1)
         gr.api(self.export, api_name="export", concurrency_id="export", concurrency_limit=1)
@@ -169,6 +170,13 @@ class ScriptApi:
     def stop(self, request: gr.Request) -> dict[str, str]:
         """Stop the run after its current optimizer step, with a checkpoint; a second call kills it: {message}."""
         return {"message": self.handlers.run.stop(request=request).removeprefix("⚠️ ")}
+
+    def cancel(self, run: str = "", request: gr.Request = None) -> dict[str, str]:
+        """Take the caller's queued run off the queue (`run`: its folder, as /start answered it; default the newest
+        one queued), before it starts: {message}."""
+        if not run:
+            return {"message": self.handlers.run.cancel(request=request).removeprefix("⚠️ ")}
+        return {"message": self.handlers.run.cancel_named(run, request=request).removeprefix("⚠️ ")}
 
     def predict(self, text: str, request: gr.Request) -> dict[str, Any]:
         """The finished run's model on `text`: {label, probabilities}, {generated}, {words, tags,

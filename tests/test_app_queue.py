@@ -22,7 +22,6 @@ from app.jobs.training import JobManager
 from app.limits import Limits
 from app.mapping import COLUMN_FIELDS
 from app.tabs import Handlers, handlers
-from finetune.config.schema import from_dict
 
 ALICE, BOB = SimpleNamespace(username="alice"), SimpleNamespace(username="bob")
 PASSWORDS = Access("password", accounts=(("alice", "a-secret"), ("bob", "b-secret")))
@@ -153,6 +152,9 @@ def test_a_start_while_a_run_trains_is_queued_and_starts_by_itself(queue):
                                                             "deleting it.")
     # bob cannot take alice's run off the queue: it is not one of his.
     assert ctl.state.jobs.cancel(Path("runs/alice/a2"), "bob") is None
+    assert api.cancel("runs/alice/a2", BOB) == {"message": "'runs/alice/a2' is not one of your runs waiting in the "
+                                                           "queue."}
+    assert ctl.state.jobs.training.position(Path("runs/alice/a2")) == 2
 
     # alice's run is done: bob's starts by itself, and alice's second moves up.
     _end("runs/alice/a1", "done")

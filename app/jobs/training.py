@@ -187,6 +187,7 @@ class JobManager:
         self._lock = threading.RLock()
         self._job: _Job | None = None
         self._closing = False  # the app is shutting down: no queued run starts
+        self._queue_dir = self.runs_dir.resolve()  # the queue's thread must not follow a later change of directory
         self._adopt()
         self._advance()  # a queued run whose turn came while no app was running starts now
 
@@ -256,7 +257,7 @@ class JobManager:
             return taken
 
     def _queue_file(self) -> Path:
-        return self.runs_dir / "queue.json"
+        return self._queue_dir / "queue.json"
 
     def _write_queue(self, queue: list[Queued]) -> None:
         # Atomic, as current.json: an app killed mid-write leaves the old queue, never half of one.
@@ -266,7 +267,7 @@ class JobManager:
     def _queue_lock(self) -> Iterator[None]:
         """The queue to this thread alone, across app processes too (an old one may still be ending while a new
         one starts): a queued run is taken off once, and started once."""
-        with open(self.runs_dir / "queue.lock", "a") as f:
+        with open(self._queue_dir / "queue.lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield

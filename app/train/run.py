@@ -254,6 +254,16 @@ class RunHandlers:
             return "That run has already started: Stop it instead."
         return cancelled_words(run_dir, self.state)
 
+    def cancel_named(self, run: str, *, request: Any = None) -> str:
+        """Take the caller's queued run `run` (its folder as Start named it) off the queue; only one of theirs."""
+        user, refusal = self.state.policy.who(request)
+        if refusal:
+            return f"⚠️ {refusal}"
+        named = next((q.run_dir for q, _ in self.state.jobs.queued(user) if display_path(q.run_dir) == run), None)
+        if named is None or self.state.jobs.cancel(named, user) is None:
+            return f"⚠️ {run!r} is not one of your runs waiting in the queue."
+        return cancelled_words(named, self.state)
+
 
 def queued_words(position: int) -> str:
     """What a Start (or Resume) that was queued says."""
