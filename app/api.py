@@ -15,9 +15,8 @@ import gradio as gr
 
 from app import limits
 from app.mapping import parse_config, problems_text
-from app.report import display_path, final_metrics, reproduce_command
+from app.report import display_path, final_metrics, reproduce_command, waits_for
 from app.results import Unanswered
-from app.train.run_report import waits_for
 from finetune.config.schema import Config, ConfigError
 
 if TYPE_CHECKING:

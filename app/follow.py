@@ -17,7 +17,7 @@ from app import charts
 from app.downloads import zip_model
 from app.export import publish
 from app.jobs.training import JobStatus
-from app.report import final_metrics, reproduce_command, shown_path
+from app.report import final_metrics, reproduce_command, shown_path, waits_for
 from app.results import keep
 from app.state import AppState
 from app.train import run_report, scatter
@@ -76,7 +76,7 @@ class Follow:
         """One line for each of `user`'s queued runs: "Queued, position N" and its folder."""
         state = self.state
         return [f"**Queued, position {n}** — `{shown_path(q.run_dir, state.runs_dir, state.access.shared)}`: it "
-                f"starts by itself when {run_report.waits_for(n)}." for q, n in state.jobs.queued(user)]
+                f"starts by itself when {waits_for(n)}." for q, n in state.jobs.queued(user)]
 
     def _download(self, status: JobStatus) -> Any:
         """Download model: the finished run's model zipped (once), named after the run."""

@@ -90,6 +90,17 @@ def display_path(path: Path | str) -> str:
         return str(given)
 
 
+def waits_for(position: int) -> str:
+    """What a run at `position` in the queue waits for, in words."""
+    return "the run in progress ends" if position == 1 else f"the {position} runs before it end"
+
+
+def queued_words(position: int) -> str:
+    """What a Start (or Resume) that was queued says."""
+    return (f"Queued, position {position}: it starts by itself when {waits_for(position)}; Cancel takes it off "
+            "the queue.")
+
+
 def shown_path(path: Path | str, runs_dir: Path, shared: bool) -> str:
     """`path` as a message shows it: locally as `display_path` does; on a shared server by its place in the runs
     folder (`runs/<user>/<run>/…`, the folder by its name alone), never by where the server keeps it."""

@@ -191,7 +191,7 @@ def test_every_event_refuses_an_anonymous_visitor_and_a_new_one_cannot_forget(tm
                                                                              space_env):
     monkeypatch.chdir(tmp_path)
     app = build(Path("runs"), access=_space())
-    api_names = {"start", "plan", "status", "stop", "predict", "push", "export", "export_status"}
+    api_names = {"start", "plan", "status", "stop", "cancel", "predict", "push", "export", "export_status"}
     seen = set()
     for block_fn in app.demo.fns.values():
         fn = block_fn.fn
@@ -229,6 +229,7 @@ def test_every_event_refuses_an_anonymous_visitor_and_a_new_one_cannot_forget(tm
     assert api.start("dataset: x.csv", ANON)["message"] == refusal
     assert api.plan("dataset: x.csv", ANON) == {"error": refusal}
     assert api.stop(ANON)["message"] == refusal
+    assert api.cancel(request=ANON)["message"] == refusal
     assert api.predict("hi", ANON) == {"error": refusal}
     assert api.status(ANON)["message"] == refusal and api.status(ANON)["run_dir"] is None
     assert not api.push("a/b", True, ANON)["pushed"]

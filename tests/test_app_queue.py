@@ -75,7 +75,7 @@ def queue(tmp_path, monkeypatch, cls_csv):
                                              *[""] * len(COLUMN_FIELDS), request=req).dataset
     yield ctl, ScriptApi(ctl), uploads
     jobs._closing = True  # nothing more starts once the test is over
-    for q in jobs.queue():
+    for q in jobs.queue.entries():
         jobs.cancel(q.run_dir)
     if jobs.status().active:
         os.killpg(json.loads((runs / "current.json").read_text())["pid"], 9)
@@ -151,10 +151,10 @@ def test_a_start_while_a_run_trains_is_queued_and_starts_by_itself(queue):
     assert ctl.runs.delete(["b1"], request=BOB).message == ("⚠️ This run is waiting in the queue: cancel it before "
                                                             "deleting it.")
     # bob cannot take alice's run off the queue: it is not one of his.
-    assert ctl.state.jobs.cancel(Path("runs/alice/a2"), "bob") is None
+    assert ctl.state.jobs.cancel(Path("runs/alice/a2"), "bob") == ""
     assert api.cancel("runs/alice/a2", BOB) == {"message": "'runs/alice/a2' is not one of your runs waiting in the "
                                                            "queue."}
-    assert ctl.state.jobs.training.position(Path("runs/alice/a2")) == 2
+    assert ctl.state.jobs.training.queue.position(Path("runs/alice/a2")) == 2
 
     # alice's run is done: bob's starts by itself, and alice's second moves up.
     _end("runs/alice/a1", "done")
@@ -185,7 +185,7 @@ def test_a_start_while_a_run_trains_is_queued_and_starts_by_itself(queue):
     assert api.start(_config(uploads["bob"], "b3"), BOB)["position"] == 1
     cancelled = ctl.runs.cancel(["b3"], request=BOB)
     assert cancelled.message == "Cancelled the queued run `runs/bob/b3`; nothing had run, so its folder is removed."
-    assert "b3" not in list(cancelled.table.Run) and ctl.state.jobs.training.queue() == []
+    assert "b3" not in list(cancelled.table.Run) and ctl.state.jobs.training.queue.entries() == []
     _end("runs/bob/b2", "done")
     _wait_for(lambda: ctl.state.jobs.status().state == "done")
     assert ctl.state.jobs.status().run_dir == Path("runs/bob/b2")  # nothing else started
@@ -220,10 +220,10 @@ def test_the_queue_survives_a_new_app_process(tmp_path):
     jobs = JobManager(runs, python=fake)
     try:
         assert jobs.status().run_dir == runs / "r2" and jobs.status().active
-        assert [(q.run_dir.name, n) for n, q in enumerate(jobs.queue(), 1)] == [("r3", 1)]
+        assert [(q.run_dir.name, n) for n, q in enumerate(jobs.queue.entries(), 1)] == [("r3", 1)]
         _end(str(runs / "r2"), "error")
         _wait_for(lambda: jobs.status().run_dir == runs / "r3" and jobs.status().progress)
-        assert jobs.queue() == [] and json.loads((runs / "queue.json").read_text()) == []
+        assert jobs.queue.entries() == [] and json.loads((runs / "queue.json").read_text()) == []
         _end(str(runs / "r3"), "done")
         assert _wait_for(lambda: jobs.status().state == "done")
     finally:

@@ -24,7 +24,9 @@ from app import cleanup, limits
 from app.access import Access
 from app.jobs.export import ExportChild, ExportJobs
 from app.jobs.planner import Planner
-from app.jobs.training import JobBusy, JobManager, JobStatus, Queued
+from app.jobs.queue import Queued, remove_unstarted
+from app.jobs.training import JobBusy, JobManager, JobStatus
+from app.report import shown_path
 from finetune.config.schema import Config
 
 
@@ -66,14 +68,18 @@ class JobClient:
     # --- the queue
     def queued(self, user: str | None) -> list[tuple[Queued, int]]:
         """`user`'s queued runs with their positions (1: next to start); everyone's, locally."""
-        return [(q, i) for i, q in enumerate(self.training.queue(), 1) if self.access.owns(user, q.owner)]
+        return [(q, i) for i, q in enumerate(self.training.queue.entries(), 1) if self.access.owns(user, q.owner)]
 
-    def cancel(self, run_dir: Path, user: str | None) -> Queued | None:
-        """Take `user`'s queued run `run_dir` off the queue (None when it is not one of theirs, or it has started)."""
+    def cancel(self, run_dir: Path, user: str | None) -> str:
+        """Take `user`'s queued run `run_dir` off the queue, and its folder when nothing had run in it: what was
+        done, in a sentence ("" when it is not one of their queued runs, or it has started)."""
         with self._lock:
-            if not any(q.run_dir == run_dir for q, _ in self.queued(user)):
-                return None
-            return self.training.cancel(run_dir)
+            if not any(q.run_dir == run_dir for q, _ in self.queued(user)) or self.training.cancel(run_dir) is None:
+                return ""
+        shown = shown_path(run_dir, self.runs_dir, self.access.shared)
+        if remove_unstarted(run_dir):
+            return f"Cancelled the queued run `{shown}`; nothing had run, so its folder is removed."
+        return f"Cancelled the queued run `{shown}`; its folder is kept."
 
     def queue_refusal(self, user: str | None) -> str:
         """Why `user` may queue no more runs (the server's limit of runs waiting per user); "" when they may."""
@@ -109,7 +115,7 @@ class JobClient:
     def run_refusal(self, user: str | None = None) -> str:
         """Why no run may start (or be queued) now because of another job ("" when it may): a run in progress
         queues it, up to the server's limit of queued runs."""
-        if self.status().active or self.training.queue():
+        if self.status().active or self.training.queue.entries():
             return self.queue_refusal(user)
         if self._someone_preparing():
             return "A run is being started on this server: try again when it has started (one job at a time)."
@@ -120,7 +126,7 @@ class JobClient:
     def export_refusal(self) -> str:
         """Why no export may start now because of another job ("" when it may)."""
         # A queued run is about to start (between the end of one run and the start of the next).
-        if self.access.shared and (self.status().active or self.training.queue()):
+        if self.access.shared and (self.status().active or self.training.queue.entries()):
             return "A run is training on this server: export when it is done (one job at a time)."
         if self.access.shared and self._someone_preparing():
             return "A run is being started on this server: export when it is done (one job at a time)."

@@ -4,10 +4,10 @@ The child runs in its own session (process group), so Stop can signal it and eve
 trains in its own process. What a page needs to re-attach after a reload, or after the app itself restarts, is
 written to `<runs_dir>/current.json`.
 
-A Start while a run is in progress (`submit`) puts the run in a queue instead, kept in `<runs_dir>/queue.json`
-(written atomically, like current.json, so the queue survives an app restart): when the run in progress ends (done,
-stopped or failed) the first queued run starts by itself, from a thread that follows each run to its end. An app
-shutting down starts nothing: the next app process starts the queue's first run once the run it re-attached to ends.
+A Start while a run is in progress (`submit`) puts the run in the queue instead (`app.jobs.queue`: queue.json in the
+runs folder, so it survives an app restart): when the run in progress ends (done, stopped or failed) the first queued
+run starts by itself, from the thread that follows each run to its end. An app shutting down starts nothing: the next
+app process starts the queue's first run at once, or once the run it re-attached to ends.
 
 A run that ends without a final event of its own (killed by the out-of-memory killer, say) is a failed run, before
 and after an app restart; any failed or stopped run that has a complete checkpoint can be resumed.
@@ -15,8 +15,6 @@ and after an app restart; any failed or stopped run that has a complete checkpoi
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import signal
@@ -24,7 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from typing import Any
 import psutil
 
 from app.jobs.children import signal_group, spawn
+from app.jobs.queue import Queued, RunQueue
 from app.jobs.tail import EventTail, error_from_output, session_output
 from finetune.config.schema import ConfigError, read_yaml
 from finetune.run.rundir import checkpoints, write_json
@@ -47,29 +45,6 @@ ENDED = "# ended: "  # the launch log's line saying how a session ended, as the 
 
 class JobBusy(RuntimeError):
     """A run is in progress; the message says which and what to do."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Queued:
-    """A run waiting in the queue for the runs before it to end: what `start` will be given, and whose it is."""
-
-    run_dir: Path
-    config_path: Path
-    overrides: tuple[str, ...] = ()  # ("resume=true",) for a queued Resume
-    owner: str | None = None
-    queued_at: float = 0.0  # Unix time
-
-    def record(self) -> dict[str, Any]:
-        """The entry as queue.json keeps it."""
-        return {"run_dir": str(self.run_dir), "config_path": str(self.config_path), "overrides": list(self.overrides),
-                "owner": self.owner, "queued_at": self.queued_at}
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Queued:
-        """An entry of queue.json (`KeyError`, `TypeError` or `ValueError` for one that is not)."""
-        return cls(run_dir=Path(record["run_dir"]), config_path=Path(record["config_path"]),
-                   overrides=tuple(str(o) for o in record.get("overrides") or ()), owner=record.get("owner"),
-                   queued_at=float(record.get("queued_at") or 0.0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +140,22 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _is_finetune(pid: int) -> bool:
+    """Whether process `pid` runs a `finetune` command (an adopted pid may since belong to another process)."""
+    try:
+        return any("finetune" in arg for arg in psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+
+
+def _busy_message(status: JobStatus) -> str:
+    """Why a second run cannot start now (what `start` raises; the app queues it instead: `submit`)."""
+    step, start = status.last("step"), status.last("start")
+    where = f", step {step['step']} of {start['total_steps']}" if step and start else ""
+    return (f"A run is in progress ({status.run_dir}{where}): only one job runs at a time. Stop it, or wait for "
+            "it to finish, before starting another.")
+
+
 def _pushes(config_path: Path) -> bool:
     """Whether the run's config (as launched) pushes the model to the Hub when it is done."""
     try:
@@ -187,7 +178,7 @@ class JobManager:
         self._lock = threading.RLock()
         self._job: _Job | None = None
         self._closing = False  # the app is shutting down: no queued run starts
-        self._queue_dir = self.runs_dir.resolve()  # the queue's thread must not follow a later change of directory
+        self.queue = RunQueue(self.runs_dir)  # the runs waiting for this one to end
         self._adopt()
         self._advance()  # a queued run whose turn came while no app was running starts now
 
@@ -198,7 +189,7 @@ class JobManager:
         with self._lock:
             current = self.status()
             if current.active:
-                raise JobBusy(self._busy_message(current))
+                raise JobBusy(_busy_message(current))
             self._record_end(current)
             command = [self.python, "-m", "finetune", "train", str(config_path), *(overrides or []), "-q"]
             log_path = run_dir / "launch.log"
@@ -219,94 +210,50 @@ class JobManager:
                owner: str | None = None) -> int:
         """Start the run now (0), or while another run is in progress (or others wait) put it at the end of the
         queue: its position then (1: it starts next). `JobBusy` when that run folder is already training or queued."""
-        with self._lock, self._queue_lock():
-            queue = self.queue()
+        with self._lock, self.queue.locked():
+            queue = self.queue.entries()
             current = self.status()
             if any(q.run_dir == run_dir for q in queue) or (current.active and current.run_dir == run_dir):
                 raise JobBusy("This run is already training or waiting in the queue.")
             if not current.active and not queue:
                 self.start(config_path, run_dir, overrides, owner)
                 return 0
-            queue.append(Queued(run_dir=run_dir, config_path=config_path, overrides=tuple(overrides or ()),
-                                owner=owner, queued_at=time.time()))
-            self._write_queue(queue)
+            self.queue.write([*queue, Queued(run_dir=run_dir, config_path=config_path,
+                                             overrides=tuple(overrides or ()), owner=owner, queued_at=time.time())])
         self._advance()  # the run in progress may have ended while this one was queued
-        return self.position(run_dir) or 0
-
-    def queue(self) -> list[Queued]:
-        """The runs waiting, first to start first (everyone's: `JobClient.queued` shows a user only their own)."""
-        try:
-            records = json.loads(self._queue_file().read_text(encoding="utf-8"))
-            return [Queued.from_record(r) for r in records]
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError, KeyError, TypeError):  # not written by this app: nothing can start from it
-            return []
-
-    def position(self, run_dir: Path) -> int | None:
-        """The place of `run_dir` in the queue (1: next to start), or None when it is not queued."""
-        return next((i for i, q in enumerate(self.queue(), 1) if q.run_dir == run_dir), None)
+        return self.queue.position(run_dir) or 0
 
     def cancel(self, run_dir: Path) -> Queued | None:
         """Take `run_dir` off the queue; the entry taken off, or None when it was not queued (it may have started)."""
-        with self._lock, self._queue_lock():
-            queue = self.queue()
+        with self._lock, self.queue.locked():
+            queue = self.queue.entries()
             taken = next((q for q in queue if q.run_dir == run_dir), None)
             if taken is not None:
-                self._write_queue([q for q in queue if q is not taken])
+                self.queue.write([q for q in queue if q is not taken])
             return taken
 
-    def _queue_file(self) -> Path:
-        return self._queue_dir / "queue.json"
-
-    def _write_queue(self, queue: list[Queued]) -> None:
-        # Atomic, as current.json: an app killed mid-write leaves the old queue, never half of one.
-        write_json(self._queue_file(), [q.record() for q in queue])
-
-    @contextlib.contextmanager
-    def _queue_lock(self) -> Iterator[None]:
-        """The queue to this thread alone, across app processes too (an old one may still be ending while a new
-        one starts): a queued run is taken off once, and started once."""
-        with open(self._queue_dir / "queue.lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-
     def _advance(self) -> None:
-        """Start the first queued run if no run is in progress (a run folder that is gone is dropped)."""
+        """Start the first queued run if no run is in progress (a queued run whose folder is gone is dropped)."""
         if self._closing:
             return
-        with self._lock, self._queue_lock():
-            if self._closing or self.status().active or self._adopt_newer():
+        with self._lock, self.queue.locked():
+            if self._closing or self.status().active:
                 return
-            queue = self.queue()
+            try:  # another app process (one ending as this one starts) may have started it already: follow that
+                launched = float(json.loads(self._current_file().read_text(encoding="utf-8"))["launched"])
+            except (OSError, ValueError, KeyError, TypeError):
+                launched = 0.0
+            if self._job is not None and launched > self._job.launched:
+                self._adopt()
+                if self.status().active:
+                    return
+            queue = self.queue.entries()
             while queue:
                 first = queue.pop(0)
-                self._write_queue(queue)
-                if first.run_dir.is_dir():  # deleted while it waited: nothing to start
+                self.queue.write(queue)
+                if first.run_dir.is_dir():
                     self.start(first.config_path, first.run_dir, list(first.overrides), first.owner)
                     return
-
-    def _adopt_newer(self) -> bool:
-        """Whether another app process has started a run after ours (it took the queue's first run): followed
-        from now on, as after a restart."""
-        try:
-            launched = float(json.loads(self._current_file().read_text(encoding="utf-8"))["launched"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        if self._job is not None and launched <= self._job.launched:
-            return False
-        self._adopt()
-        return self._job is not None and self.status().active
-
-    def _advance_after(self, job: _Job) -> None:
-        """Follow `job` to its end, then start the first queued run (a thread that ends with the run)."""
-        while self._running(job):
-            time.sleep(WATCH_INTERVAL_S)
-        if self._job is job:
-            self._advance()
 
     def _record_end(self, ended: JobStatus) -> None:
         """Write how the previous run ended into its launch log, once it is no longer the current run: a run stopped
@@ -357,21 +304,22 @@ class JobManager:
                 self._kill(job)
 
     def _watch(self, job: _Job) -> None:
-        """Start the queue's next run when `job` ends, and enforce the server's time limit on it (threads that end
-        with the run)."""
-        threading.Thread(target=self._advance_after, args=(job,), daemon=True).start()
-        if self.max_run_s is not None:
-            threading.Thread(target=self._stop_at_time_limit, args=(job, self.max_run_s), daemon=True).start()
+        """Follow `job` to its end in a thread of its own (`_follow`)."""
+        threading.Thread(target=self._follow, args=(job,), daemon=True).start()
 
-    def _stop_at_time_limit(self, job: _Job, limit_s: float) -> None:
+    def _follow(self, job: _Job) -> None:
+        """Stop `job` at the server's time limit (with a checkpoint), and once it has ended start the first queued
+        run."""
+        limit_s = self.max_run_s
         while self._running(job):
-            if time.time() - job.launched >= limit_s:
+            if limit_s is not None and job.stop_requested_at is None and time.time() - job.launched >= limit_s:
                 with self._lock:
                     if self._job is job and job.stop_requested_at is None and self._running(job):
                         job.time_limit_min = limit_s / 60
                         self.stop()
-                return
             time.sleep(WATCH_INTERVAL_S)
+        if self._job is job:
+            self._advance()
 
     def shutdown(self, grace_s: float) -> str:
         """The app is going away (SIGTERM, `docker stop`): stop the run with a checkpoint and wait up to `grace_s`
@@ -450,17 +398,6 @@ class JobManager:
             return "failed", KILLED
         return "failed", error_from_output(output) or f"The training process exited with code {rc}."
 
-    def busy_message(self) -> str:
-        """Why a second run cannot start now."""
-        return self._busy_message(self.status())
-
-    @staticmethod
-    def _busy_message(status: JobStatus) -> str:
-        step, start = status.last("step"), status.last("start")
-        where = f", step {step['step']} of {start['total_steps']}" if step and start else ""
-        return (f"A run is in progress ({status.run_dir}{where}): only one job runs at a time. Stop it, or wait for "
-                "it to finish, before starting another.")
-
     # --- re-attaching after the app restarts
     def _current_file(self) -> Path:
         return self.runs_dir / "current.json"
@@ -485,15 +422,8 @@ class JobManager:
                        time_limit_min=record.get("time_limit_min"))
         except (OSError, ValueError, KeyError, TypeError):
             return
-        if _alive(job.pid) and not self._is_finetune(job.pid):
+        if _alive(job.pid) and not _is_finetune(job.pid):
             job.pid = -1  # the id now belongs to an unrelated process: never signal it
         self._job = job
         if self._running(job):
             self._watch(job)  # the time limit counts from the launch, across app restarts
-
-    @staticmethod
-    def _is_finetune(pid: int) -> bool:
-        try:
-            return any("finetune" in arg for arg in psutil.Process(pid).cmdline())
-        except psutil.Error:
-            return False

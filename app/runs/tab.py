@@ -33,7 +33,6 @@ from app.runs.listing import (
     status_title,
 )
 from app.state import AppState
-from app.train.run import cancelled_words, queued_words
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +195,7 @@ class RunsHandlers:
             position = self.state.jobs.resume(run.path, owner=user)
         except JobBusy as e:
             return f"⚠️ {e}"
-        doing = f"`{run.name}`: {queued_words(position)}" if position else \
+        doing = f"`{run.name}`: {report.queued_words(position)}" if position else \
             f"Resuming `{run.name}` (follow it in the Train tab)."
         return f"{doing} From a terminal: `finetune train {report.display_path(run.path / 'config.yaml')} resume=true`."
 
@@ -205,9 +204,10 @@ class RunsHandlers:
         user, run, problem = self._one(selected, request)
         if run is not None and run.state != "queued":
             problem = "This run is not waiting in the queue: only a queued run can be cancelled."
-        if run is not None and not problem and self.state.jobs.cancel(run.path, user) is None:
+        said = self.state.jobs.cancel(run.path, user) if run is not None and not problem else ""
+        if run is not None and not problem and not said:
             problem = "This run has already started: stop it in the Train tab instead."
-        note = f"⚠️ {problem.removeprefix('⚠️ ')}" if problem else cancelled_words(run.path, self.state)
+        note = f"⚠️ {problem.removeprefix('⚠️ ')}" if problem else said
         shown = self.refresh(selected, request=request)
         return RunsShown(table=shown.table, choices=shown.choices, selection=shown.selection, message=note)
 

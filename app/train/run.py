@@ -24,16 +24,16 @@ from app.mapping import (
     problems_text,
     values_to_config,
 )
-from app.report import display_path, shown_path
+from app.report import display_path, queued_words, shown_path
 from app.results import Unanswered
 from app.state import AppState
 from app.train import preview
 from app.train.form import FieldNotes
 from app.train.plan import PlanHandlers
-from app.train.run_report import progress_html, waits_for
+from app.train.run_report import progress_html
 from finetune.config.schema import Config, ConfigError, from_dict
 from finetune.config.tasks import single_task_values
-from finetune.run.rundir import LAUNCH_FILES, MARKER, RunDirError, check_run_dir, mark_run_dir
+from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,10 +249,7 @@ class RunHandlers:
         queued = self.state.jobs.queued(user)
         if not queued:
             return "Nothing to cancel: you have no run waiting in the queue."
-        run_dir = queued[-1][0].run_dir
-        if self.state.jobs.cancel(run_dir, user) is None:
-            return "That run has already started: Stop it instead."
-        return cancelled_words(run_dir, self.state)
+        return self.state.jobs.cancel(queued[-1][0].run_dir, user) or "That run has already started: Stop it instead."
 
     def cancel_named(self, run: str, *, request: Any = None) -> str:
         """Take the caller's queued run `run` (its folder as Start named it) off the queue; only one of theirs."""
@@ -260,34 +257,8 @@ class RunHandlers:
         if refusal:
             return f"⚠️ {refusal}"
         named = next((q.run_dir for q, _ in self.state.jobs.queued(user) if display_path(q.run_dir) == run), None)
-        if named is None or self.state.jobs.cancel(named, user) is None:
-            return f"⚠️ {run!r} is not one of your runs waiting in the queue."
-        return cancelled_words(named, self.state)
-
-
-def queued_words(position: int) -> str:
-    """What a Start (or Resume) that was queued says."""
-    return (f"Queued, position {position}: it starts by itself when {waits_for(position)}; Cancel takes it off "
-            "the queue.")
-
-
-def cancelled_words(run_dir: Path, state: AppState) -> str:
-    """What a Cancel did: the run off the queue, and its folder removed when nothing had run in it yet."""
-    shown = shown_path(run_dir, state.runs_dir, state.access.shared)
-    if remove_unstarted(run_dir):
-        return f"Cancelled the queued run `{shown}`; nothing had run, so its folder is removed."
-    return f"Cancelled the queued run `{shown}`; its folder is kept."
-
-
-def remove_unstarted(run_dir: Path) -> bool:
-    """Remove a run folder that holds only what Start wrote in it (its marker, launch.yaml and launch.log): a queued
-    run cancelled before it ran. A folder with anything else (a queued Resume's run) is kept."""
-    if not run_dir.is_dir() or any(p.name not in (MARKER, *LAUNCH_FILES) for p in run_dir.iterdir()):
-        return False
-    for name in (MARKER, *LAUNCH_FILES):
-        (run_dir / name).unlink(missing_ok=True)
-    run_dir.rmdir()
-    return True
+        said = self.state.jobs.cancel(named, user) if named is not None else ""
+        return said or f"⚠️ {run!r} is not one of your runs waiting in the queue."
 
 
 @dataclass

@@ -94,11 +94,6 @@ def status_markdown(status: JobStatus) -> str:
     return f"{text}\n\n{status.message}{data}" if status.message else text + data
 
 
-def waits_for(position: int) -> str:
-    """What a run at `position` in the queue waits for, in words."""
-    return "the run in progress ends" if position == 1 else f"the {position} runs before it end"
-
-
 def trackers_markdown(report_to: list[str], run_dir: Any) -> str:
     """How to open the run's local tracker dashboards, as commands to type where the app runs."""
     from finetune.run.tracking import dashboard_command
