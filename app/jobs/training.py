@@ -234,7 +234,7 @@ class JobManager:
 
     def _advance(self) -> None:
         """Start the first queued run if no run is in progress (a queued run whose folder is gone is dropped)."""
-        if self._closing:
+        if self._closing or not self.queue.entries():  # nothing waits (a run queued meanwhile advances itself)
             return
         with self._lock, self.queue.locked():
             if self._closing or self.status().active:
