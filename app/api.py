@@ -1,5 +1,5 @@
-"""The app's scripting API: `start`, `plan`, `status`, `stop`, `predict`, `push`, `export` and `export_status`,
-with named parameters and results.
+"""The app's scripting API: `start`, `plan`, `status`, `stop`, `cancel`, `predict`, `push`, `export` and
+`export_status`, with named parameters and results.
 
 A script passes a run's config as one value, YAML text or a mapping of the config's options, and gets JSON back
 (see "Scripting the app" in docs/app.md). The endpoints call the same handlers as the page's buttons (`app.tabs`),
@@ -15,7 +15,7 @@ import gradio as gr
 
 from app import limits
 from app.mapping import parse_config, problems_text
-from app.report import final_metrics, reproduce_command
+from app.report import display_path, final_metrics, reproduce_command, waits_for
 from app.results import Unanswered
 from finetune.config.schema import Config, ConfigError
 
@@ -24,18 +24,32 @@ if TYPE_CHECKING:
 
 
 class StartResult(TypedDict):
-    """Whether the run started, where, the command that reproduces it, and a message (the reason, when refused)."""
+    """Whether the run started (or was queued behind the run in progress, at `position`), where, the command that
+    reproduces it, and a message (the reason, when refused)."""
 
     started: bool
+    queued: bool  # waiting in the queue: it starts by itself when the runs before it end
+    position: int | None  # its place in the queue (1: next to start); None unless queued
     run_dir: str | None
     command: str
     message: str
 
 
-class StatusResult(TypedDict):
-    """The current (or last) run: its state, optimizer step, latest training loss and final metrics."""
+class QueuedResult(TypedDict):
+    """One of the caller's runs waiting in the queue."""
 
-    state: str  # idle, starting, running, stopping, stopped, done, failed
+    run_dir: str
+    position: int  # 1: next to start
+
+
+class StatusResult(TypedDict):
+    """The current (or last) run: its state, optimizer step, latest training loss and final metrics; or, while the
+    caller's next run waits in the queue and no run of theirs trains, that run ("queued", at `position`)."""
+
+    state: str  # idle, queued, starting, running, stopping, stopped, done, failed
+    queued: bool  # the caller has runs waiting in the queue (all of them in `queue`)
+    position: int | None  # the place of the caller's next queued run (1: next to start); None when none waits
+    queue: list[QueuedResult]  # the caller's queued runs, first to start first (nobody else's)
     run_dir: str | None
     step: int | None
     total_steps: int | None
@@ -88,6 +102,7 @@ class ScriptApi:
         # Status and Stop must answer while another call (a plan, say) is being served.
         gr.api(self.status, api_name="status", concurrency_limit=None)
         gr.api(self.stop, api_name="stop", concurrency_limit=None)
+        gr.api(self.cancel, api_name="cancel", concurrency_limit=None)
         gr.api(self.predict, api_name="predict")
         gr.api(self.push, api_name="push", concurrency_id="push", concurrency_limit=1)
         gr.api(self.export, api_name="export", concurrency_id="export", concurrency_limit=1)
@@ -108,10 +123,10 @@ class ScriptApi:
             parsed = self._read(config, request)
         except (ConfigError, Unanswered) as e:
             message = problems_text(e) if isinstance(e, ConfigError) else str(e)
-            return StartResult(started=False, run_dir=None, command="", message=message)
+            return StartResult(started=False, queued=False, position=None, run_dir=None, command="", message=message)
         result = self.handlers.run.start_run(parsed, request=request, run_on=run_on)
-        return StartResult(started=result.started, run_dir=result.run_dir, command=result.command,
-                           message=result.message)
+        return StartResult(started=result.started, queued=result.queued, position=result.position,
+                           run_dir=result.run_dir, command=result.command, message=result.message)
 
     def plan(self, config: str | dict[str, Any], request: gr.Request) -> dict[str, Any]:
         """The training plan for `config` (what `finetune plan --json` writes), or {"error": message}."""
@@ -124,22 +139,32 @@ class ScriptApi:
 
     def status(self, request: gr.Request) -> StatusResult:
         """The state of the current (or last) run, its progress and, once done, its final metrics."""
-        policy = self.handlers.state.policy
-        user, refusal = policy.who(request)
         state = self.handlers.state
+        policy = state.policy
+        user, refusal = policy.who(request)
         status = state.jobs.status()
         if not refusal and state.remote.reattach(state.jobs.training, status, user, request):
             status = state.jobs.status()  # a job whose launcher went away, followed again
         step, total = status.progress or (None, None)
-        if not policy.is_mine(status, user):  # someone else's run: only that one is in progress, and its step
+        queued = state.jobs.queued(user)
+        queue = [QueuedResult(run_dir=display_path(q.run_dir), position=n) for q, n in queued]
+        waiting = {"queued": bool(queue), "position": queue[0]["position"] if queue else None, "queue": queue}
+        mine = policy.is_mine(status, user)
+        if queued and not (mine and status.active):  # the caller's next run, waiting for the one in progress
+            first, position = queued[0]
+            said = f"Queued, position {position}: it starts by itself when {waits_for(position)}."
+            return StatusResult(state="queued", **waiting, run_dir=display_path(first.run_dir), step=None,
+                                total_steps=None, loss=None, message=said, metrics={}, model_dir=None,
+                                command=" ".join(["finetune train", display_path(first.config_path), *first.overrides]))
+        if not mine:  # someone else's run: only that one is in progress, and its step
             shown = policy.in_progress(status) if status.active else ""
-            return StatusResult(state=status.state if status.active else "idle", run_dir=None,
+            return StatusResult(state=status.state if status.active else "idle", **waiting, run_dir=None,
                                 step=step if status.active else None, total_steps=total if status.active else None,
                                 loss=None, message=" ".join(m for m in (shown, refusal) if m), metrics={},
                                 model_dir=None, command="")
         last_step = status.last("step")
-        return StatusResult(state=status.state, run_dir=str(status.run_dir) if status.run_dir else None, step=step,
-                            total_steps=total, loss=last_step["loss"] if last_step else None,
+        return StatusResult(state=status.state, **waiting, run_dir=str(status.run_dir) if status.run_dir else None,
+                            step=step, total_steps=total, loss=last_step["loss"] if last_step else None,
                             message=status.message, metrics=final_metrics(status),
                             model_dir=str(status.model_dir) if status.model_dir else None,
                             command=reproduce_command(status))
@@ -147,6 +172,13 @@ class ScriptApi:
     def stop(self, request: gr.Request) -> dict[str, str]:
         """Stop the run after its current optimizer step, with a checkpoint; a second call kills it: {message}."""
         return {"message": self.handlers.run.stop(request=request).removeprefix("⚠️ ")}
+
+    def cancel(self, run: str = "", request: gr.Request = None) -> dict[str, str]:
+        """Take the caller's queued run off the queue (`run`: its folder, as /start answered it; default the newest
+        one queued), before it starts: {message}."""
+        if not run:
+            return {"message": self.handlers.run.cancel(request=request).removeprefix("⚠️ ")}
+        return {"message": self.handlers.run.cancel_named(run, request=request).removeprefix("⚠️ ")}
 
     def predict(self, text: str, request: gr.Request) -> dict[str, Any]:
         """The finished run's model on `text`: {label, probabilities}, {generated}, {words, tags,

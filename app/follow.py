@@ -2,7 +2,8 @@
 tab's view of the caller's run — the Run panel and Results (Train), Try it's chat or text box, the Export tab's
 Download and Push — and skips every update when nothing changed.
 
-Someone else's run shows only that it is in progress, and at which step.
+Someone else's run shows only that it is in progress, and at which step; the caller's own queued runs show their
+positions (with Cancel), and nobody else's show at all.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from app import charts
 from app.downloads import zip_model
 from app.export import publish
 from app.jobs.training import JobStatus
-from app.report import final_metrics, reproduce_command, shown_path
+from app.report import final_metrics, reproduce_command, shown_path, waits_for
 from app.results import keep
 from app.state import AppState
 from app.train import run_report, scatter
@@ -38,9 +39,10 @@ class RunShown:
     metrics: Any = keep()
     run_dir: Any = keep()
     download: Any = keep()
-    start_button: Any = keep()  # disabled while the user's own run is active (someone else's: Start says why not)
+    start_button: Any = keep()  # enabled: a Start while a run trains is queued
     stop_button: Any = keep()
     resume_button: Any = keep()
+    cancel_button: Any = keep()  # shown while the caller has a run in the queue
     command: Any = keep()
     trackers: Any = keep()  # how to open the run's TensorBoard / trackio dashboard
     hub_note: Any = keep()  # the last push, or (on a Space) the advice to push
@@ -56,19 +58,28 @@ class Follow:
     def __init__(self, state: AppState):
         self.state = state
 
-    def _seen_by(self, request: Any) -> tuple[JobStatus, str]:
-        """The status the caller may see (someone else's run: idle) and its state line."""
+    def _seen_by(self, request: Any) -> tuple[JobStatus, str, bool]:
+        """The status the caller may see (someone else's run: idle), its state line (with the caller's queued
+        runs), and whether the caller has a run in the queue."""
         policy = self.state.policy
         user, refusal = policy.who(request)
         status = self.state.jobs.status()
         # A job whose launcher went away (the app restarted) is followed again once its owner is here to do so.
         if not refusal and self.state.remote.reattach(self.state.jobs.training, status, user, request):
             status = self.state.jobs.status()
+        queued = self.queue_lines(user)
         if policy.is_mine(status, user):
-            return status, run_report.status_markdown(status)
+            return status, "\n\n".join([run_report.status_markdown(status), *queued]), bool(queued)
         note = policy.in_progress(status) if status.active else ""
         idle = JobStatus(state="idle")
-        return idle, "\n\n".join(f"**{line}**" for line in (note, refusal) if line) or run_report.status_markdown(idle)
+        said = "\n\n".join([*(f"**{line}**" for line in (note, refusal) if line), *queued])
+        return idle, said or run_report.status_markdown(idle), bool(queued)
+
+    def queue_lines(self, user: str | None) -> list[str]:
+        """One line for each of `user`'s queued runs: "Queued, position N" and its folder."""
+        state = self.state
+        return [f"**Queued, position {n}** — `{shown_path(q.run_dir, state.runs_dir, state.access.shared)}`: it "
+                f"starts by itself when {waits_for(n)}." for q, n in state.jobs.queued(user)]
 
     def _shown(self, run_dir: Any) -> str:
         """The run folder as the Run panel shows it: on a shared server by its place in the runs folder
@@ -86,7 +97,7 @@ class Follow:
     def poll(self, seen: Any, *, request: Any = None) -> RunShown:
         """Refresh the run's progress, curve, log and results, Try it and Export; leave everything as it is when
         nothing changed."""
-        status, text = self._seen_by(request)
+        status, text, queued = self._seen_by(request)
         signature = (str(status.run_dir), len(status.events), status.state, status.message, status.output_tail,
                      text)
         if seen == signature:
@@ -100,9 +111,9 @@ class Follow:
                         progress=run_report.progress_html(status), stats=run_report.stats_markdown(status),
                         loss_curve=charts.curves_html(status.events), log=run_report.log_text(status),
                         metrics=final_metrics(status) or None, run_dir=self._shown(status.run_dir),
-                        download=self._download(status), start_button=gr.update(interactive=not status.active),
+                        download=self._download(status), start_button=gr.update(interactive=True),
                         stop_button=gr.update(interactive=status.active),
-                        resume_button=gr.update(visible=status.resumable),
+                        resume_button=gr.update(visible=status.resumable), cancel_button=gr.update(visible=queued),
                         command=command if command else gr.skip(),
                         trackers=run_report.trackers_markdown(options["report_to"], status.run_dir),
                         hub_note=publish.hub_markdown(status, on_space=bool(self.state.restart_notice)),

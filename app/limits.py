@@ -39,6 +39,7 @@ class Limits:
     keep_days: float | None = None  # finished runs and unused uploads older than this are deleted
     stop_grace_s: float = 60.0  # on SIGTERM, how long the run gets to checkpoint before the app exits
     upload_quota: str = "0"  # the uploads one user may keep (Gradio's size syntax; 0: no quota)
+    max_queued: int | None = None  # runs one user may have waiting in the queue while another trains
 
     @property
     def max_run_s(self) -> float | None:
@@ -48,7 +49,7 @@ class Limits:
 
 LOCAL = Limits()
 SPACE = Limits(max_epochs=20, max_steps=20_000, max_effective_batch=1024, max_run_minutes=120,
-               max_file_size="200mb", min_free_gb=5.0, keep_days=7, upload_quota="1gb")
+               max_file_size="200mb", min_free_gb=5.0, keep_days=7, upload_quota="1gb", max_queued=2)
 
 # flag → (field, type, help); the environment variable is FINETUNE_ + the flag in capitals.
 FLAGS = {
@@ -65,6 +66,8 @@ FLAGS = {
     "--upload-quota": ("upload_quota", str, "Uploads one user may keep on a shared server, e.g. 1gb: a new upload "
                        "first deletes that user's oldest uploads no run uses, and is refused if still over (0: no "
                        "quota)."),
+    "--max-queued": ("max_queued", int, "Runs one user may have waiting in the queue while another run trains "
+                     "(0: no limit)."),
     "--stop-grace": ("stop_grace_s", float, "Seconds a run gets to save its checkpoint when the app receives SIGTERM "
                      "(docker stop) before the app exits."),
 }

@@ -16,8 +16,8 @@ from finetune.kinds import registry as kinds
 
 # A finished run's headline metrics, every kind's (its registry entry), then the loss: a run has only its own kind's.
 HEADLINE_METRICS = (*dict.fromkeys(m for n in kinds.names() for m in kinds.entry(n).metrics), "loss")
-STATE_TITLES = {"idle": "Ready", "starting": "Starting", "running": "Training", "stopping": "Stopping",
-                "stopped": "Stopped", "done": "Done", "failed": "Failed"}
+STATE_TITLES = {"idle": "Ready", "queued": "Queued", "starting": "Starting", "running": "Training",
+                "stopping": "Stopping", "stopped": "Stopped", "done": "Done", "failed": "Failed"}
 
 
 def data_lines(facts: dict[str, Any] | None) -> list[str]:
@@ -88,6 +88,17 @@ def display_path(path: Path | str) -> str:
         return str(given.resolve().relative_to(Path.cwd().resolve())) if given.is_absolute() else str(given)
     except ValueError:
         return str(given)
+
+
+def waits_for(position: int) -> str:
+    """What a run at `position` in the queue waits for, in words."""
+    return "the run in progress ends" if position == 1 else f"the {position} runs before it end"
+
+
+def queued_words(position: int) -> str:
+    """What a Start (or Resume) that was queued says."""
+    return (f"Queued, position {position}: it starts by itself when {waits_for(position)}; Cancel takes it off "
+            "the queue.")
 
 
 def shown_path(path: Path | str, runs_dir: Path, shared: bool) -> str:

@@ -213,11 +213,13 @@ def test_a_run_belongs_to_the_one_who_started_it(shared):
     assert ctl.run.stop(request=BOB) == "⚠️ Only the one who started the run in progress can stop it."
     assert ctl.run.resume(request=BOB).startswith("Nothing to resume")
     assert ctl.tryit.try_it("good", request=BOB).message.startswith("No trained model yet")
-    busy = ctl.run.start_run(_config(dataset=uploads["bob"]), request=BOB)
-    assert busy.message == ("A run is in progress (step 120/400). Only one job runs at a time: start yours when it "
-                            "has finished.")
+    # bob's Start waits in the queue (tests/test_app_queue.py), and says nothing of alice's run.
+    queued = ctl.run.start_run(_config(dataset=uploads["bob"]), request=BOB)
+    assert queued.queued and queued.position == 1 and "alice" not in queued.message
+    assert ctl.run.cancel(request=BOB).startswith("Cancelled the queued run `runs/bob/")
     api = ScriptApi(ctl)
-    assert api.status(BOB) == {"state": "running", "run_dir": None, "step": 120, "total_steps": 400, "loss": None,
+    assert api.status(BOB) == {"state": "running", "queued": False, "position": None, "queue": [], "run_dir": None,
+                               "step": 120, "total_steps": 400, "loss": None,
                                "message": "A run is in progress (step 120/400).", "metrics": {}, "model_dir": None,
                                "command": ""}
     assert api.stop(BOB) == {"message": "Only the one who started the run in progress can stop it."}

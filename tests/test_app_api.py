@@ -10,7 +10,8 @@ import yaml
 from conftest import served_app
 
 pytestmark = pytest.mark.slow
-ENDPOINTS = {"/start": ["config", "run_on"], "/plan": ["config"], "/status": [], "/stop": [], "/predict": ["text"],
+ENDPOINTS = {"/start": ["config", "run_on"], "/plan": ["config"], "/status": [], "/stop": [], "/cancel": ["run"],
+             "/predict": ["text"],
              "/push": ["repo", "private"], "/export": ["format", "quant", "ollama", "run"], "/export_status": []}
 
 
@@ -38,14 +39,18 @@ def test_a_script_plans_trains_and_predicts_through_the_named_api(client, tiny_b
     assert client.predict(config={**config, "learning_rte": 0.1}, api_name="/plan") == {
         "error": "Unknown option `learning_rte`. Did you mean `learning_rate`?"}
     refused = client.predict(config="epochs: -1\n", api_name="/start")
-    assert refused == {"started": False, "run_dir": None, "command": "",
+    assert refused == {"started": False, "queued": False, "position": None, "run_dir": None, "command": "",
                        "message": "`epochs` must be at least 0, not -1.0."}
 
     started = client.predict(config=yaml.safe_dump(config), api_name="/start")
     assert started["started"] and started["run_dir"].startswith("runs/"), started
     assert started["command"] == f"finetune train {started['run_dir']}/launch.yaml"
-    busy = client.predict(config=config, api_name="/start")
-    assert not busy["started"] and "A run is in progress" in busy["message"]
+    # A second Start while the first trains waits in the queue; a script takes it off again with /cancel.
+    queued = client.predict(config=config, api_name="/start")
+    assert not queued["started"] and queued["queued"] and queued["position"] == 1, queued
+    assert client.predict(api_name="/status")["queue"] == [{"run_dir": queued["run_dir"], "position": 1}]
+    assert client.predict(run=queued["run_dir"], api_name="/cancel") == {
+        "message": f"Cancelled the queued run `{queued['run_dir']}`; nothing had run, so its folder is removed."}
 
     deadline = time.time() + 60
     while (status := client.predict(api_name="/status"))["state"] in ("starting", "running"):

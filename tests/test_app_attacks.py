@@ -191,7 +191,7 @@ def test_every_event_refuses_an_anonymous_visitor_and_a_new_one_cannot_forget(tm
                                                                              space_env):
     monkeypatch.chdir(tmp_path)
     app = build(Path("runs"), access=_space())
-    api_names = {"start", "plan", "status", "stop", "predict", "push", "export", "export_status"}
+    api_names = {"start", "plan", "status", "stop", "cancel", "predict", "push", "export", "export_status"}
     seen = set()
     for block_fn in app.demo.fns.values():
         fn = block_fn.fn
@@ -229,6 +229,7 @@ def test_every_event_refuses_an_anonymous_visitor_and_a_new_one_cannot_forget(tm
     assert api.start("dataset: x.csv", ANON)["message"] == refusal
     assert api.plan("dataset: x.csv", ANON) == {"error": refusal}
     assert api.stop(ANON)["message"] == refusal
+    assert api.cancel(request=ANON)["message"] == refusal
     assert api.predict("hi", ANON) == {"error": refusal}
     assert api.status(ANON)["message"] == refusal and api.status(ANON)["run_dir"] is None
     assert not api.push("a/b", True, ANON)["pushed"]
@@ -490,14 +491,16 @@ def test_no_run_resumes_while_an_export_runs_and_no_export_starts_while_a_start_
     assert not other.started and other.message.startswith("A run is being started on this server")
     start.join(30)
     assert result["started"].started, result["started"].message
-    # bob's Resume while alice trains says that a run is in progress, and nothing of hers.
+    # bob's Resume while alice trains waits in the queue, and says nothing of hers.
     _wait_for(lambda: ctl.state.jobs.status().progress)
     said = ctl.runs.resume([bobs], request=BOB)
-    assert said == ("⚠️ A run is in progress (step 120/400). Only one job runs at a time: start yours when it has "
-                    "finished.")
+    assert said.startswith(f"`{bobs}`: Queued, position 1: it starts by itself when the run in progress ends")
     assert "alice" not in said and result["started"].run_dir.split("/")[-1] not in said
+    assert ctl.runs.cancel([bobs], request=BOB).message == (f"Cancelled the queued run `runs/bob/{bobs}`; its "
+                                                           "folder is kept.")
     mine = ctl.runs.resume([alices], request=ALICE)
-    assert mine.startswith("⚠️ A run is in progress (runs/alice/") and str(Path.cwd()) not in mine
+    assert "position 1" in mine and str(Path.cwd()) not in mine
+    ctl.state.jobs.cancel(Path("runs/alice") / alices, "alice")
     ctl.run.stop(request=ALICE)
 
 

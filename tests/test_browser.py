@@ -105,10 +105,11 @@ def test_new_user_trains_stops_resumes_and_downloads(server, tmp_path):
         else:  # the planner has not landed in this checkout: its CLI error is shown next to the button
             expect(page.locator("#plan-error")).to_contain_text("invalid choice: 'plan'", timeout=60_000)
 
-        # Start. While the child loads the model: Start is disabled (one run at a time), and a reload re-attaches.
+        # Start. While the child loads the model: Stop is enabled (a second Start would be queued), and a reload
+        # re-attaches.
         page.get_by_role("button", name="Start training", exact=True).click()
         expect(page.locator("#run-message")).to_contain_text("finetune train", timeout=120_000)
-        expect(page.get_by_role("button", name="Start training", exact=True)).to_be_disabled(timeout=30_000)
+        expect(page.get_by_role("button", name="Stop", exact=True)).to_be_enabled(timeout=30_000)
         page.reload()
         expect(page.get_by_label("Run directory", exact=True)).to_have_value(re.compile(r"^runs/2\d+-\d+$"),
                                                                               timeout=30_000)

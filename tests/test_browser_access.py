@@ -58,8 +58,14 @@ def test_bob_sees_only_that_alices_run_is_in_progress(tmp_path):
             if tab == "Export":
                 expect(bob.get_by_role("button", name="Download model")).to_be_disabled()
             assert "alice" not in bob.locator("body").inner_text()
+        # Bob's Start waits in the queue: its position, and Cancel, which takes it off again.
         bob.get_by_role("button", name="Start training", exact=True).click()
-        expect(bob.locator("#run-message")).to_contain_text("A run is in progress (step", timeout=30_000)
+        expect(bob.locator("#run-message")).to_contain_text("Queued, position 1", timeout=120_000)
+        expect(bob.locator("#run-status")).to_contain_text("Queued, position 1", timeout=30_000)
+        assert "alice" not in bob.locator("body").inner_text()
+        bob.get_by_role("button", name="Cancel queued run", exact=True).click()
+        expect(bob.locator("#run-message")).to_contain_text("Cancelled the queued run runs/bob/", timeout=30_000)
+        expect(bob.get_by_role("button", name="Cancel queued run", exact=True)).to_be_hidden(timeout=30_000)
         bob.screenshot(path=os.environ.get("FINETUNE_ACCESS_SCREENSHOT") or str(tmp_path / "bob.png"),
                        full_page=True)
 
@@ -67,5 +73,5 @@ def test_bob_sees_only_that_alices_run_is_in_progress(tmp_path):
         expect(alice.locator("#run-status")).to_contain_text("Training")
         alice.get_by_role("button", name="Stop", exact=True).click()
         expect(alice.locator("#run-status")).to_contain_text("Stopped", timeout=90_000)
-        assert (runs / "alice").is_dir() and not (runs / "bob").exists()
+        assert (runs / "alice").is_dir() and not any((runs / "bob").iterdir())  # bob's cancelled run left nothing
         browser.close()

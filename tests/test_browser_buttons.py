@@ -141,7 +141,7 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         # Start (Plan's answer is reused), then Stop mid-run, Resume to the end.
         press("Start training")
         expect(page.locator("#run-message")).to_contain_text("finetune train", timeout=60_000)
-        expect(button("Start training")).to_be_disabled(timeout=30_000)
+        expect(button("Stop")).to_be_enabled(timeout=30_000)
         expect(page.locator("#run-progress")).to_contain_text("step ", timeout=120_000)
         press("Stop")
         expect(page.locator("#run-status")).to_contain_text("Stopped", timeout=120_000)

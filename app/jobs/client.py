@@ -6,7 +6,9 @@ checked, and no export while a run trains or a Start is being checked (its plan 
 user may export one run while another trains. A plan measures no probe while a run trains or an export runs. A
 refusal names the run in progress only to its owner, and by its place in the runs folder (`runs/<user>/<run>`),
 never by a path of the server. Before a run starts the server's clean-up runs, and its limits and free disk are
-checked. A run queue, or a backend that trains elsewhere, would sit behind these methods.
+checked. A Start (or Resume) while a run trains goes into the training manager's queue, up to the server's limit of
+runs one user may have waiting (`limits.Limits.max_queued`); a user sees their own queued runs with their positions,
+and nothing of anyone else's. A backend that trains elsewhere would sit behind these methods.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from app import cleanup, limits
 from app.access import Access
 from app.jobs.export import ExportChild, ExportJobs
 from app.jobs.planner import Planner
+from app.jobs.queue import Queued, remove_unstarted
 from app.jobs.training import JobBusy, JobManager, JobStatus
 from app.remote.jobs import JobLaunch, job_status
 from app.report import shown_path
@@ -47,41 +50,58 @@ class JobClient:
         """The current (or last) run's state, events and messages (a run on Hugging Face Jobs told as one)."""
         return job_status(self.training.status())
 
-    def start(self, config_path: Path, run_dir: Path, owner: str | None, launch: JobLaunch | None = None
-              ) -> JobStatus:
-        """Start `finetune train CONFIG` (on Hugging Face Jobs with `launch`'s options and environment); `JobBusy`
-        (with `run_refusal`'s sentence) while another job is in the way."""
+    def start(self, config_path: Path, run_dir: Path, owner: str | None, launch: JobLaunch | None = None) -> int:
+        """Start `finetune train CONFIG` now (0) or queue it behind the run in progress (its position, 1: next);
+        `JobBusy` (with `run_refusal`'s sentence) while another job is in the way, or the owner's queue is full. A
+        run on Hugging Face Jobs (`launch`'s options and environment) starts now or not at all: its token lives
+        only in the launcher's environment, never in the queue's file."""
         with self._lock:
             if other := self.run_refusal(owner):
                 raise JobBusy(other)
             if launch is not None:
-                return self.training.start(config_path, run_dir, launch.args, owner=owner, env=launch.env)
-            return self.training.start(config_path, run_dir, owner=owner)
+                if self.training.queue.entries():
+                    raise JobBusy("Runs are waiting in this app's queue, and a Hugging Face Jobs run is not queued "
+                                  "(its token is kept nowhere): start it when the queue is empty.")
+                self.training.start(config_path, run_dir, launch.args, owner=owner, env=launch.env)
+                return 0
+            return self.training.submit(config_path, run_dir, owner=owner)
 
-    def resume(self, run_dir: Path, owner: str | None) -> JobStatus:
-        """Continue a stopped or failed run from its newest checkpoint; `JobBusy` while another job is in the way."""
+    def resume(self, run_dir: Path, owner: str | None) -> int:
+        """Continue a stopped or failed run from its newest checkpoint, now (0) or once the runs before it end (its
+        position in the queue); `JobBusy` while another job is in the way."""
         with self._lock:
             if other := self.run_refusal(owner):
                 raise JobBusy(other)
-            return self.training.resume(run_dir, owner=owner)
+            return self.training.submit(run_dir / "config.yaml", run_dir, ["resume=true"], owner=owner)
+
+    # --- the queue
+    def queued(self, user: str | None) -> list[tuple[Queued, int]]:
+        """`user`'s queued runs with their positions (1: next to start); everyone's, locally."""
+        return [(q, i) for i, q in enumerate(self.training.queue.entries(), 1) if self.access.owns(user, q.owner)]
+
+    def cancel(self, run_dir: Path, user: str | None) -> str:
+        """Take `user`'s queued run `run_dir` off the queue, and its folder when nothing had run in it: what was
+        done, in a sentence ("" when it is not one of their queued runs, or it has started)."""
+        with self._lock:
+            if not any(q.run_dir == run_dir for q, _ in self.queued(user)) or self.training.cancel(run_dir) is None:
+                return ""
+        shown = shown_path(run_dir, self.runs_dir, self.access.shared)
+        if remove_unstarted(run_dir):
+            return f"Cancelled the queued run `{shown}`; nothing had run, so its folder is removed."
+        return f"Cancelled the queued run `{shown}`; its folder is kept."
+
+    def queue_refusal(self, user: str | None) -> str:
+        """Why `user` may queue no more runs (the server's limit of runs waiting per user); "" when they may."""
+        cap = self.limits.max_queued
+        if cap is None or len(self.queued(user)) < cap:
+            return ""
+        runs = f"{cap} run{'s' if cap != 1 else ''}"
+        return (f"You already have {runs} waiting in the queue, this server's limit: wait until one of them has "
+                "started, or cancel one, before queueing another.")
 
     def stop(self) -> str:
         """Stop the run after its optimizer step (a second call kills it); what happened, in a sentence."""
         return self.training.stop()
-
-    def busy_message(self, user: str | None = None) -> str:
-        """Why a second run cannot start now, as `user` may read it: their own run by its place in the runs folder,
-        someone else's by its progress alone."""
-        status = self.status()
-        step, total = status.progress or (0, None)
-        if self.access.shared and not self.access.owns(user, status.owner):
-            where = f"step {step}/{total}" if total else "starting"
-            return (f"A run is in progress ({where}). Only one job runs at a time: start yours when it has "
-                    "finished.")
-        place = shown_path(status.run_dir, self.runs_dir, self.access.shared) if status.run_dir else "starting"
-        where = f", step {step} of {total}" if total else ""
-        return (f"A run is in progress ({place}{where}): only one job runs at a time. Stop it, or wait for it to "
-                "finish, before starting another.")
 
     # --- room for another job
     @contextlib.contextmanager
@@ -102,9 +122,10 @@ class JobClient:
         return self._preparing is not None and self._preparing != threading.get_ident()
 
     def run_refusal(self, user: str | None = None) -> str:
-        """Why no run may start now because of another job ("" when it may)."""
-        if self.status().active:
-            return self.busy_message(user)
+        """Why no run may start (or be queued) now because of another job ("" when it may): a run in progress
+        queues it, up to the server's limit of queued runs."""
+        if self.status().active or self.training.queue.entries():
+            return self.queue_refusal(user)
         if self._someone_preparing():
             return "A run is being started on this server: try again when it has started (one job at a time)."
         if self.access.shared and self.exports.running():
@@ -113,7 +134,8 @@ class JobClient:
 
     def export_refusal(self) -> str:
         """Why no export may start now because of another job ("" when it may)."""
-        if self.access.shared and self.status().active:
+        # A queued run is about to start (between the end of one run and the start of the next).
+        if self.access.shared and (self.status().active or self.training.queue.entries()):
             return "A run is training on this server: export when it is done (one job at a time)."
         if self.access.shared and self._someone_preparing():
             return "A run is being started on this server: export when it is done (one job at a time)."

@@ -4,6 +4,11 @@ The child runs in its own session (process group), so Stop can signal it and eve
 trains in its own process. What a page needs to re-attach after a reload, or after the app itself restarts, is
 written to `<runs_dir>/current.json`.
 
+A Start while a run is in progress (`submit`) puts the run in the queue instead (`app.jobs.queue`: queue.json in the
+runs folder, so it survives an app restart): when the run in progress ends (done, stopped or failed) the first queued
+run starts by itself, from the thread that follows each run to its end. An app shutting down starts nothing: the next
+app process starts the queue's first run at once, or once the run it re-attached to ends.
+
 A run that ends without a final event of its own (killed by the out-of-memory killer, say) is a failed run, before
 and after an app restart; any failed or stopped run that has a complete checkpoint can be resumed.
 """
@@ -24,6 +29,7 @@ from typing import Any
 import psutil
 
 from app.jobs.children import signal_group, spawn
+from app.jobs.queue import Queued, RunQueue
 from app.jobs.tail import EventTail, error_from_output, session_output
 from finetune.config.schema import ConfigError, read_yaml
 from finetune.run.rundir import checkpoints, write_json
@@ -142,6 +148,14 @@ def _is_finetune(pid: int) -> bool:
         return False
 
 
+def _busy_message(status: JobStatus) -> str:
+    """Why a second run cannot start now (what `start` raises; the app queues it instead: `submit`)."""
+    step, start = status.last("step"), status.last("start")
+    where = f", step {step['step']} of {start['total_steps']}" if step and start else ""
+    return (f"A run is in progress ({status.run_dir}{where}): only one job runs at a time. Stop it, or wait for "
+            "it to finish, before starting another.")
+
+
 def _pushes(config_path: Path) -> bool:
     """Whether the run's config (as launched) pushes the model to the Hub when it is done."""
     try:
@@ -163,7 +177,10 @@ class JobManager:
         self.max_run_s = max_run_s  # the server's time limit: a longer run is stopped (with a checkpoint)
         self._lock = threading.RLock()
         self._job: _Job | None = None
+        self._closing = False  # the app is shutting down: no queued run starts
+        self.queue = RunQueue(self.runs_dir)  # the runs waiting for this one to end
         self._adopt()
+        self._advance()  # a queued run whose turn came while no app was running starts now
 
     # --- starting
     def start(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None,
@@ -185,7 +202,7 @@ class JobManager:
         with self._lock:
             current = self.status()
             if current.active:
-                raise JobBusy(self._busy_message(current))
+                raise JobBusy(_busy_message(current))
             if not reattach:  # a re-attach follows the same job on: the launcher that went away did not end it
                 self._record_end(current)
             log_path = run_dir / "launch.log"
@@ -201,6 +218,55 @@ class JobManager:
             self._save_current()
             self._watch(self._job)
             return self.status()
+
+    def submit(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None,
+               owner: str | None = None) -> int:
+        """Start the run now (0), or while another run is in progress (or others wait) put it at the end of the
+        queue: its position then (1: it starts next). `JobBusy` when that run folder is already training or queued."""
+        with self._lock, self.queue.locked():
+            queue = self.queue.entries()
+            current = self.status()
+            if any(q.run_dir == run_dir for q in queue) or (current.active and current.run_dir == run_dir):
+                raise JobBusy("This run is already training or waiting in the queue.")
+            if not current.active and not queue:
+                self.start(config_path, run_dir, overrides, owner)
+                return 0
+            self.queue.write([*queue, Queued(run_dir=run_dir, config_path=config_path,
+                                             overrides=tuple(overrides or ()), owner=owner, queued_at=time.time())])
+        self._advance()  # the run in progress may have ended while this one was queued
+        return self.queue.position(run_dir) or 0
+
+    def cancel(self, run_dir: Path) -> Queued | None:
+        """Take `run_dir` off the queue; the entry taken off, or None when it was not queued (it may have started)."""
+        with self._lock, self.queue.locked():
+            queue = self.queue.entries()
+            taken = next((q for q in queue if q.run_dir == run_dir), None)
+            if taken is not None:
+                self.queue.write([q for q in queue if q is not taken])
+            return taken
+
+    def _advance(self) -> None:
+        """Start the first queued run if no run is in progress (a queued run whose folder is gone is dropped)."""
+        if self._closing or not self.queue.entries():  # nothing waits (a run queued meanwhile advances itself)
+            return
+        with self._lock, self.queue.locked():
+            if self._closing or self.status().active:
+                return
+            try:  # another app process (one ending as this one starts) may have started it already: follow that
+                launched = float(json.loads(self._current_file().read_text(encoding="utf-8"))["launched"])
+            except (OSError, ValueError, KeyError, TypeError):
+                launched = 0.0
+            if self._job is not None and launched > self._job.launched:
+                self._adopt()
+                if self.status().active:
+                    return
+            queue = self.queue.entries()
+            while queue:
+                first = queue.pop(0)
+                self.queue.write(queue)
+                if first.run_dir.is_dir():
+                    self.start(first.config_path, first.run_dir, list(first.overrides), first.owner)
+                    return
 
     def _record_end(self, ended: JobStatus) -> None:
         """Write how the previous run ended into its launch log, once it is no longer the current run: a run stopped
@@ -248,23 +314,27 @@ class JobManager:
                 self._kill(job)
 
     def _watch(self, job: _Job) -> None:
-        """Enforce the server's time limit on `job` (a thread that ends with the run)."""
-        if self.max_run_s is not None:
-            threading.Thread(target=self._stop_at_time_limit, args=(job, self.max_run_s), daemon=True).start()
+        """Follow `job` to its end in a thread of its own (`_follow`)."""
+        threading.Thread(target=self._follow, args=(job,), daemon=True).start()
 
-    def _stop_at_time_limit(self, job: _Job, limit_s: float) -> None:
+    def _follow(self, job: _Job) -> None:
+        """Stop `job` at the server's time limit (with a checkpoint), and once it has ended start the first queued
+        run."""
+        limit_s = self.max_run_s
         while self._running(job):
-            if time.time() - job.launched >= limit_s:
+            if limit_s is not None and job.stop_requested_at is None and time.time() - job.launched >= limit_s:
                 with self._lock:
                     if self._job is job and job.stop_requested_at is None and self._running(job):
                         job.time_limit_min = limit_s / 60
                         self.stop()
-                return
             time.sleep(WATCH_INTERVAL_S)
+        if self._job is job:
+            self._advance()
 
     def shutdown(self, grace_s: float) -> str:
         """The app is going away (SIGTERM, `docker stop`): stop the run with a checkpoint and wait up to `grace_s`
-        for it to exit; says what happened."""
+        for it to exit; says what happened. No queued run starts after it: the next app process starts them."""
+        self._closing = True
         status = self.status()
         if not status.active:
             return ""
@@ -337,17 +407,6 @@ class JobManager:
         if rc is None or rc < 0:
             return "failed", KILLED
         return "failed", error_from_output(output) or f"The training process exited with code {rc}."
-
-    def busy_message(self) -> str:
-        """Why a second run cannot start now."""
-        return self._busy_message(self.status())
-
-    @staticmethod
-    def _busy_message(status: JobStatus) -> str:
-        step, start = status.last("step"), status.last("start")
-        where = f", step {step['step']} of {start['total_steps']}" if step and start else ""
-        return (f"A run is in progress ({status.run_dir}{where}): only one job runs at a time. Stop it, or wait for "
-                "it to finish, before starting another.")
 
     # --- re-attaching after the app restarts
     def _current_file(self) -> Path:

@@ -40,6 +40,7 @@ class RunInfo:
     started: float | None
     finished: float | None
     resumable: bool
+    position: int | None = None  # its place in the queue, while it waits there (state "queued")
     events: list[dict[str, Any]] = field(repr=False, default_factory=list)
 
     @property
@@ -78,9 +79,9 @@ def ended_as(path: Path) -> str | None:
     return said[-1] if said and said[-1] in ("stopped", "failed", "done") else None
 
 
-def run_info(path: Path, current: Any = None) -> RunInfo:
-    """What `path` holds: its state (the job manager's `current` status when it is that run), last step, final
-    metrics and times, from its events."""
+def run_info(path: Path, current: Any = None, position: int | None = None) -> RunInfo:
+    """What `path` holds: its state (the job manager's `current` status when it is that run, "queued" at
+    `position` in the queue), last step, final metrics and times, from its events."""
     events = read_events(path / "events.jsonl")
     config = _config_of(path)
     starts = [e for e in events if e.get("event") == "start"]
@@ -90,6 +91,8 @@ def run_info(path: Path, current: Any = None) -> RunInfo:
     if current is not None and current.run_dir is not None and Path(current.run_dir).resolve() == path.resolve() \
             and current.state != "idle":
         state = current.state
+    elif position is not None:
+        state = "queued"
     else:
         state = {"done": "done", "stopped": "stopped", "error": "failed"}.get((final or {}).get("event")) \
             or ended_as(path) or "failed"
@@ -106,15 +109,17 @@ def run_info(path: Path, current: Any = None) -> RunInfo:
                    step=step, total=starts[-1].get("total_steps") if starts else None, metrics=metrics,
                    started=stamp, finished=final.get("time") if final and state in ("done", "stopped", "failed")
                    else None, resumable=state in ("stopped", "failed") and not finished and bool(checkpoints(path)),
-                   events=events)
+                   position=position if state == "queued" else None, events=events)
 
 
-def list_runs(home: Path, current: Any = None) -> list[RunInfo]:
-    """The run folders directly in `home` (those with the tool's marker), newest first."""
+def list_runs(home: Path, current: Any = None, queued: dict[Path, int] | None = None) -> list[RunInfo]:
+    """The run folders directly in `home` (those with the tool's marker), newest first; `queued`: the positions of
+    the ones waiting in the queue."""
     if not home.is_dir():
         return []
     folders = [p for p in home.iterdir() if p.is_dir() and not p.is_symlink() and (p / MARKER).is_file()]
-    runs = [run_info(p, current) for p in folders]
+    positions = {Path(k).resolve(): v for k, v in (queued or {}).items()}
+    runs = [run_info(p, current, positions.get(p.resolve())) for p in folders]
     return sorted(runs, key=lambda r: (r.started or 0, r.name), reverse=True)[:MAX_RUNS]
 
 
@@ -126,10 +131,18 @@ def headline(metrics: dict[str, Any]) -> str:
 
 def runs_frame(runs: list[RunInfo]) -> pd.DataFrame:
     """The runs as the tab's table."""
-    rows = [[r.name, report.STATE_TITLES.get(r.state, r.state) + (" (resumable)" if r.resumable else ""), r.task,
+    rows = [[r.name, status_title(r), r.task,
              r.model, f"{r.step}/{r.total}" if r.total else "", headline(r.metrics), clock(r.started),
              clock(r.finished)] for r in runs]
     return pd.DataFrame(rows, columns=TABLE_COLUMNS)
+
+
+def status_title(run: RunInfo) -> str:
+    """The run's status as the table shows it: "Stopped (resumable)", "Queued (position 2)"."""
+    title = report.STATE_TITLES.get(run.state, run.state)
+    if run.position is not None:
+        return f"{title} (position {run.position})"
+    return title + (" (resumable)" if run.resumable else "")
 
 
 def compare_frame(runs: list[RunInfo]) -> pd.DataFrame:

@@ -1,7 +1,8 @@
 """The Runs tab: every run of the user who asks (their own runs folder only), with its status, key metrics, times,
 config and command; two or more selected are compared (loss curves, final metrics, the config keys that differ);
-one selected can have its whole log downloaded, be resumed (stopped or failed, with a checkpoint) or be deleted
-(after a confirmation; only what finetune wrote, by its manifest).
+one selected can have its whole log downloaded, be resumed (stopped or failed, with a checkpoint), be taken off the
+queue (one waiting there: "Queued (position N)") or be deleted (after a confirmation; only what finetune wrote, by its
+manifest).
 
 Runs are named by their folder's name and looked up in the user's own folder (`Access.home`), never by a path the
 page sends: a name that is not one of the user's runs is refused like a run that does not exist.
@@ -29,6 +30,7 @@ from app.runs.listing import (
     list_runs,
     metrics_frame,
     runs_frame,
+    status_title,
 )
 from app.state import AppState
 
@@ -42,6 +44,7 @@ class SelectionShown:
     command: Any = ""
     log: Any = field(default_factory=lambda: gr.update(value=None, interactive=False))
     resume: Any = field(default_factory=lambda: gr.update(interactive=False))
+    cancel: Any = field(default_factory=lambda: gr.update(interactive=False))
     delete: Any = field(default_factory=lambda: gr.update(interactive=False))
     confirm: Any = field(default_factory=lambda: gr.update(visible=False))
     chart: Any = ""
@@ -72,7 +75,8 @@ class RunsHandlers:
         if refusal:
             return user, []
         home = self.state.access.home(self.state.runs_dir, user)
-        return user, list_runs(home, self._current(user))
+        queued = {q.run_dir: n for q, n in self.state.jobs.queued(user)}
+        return user, list_runs(home, self._current(user), queued)
 
     def _current(self, user: str | None) -> Any:
         status = self.state.jobs.status()
@@ -118,7 +122,7 @@ class RunsHandlers:
                                   diff=gr.update(value=diff, visible=True, label=f"Config: the {len(diff)} option(s) "
                                                  "that differ"), **compared)
         run = picked[0]
-        title = report.STATE_TITLES.get(run.state, run.state)
+        title = status_title(run)
         when = " · ".join(x for x in (f"started {clock(run.started)}" if run.started else "",
                                       f"finished {clock(run.finished)}" if run.finished else "") if x)
         details = f"**{run.name}** · {title}" + (f" · {when}" if when else "") + (
@@ -129,11 +133,9 @@ class RunsHandlers:
                    + (" resume=true" if run.resumable else ""))
         return SelectionShown(details=details, config=config_text, command=command,
                               log=gr.update(value=self._log_file(run), interactive=True),
-                              resume=gr.update(interactive=run.resumable and not self._busy()),
-                              delete=gr.update(interactive=not run.active), **compared)
-
-    def _busy(self) -> bool:
-        return self.state.jobs.status().active
+                              resume=gr.update(interactive=run.resumable),
+                              cancel=gr.update(interactive=run.state == "queued"),
+                              delete=gr.update(interactive=not run.active and run.state != "queued"), **compared)
 
     def _log_file(self, run: RunInfo) -> str:
         """The run's whole log as `<run>.log`, to download."""
@@ -166,6 +168,8 @@ class RunsHandlers:
         _, run, problem = self._one(selected, request)
         if run is not None and run.active:
             problem = "This run is training: stop it before deleting it."
+        if run is not None and run.state == "queued":
+            problem = "This run is waiting in the queue: cancel it before deleting it."
         if run is None or problem:
             shown = self.refresh(selected, request=request)
             return RunsShown(table=shown.table, choices=shown.choices, selection=shown.selection,
@@ -188,11 +192,24 @@ class RunsHandlers:
         if refused := self.state.jobs.server_refusal(None):
             return f"⚠️ {refused}"
         try:
-            self.state.jobs.resume(run.path, owner=user)
+            position = self.state.jobs.resume(run.path, owner=user)
         except JobBusy as e:
             return f"⚠️ {e}"
-        return (f"Resuming `{run.name}` (follow it in the Train tab). From a terminal: "
-                f"`finetune train {report.display_path(run.path / 'config.yaml')} resume=true`.")
+        doing = f"`{run.name}`: {report.queued_words(position)}" if position else \
+            f"Resuming `{run.name}` (follow it in the Train tab)."
+        return f"{doing} From a terminal: `finetune train {report.display_path(run.path / 'config.yaml')} resume=true`."
+
+    def cancel(self, selected: Any, *, request: Any = None) -> RunsShown:
+        """Take the one selected run off the queue (its folder too, when nothing had run in it)."""
+        user, run, problem = self._one(selected, request)
+        if run is not None and run.state != "queued":
+            problem = "This run is not waiting in the queue: only a queued run can be cancelled."
+        said = self.state.jobs.cancel(run.path, user) if run is not None and not problem else ""
+        if run is not None and not problem and not said:
+            problem = "This run has already started: stop it in the Train tab instead."
+        note = f"⚠️ {problem.removeprefix('⚠️ ')}" if problem else said
+        shown = self.refresh(selected, request=request)
+        return RunsShown(table=shown.table, choices=shown.choices, selection=shown.selection, message=note)
 
 
 class RunsTab:
@@ -218,6 +235,8 @@ class RunsTab:
         with gr.Row():
             log_btn = gr.DownloadButton("Download log", interactive=False, size="sm", elem_id="runs-log")
             self.resume_btn = gr.Button("Resume run", interactive=False, size="sm", elem_id="runs-resume")
+            self.cancel_queued_btn = gr.Button("Cancel queued run", interactive=False, size="sm",
+                                               elem_id="runs-cancel-queued")
             self.delete_btn = gr.Button("Delete run", variant="stop", interactive=False, size="sm",
                                         elem_id="runs-delete")
         with gr.Row(visible=False) as self.confirm:
@@ -226,8 +245,8 @@ class RunsTab:
         command = gr.Textbox(label="Command", interactive=False, buttons=["copy"], elem_id="runs-command")
         config = gr.Code(language="yaml", label="Config (YAML)", interactive=False, elem_id="runs-config")
         self.selection = {"details": details, "config": config, "command": command, "log": log_btn,
-                          "resume": self.resume_btn, "delete": self.delete_btn, "confirm": self.confirm,
-                          "chart": chart, "metrics": metrics, "diff": diff}
+                          "resume": self.resume_btn, "cancel": self.cancel_queued_btn, "delete": self.delete_btn,
+                          "confirm": self.confirm, "chart": chart, "metrics": metrics, "diff": diff}
         self.listing = {"table": self.table, "choices": self.chosen, "selection": self.selection,
                         "message": self.message}
 
@@ -244,3 +263,4 @@ class RunsTab:
         on(self.cancel_btn.click, runs.cancel_delete, None, asked, **private)
         on(self.confirm_btn.click, runs.delete, chosen, self.listing, **private)
         on(self.resume_btn.click, runs.resume, chosen, {}, outputs=self.message, **private)
+        on(self.cancel_queued_btn.click, runs.cancel, chosen, self.listing, **private)

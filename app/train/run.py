@@ -1,6 +1,6 @@
 """The Train tab's Run panel: Start (every check before anything is written, then `finetune train` through the job
-client), Stop and Resume, and the panel's components with the Results under it (the poll, `app.follow`, fills
-them)."""
+client, or into the queue while a run trains), Stop, Resume and Cancel (of the caller's newest queued run), and the
+panel's components with the Results under it (the poll, `app.follow`, fills them)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from app.mapping import (
 )
 from app.remote.choice import LOCAL, flavor_of, run_on_choices
 from app.remote.jobs import JobLaunch
-from app.report import display_path, shown_path
+from app.report import display_path, queued_words, shown_path
 from app.results import Unanswered
 from app.state import AppState
 from app.train import preview
@@ -45,6 +45,8 @@ class Started:
 
     started: bool
     message: str
+    queued: bool = False  # put in the queue behind the run in progress: it starts by itself
+    position: int | None = None  # its place in the queue (1: next to start)
     run_dir: str | None = None
     command: str = ""  # the command that reproduces the run from a terminal
     data_error: str = ""  # the dataset's problem, when that is what stopped the start
@@ -54,7 +56,9 @@ class Started:
     @property
     def note(self) -> str:
         """The message as the page shows it, in the form's words: a refusal gets a warning sign."""
-        return self.message if self.started else f"⚠️ {in_form_words(self.form_message or self.message)}"
+        if self.started or self.queued:
+            return self.message
+        return f"⚠️ {in_form_words(self.form_message or self.message)}"
 
     @property
     def start_button(self) -> Any:
@@ -222,10 +226,15 @@ class RunHandlers:
         mark_run_dir(run_dir)
         config_path.write_text(config_yaml(config, f"Written by the finetune app, {time.strftime('%Y-%m-%d %H:%M')}."
                                                    f"\nReproduce: {command}"), encoding="utf-8")
-        self.state.jobs.start(config_path, run_dir, owner=user, launch=launch)
+        position = self.state.jobs.start(config_path, run_dir, owner=user, launch=launch)
+        shown = shown_path(run_dir, self.state.runs_dir, self.state.access.shared)
+        if position:
+            return Started(started=False, queued=True, position=position, run_dir=shown,
+                           command=command, message=f"{queued_words(position)} Reproduce from a terminal with "
+                                                    f"`{command}`.")
         where = f" on Hugging Face Jobs ({flavor.describe()}, billed to your account)" if flavor else ""
         return Started(started=True, message=f"Started{where}. Reproduce from a terminal with `{command}`.",
-                       run_dir=shown_path(run_dir, self.state.runs_dir, self.state.access.shared), command=command)
+                       run_dir=shown, command=command)
 
     def stop(self, *, request: Any = None) -> str:
         """Ask the run to stop cleanly (a second press kills it); only its owner may."""
@@ -251,11 +260,30 @@ class RunHandlers:
         if refused := self.state.jobs.server_refusal(None):
             return f"⚠️ {refused}"
         try:
-            self.state.jobs.resume(status.run_dir, owner=user)
+            position = self.state.jobs.resume(status.run_dir, owner=user)
         except JobBusy as e:
             return f"⚠️ {e}"
-        return (f"Resuming. From a terminal: `finetune train {display_path(status.run_dir / 'config.yaml')} "
-                "resume=true`.")
+        return (f"{queued_words(position) if position else 'Resuming.'} From a terminal: "
+                f"`finetune train {display_path(status.run_dir / 'config.yaml')} resume=true`.")
+
+    def cancel(self, *, request: Any = None) -> str:
+        """Take the caller's newest queued run off the queue (its folder too, when nothing had run in it)."""
+        user, refusal = self.state.policy.who(request)
+        if refusal:
+            return f"⚠️ {refusal}"
+        queued = self.state.jobs.queued(user)
+        if not queued:
+            return "Nothing to cancel: you have no run waiting in the queue."
+        return self.state.jobs.cancel(queued[-1][0].run_dir, user) or "That run has already started: Stop it instead."
+
+    def cancel_named(self, run: str, *, request: Any = None) -> str:
+        """Take the caller's queued run `run` (its folder as Start named it) off the queue; only one of theirs."""
+        user, refusal = self.state.policy.who(request)
+        if refusal:
+            return f"⚠️ {refusal}"
+        named = next((q.run_dir for q, _ in self.state.jobs.queued(user) if display_path(q.run_dir) == run), None)
+        said = self.state.jobs.cancel(named, user) if named is not None else ""
+        return said or f"⚠️ {run!r} is not one of your runs waiting in the queue."
 
 
 @dataclass
@@ -266,6 +294,7 @@ class RunPanel:
     start: Any
     stop: Any
     resume: Any
+    cancel: Any
     message: Any
     status: Any
     progress: Any
@@ -290,6 +319,7 @@ def build_run_panel() -> RunPanel:
             start = gr.Button("Start training", variant="primary", elem_id="start-button")
             stop = gr.Button("Stop", variant="stop", interactive=False)
             resume = gr.Button("Resume", visible=False)
+            cancel = gr.Button("Cancel queued run", visible=False, elem_id="cancel-queued")
         message = gr.Markdown(elem_id="run-message")
         status = gr.Markdown(elem_id="run-status")
         progress = gr.HTML(elem_id="run-progress")
@@ -305,6 +335,6 @@ def build_run_panel() -> RunPanel:
         scatter = gr.ScatterPlot(None, x="true", y="predicted", height=260, visible=False,
                                  label="Predicted against true values (evaluation rows)", elem_id="regression-scatter")
         run_dir = gr.Textbox(label="Run directory", interactive=False)
-    return RunPanel(run_on=run_on, start=start, stop=stop, resume=resume, message=message, status=status,
+    return RunPanel(run_on=run_on, start=start, stop=stop, resume=resume, cancel=cancel, message=message, status=status,
                     progress=progress, stats=stats, trackers=trackers, loss=loss, log=log, metrics=metrics,
                     scatter=scatter, run_dir=run_dir)

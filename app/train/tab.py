@@ -151,6 +151,7 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
         "panel": panel}, show_progress="hidden", **PRIVATE)
     on(run.stop.click, h.run.stop, None, {}, outputs=run.message, gate="public", concurrency_limit=None, **PRIVATE)
     on(run.resume.click, h.run.resume, None, {}, outputs=run.message, **PRIVATE)
+    on(run.cancel.click, h.run.cancel, None, {}, outputs=run.message, **PRIVATE)
     # The example follows the data (its preview), the messages column, the model, the template and `train_on`.
     example_in = [fields[n] for n in EXAMPLE_INPUTS]
     example_out = {"example": tab.dataset.example, "note": tab.dataset.example_note}
