@@ -320,8 +320,9 @@ def test_the_run_panel_shows_a_run_folder_by_its_place_in_the_runs_folder(tmp_pa
     run_dir.mkdir(parents=True)
     policy = RequestPolicy(_space(), runs)
     status = JobStatus(state="running", run_dir=run_dir, owner="alice")
-    state = SimpleNamespace(policy=policy, access=policy.access, runs_dir=runs,
-                            jobs=SimpleNamespace(status=lambda: status))
+    state = SimpleNamespace(policy=policy, access=policy.access, runs_dir=runs, restart_notice="",
+                            remote=SimpleNamespace(reattach=lambda *args: False),
+                            jobs=SimpleNamespace(status=lambda: status, queued=lambda user: [], training=None))
     shown = Follow(state).poll(None, request=_signed_in("alice"))
     assert shown.run_dir == "runs/alice/20261201-120000-978a2325"
     assert str(tmp_path) not in shown.run_dir

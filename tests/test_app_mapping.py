@@ -51,6 +51,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "chunked_loss": {"task": "causal_lm"},
     **{key: {"task": "embedding"} for key in ("anchor_column", "positive_column", "negative_column", "score_column")},
     **{key: {"task": "seq2seq"} for key in ("source_column", "target_column", "source_prefix")},
+    "image_column": {"task": "image_classification"},
     "answer_column": {"task": "grpo", "rewards": ["exact_match"]},
     "rewards": {"task": "grpo"},
     "reward_weights": {"task": "grpo", "rewards": ["exact_match", "length:10"]},
@@ -173,7 +174,7 @@ def test_import_reports_unknown_keys_and_bad_yaml():
 
 def test_task_is_inferred_from_presets_and_local_folders(tmp_path):
     assert next(iter(MODEL_PRESETS)) == "bundled:all-MiniLM-L6-v2"  # the bundled model comes first
-    assert set(MODEL_PRESETS.values()) == {"classification", "causal_lm", "seq2seq"}
+    assert set(MODEL_PRESETS.values()) == {"classification", "causal_lm", "seq2seq", "image_classification"}
     assert infer_task("bundled:all-MiniLM-L6-v2") == "classification"
     assert infer_task("google-t5/t5-small") == "seq2seq"
     assert infer_task("Qwen/Qwen2.5-0.5B") == "causal_lm"

@@ -29,7 +29,7 @@ def test_report_to_takes_a_list_a_comma_separated_string_or_nothing():
 
 
 @pytest.mark.parametrize("value, words", [("tensorbord", "not 'tensorbord'"), (3, "must be a list"),
-                                          (["tensorboard", 1], "must be a list")])
+                                          (["tensorboard", 1], "not '1'")])
 def test_a_bad_tracker_name_is_one_sentence(value, words):
     with pytest.raises(ConfigError) as e:
         from_dict({"report_to": value})

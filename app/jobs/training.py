@@ -216,7 +216,7 @@ class JobManager:
             self._job = _Job(run_dir=run_dir, config_path=config_path, log_path=log_path, command=command,
                              pid=proc.pid, proc=proc, launched=launched or time.time() - 1.0, owner=owner)
             self._save_current()
-            self._watch(self._job)
+            threading.Thread(target=self._follow, args=(self._job,), daemon=True).start()  # to its end
             return self.status()
 
     def submit(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None,
@@ -312,10 +312,6 @@ class JobManager:
         with self._lock:
             if self._running(job):
                 self._kill(job)
-
-    def _watch(self, job: _Job) -> None:
-        """Follow `job` to its end in a thread of its own (`_follow`)."""
-        threading.Thread(target=self._follow, args=(job,), daemon=True).start()
 
     def _follow(self, job: _Job) -> None:
         """Stop `job` at the server's time limit (with a checkpoint), and once it has ended start the first queued
@@ -436,4 +432,5 @@ class JobManager:
             job.pid = -1  # the id now belongs to an unrelated process: never signal it
         self._job = job
         if self._running(job):
-            self._watch(job)  # the time limit counts from the launch, across app restarts
+            # the time limit counts from the launch, across app restarts
+            threading.Thread(target=self._follow, args=(job,), daemon=True).start()

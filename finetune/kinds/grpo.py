@@ -254,8 +254,8 @@ class GRPO:
         finally:
             base.train(was_training)
         comp = torch.full((len(extras) * g, t), pad, dtype=torch.long, device=device)
-        for r, c in enumerate(completions):
-            comp[r * g:(r + 1) * g, :c.shape[1]] = c
+        for r, group in enumerate(completions):
+            comp[r * g:(r + 1) * g, :group.shape[1]] = group
         is_eos = comp == eos
         ended = is_eos.any(1)
         lengths = torch.where(ended, is_eos.int().argmax(1) + 1, torch.full_like(ended, t, dtype=torch.long))

@@ -365,8 +365,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           has_labels=True, metrics=("accuracy", "macro_f1", "top5_accuracy"), inputs="images",
           settings=("augment",),
           declares=(Option("image_column", str, None, "Image classification: the column of images (an Image "
-                           "feature, or paths relative to the data file, inside its folder; default 'image', 'img' "
-                           "or 'path'). An image folder (one subfolder per class) needs none."),
+                           "feature, or image paths relative to the dataset, which must stay beside it; default "
+                           "'image', 'img' or 'path'). A dataset of class subdirectories needs none."),
                     Option("augment", str, "none", "Image classification: augment the training images as they are "
                            "batched: none, or basic (a random resized crop and a horizontal flip).",
                            choices=("none", "basic"), group="advanced")),
