@@ -180,6 +180,20 @@ def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...]
                     f"{', '.join(columns)}. Set `{key}`.")
 
 
+def refuse_empty_cells(table: Any, columns: tuple[str | None, ...], source: str) -> None:
+    """A `DataError` naming the first empty (or missing) cell of `columns` (None: skipped), by the file's own row."""
+    for column in columns:
+        if column is None:
+            continue
+        values = table.data.column(column)  # the rows as stored: row numbers are the file's own
+        text = values if pa.types.is_string(values.type) or pa.types.is_large_string(values.type) else \
+            pc.cast(values, pa.string())
+        empty = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(text), ""), True)
+        if pc.any(empty).as_py():
+            row = pc.index(empty, True).as_py()
+            raise DataError(f"Column {column!r} of {source!r} is empty at row {row + 1}: fill or remove that row.")
+
+
 def texts_of(batch: dict[str, list], column: str) -> list[str]:
     """A text column of a batch of rows, as strings."""
     return [str(v) for v in batch[column]]

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from finetune.config.schema import DEFAULT_MODEL, Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import DataError, ModelError
-from finetune.kinds.base import Columns, Encoding, Reduce, pick_column, texts_of
+from finetune.kinds.base import Columns, Encoding, Reduce, pick_column, refuse_empty_cells, texts_of
 from finetune.kinds.registry import entry
 from finetune.kinds.regression import average_ranks, pearson
 
@@ -295,16 +295,7 @@ class Embedding:
 
     def check_rows(self, table: Any, cols: Columns, label_names: list[str] | None, source: str) -> None:
         """A `DataError` naming the first empty sentence, or the first score that is not a number in [0, 1]."""
-        for column in (cols.anchor, cols.positive, cols.negative):
-            if column is None:
-                continue
-            values = table.data.column(column)  # the rows as stored: row numbers are the file's own
-            text = values if pa.types.is_string(values.type) or pa.types.is_large_string(values.type) else \
-                pc.cast(values, pa.string())
-            empty = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(text), ""), True)
-            if pc.any(empty).as_py():
-                row = pc.index(empty, True).as_py()
-                raise DataError(f"Column {column!r} of {source!r} is empty at row {row + 1}: fill or remove that row.")
+        refuse_empty_cells(table, (cols.anchor, cols.positive, cols.negative), source)
         if cols.score is not None:
             for row, value in enumerate(table.data.column(cols.score).to_pylist()):
                 number = _number(value)

@@ -29,7 +29,16 @@ import torch.nn.functional as F
 from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import ConfigError, DataError, ModelError
-from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, Reduce, padded_batch, pick_column, texts_of
+from finetune.kinds.base import (
+    IGNORE_INDEX,
+    Columns,
+    Encoding,
+    Reduce,
+    padded_batch,
+    pick_column,
+    refuse_empty_cells,
+    texts_of,
+)
 from finetune.kinds.registry import entry
 
 SOURCE_NAMES = ("source", "input", "document", "text", "article")
@@ -195,14 +204,7 @@ class Seq2Seq:
 
     def check_rows(self, table: Any, cols: Columns, label_names: list[str] | None, source: str) -> None:
         """A `DataError` naming the first empty source or target."""
-        for column in (cols.source, cols.target):
-            values = table.data.column(column)  # the rows as stored: row numbers are the file's own
-            text = values if pa.types.is_string(values.type) or pa.types.is_large_string(values.type) else \
-                pc.cast(values, pa.string())
-            empty = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(text), ""), True)
-            if pc.any(empty).as_py():
-                row = pc.index(empty, True).as_py()
-                raise DataError(f"Column {column!r} of {source!r} is empty at row {row + 1}: fill or remove that row.")
+        refuse_empty_cells(table, (cols.source, cols.target), source)
 
     def end_of_document(self, tokenizer: Any) -> list[int]:
         """Nothing: the tokenizer ends a target as its model expects (T5's and BART's end of sequence)."""
