@@ -16,6 +16,7 @@ from conftest import run_train
 from app.access import Access
 from app.api import ScriptApi
 from app.export.inference import InferenceExport
+from app.jobs.queue import RunQueue
 from app.jobs.training import JobStatus
 from app.tabs import handlers
 from finetune.config.schema import from_dict
@@ -37,6 +38,7 @@ class _Jobs:
 
     def __init__(self, run: Path, owner: str | None, state: str = "done"):
         self.run, self.owner, self.state = run, owner, state
+        self.queue = RunQueue(run.parents[1])  # nothing waits
 
     def status(self) -> JobStatus:
         return JobStatus(state=self.state, run_dir=self.run, events=read_events(self.run / "events.jsonl"),

@@ -196,6 +196,21 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
                     page.screenshot(path=f"{folder}/tab-{name.lower().replace(' ', '-')}-{width}.png")
             page.set_viewport_size({"width": 1400, "height": 1000})
 
+        # The queue: a run that cannot end by itself (100,000 steps) trains; a second Start waits in the queue, the
+        # run panel's Cancel takes it off (nothing ran in it: its folder goes too); then the long run is stopped.
+        tab("Train")
+        page.get_by_label("Max steps", exact=True).fill("100000")
+        press("Start training")
+        expect(page.locator("#run-progress")).to_contain_text("step ", timeout=120_000)
+        press("Start training")
+        expect(page.locator("#run-message")).to_contain_text("Queued, position 1", timeout=60_000)
+        press("Cancel queued run")
+        expect(page.locator("#run-message")).to_contain_text("Cancelled the queued run", timeout=30_000)
+        press("Stop")
+        expect(page.locator("#run-status")).to_contain_text("Stopped", timeout=120_000)
+        assert len([p for p in runs.iterdir() if (p / "launch.yaml").is_file()]) == 2  # the cancelled one is gone
+        _no_error(page, log, "Start into the queue and Cancel queued run")
+
         # Runs, the finished run: its whole log (named after it); Delete asks first (Cancel keeps it), then deletes.
         tab("Runs")
         expect(page.locator("#runs-table")).to_contain_text("Done", timeout=30_000)

@@ -62,9 +62,9 @@ class Started:
 
     @property
     def start_button(self) -> Any:
-        """Start, disabled at the press (`Checking`): enabled again when refused; a started run keeps it off (the
-        poll enables it when the run ends)."""
-        return gr.update(interactive=not self.started)
+        """Start, disabled at the press (`Checking`): enabled again by the answer, whatever it is (a Start while a
+        run trains is queued, so a started run needs no guard against a second press either)."""
+        return gr.update(interactive=True)
 
     @property
     def panel(self) -> dict[str, Any]:
