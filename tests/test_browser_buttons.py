@@ -201,7 +201,8 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path):
         tab("Train")
         page.get_by_label("Max steps", exact=True).fill("100000")
         press("Start training")
-        expect(page.locator("#run-progress")).to_contain_text("step ", timeout=120_000)
+        expect(page.locator("#run-message")).to_contain_text("Started", timeout=120_000)
+        expect(page.locator("#run-progress")).to_contain_text("/ 100000", timeout=120_000)  # not the last run's
         press("Start training")
         expect(page.locator("#run-message")).to_contain_text("Queued, position 1", timeout=60_000)
         press("Cancel queued run")
