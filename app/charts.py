@@ -14,6 +14,8 @@ from typing import Any
 
 import pandas as pd
 
+from finetune.kinds import registry as kinds
+
 MAX_PLOT_POINTS = 1000  # the whole curve is re-sent each update; beyond this, every k-th training step is shown
 
 
@@ -68,10 +70,9 @@ def reward_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
     return frame.astype({"step": "int64", "loss": "float64", "split": "str"})
 
 
-# A run's own metric curves, from its step (and evaluation) metrics under TRL's names: GRPO's reward of the window's
-# completions with their standard deviation as a band, and their mean length.
-METRIC_CURVES = (("reward", "reward_std", "Reward of the completions (mean ± std)"),
-                 ("completions/mean_length", None, "Completion length (tokens)"))
+# The metric curves the kinds declare (their entries' `curves`: GRPO's reward ± its standard deviation, its
+# completions' length), each drawn for a run whose events carry the metric.
+METRIC_CURVES = tuple(dict.fromkeys(curve for e in kinds.ENTRIES.values() for curve in e.curves))
 
 
 def metric_frame(events: list[dict[str, Any]], name: str, std: str | None = None) -> pd.DataFrame:
@@ -105,7 +106,7 @@ def curves_html(events: list[dict[str, Any]]) -> str | None:
         return None
     extra = loss_chart_html(rewards, title="Rewards at each evaluation", points=True) if len(rewards) else ""
     for name, std, title in METRIC_CURVES:
-        curve = metric_frame(events, name, std)
+        curve = metric_frame(events, name, std or None)
         extra += loss_chart_html(curve, title=title) if len(curve) else ""
     return loss_chart_html(frame) + extra
 

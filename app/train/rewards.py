@@ -40,7 +40,7 @@ def reward_runs(home: Path | None) -> list[RewardRun]:
             config = from_dict(read_yaml(path / "config.yaml"))
         except (ConfigError, OSError, ValueError):
             continue
-        if config.task == "reward" and is_finished(path):
+        if config.task == MODEL_KIND and is_finished(path):
             found.append(RewardRun(path, config.model))
     found.sort(key=lambda r: ((r.path / MARKER).stat().st_mtime, r.path.name), reverse=True)
     return found[:MAX_LISTED]

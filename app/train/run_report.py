@@ -10,6 +10,7 @@ from typing import Any
 from app.jobs.training import JobStatus
 from app.mapping import in_form_words
 from app.report import HEADLINE_METRICS, STATE_TITLES, data_lines, event_line, final_metrics
+from finetune.kinds.rewards import SAMPLE_FIELDS
 
 
 def _since_last_start(events: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -143,18 +144,18 @@ def samples_html(events: list[dict[str, Any]]) -> str:
         return ""
     rows = [r for r in latest["rows"] if isinstance(r, dict)]
     names = list(dict.fromkeys(k for r in rows for k in (r.get("rewards") or {})))
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in ("prompt", "completion", "reward", *names))
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in (*SAMPLE_FIELDS, *names))
 
-    def cell(value: Any, text: bool = False) -> str:
+    def cell(value: Any) -> str:
         if value is None:
             return "<td>—</td>"
-        if isinstance(value, (int, float)) and not text:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
             return f'<td class="ft-num">{value:.3g}</td>'
         shown = str(value)
         shown = shown if len(shown) <= SAMPLE_CHARS else shown[:SAMPLE_CHARS - 1] + "…"
         return f'<td style="white-space:pre-wrap">{html.escape(shown)}</td>'
 
-    body = "".join("<tr>" + cell(r.get("prompt"), True) + cell(r.get("completion"), True) + cell(r.get("reward"))
+    body = "".join("<tr>" + "".join(cell(r.get(f)) for f in SAMPLE_FIELDS)
                    + "".join(cell((r.get("rewards") or {}).get(n)) for n in names) + "</tr>" for r in rows)
     return (f'<div class="ft-samples"><b>Sample completions at step {int(latest.get("step", 0))}</b> (held-out '
             f'prompts, as the evaluation generated and scored them)<table><thead><tr>{head}</tr></thead>'

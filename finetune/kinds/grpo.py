@@ -434,12 +434,10 @@ class GRPO:
     def sample_completions(self, model: Any, data: Any, pad_id: int, device: torch.device) -> list[dict[str, Any]]:
         """The `samples` event's rows: the first held-out prompts' completions (each group's first few), generated
         as the evaluation generates them (the same seeds: the same completions it scored), with their rewards."""
-        from finetune.data.load import collate
-
         indices = list(range(min(SAMPLE_PROMPTS, len(data))))
         if not indices:
             return []
-        batch = {k: v.to(device) for k, v in collate(data, indices, pad_id, self).items()}
+        batch = {k: v.to(device) for k, v in self.collate_rows(data.columns(indices), pad_id).items()}
         with torch.inference_mode():
             prepared = self.prepare_batch(model, batch, step=EVAL_STEP)
         extras = [json.loads(bytes(row[row != 0].tolist()).decode()) for row in batch["labels"].cpu()]
@@ -457,7 +455,8 @@ class GRPO:
             for g in range(min(self.generations, SAMPLE_COMPLETIONS)):
                 n = int(mask[p, g].sum())
                 text = self.tokenizer.decode(completions[p, g, :n].tolist(), skip_special_tokens=True)
-                rows.append({"prompt": _cut(shown), "completion": _cut(text), "reward": round(float(totals[p, g]), 4),
+                values = (_cut(shown), _cut(text), round(float(totals[p, g]), 4))
+                rows.append({**dict(zip(reward_functions.SAMPLE_FIELDS, values, strict=True)),
                              "rewards": {name: None if torch.isnan(v) else round(float(v), 4)
                                          for name, v in zip(names, scores[p, g], strict=True)}})
         return rows
