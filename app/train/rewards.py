@@ -13,6 +13,7 @@ from pathlib import Path
 
 from app.report import display_path
 from finetune.config.schema import ConfigError, from_dict, read_yaml
+from finetune.kinds.rewards import EXAMPLES, MODEL_KIND
 from finetune.run.rundir import MARKER, is_finished
 
 MAX_LISTED = 50  # the newest reward runs offered

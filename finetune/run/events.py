@@ -1,8 +1,8 @@
 """The typed event stream of a run: `events.jsonl` for the GUI and scripts, a progress bar for the terminal.
 
 Each line of `events.jsonl` is one JSON object with `event` in start, step, backoff, eval, samples, checkpoint,
-stopped, done, push, export, error and `time` (Unix seconds). Tests and the GUI read these records, never printed text. A
-checkpoint's path is `checkpoint` in every record that names one.
+stopped, done, push, export, error and `time` (Unix seconds). Tests and the GUI read these records, never printed
+text. A checkpoint's path is `checkpoint` in every record that names one.
 
 A run on another machine (a Hugging Face Job, `finetune.remote`) prints each record as one log line, `LOG_PREFIX`
 and the JSON (`finetune train --log-events`); the launcher reads them back from the logs with `parse_log_line`.
