@@ -339,3 +339,13 @@ def test_the_samples_event_is_written_and_read_back_as_typed():
     record = to_record(event)
     assert record["event"] == "samples" and record["rows"] == event.rows
     assert from_record(json.loads(json.dumps(record))) == event  # a remote run's log line, mirrored
+
+
+def test_equal_weights_are_kept_apart():
+    """`reward_weights: [1, 1]` is a weight for each of two rewards (a list of names drops its repeats, a list of
+    numbers does not)."""
+    c = from_dict({"task": "grpo", "rewards": ["exact_match", "length:10"], "reward_weights": [1, 1]})
+    assert c.reward_weights == ("1", "1") and GRPO().configured(c).weights == (1.0, 1.0)
+    assert from_dict({"task": "grpo", "rewards": "exact_match, length:10", "reward_weights": "0.5,0.5"}
+                     ).reward_weights == ("0.5", "0.5")
+    assert from_dict({"report_to": ["tensorboard", "tensorboard"]}).report_to == ("tensorboard",)
