@@ -6,11 +6,13 @@ the `samples` event; Try it chats with a GRPO run through its registry entry."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
 import pytest
+from test_chat import _chatml_tokenizer, _tiny_chat_llama
 
 from app import charts
 from app.access import Access, AccessError
@@ -198,3 +200,32 @@ def test_try_it_chats_with_a_grpo_run_through_its_entry(tmp_path):
     assert panel.try_view(done) == "text"  # a model without a chat template continues the prompt
     (run / "model" / "chat_template.jinja").write_text("{{ messages }}")
     assert panel.try_view(done) == "chat"
+
+
+@pytest.mark.slow
+def test_a_grpo_run_through_the_api_draws_its_curves_shows_its_completions_and_chats(tmp_path, tmp_path_factory):
+    from app.api import ScriptApi
+
+    chat_model = _tiny_chat_llama(_chatml_tokenizer(), tmp_path_factory.mktemp("chat_model"))
+    data = tmp_path / "q.csv"
+    data.write_text("prompt,answer\n" + "".join(f"What is {i} + 1?,{i + 1}\n" for i in range(6)))
+    runs = tmp_path / "runs"
+    ctl = handlers(runs, JobManager(runs))
+    started = ScriptApi(ctl).start({"model": chat_model, "task": "grpo", "dataset": str(data),
+                                    "eval_dataset": str(data), "rewards": ["exact_match", "regex:\\d"],
+                                    "reward_weights": [1, 1], "num_generations": 2, "max_completion_length": 4,
+                                    "effective_batch_size": 4, "max_steps": 2, "eval_every": 1, "max_length": 32,
+                                    "optimizer": "sgd"}, None)
+    assert started["started"], started
+    deadline = time.time() + 300
+    while (status := ctl.state.jobs.status()).active:
+        assert time.time() < deadline, run_report.log_text(status)
+        time.sleep(0.5)
+    assert status.state == "done", run_report.log_text(status)
+    shown = ctl.follow.poll(None)
+    assert "Reward of the completions (mean ± std)" in shown.loss_curve and "Completion length" in shown.loss_curve
+    assert shown.completions["visible"] and "Sample completions at step 2" in shown.completions["value"]
+    assert "<th>exact_match</th><th>regex</th>" in shown.completions["value"]
+    assert shown.try_panel.chat == gr.update(visible=True, value=[])  # the tuned chat model: a chat
+    first = ctl.tryit.try_it("What is 2 + 1?")
+    assert [m["role"] for m in first.chat["value"]] == ["user", "assistant"]
