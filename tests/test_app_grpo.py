@@ -6,6 +6,7 @@ the `samples` event; Try it chats with a GRPO run through its registry entry."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -105,6 +106,11 @@ def test_the_users_finished_reward_runs_are_offered(tmp_path, monkeypatch):
     picked = ctl.form.form_fields("grpo", "", request=None).fields["rewards"]
     assert picked["visible"] and picked["choices"] == offered
     assert "choices" not in ctl.form.form_fields("classification", "", request=None).fields["rewards"]
+    # A reward run that finishes while the page is open is offered when the field is opened again.
+    later = _run(runs, "2026-01-03-0900", "reward")
+    os.utime(later / MARKER, ((good / MARKER).stat().st_mtime + 60,) * 2)
+    focused = [value for _, value in ctl.form.suggestions(request=None)["rewards"]["choices"]]
+    assert focused[len(BUILT_INS):] == [f"reward_model:{display_path(p)}" for p in (later, good)]  # newest first
 
 
 def test_a_shared_server_offers_only_the_users_own_reward_runs_and_no_python_reward(tmp_path, monkeypatch):
@@ -120,6 +126,7 @@ def test_a_shared_server_offers_only_the_users_own_reward_runs_and_no_python_rew
 
     assert offered(ALICE) == [*BUILT_INS, f"reward_model:{display_path(mine)}"]  # not bob's
     assert offered(ANON) == BUILT_INS  # a stranger sees no one's runs
+    assert [v for _, v in ctl.form.suggestions(request=BOB)["rewards"]["choices"]][-1] == "reward_model:runs/bob/his"
     assert not any(rewards.CODE.match(value) for value in offered(ALICE))  # no Python function is offered
     policy = ctl.state.policy
 

@@ -222,6 +222,13 @@ class FormHandlers:
                            chat_example=gr.skip() if not known or kinds.entry(task).data_preview else
                            gr.update(visible=False))
 
+    def suggestions(self, *, request: Any = None) -> dict[str, Any]:
+        """The choices of the lists of names (`SUGGESTIONS`) with the caller's runs, read again as such a field is
+        focused: a reward run that finished while the page was open is offered too."""
+        user, refusal = self.state.policy.who(request)
+        home = self.state.policy.runs_home(user, refusal)
+        return {name: gr.update(choices=suggested(name, home)) for name in SUGGESTIONS}
+
     def running_config(self, *, request: Any = None) -> FormShown:
         """On page load: the form (and its dataset preview) shows the config of the owner's current or last run, as
         the Run panel does, clearly labelled; its run folder is left out, so the next Start makes a new run rather
