@@ -68,7 +68,7 @@ def widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: Data
         return gr.Dropdown(list(spec.choices or ()), **common)
     if spec.kind == "multi":  # one box of several choices (nine checkboxes took six rows)
         return gr.Dropdown(list(spec.choices or ()), multiselect=True, **common)
-    if spec.kind == "names":  # suggestions (the caller's own come with the task: `FormHandlers.form_fields`), or typed
+    if spec.kind == "names":  # suggestions (the caller's runs come with the task and on focus), or any typed in
         return gr.Dropdown(suggested(spec.name, None), multiselect=True, allow_custom_value=True, **common)
     if spec.kind == "numbers":  # a list whose items may repeat
         return gr.Textbox(placeholder="comma-separated: 1, 0.5", max_length=limits.MAX_INPUT_CHARS, **common)
