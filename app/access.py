@@ -229,9 +229,10 @@ class Access:
         advice = "upload the file, or give a Hugging Face hub dataset id" if kind == "data" else "upload the file"
         raise AccessError(f"`{what}` {summary(source, 200)} is not one of your uploads: {advice}.")
 
-    def check_config(self, config: Config, readable: tuple[Path, ...]) -> None:
+    def check_config(self, config: Config, readable: tuple[Path, ...], own_runs: Path | None = None) -> None:
         """Refuse what a shared server must not run: remote code, local models, and any file the config names
-        (found by the schema's `source` marks, each task of `tasks` included) that is not the user's."""
+        (found by the schema's `source` marks, each task of `tasks` included) that is not the user's. A reward model
+        may be one of the user's own runs (a folder inside `own_runs`, `RequestPolicy.own_runs`)."""
         if not self.shared:
             return
         if config.trust_remote_code:
@@ -245,8 +246,19 @@ class Access:
             if reward.runs_code:
                 raise AccessError(f"Reward {summary(reward.argument, 120)} runs the file's Python code, which a "
                                   "shared server does not: use a built-in reward or a reward model.")
-            if reward.kind == "reward_model":
+            if reward.kind == "reward_model" and not _inside(reward.argument, own_runs):
                 self.check_source(reward.argument, "rewards", readable, "model")
+
+
+def _inside(source: str, folder: Path | None) -> bool:
+    """Whether `source` names a path strictly inside `folder` (links and `..` resolved first)."""
+    if folder is None:
+        return False
+    try:
+        path = Path(source).expanduser().resolve()
+    except (OSError, ValueError, RuntimeError):
+        return False
+    return path != folder and path.is_relative_to(folder)
 
 
 def _model_is_local(name: str) -> bool:

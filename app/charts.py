@@ -1,5 +1,6 @@
 """The loss charts the app draws itself, as SVG: the Run panel's training and evaluation loss (each task's too, in a
-multi-task run; a preference or reward run's reward curves beside it), and the Runs tab's comparison of several runs.
+multi-task run; a preference or reward run's reward curves beside it; a GRPO run's reward, mean ± std, and its
+completions' length), and the Runs tab's comparison of several runs.
 
 Drawn by the app, not `gr.LinePlot`: Gradio 6.31 fixes a plot's colours from its first data (an eval split that
 comes later got no colour until a reload) and cuts its legend off below the frame.
@@ -12,6 +13,8 @@ import math
 from typing import Any
 
 import pandas as pd
+
+from finetune.kinds import registry as kinds
 
 MAX_PLOT_POINTS = 1000  # the whole curve is re-sent each update; beyond this, every k-th training step is shown
 
@@ -67,12 +70,44 @@ def reward_frame(events: list[dict[str, Any]]) -> pd.DataFrame:
     return frame.astype({"step": "int64", "loss": "float64", "split": "str"})
 
 
+# The metric curves the kinds declare (their entries' `curves`: GRPO's reward ± its standard deviation, its
+# completions' length), each drawn for a run whose events carry the metric.
+METRIC_CURVES = tuple(dict.fromkeys(curve for e in kinds.ENTRIES.values() for curve in e.curves))
+
+
+def metric_frame(events: list[dict[str, Any]], name: str, std: str | None = None) -> pd.DataFrame:
+    """Metric `name` of each optimizer step (`train`, from the step events' metrics) and evaluation (`eval`), as
+    `loss_frame` lays it out (the value in `loss`), with `lo` and `hi` = value ∓ metric `std` (NaN without one);
+    empty for a run whose events do not carry it."""
+    def rows(kind: str) -> list[tuple[int, float, float]]:
+        out = {}
+        for e in events:
+            metrics = e.get("metrics") or {}
+            if e.get("event") == kind and isinstance(metrics.get(name), (int, float)):
+                spread = metrics.get(std) if std else None
+                out[e["step"]] = (float(metrics[name]), float(spread) if isinstance(spread, (int, float)) else math.nan)
+        return [(step, v, sd) for step, (v, sd) in out.items()]  # a step restarted with overwrite: its latest
+
+    train = rows("step")
+    if len(train) > MAX_PLOT_POINTS:
+        stride = -(-len(train) // MAX_PLOT_POINTS)
+        train = train[::stride] + ([train[-1]] if (len(train) - 1) % stride else [])
+    data = [(step, v, split, v - sd, v + sd) for split, part in (("train", train), ("eval", rows("eval")))
+            for step, v, sd in part]
+    frame = pd.DataFrame(data, columns=["step", "loss", "split", "lo", "hi"])
+    return frame.astype({"step": "int64", "loss": "float64", "split": "str", "lo": "float64", "hi": "float64"})
+
+
 def curves_html(events: list[dict[str, Any]]) -> str | None:
-    """The run's charts: the loss, then (a preference run) its reward curves beside it; None before any point."""
+    """The run's charts: the loss, then (a preference run) its reward curves, (a GRPO run) its reward with its
+    spread and its completions' length; None before any point."""
     frame, rewards = loss_frame(events), reward_frame(events)
     if not len(frame):
         return None
     extra = loss_chart_html(rewards, title="Rewards at each evaluation", points=True) if len(rewards) else ""
+    for name, std, title in METRIC_CURVES:
+        curve = metric_frame(events, name, std or None)
+        extra += loss_chart_html(curve, title=title) if len(curve) else ""
     return loss_chart_html(frame) + extra
 
 
@@ -88,6 +123,9 @@ def loss_chart_html(frame: pd.DataFrame, title: str = "Loss per optimizer step",
     splits = list(dict.fromkeys(frame.split))
     x_lo, x_hi = float(frame.step.min()), float(frame.step.max())
     y_lo, y_hi = float(frame.loss.min()), float(frame.loss.max())
+    banded = "lo" in frame and "hi" in frame and bool(frame.lo.notna().any())  # a spread around each value
+    if banded:
+        y_lo, y_hi = min(y_lo, float(frame.lo.min())), max(y_hi, float(frame.hi.max()))
     if x_hi == x_lo:
         x_lo, x_hi = x_lo - 1, x_hi + 1
     margin = (y_hi - y_lo) * 0.05 or max(abs(y_hi) * 0.05, 0.05)
@@ -111,6 +149,8 @@ def loss_chart_html(frame: pd.DataFrame, title: str = "Loss per optimizer step",
         rows = frame[frame.split == split].sort_values("step")
         points = [at(float(s), float(v)) for s, v in zip(rows.step, rows.loss, strict=True)]
         colour = _colour(split, splits)
+        if banded:
+            parts += _band(split, rows, colour, at)
         dash = ' stroke-dasharray="6 3"' if split.startswith("eval") else ""
         path = " ".join(f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(points))
         parts.append(f'<path data-split="{html.escape(split)}" d="{path}" fill="none" stroke="{colour}" '
@@ -128,6 +168,22 @@ def loss_chart_html(frame: pd.DataFrame, title: str = "Loss per optimizer step",
             f'<svg viewBox="0 0 {CHART_W} {CHART_H}" role="img" aria-label="{html.escape(title)}: '
             f'{html.escape(", ".join(splits))}">{"".join(parts)}</svg>{"".join(ticks)}</div></div>'
             '<div class="ft-axis-title">optimizer step</div></div>')
+
+
+def _band(split: str, rows: pd.DataFrame, colour: str, at: Any) -> list[str]:
+    """The spread of a series (its `lo` to `hi`): a shaded area under a training line, a whisker at each
+    evaluation point (a few points, which an area would join across the steps between them)."""
+    rows = rows[rows.lo.notna() & rows.hi.notna()]
+    if not len(rows):
+        return []
+    tops = [at(float(s), float(h)) for s, h in zip(rows.step, rows.hi, strict=True)]
+    bottoms = [at(float(s), float(lo)) for s, lo in zip(rows.step, rows.lo, strict=True)]
+    name = html.escape(split)
+    if split.startswith("eval") or len(rows) == 1:
+        return [f'<line data-band="{name}" x1="{x:.1f}" x2="{x:.1f}" y1="{top:.1f}" y2="{bottom:.1f}" '
+                f'stroke="{colour}" stroke-width="1.5"/>' for (x, top), (_, bottom) in zip(tops, bottoms, strict=True)]
+    outline = " ".join(f"{x:.1f},{y:.1f}" for x, y in [*tops, *reversed(bottoms)])
+    return [f'<polygon data-band="{name}" points="{outline}" fill="{colour}" fill-opacity="0.15" stroke="none"/>']
 
 
 def _task_rows(events: list[dict[str, Any]]) -> list[tuple[int, float, str]]:

@@ -50,6 +50,7 @@ class RunShown:
     try_panel: TryPanel | None = None  # None: Try it stays as it is
     note: Any = keep()  # the last action's message (Start, Stop, Resume), cleared when the run ends
     scatter: Any = keep()  # a finished run whose kind plots it: predicted against true values (app.train.scatter)
+    completions: Any = keep()  # a GRPO run's latest sample completions with their rewards (hidden for the others)
 
 
 class Follow:
@@ -121,4 +122,10 @@ class Follow:
                         try_panel=panel(status, new_model=new_model) if changed_run else None,
                         # "Started…", "Stopping…" and the like answered an action on this run: its end replaces them.
                         note="" if changed_run and status.state in TERMINAL and known else gr.skip(),
-                        scatter=scatter.scatter_update(status))
+                        scatter=scatter.scatter_update(status), completions=completions_update(status))
+
+
+def completions_update(status: JobStatus) -> Any:
+    """The sample completions table of the run's latest evaluation, shown only when the run wrote one."""
+    table = run_report.samples_html(status.events)
+    return gr.update(value=table, visible=bool(table))

@@ -57,6 +57,8 @@ COLUMN_FIELDS = ("text_column", "text_pair_column", "label_column", "prompt_colu
                  "messages_column")
 # Then any other kind's columns (its registry entry's), so that a new kind's column widgets sit with the others.
 COLUMN_FIELDS += tuple(dict.fromkeys(k for e in kinds.ENTRIES.values() for k in e.columns if k not in COLUMN_FIELDS))
+# Lists of numbers, which may repeat (a multiselect would merge two equal weights): a comma-separated text box.
+NUMBER_LISTS = ("reward_weights",)
 # Where a field sits on the page; fields not named here go by their schema group (main, data or advanced).
 SECTIONS = {
     "model": ("model", "task"),
@@ -78,7 +80,9 @@ class WidgetSpec:
     """How one config field is shown: widget kind, label, help and bounds, all from the schema."""
 
     name: str
-    kind: str  # checkbox, choice, multi (several of the choices), model, column, int, float, text, tasks
+    # checkbox, choice, multi (several of the choices), names (a list of names: suggestions, any typed in), numbers
+    # (a list of numbers, comma-separated), model, column, int, float, text, tasks
+    kind: str
     label: str
     info: str
     default: Any  # the schema default, as the widget holds it
@@ -115,7 +119,9 @@ def _kind(name: str) -> str:
     if name == "tasks":
         return "tasks"
     if is_list_field(name):
-        return "multi"
+        if meta["choices"]:
+            return "multi"
+        return "numbers" if name in NUMBER_LISTS else "names"
     if base is bool:
         return "checkbox"
     if meta["choices"]:
@@ -169,8 +175,10 @@ def to_widget(name: str, value: Any) -> Any:
     Optional numbers are text boxes (a Gradio number box cannot be empty: it shows and sends 0), so they hold ""
     for None and the number as text otherwise."""
     kind = _kind(name)
-    if kind == "multi":  # a checkbox group holds a list
+    if kind in ("multi", "names"):  # a multiselect holds a list
         return list(value or ())
+    if kind == "numbers":
+        return ", ".join(value or ())
     if kind in ("checkbox", "choice") or (kind in ("int", "float") and not field_type(name)[1]):
         return value
     if kind == "tasks":  # the task list as the YAML a config file holds (app/tasksview.py shows it as a table)
@@ -184,8 +192,10 @@ def from_widget(name: str, value: Any) -> Any:
     kind = _kind(name)
     if kind == "tasks":
         return tasks_from_widget(value)
-    if kind == "multi" and isinstance(value, (list, tuple)):
+    if kind in ("multi", "names") and isinstance(value, (list, tuple)):
         return tuple(value)
+    if kind == "numbers" and isinstance(value, str):  # "1, 0.5": the config checks each is a number
+        return tuple(item.strip() for item in value.split(",") if item.strip())
     if isinstance(value, str):
         value = value.strip()
         if value == "":

@@ -89,6 +89,11 @@ button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !import
 .ft-budget-mark { position: absolute; top: -3px; bottom: -3px; width: 2px; background: #4b5563; }
 .ft-bar-size { text-align: right; font-variant-numeric: tabular-nums; }
 .ft-bar-caption { margin: 4px 0 0; color: #4b5563; }
+/* A GRPO run's sample completions: a table that scrolls inside its box, numbers aligned. */
+.ft-samples { max-height: 420px; overflow: auto; font-size: 13px; }
+.ft-samples table { border-collapse: collapse; width: 100%; }
+.ft-samples th, .ft-samples td { border: 1px solid #d1d5db; padding: 2px 6px; vertical-align: top; text-align: left; }
+.ft-samples .ft-num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 """
 # Gradio names number boxes and dropdowns by their label alone (aria-label) but a text box by its whole <label>,
 # help text included; give text boxes the same short name, so people with screen readers (and browser tests that
@@ -206,7 +211,7 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
                "try_panel": {"chat": tryit.chat, "label": tryit.label, "generated": tryit.generated,
                              "button": tryit.button, "entities": tryit.entities, "new_chat": tryit.new_chat,
                              "text": tryit.text, "message": tryit.message, "push": export.push},
-               "note": run.message, "scatter": run.scatter}
+               "note": run.message, "scatter": run.scatter, "completions": run.completions}
     on(timer.tick, follow.poll, seen, targets, gate="public", concurrency_limit=None, show_progress="hidden",
        **PRIVATE)
     # A reload (or a second tab) shows the running job at once rather than at the next tick.

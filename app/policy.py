@@ -54,6 +54,20 @@ class RequestPolicy:
         """The folders and files `user` may read on a shared server: their uploads and the app's sample data."""
         return (self.access.uploads(self.runs_dir, user).resolve(), *self.samples)
 
+    def own_runs(self, user: str | None) -> Path | None:
+        """The folder of `user`'s own runs, whose finished models a shared server lets them name (a reward model of
+        theirs); None for no one known, or where the runs folder is everyone's."""
+        if user is None or not self.access.shared:
+            return None
+        return self.access.home(self.runs_dir, user).resolve()
+
+    def runs_home(self, user: str | None, refusal: str = "") -> Path | None:
+        """Where the caller's runs are listed from: the runs folder locally, their own folder when shared; None
+        for a caller who may not train on a shared server (no one's runs are shown to them)."""
+        if self.access.shared and (refusal or user is None):
+            return None
+        return self.access.home(self.runs_dir, user)
+
     def is_mine(self, status: JobStatus, user: str | None) -> bool:
         """Whether `status` is a run `user` may see and steer (every run, locally)."""
         return status.state != "idle" and self.access.owns(user, status.owner)

@@ -294,3 +294,58 @@ def test_the_sample_config_is_valid_and_its_data_encodes(tiny_gpt2):
     row = json.loads(train.columns([0]).column("extras")[0].as_py())
     assert row["answer_column"] == "answer" and row["prompt"].startswith("Question: What is")
     assert rewards.exact_match("... so #### " + row["columns"]["answer"], row["columns"]["answer"]) == 1.0
+
+
+# --- the events the app reads
+
+
+def test_each_evaluation_writes_the_completions_it_scored_with_their_rewards(tmp_path, tiny_gpt2):
+    """After each evaluation a `samples` event holds the first held-out prompts' completions with their rewards:
+    the ones the evaluation scored (here all of them, so their mean is its `reward`), each reward its function's."""
+    import re
+
+    from finetune.run.events import read_events
+    from finetune.train.loop import train
+
+    path = tmp_path / "q.csv"
+    path.write_text("prompt,answer\n" + "".join(f"What is {i} + {i}?,{2 * i}\n" for i in range(10)))
+    out = tmp_path / "run"
+    train(from_dict({"task": "grpo", "model": tiny_gpt2, "dataset": str(path), "rewards": [REWARD, "length:3"],
+                     "reward_weights": [1, 0.5], "num_generations": 4, "max_completion_length": 6, "max_length": 32,
+                     "effective_batch_size": 8, "micro_batch_size": 4, "max_steps": 2, "eval_every": 1,
+                     "eval_fraction": 0.3, "learning_rate": 0.05, "output_dir": str(out)}))
+    events = read_events(out / "events.jsonl")
+    kinds_of = [e["event"] for e in events]
+    evals = [e for e in events if e["event"] == "eval"]
+    samples = [e for e in events if e["event"] == "samples"]
+    assert len(evals) >= 2 and len(samples) == len(evals)
+    for e, s in zip(evals, samples, strict=True):
+        assert kinds_of.index("samples", events.index(e)) == events.index(e) + 1 and s["step"] == e["step"]
+        rows = s["rows"]
+        prompts = {r["prompt"] for r in rows}  # the 3 held-out prompts (of 10: eval_fraction 0.3), 4 completions each
+        assert len(rows) == 3 * 4 and len(prompts) == 3 and prompts <= {f"What is {i} + {i}?" for i in range(10)}
+        for r in rows:
+            assert set(r["rewards"]) == {"regex", "length"}
+            assert r["rewards"]["regex"] == float(re.search("^[a-m]", r["completion"], re.DOTALL) is not None)
+            assert r["reward"] == pytest.approx(r["rewards"]["regex"] + 0.5 * r["rewards"]["length"], abs=1e-3)
+        assert sum(r["reward"] for r in rows) / len(rows) == pytest.approx(e["metrics"]["reward"], abs=1e-3)
+
+
+def test_the_samples_event_is_written_and_read_back_as_typed():
+    from finetune.remote.mirror import from_record
+    from finetune.run.events import Samples, to_record
+
+    event = Samples(step=3, rows=[{"prompt": "p", "completion": "c", "reward": 1.0, "rewards": {"regex": 1.0}}])
+    record = to_record(event)
+    assert record["event"] == "samples" and record["rows"] == event.rows
+    assert from_record(json.loads(json.dumps(record))) == event  # a remote run's log line, mirrored
+
+
+def test_equal_weights_are_kept_apart():
+    """`reward_weights: [1, 1]` is a weight for each of two rewards (a list of names drops its repeats, a list of
+    numbers does not)."""
+    c = from_dict({"task": "grpo", "rewards": ["exact_match", "length:10"], "reward_weights": [1, 1]})
+    assert c.reward_weights == ("1", "1") and GRPO().configured(c).weights == (1.0, 1.0)
+    assert from_dict({"task": "grpo", "rewards": "exact_match, length:10", "reward_weights": "0.5,0.5"}
+                     ).reward_weights == ("0.5", "0.5")
+    assert from_dict({"report_to": ["tensorboard", "tensorboard"]}).report_to == ("tensorboard",)

@@ -5,6 +5,7 @@ problem in its place."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,13 +36,21 @@ from app.report import display_path
 from app.results import DatasetShown, FormShown, keep
 from app.state import AppState
 from app.train.preview import DatasetView
+from app.train.rewards import reward_choices
 from finetune.config.exclusions import takes
 from finetune.config.schema import FIELDS, Config, ConfigError, from_dict
 from finetune.kinds import registry as kinds
 
 NONE_CHOICE = ("—", "")
+# The choices of a list of names, by field, from the caller's runs folder (None: no one's runs): GRPO's rewards.
+SUGGESTIONS: dict[str, Callable[[Path | None], list[tuple[str, str]]]] = {"rewards": reward_choices}
 RUN_FOLDER_FIELDS = ("output_dir", "overwrite", "resume")  # where a run goes: never carried into the next one
 TASKS_PLACEHOLDER = "- name: sentiment\n  dataset: reviews.csv\n- name: topic\n  dataset: news.csv\n  weight: 0.5"
+
+
+def suggested(name: str, home: Path | None) -> list[tuple[str, str]]:
+    """The choices list field `name` offers (`SUGGESTIONS`), with those of the runs in `home`."""
+    return SUGGESTIONS[name](home) if name in SUGGESTIONS else []
 
 
 def widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: DatasetView,
@@ -59,6 +68,10 @@ def widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: Data
         return gr.Dropdown(list(spec.choices or ()), **common)
     if spec.kind == "multi":  # one box of several choices (nine checkboxes took six rows)
         return gr.Dropdown(list(spec.choices or ()), multiselect=True, **common)
+    if spec.kind == "names":  # suggestions (the caller's runs come with the task and on focus), or any typed in
+        return gr.Dropdown(suggested(spec.name, None), multiselect=True, allow_custom_value=True, **common)
+    if spec.kind == "numbers":  # a list whose items may repeat
+        return gr.Textbox(placeholder="comma-separated: 1, 0.5", max_length=limits.MAX_INPUT_CHARS, **common)
     if spec.kind == "model":
         return gr.Dropdown(model_choices(), allow_custom_value=True, filterable=True, **{
             **common, "info": f"{spec.info} Pick a preset (grouped by task) or type any hub id or local folder."})
@@ -193,17 +206,28 @@ class FormHandlers:
             source = ""
         shown = shown_fields(task, source)
         known = task in kinds.names()
+        # A list field's choices of the caller's own runs (GRPO's reward runs), listed when the kind shows it.
+        home = policy.runs_home(user, refusal)
+        choices = {name: {"choices": suggested(name, home)} for name in SUGGESTIONS if shown.get(name, True)}
         # A hidden kind option goes back to its default: a value set for another kind (preference's β, say) is
         # not sent with this one, where the config would refuse it at a field no one can see. (Columns are set by
         # refresh_dataset for the kind; the hub fields and the one-control fields only hide.)
         reset = {name for name, visible in shown.items()
                  if not visible and name in KIND_FIELDS and name not in COLUMN_FIELDS}
         return FieldsShown(fields={name: gr.update(visible=visible, **(
-                               {"value": to_widget(name, FIELDS[name].default)} if name in reset else {}))
+                               {"value": to_widget(name, FIELDS[name].default)} if name in reset else {}),
+                               **choices.get(name, {}))
                                for name, visible in shown.items()},
                            tasks_section=gr.update(visible=takes(task, "tasks") if known else True),
                            chat_example=gr.skip() if not known or kinds.entry(task).data_preview else
                            gr.update(visible=False))
+
+    def suggestions(self, *, request: Any = None) -> dict[str, Any]:
+        """The choices of the lists of names (`SUGGESTIONS`) with the caller's runs, read again as such a field is
+        focused: a reward run that finished while the page was open is offered too."""
+        user, refusal = self.state.policy.who(request)
+        home = self.state.policy.runs_home(user, refusal)
+        return {name: gr.update(choices=suggested(name, home)) for name in SUGGESTIONS}
 
     def running_config(self, *, request: Any = None) -> FormShown:
         """On page load: the form (and its dataset preview) shows the config of the owner's current or last run, as

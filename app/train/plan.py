@@ -58,7 +58,7 @@ class PlanHandlers:
         try:
             if refusal:
                 raise AccessError(refusal)
-            self.state.access.check_config(config, policy.readable(user))
+            self.state.access.check_config(config, policy.readable(user), policy.own_runs(user))
         except AccessError as e:
             raise Unanswered(str(e)) from None
         if over := limits.check(config, self.state.limits):

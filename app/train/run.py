@@ -160,7 +160,7 @@ class RunHandlers:
         state = self.state
         home = state.access.home(state.runs_dir, user)
         try:
-            state.access.check_config(config, state.policy.readable(user))
+            state.access.check_config(config, state.policy.readable(user), state.policy.own_runs(user))
             # The app writes only inside its runs folder (the CLI keeps its freedom on the command line).
             run_dir = resolve_output_dir(config.output_dir, home) or new_run_dir(home, state.access.shared)
         except AccessError as e:
@@ -304,6 +304,7 @@ class RunPanel:
     log: Any
     metrics: Any
     scatter: Any
+    completions: Any
     run_dir: Any
 
 
@@ -334,7 +335,9 @@ def build_run_panel() -> RunPanel:
         metrics = gr.JSON(label="Final metrics", open=True, elem_id="run-metrics")
         scatter = gr.ScatterPlot(None, x="true", y="predicted", height=260, visible=False,
                                  label="Predicted against true values (evaluation rows)", elem_id="regression-scatter")
+        # A kind that generates while it trains (GRPO): the latest evaluation's completions and their rewards.
+        completions = gr.HTML(visible=False, elem_id="run-completions")
         run_dir = gr.Textbox(label="Run directory", interactive=False)
     return RunPanel(run_on=run_on, start=start, stop=stop, resume=resume, cancel=cancel, message=message, status=status,
                     progress=progress, stats=stats, trackers=trackers, loss=loss, log=log, metrics=metrics,
-                    scatter=scatter, run_dir=run_dir)
+                    scatter=scatter, completions=completions, run_dir=run_dir)

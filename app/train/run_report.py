@@ -1,5 +1,6 @@
 """The Run panel as pure functions of the job's status: the state line, the progress bar with its ETA, the latest
-step's figures, the log tail and how to open the run's tracker dashboards."""
+step's figures, the log tail, how to open the run's tracker dashboards, and (a GRPO run) the latest evaluation's
+sample completions with their rewards."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from app.jobs.training import JobStatus
 from app.mapping import in_form_words
 from app.report import HEADLINE_METRICS, STATE_TITLES, data_lines, event_line, final_metrics
+from finetune.kinds.rewards import SAMPLE_FIELDS
 
 
 def _since_last_start(events: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -123,3 +125,38 @@ def log_text(status: JobStatus, lines: int = 12) -> str:
     return text
 
 
+
+
+SAMPLE_CHARS = 300  # of a prompt or completion in the table (the event keeps more)
+
+
+def latest_samples(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest `samples` event (a few held-out prompts, completions and rewards after an evaluation), or None."""
+    return next((e for e in reversed(events) if e.get("event") == "samples" and isinstance(e.get("rows"), list)),
+                None)
+
+
+def samples_html(events: list[dict[str, Any]]) -> str:
+    """The latest evaluation's sample completions as a table: prompt, completion, reward, then each reward
+    function's score; "" for a run without any (only a kind that generates while it trains writes them)."""
+    latest = latest_samples(events)
+    if latest is None or not latest["rows"]:
+        return ""
+    rows = [r for r in latest["rows"] if isinstance(r, dict)]
+    names = list(dict.fromkeys(k for r in rows for k in (r.get("rewards") or {})))
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in (*SAMPLE_FIELDS, *names))
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "<td>—</td>"
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return f'<td class="ft-num">{value:.3g}</td>'
+        shown = str(value)
+        shown = shown if len(shown) <= SAMPLE_CHARS else shown[:SAMPLE_CHARS - 1] + "…"
+        return f'<td style="white-space:pre-wrap">{html.escape(shown)}</td>'
+
+    body = "".join("<tr>" + "".join(cell(r.get(f)) for f in SAMPLE_FIELDS)
+                   + "".join(cell((r.get("rewards") or {}).get(n)) for n in names) + "</tr>" for r in rows)
+    return (f'<div class="ft-samples"><b>Sample completions at step {int(latest.get("step", 0))}</b> (held-out '
+            f'prompts, as the evaluation generated and scored them)<table><thead><tr>{head}</tr></thead>'
+            f'<tbody>{body}</tbody></table></div>')

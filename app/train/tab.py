@@ -13,7 +13,7 @@ import gradio as gr
 from app import limits
 from app.mapping import COLUMN_FIELDS
 from app.train.dataset import EXAMPLE_INPUTS, TASK_FIELDS, DatasetPanel, build_dataset_panel
-from app.train.form import Form
+from app.train.form import SUGGESTIONS, Form
 from app.train.plan import Planning, PlanPanel, build_plan_panel
 from app.train.run import RUN_PARTS, Checking, RunPanel, build_run_panel
 
@@ -116,6 +116,9 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
     for event in (fields["task"].change, fields["dataset"].change):
         on(event, h.form.form_fields, [fields["task"], fields["dataset"]], fields_out, gate="public",
            show_progress="hidden", **PRIVATE)
+    for name in SUGGESTIONS:  # their choices of the caller's own runs, as they are when the field is opened
+        on(fields[name].focus, h.form.suggestions, None, {name: fields[name]}, gate="quiet", show_progress="hidden",
+           **PRIVATE)
     for name in ("dataset", "dataset_config", "train_split"):
         on(fields[name].submit, h.dataset.refresh_dataset, data_in, data_out, **PRIVATE)
         on(fields[name].blur, h.dataset.refresh_dataset, data_in, data_out, **PRIVATE)

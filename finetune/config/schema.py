@@ -294,7 +294,8 @@ def is_list_field(name: str) -> bool:
 
 
 def _coerce_list(name: str, value: Any) -> tuple[Any, str | None]:
-    """A YAML list, a comma-separated string or nothing → a tuple of distinct names, in the order given."""
+    """A YAML list, a comma-separated string or nothing → a tuple of distinct names, in the order given (a list of
+    numbers keeps its repeats)."""
     if value is None or value is False:
         return (), None
     items = value.split(",") if isinstance(value, str) else value
@@ -303,7 +304,17 @@ def _coerce_list(name: str, value: Any) -> tuple[Any, str | None]:
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
         return None, f"`{name}` must be a list of names or a comma-separated string, not {summary(value)}."
     names = [i.strip() for i in items if i.strip() and i.strip().lower() not in ("none", "null")]
+    if names and all(_is_number(i) for i in names):  # numbers (weights) keep their repeats: [1, 1] is two
+        return tuple(names), None
     return tuple(dict.fromkeys(names)), None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _coerce(name: str, value: Any) -> tuple[Any, str | None]:

@@ -46,6 +46,9 @@ PROMPT_NAMES = ("prompt", "question", "problem", "query")
 ANSWER_NAMES = ("answer", "solution", "ground_truth")
 EVAL_STEP = -1  # evaluation's completions are seeded apart from every training step's
 STD_EPS = 1e-4  # TRL's: advantages are (r − mean) / (std + 1e-4)
+# The `samples` event after each evaluation: the first held-out prompts, a few completions of each, texts cut short
+# (events.jsonl is read whole by the app at every poll).
+SAMPLE_PROMPTS, SAMPLE_COMPLETIONS, SAMPLE_CHARS = 3, 4, 600
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
@@ -428,6 +431,36 @@ class GRPO:
 
         return SumMetrics(9 + 2 * k, device, update, finish)
 
+    def sample_completions(self, model: Any, data: Any, pad_id: int, device: torch.device) -> list[dict[str, Any]]:
+        """The `samples` event's rows: the first held-out prompts' completions (each group's first few), generated
+        as the evaluation generates them (the same seeds: the same completions it scored), with their rewards."""
+        indices = list(range(min(SAMPLE_PROMPTS, len(data))))
+        if not indices:
+            return []
+        batch = {k: v.to(device) for k, v in self.collate_rows(data.columns(indices), pad_id).items()}
+        with torch.inference_mode():
+            prepared = self.prepare_batch(model, batch, step=EVAL_STEP)
+        extras = [json.loads(bytes(row[row != 0].tolist()).decode()) for row in batch["labels"].cpu()]
+        t = self.completion_length
+        mask, _, _, _, scores = self.split_labels(prepared["labels"].float().cpu())
+        completions = prepared["input_ids"][:, -t:].cpu().view(len(indices), self.generations, t)
+        w = torch.tensor(self.weights, dtype=scores.dtype)
+        totals = (scores * w).nansum(-1)
+        names = [r.name for r in self.parsed]
+        rows = []
+        for p, extra in enumerate(extras):
+            prompt = extra["prompt"]
+            shown = prompt if isinstance(prompt, str) else \
+                "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in prompt if isinstance(m, dict))
+            for g in range(min(self.generations, SAMPLE_COMPLETIONS)):
+                n = int(mask[p, g].sum())
+                text = self.tokenizer.decode(completions[p, g, :n].tolist(), skip_special_tokens=True)
+                values = (_cut(shown), _cut(text), round(float(totals[p, g]), 4))
+                rows.append({**dict(zip(reward_functions.SAMPLE_FIELDS, values, strict=True)),
+                             "rewards": {name: None if torch.isnan(v) else round(float(v), 4)
+                                         for name, v in zip(names, scores[p, g], strict=True)}})
+        return rows
+
     # --- the planner's dry run
     @property
     def generated_tokens(self) -> int:
@@ -450,6 +483,11 @@ class GRPO:
                 ) -> list[dict[str, Any]]:
         """A greedy continuation of each prompt, as for a causal LM."""
         return CAUSAL.predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens)
+
+
+def _cut(text: str) -> str:
+    """A text as the `samples` event keeps it: its first `SAMPLE_CHARS` characters."""
+    return text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS - 1] + "…"
 
 
 @functools.cache

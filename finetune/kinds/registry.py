@@ -171,6 +171,9 @@ class Entry:
     # A finished run's plot under the app's Results: "scatter" (predicted against true values of its evaluation
     # rows), or "".
     eval_plot: str = ""
+    # Its step metrics the app draws as curves of their own beside the loss (from the step and evaluation events),
+    # each (metric, the metric of its spread or "", the chart's title): GRPO's reward ± its standard deviation.
+    curves: tuple[tuple[str, str, str], ...] = ()
     # Models the app's Model dropdown offers for this kind (hub ids, or the bundled model), grouped under it.
     presets: tuple[str, ...] = ()
     # Its loss couples the window's samples (in-batch negatives): the loop embeds the whole window without a graph,
@@ -395,6 +398,8 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                     "split_documents": "a GRPO prompt is generated from whole, so it cannot be split; use "
                                        "long_documents=truncate (or auto)"},
           whole_window=True, config_checks="finetune.kinds.rewards:config_problems",
+          curves=(("reward", "reward_std", "Reward of the completions (mean ± std)"),
+                  ("completions/mean_length", "", "Completion length (tokens)")),
           try_view="text", chat_when="template"),
 )}
 OPTION_KEYS = tuple(dict.fromkeys(key for e in ENTRIES.values() for key in e.options))  # every kind's own options

@@ -31,6 +31,15 @@ from typing import Any
 from finetune.errors import ConfigError
 
 BUILT_INS = ("exact_match", "regex:PATTERN", "format:PATTERN", "length:N", "reward_model:PATH", "file.py:function")
+# One example of each built-in, with what it scores in a few words: the app's Rewards field offers them (a pattern, a
+# length or a reward model of one's own is typed in).
+EXAMPLES = (("exact_match", "the final answer equals the answer column"),
+            ("format:(?s).*#### -?\\d+\\s*", "the completion ends with #### and a number"),
+            ("regex:\\\\boxed\\{", "the completion has a \\boxed{} answer"),
+            ("length:100", "closer to 100 tokens is better"))
+# The fields of a row of the `samples` event (`finetune.run.events.Samples`), besides `rewards` (each function's).
+SAMPLE_FIELDS = ("prompt", "completion", "reward")
+MODEL_KIND = "reward"  # the kind whose runs `reward_model:` takes as their folder (the app lists them)
 CODE = re.compile(r"^(?P<file>.+\.py):(?P<function>[A-Za-z_][A-Za-z0-9_]*)$")
 DEFAULT_BATCH = 32  # finetune.config.schema.DEFAULT_EFFECTIVE_BATCH (the schema imports this module's caller)
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")

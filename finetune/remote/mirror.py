@@ -28,6 +28,7 @@ from finetune.run.events import (
     Event,
     Exported,
     Pushed,
+    Samples,
     Start,
     Step,
     Stopped,
@@ -37,7 +38,7 @@ from finetune.run.events import (
 )
 
 _CLASSES = {cls.__dataclass_fields__["event"].default: cls
-            for cls in (Start, Step, Backoff, Eval, Checkpoint, Stopped, Done, Pushed, Exported, Error)}
+            for cls in (Start, Step, Backoff, Eval, Samples, Checkpoint, Stopped, Done, Pushed, Exported, Error)}
 
 
 def from_record(record: dict[str, Any]) -> Event | None:

@@ -1,8 +1,8 @@
 """The typed event stream of a run: `events.jsonl` for the GUI and scripts, a progress bar for the terminal.
 
-Each line of `events.jsonl` is one JSON object with `event` in start, step, backoff, eval, checkpoint, stopped, done,
-push, export, error and `time` (Unix seconds). Tests and the GUI read these records, never printed text. A
-checkpoint's path is `checkpoint` in every record that names one.
+Each line of `events.jsonl` is one JSON object with `event` in start, step, backoff, eval, samples, checkpoint,
+stopped, done, push, export, error and `time` (Unix seconds). Tests and the GUI read these records, never printed
+text. A checkpoint's path is `checkpoint` in every record that names one.
 
 A run on another machine (a Hugging Face Job, `finetune.remote`) prints each record as one log line, `LOG_PREFIX`
 and the JSON (`finetune train --log-events`); the launcher reads them back from the logs with `parse_log_line`.
@@ -98,6 +98,18 @@ class Eval:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Samples:
+    """After an evaluation, a few of the held-out prompts with what the model generated from them and the reward
+    each completion got (a kind that generates while it trains: GRPO); each row has `prompt`, `completion`,
+    `reward` (the weighted sum) and `rewards` (each reward function's score by its metric name, None where it gave
+    none)."""
+
+    step: int
+    rows: list[dict[str, Any]]
+    event: str = "samples"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Checkpoint:
     """A resumable checkpoint was written."""
 
@@ -163,7 +175,7 @@ class Error:
 # Fields that only some runs have (multi-task, a kind's step metrics), left out of the records of the others.
 OMITTED_WHEN_NONE = frozenset({"task_losses", "tasks", "metrics"})
 
-Event = Start | Step | Backoff | Eval | Checkpoint | Stopped | Done | Pushed | Exported | Error
+Event = Start | Step | Backoff | Eval | Samples | Checkpoint | Stopped | Done | Pushed | Exported | Error
 
 
 def to_record(event: Event) -> dict[str, Any]:

@@ -44,7 +44,19 @@ from finetune.kinds.base import TaskKind
 from finetune.kinds.registry import configured
 from finetune.models.pretrained import load_tokenizer
 from finetune.run import hub, rundir, tracking
-from finetune.run.events import Backoff, Checkpoint, Done, Error, Eval, Event, EventLog, Start, Step, Stopped
+from finetune.run.events import (
+    Backoff,
+    Checkpoint,
+    Done,
+    Error,
+    Eval,
+    Event,
+    EventLog,
+    Samples,
+    Start,
+    Step,
+    Stopped,
+)
 from finetune.train.precompute import precompute
 from finetune.train.variants import Variant, variant_of
 
@@ -336,6 +348,8 @@ def _evaluate(s: Setup, epoch: float) -> dict[str, float]:
     metrics = s.variant.evaluate(s)
     if metrics:
         s.log.emit(Eval(step=s.progress.step, epoch=round(epoch, 4), metrics=metrics))
+        if rows := s.variant.samples(s):  # what the model generated, with its rewards (GRPO)
+            s.log.emit(Samples(step=s.progress.step, rows=rows))
     return metrics
 
 

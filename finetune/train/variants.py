@@ -65,6 +65,10 @@ class Variant(Protocol):
     def evaluate(self, s: Setup) -> dict[str, float]:
         """The evaluation metrics over all processes ({} when there is nothing to evaluate)."""
 
+    def samples(self, s: Setup) -> list[dict[str, Any]] | None:
+        """After an evaluation, a few held-out prompts with what the model generated and its rewards (the kind's
+        `sample_completions`: GRPO's), or None; every process calls it."""
+
     def save(self, s: Setup, model: Any, state_dict: dict[str, Any] | None) -> None:
         """Save the final model (main process only); `state_dict` is gathered from a sharded model."""
 
@@ -159,6 +163,13 @@ class SingleTask:
         return evaluate(s.model, s.eval_data, kind=s.kind, label_names=s.label_names, batch_size=s.eval_batch_size,
                         pad_id=s.tokenizer.pad_token_id, accelerator=s.accelerator, recurrence=self.recurrence)
 
+    def samples(self, s: Setup) -> list[dict[str, Any]] | None:
+        """The kind's sample completions of the first evaluation rows (a kind that generates: GRPO), else None.
+        Every process generates the same few (a sharded model's forward is collective)."""
+        if not hasattr(s.kind, "sample_completions") or s.eval_data is None or len(s.eval_data) == 0:
+            return None
+        return s.kind.sample_completions(s.model, s.eval_data, s.tokenizer.pad_token_id, s.accelerator.device)
+
     def save(self, s: Setup, model: Any, state_dict: dict[str, Any] | None) -> None:
         """model/ (and adapter/ with merge_lora)."""
         save_model(model, s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora, state_dict=state_dict)
@@ -219,6 +230,10 @@ class MultiTask:
         """Each task's metrics as `<task>/<metric>`, and their weighted mean."""
         return evaluate_tasks(s.model, s.train_data, kind=s.kind, batch_size=s.eval_batch_size,
                               pad_id=s.tokenizer.pad_token_id, accelerator=s.accelerator)
+
+    def samples(self, s: Setup) -> None:
+        """None: no multi-task kind generates while it trains."""
+        return None
 
     def save(self, s: Setup, model: Any, state_dict: dict[str, Any] | None) -> None:
         """A folder per task (or one shared model) and model/tasks.json."""
