@@ -294,3 +294,101 @@ def test_the_sample_config_is_valid_and_its_data_encodes(tiny_gpt2):
     row = json.loads(train.columns([0]).column("extras")[0].as_py())
     assert row["answer_column"] == "answer" and row["prompt"].startswith("Question: What is")
     assert rewards.exact_match("... so #### " + row["columns"]["answer"], row["columns"]["answer"]) == 1.0
+
+
+# --- the planner
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gpt2", "tiny_llama"])
+def test_the_planned_kv_cache_is_what_generate_keeps(fixture, request):
+    """The plan's KV-cache term is the size of the cache that `generate` returns for G × (prompt + completion)
+    tokens (it holds every position but the last token generated, which is never fed back), for multi-head GPT-2
+    and grouped-query Llama alike."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.kinds.grpo import _model_config, kv_cache_bytes
+    from finetune.plan.memory import _cache_tensors, tensor_bytes
+
+    path = request.getfixturevalue(fixture)
+    g, t, p = 4, 6, 7
+    kind = _kind(path, num_generations=g, max_completion_length=t)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    prompt = torch.randint(3, 1000, (1, p)).expand(g, -1)
+    out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                         max_new_tokens=t, min_new_tokens=t, use_cache=True, return_dict_in_generate=True,
+                         pad_token_id=0)
+    assert out.sequences.shape == (g, p + t)
+    measured = tensor_bytes(_cache_tensors(out.past_key_values))
+    assert measured == kv_cache_bytes(_model_config(path), g * (p + t - 1), 4) > 0
+    terms, record, note = kind.plan_reference(weights=0, cuda=False, micro=g, tokens=p + t, vocab=30522)
+    assert terms == {"generation_cache": measured * (p + t) // (p + t - 1)} and record == {"strategy": "none"}
+    half, _, _ = kind.plan_reference(weights=0, cuda=True, micro=g, tokens=p + t, vocab=30522)
+    assert half["generation_cache"] * 2 == terms["generation_cache"]  # bf16 on a GPU
+
+
+def _grpo_plan(path: str, **values):
+    from finetune.plan.planner import make_plan
+
+    c = from_dict({"task": "grpo", "model": path, "dataset": "x.jsonl", "rewards": REWARD, "num_generations": 4,
+                   "max_completion_length": 8, "effective_batch_size": 8, "lora": "false", **values})
+    return make_plan(c, [12] * 20, 0, device=("cpu", 24 * 2**30))
+
+
+GRAPH = ("gradients", "logits", "activations")  # one micro-batch's graph, from the dry run
+
+
+def test_the_plan_grows_with_generations_and_completion_length(tiny_llama):
+    """`finetune plan` shows generation's KV cache as its own line, which grows with num_generations and
+    max_completion_length, as does the predicted peak; the micro-batch's graph is the dry run's, over prompt +
+    completion tokens."""
+    from finetune.plan.planner import render
+
+    base = _grpo_plan(tiny_llama)
+    assert base.worst_case_tokens == 12 + 8 and base.batch.micro_batch_size == 8
+    more = _grpo_plan(tiny_llama, num_generations=8)
+    longer = _grpo_plan(tiny_llama, max_completion_length=16)
+    kv = base.breakdown["generation_cache"]
+    assert more.breakdown["generation_cache"] == 2 * kv
+    assert longer.breakdown["generation_cache"] == kv * (12 + 16) // (12 + 8)
+    assert more.predicted_peak_bytes > base.predicted_peak_bytes
+    assert longer.predicted_peak_bytes > base.predicted_peak_bytes
+    assert sum(longer.breakdown[k] for k in GRAPH) > sum(base.breakdown[k] for k in GRAPH)
+    shown = render(base)
+    assert "  generation_cache " in shown and "no reference (beta is 0)" in shown
+
+
+def test_the_plan_counts_the_reference_when_beta_is_set(tiny_llama):
+    """With `beta`, the reference costs a frozen copy's weights (without LoRA) or nothing but its no-grad
+    forward's logits (LoRA: the adapter switched off)."""
+    plain = _grpo_plan(tiny_llama)
+    copy = _grpo_plan(tiny_llama, beta=0.04)
+    adapter = _grpo_plan(tiny_llama, beta=0.04, lora="true")
+    logits = copy.breakdown["reference_logits"]
+    assert logits == adapter.breakdown["reference_logits"] > 0
+    assert copy.breakdown["reference_weights"] == copy.breakdown["weights"]  # fp32 on a CPU, like the model
+    assert "reference_weights" not in adapter.breakdown and "reference_logits" not in plain.breakdown
+    assert copy.reference["strategy"] == "frozen_copy" and adapter.reference["strategy"] == "adapter_off"
+    assert copy.predicted_peak_bytes - plain.predicted_peak_bytes == copy.breakdown["weights"] + logits
+
+
+@pytest.mark.parametrize("lora", ["false", "true"])
+def test_the_planned_reference_forward_is_measured(tiny_llama, lora):
+    """The planned `reference_logits` is the live-tensor peak of the reference's no-grad forward over a
+    micro-batch (the frozen copy, or the adapter switched off), to a few per cent (the layers' own transients)."""
+    from finetune.models.pretrained import load_model, prepare_for_training
+    from finetune.plan.memory import LiveTensorTracker
+
+    c = from_dict({"task": "grpo", "model": tiny_llama, "rewards": REWARD, "num_generations": 4,
+                   "max_completion_length": 8, "beta": 0.04, "lora": lora})
+    from finetune.kinds.registry import configured
+
+    kind = configured(c)
+    model = prepare_for_training(load_model(c, None), c, checkpointing=False, lora=lora == "true")
+    ids = torch.randint(3, 1000, (8, 20))
+    mask = torch.ones_like(ids)
+    inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": mask.cumsum(-1) - 1}
+    kind.reference_logps(model, inputs)  # the frozen copy is loaded once, then stays (its weights: own term)
+    with torch.no_grad(), LiveTensorTracker() as tracker:
+        kind.reference_logps(model, inputs)
+    terms, _, _ = kind.plan_reference(weights=0, cuda=False, micro=8, tokens=20, vocab=30522)
+    assert terms["reference_logits"] == pytest.approx(tracker.peak, rel=0.03)
