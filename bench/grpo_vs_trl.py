@@ -2,24 +2,26 @@
 model, prompts and reward.
 
 The task is arithmetic with `exact_match` (`finetune.kinds.rewards.exact_match`: the completion's final number
-against the answer): by default every sum `a + b =` of two numbers below `--operands` (15: 225 problems, a fifth of
-them held out), or `--data FILE`, a JSON Lines file of `prompt` and `answer` (assets/arithmetic_sample.jsonl is
-one; its last fifth is held out). The model is a 2-layer GPT-2 (hidden 64, 4 heads, dropout 0) built here from its
-config on a word-level tokenizer made from the data's words (every whitespace-separated word a token, so a number
-is one token): nothing is downloaded, and on 2 CPU cores the whole benchmark takes a few minutes.
+against the answer): by default every sum `a + b =` of two numbers below `--operands` (15: 225 problems, shuffled),
+or `--data FILE`, a JSON Lines file of `prompt` and `answer` (assets/arithmetic_sample.jsonl is one). The last
+fifth is held out, and a few more so that the training prompts fill whole steps (176 and 49 by default). The
+model is a 2-layer GPT-2 (hidden 64, 4 heads, dropout 0) built here from its config on a word-level tokenizer
+made from the data's words (every whitespace-separated word a token, so a number is one token): nothing is
+downloaded, and on 2 CPU cores the whole benchmark takes a few minutes.
 
 1. **SFT.** A freshly initialised model learns the answer's format (the number, then the end of sequence) with our
-   `task: causal_lm` for `--sft-steps` steps of 16 training problems (prompt masked, learning rate 3e-3): on
+   `task: causal_lm` for `--sft-steps` (150) steps of 16 training problems (prompt masked, learning rate 3e-3): on
    purpose too short to learn every sum, so that the rewards still vary within a group.
 2. **GRPO**, from that SFT model, here and through TRL, with the same settings: `--steps` optimizer steps of
    `--prompts` training prompts × `--generations` (G) completions each (one micro-batch, no accumulation), at most
    `--completion-length` new tokens, temperature 1, `loss_type: dapo`, ε 0.2, β 0 (no reference), rewards scaled
    by their group's standard deviation, AdamW at a constant `--learning-rate`, no warm-up, no weight decay,
    clipping at 1.0, fp32 on the CPU, seed 0. TRL's reward function calls the same `exact_match`.
-3. **Reward before and after**, measured the same way for the SFT model and both trained ones: on the held-out
-   prompts, the mean `exact_match` of G sampled completions per prompt (temperature 1, seeded) and of the greedy
-   one; and each trainer's own logged training reward (`reward`) over its first and last five steps. Seconds per
-   step: training time over steps, from each tool's own count (our `train_seconds`, TRL's `train_runtime`).
+3. **Reward before and after**, measured the same way for the SFT model and both trained ones: the mean
+   `exact_match` of G sampled completions per prompt (temperature 1, seeded) on the training prompts (those GRPO
+   trains on) and on the held-out ones, and of the greedy completion on the held-out ones; and each trainer's
+   own logged training reward (`reward`) over its first and last five steps. Seconds per step: training time over
+   steps, from each tool's own count (our `train_seconds`, TRL's `train_runtime`).
 
     nice python bench/grpo_vs_trl.py                         # the default sums
     python bench/grpo_vs_trl.py --data assets/arithmetic_sample.jsonl --sft-steps 120
@@ -99,14 +101,13 @@ def run_sft(model: str, rows: list[dict[str, str]], folder: Path, steps: int) ->
     data = write_jsonl(folder / "sft.jsonl", [{"prompt": r["prompt"], "completion": " " + r["answer"]}
                                              for r in rows])
     start = time.perf_counter()
-    result = train_run(from_dict({
+    train_run(from_dict({
         "model": model, "task": "causal_lm", "dataset": str(data), "output_dir": str(folder / "sft"),
         "max_steps": steps, "effective_batch_size": SFT_BATCH, "micro_batch_size": SFT_BATCH,
         "learning_rate": SFT_LEARNING_RATE, "lr_scheduler": "constant", "warmup_ratio": 0.0, "weight_decay": 0.0,
         "max_grad_norm": 1.0, "optimizer": "adamw", "precision": "fp32", "seed": SEED, "logging_every": 10,
         "eval_fraction": 0.0, "lora": "false", "max_length": 64}))
-    return {"model": str(folder / "sft" / "model"), "wall_seconds": time.perf_counter() - start,
-            "loss": result.metrics.get("loss")}
+    return {"model": str(folder / "sft" / "model"), "wall_seconds": time.perf_counter() - start}
 
 
 def run_finetune(model: str, train: Path, folder: Path, a: argparse.Namespace) -> dict[str, Any]:
@@ -161,8 +162,8 @@ def run_trl(model: str, rows: list[dict[str, str]], folder: Path, a: argparse.Na
             "wall_seconds": wall, "trained": trainer.model}
 
 
-def held_out_reward(model: Any, tokenizer: Any, rows: list[dict[str, str]], generations: int,
-                    completion_length: int) -> tuple[float, float]:
+def mean_reward(model: Any, tokenizer: Any, rows: list[dict[str, str]], generations: int,
+                completion_length: int) -> tuple[float, float]:
     """The mean exact_match on `rows`: of `generations` sampled completions per prompt (temperature 1, seeded),
     and of the greedy completion."""
     import torch
@@ -192,8 +193,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, help="a JSON Lines file of prompt and answer (default: sums made here)")
     p.add_argument("--operands", type=int, default=15, help="the made-up sums' operands are below this (15)")
-    p.add_argument("--sft-steps", type=int, default=40, help="SFT steps of 16 problems (40)")
-    p.add_argument("--steps", type=int, default=30, help="GRPO optimizer steps (30)")
+    p.add_argument("--sft-steps", type=int, default=150, help="SFT steps of 16 problems (150)")
+    p.add_argument("--steps", type=int, default=60, help="GRPO optimizer steps (60)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (8)")
     p.add_argument("--generations", type=int, default=8, help="num_generations, G (8)")
     p.add_argument("--completion-length", type=int, default=4, help="max_completion_length (4)")
@@ -204,7 +205,10 @@ def main() -> None:
     if a.quick:
         a.sft_steps, a.steps, a.prompts = 5, 3, 2
     rows = read_rows(a.data) if a.data else sums(a.operands)
-    cut = len(rows) - max(1, len(rows) // 5)
+    # A fifth held out, and whole steps of prompts for training (the rest held out too): no short last window.
+    cut = (len(rows) - max(1, len(rows) // 5)) // a.prompts * a.prompts
+    if cut == 0:
+        sys.exit(f"{len(rows)} rows are too few for steps of {a.prompts} prompts and a fifth held out.")
     train_rows, held_out = rows[:cut], rows[cut:]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -221,8 +225,10 @@ def main() -> None:
         results["sft"] = run_sft(base, train_rows, folder, a.sft_steps)
         sft = results["sft"].pop("model")
 
-        def reward_of(model: Any) -> tuple[float, float]:
-            return held_out_reward(model, tokenizer, held_out, a.generations, a.completion_length)
+        def reward_of(model: Any) -> tuple[float, float, float]:
+            """The sampled mean reward on the training prompts, and the sampled and greedy ones held out."""
+            train_sampled, _ = mean_reward(model, tokenizer, train_rows, a.generations, a.completion_length)
+            return (train_sampled, *mean_reward(model, tokenizer, held_out, a.generations, a.completion_length))
 
         results["before"] = reward_of(AutoModelForCausalLM.from_pretrained(sft))
         ours = run_finetune(sft, train, folder, a)
@@ -237,14 +243,14 @@ def main() -> None:
           f"GRPO: {a.steps} steps of {a.prompts} prompts × G = {a.generations}, up to {a.completion_length} tokens, "
           f"learning rate {a.learning_rate:g}.")
     before = results["before"]
-    print("\n| tool | held-out reward, sampled (before → after) | held-out reward, greedy (before → after) "
-          "| training reward, first 5 steps → last 5 | s/step | wall s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| tool | training prompts, sampled (before → after) | held out, sampled (before → after) "
+          "| held out, greedy (before → after) | logged training reward, first 5 steps → last 5 | s/step | wall s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for key, name in (("finetune", "finetune train task=grpo"), ("trl", "TRL GRPOTrainer")):
         r = results[key]
         first, last = r["rewards"][:5], r["rewards"][-5:]
-        print(f"| {name} | {before[0]:.3f} → {r['after'][0]:.3f} | {before[1]:.3f} → {r['after'][1]:.3f} | "
-              f"{sum(first) / len(first):.3f} → {sum(last) / len(last):.3f} | {r['seconds_per_step']:.2f} | "
+        print(f"| {name} | " + " | ".join(f"{x:.3f} → {y:.3f}" for x, y in zip(before, r["after"], strict=True))
+              + f" | {sum(first) / len(first):.3f} → {sum(last) / len(last):.3f} | {r['seconds_per_step']:.2f} | "
               f"{r['wall_seconds']:.1f} |")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, **results}, indent=1) + "\n")
