@@ -358,23 +358,26 @@ def test_the_plan_grows_with_generations_and_completion_length(tiny_llama):
 
 
 def test_the_plan_counts_the_reference_when_beta_is_set(tiny_llama):
-    """With `beta`, the reference costs a frozen copy's weights (without LoRA) or nothing but its no-grad
-    forward's logits (LoRA: the adapter switched off)."""
-    plain = _grpo_plan(tiny_llama)
-    copy = _grpo_plan(tiny_llama, beta=0.04)
-    adapter = _grpo_plan(tiny_llama, beta=0.04, lora="true")
-    logits = copy.breakdown["reference_logits"]
-    assert logits == adapter.breakdown["reference_logits"] > 0
+    """With `beta`, a frozen copy's weights are counted (without LoRA); under LoRA (the adapter switched off) the
+    plan is the same as without a reference: its no-grad forward runs before the backward, within the graph's
+    peak."""
+    from finetune.plan.planner import render
+
+    plain, copy = _grpo_plan(tiny_llama), _grpo_plan(tiny_llama, beta=0.04)
+    adapter, adapter_plain = _grpo_plan(tiny_llama, beta=0.04, lora="true"), _grpo_plan(tiny_llama, lora="true")
     assert copy.breakdown["reference_weights"] == copy.breakdown["weights"]  # fp32 on a CPU, like the model
-    assert "reference_weights" not in adapter.breakdown and "reference_logits" not in plain.breakdown
+    assert copy.predicted_peak_bytes - plain.predicted_peak_bytes == copy.breakdown["weights"]
+    assert adapter.breakdown == adapter_plain.breakdown and "reference_weights" not in adapter.breakdown
     assert copy.reference["strategy"] == "frozen_copy" and adapter.reference["strategy"] == "adapter_off"
-    assert copy.predicted_peak_bytes - plain.predicted_peak_bytes == copy.breakdown["weights"] + logits
+    assert "frozen copy" in render(copy) and "adapter switched off" in " ".join(adapter.notes)
 
 
 @pytest.mark.parametrize("lora", ["false", "true"])
-def test_the_planned_reference_forward_is_measured(tiny_llama, lora):
-    """The planned `reference_logits` is the live-tensor peak of the reference's no-grad forward over a
-    micro-batch (the frozen copy, or the adapter switched off), to a few per cent (the layers' own transients)."""
+def test_the_reference_forward_is_measured_and_within_the_graph(tiny_llama, lora):
+    """The reference's no-grad forward over a micro-batch (the frozen copy, or the adapter switched off) peaks at
+    `reference_forward_bytes` to a few per cent (the layers' own transients), below the dry run's window of the
+    same micro-batch (gradients, logits and activations; the gradients of the last window are freed before the
+    next one generates): so the plan need not add it."""
     from finetune.models.pretrained import load_model, prepare_for_training
     from finetune.plan.memory import LiveTensorTracker
 
@@ -390,5 +393,21 @@ def test_the_planned_reference_forward_is_measured(tiny_llama, lora):
     kind.reference_logps(model, inputs)  # the frozen copy is loaded once, then stays (its weights: own term)
     with torch.no_grad(), LiveTensorTracker() as tracker:
         kind.reference_logps(model, inputs)
-    terms, _, _ = kind.plan_reference(weights=0, cuda=False, micro=8, tokens=20, vocab=30522)
-    assert terms["reference_logits"] == pytest.approx(tracker.peak, rel=0.03)
+    assert kind.reference_forward_bytes(8, 30522, half=False) == pytest.approx(tracker.peak, rel=0.03)
+    plan = _grpo_plan(tiny_llama, beta=0.04, lora=lora)
+    assert plan.batch.micro_batch_size == 8 and plan.worst_case_tokens == 20
+    assert tracker.peak < sum(plan.breakdown[k] for k in GRAPH)
+    assert plan.reference["reference_forward_bytes"] == kind.reference_forward_bytes(8, 30522, half=False)
+
+
+def test_a_reused_plan_is_keyed_on_generation_and_the_reference(tiny_llama):
+    """A plan read back from the plan cache is one made with the same num_generations, max_completion_length and
+    beta: each changes the plan's terms, so each changes its key."""
+    from finetune.plan import plancache
+
+    c = from_dict({"task": "grpo", "model": tiny_llama, "dataset": "x.jsonl", "rewards": REWARD,
+                   "num_generations": 4, "max_completion_length": 8, "effective_batch_size": 8})
+    key = plancache.plan_key(c, tokens=20)
+    assert key is not None and key == plancache.plan_key(c.replace(temperature=0.7), tokens=20)
+    for change in ({"num_generations": 8}, {"max_completion_length": 16}, {"beta": 0.04}):
+        assert plancache.plan_key(c.replace(**change), tokens=20) != key, change

@@ -452,9 +452,11 @@ class GRPO:
         counts): the peak terms, the record plan.json keeps and the plan's note. `tokens` is the longest prompt and
         its completion, `micro` the micro-batch's completions, `weights` the model's parameter bytes in fp32.
 
-        Generation (a group at a time) and the reference's no-grad forward run before the window's backward, so
-        their terms are an upper bound: they never overlap the graph they are added to. A frozen copy's weights are
-        resident throughout."""
+        Generation's KV cache (a group at a time) lives before the window's backward, never beside its graph: added
+        to the graph's peak, it is an upper bound. The reference's no-grad forward runs then too, and is the size
+        of the no-grad forward every micro-batch makes anyway (`embed`, before its replay with a graph), smaller
+        than the graph's window (`reference_forward_bytes`; the last window's gradients are freed by then): it adds
+        nothing. A frozen copy's weights stay resident and are counted."""
         from finetune.engine.runtime import resolve_precision
 
         half = resolve_precision(self.precision, cuda=cuda) in ("bf16", "fp16")
@@ -465,19 +467,25 @@ class GRPO:
                  "runs before the backward: an upper bound)")
         if not self.beta:
             return terms, {"strategy": "none"}, words + "; no reference (beta is 0)."
-        # The reference's no-grad forward (`embed`) keeps the model's logits of t + 1 positions (in the compute
-        # dtype) while the completions' t float32 logits over the temperature and their log-softmax are made.
-        t = self.completion_length
-        terms["reference_logits"] = micro * vocab * ((t + 1) * (2 if half else 4) + 2 * t * 4)
+        forward = self.reference_forward_bytes(micro, vocab, half)
         record: dict[str, Any] = {"strategy": "adapter_off" if self.lora else "frozen_copy",
-                                  "reference_weights_bytes": 0}
+                                  "reference_weights_bytes": 0, "reference_forward_bytes": forward}
+        alone = (f"its no-grad forward ({forward / 2**20:.1f} MiB of logits, before the backward) fits in the "
+                 "graph's peak")
         if self.lora:
-            return terms, record, words + ("; reference: the base with its LoRA adapter switched off (no second "
-                                           "copy; one no-grad forward of each micro-batch, its logits counted).")
+            return terms, record, words + f"; reference: the base with its LoRA adapter switched off (no second " \
+                                          f"copy); {alone}."
         copy = weights // 4 * (2 if cuda else 4)  # `frozen_model` loads it in bf16 on a GPU
         terms["reference_weights"] = record["reference_weights_bytes"] = copy
         return terms, record, words + (f"; reference: a frozen copy of {self.model} beside the model "
-                                       f"({copy / 2**30:.2f} GiB, counted) and its no-grad forward's logits.")
+                                       f"({copy / 2**30:.2f} GiB, counted); {alone}.")
+
+    def reference_forward_bytes(self, micro: int, vocab: int, half: bool) -> int:
+        """The peak of the reference's no-grad forward over a micro-batch (`embed`): the model's logits of t + 1
+        positions (in the compute dtype) while the completions' t float32 logits over the temperature and their
+        log-softmax are made."""
+        t = self.completion_length
+        return micro * vocab * ((t + 1) * (2 if half else 4) + 2 * t * 4)
 
     # --- use after training
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40
