@@ -55,12 +55,18 @@ def sums(operands: int) -> list[dict[str, str]]:
     return rows
 
 
+def refuse(sentence: str) -> None:
+    """Bad input: one sentence on stderr, exit 2."""
+    print(sentence, file=sys.stderr)
+    raise SystemExit(2)
+
+
 def read_rows(path: Path) -> list[dict[str, str]]:
     """The `prompt` and `answer` of each row of a JSON Lines file."""
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     missing = [i for i, r in enumerate(rows) if "prompt" not in r or "answer" not in r]
     if missing:
-        sys.exit(f"{path}: row {missing[0] + 1} has no `prompt` or no `answer` (every row needs both).")
+        refuse(f"{path}: row {missing[0] + 1} has no `prompt` or no `answer` (every row needs both).")
     return [{"prompt": str(r["prompt"]), "answer": str(r["answer"])} for r in rows]
 
 
@@ -208,7 +214,7 @@ def main() -> None:
     # A fifth held out, and whole steps of prompts for training (the rest held out too): no short last window.
     cut = (len(rows) - max(1, len(rows) // 5)) // a.prompts * a.prompts
     if cut == 0:
-        sys.exit(f"{len(rows)} rows are too few for steps of {a.prompts} prompts and a fifth held out.")
+        refuse(f"{len(rows)} rows are too few for steps of {a.prompts} prompts and a fifth held out.")
     train_rows, held_out = rows[:cut], rows[cut:]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
