@@ -63,6 +63,8 @@ def refuse(sentence: str) -> None:
 
 def read_rows(path: Path) -> list[dict[str, str]]:
     """The `prompt` and `answer` of each row of a JSON Lines file."""
+    if not path.is_file():
+        refuse(f"{path} is not a file: give --data a JSON Lines file of prompt and answer.")
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     missing = [i for i, r in enumerate(rows) if "prompt" not in r or "answer" not in r]
     if missing:
