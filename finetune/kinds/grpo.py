@@ -100,6 +100,7 @@ class GRPO:
     seed: int = 0
     model: str = ""  # the starting model: its tokenizer decodes completions; a frozen copy is the reference
     lora: bool = False  # the reference is the base with the adapter switched off
+    precision: str = "auto"  # the run's setting: the planner's KV cache is kept in its compute dtype
     entry = entry("grpo")
     sequences_per_sample = 1  # the planner's micro-batch counts completions already
 
@@ -108,7 +109,7 @@ class GRPO:
         return _configured(tuple(c.rewards), reward_functions.weights_of(c.rewards, c.reward_weights),
                            c.num_generations, c.max_completion_length, c.temperature, c.top_p, c.loss_type,
                            c.epsilon, c.epsilon_high, c.beta or 0.0, c.scale_rewards, c.seed, c.model,
-                           c.lora == "true")
+                           c.lora == "true", c.precision)
 
     @property
     def counted_per_sample(self) -> int:
@@ -478,6 +479,47 @@ class GRPO:
         """The completions' float32 logits, their log-softmax and its gradient."""
         return 3 * micro * min(tokens, self.completion_length + 1) * vocab * 4
 
+    def plan_reference(self, *, weights: int, cuda: bool, micro: int, tokens: int, vocab: int
+                       ) -> tuple[dict[str, int], dict[str, Any], str | None]:
+        """What generation and the reference cost the plan beside one micro-batch's graph (which the dry run
+        counts): the peak terms, the record plan.json keeps and the plan's note. `tokens` is the longest prompt and
+        its completion, `micro` the micro-batch's completions, `weights` the model's parameter bytes in fp32.
+
+        Generation's KV cache (a group at a time) lives before the window's backward, never beside its graph: added
+        to the graph's peak, it is an upper bound. The reference's no-grad forward runs then too, and is the size
+        of the no-grad forward every micro-batch makes anyway (`embed`, before its replay with a graph), smaller
+        than the graph's window (`reference_forward_bytes`; the last window's gradients are freed by then): it adds
+        nothing. A frozen copy's weights stay resident and are counted."""
+        from finetune.engine.runtime import resolve_precision
+
+        half = resolve_precision(self.precision, cuda=cuda) in ("bf16", "fp16")
+        cache = kv_cache_bytes(_model_config(self.model), self.generations * tokens, 2 if half else 4)
+        terms = {"generation_cache": cache}
+        words = (f"Generation: the KV cache of {self.generations} × {tokens} tokens (num_generations × the longest "
+                 f"prompt and max_completion_length), {cache / 2**20:.1f} MiB, counted on top of the graph (generation "
+                 "runs before the backward: an upper bound)")
+        if not self.beta:
+            return terms, {"strategy": "none"}, words + "; no reference (beta is 0)."
+        forward = self.reference_forward_bytes(micro, vocab, half)
+        record: dict[str, Any] = {"strategy": "adapter_off" if self.lora else "frozen_copy",
+                                  "reference_weights_bytes": 0, "reference_forward_bytes": forward}
+        alone = (f"its no-grad forward ({forward / 2**20:.1f} MiB of logits, before the backward) fits in the "
+                 "graph's peak")
+        if self.lora:
+            return terms, record, words + f"; reference: the base with its LoRA adapter switched off (no second " \
+                                          f"copy); {alone}."
+        copy = weights // 4 * (2 if cuda else 4)  # `frozen_model` loads it in bf16 on a GPU
+        terms["reference_weights"] = record["reference_weights_bytes"] = copy
+        return terms, record, words + (f"; reference: a frozen copy of {self.model} beside the model "
+                                       f"({copy / 2**30:.2f} GiB, counted); {alone}.")
+
+    def reference_forward_bytes(self, micro: int, vocab: int, half: bool) -> int:
+        """The peak of the reference's no-grad forward over a micro-batch (`embed`): the model's logits of t + 1
+        positions (in the compute dtype) while the completions' t float32 logits over the temperature and their
+        log-softmax are made."""
+        t = self.completion_length
+        return micro * vocab * ((t + 1) * (2 if half else 4) + 2 * t * 4)
+
     # --- use after training
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40
                 ) -> list[dict[str, Any]]:
@@ -493,9 +535,28 @@ def _cut(text: str) -> str:
 @functools.cache
 def _configured(rewards: tuple[str, ...], weights: tuple[float, ...], generations: int, completion_length: int,
                 temperature: float, top_p: float, loss_type: str, epsilon: float, epsilon_high: float | None,
-                beta: float, scale_rewards: str, seed: int, model: str, lora: bool) -> GRPO:
+                beta: float, scale_rewards: str, seed: int, model: str, lora: bool, precision: str) -> GRPO:
     return GRPO(rewards, weights, generations, completion_length, temperature, top_p, loss_type, epsilon,
-                epsilon_high, beta, scale_rewards, seed, model, lora)
+                epsilon_high, beta, scale_rewards, seed, model, lora, precision)
+
+
+def kv_cache_bytes(model_config: Any, tokens: int, dtype_bytes: int) -> int:
+    """The bytes of a KV cache holding `tokens` positions (summed over the rows): per layer a key and a value of
+    `num_key_value_heads` × `head_dim` each."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes * tokens
+
+
+@functools.cache
+def _model_config(model: str) -> Any:
+    from transformers import AutoConfig
+
+    from finetune.models.pretrained import resolve_model_path
+
+    return AutoConfig.from_pretrained(resolve_model_path(model))
 
 
 @functools.cache
