@@ -147,17 +147,17 @@ def loss_chart_html(frame: pd.DataFrame, title: str = "Loss per optimizer step",
             ticks.append(f'<span class="ft-tick ft-tx" style="left:{100 * px / CHART_W:.2f}%">{int(x)}</span>')
     for split in splits:
         rows = frame[frame.split == split].sort_values("step")
-        points = [at(float(s), float(v)) for s, v in zip(rows.step, rows.loss, strict=True)]
+        xy = [at(float(s), float(v)) for s, v in zip(rows.step, rows.loss, strict=True)]
         colour = _colour(split, splits)
         if banded:
             parts += _band(split, rows, colour, at)
         dash = ' stroke-dasharray="6 3"' if split.startswith("eval") else ""
-        path = " ".join(f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(points))
+        path = " ".join(f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(xy))
         parts.append(f'<path data-split="{html.escape(split)}" d="{path}" fill="none" stroke="{colour}" '
                      f'stroke-width="2"{dash}/>')
         if split.startswith("eval") or points:
             parts += [f'<circle data-split="{html.escape(split)}" cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{colour}"/>'
-                      for x, y in points]
+                      for x, y in xy]
     key_dash = ' stroke-dasharray="5 3"'
     legend = " ".join(
         f'<span class="ft-key"><svg width="22" height="10" aria-hidden="true"><line x1="1" x2="21" y1="5" y2="5" '

@@ -43,6 +43,9 @@ def test_loss_chart_draws_every_split_from_the_first_update_and_eval_as_points()
     train = re.search(r'<path data-split="train" d="([^"]+)"', chart).group(1)
     assert train.count("M") + train.count("L") == 4
     assert len(re.findall(r'<circle data-split="eval"', chart)) == 1
+    assert '<circle data-split="train"' not in chart  # a training line is a line, not a dot per step
+    dotted = charts.loss_chart_html(charts.loss_frame(_events(4, evals=(4,))), points=True)
+    assert len(re.findall(r'<circle data-split="train"', dotted)) == 4
     assert 'stroke="#1d4ed8"' in chart and 'fill="#c2410c"' in chart  # each split its own colour, from the start
     legend = chart[chart.index('class="ft-legend"'):chart.index("<svg viewBox")]
     assert ">train</span>" in legend and ">eval</span>" in legend  # outside the plot's frame: never cut off
