@@ -19,7 +19,8 @@ Data:
     python bench/embedding_vs_st.py --data pairs.csv # any CSV/TSV/JSONL with `anchor` and `positive` columns
     python bench/embedding_vs_st.py --steps 20 --batch 16 --micro 8 --train 320 --validation 300 --max-length 64
 
-The default pairs come from the shared SST-2 training file (../shared/data/sst2/train.tsv, `--sst2`): its rows are
+The default pairs come from SST-2's train.tsv (`--sst2 FOLDER`, a folder with train.tsv and validation.tsv, or the
+hub's glue/sst2 exported once by bench/sst2_data.py; the measured run used a local copy of 60,614 rows): its rows are
 the phrases of the parse trees of movie-review sentences (Socher et al., 2013), so a long row is a whole sentence
 and the short rows are pieces of it. Each pair is a sentence that no other kept sentence contains (a positive)
 with one of its own phrases of 3 to 8 words that occurs in no other kept sentence (its anchor): retrieving, from a
@@ -40,7 +41,6 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SST2 = REPO_ROOT.parent / "shared" / "data" / "sst2" / "train.tsv"
 SEED = 42
 MIN_SENTENCE_WORDS = 15  # a row this long is taken as a whole sentence
 ANCHOR_WORDS = (3, 8)  # the words of an anchor phrase
@@ -175,7 +175,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("mode", nargs="?", default="bench", choices=("bench", "st-child", "score-child"))
     p.add_argument("--data", help="a CSV/TSV/JSONL of anchor–positive pairs (default: SST-2 phrase–sentence pairs)")
-    p.add_argument("--sst2", default=str(SST2), help="SST-2's train.tsv, for the default pairs")
+    p.add_argument("--sst2", metavar="FOLDER", help="a folder with SST-2's train.tsv, for the default pairs "
+                   "(default: the hub's glue/sst2, exported once)")
     p.add_argument("--model", help="a sentence-transformers model folder (default: the bundled MiniLM)")
     p.add_argument("--train", type=int, default=2000, help="training pairs")
     p.add_argument("--validation", type=int, default=500, help="validation pairs (the retrieval corpus)")
@@ -191,7 +192,13 @@ def main() -> int:
         return st_child(args)
     if args.mode == "score-child":
         return score_child(args)
-    pairs = read_pairs(Path(args.data)) if args.data else sst2_pairs(Path(args.sst2))
+    if args.data:
+        pairs = read_pairs(Path(args.data))
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from sst2_data import sst2_folder
+
+        pairs = sst2_pairs(sst2_folder(Path(args.sst2) if args.sst2 else None) / "train.tsv")
     random.Random(SEED).shuffle(pairs)
     if len(pairs) < args.train + args.validation:
         raise SystemExit(f"{len(pairs)} pairs: fewer than --train {args.train} + --validation {args.validation}.")
