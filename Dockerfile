@@ -29,7 +29,9 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY finetune ./finetune
 COPY app ./app
-RUN pip install . && chown user /app
+# The seq2seq extra: task=seq2seq scores its evaluation's generations with sacrebleu and rouge-score (small, pure
+# Python), and a run in the container should not stop at its first evaluation for want of them.
+RUN pip install ".[seq2seq]" && chown user /app
 # The sample data and the preset the form opens with (the bundled model on SST-2 sentences).
 COPY assets ./assets
 

@@ -210,7 +210,8 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
                "hub_note": export.hub_note, "push_repo": export.push_repo,
                "try_panel": {"chat": tryit.chat, "label": tryit.label, "generated": tryit.generated,
                              "button": tryit.button, "entities": tryit.entities, "new_chat": tryit.new_chat,
-                             "text": tryit.text, "message": tryit.message, "push": export.push},
+                             "text": tryit.text, "message": tryit.message, "image": tryit.image,
+                             "push": export.push},
                "note": run.message, "scatter": run.scatter, "completions": run.completions}
     on(timer.tick, follow.poll, seen, targets, gate="public", concurrency_limit=None, show_progress="hidden",
        **PRIVATE)

@@ -46,8 +46,10 @@ def test_slim_python_312_base_and_cpu_torch_before_the_package():
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"  # CUDA only when asked for
     runs = _all("RUN")
     torch = next(i for i, r in enumerate(runs) if "torch==" in r)
-    package = next(i for i, r in enumerate(runs) if re.search(r"pip install \.(\s|$)", r))
+    package = next(i for i, r in enumerate(runs) if re.search(r"pip install \"?\.(\[|\s|$)", r))
     assert torch < package and "${TORCH_INDEX_URL}" in runs[torch]
+    # The seq2seq extra is in the image: a task=seq2seq run's evaluation scores with its packages.
+    assert 'pip install ".[seq2seq]"' in runs[package]
     for args in _all("COPY"):  # everything the image copies is in the repository
         for src in shlex.split(args)[:-1]:
             assert (ROOT / src).exists(), src

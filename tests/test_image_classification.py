@@ -234,3 +234,63 @@ def test_named_subfolders_are_the_classes_whatever_their_order(tmp_path, tiny_vi
     labels = train.table.column("label").to_pylist()
     assert sorted(names) == ["10", "2", "cat", "dog"]
     assert [names[y] for y in labels] == [Path(p).parent.name for p in paths]
+
+
+# --- Try it
+
+
+def test_try_it_takes_an_image_and_shows_each_labels_probability(tmp_path, capsys, monkeypatch, tiny_vit):
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    from app.jobs.training import JobStatus
+    from app.policy import RequestPolicy
+    from app.results import Unanswered
+    from app.tabs import handlers
+    from app.tryit import panel
+
+    run = tmp_path / "run"
+    assert main(["train", "task=image_classification", f"model={tiny_vit}", f"dataset={DIGITS}",
+                 f"output_dir={run}", "max_steps=2", "-q"]) == 0
+    capsys.readouterr()
+    done = JobStatus(state="done", run_dir=run)
+    # The registry's view: an image box in place of the text box, Predict enabled, the last image cleared.
+    assert panel.try_view(done) == "image"
+    shown = panel.panel(done, new_model=True)
+    assert shown.image["visible"] is True and shown.image["value"] is None and shown.text["visible"] is False
+    assert shown.button["interactive"] is True and shown.button["value"] == "Predict"
+
+    controller = handlers(tmp_path / "runs", jobs=type("Jobs", (), {"status": lambda self: done})())
+    monkeypatch.setattr(RequestPolicy, "is_mine", lambda self, status, user: True)
+    image = DIGITS / "3" / "3_1.png"
+    out = controller.tryit.try_it("", [], str(image))
+    model = AutoModelForImageClassification.from_pretrained(run / "model").eval()
+    processor = AutoImageProcessor.from_pretrained(run / "model")
+    with torch.no_grad():
+        pixels = processor(images=[Image.open(image).convert("RGB")], return_tensors="pt")["pixel_values"]
+        probs = model(pixel_values=pixels).logits.softmax(-1)[0]
+    expected = {model.config.id2label[i]: pytest.approx(float(p), abs=1e-4) for i, p in enumerate(probs)}
+    assert out.label["visible"] is True and out.label["value"] == expected and len(expected) == 10
+    assert out.generated["visible"] is False and out.message == ""
+    # The same record from the CLI: `finetune predict RUN image.png`.
+    assert main(["predict", str(run), str(image)]) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert record["probabilities"] == out.label["value"]
+    assert record["label"] == model.config.id2label[int(probs.argmax())]
+
+    # No image: a sentence, not an error; a file that is not an image: the kind's one sentence naming it.
+    assert controller.tryit.try_it("", [], None).message == "Upload an image first."
+    bad = tmp_path / "broken.png"
+    bad.write_text("not a picture")
+    said = controller.tryit.try_it("", [], str(bad)).message
+    assert said.startswith("⚠️ ") and str(bad) in said and "is not a readable image" in said
+    # A text for an image run would name a file on the server: refused, on the page and in the scripting API.
+    assert controller.tryit.try_it(str(image), [], None).message == "Upload an image first."
+    with pytest.raises(Unanswered, match="This run classifies images: upload an image"):
+        controller.tryit.predict(str(image))
+    # A text run keeps its text box, and an image sent to it is refused.
+    (run / "config.yaml").write_text("task: classification\n")
+    text_panel = panel.panel(done, new_model=False)
+    assert text_panel.image["visible"] is False and text_panel.text["visible"] is True
+    with pytest.raises(Unanswered, match="reads text, not images"):
+        controller.tryit.predict_image(str(image))

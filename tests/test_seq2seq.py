@@ -284,9 +284,10 @@ def test_gguf_is_refused_in_one_sentence_and_merged_exports(bart_run):
 
     with pytest.raises(ExportError) as e:
         prepare(str(bart_run), fmt="gguf")
-    assert str(e.value) == ("GGUF cannot be written for this run: this export's GGUF path converts and checks causal "
-                            "language models, and a seq2seq run trained an encoder–decoder model; export it with "
-                            "--format merged (a transformers folder) instead.")
+    assert str(e.value) == ("GGUF cannot be written for this run: llama.cpp's converter takes T5 models (not BART or "
+                            "Marian), but llama-cpp-python, which runs every GGUF this export writes to check it "
+                            "against transformers, cannot run an encoder–decoder model (its Llama class never calls "
+                            "llama.cpp's encoder); export it with --format merged (a transformers folder) instead.")
     result = export(str(bart_run), fmt="merged")
     assert json.loads((result.merged / "config.json").read_text())["architectures"] == ["BartForConditionalGeneration"]
 

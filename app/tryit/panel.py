@@ -1,5 +1,6 @@
-"""What Try it does: the finished run's model on the caller's text, shown by its kind's view (`renderers`), or the
-next turn of a chat through the template the run trained with; and which of the two the panel offers for a run."""
+"""What Try it does: the finished run's model on the caller's text (or, an image classifier, on the uploaded image),
+shown by its kind's view (`renderers`), or the next turn of a chat through the template the run trained with; and
+which of them the panel offers for a run."""
 
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ CHATS: dict[str, Callable[[dict[str, Any], Path], bool]] = {
 
 def try_view(status: JobStatus) -> str | None:
     """What Try it offers for the finished run: "chat" when its kind chats with such a run (its entry's
-    `chat_when`), else the view its entry names (`try_view`: probabilities, entities, value, score, text); None
-    before a finished model."""
+    `chat_when`), else the view its entry names (`try_view`: probabilities, entities, value, score, text, image, …);
+    None before a finished model."""
     if status.model_dir is None or status.run_dir is None:
         return None
     config = status.run_dir / "config.yaml"
@@ -91,8 +92,9 @@ def history_turns(history: list[dict[str, Any]] | None) -> list[dict[str, str]]:
 
 @dataclass(frozen=True, kw_only=True)
 class TryPanel:
-    """Try it, set when the run (or its state) changes: a chat box for a run trained to chat, a text box for the
-    others, Predict only once a model is finished; a new run's model starts a new chat."""
+    """Try it, set when the run (or its state) changes: a chat box for a run trained to chat, an image box for an
+    image classifier, a text box for the others, Predict only once a model is finished; a new run's model starts a
+    new chat (and an empty image box)."""
 
     chat: Any = keep()
     label: Any = keep()
@@ -103,13 +105,16 @@ class TryPanel:
     message: Any = keep()
     push: Any = keep()  # Push, like Predict, acts only on a finished model
     entities: Any = keep()  # token classification: the words with their entities highlighted
+    image: Any = keep()  # an image classifier's input, shown in place of the text box
 
 
 def panel(status: JobStatus, *, new_model: bool) -> TryPanel:
-    """Try it for `status`: the chat box (a run its kind chats with) or the text box, Predict enabled once the model
-    is finished; a new model clears the last one's chat, prediction and message; without one, a sentence says why."""
+    """Try it for `status`: the chat box (a run its kind chats with), the image box (an image classifier) or the text
+    box, Predict enabled once the model is finished; a new model clears the last one's chat, image, prediction and
+    message; without one, a sentence says why."""
     view = try_view(status)
     chat = view == "chat"
+    pictured = view == "image"
     ready = view is not None
     cleared = {"label": gr.update(value=None, visible=False), "generated": gr.update(value="", visible=False),
                "entities": gr.update(value=None, visible=False), "message": ""} if new_model else {}
@@ -118,7 +123,8 @@ def panel(status: JobStatus, *, new_model: bool) -> TryPanel:
     return TryPanel(chat=gr.update(visible=chat, **({"value": []} if new_model else {})),
                     new_chat=gr.update(visible=chat), push=gr.update(interactive=ready),
                     button=gr.update(interactive=ready, value="Send" if chat else "Predict"),
-                    text=gr.update(label="Your message" if chat else "Try it",
+                    image=gr.update(visible=pictured, **({"value": None} if new_model else {})),
+                    text=gr.update(visible=not pictured, label="Your message" if chat else "Try it",
                                    placeholder="Write to the trained model" if chat
                                    else "Type a text for the trained model"), **cleared)
 
@@ -146,23 +152,51 @@ class TryItHandlers:
         """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
         text is the user's turn), {generated}, {value}, {score} or {words, tags, entities} (the kind's record).
 
-        Raises `Unanswered` without a text or a finished model, `finetune.models.pretrained.ModelError` when the
-        model cannot be loaded, and `finetune.errors.DataError` when its chat template cannot render the text."""
+        Raises `Unanswered` without a text or a finished model, or for an image classifier (a text would name a
+        file on the server: its images come as uploads, `predict_image`), `finetune.models.pretrained.ModelError`
+        when the model cannot be loaded, and `finetune.errors.DataError` when its chat template cannot render the
+        text."""
         text, status = self._finished_run(text, request)
+        if try_view(status) == "image":
+            raise Unanswered("This run classifies images: upload an image in Try it.")
         from finetune.use.predict import predict
 
         out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS, prompt=bounded_prompt)[0]
         return {k: v for k, v in out.items() if k != "text"}  # the kind's record, less the text it was given
 
-    def try_it(self, text: str, history: list[dict[str, Any]] | None = None, *, request: Any = None
-               ) -> renderers.PredictionShown:
-        """Try it: the finished model's prediction shown by its kind's view, or (a run its kind chats with) the
-        next turn of a chat with it, through the template it was trained with."""
+    def predict_image(self, image: str | None, *, request: Any = None) -> dict[str, Any]:
+        """The finished image classifier on one uploaded image (a file in Gradio's upload cache): {label,
+        probabilities}.
+
+        Raises `Unanswered` without an image, a finished model, or for a run that does not classify images, and
+        `finetune.errors.InputError` when the model cannot be loaded or the file is not a readable image."""
+        user, refusal = self.state.policy.who(request)
+        if refusal:
+            raise Unanswered(refusal)
+        if not image:
+            raise Unanswered("Upload an image first.")
+        status = self.state.jobs.status()
+        if status.model_dir is None or not self.state.policy.is_mine(status, user):
+            raise Unanswered("No trained model yet: train (or resume) a run to the end first.")
+        if try_view(status) != "image":
+            raise Unanswered("This run's model reads text, not images: type a text in Try it.")
+        from finetune.use.predict import predict
+
+        out = predict(str(status.run_dir), [str(image)])[0]
+        return {k: v for k, v in out.items() if k != "text"}  # the label and probabilities, less the file's path
+
+    def try_it(self, text: str, history: list[dict[str, Any]] | None = None, image: str | None = None, *,
+               request: Any = None) -> renderers.PredictionShown:
+        """Try it: the finished model's prediction shown by its kind's view (an image classifier's of the uploaded
+        `image`), or (a run its kind chats with) the next turn of a chat with it, through the template it was
+        trained with."""
         from finetune.errors import InputError
         from finetune.use.predict import chat
 
         try:
             view = try_view(self.state.jobs.status())
+            if view == "image":
+                return renderers.RENDERERS[view](self.predict_image(image, request=request), "")
             if history or view == "chat":  # the model answers the whole conversation
                 text, status = self._finished_run(text, request)
                 turns = [*history_turns(history), {"role": "user", "content": text}]

@@ -24,6 +24,7 @@ class PredictionShown:
     text: Any = keep()
     message: str = ""
     entities: Any = hidden()  # token classification: the words, each entity highlighted with its type
+    image: Any = keep()  # the uploaded image stays as it was given
 
 
 def entity_pieces(out: dict[str, Any]) -> list[tuple[str, str | None]]:
@@ -91,9 +92,15 @@ def generated_text(out: dict[str, Any], note: str) -> PredictionShown:
     return _in_box(out["generated_text"], "Generated text", note)
 
 
+def image(out: dict[str, Any], note: str) -> PredictionShown:
+    """An image classifier's most likely labels for the uploaded image, with their probabilities (the label box
+    shows the top five)."""
+    return probabilities(out, note)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], PredictionShown]] = {
     "probabilities": probabilities, "entities": entities, "score": score, "value": value, "text": text,
-    "vector": vector, "generated_text": generated_text}
+    "vector": vector, "generated_text": generated_text, "image": image}
 
 
 def chat(turns: list[dict[str, str]], reply: str, note: str) -> PredictionShown:

@@ -25,22 +25,27 @@ class TryItTab:
     label: Any
     generated: Any
     entities: Any
+    image: Any  # an image classifier's input, in place of the text box
 
     @property
     def shown(self) -> dict[str, Any]:
         """Where a `PredictionShown` goes."""
         return {"label": self.label, "generated": self.generated, "chat": self.chat, "text": self.text,
-                "message": self.message, "entities": self.entities}
+                "message": self.message, "entities": self.entities, "image": self.image}
 
 
 def create_tryit_tab() -> TryItTab:
-    """The Try it tab's widgets, inside the open `gr.Tab`: a chat box for a run trained to chat, a text box for the
-    others; a label's probabilities, generated text (or a value, a score) and highlighted entities below."""
+    """The Try it tab's widgets, inside the open `gr.Tab`: a chat box for a run trained to chat, an image box for an
+    image classifier, a text box for the others; a label's probabilities, generated text (or a value, a score) and
+    highlighted entities below."""
     chat = gr.Chatbot(label="Chat with the trained model (through its chat template)", visible=False, height=280,
                       elem_id="try-chat")
     with gr.Row():
         text = gr.Textbox(label="Try it", placeholder="Type a text for the trained model",
                           max_length=limits.MAX_INPUT_CHARS, scale=4, elem_id="try-box")
+        # A file path in Gradio's upload cache, the file as it was sent (`image_mode=None`: the kind converts it).
+        image = gr.Image(label="Image for the trained model", type="filepath", image_mode=None,
+                         sources=["upload", "clipboard"], visible=False, scale=4, elem_id="try-image")
         button = gr.Button("Predict", scale=1, interactive=False, elem_id="try-button")
     new_chat = gr.ClearButton([chat], value="New chat", size="sm", visible=False)
     message = gr.Markdown(elem_id="try-message")
@@ -48,10 +53,10 @@ def create_tryit_tab() -> TryItTab:
     generated = gr.Textbox(label="Generated continuation", visible=False, interactive=False)
     entities = gr.HighlightedText(label="Entities", visible=False, show_legend=True, elem_id="try-entities")
     return TryItTab(chat=chat, text=text, button=button, new_chat=new_chat, message=message, label=label,
-                    generated=generated, entities=entities)
+                    generated=generated, entities=entities, image=image)
 
 
 def wire_tryit_tab(on: Callable[..., Any], handlers: TryItHandlers, tab: TryItTab) -> None:
-    """Predict (or Send) and Enter in the box ask the model."""
+    """Predict (or Send) and Enter in the box ask the model (an image classifier: about the uploaded image)."""
     for event in (tab.button.click, tab.text.submit):
-        on(event, handlers.try_it, [tab.text, tab.chat], tab.shown, api_visibility="private")
+        on(event, handlers.try_it, [tab.text, tab.chat, tab.image], tab.shown, api_visibility="private")

@@ -160,7 +160,8 @@ class Entry:
     # chooses its views here and the app compares no kind's name:
     # Try it's view of a prediction: "probabilities" (of each label), "entities" (the words with their entities
     # highlighted), "value" (a number), "score" (a reward), "text" (a generated continuation), "vector" (an
-    # embedding) or "generated_text" (a seq2seq model's target text).
+    # embedding), "generated_text" (a seq2seq model's target text) or "image" (an uploaded image in, each label's
+    # probability out).
     try_view: str = "probabilities"
     # When Try it chats with the model instead: "messages" (the run trained on conversations: its config names
     # `messages_column`), "template" (its saved model has a chat template), or "" (never).
@@ -317,8 +318,14 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                     "segment_recurrence": "an encoder–decoder model reads each source whole; turn it off",
                     "split_documents": "a target belongs to its whole source, so the source cannot be split; use "
                                        "long_documents=truncate (or auto)",
-                    "gguf": "this export's GGUF path converts and checks causal language models, and a seq2seq "
-                            "run trained an encoder–decoder model"},
+                    # llama.cpp's converter (vendor/llama.cpp/conversion/t5.py of llama-cpp-python's source
+                    # release, which is where `finetune.use.llamacpp` takes it from) registers
+                    # T5/MT5/UMT5ForConditionalGeneration, and no BART or Marian; llama-cpp-python's `Llama` only
+                    # decodes (its low-level `llama_encode` is never called), so the export's check of the GGUF
+                    # against transformers, and Ollama's runner, cannot run one (llama-cpp-python issue #1681).
+                    "gguf": "llama.cpp's converter takes T5 models (not BART or Marian), but llama-cpp-python, "
+                            "which runs every GGUF this export writes to check it against transformers, cannot run "
+                            "an encoder–decoder model (its Llama class never calls llama.cpp's encoder)"},
           try_view="generated_text",
           presets=("google-t5/t5-small", "google/flan-t5-small", "facebook/bart-base")),
     Entry(name="embedding", module="finetune.kinds.embedding",
@@ -373,6 +380,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                     Option("augment", str, "none", "Image classification: augment the training images as they are "
                            "batched: none, or basic (a random resized crop and a horizontal flip).",
                            choices=("none", "basic"), group="advanced")),
+          try_view="image",
           refusals={"packing": "an image classifier takes one image per row",
                     "segment_recurrence": "an image has no token segments; turn it off",
                     "split_documents": "an image is classified whole"},
