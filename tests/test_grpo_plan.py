@@ -24,9 +24,9 @@ def test_the_planned_kv_cache_is_what_generate_keeps(fixture, request):
     """The plan's KV-cache term is the size of the cache that `generate` returns for G × (prompt + completion)
     tokens (it holds every position but the last token generated, which is never fed back), for multi-head GPT-2
     and grouped-query Llama alike."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.kinds.grpo import _model_config, kv_cache_bytes
+    from finetune.kinds.grpo import kv_cache_bytes
     from finetune.plan.memory import _cache_tensors, tensor_bytes
 
     path = request.getfixturevalue(fixture)
@@ -39,11 +39,18 @@ def test_the_planned_kv_cache_is_what_generate_keeps(fixture, request):
                          pad_token_id=0)
     assert out.sequences.shape == (g, p + t)
     measured = tensor_bytes(_cache_tensors(out.past_key_values))
-    assert measured == kv_cache_bytes(_model_config(path), g * (p + t - 1), 4) > 0
-    terms, record, note = kind.plan_reference(weights=0, cuda=False, micro=g, tokens=p + t, vocab=30522)
+    assert measured == kv_cache_bytes(AutoConfig.from_pretrained(path), g * (p + t - 1), 4) > 0
+    terms, record, note = kind.plan_reference(weights=0, cuda=False, micro=g, tokens=p + t, vocab=30522,
+                                              model_config=model.config)
     assert terms == {"generation_cache": measured * (p + t) // (p + t - 1)} and record == {"strategy": "none"}
-    half, _, _ = kind.plan_reference(weights=0, cuda=True, micro=g, tokens=p + t, vocab=30522)
+    half, _, _ = kind.plan_reference(weights=0, cuda=True, micro=g, tokens=p + t, vocab=30522,
+                                    model_config=model.config)
     assert half["generation_cache"] * 2 == terms["generation_cache"]  # bf16 on a GPU
+    # A deep model's skeleton is built with fewer layers: the planner passes the real count.
+    layers = model.config.num_hidden_layers
+    deep, _, _ = kind.plan_reference(weights=0, cuda=False, micro=g, tokens=p + t, vocab=30522,
+                                    model_config=model.config, layers=8 * layers)
+    assert deep["generation_cache"] == 8 * terms["generation_cache"]
 
 
 def _grpo_plan(path: str, **values):

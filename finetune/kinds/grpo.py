@@ -479,8 +479,8 @@ class GRPO:
         """The completions' float32 logits, their log-softmax and its gradient."""
         return 3 * micro * min(tokens, self.completion_length + 1) * vocab * 4
 
-    def plan_reference(self, *, weights: int, cuda: bool, micro: int, tokens: int, vocab: int
-                       ) -> tuple[dict[str, int], dict[str, Any], str | None]:
+    def plan_reference(self, *, weights: int, cuda: bool, micro: int, tokens: int, vocab: int,
+                       model_config: Any = None, layers: int = 0) -> tuple[dict[str, int], dict[str, Any], str | None]:
         """What generation and the reference cost the plan beside one micro-batch's graph (which the dry run
         counts): the peak terms, the record plan.json keeps and the plan's note. `tokens` is the longest prompt and
         its completion, `micro` the micro-batch's completions, `weights` the model's parameter bytes in fp32.
@@ -490,10 +490,9 @@ class GRPO:
         of the no-grad forward every micro-batch makes anyway (`embed`, before its replay with a graph), smaller
         than the graph's window (`reference_forward_bytes`; the last window's gradients are freed by then): it adds
         nothing. A frozen copy's weights stay resident and are counted."""
-        from finetune.engine.runtime import resolve_precision
-
-        half = resolve_precision(self.precision, cuda=cuda) in ("bf16", "fp16")
-        cache = kv_cache_bytes(_model_config(self.model), self.generations * tokens, 2 if half else 4)
+        # The engine's precision rule (`auto`: bf16 on a GPU, fp32 elsewhere); fp16 off a GPU is refused before.
+        half = self.precision in ("bf16", "fp16") or (self.precision == "auto" and cuda)
+        cache = kv_cache_bytes(model_config, self.generations * tokens, 2 if half else 4, layers=layers)
         terms = {"generation_cache": cache}
         words = (f"Generation: the KV cache of {self.generations} × {tokens} tokens (num_generations × the longest "
                  f"prompt and max_completion_length), {cache / 2**20:.1f} MiB, counted on top of the graph (generation "
@@ -540,23 +539,15 @@ def _configured(rewards: tuple[str, ...], weights: tuple[float, ...], generation
                 epsilon_high, beta, scale_rewards, seed, model, lora, precision)
 
 
-def kv_cache_bytes(model_config: Any, tokens: int, dtype_bytes: int) -> int:
+def kv_cache_bytes(model_config: Any, tokens: int, dtype_bytes: int, layers: int = 0) -> int:
     """The bytes of a KV cache holding `tokens` positions (summed over the rows): per layer a key and a value of
-    `num_key_value_heads` × `head_dim` each."""
+    `num_key_value_heads` × `head_dim` each. `layers` overrides the config's count (the planner's skeleton of a
+    deep model is built with fewer)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return text.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes * tokens
-
-
-@functools.cache
-def _model_config(model: str) -> Any:
-    from transformers import AutoConfig
-
-    from finetune.models.pretrained import resolve_model_path
-
-    return AutoConfig.from_pretrained(resolve_model_path(model))
+    return (layers or text.num_hidden_layers) * 2 * kv_heads * head_dim * dtype_bytes * tokens
 
 
 @functools.cache

@@ -170,11 +170,13 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
 
 def _reference_inputs(skeleton: Skeleton, cuda: bool, micro: int, tokens: int) -> dict[str, Any]:
     """What a kind's `plan_reference` reads: the model's parameter bytes (fp32: the reference is a whole model,
-    whatever rung stores the trained one), the device and the worst-case micro-batch."""
+    whatever rung stores the trained one), the device, the worst-case micro-batch, and the model's config with its
+    real number of layers (`layers`; 0 when the skeleton was built whole)."""
     model = skeleton.model
     weights = skeleton.count(lambda m: sum(p.numel() for p in m.parameters()) * 4)
+    config = getattr(model, "config", None)
     return {"weights": weights, "cuda": cuda, "micro": micro, "tokens": tokens,
-            "vocab": getattr(getattr(model, "config", None), "vocab_size", 0) or 0}
+            "vocab": getattr(config, "vocab_size", 0) or 0, "model_config": config, "layers": skeleton.layers}
 
 
 def _micro_candidates(c: Config, batch: BatchSplit) -> list[int]:
