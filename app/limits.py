@@ -21,6 +21,7 @@ MAX_CONFIG_BYTES = 64 * 1024  # an imported (or API) config: a real one is a few
 MAX_CONFIG_DEPTH = 8  # a config as a mapping: options, `tasks` entries, their values (lists of trackers, say)
 MAX_TRY_CHARS = 2000  # Try it: characters of the text the model sees
 MAX_NEW_TOKENS = 64  # Try it: tokens a causal LM may generate
+MAX_TRY_CANDIDATES = 8  # Try it, an embedding model: the candidates compared with the first line
 MAX_INPUT_CHARS = 64 * 1024  # one text box of the page (the Tasks YAML is a config: at most MAX_CONFIG_BYTES too)
 MAX_INPUTS_CHARS = 256 * 1024  # all of one event's inputs together (a Try it chat's history included)
 PLAN_CONCURRENCY = 4  # plans served at once (page and API together): one slow plan does not hold everyone's

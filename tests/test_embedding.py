@@ -410,3 +410,40 @@ def test_the_model_card_says_sentence_transformers():
     assert meta["library_name"] == "sentence-transformers" and meta["pipeline_tag"] == "sentence-similarity"
     usage = _usage(c, "me/model", adapter=False)
     assert 'SentenceTransformer("me/model")' in usage and "pipeline(" not in usage
+
+
+def test_try_it_shows_a_texts_embedding_or_its_nearest_candidates(tmp_path, monkeypatch, tiny_encoder,
+                                                                  embedding_pairs_csv):
+    from app.jobs.training import JobStatus
+    from app.limits import MAX_TRY_CANDIDATES
+    from app.policy import RequestPolicy
+    from app.tabs import handlers
+    from app.tryit import panel
+    from finetune.train.loop import train
+    from finetune.use.predict import predict
+
+    run = tmp_path / "run"
+    train(from_dict({**_values(tiny_encoder, embedding_pairs_csv), "output_dir": str(run), "max_steps": 1,
+                     "effective_batch_size": 8}))
+    done = JobStatus(state="done", run_dir=run)
+    assert panel.try_view(done) == "vector" and "one a line" in panel.panel(done, new_model=True).text["placeholder"]
+    controller = handlers(tmp_path / "runs", jobs=type("Jobs", (), {"status": lambda self: done})())
+    monkeypatch.setattr(RequestPolicy, "is_mine", lambda self, status, user: True)
+
+    one = controller.tryit.try_it("good movie", [])
+    assert one.generated["label"] == "Embedding (32 dimensions)" and one.generated["value"].startswith("[")
+
+    # A text, then candidates one a line: each one's cosine to the text (as from the saved model), nearest first.
+    candidates = ["dull plot", "good movie", "a film"]
+    shown = controller.tryit.try_it("good movie\n\n" + "\n".join(candidates), [])
+    vectors = {r["text"]: torch.tensor(r["embedding"]) for r in predict(str(run), ["good movie", *candidates])}
+    cosines = {c: float(torch.nn.functional.cosine_similarity(vectors["good movie"], vectors[c], dim=0))
+               for c in candidates}
+    rows = [line.split("  ", 1) for line in shown.generated["value"].splitlines()]
+    assert [c for _, c in rows] == sorted(candidates, key=lambda c: -cosines[c]) and rows[0][1] == "good movie"
+    assert all(float(s) == pytest.approx(cosines[c], abs=1e-4) for s, c in rows)
+    assert shown.generated["label"].startswith("Cosine similarity to “good movie”") and shown.message == ""
+    # Bounded: candidates beyond the limit are left out, and the note says so.
+    many = controller.tryit.try_it("\n".join(["q"] + [f"c{i}" for i in range(MAX_TRY_CANDIDATES + 3)]), [])
+    assert len(many.generated["value"].splitlines()) == MAX_TRY_CANDIDATES
+    assert "3 more lines left out" in many.message

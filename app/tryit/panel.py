@@ -125,8 +125,24 @@ def panel(status: JobStatus, *, new_model: bool) -> TryPanel:
                     button=gr.update(interactive=ready, value="Send" if chat else "Predict"),
                     image=gr.update(visible=pictured, **({"value": None} if new_model else {})),
                     text=gr.update(visible=not pictured, label="Your message" if chat else "Try it",
-                                   placeholder="Write to the trained model" if chat
-                                   else "Type a text for the trained model"), **cleared)
+                                   placeholder=PLACEHOLDERS.get(view or "", "Type a text for the trained model")),
+                    **cleared)
+
+
+PLACEHOLDERS = {"chat": "Write to the trained model",
+                "vector": "A text (its embedding), or a text and then candidates, one a line (each candidate's "
+                          "similarity to it, the nearest first)"}
+
+
+def nearest(query: list[float], candidates: list[str], vectors: list[list[float]]) -> list[tuple[str, float]]:
+    """Each candidate with its cosine similarity to the query's embedding, the most similar first."""
+    import math
+
+    def cosine(a: list[float], b: list[float]) -> float:
+        norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+        return sum(x * y for x, y in zip(a, b, strict=True)) / norms if norms else 0.0
+
+    return sorted(((c, cosine(query, v)) for c, v in zip(candidates, vectors, strict=True)), key=lambda p: -p[1])
 
 
 class TryItHandlers:
@@ -161,6 +177,12 @@ class TryItHandlers:
             raise Unanswered("This run classifies images: upload an image in Try it.")
         from finetune.use.predict import predict
 
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if try_view(status) == "vector" and len(lines) > 1:  # a text, then candidates: the nearest first
+            query, candidates = lines[0], lines[1:limits.MAX_TRY_CANDIDATES + 1]
+            vectors = [record["embedding"] for record in predict(str(status.run_dir), [query, *candidates])]
+            return {"query": query, "similarities": nearest(vectors[0], candidates, vectors[1:]),
+                    "candidates_dropped": max(0, len(lines) - 1 - limits.MAX_TRY_CANDIDATES)}
         out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS, prompt=bounded_prompt)[0]
         return {k: v for k, v in out.items() if k != "text"}  # the kind's record, less the text it was given
 

@@ -81,7 +81,14 @@ def text(out: dict[str, Any], note: str) -> PredictionShown:
 
 
 def vector(out: dict[str, Any], note: str) -> PredictionShown:
-    """An embedding model's vector of the text (the record's one list of numbers): its size and first values."""
+    """An embedding model's vector of the text (the record's one list of numbers): its size and first values; for a
+    text and candidates (one a line), each candidate's cosine similarity to the text, the nearest first."""
+    if "similarities" in out:
+        rows = "\n".join(f"{sim:+.4f}  {candidate}" for candidate, sim in out["similarities"])
+        if out.get("candidates_dropped"):
+            note = " ".join(filter(None, [note, f"Only the first {len(out['similarities'])} candidates were "
+                                                f"compared ({out['candidates_dropped']} more lines left out)."]))
+        return _in_box(rows, f"Cosine similarity to “{out['query'][:80]}”, nearest first", note)
     values = next(v for v in out.values() if isinstance(v, list))
     shown = ", ".join(f"{x:.4f}" for x in values[:8]) + (", …" if len(values) > 8 else "")
     return _in_box(f"[{shown}]", f"Embedding ({len(values)} dimensions)", note)
