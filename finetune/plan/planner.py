@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -416,19 +417,56 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
     kind = CHUNKED if use_chunks else kind_named(c.task)
 
-    def fits(tokens: int) -> bool:
+    def peak(tokens: int) -> int:
         terms = estimate(skeleton, c, kind=kind, micro=1, tokens=tokens, accum=accum,
                          precision=precision, optimizer=step.optimizer, device=device_name,
                          quantization=step.quantization)
-        return sum(terms.values()) <= SAFETY * budget
+        return sum(terms.values())
 
-    lo, hi = 0, min(positions, 131072)
-    if fits(hi):
-        return hi, step.name
-    while hi - lo > 1:  # fits(lo) is true (or lo is 0), fits(hi) is false
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, step.name
+    return longest_within(peak, SAFETY * budget, min(positions, 131072)), step.name
+
+
+FIRST_LENGTH = 1024  # where the search for the longest context starts measuring: a short, quick dry run
+
+
+def longest_within(peak: Callable[[int], int], limit: float, top: int) -> int:
+    """The largest length in [1, top] whose `peak` is at most `limit` (0 when not even one token's is), for a peak
+    that grows with the length: what a bisection over the lengths answers, with fewer dry runs.
+
+    For a fixed rung the peak is affine in the length, or piecewise so where a term changes with it (which part of
+    the window peaks, the chunked loss's last chunk, eager attention's quadratic scores). So each guess is where
+    the straight line through the two measured lengths nearest the edge reaches `limit`, and the search ends where
+    a measured length fits and the next one does not: about four dry runs, against log2(top) ≈ 17. A guess that
+    does not halve the interval is followed by a bisection step, so an unexpected shape costs at most twice the
+    bisection's."""
+    known: dict[int, int] = {}
+    lo, bad = 0, top + 1  # every length up to `lo` fits (0: none measured), none from `bad` on (top + 1: unknown)
+    guess, widths = min(top, FIRST_LENGTH), []  # widths: of the interval, once both its ends are measured
+    while bad - lo > 1:
+        if lo in known and bad in known:
+            widths.append(bad - lo)
+        # Two guesses that did not halve the interval between them: bisect once.
+        bisect = len(widths) >= 3 and 2 * widths[-1] > widths[-3] and (lo + bad) // 2 != guess
+        t = (lo + bad) // 2 if bisect else min(max(guess, lo + 1), bad - 1)
+        known[t] = peak(t)
+        lo, bad = (t, bad) if known[t] <= limit else (lo, t)
+        guess = _secant(known, limit, lo, bad)
+    return lo
+
+
+def _secant(known: dict[int, int], limit: float, lo: int, bad: int) -> int:
+    """Where the line through the two measured lengths nearest the edge (`lo` fits, `bad` does not) reaches
+    `limit`; with one length measured, twice or half of it."""
+    if lo in known and bad in known:
+        (a, pa), (b, pb) = (lo, known[lo]), (bad, known[bad])
+    else:
+        near = sorted(known, reverse=bad not in known)[:2]  # the two longest when all fit, else the two shortest
+        if len(near) < 2:
+            return 2 * lo if lo in known else bad // 2
+        (a, pa), (b, pb) = sorted((t, known[t]) for t in near)
+    if pb <= pa:  # flat here: the edge is further on (or, when nothing fits, nearer)
+        return 2 * b if bad not in known else (lo + bad) // 2
+    return a + math.floor((limit - pa) * (b - a) / (pb - pa))
 
 
 def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[str, int] | None = None
