@@ -11,7 +11,9 @@ device can keep different tensors (GPU attention kernels, allocator slack), whic
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -105,6 +107,7 @@ class Attempt(NamedTuple):
     level: str
     micro: int
     peak: int
+    bound: bool = False  # `peak` is a lower bound (the fixed terms alone did not fit): no dry run was made
 
 
 def _has_bitsandbytes(cuda_planned: bool = False) -> bool:
@@ -124,7 +127,7 @@ def overhead(tensors: int, device: str) -> int:
 
 def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, tokens: int, accum: int, precision: str,
              optimizer: str, device: str, shards: int = 1, memory: int | None = None, padded: bool = False,
-             quantization: str = "none", windows: dict[tuple, tuple[int, int]] | None = None) -> dict[str, int]:
+             quantization: str = "none", windows: dict[tuple, tuple] | None = None) -> dict[str, int]:
     """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
     optimizer state over `shards` processes. With `memory` (segment recurrence), `tokens` is one segment and
     `accum` its micro steps, which carry a cache of `memory` earlier tokens. `padded`: the micro-batch holds
@@ -132,24 +135,18 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
     skeleton's base linear layers are stored quantized (`quantize.weight_bytes`), and each is dequantized to the
     compute dtype for its matmul, one at a time. `windows` keeps dry runs already made, by skeleton and shape."""
     gradients = skeleton.count(lambda m: _bytes(p for p in m.parameters() if p.requires_grad))
-    state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
-    if quantization in ("8bit", "4bit"):
-        terms = {term: skeleton.count(lambda m, term=term: quantize.weight_bytes(m, quantization)[term])
-                 for term in quantize.weight_bytes(skeleton.model, quantization)}
-        terms["dequantized_layer"] = quantize.dequantize_buffer(skeleton.model, precision)
-    else:
-        terms = {"weights": skeleton.count(lambda m: _bytes(m.parameters()))}
-    terms["optimizer_state"] = int(state_per_byte * gradients)
-    key = (id(skeleton), id(kind), micro, tokens, min(accum, 2), precision, memory, padded)
-    if windows is not None and key in windows:
-        window, carried = windows[key]
+    terms = fixed_terms(skeleton, optimizer=optimizer, precision=precision, quantization=quantization)
+    cuda = device.startswith("cuda")  # its attention kernels (`attention_as_on_cuda`)
+    key = (id(skeleton), id(kind), micro, tokens, min(accum, 2), precision, memory, padded, cuda, c.packing)
+    if windows is not None and key in windows and windows[key][2] is kind:  # (an id outlives its object)
+        window, carried, _ = windows[key]
     elif memory is None:
         window, carried = dry_run(skeleton, kind, micro, tokens, accum, precision, packed=c.packing,
-                                  padded=padded), 0
+                                  padded=padded, cuda=cuda), 0
     else:
         window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
     if windows is not None:
-        windows[key] = window, carried
+        windows[key] = window, carried, kind
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
     # activations at the end of forward and the gradients at the end of backward), logits and activations.
     model_config = getattr(skeleton.model, "config", None)
@@ -167,6 +164,56 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
             terms[term] = math.ceil(terms[term] / shards)
     terms["overhead"] = overhead(sum(terms.values()), device)
     return terms
+
+
+def fixed_terms(skeleton: Skeleton, *, optimizer: str, precision: str, quantization: str = "none"
+                ) -> dict[str, int]:
+    """The terms that no dry run is needed for, counted from the skeleton's shapes: the weights (or the quantized
+    base's bytes) and the optimizer state."""
+    gradients = skeleton.count(lambda m: _bytes(p for p in m.parameters() if p.requires_grad))
+    state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
+    if quantization in ("8bit", "4bit"):
+        terms = {term: skeleton.count(lambda m, term=term: quantize.weight_bytes(m, quantization)[term])
+                 for term in quantize.weight_bytes(skeleton.model, quantization)}
+        terms["dequantized_layer"] = quantize.dequantize_buffer(skeleton.model, precision)
+    else:
+        terms = {"weights": skeleton.count(lambda m: _bytes(m.parameters()))}
+    terms["optimizer_state"] = int(state_per_byte * gradients)
+    return terms
+
+
+def lower_bound(skeleton: Skeleton, *, optimizer: str, precision: str, device: str, shards: int = 1,
+                quantization: str = "none") -> int:
+    """A peak that `estimate` never goes below, from the fixed terms alone (each process's share of them, and
+    their overhead): when it is over the budget, no micro-batch of this rung fits, and no dry run is needed to
+    say so (an 8 B model's full fine-tuning rungs at 24 GiB: their weights and AdamW state alone are 96 GiB)."""
+    terms = fixed_terms(skeleton, optimizer=optimizer, precision=precision, quantization=quantization)
+    tensors = sum(math.ceil(v / shards) if k in SHARDED_TERMS else v for k, v in terms.items())
+    return tensors + overhead(tensors, device)
+
+
+REUSED_SKELETONS = 4  # skeletons (and their dry runs) a process keeps for its next plans: `--longest` and the plan
+_reused: OrderedDict[tuple, tuple[Skeleton, dict]] = OrderedDict()
+
+
+def reused_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool, precision: str
+                    ) -> tuple[Skeleton, dict]:
+    """`model_skeleton`, and a dict for the dry runs made on it (`estimate`'s `windows`), shared by the plans this
+    process makes of the same model (`finetune plan --longest` asks twice, the GUI asks again and again). A model
+    whose config.json is not on disk, or that runs its own code, is built afresh each time."""
+    model_config = plancache.model_config_bytes(c)
+    key = None if model_config is None else (
+        hashlib.sha256(model_config).hexdigest(), c.model, c.task, num_labels, checkpointing, lora, precision,
+        c.segment_recurrence, c.lora_r, c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules))
+    if key in _reused:
+        _reused.move_to_end(key)
+        return _reused[key]
+    built = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora, precision=precision), {}
+    if key is not None:
+        _reused[key] = built
+        while len(_reused) > REUSED_SKELETONS:
+            _reused.popitem(last=False)
+    return built
 
 
 def _reference_inputs(skeleton: Skeleton, cuda: bool, micro: int, tokens: int) -> dict[str, Any]:
@@ -223,21 +270,39 @@ class _Peaks:
     def __init__(self, search: _Search, step: Level, skeleton: Skeleton, kind: TaskKind) -> None:
         self.search, self.step, self.skeleton, self.kind = search, step, skeleton, kind
         self.known: dict[int, tuple[int, dict[str, int]]] = {}
+        self.bound: int | None = None
 
     def __call__(self, micro: int) -> tuple[int, dict[str, int]]:
-        """The predicted peak at micro-batch `micro` and its terms."""
+        """The predicted peak at micro-batch `micro` and its terms; on a rung whose fixed terms alone do not fit the
+        budget (the same at every micro-batch), that lower bound and no terms, without a dry run."""
+        s, step = self.search, self.step
+        if self.bound is None:
+            self.bound = 0 if s.budget is None else lower_bound(
+                self.skeleton, optimizer=step.optimizer, precision=s.precision, device=s.device_name,
+                shards=s.shards, quantization=step.quantization)
+        if micro in self.known or s.fits(self.bound):
+            return self.exact(micro)
+        if (step.name, micro) not in s.exact:
+            s.tried.append(Attempt(step.name, micro, self.bound, bound=True))
+            s.exact[step.name, micro] = self.exact
+        return self.bound, {}
+
+    def exact(self, micro: int) -> tuple[int, dict[str, int]]:
+        """The predicted peak at micro-batch `micro` and its terms, by the dry run."""
         if micro in self.known:
             return self.known[micro]
         s, step, kind = self.search, self.step, self.kind
         terms = estimate(self.skeleton, s.c, kind=kind, micro=micro, tokens=s.tokens,
                          accum=s.batch.per_process // micro * s.segments, precision=s.precision,
                          optimizer=step.optimizer, device=s.device_name, shards=s.shards, memory=s.memory,
-                         padded=s.uneven and micro > 1, quantization=step.quantization, windows=s.windows)
+                         padded=s.uneven and micro > 1, quantization=step.quantization,
+                         windows=s.windows(self.skeleton))
         if hasattr(kind, "plan_reference"):  # a reference model's weights, when one sits beside the model
             terms |= kind.plan_reference(**_reference_inputs(self.skeleton, s.cuda, micro, s.tokens))[0]
         if hasattr(kind, "plan_window"):  # a loss over the whole window: its embeddings and scores, resident
             terms |= kind.plan_window(s.batch.effective_batch_size,
                                       getattr(getattr(self.skeleton.model, "config", None), "hidden_size", 0) or 0)
+        s.tried = [a for a in s.tried if (a.level, a.micro) != (step.name, micro)]  # a bound made exact
         s.tried.append(Attempt(step.name, micro, sum(terms.values())))
         self.known[micro] = sum(terms.values()), terms
         return self.known[micro]
@@ -263,8 +328,8 @@ class _Search:
     segments: int = 1
     notes: list[str] = field(default_factory=list)
     tried: list[Attempt] = field(default_factory=list)
-    skeletons: dict[tuple[bool, bool], Skeleton] = field(default_factory=dict)
-    windows: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+    exact: dict[tuple[str, int], Any] = field(default_factory=dict)  # a bounded attempt's dry run, when needed
+    skeletons: dict[tuple[bool, bool], tuple[Skeleton, dict]] = field(default_factory=dict)  # and their dry runs
     kinds: dict[bool, TaskKind] = field(default_factory=dict)  # the kind as each rung trains it (LoRA or not)
 
     @property
@@ -315,9 +380,13 @@ class _Search:
         it and its dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds."""
         key = step.checkpointing, step.lora
         if key not in self.skeletons:
-            self.skeletons[key] = model_skeleton(self.c, self.num_labels, checkpointing=step.checkpointing,
-                                                 lora=step.lora, precision=self.precision)
-        return self.skeletons[key]
+            self.skeletons[key] = reused_skeleton(self.c, self.num_labels, checkpointing=step.checkpointing,
+                                                  lora=step.lora, precision=self.precision)
+        return self.skeletons[key][0]
+
+    def windows(self, skeleton: Skeleton) -> dict:
+        """The dry runs made on `skeleton` (by this search, or an earlier one that built it)."""
+        return next(windows for built, windows in self.skeletons.values() if built is skeleton)
 
     def fits(self, peak: int) -> bool:
         """Whether a peak fits the budget, less the estimate's margin."""
@@ -359,12 +428,14 @@ class _Search:
     def plan(self, step: Level, skeleton: Skeleton, chosen: int, peak: int, terms: dict[str, int]) -> Plan:
         """The plan of micro-batch `chosen` on rung `step`, with the notes that say why and what it stores how."""
         notes, precision = self.notes, self.precision
-        smallest: dict[str, int] = {}
+        smallest: dict[str, Attempt] = {}
         for earlier in self.tried:
-            if earlier.level != step.name:
-                smallest[earlier.level] = min(earlier.peak, smallest.get(earlier.level, earlier.peak))
+            if earlier.level != step.name and (earlier.level not in smallest
+                                               or earlier.peak < smallest[earlier.level].peak):
+                smallest[earlier.level] = earlier
         if smallest:
-            steps = "; ".join(f"{name} needs {_gib(p)}" for name, p in smallest.items())
+            steps = "; ".join(f"{name} needs {'at least ' if a.bound else ''}{_gib(a.peak)}"
+                              for name, a in smallest.items())
             notes.append(f"Escalated to {step.name}, since the smallest plan of each earlier step does not fit "
                          f"{SAFETY:.0%} of the budget ({steps}).")
         dtype = quantize.base_dtype(precision, step.lora)
@@ -392,6 +463,9 @@ class _Search:
     def nothing_fits(self) -> PlanError:
         """The refusal when no rung fits: the smallest plan tried, and the budget it would need."""
         best = min(self.tried, key=lambda attempt: attempt.peak)
+        while best.bound:  # a bound below every exact peak: make it exact (it may then be larger than another)
+            self.exact[best.level, best.micro](best.micro)
+            best = min(self.tried, key=lambda attempt: attempt.peak)
         hint = " (or drop micro_batch_size/grad_accum_steps so the planner may split the batch)" \
             if len(self.candidates) == 1 else ""
         return PlanError([f"Nothing fits memory_budget_gb={self.c.memory_budget_gb:g}: the smallest plan tried "
@@ -411,7 +485,8 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
         raise PlanError(["The longest context that fits needs a budget: set memory_budget_gb."])
     budget = c.memory_budget_gb * GIB
     step = _levels(c, [], cuda=cuda, precision=precision)[-1]
-    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
+    skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
+                                        precision=precision)
     accum = resolve_batch(c, 1).per_process  # micro-batch 1: the whole batch accumulated
     positions = getattr(skeleton.model.config, "max_position_embeddings", None) or c.max_length
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
@@ -420,7 +495,7 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
     def peak(tokens: int) -> int:
         terms = estimate(skeleton, c, kind=kind, micro=1, tokens=tokens, accum=accum,
                          precision=precision, optimizer=step.optimizer, device=device_name,
-                         quantization=step.quantization)
+                         quantization=step.quantization, windows=windows)
         return sum(terms.values())
 
     return longest_within(peak, SAFETY * budget, min(positions, 131072)), step.name
@@ -479,11 +554,12 @@ def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[s
     precision = resolve_precision(c.precision, cuda=cuda)
     tokens = worst_case_tokens(c, lengths)
     step = _levels(c, [], cuda=cuda, precision=precision)[-1]
-    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
+    skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
+                                        precision=precision)
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
     terms = estimate(skeleton, c, kind=CHUNKED if use_chunks else kind_named(c.task), micro=1, tokens=tokens,
                      accum=resolve_batch(c, 1).per_process, precision=precision, optimizer=step.optimizer,
-                     device=device_name, padded=False, quantization=step.quantization)
+                     device=device_name, padded=False, quantization=step.quantization, windows=windows)
     return math.ceil(sum(terms.values()) / SAFETY / GIB * 100) / 100, step.name
 
 
