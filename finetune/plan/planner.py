@@ -511,37 +511,65 @@ def longest_within(peak: Callable[[int], int], limit: float, top: int) -> int:
     For a fixed rung the peak is affine in the length, or piecewise so where a term changes with it (which part of
     the window peaks, the chunked loss's last chunk, eager attention's quadratic scores). So each guess is where
     the straight line through the two measured lengths nearest the edge reaches `limit`, and the search ends where
-    a measured length fits and the next one does not: about four dry runs, against log2(top) ≈ 17. A guess that
-    does not halve the interval is followed by a bisection step, so an unexpected shape costs at most twice the
-    bisection's."""
+    a measured length fits and the next one does not: four dry runs for an affine peak, against log2(top) ≈ 17.
+    Where the same end of the interval moves twice in a row, the other end's distance from `limit` counts half
+    (the Illinois rule, so a curved peak is not approached from one side only), and two steps that did not halve
+    the interval are followed by a bisection step."""
     known: dict[int, int] = {}
     lo, bad = 0, top + 1  # every length up to `lo` fits (0: none measured), none from `bad` on (top + 1: unknown)
-    guess, widths = min(top, FIRST_LENGTH), []  # widths: of the interval, once both its ends are measured
+    guess, widths, moved, weights = min(top, FIRST_LENGTH), [], "", {"lo": 1.0, "bad": 1.0}
     while bad - lo > 1:
         if lo in known and bad in known:
             widths.append(bad - lo)
-        # Two guesses that did not halve the interval between them: bisect once.
         bisect = len(widths) >= 3 and 2 * widths[-1] > widths[-3] and (lo + bad) // 2 != guess
         t = (lo + bad) // 2 if bisect else min(max(guess, lo + 1), bad - 1)
         known[t] = peak(t)
-        lo, bad = (t, bad) if known[t] <= limit else (lo, t)
-        guess = _secant(known, limit, lo, bad)
+        end = "lo" if known[t] <= limit else "bad"
+        lo, bad = (t, bad) if end == "lo" else (lo, t)
+        other = "bad" if end == "lo" else "lo"
+        weights[end] = 1.0
+        weights[other] = weights[other] / 2 if end == moved else 1.0
+        moved = end
+        guess = _secant(known, limit, lo, bad, weights)
     return lo
 
 
-def _secant(known: dict[int, int], limit: float, lo: int, bad: int) -> int:
-    """Where the line through the two measured lengths nearest the edge (`lo` fits, `bad` does not) reaches
-    `limit`; with one length measured, twice or half of it."""
+def _secant(known: dict[int, int], limit: float, lo: int, bad: int, weights: dict[str, float]) -> int:
+    """Where the line through the two measured lengths nearest the edge (`lo` fits, `bad` does not, their
+    distances from `limit` weighted) reaches `limit`; with one length measured, twice or half of it."""
     if lo in known and bad in known:
-        (a, pa), (b, pb) = (lo, known[lo]), (bad, known[bad])
-    else:
-        near = sorted(known, reverse=bad not in known)[:2]  # the two longest when all fit, else the two shortest
-        if len(near) < 2:
-            return 2 * lo if lo in known else bad // 2
-        (a, pa), (b, pb) = sorted((t, known[t]) for t in near)
-    if pb <= pa:  # flat here: the edge is further on (or, when nothing fits, nearer)
-        return 2 * b if bad not in known else (lo + bad) // 2
+        if len(known) >= 3 and (root := _parabola(known, limit, lo, bad)) is not None:
+            return root
+        below, above = (limit - known[lo]) * weights["lo"], (known[bad] - limit) * weights["bad"]
+        return lo + math.floor((bad - lo) * below / (below + above))
+    near = sorted(known, reverse=bad not in known)[:2]  # the two longest when all fit, else the two shortest
+    if len(near) < 2:
+        return 2 * lo if lo in known else bad // 2
+    (a, pa), (b, pb) = sorted((t, known[t]) for t in near)
+    if pb <= pa:  # flat here: the edge is further on, or (when nothing fits) at the shortest length
+        return 2 * b if bad not in known else 1
     return a + math.floor((limit - pa) * (b - a) / (pb - pa))
+
+
+def _parabola(known: dict[int, int], limit: float, lo: int, bad: int) -> int | None:
+    """Where the parabola through `lo`, `bad` and the measured length nearest them reaches `limit`, if it does
+    inside the interval: the peak is a parabola in the length where attention keeps its (tokens × tokens) scores
+    (eager), a line elsewhere."""
+    third = min((t for t in known if t not in (lo, bad)), key=lambda t: min(abs(t - lo), abs(t - bad)))
+    (x0, y0), (x1, y1), (x2, y2) = ((t, float(known[t])) for t in (lo, bad, third))
+    # Newton's divided differences: y = y0 + d1 (x - x0) + d2 (x - x0)(x - x1).
+    d1 = (y1 - y0) / (x1 - x0)
+    d2 = ((y2 - y1) / (x2 - x1) - d1) / (x2 - x0)
+    # In u = x - x0: d2 u² + (d1 - d2 (x1 - x0)) u + (y0 - limit) = 0.
+    a, b, c = d2, d1 - d2 * (x1 - x0), y0 - limit
+    if abs(a) < 1e-12 * max(abs(b), 1e-300):
+        return None
+    disc = b * b - 4 * a * c
+    if disc < 0:
+        return None
+    roots = [(-b + sign * math.sqrt(disc)) / (2 * a) + x0 for sign in (1, -1)]
+    inside = [r for r in roots if lo <= r < bad]
+    return math.floor(min(inside)) if inside else None
 
 
 def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[str, int] | None = None
