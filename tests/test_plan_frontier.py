@@ -50,6 +50,13 @@ def test_the_secant_search_answers_what_the_bisection_answers(shape, fraction):
         assert peak(got) <= limit < peak(got + 1)
 
 
+def _eager(skeleton):
+    """The skeleton with eager attention (a model without sdpa), which keeps its tokens × tokens scores."""
+    for model in skeleton.models:
+        model.set_attn_implementation("eager")
+    return skeleton
+
+
 def _llama(tmp_path, **extra) -> str:
     from transformers import AutoConfig
 
@@ -63,7 +70,8 @@ def _llama(tmp_path, **extra) -> str:
 def test_longest_context_is_the_bisection_s_answer_in_fewer_dry_runs(tmp_path, monkeypatch):
     """Eager attention keeps its scores, so the peak is quadratic in the length: the secant steps still end where
     the bisection ends, checked against a plain dry run at the answer and one token more."""
-    c = from_dict({"model": _llama(tmp_path, attn_implementation="eager"), "task": "causal_lm", "dataset": "x.csv",
+    monkeypatch.setattr(planner, "model_skeleton", lambda *a, real=planner.model_skeleton, **k: _eager(real(*a, **k)))
+    c = from_dict({"model": _llama(tmp_path), "task": "causal_lm", "dataset": "x.csv",
                    "memory_budget_gb": 0.03, "effective_batch_size": 1, "lora": "false", "optimizer": "sgd",
                    "gradient_checkpointing": "true", "quantization": "none", "chunked_loss": "false"})
     made = []
@@ -71,19 +79,22 @@ def test_longest_context_is_the_bisection_s_answer_in_fewer_dry_runs(tmp_path, m
                         or real(*a, **k))
     tokens, rung = longest_context(c, 0, device=CPU)
     assert rung == "plain" and 64 < tokens < 4096
-    skeleton = model_skeleton(c, 0, checkpointing=True, lora=False)
+    skeleton = _eager(model_skeleton(c, 0, checkpointing=True, lora=False))
 
     def peak(t: int) -> int:
         return sum(estimate(skeleton, c, kind=KIND, micro=1, tokens=t, accum=1, precision="fp32", optimizer="sgd",
                             device="cpu").values())
 
     assert peak(tokens) <= SAFETY * 0.03 * GIB < peak(tokens + 1)
+    assert peak(2 * tokens) - peak(tokens) > 2.5 * (peak(tokens) - peak(tokens // 2))  # the scores' square
     assert len(made) < math.log2(4096), made  # a bisection of 1 … 4,096 runs 12 or 13
 
 
-def _window(path: str, tokens: int, *, kind=KIND, cuda=False, precision="fp32", lora=False, **options) -> int:
+def _window(path: str, tokens: int, *, kind=KIND, cuda=False, precision="fp32", lora=False, eager=False,
+            **options) -> int:
     c = from_dict({"model": path, "task": "causal_lm", "dataset": "x.csv", **options})
     skeleton = model_skeleton(c, 0, checkpointing=False, lora=lora, precision=precision)
+    skeleton = _eager(skeleton) if eager else skeleton
     return dry_run(skeleton, kind, 1, tokens, 1, precision, cuda=cuda)
 
 
@@ -142,7 +153,7 @@ def test_sdpa_without_padding_keeps_no_scores(tmp_path):
     for cuda in (False, True):
         a, b, c = (_window(_llama(tmp_path), t, cuda=cuda) for t in lengths)
         assert abs((c - b) - 2 * (b - a)) <= 0.02 * (c - b), (cuda, a, b, c)
-    a, b, c = (_window(_llama(tmp_path, attn_implementation="eager"), t, cuda=True) for t in lengths)
+    a, b, c = (_window(_llama(tmp_path), t, cuda=True, eager=True) for t in lengths)
     squares = 2 * 4 * 4 * ((2048**2 - 1024**2) - 2 * (1024**2 - 512**2))  # 2 layers × 4 heads of fp32 scores
     assert (c - b) - 2 * (b - a) >= squares, (a, b, c)
 
