@@ -381,20 +381,43 @@ def dry_run_segments(skeleton: Skeleton, micro: int, segment: int, memory: int, 
 
 
 def dry_run(skeleton: Skeleton, kind: TaskKind, micro: int, tokens: int, accum: int, precision: str,
-            packed: bool = False, padded: bool = False) -> int:
+            packed: bool = False, padded: bool = False, cuda: bool = False) -> int:
     """Peak bytes that one window's forward and backward add on top of weights and optimizer state (`padded`: see
     `synthetic_batch`); for a deep model, scaled from its window's parts with two and three layers (`Skeleton`).
+    `cuda`: the window of a CUDA run, whose attention kernels differ from the CPU's (`attention_as_on_cuda`).
 
     Autocast acts on fake tensors as on real ones, so mixed precision keeps exactly the half- and full-precision
     tensors a real run keeps."""
-    if skeleton.wider is None:
-        return _window(skeleton.model, skeleton.fake_mode, kind, micro, tokens, accum, precision, packed, padded)[0]
-    small, wider = (_window(m, skeleton.fake_mode, kind, micro, tokens, accum, precision, packed, padded, True)[1]
-                    for m in skeleton.models)
+    with attention_as_on_cuda() if cuda else contextlib.nullcontext():
+        if skeleton.wider is None:
+            return _window(skeleton.model, skeleton.fake_mode, kind, micro, tokens, accum, precision, packed,
+                           padded)[0]
+        small, wider = (_window(m, skeleton.fake_mode, kind, micro, tokens, accum, precision, packed, padded,
+                                True)[1] for m in skeleton.models)
     parts = {label for label in small if label[2] != "middle"}  # a middle layer's peak lies between its neighbours'
     if parts != {label for label in wider if label[2] != "middle"}:
         raise RuntimeError(f"the dry run's parts differ between {SCALED_FROM} and {SCALED_FROM + 1} layers")
     return max(scaled(small[label], wider[label], skeleton.layers) for label in parts)
+
+
+@contextlib.contextmanager
+def attention_as_on_cuda() -> Iterator[None]:
+    """Attention in the dry run as a CUDA GPU computes it: `scaled_dot_product_attention` without its dropout.
+
+    The dry run's fake tensors are on the CPU, whose fused (flash) sdpa kernel does no dropout: with attention
+    dropout (GPT-2's `attn_pdrop`, BERT's `attention_probs_dropout_prob`, 0.1 by default) torch falls back to the
+    math kernel there, which builds and keeps the (tokens × tokens) scores of every head and their dropout mask. On
+    a CUDA GPU the flash and memory-efficient kernels apply the dropout inside the kernel from a random seed and
+    keep only the output and its log-sum-exp, what the CPU's fused kernel keeps without dropout. Without dropout
+    (Llama, Qwen, Mistral) nothing changes. A mask that padding makes is built and kept either way."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+              dropout_p: float = 0.0, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return sdpa(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", fused):
+        yield
 
 
 def _window(model: Any, fake_mode: FakeTensorMode, kind: TaskKind, micro: int, tokens: int, accum: int,

@@ -41,7 +41,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "finetune" / "plans"
 
 
-def _model_config(c: Config) -> bytes | None:
+def model_config_bytes(c: Config) -> bytes | None:
     """The bytes of the model's config.json (a local folder, or the hub's copy in the local cache), or None."""
     if c.trust_remote_code:  # its own code may change without its config.json changing
         return None
@@ -65,7 +65,7 @@ def _library_version(name: str) -> str | None:
 def plan_key(c: Config, **inputs: Any) -> str | None:
     """The cache key of a plan for `c` and the planner's other `inputs` (worst-case tokens, labels, processes,
     device, …); None when the plan must not be cached."""
-    model_config = _model_config(c)
+    model_config = model_config_bytes(c)
     if model_config is None:
         return None
     code = Path(__file__).parents[1]

@@ -11,7 +11,10 @@ device can keep different tensors (GPU attention kernels, allocator slack), whic
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -104,6 +107,7 @@ class Attempt(NamedTuple):
     level: str
     micro: int
     peak: int
+    bound: bool = False  # `peak` is a lower bound (the fixed terms alone did not fit): no dry run was made
 
 
 def _has_bitsandbytes(cuda_planned: bool = False) -> bool:
@@ -123,7 +127,7 @@ def overhead(tensors: int, device: str) -> int:
 
 def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, tokens: int, accum: int, precision: str,
              optimizer: str, device: str, shards: int = 1, memory: int | None = None, padded: bool = False,
-             quantization: str = "none", windows: dict[tuple, tuple[int, int]] | None = None) -> dict[str, int]:
+             quantization: str = "none", windows: dict[tuple, tuple] | None = None) -> dict[str, int]:
     """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
     optimizer state over `shards` processes. With `memory` (segment recurrence), `tokens` is one segment and
     `accum` its micro steps, which carry a cache of `memory` earlier tokens. `padded`: the micro-batch holds
@@ -131,24 +135,18 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
     skeleton's base linear layers are stored quantized (`quantize.weight_bytes`), and each is dequantized to the
     compute dtype for its matmul, one at a time. `windows` keeps dry runs already made, by skeleton and shape."""
     gradients = skeleton.count(lambda m: _bytes(p for p in m.parameters() if p.requires_grad))
-    state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
-    if quantization in ("8bit", "4bit"):
-        terms = {term: skeleton.count(lambda m, term=term: quantize.weight_bytes(m, quantization)[term])
-                 for term in quantize.weight_bytes(skeleton.model, quantization)}
-        terms["dequantized_layer"] = quantize.dequantize_buffer(skeleton.model, precision)
-    else:
-        terms = {"weights": skeleton.count(lambda m: _bytes(m.parameters()))}
-    terms["optimizer_state"] = int(state_per_byte * gradients)
-    key = (id(skeleton), id(kind), micro, tokens, min(accum, 2), precision, memory, padded)
-    if windows is not None and key in windows:
-        window, carried = windows[key]
+    terms = fixed_terms(skeleton, optimizer=optimizer, precision=precision, quantization=quantization)
+    cuda = device.startswith("cuda")  # its attention kernels (`attention_as_on_cuda`)
+    key = (id(skeleton), id(kind), micro, tokens, min(accum, 2), precision, memory, padded, cuda, c.packing)
+    if windows is not None and key in windows and windows[key][2] is kind:  # (an id outlives its object)
+        window, carried, _ = windows[key]
     elif memory is None:
         window, carried = dry_run(skeleton, kind, micro, tokens, accum, precision, packed=c.packing,
-                                  padded=padded), 0
+                                  padded=padded, cuda=cuda), 0
     else:
         window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
     if windows is not None:
-        windows[key] = window, carried
+        windows[key] = window, carried, kind
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
     # activations at the end of forward and the gradients at the end of backward), logits and activations.
     model_config = getattr(skeleton.model, "config", None)
@@ -166,6 +164,56 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
             terms[term] = math.ceil(terms[term] / shards)
     terms["overhead"] = overhead(sum(terms.values()), device)
     return terms
+
+
+def fixed_terms(skeleton: Skeleton, *, optimizer: str, precision: str, quantization: str = "none"
+                ) -> dict[str, int]:
+    """The terms that no dry run is needed for, counted from the skeleton's shapes: the weights (or the quantized
+    base's bytes) and the optimizer state."""
+    gradients = skeleton.count(lambda m: _bytes(p for p in m.parameters() if p.requires_grad))
+    state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
+    if quantization in ("8bit", "4bit"):
+        terms = {term: skeleton.count(lambda m, term=term: quantize.weight_bytes(m, quantization)[term])
+                 for term in quantize.weight_bytes(skeleton.model, quantization)}
+        terms["dequantized_layer"] = quantize.dequantize_buffer(skeleton.model, precision)
+    else:
+        terms = {"weights": skeleton.count(lambda m: _bytes(m.parameters()))}
+    terms["optimizer_state"] = int(state_per_byte * gradients)
+    return terms
+
+
+def lower_bound(skeleton: Skeleton, *, optimizer: str, precision: str, device: str, shards: int = 1,
+                quantization: str = "none") -> int:
+    """A peak that `estimate` never goes below, from the fixed terms alone (each process's share of them, and
+    their overhead): when it is over the budget, no micro-batch of this rung fits, and no dry run is needed to
+    say so (an 8 B model's full fine-tuning rungs at 24 GiB: their weights and AdamW state alone are 96 GiB)."""
+    terms = fixed_terms(skeleton, optimizer=optimizer, precision=precision, quantization=quantization)
+    tensors = sum(math.ceil(v / shards) if k in SHARDED_TERMS else v for k, v in terms.items())
+    return tensors + overhead(tensors, device)
+
+
+REUSED_SKELETONS = 4  # skeletons (and their dry runs) a process keeps for its next plans: `--longest` and the plan
+_reused: OrderedDict[tuple, tuple[Skeleton, dict]] = OrderedDict()
+
+
+def reused_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool, precision: str
+                    ) -> tuple[Skeleton, dict]:
+    """`model_skeleton`, and a dict for the dry runs made on it (`estimate`'s `windows`), shared by the plans this
+    process makes of the same model (`finetune plan --longest` asks twice, the GUI asks again and again). A model
+    whose config.json is not on disk, or that runs its own code, is built afresh each time."""
+    model_config = plancache.model_config_bytes(c)
+    key = None if model_config is None else (
+        hashlib.sha256(model_config).hexdigest(), c.model, c.task, num_labels, checkpointing, lora, precision,
+        c.segment_recurrence, c.lora_r, c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules))
+    if key in _reused:
+        _reused.move_to_end(key)
+        return _reused[key]
+    built = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora, precision=precision), {}
+    if key is not None:
+        _reused[key] = built
+        while len(_reused) > REUSED_SKELETONS:
+            _reused.popitem(last=False)
+    return built
 
 
 def _reference_inputs(skeleton: Skeleton, cuda: bool, micro: int, tokens: int) -> dict[str, Any]:
@@ -224,21 +272,39 @@ class _Peaks:
     def __init__(self, search: _Search, step: Level, skeleton: Skeleton, kind: TaskKind) -> None:
         self.search, self.step, self.skeleton, self.kind = search, step, skeleton, kind
         self.known: dict[int, tuple[int, dict[str, int]]] = {}
+        self.bound: int | None = None
 
     def __call__(self, micro: int) -> tuple[int, dict[str, int]]:
-        """The predicted peak at micro-batch `micro` and its terms."""
+        """The predicted peak at micro-batch `micro` and its terms; on a rung whose fixed terms alone do not fit the
+        budget (the same at every micro-batch), that lower bound and no terms, without a dry run."""
+        s, step = self.search, self.step
+        if self.bound is None:
+            self.bound = 0 if s.budget is None else lower_bound(
+                self.skeleton, optimizer=step.optimizer, precision=s.precision, device=s.device_name,
+                shards=s.shards, quantization=step.quantization)
+        if micro in self.known or s.fits(self.bound):
+            return self.exact(micro)
+        if (step.name, micro) not in s.exact:
+            s.tried.append(Attempt(step.name, micro, self.bound, bound=True))
+            s.exact[step.name, micro] = self.exact
+        return self.bound, {}
+
+    def exact(self, micro: int) -> tuple[int, dict[str, int]]:
+        """The predicted peak at micro-batch `micro` and its terms, by the dry run."""
         if micro in self.known:
             return self.known[micro]
         s, step, kind = self.search, self.step, self.kind
         terms = estimate(self.skeleton, s.c, kind=kind, micro=micro, tokens=s.tokens,
                          accum=s.batch.per_process // micro * s.segments, precision=s.precision,
                          optimizer=step.optimizer, device=s.device_name, shards=s.shards, memory=s.memory,
-                         padded=s.uneven and micro > 1, quantization=step.quantization, windows=s.windows)
+                         padded=s.uneven and micro > 1, quantization=step.quantization,
+                         windows=s.windows(self.skeleton))
         if hasattr(kind, "plan_reference"):  # a reference model's weights, when one sits beside the model
             terms |= kind.plan_reference(**_reference_inputs(self.skeleton, s.cuda, micro, s.tokens))[0]
         if hasattr(kind, "plan_window"):  # a loss over the whole window: its embeddings and scores, resident
             terms |= kind.plan_window(s.batch.effective_batch_size,
                                       getattr(getattr(self.skeleton.model, "config", None), "hidden_size", 0) or 0)
+        s.tried = [a for a in s.tried if (a.level, a.micro) != (step.name, micro)]  # a bound made exact
         s.tried.append(Attempt(step.name, micro, sum(terms.values())))
         self.known[micro] = sum(terms.values()), terms
         return self.known[micro]
@@ -264,8 +330,8 @@ class _Search:
     segments: int = 1
     notes: list[str] = field(default_factory=list)
     tried: list[Attempt] = field(default_factory=list)
-    skeletons: dict[tuple[bool, bool], Skeleton] = field(default_factory=dict)
-    windows: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+    exact: dict[tuple[str, int], Any] = field(default_factory=dict)  # a bounded attempt's dry run, when needed
+    skeletons: dict[tuple[bool, bool], tuple[Skeleton, dict]] = field(default_factory=dict)  # and their dry runs
     kinds: dict[bool, TaskKind] = field(default_factory=dict)  # the kind as each rung trains it (LoRA or not)
 
     @property
@@ -316,9 +382,13 @@ class _Search:
         it and its dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds."""
         key = step.checkpointing, step.lora
         if key not in self.skeletons:
-            self.skeletons[key] = model_skeleton(self.c, self.num_labels, checkpointing=step.checkpointing,
-                                                 lora=step.lora, precision=self.precision)
-        return self.skeletons[key]
+            self.skeletons[key] = reused_skeleton(self.c, self.num_labels, checkpointing=step.checkpointing,
+                                                  lora=step.lora, precision=self.precision)
+        return self.skeletons[key][0]
+
+    def windows(self, skeleton: Skeleton) -> dict:
+        """The dry runs made on `skeleton` (by this search, or an earlier one that built it)."""
+        return next(windows for built, windows in self.skeletons.values() if built is skeleton)
 
     def fits(self, peak: int) -> bool:
         """Whether a peak fits the budget, less the estimate's margin."""
@@ -360,12 +430,14 @@ class _Search:
     def plan(self, step: Level, skeleton: Skeleton, chosen: int, peak: int, terms: dict[str, int]) -> Plan:
         """The plan of micro-batch `chosen` on rung `step`, with the notes that say why and what it stores how."""
         notes, precision = self.notes, self.precision
-        smallest: dict[str, int] = {}
+        smallest: dict[str, Attempt] = {}
         for earlier in self.tried:
-            if earlier.level != step.name:
-                smallest[earlier.level] = min(earlier.peak, smallest.get(earlier.level, earlier.peak))
+            if earlier.level != step.name and (earlier.level not in smallest
+                                               or earlier.peak < smallest[earlier.level].peak):
+                smallest[earlier.level] = earlier
         if smallest:
-            steps = "; ".join(f"{name} needs {_gib(p)}" for name, p in smallest.items())
+            steps = "; ".join(f"{name} needs {'at least ' if a.bound else ''}{_gib(a.peak)}"
+                              for name, a in smallest.items())
             notes.append(f"Escalated to {step.name}, since the smallest plan of each earlier step does not fit "
                          f"{SAFETY:.0%} of the budget ({steps}).")
         dtype = quantize.base_dtype(precision, step.lora)
@@ -393,6 +465,9 @@ class _Search:
     def nothing_fits(self) -> PlanError:
         """The refusal when no rung fits: the smallest plan tried, and the budget it would need."""
         best = min(self.tried, key=lambda attempt: attempt.peak)
+        while best.bound:  # a bound below every exact peak: make it exact (it may then be larger than another)
+            self.exact[best.level, best.micro](best.micro)
+            best = min(self.tried, key=lambda attempt: attempt.peak)
         hint = " (or drop micro_batch_size/grad_accum_steps so the planner may split the batch)" \
             if len(self.candidates) == 1 else ""
         return PlanError([f"Nothing fits memory_budget_gb={self.c.memory_budget_gb:g}: the smallest plan tried "
@@ -412,25 +487,91 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
         raise PlanError(["The longest context that fits needs a budget: set memory_budget_gb."])
     budget = c.memory_budget_gb * GIB
     step = _levels(c, [], cuda=cuda, precision=precision)[-1]
-    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
+    skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
+                                        precision=precision)
     accum = resolve_batch(c, 1).per_process  # micro-batch 1: the whole batch accumulated
     positions = getattr(skeleton.model.config, "max_position_embeddings", None) or c.max_length
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
     kind = CHUNKED if use_chunks else kind_named(c.task)
 
-    def fits(tokens: int) -> bool:
+    def peak(tokens: int) -> int:
         terms = estimate(skeleton, c, kind=kind, micro=1, tokens=tokens, accum=accum,
                          precision=precision, optimizer=step.optimizer, device=device_name,
-                         quantization=step.quantization)
-        return sum(terms.values()) <= SAFETY * budget
+                         quantization=step.quantization, windows=windows)
+        return sum(terms.values())
 
-    lo, hi = 0, min(positions, 131072)
-    if fits(hi):
-        return hi, step.name
-    while hi - lo > 1:  # fits(lo) is true (or lo is 0), fits(hi) is false
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, step.name
+    return longest_within(peak, SAFETY * budget, min(positions, 131072)), step.name
+
+
+FIRST_LENGTH = 1024  # where the search for the longest context starts measuring: a short, quick dry run
+
+
+def longest_within(peak: Callable[[int], int], limit: float, top: int) -> int:
+    """The largest length in [1, top] whose `peak` is at most `limit` (0 when not even one token's is), for a peak
+    that grows with the length: what a bisection over the lengths answers, with fewer dry runs.
+
+    For a fixed rung the peak is affine in the length, or piecewise so where a term changes with it (which part of
+    the window peaks, the chunked loss's last chunk, eager attention's quadratic scores). So each guess is where
+    the straight line through the two measured lengths nearest the edge reaches `limit`, and the search ends where
+    a measured length fits and the next one does not: four dry runs for an affine peak, against log2(top) ≈ 17.
+    Where the same end of the interval moves twice in a row, the other end's distance from `limit` counts half
+    (the Illinois rule, so a curved peak is not approached from one side only), and two steps that did not halve
+    the interval are followed by a bisection step."""
+    known: dict[int, int] = {}
+    lo, bad = 0, top + 1  # every length up to `lo` fits (0: none measured), none from `bad` on (top + 1: unknown)
+    guess, widths, moved, weights = min(top, FIRST_LENGTH), [], "", {"lo": 1.0, "bad": 1.0}
+    while bad - lo > 1:
+        if lo in known and bad in known:
+            widths.append(bad - lo)
+        bisect = len(widths) >= 3 and 2 * widths[-1] > widths[-3] and (lo + bad) // 2 != guess
+        t = (lo + bad) // 2 if bisect else min(max(guess, lo + 1), bad - 1)
+        known[t] = peak(t)
+        end = "lo" if known[t] <= limit else "bad"
+        lo, bad = (t, bad) if end == "lo" else (lo, t)
+        other = "bad" if end == "lo" else "lo"
+        weights[end] = 1.0
+        weights[other] = weights[other] / 2 if end == moved else 1.0
+        moved = end
+        guess = _secant(known, limit, lo, bad, weights)
+    return lo
+
+
+def _secant(known: dict[int, int], limit: float, lo: int, bad: int, weights: dict[str, float]) -> int:
+    """Where the line through the two measured lengths nearest the edge (`lo` fits, `bad` does not, their
+    distances from `limit` weighted) reaches `limit`; with one length measured, twice or half of it."""
+    if lo in known and bad in known:
+        if len(known) >= 3 and (root := _parabola(known, limit, lo, bad)) is not None:
+            return root
+        below, above = (limit - known[lo]) * weights["lo"], (known[bad] - limit) * weights["bad"]
+        return lo + math.floor((bad - lo) * below / (below + above))
+    near = sorted(known, reverse=bad not in known)[:2]  # the two longest when all fit, else the two shortest
+    if len(near) < 2:
+        return 2 * lo if lo in known else bad // 2
+    (a, pa), (b, pb) = sorted((t, known[t]) for t in near)
+    if pb <= pa:  # flat here: the edge is further on, or (when nothing fits) at the shortest length
+        return 2 * b if bad not in known else 1
+    return a + math.floor((limit - pa) * (b - a) / (pb - pa))
+
+
+def _parabola(known: dict[int, int], limit: float, lo: int, bad: int) -> int | None:
+    """Where the parabola through `lo`, `bad` and the measured length nearest them reaches `limit`, if it does
+    inside the interval: the peak is a parabola in the length where attention keeps its (tokens × tokens) scores
+    (eager), a line elsewhere."""
+    third = min((t for t in known if t not in (lo, bad)), key=lambda t: min(abs(t - lo), abs(t - bad)))
+    (x0, y0), (x1, y1), (x2, y2) = ((t, float(known[t])) for t in (lo, bad, third))
+    # Newton's divided differences: y = y0 + d1 (x - x0) + d2 (x - x0)(x - x1).
+    d1 = (y1 - y0) / (x1 - x0)
+    d2 = ((y2 - y1) / (x2 - x1) - d1) / (x2 - x0)
+    # In u = x - x0: d2 u² + (d1 - d2 (x1 - x0)) u + (y0 - limit) = 0.
+    a, b, c = d2, d1 - d2 * (x1 - x0), y0 - limit
+    if abs(a) < 1e-12 * max(abs(b), 1e-300):
+        return None
+    disc = b * b - 4 * a * c
+    if disc < 0:
+        return None
+    roots = [(-b + sign * math.sqrt(disc)) / (2 * a) + x0 for sign in (1, -1)]
+    inside = [r for r in roots if lo <= r < bad]
+    return math.floor(min(inside)) if inside else None
 
 
 def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[str, int] | None = None
@@ -443,11 +584,12 @@ def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[s
     precision = resolve_precision(c.precision, cuda=cuda)
     tokens = worst_case_tokens(c, lengths)
     step = _levels(c, [], cuda=cuda, precision=precision)[-1]
-    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
+    skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
+                                        precision=precision)
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
     terms = estimate(skeleton, c, kind=CHUNKED if use_chunks else kind_named(c.task), micro=1, tokens=tokens,
                      accum=resolve_batch(c, 1).per_process, precision=precision, optimizer=step.optimizer,
-                     device=device_name, padded=False, quantization=step.quantization)
+                     device=device_name, padded=False, quantization=step.quantization, windows=windows)
     return math.ceil(sum(terms.values()) / SAFETY / GIB * 100) / 100, step.name
 
 
