@@ -20,8 +20,9 @@ import torch
 
 from finetune.config.batch import BatchSplit, counted, divisors, resolve_batch
 from finetune.config.schema import Config
+from finetune.engine import offload as offloading
 from finetune.engine.recurrence import Recurrence, check_run
-from finetune.engine.runtime import device_memory, resolve_precision
+from finetune.engine.runtime import device_memory, host_memory, resolve_precision
 from finetune.errors import PlanError
 from finetune.kinds import chunked
 from finetune.kinds.base import TaskKind
@@ -41,6 +42,8 @@ CPU_RUNTIME = 0  # live tensors only: the process's own footprint is not the mod
 # What FSDP splits over the processes.
 SHARDED_TERMS = ("weights", "quantized_weights", "quantization_constants", "gradients", "optimizer_state")
 CHUNKED_RUNG = "chunked loss"
+OFFLOAD_RUNG = "activation offload"
+HOST_SHARE = 0.8  # activation offload may take this much of the machine's RAM (the process needs the rest)
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -65,6 +68,10 @@ class Plan:
     # A kind that needs a reference model (preference DPO/IPO): its strategy and what it costs (`plan_reference`).
     reference: dict[str, Any] = field(default_factory=dict)
     chunked_loss: bool = False  # the causal-LM loss a chunk of positions at a time (finetune.kinds.chunked)
+    # The checkpointed layers' inputs kept in CPU memory (finetune.engine.offload), and the bytes of CPU memory that
+    # takes: not part of the device peak, checked against the machine's RAM (`host_memory`).
+    activation_offload: bool = False
+    host_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -84,7 +91,8 @@ class Plan:
                          effective_batch_size=self.batch.effective_batch_size, precision=self.precision,
                          gradient_checkpointing=str(self.gradient_checkpointing).lower(),
                          lora=str(self.lora).lower(), optimizer=self.optimizer, quantization=self.quantization,
-                         chunked_loss=str(self.chunked_loss).lower())
+                         chunked_loss=str(self.chunked_loss).lower(),
+                         activation_offload=str(self.activation_offload).lower())
 
 
 class Level(NamedTuple):
@@ -96,6 +104,7 @@ class Level(NamedTuple):
     lora: bool
     quantization: str = "none"
     chunked: bool = False  # the loss in chunks of positions: one chunk's logits alive, not all
+    offload: bool = False  # the checkpointed layers' inputs in CPU memory: one layer's on the device, not all
 
 
 class Attempt(NamedTuple):
@@ -123,13 +132,16 @@ def overhead(tensors: int, device: str) -> int:
 
 def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, tokens: int, accum: int, precision: str,
              optimizer: str, device: str, shards: int = 1, memory: int | None = None, padded: bool = False,
-             quantization: str = "none", windows: dict[tuple, tuple[int, int]] | None = None) -> dict[str, int]:
+             quantization: str = "none", windows: dict[tuple, tuple[int, int]] | None = None,
+             host: dict[str, int] | None = None) -> dict[str, int]:
     """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
     optimizer state over `shards` processes. With `memory` (segment recurrence), `tokens` is one segment and
     `accum` its micro steps, which carry a cache of `memory` earlier tokens. `padded`: the micro-batch holds
     padding, so the model builds an attention mask (see `synthetic_batch`). `quantization` (8bit, 4bit): the
     skeleton's base linear layers are stored quantized (`quantize.weight_bytes`), and each is dequantized to the
-    compute dtype for its matmul, one at a time. `windows` keeps dry runs already made, by skeleton and shape."""
+    compute dtype for its matmul, one at a time. `windows` keeps dry runs already made, by skeleton and shape.
+    `host`, when given, receives `offloaded_activations`: the CPU memory that a skeleton with activation offload
+    keeps the checkpointed layers' inputs in (counted by the offload hooks in the dry run), not a device term."""
     gradients = skeleton.count(lambda m: _bytes(p for p in m.parameters() if p.requires_grad))
     state_per_byte = {"adamw": 2.0, "adamw_8bit": 0.5, "sgd": 0.0}[optimizer]  # relative to fp32 parameter bytes
     if quantization in ("8bit", "4bit"):
@@ -140,15 +152,25 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
         terms = {"weights": skeleton.count(lambda m: _bytes(m.parameters()))}
     terms["optimizer_state"] = int(state_per_byte * gradients)
     key = (id(skeleton), id(kind), micro, tokens, min(accum, 2), precision, memory, padded)
+    offloads = [offloading.of(m) for m in skeleton.models]
     if windows is not None and key in windows:
         window, carried = windows[key]
-    elif memory is None:
-        window, carried = dry_run(skeleton, kind, micro, tokens, accum, precision, packed=c.packing,
-                                  padded=padded), 0
+        offloaded = windows.get(("host", *key), (0, 0))[0]
     else:
-        window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
+        for counts in filter(None, offloads):
+            counts.reset()
+        if memory is None:
+            window, carried = dry_run(skeleton, kind, micro, tokens, accum, precision, packed=c.packing,
+                                      padded=padded), 0
+        else:
+            window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
+        # The offloaded inputs are layers' worth, like every other count of a deep model: scaled along the layers.
+        offloaded = skeleton.count(lambda m: getattr(offloading.of(m), "peak", 0)) if any(offloads) else 0
     if windows is not None:
         windows[key] = window, carried
+        windows[("host", *key)] = offloaded, 0
+    if host is not None:
+        host["offloaded_activations"] = offloaded
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
     # activations at the end of forward and the gradients at the end of backward), logits and activations.
     model_config = getattr(skeleton.model, "config", None)
@@ -222,16 +244,20 @@ class _Peaks:
     def __init__(self, search: _Search, step: Level, skeleton: Skeleton, kind: TaskKind) -> None:
         self.search, self.step, self.skeleton, self.kind = search, step, skeleton, kind
         self.known: dict[int, tuple[int, dict[str, int]]] = {}
+        self.host: dict[int, int] = {}  # CPU memory the offloaded activations take, by micro-batch size
 
     def __call__(self, micro: int) -> tuple[int, dict[str, int]]:
         """The predicted peak at micro-batch `micro` and its terms."""
         if micro in self.known:
             return self.known[micro]
         s, step, kind = self.search, self.step, self.kind
+        host: dict[str, int] = {}
         terms = estimate(self.skeleton, s.c, kind=kind, micro=micro, tokens=s.tokens,
                          accum=s.batch.per_process // micro * s.segments, precision=s.precision,
                          optimizer=step.optimizer, device=s.device_name, shards=s.shards, memory=s.memory,
-                         padded=s.uneven and micro > 1, quantization=step.quantization, windows=s.windows)
+                         padded=s.uneven and micro > 1, quantization=step.quantization, windows=s.windows,
+                         host=host)
+        self.host[micro] = host["offloaded_activations"]
         if hasattr(kind, "plan_reference"):  # a reference model's weights, when one sits beside the model
             terms |= kind.plan_reference(**_reference_inputs(self.skeleton, s.cuda, micro, s.tokens))[0]
         if hasattr(kind, "plan_window"):  # a loss over the whole window: its embeddings and scores, resident
@@ -262,7 +288,7 @@ class _Search:
     segments: int = 1
     notes: list[str] = field(default_factory=list)
     tried: list[Attempt] = field(default_factory=list)
-    skeletons: dict[tuple[bool, bool], Skeleton] = field(default_factory=dict)
+    skeletons: dict[tuple[bool, bool, bool], Skeleton] = field(default_factory=dict)
     windows: dict[tuple, tuple[int, int]] = field(default_factory=dict)
     kinds: dict[bool, TaskKind] = field(default_factory=dict)  # the kind as each rung trains it (LoRA or not)
 
@@ -312,10 +338,10 @@ class _Search:
     def skeleton(self, step: Level) -> Skeleton:
         """The rung's fake model. Rungs that differ only in the optimizer or in how the frozen base is stored share
         it and its dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds."""
-        key = step.checkpointing, step.lora
+        key = step.checkpointing, step.lora, step.offload
         if key not in self.skeletons:
             self.skeletons[key] = model_skeleton(self.c, self.num_labels, checkpointing=step.checkpointing,
-                                                 lora=step.lora, precision=self.precision)
+                                                 lora=step.lora, precision=self.precision, offload=step.offload)
         return self.skeletons[key]
 
     def fits(self, peak: int) -> bool:
@@ -334,7 +360,25 @@ class _Search:
             step = step._replace(chunked=False)
         peak_of = _Peaks(self, step, skeleton, CHUNKED if step.chunked else self.kind_for(step.lora))
         chosen = self.largest_fitting(peak_of)
-        return None if chosen is None else self.plan(step, skeleton, chosen, *peak_of(chosen))
+        if chosen is not None and step.offload:
+            chosen = self.host_fitting(peak_of, chosen)
+        return None if chosen is None else self.plan(step, skeleton, chosen, *peak_of(chosen),
+                                                     host=peak_of.host.get(chosen, 0))
+
+    def host_fitting(self, peak_of: _Peaks, chosen: int) -> int:
+        """The largest micro-batch up to `chosen` whose offloaded activations fit the machine's CPU memory (and
+        whose peak the budget), or the refusal that says they do not."""
+        limit = int(HOST_SHARE * host_memory())
+        for micro in (m for m in self.candidates if m <= chosen):
+            peak, _ = peak_of(micro)
+            if peak_of.host[micro] <= limit and self.fits(peak):
+                return micro
+        smallest = min(self.candidates)
+        peak_of(smallest)
+        raise PlanError([f"activation offload would keep {_gib(peak_of.host[smallest])} of checkpointed inputs in CPU "
+                         f"memory at micro-batch {smallest}, more than {HOST_SHARE:.0%} of this machine's "
+                         f"{_gib(host_memory())} of RAM: use a machine with more RAM, a smaller max_length, or "
+                         "a larger memory_budget_gb."])
 
     def largest_fitting(self, peak_of: _Peaks) -> int | None:
         """The largest candidate micro-batch whose peak fits the budget, or None. Without accumulation (the largest
@@ -355,7 +399,8 @@ class _Search:
                 lo = mid + 1
         return candidates[fitting]
 
-    def plan(self, step: Level, skeleton: Skeleton, chosen: int, peak: int, terms: dict[str, int]) -> Plan:
+    def plan(self, step: Level, skeleton: Skeleton, chosen: int, peak: int, terms: dict[str, int], host: int = 0
+             ) -> Plan:
         """The plan of micro-batch `chosen` on rung `step`, with the notes that say why and what it stores how."""
         notes, precision = self.notes, self.precision
         smallest: dict[str, int] = {}
@@ -380,13 +425,17 @@ class _Search:
             notes.append(f"The loss is computed {chunked.chunk_positions(vocab)} positions at a time (chunked_loss), "
                          f"each chunk's logits recomputed in the backward: {_mib(terms['logits'])} of logits and "
                          f"their gradient at the peak instead of {_gib(full)}.")
+        if step.offload:
+            notes.append(f"Activation offload: the checkpointed layers' inputs wait in CPU memory ({_gib(host)} of "
+                         f"this machine's {_gib(host_memory())}), one layer's copied back at a time for its "
+                         "recomputation.")
         return Plan(batch=self.batch.with_micro(chosen), precision=precision,
                     gradient_checkpointing=step.checkpointing, lora=step.lora, optimizer=step.optimizer,
                     budget_bytes=self.budget, predicted_peak_bytes=peak, breakdown=terms, device=self.device_name,
                     worst_case_tokens=self.tokens, method="dry-run", notes=tuple(notes),
                     distributed=self.distributed, padded=self.uneven, quantization=step.quantization,
                     base_dtype={torch.float32: "fp32"}.get(dtype, precision), reference=reference,
-                    chunked_loss=step.chunked)
+                    chunked_loss=step.chunked, activation_offload=step.offload, host_bytes=host)
 
     def nothing_fits(self) -> PlanError:
         """The refusal when no rung fits: the smallest plan tried, and the budget it would need."""
@@ -410,17 +459,21 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
         raise PlanError(["The longest context that fits needs a budget: set memory_budget_gb."])
     budget = c.memory_budget_gb * GIB
     step = _levels(c, [], cuda=cuda, precision=precision)[-1]
-    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
+    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision,
+                              offload=step.offload)
     accum = resolve_batch(c, 1).per_process  # micro-batch 1: the whole batch accumulated
     positions = getattr(skeleton.model.config, "max_position_embeddings", None) or c.max_length
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
     kind = CHUNKED if use_chunks else kind_named(c.task)
 
+    host_limit = HOST_SHARE * host_memory()
+
     def fits(tokens: int) -> bool:
+        host: dict[str, int] = {}
         terms = estimate(skeleton, c, kind=kind, micro=1, tokens=tokens, accum=accum,
                          precision=precision, optimizer=step.optimizer, device=device_name,
-                         quantization=step.quantization)
-        return sum(terms.values()) <= SAFETY * budget
+                         quantization=step.quantization, host=host)
+        return sum(terms.values()) <= SAFETY * budget and host["offloaded_activations"] <= host_limit
 
     lo, hi = 0, min(positions, 131072)
     if fits(hi):
@@ -441,7 +494,8 @@ def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[s
     precision = resolve_precision(c.precision, cuda=cuda)
     tokens = worst_case_tokens(c, lengths)
     step = _levels(c, [], cuda=cuda, precision=precision)[-1]
-    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision)
+    skeleton = model_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora, precision=precision,
+                              offload=step.offload)
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
     terms = estimate(skeleton, c, kind=CHUNKED if use_chunks else kind_named(c.task), micro=1, tokens=tokens,
                      accum=resolve_batch(c, 1).per_process, precision=precision, optimizer=step.optimizer,
@@ -529,7 +583,8 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
         return plan, None
     planned = plan.apply(c)  # the base stored as the plan says: fp32, the half dtype or quantized
     model = prepare_for_training(load_model(planned, label_names), planned,
-                                 checkpointing=plan.gradient_checkpointing, lora=plan.lora)
+                                 checkpointing=plan.gradient_checkpointing, lora=plan.lora,
+                                 offload=plan.activation_offload)
     if probe:
         # bitsandbytes puts a quantized model on its device as it loads it, and refuses to move it after.
         model = model if plan.quantization != "none" else model.to(device)
@@ -571,12 +626,27 @@ def _levels(c: Config, notes: list[str], *, cuda: bool = False, precision: str =
         and shards == 1
     ladder = _ladder(c, notes, cuda=cuda, precision=precision, shards=shards)
     if not (always or auto):
-        return ladder
+        return _offloaded(c, ladder, cuda)
     first, rest = ladder[0], [step._replace(chunked=True) for step in ladder[1:]]
     if always:
-        return [first._replace(chunked=True), *rest]
+        return _offloaded(c, [first._replace(chunked=True), *rest], cuda)
     name = CHUNKED_RUNG if first.name == "plain" else f"{first.name} with {CHUNKED_RUNG}"
-    return [first, first._replace(name=name, chunked=True), *rest]
+    return _offloaded(c, [first, first._replace(name=name, chunked=True), *rest], cuda)
+
+
+def _offloaded(c: Config, ladder: list[Level], cuda: bool) -> list[Level]:
+    """The ladder with activation offload: `true` on every rung that checkpoints, `auto` one more rung at the top
+    (the last rung with its checkpointed inputs in CPU memory), only for a CUDA device: on a CPU the activations
+    are in CPU memory already, so `true` is refused there and `auto` never offloads."""
+    if c.activation_offload == "true":
+        if not cuda:
+            raise PlanError(["activation_offload=true needs a CUDA GPU (on a CPU the activations are in CPU memory "
+                             "already): set activation_offload=auto or false, or plan with --device cuda."])
+        return [step._replace(offload=step.checkpointing) for step in ladder]
+    top = ladder[-1]
+    if c.activation_offload == "auto" and cuda and top.checkpointing:
+        return [*ladder, top._replace(name=f"{top.name} with {OFFLOAD_RUNG}", offload=True)]
+    return ladder
 
 
 def _ladder(c: Config, notes: list[str], *, cuda: bool, precision: str, shards: int) -> list[Level]:
@@ -668,6 +738,8 @@ def render(plan: Plan) -> str:
             if plan.reference.get("reference_weights_bytes") else ""))] if plan.reference else []),
         ("optimizer", plan.optimizer),
         *([("loss", "chunked (chunked_loss): a chunk of positions' logits at a time")] if plan.chunked_loss else []),
+        *([("activation offload", f"on: checkpointed inputs in CPU memory ({_gib(plan.host_bytes)})")]
+          if plan.activation_offload else []),
         ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"
                                    + (", padded" if plan.padded and b.micro_batch_size > 1 else "")),
         ("device", plan.device),
@@ -681,5 +753,8 @@ def render(plan: Plan) -> str:
     for term, value in plan.breakdown.items():
         bar = "█" * round(30 * value / total)
         lines.append(f"  {term.ljust(16)} {value / 2**20:10.1f} MiB  {bar}")
+    if plan.activation_offload:  # CPU memory, beside the device's terms and not part of their peak
+        bar = "░" * round(30 * plan.host_bytes / total)
+        lines.append(f"  {'CPU memory':16} {plan.host_bytes / 2**20:10.1f} MiB  {bar} (offloaded activations)")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
