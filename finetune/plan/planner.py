@@ -375,9 +375,9 @@ class _Search:
                 return micro
         smallest = min(self.candidates)
         peak_of(smallest)
-        raise PlanError([f"activation offload would keep {_gib(peak_of.host[smallest])} of checkpointed inputs in CPU "
-                         f"memory at micro-batch {smallest}, more than {HOST_SHARE:.0%} of this machine's "
-                         f"{_gib(host_memory())} of RAM: use a machine with more RAM, a smaller max_length, or "
+        raise PlanError([f"activation offload would keep {_size(peak_of.host[smallest])} of checkpointed inputs in "
+                         f"CPU memory at micro-batch {smallest}, more than {HOST_SHARE:.0%} of this machine's "
+                         f"{_size(host_memory())} of RAM: use a machine with more RAM, a smaller max_length, or "
                          "a larger memory_budget_gb."])
 
     def largest_fitting(self, peak_of: _Peaks) -> int | None:
@@ -426,8 +426,8 @@ class _Search:
                          f"each chunk's logits recomputed in the backward: {_mib(terms['logits'])} of logits and "
                          f"their gradient at the peak instead of {_gib(full)}.")
         if step.offload:
-            notes.append(f"Activation offload: the checkpointed layers' inputs wait in CPU memory ({_gib(host)} of "
-                         f"this machine's {_gib(host_memory())}), one layer's copied back at a time for its "
+            notes.append(f"Activation offload: the checkpointed layers' inputs wait in CPU memory ({_size(host)} of "
+                         f"this machine's {_size(host_memory())}), one layer's copied back at a time for its "
                          "recomputation.")
         return Plan(batch=self.batch.with_micro(chosen), precision=precision,
                     gradient_checkpointing=step.checkpointing, lora=step.lora, optimizer=step.optimizer,
@@ -713,6 +713,11 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
+def _size(n: float) -> str:
+    """GiB from one up, MiB below (a tiny model's offloaded inputs)."""
+    return _gib(n) if n >= GIB else _mib(n)
+
+
 def _vocab(c: Config) -> int:
     """The model's vocabulary size, from its config alone."""
     from transformers import AutoConfig
@@ -738,7 +743,7 @@ def render(plan: Plan) -> str:
             if plan.reference.get("reference_weights_bytes") else ""))] if plan.reference else []),
         ("optimizer", plan.optimizer),
         *([("loss", "chunked (chunked_loss): a chunk of positions' logits at a time")] if plan.chunked_loss else []),
-        *([("activation offload", f"on: checkpointed inputs in CPU memory ({_gib(plan.host_bytes)})")]
+        *([("activation offload", f"on: checkpointed inputs in CPU memory ({_size(plan.host_bytes)})")]
           if plan.activation_offload else []),
         ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"
                                    + (", padded" if plan.padded and b.micro_batch_size > 1 else "")),
