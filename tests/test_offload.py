@@ -13,7 +13,7 @@ from finetune.errors import PlanError
 from finetune.kinds.registry import kind
 from finetune.plan import planner
 from finetune.plan.memory import measure_window, model_skeleton
-from finetune.plan.planner import estimate, make_plan, smallest_budget
+from finetune.plan.planner import estimate, make_plan
 
 GIB = 2**30
 CUDA = ("cuda (planned)", 80 * GIB)

@@ -124,9 +124,10 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
                    offload: bool = False) -> Skeleton:
     """The configured model as fake tensors (shapes, dtypes and a device, no data and no weights read), with
     checkpointing and LoRA as asked; under LoRA with mixed precision the frozen base is in the half dtype, as
-    `load_model` stores it (a quantized base is counted from these shapes: `quantize.weight_bytes`); with `offload`,
-    checkpointing's saved inputs leave the device and are counted as host bytes (`finetune.engine.offload`). A deep model
-    of identical layers is built with two and three of them (`Skeleton`)."""
+    `load_model` stores it (a quantized base is counted from these shapes: `quantize.weight_bytes`); with
+    `offload`, checkpointing's saved inputs leave the device and are counted as host bytes
+    (`finetune.engine.offload`). A deep model of identical layers is built with two and three of them
+    (`Skeleton`)."""
     import transformers
     from transformers import AutoConfig
 
