@@ -378,7 +378,7 @@ class _Search:
         raise PlanError([f"activation offload would keep {_size(peak_of.host[smallest])} of checkpointed inputs in "
                          f"CPU memory at micro-batch {smallest}, more than {HOST_SHARE:.0%} of this machine's "
                          f"{_size(host_memory())} of RAM: use a machine with more RAM, a smaller max_length, or "
-                         "a larger memory_budget_gb."])
+                         "a larger memory_budget_gb with activation_offload=auto."])
 
     def largest_fitting(self, peak_of: _Peaks) -> int | None:
         """The largest candidate micro-batch whose peak fits the budget, or None. Without accumulation (the largest
