@@ -157,6 +157,24 @@ def test_plan_view_names_the_quantization_and_drops_savings_notes_on_a_roomy_pla
     assert "8-bit AdamW" in plan_report.plan_markdown({**PLAN, "notes": [skipped]})  # 75 %: worth knowing
 
 
+def test_plan_view_shows_activation_offloads_cpu_memory_as_its_own_bar():
+    offloaded = {**PLAN, "activation_offload": True, "host_bytes": 3 * GIB}
+    text = plan_report.plan_markdown(offloaded)
+    assert "activation offload **on**" in text and "**3.00 GiB** of RAM, not part of the device's peak" in text
+    frame = plan_report.plan_frame(offloaded)
+    assert frame.part.tolist()[-2:] == [plan_report.HOST_PART, "budget"]
+    assert frame[frame.kind == "host"].GiB.tolist() == [3.0]
+    chart = plan_report.plan_chart_html(offloaded)
+    widths = _bar_widths(chart)
+    # On the device's scale (the budget of 8 GiB), beside the peak and not added to it.
+    assert widths[plan_report.HOST_PART] == 37.5 and widths["predicted peak"] == 75.0
+    assert "offloaded activations (CPU memory)" in chart and "CPU memory (activation offload)" in chart
+    assert plan_report.HOST_PART not in _bar_widths(plan_report.plan_chart_html(PLAN))  # no offload: no bar
+    # CPU memory larger than the device's peak: the scale takes it, so no bar runs off the chart.
+    big = _bar_widths(plan_report.plan_chart_html({**offloaded, "host_bytes": 16 * GIB}))
+    assert big[plan_report.HOST_PART] == 100.0 and big["predicted peak"] == 37.5
+
+
 def test_dataset_block_guesses_columns_and_counts_labels(cls_csv):
     view = preview.inspect(cls_csv, None, "train", "classification", {})
     assert view.error == "" and view.columns == ["sentence", "label"] and view.rows == 37

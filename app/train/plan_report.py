@@ -23,6 +23,7 @@ TERM_WORDS = {"optimizer_state": "optimizer state", "quantization_constants": "q
 # Notes about savings the planner could not offer: noise on a plan that fits easily (under this share of the budget).
 ROOMY = 0.5
 SAVING_NOTES = ("8-bit AdamW", "8-bit AdamW and quantized bases skipped")
+HOST_PART = "offloaded activations (CPU memory)"  # activation offload's host copies: RAM, not the device's peak
 
 
 def term_label(term: str, plan: dict[str, Any]) -> str:
@@ -58,6 +59,9 @@ def plan_markdown(plan: dict[str, Any]) -> str:
              f"{'on' if plan.get('gradient_checkpointing') else 'off'}** · LoRA **{'on' if plan.get('lora') else 'off'}"
              f"** · quantization **{plan['quantization'] if quantized else 'none'}** · optimizer "
              f"**{plan.get('optimizer')}** · device **{plan.get('device')}**"]
+    if plan.get("activation_offload"):
+        lines.append(f"activation offload **on**: the checkpointed layers' inputs wait in CPU memory "
+                     f"(**{_size(plan.get('host_bytes') or 0)}** of RAM, not part of the device's peak)")
     if quantized:  # its share is a bar of plan_chart_html's
         lines.append(f"frozen base quantized **{plan['quantization']}** (bitsandbytes), unquantized weights in "
                      f"**{plan.get('base_dtype', 'fp32')}**")
@@ -81,17 +85,20 @@ def plan_markdown(plan: dict[str, Any]) -> str:
 
 
 def plan_frame(plan: dict[str, Any]) -> pd.DataFrame:
-    """One row per term of the predicted peak, then the peak and the budget, in GiB."""
+    """One row per term of the predicted peak, then the peak, the CPU memory that activation offload takes (a
+    part of its own, outside the device's peak) and the budget, in GiB."""
     rows = [(term_label(term, plan), float(b) / GIB, "term") for term, b in (plan.get("breakdown") or {}).items()
             if isinstance(b, (int, float)) and b > 0]  # a term of nothing (no logits kept) is no part
     if isinstance(plan.get("predicted_peak_bytes"), (int, float)):
         rows.append(("predicted peak", plan["predicted_peak_bytes"] / GIB, "predicted peak"))
+    if plan.get("activation_offload") and isinstance(plan.get("host_bytes"), (int, float)):
+        rows.append((HOST_PART, float(plan["host_bytes"]) / GIB, "host"))
     if plan.get("budget_bytes"):
         rows.append(("budget", float(plan["budget_bytes"]) / GIB, "budget"))
     return pd.DataFrame(rows, columns=["part", "GiB", "kind"])
 
 
-BAR_COLOURS = {"term": "#2563eb", "predicted peak": "#1e3a8a"}
+BAR_COLOURS = {"term": "#2563eb", "predicted peak": "#1e3a8a", "host": "#059669"}
 MIN_BAR_PCT = 1.5  # a part too small to see still gets a sliver, and its number beside it
 BUDGET_IN_SCALE = 1.5  # a budget up to this much above the peak is drawn on the same scale (as a marker)
 
@@ -103,10 +110,11 @@ def plan_chart_html(plan: dict[str, Any]) -> str:
     bars = frame[frame.kind != "budget"]
     if not len(bars):
         return ""
-    peak = float(bars.GiB.max())
+    device = bars[bars.kind != "host"]
+    peak = float(device.GiB.max()) if len(device) else 0.0
     budget = float(frame[frame.kind == "budget"].GiB.iloc[0]) if (frame.kind == "budget").any() else None
     scale = max(peak, budget) if budget is not None and budget <= BUDGET_IN_SCALE * peak else peak
-    scale = scale or 1.0
+    scale = max(scale, float(bars.GiB.max())) or 1.0  # CPU memory may be larger than the device's peak
     marker = f'<div class="ft-budget-mark" style="left:{100 * budget / scale:.1f}%" title="budget"></div>' \
         if budget is not None and budget <= scale else ""
     rows = []
@@ -124,6 +132,8 @@ def plan_chart_html(plan: dict[str, Any]) -> str:
                    f"uses {100 * peak / budget:.0f} % of it).")
     else:
         caption = f"The grey line is the budget, {budget:.2f} GiB."
+    if (bars.kind == "host").any():
+        caption += " The green bar is CPU memory (activation offload), outside the device's peak and budget."
     return (f'<div class="ft-plan-chart" role="img" aria-label="Predicted peak and its parts">{"".join(rows)}'
             f'<p class="ft-bar-caption">{html.escape(caption)}</p></div>')
 

@@ -39,6 +39,8 @@ FEATURES = {f.name: f for f in (
             {"prompt_column": "prompt", "completion_column": "completion"}),
     Feature("tasks", lambda c: bool(c.tasks), {"tasks": TWO_TASKS}),
     Feature("chunked_loss", lambda c: c.chunked_loss == "true", {"chunked_loss": "true"}),
+    Feature("activation_offload", lambda c: c.activation_offload == "true", {"activation_offload": "true"}),
+    Feature("no_checkpointing", lambda c: c.gradient_checkpointing == "false", {"gradient_checkpointing": "false"}),
     Feature("overwrite", lambda c: c.overwrite, {"overwrite": True}),
     Feature("resume", lambda c: c.resume, {"resume": True}),
 )}
@@ -82,6 +84,12 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion("segment_recurrence", "chunked_loss", lambda c: (
         "`chunked_loss=true` does not apply to segment recurrence, whose logits are already one segment's at a "
         "time: set chunked_loss=auto or false.")),
+    Exclusion("activation_offload", "no_checkpointing", lambda c: (
+        "`activation_offload=true` keeps the inputs of checkpointed layers in CPU memory, so it needs gradient "
+        "checkpointing: set gradient_checkpointing=auto or true, or activation_offload=auto.")),
+    Exclusion("segment_recurrence", "activation_offload", lambda c: (
+        "`activation_offload=true` needs gradient checkpointing, which segment recurrence cannot use: set "
+        "activation_offload=auto or false.")),
     Exclusion("tasks", "streaming", lambda c: "`streaming=true` does not combine with `tasks` yet: read the tasks' "
               "data whole."),
     Exclusion("tasks", "conversations", lambda c: "Conversation data (`messages_column`) does not combine with "

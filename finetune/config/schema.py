@@ -188,6 +188,11 @@ class Config:
                              "chunk's logits in the backward, so that the full tokens × vocabulary logits never exist "
                              "(the same loss and gradient; auto: when the plan says it saves memory).",
                              choices=("auto", "true", "false"), group="advanced")
+    activation_offload: str = _opt("auto", "With gradient checkpointing, keep the checkpointed layers' inputs in "
+                                   "(pinned) CPU memory and copy them back for the recomputation: the same result, "
+                                   "one layer's inputs on the GPU instead of every layer's; CUDA only (auto: the "
+                                   "last step of the plan, only when the budget needs it; never on a CPU).",
+                                   choices=("auto", "true", "false"), group="advanced")
     lora_r: int = _opt(16, "LoRA rank.", min=1, max=4096, group="advanced")
     lora_alpha: float = _opt(32.0, "LoRA scaling numerator (the update is scaled by alpha / r).", min=0.0,
                              group="advanced")

@@ -57,6 +57,11 @@ def device_memory() -> tuple[str, int]:
     return "cpu", int(psutil.virtual_memory().total)
 
 
+def host_memory() -> int:
+    """Bytes of this machine's RAM: what activation offload's host copies must fit in."""
+    return int(psutil.virtual_memory().total)
+
+
 MODES = ("single", "ddp", "fsdp", "deepspeed")
 
 

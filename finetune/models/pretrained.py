@@ -9,6 +9,7 @@ from typing import Any
 
 from finetune.config.schema import DEFAULT_MODEL, Config
 from finetune.data.chat import read_template
+from finetune.engine import offload as offloading
 from finetune.engine.runtime import resolve_precision
 from finetune.errors import ModelError, summary
 from finetune.kinds.registry import entry, kind_of_model_config, kind_of_peft_task_type
@@ -120,8 +121,9 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
     return kind.trained_model(model) if hasattr(kind, "trained_model") else model
 
 
-def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bool) -> Any:
-    """Turn on gradient checkpointing and wrap in LoRA adapters, the same way for the dry run and for training."""
+def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bool, offload: bool = False) -> Any:
+    """Turn on gradient checkpointing (with `offload`, its layers' inputs kept in CPU memory:
+    `finetune.engine.offload`) and wrap in LoRA adapters, the same way for the dry run and for training."""
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora:
@@ -140,6 +142,8 @@ def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bo
                                                  exclude_modules=(heads if modules == "all-linear" else []) or None,
                                                  modules_to_save=(heads if not task_type else []) or None))
         quantize.upcast_trainable(model)
+    if offload and checkpointing:
+        offloading.enable(model)
     return model
 
 

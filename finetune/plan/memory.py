@@ -120,12 +120,14 @@ def scaled(small: int, wider: int, layers: int) -> int:
     return wider + (layers - SCALED_FROM - 1) * (wider - small)
 
 
-def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool, precision: str = "fp32"
-                   ) -> Skeleton:
+def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool, precision: str = "fp32",
+                   offload: bool = False) -> Skeleton:
     """The configured model as fake tensors (shapes, dtypes and a device, no data and no weights read), with
     checkpointing and LoRA as asked; under LoRA with mixed precision the frozen base is in the half dtype, as
-    `load_model` stores it (a quantized base is counted from these shapes: `quantize.weight_bytes`). A deep model
-    of identical layers is built with two and three of them (`Skeleton`)."""
+    `load_model` stores it (a quantized base is counted from these shapes: `quantize.weight_bytes`); with
+    `offload`, checkpointing's saved inputs leave the device and are counted as host bytes
+    (`finetune.engine.offload`). A deep model of identical layers is built with two and three of them
+    (`Skeleton`)."""
     import transformers
     from transformers import AutoConfig
 
@@ -150,7 +152,7 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
         with fake, _adapters_stay_where_made(), init:
             model = auto.from_config(config, trust_remote_code=c.trust_remote_code,
                                      dtype=quantize.base_dtype(precision, lora))
-            return prepare_for_training(model, c, checkpointing=checkpointing, lora=lora)
+            return prepare_for_training(model, c, checkpointing=checkpointing, lora=lora, offload=offload)
 
     layers = _scalable_layers(model_config, c)
     if layers:

@@ -28,11 +28,11 @@ PLAN_OPTIONS = ("task", "max_length", "effective_batch_size", "micro_batch_size"
                 "memory_budget_gb", "gradient_checkpointing", "lora", "lora_r", "lora_alpha", "lora_dropout",
                 "lora_target_modules", "optimizer", "precision", "packing", "segment_recurrence", "memory_length",
                 "quantization", "preference_loss", "reference_model", "precompute_reference", "streaming",
-                "chunked_loss", "num_generations", "max_completion_length", "beta")
+                "chunked_loss", "num_generations", "max_completion_length", "beta", "activation_offload")
 # Paths under finetune/.
 PLANNING_CODE = ("plan/planner.py", "plan/memory.py", "models/pretrained.py", "engine/losses.py", "config/batch.py",
                  "engine/recurrence.py", "data/packing.py", "models/quantize.py",
-                 "kinds/chunked.py", "kinds/causal_lm.py", "kinds/grpo.py")
+                 "kinds/chunked.py", "kinds/causal_lm.py", "kinds/grpo.py", "engine/offload.py")
 LIBRARIES = ("torch", "transformers", "peft")
 
 

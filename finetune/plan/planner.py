@@ -23,8 +23,9 @@ import torch
 
 from finetune.config.batch import BatchSplit, counted, divisors, resolve_batch
 from finetune.config.schema import Config
+from finetune.engine import offload as offloading
 from finetune.engine.recurrence import Recurrence, check_run
-from finetune.engine.runtime import device_memory, resolve_precision
+from finetune.engine.runtime import device_memory, host_memory, resolve_precision
 from finetune.errors import PlanError
 from finetune.kinds import chunked
 from finetune.kinds.base import TaskKind
@@ -44,6 +45,8 @@ CPU_RUNTIME = 0  # live tensors only: the process's own footprint is not the mod
 # What FSDP splits over the processes.
 SHARDED_TERMS = ("weights", "quantized_weights", "quantization_constants", "gradients", "optimizer_state")
 CHUNKED_RUNG = "chunked loss"
+OFFLOAD_RUNG = "activation offload"
+HOST_SHARE = 0.8  # activation offload may take this much of the machine's RAM (the process needs the rest)
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -68,6 +71,10 @@ class Plan:
     # A kind that needs a reference model (preference DPO/IPO): its strategy and what it costs (`plan_reference`).
     reference: dict[str, Any] = field(default_factory=dict)
     chunked_loss: bool = False  # the causal-LM loss a chunk of positions at a time (finetune.kinds.chunked)
+    # The checkpointed layers' inputs kept in CPU memory (finetune.engine.offload), and the bytes of CPU memory that
+    # takes: not part of the device peak, checked against the machine's RAM (`host_memory`).
+    activation_offload: bool = False
+    host_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -87,7 +94,8 @@ class Plan:
                          effective_batch_size=self.batch.effective_batch_size, precision=self.precision,
                          gradient_checkpointing=str(self.gradient_checkpointing).lower(),
                          lora=str(self.lora).lower(), optimizer=self.optimizer, quantization=self.quantization,
-                         chunked_loss=str(self.chunked_loss).lower())
+                         chunked_loss=str(self.chunked_loss).lower(),
+                         activation_offload=str(self.activation_offload).lower())
 
 
 class Level(NamedTuple):
@@ -99,6 +107,7 @@ class Level(NamedTuple):
     lora: bool
     quantization: str = "none"
     chunked: bool = False  # the loss in chunks of positions: one chunk's logits alive, not all
+    offload: bool = False  # the checkpointed layers' inputs in CPU memory: one layer's on the device, not all
 
 
 class Attempt(NamedTuple):
@@ -127,26 +136,37 @@ def overhead(tensors: int, device: str) -> int:
 
 def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, tokens: int, accum: int, precision: str,
              optimizer: str, device: str, shards: int = 1, memory: int | None = None, padded: bool = False,
-             quantization: str = "none", windows: dict[tuple, tuple] | None = None) -> dict[str, int]:
+             quantization: str = "none", windows: dict[tuple, tuple] | None = None,
+             host: dict[str, int] | None = None) -> dict[str, int]:
     """Peak memory by term for one configuration (bytes), per process; FSDP splits weights, gradients and
     optimizer state over `shards` processes. With `memory` (segment recurrence), `tokens` is one segment and
     `accum` its micro steps, which carry a cache of `memory` earlier tokens. `padded`: the micro-batch holds
     padding, so the model builds an attention mask (see `synthetic_batch`). `quantization` (8bit, 4bit): the
     skeleton's base linear layers are stored quantized (`quantize.weight_bytes`), and each is dequantized to the
-    compute dtype for its matmul, one at a time. `windows` keeps dry runs already made, by skeleton and shape."""
+    compute dtype for its matmul, one at a time. `windows` keeps dry runs already made, by skeleton and shape.
+    `host`, when given, receives `offloaded_activations`: the CPU memory that a skeleton with activation offload
+    keeps the checkpointed layers' inputs in (counted by the offload hooks in the dry run), not a device term."""
     gradients = skeleton.count(lambda m: _bytes(p for p in m.parameters() if p.requires_grad))
     terms = fixed_terms(skeleton, optimizer=optimizer, precision=precision, quantization=quantization)
     cuda = device.startswith("cuda")  # its attention kernels (`attention_as_on_cuda`)
     key = (id(skeleton), id(kind), micro, tokens, min(accum, 2), precision, memory, padded, cuda, c.packing)
+    offloads = [offloading.of(m) for m in skeleton.models]
     if windows is not None and key in windows and windows[key][2] is kind:  # (an id outlives its object)
-        window, carried, _ = windows[key]
-    elif memory is None:
-        window, carried = dry_run(skeleton, kind, micro, tokens, accum, precision, packed=c.packing,
-                                  padded=padded, cuda=cuda), 0
+        window, carried, _, offloaded = windows[key]
     else:
-        window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
+        for counts in filter(None, offloads):
+            counts.reset()
+        if memory is None:
+            window, carried = dry_run(skeleton, kind, micro, tokens, accum, precision, packed=c.packing,
+                                      padded=padded, cuda=cuda), 0
+        else:
+            window, carried = dry_run_segments(skeleton, micro, tokens, memory, accum, precision)
+        # The offloaded inputs are layers' worth, like every other count of a deep model: scaled along the layers.
+        offloaded = skeleton.count(lambda m: getattr(offloading.of(m), "peak", 0)) if any(offloads) else 0
     if windows is not None:
-        windows[key] = window, carried, kind
+        windows[key] = window, carried, kind, offloaded
+    if host is not None:
+        host["offloaded_activations"] = offloaded
     # The window's peak holds gradients (all of them with accumulation; without it, whichever is larger of the
     # activations at the end of forward and the gradients at the end of backward), logits and activations.
     model_config = getattr(skeleton.model, "config", None)
@@ -196,19 +216,20 @@ REUSED_SKELETONS = 4  # skeletons (and their dry runs) a process keeps for its n
 _reused: OrderedDict[tuple, tuple[Skeleton, dict]] = OrderedDict()
 
 
-def reused_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool, precision: str
-                    ) -> tuple[Skeleton, dict]:
+def reused_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool, precision: str,
+                    offload: bool = False) -> tuple[Skeleton, dict]:
     """`model_skeleton`, and a dict for the dry runs made on it (`estimate`'s `windows`), shared by the plans this
     process makes of the same model (`finetune plan --longest` asks twice, the GUI asks again and again). A model
     whose config.json is not on disk, or that runs its own code, is built afresh each time."""
     model_config = plancache.model_config_bytes(c)
     key = None if model_config is None else (
         hashlib.sha256(model_config).hexdigest(), c.model, c.task, num_labels, checkpointing, lora, precision,
-        c.segment_recurrence, c.lora_r, c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules))
+        offload, c.segment_recurrence, c.lora_r, c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules))
     if key in _reused:
         _reused.move_to_end(key)
         return _reused[key]
-    built = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora, precision=precision), {}
+    built = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora, precision=precision,
+                           offload=offload), {}
     if key is not None:
         _reused[key] = built
         while len(_reused) > REUSED_SKELETONS:
@@ -273,6 +294,7 @@ class _Peaks:
         self.search, self.step, self.skeleton, self.kind = search, step, skeleton, kind
         self.known: dict[int, tuple[int, dict[str, int]]] = {}
         self.bound: int | None = None
+        self.host: dict[int, int] = {}  # CPU memory the offloaded activations take, by micro-batch size
 
     def __call__(self, micro: int) -> tuple[int, dict[str, int]]:
         """The predicted peak at micro-batch `micro` and its terms; on a rung whose fixed terms alone do not fit the
@@ -294,11 +316,13 @@ class _Peaks:
         if micro in self.known:
             return self.known[micro]
         s, step, kind = self.search, self.step, self.kind
+        host: dict[str, int] = {}
         terms = estimate(self.skeleton, s.c, kind=kind, micro=micro, tokens=s.tokens,
                          accum=s.batch.per_process // micro * s.segments, precision=s.precision,
                          optimizer=step.optimizer, device=s.device_name, shards=s.shards, memory=s.memory,
                          padded=s.uneven and micro > 1, quantization=step.quantization,
-                         windows=s.windows(self.skeleton))
+                         windows=s.windows(self.skeleton), host=host)
+        self.host[micro] = host["offloaded_activations"]
         if hasattr(kind, "plan_reference"):  # a reference model's weights, when one sits beside the model
             terms |= kind.plan_reference(**_reference_inputs(self.skeleton, s.cuda, micro, s.tokens))[0]
         if hasattr(kind, "plan_window"):  # a loss over the whole window: its embeddings and scores, resident
@@ -331,7 +355,7 @@ class _Search:
     notes: list[str] = field(default_factory=list)
     tried: list[Attempt] = field(default_factory=list)
     exact: dict[tuple[str, int], Any] = field(default_factory=dict)  # a bounded attempt's dry run, when needed
-    skeletons: dict[tuple[bool, bool], tuple[Skeleton, dict]] = field(default_factory=dict)  # and their dry runs
+    skeletons: dict[tuple[bool, bool, bool], tuple[Skeleton, dict]] = field(default_factory=dict)  # + dry runs
     kinds: dict[bool, TaskKind] = field(default_factory=dict)  # the kind as each rung trains it (LoRA or not)
 
     @property
@@ -380,10 +404,10 @@ class _Search:
     def skeleton(self, step: Level) -> Skeleton:
         """The rung's fake model. Rungs that differ only in the optimizer or in how the frozen base is stored share
         it and its dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds."""
-        key = step.checkpointing, step.lora
+        key = step.checkpointing, step.lora, step.offload
         if key not in self.skeletons:
             self.skeletons[key] = reused_skeleton(self.c, self.num_labels, checkpointing=step.checkpointing,
-                                                  lora=step.lora, precision=self.precision)
+                                                  lora=step.lora, precision=self.precision, offload=step.offload)
         return self.skeletons[key][0]
 
     def windows(self, skeleton: Skeleton) -> dict:
@@ -406,7 +430,25 @@ class _Search:
             step = step._replace(chunked=False)
         peak_of = _Peaks(self, step, skeleton, CHUNKED if step.chunked else self.kind_for(step.lora))
         chosen = self.largest_fitting(peak_of)
-        return None if chosen is None else self.plan(step, skeleton, chosen, *peak_of(chosen))
+        if chosen is not None and step.offload:
+            chosen = self.host_fitting(peak_of, chosen)
+        return None if chosen is None else self.plan(step, skeleton, chosen, *peak_of(chosen),
+                                                     host=peak_of.host.get(chosen, 0))
+
+    def host_fitting(self, peak_of: _Peaks, chosen: int) -> int:
+        """The largest micro-batch up to `chosen` whose offloaded activations fit the machine's CPU memory (and
+        whose peak the budget), or the refusal that says they do not."""
+        limit = int(HOST_SHARE * host_memory())
+        for micro in (m for m in self.candidates if m <= chosen):
+            peak, _ = peak_of.exact(micro)  # a dry run: a bound counts no offloaded bytes
+            if peak_of.host[micro] <= limit and self.fits(peak):
+                return micro
+        smallest = min(self.candidates)
+        peak_of.exact(smallest)
+        raise PlanError([f"activation offload would keep {_size(peak_of.host[smallest])} of checkpointed inputs in "
+                         f"CPU memory at micro-batch {smallest}, more than {HOST_SHARE:.0%} of this machine's "
+                         f"{_size(host_memory())} of RAM: use a machine with more RAM, a smaller max_length, or "
+                         "a larger memory_budget_gb with activation_offload=auto."])
 
     def largest_fitting(self, peak_of: _Peaks) -> int | None:
         """The largest candidate micro-batch whose peak fits the budget, or None. Without accumulation (the largest
@@ -427,7 +469,8 @@ class _Search:
                 lo = mid + 1
         return candidates[fitting]
 
-    def plan(self, step: Level, skeleton: Skeleton, chosen: int, peak: int, terms: dict[str, int]) -> Plan:
+    def plan(self, step: Level, skeleton: Skeleton, chosen: int, peak: int, terms: dict[str, int], host: int = 0
+             ) -> Plan:
         """The plan of micro-batch `chosen` on rung `step`, with the notes that say why and what it stores how."""
         notes, precision = self.notes, self.precision
         smallest: dict[str, Attempt] = {}
@@ -454,13 +497,17 @@ class _Search:
             notes.append(f"The loss is computed {chunked.chunk_positions(vocab)} positions at a time (chunked_loss), "
                          f"each chunk's logits recomputed in the backward: {_mib(terms['logits'])} of logits and "
                          f"their gradient at the peak instead of {_gib(full)}.")
+        if step.offload:
+            notes.append(f"Activation offload: the checkpointed layers' inputs wait in CPU memory ({_size(host)} of "
+                         f"this machine's {_size(host_memory())}), one layer's copied back at a time for its "
+                         "recomputation.")
         return Plan(batch=self.batch.with_micro(chosen), precision=precision,
                     gradient_checkpointing=step.checkpointing, lora=step.lora, optimizer=step.optimizer,
                     budget_bytes=self.budget, predicted_peak_bytes=peak, breakdown=terms, device=self.device_name,
                     worst_case_tokens=self.tokens, method="dry-run", notes=tuple(notes),
                     distributed=self.distributed, padded=self.uneven, quantization=step.quantization,
                     base_dtype={torch.float32: "fp32"}.get(dtype, precision), reference=reference,
-                    chunked_loss=step.chunked)
+                    chunked_loss=step.chunked, activation_offload=step.offload, host_bytes=host)
 
     def nothing_fits(self) -> PlanError:
         """The refusal when no rung fits: the smallest plan tried, and the budget it would need."""
@@ -488,19 +535,24 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
     budget = c.memory_budget_gb * GIB
     step = _levels(c, [], cuda=cuda, precision=precision)[-1]
     skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
-                                        precision=precision)
+                                        precision=precision, offload=step.offload)
     accum = resolve_batch(c, 1).per_process  # micro-batch 1: the whole batch accumulated
     positions = getattr(skeleton.model.config, "max_position_embeddings", None) or c.max_length
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
     kind = CHUNKED if use_chunks else kind_named(c.task)
 
+    limit, host_limit = SAFETY * budget, HOST_SHARE * host_memory()
+
     def peak(tokens: int) -> int:
+        """The device's peak, or the host's offloaded bytes in the device limit's units when they are the
+        tighter constraint: a length fits when both fit (the max of the two is still piecewise affine)."""
+        host: dict[str, int] = {}
         terms = estimate(skeleton, c, kind=kind, micro=1, tokens=tokens, accum=accum,
                          precision=precision, optimizer=step.optimizer, device=device_name,
-                         quantization=step.quantization, windows=windows)
-        return sum(terms.values())
+                         quantization=step.quantization, windows=windows, host=host)
+        return max(sum(terms.values()), math.ceil(host["offloaded_activations"] * limit / host_limit))
 
-    return longest_within(peak, SAFETY * budget, min(positions, 131072)), step.name
+    return longest_within(peak, limit, min(positions, 131072)), step.name
 
 
 FIRST_LENGTH = 1024  # where the search for the longest context starts measuring: a short, quick dry run
@@ -585,7 +637,7 @@ def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[s
     tokens = worst_case_tokens(c, lengths)
     step = _levels(c, [], cuda=cuda, precision=precision)[-1]
     skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
-                                        precision=precision)
+                                        precision=precision, offload=step.offload)
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
     terms = estimate(skeleton, c, kind=CHUNKED if use_chunks else kind_named(c.task), micro=1, tokens=tokens,
                      accum=resolve_batch(c, 1).per_process, precision=precision, optimizer=step.optimizer,
@@ -673,7 +725,8 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
         return plan, None
     planned = plan.apply(c)  # the base stored as the plan says: fp32, the half dtype or quantized
     model = prepare_for_training(load_model(planned, label_names), planned,
-                                 checkpointing=plan.gradient_checkpointing, lora=plan.lora)
+                                 checkpointing=plan.gradient_checkpointing, lora=plan.lora,
+                                 offload=plan.activation_offload)
     if probe:
         # bitsandbytes puts a quantized model on its device as it loads it, and refuses to move it after.
         model = model if plan.quantization != "none" else model.to(device)
@@ -715,12 +768,27 @@ def _levels(c: Config, notes: list[str], *, cuda: bool = False, precision: str =
         and shards == 1
     ladder = _ladder(c, notes, cuda=cuda, precision=precision, shards=shards)
     if not (always or auto):
-        return ladder
+        return _offloaded(c, ladder, cuda)
     first, rest = ladder[0], [step._replace(chunked=True) for step in ladder[1:]]
     if always:
-        return [first._replace(chunked=True), *rest]
+        return _offloaded(c, [first._replace(chunked=True), *rest], cuda)
     name = CHUNKED_RUNG if first.name == "plain" else f"{first.name} with {CHUNKED_RUNG}"
-    return [first, first._replace(name=name, chunked=True), *rest]
+    return _offloaded(c, [first, first._replace(name=name, chunked=True), *rest], cuda)
+
+
+def _offloaded(c: Config, ladder: list[Level], cuda: bool) -> list[Level]:
+    """The ladder with activation offload: `true` on every rung that checkpoints, `auto` one more rung at the top
+    (the last rung with its checkpointed inputs in CPU memory), only for a CUDA device: on a CPU the activations
+    are in CPU memory already, so `true` is refused there and `auto` never offloads."""
+    if c.activation_offload == "true":
+        if not cuda:
+            raise PlanError(["activation_offload=true needs a CUDA GPU (on a CPU the activations are in CPU memory "
+                             "already): set activation_offload=auto or false, or plan with --device cuda."])
+        return [step._replace(offload=step.checkpointing) for step in ladder]
+    top = ladder[-1]
+    if c.activation_offload == "auto" and cuda and top.checkpointing:
+        return [*ladder, top._replace(name=f"{top.name} with {OFFLOAD_RUNG}", offload=True)]
+    return ladder
 
 
 def _ladder(c: Config, notes: list[str], *, cuda: bool, precision: str, shards: int) -> list[Level]:
@@ -787,6 +855,11 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
+def _size(n: float) -> str:
+    """GiB from one up, MiB below (a tiny model's offloaded inputs)."""
+    return _gib(n) if n >= GIB else _mib(n)
+
+
 def _vocab(c: Config) -> int:
     """The model's vocabulary size, from its config alone."""
     from transformers import AutoConfig
@@ -812,6 +885,8 @@ def render(plan: Plan) -> str:
             if plan.reference.get("reference_weights_bytes") else ""))] if plan.reference else []),
         ("optimizer", plan.optimizer),
         *([("loss", "chunked (chunked_loss): a chunk of positions' logits at a time")] if plan.chunked_loss else []),
+        *([("activation offload", f"on: checkpointed inputs in CPU memory ({_size(plan.host_bytes)})")]
+          if plan.activation_offload else []),
         ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"
                                    + (", padded" if plan.padded and b.micro_batch_size > 1 else "")),
         ("device", plan.device),
@@ -825,5 +900,8 @@ def render(plan: Plan) -> str:
     for term, value in plan.breakdown.items():
         bar = "█" * round(30 * value / total)
         lines.append(f"  {term.ljust(16)} {value / 2**20:10.1f} MiB  {bar}")
+    if plan.activation_offload:  # CPU memory, beside the device's terms and not part of their peak
+        bar = "░" * round(30 * plan.host_bytes / total)
+        lines.append(f"  {'CPU memory':16} {plan.host_bytes / 2**20:10.1f} MiB  {bar} (offloaded activations)")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

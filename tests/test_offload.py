@@ -1,0 +1,144 @@
+"""Activation offload (`activation_offload`, finetune/engine/offload.py): the same losses and gradients with the
+checkpointed layers' inputs in CPU memory, the planner's host term against the bytes the hooks really keep, the
+device term against a measured window, the ladder's last rung, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from finetune.config.schema import from_dict
+from finetune.engine import offload
+from finetune.errors import PlanError
+from finetune.kinds.registry import kind
+from finetune.plan import planner
+from finetune.plan.memory import measure_window, model_skeleton
+from finetune.plan.planner import estimate, make_plan
+
+GIB = 2**30
+CUDA = ("cuda (planned)", 80 * GIB)
+
+
+@pytest.fixture(scope="module")
+def six_layers(tmp_path_factory) -> str:
+    """A Llama of six identical layers (its dry run is scaled from two and three), hidden 64."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("six_layers")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
+    return str(path)
+
+
+def _checkpointed(path: str, *, offloaded: bool):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    counts = offload.enable(model, pin_memory=False) if offloaded else None
+    return model, counts
+
+
+def test_offload_gives_the_same_losses_and_gradients(six_layers):
+    torch.manual_seed(1)
+    ids = torch.randint(3, 512, (3, 40))
+    results = []
+    for offloaded in (False, True):
+        model, counts = _checkpointed(six_layers, offloaded=offloaded)
+        losses = []
+        for step in range(2):  # two micro steps: the second accumulates onto the first's gradients
+            loss = model(input_ids=ids[:, step:], labels=ids[:, step:]).loss
+            loss.backward()
+            losses.append(loss.detach())
+        results.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        if counts is not None:
+            # Every checkpointed layer's input went to CPU memory once a micro step (6 layers × 3 × 40 tokens ×
+            # hidden 64 × fp32 at most), and all of it was freed by the backward.
+            assert counts.peak == 6 * 3 * 40 * 64 * 4 and counts.current == 0
+    (plain_losses, plain_grads), (off_losses, off_grads) = results
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, off_losses, strict=True))
+    assert plain_grads.keys() == off_grads.keys()
+    assert all(torch.equal(plain_grads[n], off_grads[n]) for n in plain_grads)
+
+
+def test_the_planners_terms_match_a_measured_cpu_window(six_layers):
+    c = from_dict({"model": six_layers, "task": "causal_lm", "dataset": "x.csv"})
+    args = dict(kind=kind("causal_lm"), micro=1, tokens=64, accum=2, precision="fp32", optimizer="adamw",
+                device="cpu")
+    host: dict[str, int] = {}
+    skeleton = model_skeleton(c, 0, checkpointing=True, lora=False, offload=True)
+    assert skeleton.wider is not None  # scaled from two and three layers, like an 8 B's
+    with_offload = estimate(skeleton, c, host=host, **args)
+    real, counts = _checkpointed(six_layers, offloaded=True)
+    measured = measure_window(real, c, micro=1, tokens=64, accum=2, precision="fp32")
+    # The host term is what the hooks kept in CPU memory, to the byte: 6 layers × 64 tokens × 64 × 4 bytes.
+    assert host["offloaded_activations"] == counts.peak == 6 * 64 * 64 * 4
+    # The device term, the host copies left out as a GPU's allocator leaves them out (the window's measured peak
+    # on a CPU holds the copy back of each layer's input while it recomputes, as the dry run does).
+    predicted = sum(with_offload.values())
+    assert -0.05 <= (predicted - measured) / measured <= 0.10, (with_offload, measured)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> str:
+    """A Llama of sixteen small layers (hidden 64) and a small vocabulary: its layers' inputs are most of a long
+    window, so offloading them changes which budgets fit."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("wide")
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=16, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=4096).save_pretrained(path)
+    return str(path)
+
+
+def _wide_config(path: str, **values):
+    # A ladder of two rungs (checkpointing and SGD fixed, no chunked loss): plain, then plain with offload.
+    return from_dict({"model": path, "task": "causal_lm", "dataset": "x.csv", "max_length": 2048,
+                      "effective_batch_size": 1, "lora": "false", "quantization": "none", "optimizer": "sgd",
+                      "gradient_checkpointing": "true", "chunked_loss": "false", **values})
+
+
+def test_auto_offloads_only_as_the_ladders_last_rung_for_a_cuda_gpu(wide, monkeypatch):
+    monkeypatch.setattr(planner, "host_memory", lambda: 64 * GIB)
+    without = make_plan(_wide_config(wide, activation_offload="false"), [2048], 0, device=CUDA)
+    offloaded = make_plan(_wide_config(wide, activation_offload="true"), [2048], 0, device=CUDA)
+    assert not without.activation_offload and offloaded.activation_offload
+    # The device keeps one layer's input instead of sixteen (and the copy back in flight), 2,048 tokens × 64 × 4
+    # bytes (fp32 under full fine-tuning) each: the peak is 12 to 16 of them lower (the dry run found 13.4 with
+    # the allocator's 10 %: the peak moves to where the recomputation's own tensors are largest).
+    layer = 2048 * 64 * 4
+    saved = without.predicted_peak_bytes - offloaded.predicted_peak_bytes
+    assert 12 * layer <= saved <= 1.1 * 16 * layer, saved / layer
+    # The host term: sixteen layers' inputs, in plan.json too.
+    assert offloaded.host_bytes == 16 * layer and offloaded.to_dict()["host_bytes"] == 16 * layer
+    # A budget between the two: auto takes the offload rung, last; without offload nothing fits.
+    budget = (without.predicted_peak_bytes + offloaded.predicted_peak_bytes) / 2 / planner.SAFETY / GIB
+    c = _wide_config(wide, memory_budget_gb=budget)
+    plan = make_plan(c, [2048], 0, device=CUDA)
+    assert plan.activation_offload and plan.host_bytes == 16 * layer
+    assert plan.predicted_peak_bytes == offloaded.predicted_peak_bytes
+    assert plan.apply(c).activation_offload == "true"
+    assert any(n.startswith("Escalated to plain with activation offload") for n in plan.notes)
+    assert any(n.startswith("Activation offload:") for n in plan.notes)
+    assert "CPU memory" in planner.render(plan)
+    with pytest.raises(PlanError, match="Nothing fits"):
+        make_plan(c.replace(activation_offload="false"), [2048], 0, device=CUDA)
+    # On a CPU, auto never offloads (the activations are in CPU memory already), and true is refused.
+    assert not any(step.offload for step in planner._levels(c, [], cuda=False))
+    assert [step.offload for step in planner._levels(c, [], cuda=True)] == [False, True]
+    with pytest.raises(PlanError, match=r"^activation_offload=true needs a CUDA GPU") as refused:
+        make_plan(c.replace(activation_offload="true"), [2048], 0, device=("cpu", 64 * GIB))
+    assert str(refused.value).count(". ") == 0  # one sentence
+
+
+def test_offload_is_refused_when_the_machines_ram_is_short(wide, monkeypatch):
+    monkeypatch.setattr(planner, "host_memory", lambda: 9 * 2**20)  # 80 % of 9 MiB is under the 8 it needs
+    c = _wide_config(wide, activation_offload="true", memory_budget_gb=4)
+    with pytest.raises(PlanError, match="activation offload would keep 8 MiB of checkpointed inputs in CPU memory "
+                                        "at micro-batch 1, more than 80% of this machine's 9 MiB of RAM") as e:
+        make_plan(c, [2048], 0, device=CUDA)
+    assert str(e.value).count(". ") == 0
+    monkeypatch.setattr(planner, "host_memory", lambda: 64 * GIB)
+    assert make_plan(c, [2048], 0, device=CUDA).host_bytes == 8 * 2**20
