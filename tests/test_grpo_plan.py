@@ -44,7 +44,7 @@ def test_the_planned_kv_cache_is_what_generate_keeps(fixture, request):
                                               model_config=model.config)
     assert terms == {"generation_cache": measured * (p + t) // (p + t - 1)} and record == {"strategy": "none"}
     half, _, _ = kind.plan_reference(weights=0, cuda=True, micro=g, tokens=p + t, vocab=30522,
-                                    model_config=model.config)
+                                    model_config=model.config, precision="bf16")
     assert half["generation_cache"] * 2 == terms["generation_cache"]  # bf16 on a GPU
     # A deep model's skeleton is built with fewer layers: the planner passes the real count.
     layers = model.config.num_hidden_layers

@@ -259,7 +259,7 @@ def test_an_unknown_flavor_is_one_sentence_that_lists_the_known_ones(cli, hub, t
 
 def test_a_flavor_too_small_is_refused_before_any_request(cli, hub, tmp_path, activation_heavy_bert, capsys):
     code = cli(["train", f"model={activation_heavy_bert}", "dataset=hub/some-dataset", "max_length=512",
-                "effective_batch_size=512", "micro_batch_size=512", "lora=false", "gradient_checkpointing=false",
+                "effective_batch_size=4096", "micro_batch_size=4096", "lora=false", "gradient_checkpointing=false",
                 "optimizer=sgd", f"output_dir={tmp_path / 'run'}", "--backend", "hf-jobs", "--flavor", "t4-small",
                 "--image", IMAGE])
     err = capsys.readouterr().err

@@ -180,7 +180,8 @@ class TryItHandlers:
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         if try_view(status) == "vector" and len(lines) > 1:  # a text, then candidates: the nearest first
             query, candidates = lines[0], lines[1:limits.MAX_TRY_CANDIDATES + 1]
-            vectors = [record["embedding"] for record in predict(str(status.run_dir), [query, *candidates])]
+            records = predict(str(status.run_dir), [query, *candidates])
+            vectors = [next(v for v in r.values() if isinstance(v, list)) for r in records]  # each one's vector
             return {"query": query, "similarities": nearest(vectors[0], candidates, vectors[1:]),
                     "candidates_dropped": max(0, len(lines) - 1 - limits.MAX_TRY_CANDIDATES)}
         out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS, prompt=bounded_prompt)[0]

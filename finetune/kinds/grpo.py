@@ -100,7 +100,6 @@ class GRPO:
     seed: int = 0
     model: str = ""  # the starting model: its tokenizer decodes completions; a frozen copy is the reference
     lora: bool = False  # the reference is the base with the adapter switched off
-    precision: str = "auto"  # the run's setting: the planner's KV cache is kept in its compute dtype
     entry = entry("grpo")
     sequences_per_sample = 1  # the planner's micro-batch counts completions already
 
@@ -109,7 +108,7 @@ class GRPO:
         return _configured(tuple(c.rewards), reward_functions.weights_of(c.rewards, c.reward_weights),
                            c.num_generations, c.max_completion_length, c.temperature, c.top_p, c.loss_type,
                            c.epsilon, c.epsilon_high, c.beta or 0.0, c.scale_rewards, c.seed, c.model,
-                           c.lora == "true", c.precision)
+                           c.lora == "true")
 
     @property
     def counted_per_sample(self) -> int:
@@ -480,7 +479,8 @@ class GRPO:
         return 3 * micro * min(tokens, self.completion_length + 1) * vocab * 4
 
     def plan_reference(self, *, weights: int, cuda: bool, micro: int, tokens: int, vocab: int,
-                       model_config: Any = None, layers: int = 0) -> tuple[dict[str, int], dict[str, Any], str | None]:
+                       model_config: Any = None, layers: int = 0, precision: str = "fp32"
+                       ) -> tuple[dict[str, int], dict[str, Any], str | None]:
         """What generation and the reference cost the plan beside one micro-batch's graph (which the dry run
         counts): the peak terms, the record plan.json keeps and the plan's note. `tokens` is the longest prompt and
         its completion, `micro` the micro-batch's completions, `weights` the model's parameter bytes in fp32.
@@ -490,8 +490,7 @@ class GRPO:
         of the no-grad forward every micro-batch makes anyway (`embed`, before its replay with a graph), smaller
         than the graph's window (`reference_forward_bytes`; the last window's gradients are freed by then): it adds
         nothing. A frozen copy's weights stay resident and are counted."""
-        # The engine's precision rule (`auto`: bf16 on a GPU, fp32 elsewhere); fp16 off a GPU is refused before.
-        half = self.precision in ("bf16", "fp16") or (self.precision == "auto" and cuda)
+        half = precision in ("bf16", "fp16")  # the plan's resolved compute dtype, the cache's
         cache = kv_cache_bytes(model_config, self.generations * tokens, 2 if half else 4, layers=layers)
         terms = {"generation_cache": cache}
         words = (f"Generation: the KV cache of {self.generations} × {tokens} tokens (num_generations × the longest "
@@ -534,9 +533,9 @@ def _cut(text: str) -> str:
 @functools.cache
 def _configured(rewards: tuple[str, ...], weights: tuple[float, ...], generations: int, completion_length: int,
                 temperature: float, top_p: float, loss_type: str, epsilon: float, epsilon_high: float | None,
-                beta: float, scale_rewards: str, seed: int, model: str, lora: bool, precision: str) -> GRPO:
+                beta: float, scale_rewards: str, seed: int, model: str, lora: bool) -> GRPO:
     return GRPO(rewards, weights, generations, completion_length, temperature, top_p, loss_type, epsilon,
-                epsilon_high, beta, scale_rewards, seed, model, lora, precision)
+                epsilon_high, beta, scale_rewards, seed, model, lora)
 
 
 def kv_cache_bytes(model_config: Any, tokens: int, dtype_bytes: int, layers: int = 0) -> int:

@@ -237,15 +237,16 @@ def reused_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bo
     return built
 
 
-def _reference_inputs(skeleton: Skeleton, cuda: bool, micro: int, tokens: int) -> dict[str, Any]:
+def _reference_inputs(skeleton: Skeleton, cuda: bool, micro: int, tokens: int, precision: str) -> dict[str, Any]:
     """What a kind's `plan_reference` reads: the model's parameter bytes (fp32: the reference is a whole model,
     whatever rung stores the trained one), the device, the worst-case micro-batch, and the model's config with its
-    real number of layers (`layers`; 0 when the skeleton was built whole)."""
+    real number of layers (`layers`; 0 when the skeleton was built whole), and the plan's resolved precision."""
     model = skeleton.model
     weights = skeleton.count(lambda m: sum(p.numel() for p in m.parameters()) * 4)
     config = getattr(model, "config", None)
     return {"weights": weights, "cuda": cuda, "micro": micro, "tokens": tokens,
-            "vocab": getattr(config, "vocab_size", 0) or 0, "model_config": config, "layers": skeleton.layers}
+            "vocab": getattr(config, "vocab_size", 0) or 0, "model_config": config, "layers": skeleton.layers,
+            "precision": precision}
 
 
 def _micro_candidates(c: Config, batch: BatchSplit) -> list[int]:
@@ -324,7 +325,7 @@ class _Peaks:
                          windows=s.windows(self.skeleton), host=host)
         self.host[micro] = host["offloaded_activations"]
         if hasattr(kind, "plan_reference"):  # a reference model's weights, when one sits beside the model
-            terms |= kind.plan_reference(**_reference_inputs(self.skeleton, s.cuda, micro, s.tokens))[0]
+            terms |= kind.plan_reference(**_reference_inputs(self.skeleton, s.cuda, micro, s.tokens, s.precision))[0]
         if hasattr(kind, "plan_window"):  # a loss over the whole window: its embeddings and scores, resident
             terms |= kind.plan_window(s.batch.effective_batch_size,
                                       getattr(getattr(self.skeleton.model, "config", None), "hidden_size", 0) or 0)
@@ -489,7 +490,7 @@ class _Search:
         reference: dict[str, Any] = {}
         if hasattr(self.kind_for(step.lora), "plan_reference"):
             _, reference, note = self.kind_for(step.lora).plan_reference(
-                **_reference_inputs(skeleton, self.cuda, chosen, self.tokens))
+                **_reference_inputs(skeleton, self.cuda, chosen, self.tokens, self.precision))
             notes += [note] if note else []
         if step.chunked:
             vocab = _vocab(self.c)
