@@ -34,13 +34,13 @@ import argparse
 import csv
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from children import run
+
 SEED = 42
 MIN_SENTENCE_WORDS = 15  # a row this long is taken as a whole sentence
 ANCHOR_WORDS = (3, 8)  # the words of an anchor phrase
@@ -150,16 +150,6 @@ def score_child(args: argparse.Namespace) -> int:
     model.max_seq_length = args.max_length
     Path(args.out).write_text(json.dumps(scores(model, args.eval_file)))
     return 0
-
-
-def run(command: list[str]) -> float:
-    """Run a tool's process from the repository root; its wall seconds."""
-    start = time.time()
-    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        raise RuntimeError(f"exit code {proc.returncode}: {' '.join(command)}")
-    return time.time() - start
 
 
 def bundled_model() -> str:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from children import run
+
 SEED = 42
 
 
@@ -98,16 +98,6 @@ def trainer_child(args: argparse.Namespace) -> int:
                                           "macro_f1": f1_score(labels, predicted, average="macro"),
                                           "train_seconds": train_seconds}))
     return 0
-
-
-def run(command: list[str]) -> float:
-    """Run a tool's process from the repository root; its wall seconds."""
-    start = time.time()
-    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        raise RuntimeError(f"exit code {proc.returncode}: {' '.join(command)}")
-    return time.time() - start
 
 
 def main() -> int:

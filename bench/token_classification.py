@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from children import run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SEED = 42
@@ -138,16 +139,6 @@ def trainer_child(args: argparse.Namespace) -> int:
     Path(args.out).write_text(json.dumps({"f1": f1_score(gold, pred), "train_seconds": train_seconds,
                                           "accuracy": float((predicted == labels)[mask].mean())}))
     return 0
-
-
-def run(command: list[str]) -> float:
-    """Run a tool's process from the repository root; its wall seconds."""
-    start = time.time()
-    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        raise RuntimeError(f"exit code {proc.returncode}: {' '.join(command)}")
-    return time.time() - start
 
 
 def main() -> int:
