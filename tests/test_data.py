@@ -111,7 +111,15 @@ def test_missing_column_names_the_existing_ones(cls_csv):
 
 
 def test_hub_ids_are_tried_on_the_hub_and_fail_clearly_offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the same code path, without waiting for network time-outs
+    # The same code path, without five retries' back-off (23 s): the libraries read these at import, which another
+    # test in this worker may have done already, so the read values are set too.
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     with pytest.raises(DataError, match="neither a local file nor reachable"):
         load_table("no-such-user/no-such-dataset-xyz")
