@@ -249,6 +249,18 @@ def assert_same_weights(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def wait_for_run(jobs, seconds: float = 300, every: float = 0.5):
+    """Wait until the app's job manager `jobs` has no active run, and return its last status; the run's log is the
+    failure's message when it takes longer than `seconds`."""
+    from app.train import run_report
+
+    deadline = time.time() + seconds
+    while (status := jobs.status()).active:
+        assert time.time() < deadline, run_report.log_text(status)
+        time.sleep(every)
+    return status
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, wait_for_run
 
 from app.jobs import training
 from app.jobs.training import JobManager, JobStatus
@@ -84,10 +84,7 @@ def test_a_stop_at_once_stops_the_run_when_the_app_ignores_sigint_and_runs_says_
         jobs.stop()  # in the first second: the child is still importing
     finally:
         signal.signal(signal.SIGINT, previous)
-    deadline = time.time() + 120
-    while (status := jobs.status()).active:
-        assert time.time() < deadline, "the stopped run went on"
-        time.sleep(0.2)
+    status = wait_for_run(jobs, 120, every=0.2)  # the stopped run must end
     assert status.state == "stopped", (status.message, status.output_tail)
     assert not any(e.get("event") == "step" for e in status.events)
     assert [r.state for r in list_runs(runs, status)] == ["stopped"]

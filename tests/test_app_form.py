@@ -11,6 +11,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 import pytest
+from conftest import wait_for_run
 from test_chat import _chatml_tokenizer, _tiny_chat_llama
 
 from app import charts
@@ -199,10 +200,7 @@ def test_a_preference_run_starts_through_the_api_draws_its_rewards_and_chats(tmp
                                     "dataset": pairs_csv, "eval_dataset": pairs_csv, "effective_batch_size": 2,
                                     "max_steps": 2, "eval_every": 1, "optimizer": "sgd"}, None)
     assert started["started"], started
-    deadline = time.time() + 300
-    while (status := ctl.state.jobs.status()).active:
-        assert time.time() < deadline, run_report.log_text(status)
-        time.sleep(0.5)
+    status = wait_for_run(ctl.state.jobs)
     assert status.state == "done", run_report.log_text(status)
     shown = ctl.follow.poll(None)
     assert "Rewards at each evaluation" in shown.loss_curve and 'data-split="rewards/margins"' in shown.loss_curve

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
 import pytest
+from conftest import wait_for_run
 from test_chat import _chatml_tokenizer, _tiny_chat_llama
 
 from app import charts
@@ -224,10 +224,7 @@ def test_a_grpo_run_through_the_api_draws_its_curves_shows_its_completions_and_c
                                     "effective_batch_size": 4, "max_steps": 2, "eval_every": 1, "max_length": 32,
                                     "optimizer": "sgd"}, None)
     assert started["started"], started
-    deadline = time.time() + 300
-    while (status := ctl.state.jobs.status()).active:
-        assert time.time() < deadline, run_report.log_text(status)
-        time.sleep(0.5)
+    status = wait_for_run(ctl.state.jobs)
     assert status.state == "done", run_report.log_text(status)
     shown = ctl.follow.poll(None)
     assert "Reward of the completions (mean ± std)" in shown.loss_curve and "Completion length" in shown.loss_curve
