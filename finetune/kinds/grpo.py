@@ -100,6 +100,7 @@ class GRPO:
     seed: int = 0
     model: str = ""  # the starting model: its tokenizer decodes completions; a frozen copy is the reference
     lora: bool = False  # the reference is the base with the adapter switched off
+    iterations: int = 1  # num_iterations (μ): optimizer steps each generated window trains
     entry = entry("grpo")
     sequences_per_sample = 1  # the planner's micro-batch counts completions already
 
@@ -108,7 +109,12 @@ class GRPO:
         return _configured(tuple(c.rewards), reward_functions.weights_of(c.rewards, c.reward_weights),
                            c.num_generations, c.max_completion_length, c.temperature, c.top_p, c.loss_type,
                            c.epsilon, c.epsilon_high, c.beta or 0.0, c.scale_rewards, c.seed, c.model,
-                           c.lora == "true")
+                           c.lora == "true", c.num_iterations)
+
+    @property
+    def steps_per_window(self) -> int:
+        """Optimizer steps each window trains in a row (`num_iterations`): its completions are generated once."""
+        return self.iterations
 
     @property
     def counted_per_sample(self) -> int:
@@ -234,7 +240,10 @@ class GRPO:
         """A micro-batch of prompts → its groups: G completions per prompt generated (seeded per prompt and step),
         scored, and laid out as B·G rows of prompt + completion (completion padded to `max_completion_length`),
         with labels (B, G, ·): the completion mask, old log-probabilities (NaN: the current ones), the reference's,
-        whether it was cut off, and each reward."""
+        whether it was cut off, and each reward. A batch prepared already (`join_groups`: a window trained again,
+        num_iterations > 1) is returned as it is."""
+        if batch["labels"].dtype != torch.uint8:
+            return batch
         base = getattr(model, "module", model)
         ids, mask, raw = batch["input_ids"], batch["attention_mask"], batch["labels"]
         device, g, t = ids.device, self.generations, self.completion_length
@@ -271,6 +280,37 @@ class GRPO:
         old = torch.full((len(comp), t), float("nan"), device=device)
         labels = torch.cat([comp_mask.float(), old, ref.float(), (~ended).float()[:, None], scores.to(device)], 1)
         return {**inputs, "labels": labels.view(len(extras), g, -1)}
+
+    def keep_groups(self, batch: dict[str, torch.Tensor], logps: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """A prepared micro-batch as its groups, one per prompt (its tokens without padding, its completions, their
+        mask and labels), the log-probabilities `logps` (B·G, T) that the policy gave the completions when they were
+        generated kept as their old ones: what a window trained again (num_iterations > 1) is made of."""
+        t, g = self.completion_length, self.generations
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        labels = batch["labels"].clone()
+        labels[..., t:2 * t] = logps.detach().to(labels.dtype).view(len(labels), g, t)
+        width = ids.shape[1] - t
+        return [{"prompt": ids[r * g, :width][mask[r * g, :width].bool()],
+                 "completion": ids[r * g:(r + 1) * g, width:], "completion_mask": mask[r * g:(r + 1) * g, width:],
+                 "labels": labels[r]} for r in range(len(labels))]
+
+    def join_groups(self, groups: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+        """Groups kept by `keep_groups` as a prepared micro-batch, laid out as `prepare_batch` lays it out (prompts
+        left-padded to the longest, positions counting real tokens)."""
+        g = self.generations
+        width = max(len(x["prompt"]) for x in groups)
+        device = groups[0]["completion"].device
+        prompts = torch.full((len(groups), width), pad_id, dtype=torch.long, device=device)
+        prompt_mask = torch.zeros((len(groups), width), dtype=torch.long, device=device)
+        for r, x in enumerate(groups):
+            prompts[r, width - len(x["prompt"]):] = x["prompt"]
+            prompt_mask[r, width - len(x["prompt"]):] = 1
+        inputs = {"input_ids": torch.cat([prompts.repeat_interleave(g, 0),
+                                          torch.cat([x["completion"] for x in groups])], 1),
+                  "attention_mask": torch.cat([prompt_mask.repeat_interleave(g, 0),
+                                               torch.cat([x["completion_mask"] for x in groups])], 1)}
+        inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        return {**inputs, "labels": torch.stack([x["labels"] for x in groups])}
 
     def score(self, extras: list[dict[str, Any]], comp: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Each completion's score by each reward (B·G, R); NaN where a function returned None."""
@@ -533,9 +573,9 @@ def _cut(text: str) -> str:
 @functools.cache
 def _configured(rewards: tuple[str, ...], weights: tuple[float, ...], generations: int, completion_length: int,
                 temperature: float, top_p: float, loss_type: str, epsilon: float, epsilon_high: float | None,
-                beta: float, scale_rewards: str, seed: int, model: str, lora: bool) -> GRPO:
+                beta: float, scale_rewards: str, seed: int, model: str, lora: bool, iterations: int = 1) -> GRPO:
     return GRPO(rewards, weights, generations, completion_length, temperature, top_p, loss_type, epsilon,
-                epsilon_high, beta, scale_rewards, seed, model, lora)
+                epsilon_high, beta, scale_rewards, seed, model, lora, iterations)
 
 
 def kv_cache_bytes(model_config: Any, tokens: int, dtype_bytes: int, layers: int = 0) -> int:

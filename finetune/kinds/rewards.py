@@ -297,9 +297,11 @@ def config_problems(c: Any) -> list[str]:
     if c.effective_batch_size is None and not (c.micro_batch_size and c.grad_accum_steps) and DEFAULT_BATCH % g:
         found.append(f"The default effective_batch_size={DEFAULT_BATCH} is not a whole number of groups of "
                      f"num_generations={g}: set `effective_batch_size` to a multiple of {g}.")
-    if c.num_iterations > 1:
-        found.append(f"`num_iterations`={c.num_iterations} is not built yet (the same completions trained again): "
-                     "use num_iterations=1.")
+    mu = c.num_iterations
+    if mu > 1 and c.save_every % mu:
+        low = max(mu, c.save_every // mu * mu)
+        found.append(f"`save_every`={c.save_every} must be a multiple of num_iterations={mu}: a checkpoint is taken "
+                     f"only where a window's {mu} optimizer steps end; use {low} or {low + mu}.")
     if c.epsilon_high is not None and c.epsilon_high < c.epsilon:
         found.append(f"`epsilon_high`={c.epsilon_high} is below `epsilon`={c.epsilon}: the upper clipping range "
                      "is at least the lower one.")
