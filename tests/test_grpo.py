@@ -413,8 +413,8 @@ def test_a_later_iteration_is_trls_loss_with_the_generation_time_logps(tiny_gpt2
     ours.backward()
     theirs_in = now.clone().requires_grad_(True)
     trl_self = _trl_self(kind, t, theirs_in)
-    trl_inputs = {"prompt_ids": torch.zeros(n * gsize, 2, dtype=torch.long),
-                  "prompt_mask": torch.ones(n * gsize, 2), "completion_ids": torch.zeros(n * gsize, t, dtype=torch.long),
+    trl_inputs = {"prompt_ids": torch.zeros(n * gsize, 2, dtype=torch.long), "prompt_mask": torch.ones(n * gsize, 2),
+                  "completion_ids": torch.zeros(n * gsize, t, dtype=torch.long),
                   "completion_mask": mask.reshape(-1, t), "advantages": kind.advantages(scores).reshape(-1),
                   "old_per_token_logps": old, "ref_per_token_logps": ref.reshape(-1, t),
                   "num_items_in_batch": mask.sum()}
@@ -469,3 +469,27 @@ def test_num_iterations_checkpoints_only_where_a_window_ends():
     with pytest.raises(ConfigError, match="`save_every`=3 must be a multiple of num_iterations=2.*use 2 or 4"):
         from_dict({"task": "grpo", "rewards": ["exact_match"], "num_iterations": 2, "save_every": 3})
     assert from_dict({"task": "grpo", "rewards": ["exact_match"], "num_iterations": 2, "save_every": 4})
+
+
+def test_a_stop_within_a_window_waits_for_its_end_and_resumes_exactly(tmp_path, tiny_gpt2):
+    """num_iterations=2: a stop asked for after a window's first step takes effect after its second (the checkpoint
+    at the window's end), and the resumed run ends with the uninterrupted run's weights."""
+    from conftest import assert_same_weights, load_weights
+
+    from finetune.run.events import Step
+    from finetune.train.loop import StopFlag, train
+
+    path = tmp_path / "q.csv"
+    path.write_text("prompt,answer\n" + "".join(f"What is {i} + {i}?,{2 * i}\n" for i in range(6)))
+    values = {"task": "grpo", "model": tiny_gpt2, "dataset": str(path), "rewards": [REWARD], "num_generations": 4,
+              "max_completion_length": 5, "max_length": 32, "effective_batch_size": 8, "micro_batch_size": 4,
+              "eval_fraction": 0, "learning_rate": 0.05, "epsilon": 0.05, "num_iterations": 2, "optimizer": "adamw",
+              "epochs": 1}
+    full = train(from_dict({**values, "output_dir": str(tmp_path / "full")}))
+    stop = StopFlag()
+    cut = train(from_dict({**values, "output_dir": str(tmp_path / "cut")}), stop=stop,
+                callbacks=[lambda e: stop.request() if isinstance(e, Step) and e.step == 1 else None])
+    assert (full.step, cut.status, cut.step) == (6, "stopped", 2)
+    resumed = train(from_dict({**values, "output_dir": str(tmp_path / "cut"), "resume": True}))
+    assert resumed.status == "done" and resumed.step == 6
+    assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
