@@ -270,7 +270,7 @@ def test_exact_match_needs_an_answer_column(tmp_path, tiny_gpt2):
     path.write_text("prompt,result\nWhat is 1 + 1?,2\n")
     c = from_dict({"task": "grpo", "model": tiny_gpt2, "dataset": str(path), "rewards": ["exact_match"],
                    "eval_fraction": 0})
-    with pytest.raises(DataError, match="Set `answer_column`"):
+    with pytest.raises(DataError, match="set `answer_column`"):
         load_data(c, load_tokenizer(c))
     c = c.replace(answer_column="result")
     data = load_data(c, load_tokenizer(c))[0]
@@ -493,3 +493,37 @@ def test_a_stop_within_a_window_waits_for_its_end_and_resumes_exactly(tmp_path, 
     resumed = train(from_dict({**values, "output_dir": str(tmp_path / "cut"), "resume": True}))
     assert resumed.status == "done" and resumed.step == 6
     assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
+
+
+def test_the_data_check_knows_the_rewards_columns(tmp_path, capsys, tiny_gpt2):
+    """Before any model loads, `finetune train` refuses in one sentence (exit 2) a reward whose column the data
+    lacks: exact_match's answer column, a function's parameters without a default, a function without **kwargs
+    that would be passed columns it does not take; a reward that needs no column takes data without one."""
+    from finetune.cli import main
+    from finetune.data.load import resolve_columns
+
+    path = tmp_path / "p.csv"
+    path.write_text("prompt,result\nWhat is 1 + 1?,2\n")
+    (tmp_path / "mine.py").write_text("def needs(prompts, completions, solution, **kw):\n    return [0.0]\n"
+                                      "def strict(prompts, completions, completion_ids):\n    return [0.0]\n"
+                                      "def fine(prompts, completions, result, scale=1, **kw):\n    return [0.0]\n")
+    columns = ["prompt", "result"]
+
+    def refusal(*specs: str) -> str:
+        with pytest.raises(DataError) as e:
+            resolve_columns(from_dict({"task": "grpo", "rewards": list(specs)}), columns)
+        return str(e.value)
+
+    from finetune.errors import DataError
+
+    assert "set `answer_column`" in refusal("length:3", "exact_match")
+    assert "takes the column(s) solution, which the data lacks" in refusal(f"{tmp_path / 'mine.py'}:needs")
+    assert "takes no result: add `**kwargs`" in refusal(f"{tmp_path / 'mine.py'}:strict")
+    for ok in ([REWARD], [f"{tmp_path / 'mine.py'}:fine"]):
+        assert resolve_columns(from_dict({"task": "grpo", "rewards": ok}), columns).prompt == "prompt"
+    out = tmp_path / "run"
+    assert main(["train", "task=grpo", f"dataset={path}", f"rewards=[{tmp_path / 'mine.py'}:needs]",
+                 f"model={tiny_gpt2}", f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "takes the column(s) solution" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not (out / "plan.json").exists()

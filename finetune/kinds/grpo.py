@@ -43,7 +43,7 @@ from finetune.kinds.preference import _frozen as frozen_model
 from finetune.kinds.registry import entry
 
 PROMPT_NAMES = ("prompt", "question", "problem", "query")
-ANSWER_NAMES = ("answer", "solution", "ground_truth")
+ANSWER_NAMES = reward_functions.ANSWER_NAMES
 EVAL_STEP = -1  # evaluation's completions are seeded apart from every training step's
 STD_EPS = 1e-4  # TRL's: advantages are (r − mean) / (std + 1e-4)
 # The `samples` event after each evaluation: the first held-out prompts, a few completions of each, texts cut short
@@ -140,14 +140,16 @@ class GRPO:
 
     # --- data
     def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
-        """The prompt column, and the answer column (set, or a common name when present; exact_match needs it)."""
+        """The prompt column, and the answer column (set, or a common name when present); a `DataError` when a
+        reward of the config's needs a column the data lacks (exact_match the answer column, a function the columns
+        it declares), before any model loads."""
         prompt = pick_column(columns, c.prompt_column, (*PROMPT_NAMES, "messages"), "Prompt", "prompt_column")
         answer = pick_column(columns, c.answer_column, ANSWER_NAMES, "Answer", "answer_column") \
             if c.answer_column or any(n in columns for n in ANSWER_NAMES) else None
-        if answer is None and "exact_match" in self.rewards:
-            raise DataError(f"Reward exact_match compares each completion with an answer column, and none was found "
-                            f"(looked for {', '.join(ANSWER_NAMES)}); the data's columns are: {', '.join(columns)}. "
-                            "Set `answer_column`.")
+        # The config's rewards, not this object's (the data is checked with the plain kind).
+        for r in reward_functions.parse_all(c.rewards):
+            if problem := reward_functions.column_problem(r, columns, prompt, answer):
+                raise DataError(problem)
         return Columns(prompt=prompt, answer=answer)
 
     def label_names(self, table: Any, cols: Columns, source: str) -> None:
