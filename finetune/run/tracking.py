@@ -12,6 +12,7 @@ from typing import Any
 
 from finetune.config.schema import Config
 from finetune.errors import ConfigError
+from finetune.kinds.rewards import SAMPLE_FIELDS
 from finetune.run.events import Done, Error, Eval, Event, Samples, Start, Step, Stopped, to_record
 
 # tracker → (accelerate's availability check, the pip package that provides it)
@@ -111,8 +112,8 @@ class TrackerSink:
 def samples_table(event: Samples) -> tuple[list[str], list[list[Any]]]:
     """The `samples` event as TRL's completions table: step, prompt, completion, reward and each reward's column."""
     names = list(dict.fromkeys(name for row in event.rows for name in row.get("rewards", {})))
-    columns = ["step", "prompt", "completion", "reward", *names]
-    data = [[event.step, row.get("prompt"), row.get("completion"), row.get("reward"),
+    columns = ["step", *SAMPLE_FIELDS, *names]
+    data = [[event.step, *(row.get(field) for field in SAMPLE_FIELDS),
              *(row.get("rewards", {}).get(name) for name in names)] for row in event.rows]
     return columns, data
 
