@@ -16,6 +16,11 @@ those log-probabilities, and each micro-batch is run again with a graph to back-
 trains exactly like (k·B, 1), over any number of processes, and bnpo is normalised over the window (TRL normalises it
 per micro-batch).
 
+With `num_iterations` (μ) > 1 a window trains μ optimizer steps in a row on the completions generated at its first
+(`steps_per_window`): the whole-window step hands each prepared micro-batch to `keep_groups` with its log-probabilities
+of that first step, which become the old ones of the clipped ratio, and the later steps collate the kept groups
+(`join_groups`), which `prepare_batch` passes through.
+
 The reference (`beta` > 0): the base with its LoRA adapter switched off, else a frozen copy of the starting model.
 Evaluation generates from the held-out prompts (seeded apart from training) and reports the mean reward under TRL's
 names.
