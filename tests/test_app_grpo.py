@@ -233,3 +233,18 @@ def test_a_grpo_run_through_the_api_draws_its_curves_shows_its_completions_and_c
     assert shown.try_panel.chat == gr.update(visible=True, value=[])  # the tuned chat model: a chat
     first = ctl.tryit.try_it("What is 2 + 1?")
     assert [m["role"] for m in first.chat["value"]] == ["user", "assistant"]
+
+
+def test_start_checks_the_rewards_columns(tmp_path):
+    """Start's data check (`data_problem`, as the preview checks) knows the config's rewards: exact_match on data
+    without an answer column is refused in one sentence before anything starts; a reward that needs none is not."""
+    from app.train.run import data_problem
+
+    path = tmp_path / "p.csv"
+    path.write_text("prompt,result\nWhat is 1 + 1?,2\n")
+    config = from_dict({"task": "grpo", "dataset": str(path), "rewards": ["exact_match"]})
+    problem = data_problem(config)
+    assert "Reward exact_match compares each completion with an answer column" in problem
+    assert "set `answer_column`" in problem and problem.count(". ") == 0
+    assert data_problem(config.replace(answer_column="result")) == ""
+    assert data_problem(config.replace(rewards=("regex:^a",))) == ""

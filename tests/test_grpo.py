@@ -270,7 +270,7 @@ def test_exact_match_needs_an_answer_column(tmp_path, tiny_gpt2):
     path.write_text("prompt,result\nWhat is 1 + 1?,2\n")
     c = from_dict({"task": "grpo", "model": tiny_gpt2, "dataset": str(path), "rewards": ["exact_match"],
                    "eval_fraction": 0})
-    with pytest.raises(DataError, match="Set `answer_column`"):
+    with pytest.raises(DataError, match="set `answer_column`"):
         load_data(c, load_tokenizer(c))
     c = c.replace(answer_column="result")
     data = load_data(c, load_tokenizer(c))[0]
@@ -349,3 +349,215 @@ def test_equal_weights_are_kept_apart():
     assert from_dict({"task": "grpo", "rewards": "exact_match, length:10", "reward_weights": "0.5,0.5"}
                      ).reward_weights == ("0.5", "0.5")
     assert from_dict({"report_to": ["tensorboard", "tensorboard"]}).report_to == ("tensorboard",)
+
+
+# --- num_iterations: a window trained again on its completions
+
+
+def test_kept_groups_lay_out_as_prepared(tiny_gpt2):
+    """A prepared micro-batch kept as its groups and joined again is the same batch, the old log-probabilities
+    filled in; any subset of its groups joins as that subset would have been prepared (an out-of-memory back-off's
+    smaller micro-batches)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2)
+    kind = _kind(tiny_gpt2, num_iterations=2)
+    t = kind.completion_length
+    texts = ["good movie", "a long and dull plot", "ok"]
+    batch = kind.prepare_batch(model, _prompts(tiny_gpt2, kind, texts), step=0)
+    logps = kind.embed(model, {k: v for k, v in batch.items() if k != "labels"})
+    groups = kind.keep_groups(batch, logps)
+    pad = kind.tokenizer.pad_token_id
+    joined = kind.join_groups(groups, pad)
+    assert kind.prepare_batch(model, joined, step=5) is joined  # prepared already: not generated again
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(joined[key], batch[key]), key
+    old = joined["labels"][..., t:2 * t]
+    assert torch.isnan(batch["labels"][..., t:2 * t]).all() and torch.equal(old, logps.view(3, 4, t))
+    rest = torch.cat([joined["labels"][..., :t], joined["labels"][..., 2 * t:]], -1)
+    assert torch.equal(rest, torch.cat([batch["labels"][..., :t], batch["labels"][..., 2 * t:]], -1))
+    alone = kind.prepare_batch(model, _prompts(tiny_gpt2, kind, texts[1:2], first=1), step=0)
+    second = kind.join_groups(groups[1:2], pad)
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(second[key], alone[key]), key
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_later_iteration_is_trls_loss_with_the_generation_time_logps(tiny_gpt2, loss_type):
+    """A window's second step: its kept completions, the log-probabilities of the policy that generated them as
+    TRL's `old_per_token_logps`, the policy moved by a step: our loss, its gradient and clip ratio equal TRL's
+    `_compute_loss` (and its clip_ratio/region_mean) on the same completions."""
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2)
+    kind = _kind(tiny_gpt2, num_iterations=2, loss_type=loss_type, epsilon=0.02, epsilon_high=0.03,
+                 rewards=["regex:^[a-m]", "length:3"])
+    texts = ["What is 2 + 3?", "a long and dull plot", "ok then"]
+    batch = kind.prepare_batch(model, _prompts(tiny_gpt2, kind, texts), step=0)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        old = kind.embed(model, inputs)
+        labels = kind.join_groups(kind.keep_groups(batch, old), kind.tokenizer.pad_token_id)["labels"]
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():  # as after the window's first optimizer step
+            p.add_(0.2 * p.abs().mean() * torch.randn(p.shape, generator=g))
+        now = kind.embed(model, inputs)
+    assert (now - old).abs().max() > 0.02
+    n, gsize, t = len(texts), kind.generations, kind.completion_length
+    mask, _, ref, _, scores = kind.split_labels(labels)
+    assert scores.std() > 0  # the groups' advantages vary
+    ours_in = now.clone().requires_grad_(True)
+    ours = kind.window_loss_sum(kind.as_samples(ours_in, n), labels) / (n * gsize)
+    ours.backward()
+    theirs_in = now.clone().requires_grad_(True)
+    trl_self = _trl_self(kind, t, theirs_in)
+    trl_inputs = {"prompt_ids": torch.zeros(n * gsize, 2, dtype=torch.long), "prompt_mask": torch.ones(n * gsize, 2),
+                  "completion_ids": torch.zeros(n * gsize, t, dtype=torch.long),
+                  "completion_mask": mask.reshape(-1, t), "advantages": kind.advantages(scores).reshape(-1),
+                  "old_per_token_logps": old, "ref_per_token_logps": ref.reshape(-1, t),
+                  "num_items_in_batch": mask.sum()}
+    theirs = GRPOTrainer._compute_loss(trl_self, None, trl_inputs)
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-5, atol=1e-8)
+    stats = kind.stats(labels, now)
+    clip = float(stats[:, 4].sum() / stats[:, 5].sum())
+    assert clip > 0 and clip == pytest.approx(trl_self._metrics["train"]["clip_ratio/region_mean"][0], abs=1e-6)
+
+
+def test_num_iterations_trains_each_window_again_on_its_completions(tmp_path, tiny_gpt2):
+    """num_iterations=2: every window is two optimizer steps, the second on the first's completions (the same
+    rewards and lengths, not generated again) with the ratio clipped; its first step is the one-iteration run's
+    step exactly; max_steps, the epoch and the progress count each step."""
+    from conftest import load_weights
+
+    from finetune.run.events import read_events
+    from finetune.train.loop import train
+
+    path = tmp_path / "q.csv"
+    path.write_text("prompt,answer\n" + "".join(f"What is {i} + {i}?,{2 * i}\n" for i in range(8)))
+
+    def run(name: str, **extra):
+        values = {"task": "grpo", "model": tiny_gpt2, "dataset": str(path), "rewards": [REWARD],
+                  "num_generations": 4, "max_completion_length": 6, "max_length": 32, "effective_batch_size": 8,
+                  "micro_batch_size": 4, "eval_fraction": 0, "learning_rate": 0.05, "epsilon": 0.05,
+                  "logging_every": 1, "output_dir": str(tmp_path / name), **extra}
+        train(from_dict(values))
+        events = read_events(tmp_path / name / "events.jsonl")
+        return events[0], [e for e in events if e["event"] == "step"]
+
+    start, steps = run("mu2", num_iterations=2, epochs=1)
+    assert start["total_steps"] == start["steps_per_epoch"] == 8  # 4 windows of 2 prompts, 2 steps each
+    assert [e["epoch"] for e in steps][1::2] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    same = ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio")
+    for first, second in zip(steps[::2], steps[1::2], strict=True):
+        assert first["metrics"]["clip_ratio"] == 0
+        assert {k: second["metrics"][k] for k in same} == {k: first["metrics"][k] for k in same}
+    assert max(e["metrics"]["clip_ratio"] for e in steps[1::2]) > 0
+    assert [e["metrics"]["completions/mean_length"] for e in steps[::2]] != \
+        [steps[0]["metrics"]["completions/mean_length"]] * 4 or \
+        [e["metrics"]["reward"] for e in steps[::2]] != [steps[0]["metrics"]["reward"]] * 4  # new windows
+    run("one", max_steps=1)
+    run("mu2-1", max_steps=1, num_iterations=2)
+    for name, w in load_weights(tmp_path / "one").items():
+        torch.testing.assert_close(load_weights(tmp_path / "mu2-1")[name], w, rtol=0, atol=0)
+
+
+def test_num_iterations_checkpoints_only_where_a_window_ends():
+    with pytest.raises(ConfigError, match="`save_every`=3 must be a multiple of num_iterations=2.*use 2 or 4"):
+        from_dict({"task": "grpo", "rewards": ["exact_match"], "num_iterations": 2, "save_every": 3})
+    assert from_dict({"task": "grpo", "rewards": ["exact_match"], "num_iterations": 2, "save_every": 4})
+
+
+def test_a_stop_within_a_window_waits_for_its_end_and_resumes_exactly(tmp_path, tiny_gpt2):
+    """num_iterations=2: a stop asked for after a window's first step takes effect after its second (the checkpoint
+    at the window's end), and the resumed run ends with the uninterrupted run's weights."""
+    from conftest import assert_same_weights, load_weights
+
+    from finetune.run.events import Step
+    from finetune.train.loop import StopFlag, train
+
+    path = tmp_path / "q.csv"
+    path.write_text("prompt,answer\n" + "".join(f"What is {i} + {i}?,{2 * i}\n" for i in range(6)))
+    values = {"task": "grpo", "model": tiny_gpt2, "dataset": str(path), "rewards": [REWARD], "num_generations": 4,
+              "max_completion_length": 5, "max_length": 32, "effective_batch_size": 8, "micro_batch_size": 4,
+              "eval_fraction": 0, "learning_rate": 0.05, "epsilon": 0.05, "num_iterations": 2, "optimizer": "adamw",
+              "epochs": 1}
+    full = train(from_dict({**values, "output_dir": str(tmp_path / "full")}))
+    stop = StopFlag()
+    cut = train(from_dict({**values, "output_dir": str(tmp_path / "cut")}), stop=stop,
+                callbacks=[lambda e: stop.request() if isinstance(e, Step) and e.step == 1 else None])
+    assert (full.step, cut.status, cut.step) == (6, "stopped", 2)
+    resumed = train(from_dict({**values, "output_dir": str(tmp_path / "cut"), "resume": True}))
+    assert resumed.status == "done" and resumed.step == 6
+    assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
+
+
+def test_the_data_check_knows_the_rewards_columns(tmp_path, capsys, tiny_gpt2):
+    """Before any model loads, `finetune train` refuses in one sentence (exit 2) a reward whose column the data
+    lacks: exact_match's answer column, a function's parameters without a default, a function without **kwargs
+    that would be passed columns it does not take; a reward that needs no column takes data without one."""
+    from finetune.cli import main
+    from finetune.data.load import resolve_columns
+
+    path = tmp_path / "p.csv"
+    path.write_text("prompt,result\nWhat is 1 + 1?,2\n")
+    (tmp_path / "mine.py").write_text("def needs(prompts, completions, solution, **kw):\n    return [0.0]\n"
+                                      "def strict(prompts, completions, completion_ids):\n    return [0.0]\n"
+                                      "def fine(prompts, completions, result, scale=1, **kw):\n    return [0.0]\n")
+    columns = ["prompt", "result"]
+
+    def refusal(*specs: str) -> str:
+        with pytest.raises(DataError) as e:
+            resolve_columns(from_dict({"task": "grpo", "rewards": list(specs)}), columns)
+        return str(e.value)
+
+    from finetune.errors import DataError
+
+    assert "set `answer_column`" in refusal("length:3", "exact_match")
+    assert "takes the column(s) solution, which the data lacks" in refusal(f"{tmp_path / 'mine.py'}:needs")
+    assert "takes no result: add `**kwargs`" in refusal(f"{tmp_path / 'mine.py'}:strict")
+    for ok in ([REWARD], [f"{tmp_path / 'mine.py'}:fine"]):
+        assert resolve_columns(from_dict({"task": "grpo", "rewards": ok}), columns).prompt == "prompt"
+    out = tmp_path / "run"
+    assert main(["train", "task=grpo", f"dataset={path}", f"rewards=[{tmp_path / 'mine.py'}:needs]",
+                 f"model={tiny_gpt2}", f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "takes the column(s) solution" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not (out / "plan.json").exists()
+
+
+def test_an_out_of_memory_back_off_within_a_window_trains_its_kept_completions(tmp_path, tiny_gpt2, monkeypatch):
+    """num_iterations=2: out of memory at a window's second step halves the micro-batch, and the kept groups are laid
+    out in the smaller micro-batches (not generated again): the run ends with the weights of the run without it."""
+    from conftest import assert_same_weights, load_weights
+
+    import finetune.train.variants as variants
+    from finetune.run.events import read_events
+    from finetune.train.loop import train
+
+    path = tmp_path / "q.csv"
+    path.write_text("prompt,answer\n" + "".join(f"What is {i} + {i}?,{2 * i}\n" for i in range(4)))
+    values = {"task": "grpo", "model": tiny_gpt2, "dataset": str(path), "rewards": [REWARD], "num_generations": 4,
+              "max_completion_length": 5, "max_length": 32, "effective_batch_size": 8, "micro_batch_size": 8,
+              "eval_fraction": 0, "learning_rate": 0.5, "optimizer": "sgd", "epsilon": 0.05, "num_iterations": 2,
+              "max_steps": 2}  # SGD: Adam would magnify the rounding of gradients near 0
+    train(from_dict({**values, "output_dir": str(tmp_path / "plain")}))
+    real, calls = variants.cached_backward_window, []
+
+    def second_step_runs_out(*args, **kwargs):
+        calls.append(len(args[1]))  # the micro-batches
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("stand-in")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(variants, "cached_backward_window", second_step_runs_out)
+    train(from_dict({**values, "output_dir": str(tmp_path / "backoff")}))
+    assert calls == [1, 1, 2]
+    events = read_events(tmp_path / "backoff" / "events.jsonl")
+    assert [e["micro_batch_size"] for e in events if e["event"] == "backoff"] == [4]
+    steps = [e for e in events if e["event"] == "step"]
+    assert steps[1]["metrics"]["reward"] == steps[0]["metrics"]["reward"]
+    assert_same_weights(load_weights(tmp_path / "backoff"), load_weights(tmp_path / "plain"), rtol=1e-5, atol=1e-6)

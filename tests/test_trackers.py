@@ -128,3 +128,53 @@ def test_dashboard_commands():
     assert tracking.dashboard_command(["tensorboard", "trackio"], "runs/a") == [
         "tensorboard --logdir runs/a/tensorboard", "trackio show --project a"]
     assert tracking.dashboard_command([], "runs/a") == []
+
+
+def test_each_evaluations_sample_completions_go_to_the_trackers(tmp_path, tiny_gpt2):
+    """A GRPO run's `samples` events reach TensorBoard as a Markdown table under eval/completions (its Text tab), at
+    each evaluation's step, with every row of events.jsonl; a tracker that takes tables (W&B's `log_table`) gets
+    TRL's completions columns and rows."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from finetune.run.events import Samples
+
+    path = tmp_path / "q.csv"
+    path.write_text("prompt,answer\n" + "".join(f"What is {i} + {i}?,{2 * i}\n" for i in range(10)))
+    out = tmp_path / "run"
+    _, events, _ = run_train(out, task="grpo", model=tiny_gpt2, dataset=str(path), rewards=["regex:^[a-m]", "length:3"],
+                             num_generations=4, max_completion_length=4, max_length=32, effective_batch_size=8,
+                             micro_batch_size=8, max_steps=2, eval_every=1, eval_fraction=0.3,
+                             report_to="tensorboard")
+    samples = [e for e in events if e["event"] == "samples"]
+    assert [e["step"] for e in samples] == [1, 2]
+    texts = {}
+    for f in (out / "tensorboard").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f), size_guidance={"tensors": 0})
+        acc.Reload()
+        for tag in acc.Tags()["tensors"]:
+            if tag.startswith(tracking.SAMPLES_KEY):
+                texts |= {t.step: t.tensor_proto.string_val[0].decode() for t in acc.Tensors(tag)}
+    assert sorted(texts) == [1, 2]
+    for e in samples:
+        lines = texts[e["step"]].splitlines()
+        assert lines[0] == "| step | prompt | completion | reward | regex | length |"
+        assert len(lines) == 2 + len(e["rows"]) == 2 + 12
+        first = e["rows"][0]
+        assert lines[2].startswith(f"| {e['step']} | {first['prompt']} |")
+
+    class Tables:  # a stand-in for W&B's tracker: what accelerate's `log_table` is given
+        name = "wandb"
+
+        def __init__(self) -> None:
+            self.logged = []
+
+        def log_table(self, table_name, columns=None, data=None, step=None):
+            self.logged.append((table_name, columns, data, step))
+
+    tables, event = Tables(), Samples(step=samples[0]["step"], rows=samples[0]["rows"])
+    tracking.log_samples([tables], event)
+    [(name, columns, data, step)] = tables.logged
+    assert (name, columns, step) == ("eval/completions", ["step", "prompt", "completion", "reward", "regex",
+                                                          "length"], 1)
+    assert data == [[1, r["prompt"], r["completion"], r["reward"], r["rewards"]["regex"], r["rewards"]["length"]]
+                    for r in event.rows]

@@ -207,8 +207,10 @@ def load(source: str, config_name: str | None = None, split: str = "train", colu
 
 
 def inspect(source: str | None, config_name: str | None, split: str | None, task: str,
-            wanted: dict[str, str | None]) -> DatasetView:
-    """Load, preview and map the columns: keep the wanted ones that exist, guess the rest, check the labels."""
+            wanted: dict[str, str | None], settings: dict[str, Any] | None = None) -> DatasetView:
+    """Load, preview and map the columns: keep the wanted ones that exist, guess the rest, check the labels.
+    `settings` (the kind's, from Start's config) are what its column check also reads: GRPO's rewards and the
+    columns they need."""
     if not source:
         return DatasetView(error="Choose a dataset: upload a file, or type a hub dataset id and press Enter.")
     try:
@@ -225,7 +227,7 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
     kept = {k: v for k, v in wanted.items() if k in COLUMN_FIELDS and v and v in columns}
     kept = _for_task(kept, task)
     try:
-        found = resolve_columns(Config(task=task, **kept), columns)
+        found = resolve_columns(Config(task=task, **kept, **(settings or {})), columns)
     except DataError as e:
         return DatasetView(columns, preview, len(head), kept, error=_conversation_hint(head, task) or _said(e),
                            sampled=sampled)

@@ -35,6 +35,7 @@ from app.train.plan import PlanHandlers
 from app.train.run_report import progress_html
 from finetune.config.schema import Config, ConfigError, from_dict
 from finetune.config.tasks import single_task_values
+from finetune.kinds import registry as kinds
 from finetune.remote.flavors import Flavor
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 
@@ -111,8 +112,9 @@ def data_problem(config: Config) -> str:
     """Why the data of `config` cannot train (its first problem), checked as the preview checks it: the one
     dataset, or each task's of a multi-task config; "" when it can."""
     if not config.tasks:
+        settings = {k: getattr(config, k) for k in kinds.entry(config.task).settings}  # GRPO's rewards
         view = preview.inspect(config.dataset, config.dataset_config, config.train_split, config.task,
-                               {c: getattr(config, c) for c in COLUMN_FIELDS})
+                               {c: getattr(config, c) for c in COLUMN_FIELDS}, settings)
         return view.error
     for t in config.tasks:
         values = single_task_values(config, t)

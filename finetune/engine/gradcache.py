@@ -14,7 +14,9 @@ labels)` (the loss of a whole window of samples, as a sum its target count divid
 (a micro-batch's rows as samples (B, g, d), and back). A kind whose samples are made before they are scored has
 `prepare_batch(model, batch, step=…)` too (GRPO: a micro-batch of prompts → its generated groups, their rewards in
 the labels), called once per micro-batch before its outputs are cached; the replay reuses the prepared batch, and
-`step` (the optimizer step) lets the kind seed what it draws so that it does not depend on the split.
+`step` (the optimizer step) lets the kind seed what it draws so that it does not depend on the split. A batch it
+prepared already (a window trained again: GRPO's `num_iterations`, whose caller collates kept groups) it returns as
+it is.
 """
 
 from __future__ import annotations
@@ -71,13 +73,15 @@ def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def cached_backward_window(model: Any, micro: list[list[int]],
                            collate_fn: Callable[[list[int]], dict[str, torch.Tensor]], count: int,
                            dist: Distributed, *, kind: TaskKind, weight: float = 1.0, step: int = 0,
-                           observe: Callable[[dict[str, torch.Tensor], Any, torch.Tensor | None], None] | None = None
+                           observe: Callable[[dict[str, torch.Tensor], Any, torch.Tensor | None], None] | None = None,
+                           keep: Callable[[list[int], dict[str, torch.Tensor], torch.Tensor], None] | None = None
                            ) -> torch.Tensor:
     """Forward and backward this process's micro-batches of one window by gradient caching, leaving the gradient of
     the global window's `window_loss_sum / count` in the parameters; returns this process's share of that loss sum
     (its samples' part, so that the sum over processes is the window's). A stand-in (`weight` 0) joins every
     collective with no samples of its own. `observe(batch, outputs, None)` sees each micro-batch's cached outputs
-    (a metric accumulator's `add`)."""
+    (a metric accumulator's `add`); `keep(indices, batch, outputs)` sees each prepared micro-batch with its outputs
+    without a graph (GRPO keeps a window it trains again, those outputs its old log-probabilities)."""
     dist.gradient_accumulation_steps = len(micro)
     dist.step = 0
     batches, states, samples = [], [], []
@@ -92,6 +96,8 @@ def cached_backward_window(model: Any, micro: list[list[int]],
             outputs = kind.embed(model, _inputs(batch)).float()
             samples.append(kind.as_samples(outputs, len(batch["labels"])))
             batches.append(batch)
+            if keep is not None:
+                keep(mb, batch, outputs)
             if observe is not None and weight:
                 observe(batch, outputs, None)
     mine = torch.cat(samples) if weight else samples[0][:0]

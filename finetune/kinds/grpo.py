@@ -16,6 +16,11 @@ those log-probabilities, and each micro-batch is run again with a graph to back-
 trains exactly like (k·B, 1), over any number of processes, and bnpo is normalised over the window (TRL normalises it
 per micro-batch).
 
+With `num_iterations` (μ) > 1 a window trains μ optimizer steps in a row on the completions generated at its first
+(`steps_per_window`): the whole-window step hands each prepared micro-batch to `keep_groups` with its log-probabilities
+of that first step, which become the old ones of the clipped ratio, and the later steps collate the kept groups
+(`join_groups`), which `prepare_batch` passes through.
+
 The reference (`beta` > 0): the base with its LoRA adapter switched off, else a frozen copy of the starting model.
 Evaluation generates from the held-out prompts (seeded apart from training) and reports the mean reward under TRL's
 names.
@@ -43,7 +48,7 @@ from finetune.kinds.preference import _frozen as frozen_model
 from finetune.kinds.registry import entry
 
 PROMPT_NAMES = ("prompt", "question", "problem", "query")
-ANSWER_NAMES = ("answer", "solution", "ground_truth")
+ANSWER_NAMES = reward_functions.ANSWER_NAMES
 EVAL_STEP = -1  # evaluation's completions are seeded apart from every training step's
 STD_EPS = 1e-4  # TRL's: advantages are (r − mean) / (std + 1e-4)
 # The `samples` event after each evaluation: the first held-out prompts, a few completions of each, texts cut short
@@ -100,6 +105,7 @@ class GRPO:
     seed: int = 0
     model: str = ""  # the starting model: its tokenizer decodes completions; a frozen copy is the reference
     lora: bool = False  # the reference is the base with the adapter switched off
+    iterations: int = 1  # num_iterations (μ): optimizer steps each generated window trains
     entry = entry("grpo")
     sequences_per_sample = 1  # the planner's micro-batch counts completions already
 
@@ -108,7 +114,12 @@ class GRPO:
         return _configured(tuple(c.rewards), reward_functions.weights_of(c.rewards, c.reward_weights),
                            c.num_generations, c.max_completion_length, c.temperature, c.top_p, c.loss_type,
                            c.epsilon, c.epsilon_high, c.beta or 0.0, c.scale_rewards, c.seed, c.model,
-                           c.lora == "true")
+                           c.lora == "true", c.num_iterations)
+
+    @property
+    def steps_per_window(self) -> int:
+        """Optimizer steps each window trains in a row (`num_iterations`): its completions are generated once."""
+        return self.iterations
 
     @property
     def counted_per_sample(self) -> int:
@@ -134,14 +145,16 @@ class GRPO:
 
     # --- data
     def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
-        """The prompt column, and the answer column (set, or a common name when present; exact_match needs it)."""
+        """The prompt column, and the answer column (set, or a common name when present); a `DataError` when a
+        reward of the config's needs a column the data lacks (exact_match the answer column, a function the columns
+        it declares), before any model loads."""
         prompt = pick_column(columns, c.prompt_column, (*PROMPT_NAMES, "messages"), "Prompt", "prompt_column")
         answer = pick_column(columns, c.answer_column, ANSWER_NAMES, "Answer", "answer_column") \
             if c.answer_column or any(n in columns for n in ANSWER_NAMES) else None
-        if answer is None and "exact_match" in self.rewards:
-            raise DataError(f"Reward exact_match compares each completion with an answer column, and none was found "
-                            f"(looked for {', '.join(ANSWER_NAMES)}); the data's columns are: {', '.join(columns)}. "
-                            "Set `answer_column`.")
+        # The config's rewards, not this object's (the data is checked with the plain kind).
+        for r in reward_functions.parse_all(c.rewards):
+            if problem := reward_functions.column_problem(r, columns, prompt, answer):
+                raise DataError(problem)
         return Columns(prompt=prompt, answer=answer)
 
     def label_names(self, table: Any, cols: Columns, source: str) -> None:
@@ -234,7 +247,10 @@ class GRPO:
         """A micro-batch of prompts → its groups: G completions per prompt generated (seeded per prompt and step),
         scored, and laid out as B·G rows of prompt + completion (completion padded to `max_completion_length`),
         with labels (B, G, ·): the completion mask, old log-probabilities (NaN: the current ones), the reference's,
-        whether it was cut off, and each reward."""
+        whether it was cut off, and each reward. A batch prepared already (`join_groups`: a window trained again,
+        num_iterations > 1) is returned as it is."""
+        if batch["labels"].dtype != torch.uint8:
+            return batch
         base = getattr(model, "module", model)
         ids, mask, raw = batch["input_ids"], batch["attention_mask"], batch["labels"]
         device, g, t = ids.device, self.generations, self.completion_length
@@ -271,6 +287,37 @@ class GRPO:
         old = torch.full((len(comp), t), float("nan"), device=device)
         labels = torch.cat([comp_mask.float(), old, ref.float(), (~ended).float()[:, None], scores.to(device)], 1)
         return {**inputs, "labels": labels.view(len(extras), g, -1)}
+
+    def keep_groups(self, batch: dict[str, torch.Tensor], logps: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """A prepared micro-batch as its groups, one per prompt (its tokens without padding, its completions, their
+        mask and labels), the log-probabilities `logps` (B·G, T) that the policy gave the completions when they were
+        generated kept as their old ones: what a window trained again (num_iterations > 1) is made of."""
+        t, g = self.completion_length, self.generations
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        labels = batch["labels"].clone()
+        labels[..., t:2 * t] = logps.detach().to(labels.dtype).view(len(labels), g, t)
+        width = ids.shape[1] - t
+        return [{"prompt": ids[r * g, :width][mask[r * g, :width].bool()],
+                 "completion": ids[r * g:(r + 1) * g, width:], "completion_mask": mask[r * g:(r + 1) * g, width:],
+                 "labels": labels[r]} for r in range(len(labels))]
+
+    def join_groups(self, groups: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+        """Groups kept by `keep_groups` as a prepared micro-batch, laid out as `prepare_batch` lays it out (prompts
+        left-padded to the longest, positions counting real tokens)."""
+        g = self.generations
+        width = max(len(x["prompt"]) for x in groups)
+        device = groups[0]["completion"].device
+        prompts = torch.full((len(groups), width), pad_id, dtype=torch.long, device=device)
+        prompt_mask = torch.zeros((len(groups), width), dtype=torch.long, device=device)
+        for r, x in enumerate(groups):
+            prompts[r, width - len(x["prompt"]):] = x["prompt"]
+            prompt_mask[r, width - len(x["prompt"]):] = 1
+        inputs = {"input_ids": torch.cat([prompts.repeat_interleave(g, 0),
+                                          torch.cat([x["completion"] for x in groups])], 1),
+                  "attention_mask": torch.cat([prompt_mask.repeat_interleave(g, 0),
+                                               torch.cat([x["completion_mask"] for x in groups])], 1)}
+        inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        return {**inputs, "labels": torch.stack([x["labels"] for x in groups])}
 
     def score(self, extras: list[dict[str, Any]], comp: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Each completion's score by each reward (B·G, R); NaN where a function returned None."""
@@ -533,9 +580,9 @@ def _cut(text: str) -> str:
 @functools.cache
 def _configured(rewards: tuple[str, ...], weights: tuple[float, ...], generations: int, completion_length: int,
                 temperature: float, top_p: float, loss_type: str, epsilon: float, epsilon_high: float | None,
-                beta: float, scale_rewards: str, seed: int, model: str, lora: bool) -> GRPO:
+                beta: float, scale_rewards: str, seed: int, model: str, lora: bool, iterations: int = 1) -> GRPO:
     return GRPO(rewards, weights, generations, completion_length, temperature, top_p, loss_type, epsilon,
-                epsilon_high, beta, scale_rewards, seed, model, lora)
+                epsilon_high, beta, scale_rewards, seed, model, lora, iterations)
 
 
 def kv_cache_bytes(model_config: Any, tokens: int, dtype_bytes: int, layers: int = 0) -> int:

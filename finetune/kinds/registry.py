@@ -102,7 +102,9 @@ GRPO_OPTIONS = (
            "rewards, of the window's, or not at all (Dr. GRPO).", choices=("group", "batch", "none"),
            group="advanced"),
     Option("num_iterations", int, 1, "GRPO: optimizer steps per generated window (μ): the same completions "
-           "trained again, their probability ratio clipped.", min=1, max=64, group="advanced"),
+           "trained again, their probability ratio to the generating policy clipped; each is a step of max_steps, "
+           "and checkpoints fall where a window ends (save_every a multiple of it).", min=1, max=64,
+           group="advanced"),
 )
 
 

@@ -19,6 +19,7 @@ with a reward model imports transformers when it runs.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import math
@@ -42,6 +43,7 @@ SAMPLE_FIELDS = ("prompt", "completion", "reward")
 MODEL_KIND = "reward"  # the kind whose runs `reward_model:` takes as their folder (the app lists them)
 CODE = re.compile(r"^(?P<file>.+\.py):(?P<function>[A-Za-z_][A-Za-z0-9_]*)$")
 DEFAULT_BATCH = 32  # finetune.config.schema.DEFAULT_EFFECTIVE_BATCH (the schema imports this module's caller)
+ANSWER_NAMES = ("answer", "solution", "ground_truth")  # the answer column's usual names (finetune.kinds.grpo)
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -221,6 +223,53 @@ def scorer(reward: Reward, answer_column: str | None) -> Scorer:
     return score_function
 
 
+STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids")  # what every function is passed besides columns
+
+
+def _signature(spec: str) -> tuple[list[str], list[str], bool] | None:
+    """A `file.py:function` reward's parameters without a default, those with one, and whether it takes
+    `**kwargs`, read from the file without running it; None when the file or the function cannot be read (scoring
+    says why)."""
+    match = CODE.match(spec)
+    try:
+        tree = ast.parse(Path(match["file"]).expanduser().read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == match["function"]), None)
+    if node is None:
+        return None
+    a = node.args
+    positional = [*a.posonlyargs, *a.args]
+    first_default = len(positional) - len(a.defaults)
+    required = [x.arg for x in positional[:first_default]]
+    optional = [x.arg for x in positional[first_default:]]
+    for x, default in zip(a.kwonlyargs, a.kw_defaults, strict=True):
+        (required if default is None else optional).append(x.arg)
+    return required, optional, a.kwarg is not None
+
+
+def column_problem(reward: Reward, columns: list[str], prompt: str, answer: str | None) -> str | None:
+    """Why the data's columns cannot feed `reward` (one sentence), or None: exact_match needs the answer column; a
+    function gets every column besides the prompt as a keyword (TRL's convention), so each parameter it declares
+    without a default must be a column, and without `**kwargs` it must name every one."""
+    if reward.kind == "exact_match" and answer is None:
+        return (f"Reward exact_match compares each completion with an answer column, and the data has none "
+                f"(looked for {', '.join(ANSWER_NAMES)}; its columns are {', '.join(columns)}): set `answer_column`.")
+    if reward.kind != "function" or (signature := _signature(reward.argument)) is None:
+        return None
+    required, optional, any_keyword = signature
+    passed = [c for c in columns if c != prompt]
+    if missing := [x for x in required if x not in STANDARD_ARGUMENTS and x not in passed]:
+        return (f"Reward {reward.argument} takes the column(s) {', '.join(missing)}, which the data lacks (its "
+                f"columns besides the prompt are {', '.join(passed) or 'none'}): add them, or give the parameter "
+                "a default.")
+    if not any_keyword and (extra := [c for c in passed if c not in required and c not in optional]):
+        return (f"Reward {reward.argument} is passed every column besides the prompt as a keyword, and takes no "
+                f"{', '.join(extra)}: add `**kwargs` to its parameters.")
+    return None
+
+
 def load_function(spec: str) -> Callable[..., Sequence[float | None]]:
     """The function `file.py:function` names (its file run as a module)."""
     match = CODE.match(spec)
@@ -297,9 +346,11 @@ def config_problems(c: Any) -> list[str]:
     if c.effective_batch_size is None and not (c.micro_batch_size and c.grad_accum_steps) and DEFAULT_BATCH % g:
         found.append(f"The default effective_batch_size={DEFAULT_BATCH} is not a whole number of groups of "
                      f"num_generations={g}: set `effective_batch_size` to a multiple of {g}.")
-    if c.num_iterations > 1:
-        found.append(f"`num_iterations`={c.num_iterations} is not built yet (the same completions trained again): "
-                     "use num_iterations=1.")
+    mu = c.num_iterations
+    if mu > 1 and c.save_every % mu:
+        low = max(mu, c.save_every // mu * mu)
+        found.append(f"`save_every`={c.save_every} must be a multiple of num_iterations={mu}: a checkpoint is taken "
+                     f"only where a window's {mu} optimizer steps end; use {low} or {low + mu}.")
     if c.epsilon_high is not None and c.epsilon_high < c.epsilon:
         found.append(f"`epsilon_high`={c.epsilon_high} is below `epsilon`={c.epsilon}: the upper clipping range "
                      "is at least the lower one.")

@@ -12,7 +12,8 @@ from typing import Any
 
 from finetune.config.schema import Config
 from finetune.errors import ConfigError
-from finetune.run.events import Done, Error, Eval, Event, Start, Step, Stopped, to_record
+from finetune.kinds.rewards import SAMPLE_FIELDS
+from finetune.run.events import Done, Error, Eval, Event, Samples, Start, Step, Stopped, to_record
 
 # tracker → (accelerate's availability check, the pip package that provides it)
 PACKAGES = {"tensorboard": ("is_tensorboard_available", "tensorboard"), "trackio": ("is_trackio_available", "trackio"),
@@ -21,6 +22,9 @@ PACKAGES = {"tensorboard": ("is_tensorboard_available", "tensorboard"), "trackio
             "clearml": ("is_clearml_available", "clearml"), "dvclive": ("is_dvclive_available", "dvclive"),
             "swanlab": ("is_swanlab_available", "swanlab")}
 TENSORBOARD_DIR = "tensorboard"  # inside the run directory
+# After each evaluation, its sample completions (the `samples` event, GRPO's) under TRL's table name, with eval/'s
+# prefix: a table where the tracker takes tables (W&B), a Markdown table in TensorBoard's Text tab.
+SAMPLES_KEY = "eval/completions"
 STEP_KEYS = ("loss", "grad_norm", "lr", "epoch", "samples", "tokens", "skipped", "samples_per_s")
 
 
@@ -91,6 +95,8 @@ class TrackerSink:
                      **{f"train/{k}": v for k, v in (event.metrics or {}).items()}}, step=event.step)
         elif isinstance(event, Eval):
             acc.log({f"eval/{k}": v for k, v in event.metrics.items()}, step=event.step)
+        elif isinstance(event, Samples):
+            log_samples(acc.trackers, event)
         elif isinstance(event, (Done, Stopped, Error)):
             if isinstance(event, Done):
                 acc.log({f"final/{k}": v for k, v in event.metrics.items() if isinstance(v, (int, float))},
@@ -101,6 +107,38 @@ class TrackerSink:
                 tracker.finish()
             acc.trackers.clear()
             self.started = False
+
+
+def samples_table(event: Samples) -> tuple[list[str], list[list[Any]]]:
+    """The `samples` event as TRL's completions table: step, prompt, completion, reward and each reward's column."""
+    names = list(dict.fromkeys(name for row in event.rows for name in row.get("rewards", {})))
+    columns = ["step", *SAMPLE_FIELDS, *names]
+    data = [[event.step, *(row.get(field) for field in SAMPLE_FIELDS),
+             *(row.get("rewards", {}).get(name) for name in names)] for row in event.rows]
+    return columns, data
+
+
+def markdown_table(columns: list[str], data: list[list[Any]]) -> str:
+    """A table in Markdown (TensorBoard's Text tab renders it), cells on one line, pipes escaped."""
+    def cell(value: Any) -> str:
+        return "" if value is None else str(value).replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in data]
+    return "\n".join(lines)
+
+
+def log_samples(trackers: list[Any], event: Samples) -> None:
+    """An evaluation's sample completions to each tracker that can show them: a table (`log_table`, W&B's), else
+    TensorBoard's text; the others (scalar-only trackers) get none."""
+    if not event.rows:
+        return
+    columns, data = samples_table(event)
+    for tracker in trackers:
+        if hasattr(tracker, "log_table"):
+            tracker.log_table(SAMPLES_KEY, columns=columns, data=data, step=event.step)
+        elif getattr(tracker, "name", "") == "tensorboard":
+            tracker.log({SAMPLES_KEY: markdown_table(columns, data)}, step=event.step)
 
 
 def dashboard_command(names: tuple[str, ...] | list[str], run_dir: Path | str) -> list[str]:

@@ -58,7 +58,7 @@ from finetune.run.events import (
     Stopped,
 )
 from finetune.train.precompute import precompute
-from finetune.train.variants import Variant, variant_of
+from finetune.train.variants import Variant, steps_per_window, variant_of
 
 MAX_SKIPPED_IN_A_ROW = 25
 # Evaluation batches, in micro-batches. Inference keeps no activations for a backward: a training micro-batch holds
@@ -158,6 +158,7 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
     model, optimizer, scheduler = s.model, s.optimizer, s.scheduler
     stop = stop or StopFlag()
     params = [q for q in model.parameters() if q.requires_grad]
+    repeats = steps_per_window(s.kind)
     s.log.emit(Start(total_steps=s.total_steps, steps_per_epoch=s.steps_per_epoch, num_train_samples=len(s.train_data),
                      num_eval_samples=len(s.eval_data or []), batch=s.batch, precision=precision_of(accelerator),
                      device=str(accelerator.device), run_dir=str(s.run_dir), step=p.step, resumed=c.resume,
@@ -176,6 +177,9 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
         while p.step < s.total_steps:
             windows = s.train_data.windows(samples_of(s.batch.effective_batch_size, s.kind), seed=c.seed, epoch=p.epoch,
                                            shuffle=c.shuffle, group_by_length=c.group_by_length)
+            # A kind may train each window several optimizer steps in a row (GRPO's num_iterations): each step is a
+            # step, and `p.window` counts them.
+            windows = [window for window in windows for _ in range(repeats)]
             for w in range(p.window, len(windows)):
                 window = windows[w]
                 while True:
@@ -210,9 +214,12 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                                     metrics=s.variant.step_metrics(s)))
                 if c.eval_every and p.step % c.eval_every == 0 and p.step < s.total_steps:
                     _evaluate(s, epoch_progress)
-                if c.save_every and p.step % c.save_every == 0 and p.step < s.total_steps:
+                # Checkpoints only where a window's steps end: its kept completions are not saved, so a resumed run
+                # starts at a window (the config makes save_every a multiple of the steps per window).
+                at_window_end = p.window % repeats == 0
+                if c.save_every and p.step % c.save_every == 0 and p.step < s.total_steps and at_window_end:
                     _save_checkpoint(s)
-                if _stop_requested(stop, accelerator) and p.step < s.total_steps:
+                if at_window_end and _stop_requested(stop, accelerator) and p.step < s.total_steps:
                     path = _save_checkpoint(s)
                     s.log.emit(Stopped(step=p.step, checkpoint=str(path)))
                     return RunResult(status="stopped", run_dir=s.run_dir, step=p.step, metrics={},
@@ -283,7 +290,8 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     if note:
         plan = dataclasses.replace(plan, notes=(note, *plan.notes))
     c = plan.apply(c)
-    steps_per_epoch = windows_per_epoch(len(train_data), samples_of(plan.batch.effective_batch_size, configured(c)))
+    steps_per_epoch = windows_per_epoch(len(train_data), samples_of(plan.batch.effective_batch_size, configured(c))) \
+        * steps_per_window(configured(c))
     total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
     optimizer = make_optimizer(c, model)
     scheduler = make_scheduler(c, optimizer, total_steps)

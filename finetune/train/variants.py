@@ -96,11 +96,27 @@ def step_metric_names(kind: Any) -> tuple[str, ...]:
     return getattr(kind, "step_metrics", kind.entry.step_metrics)
 
 
+@dataclasses.dataclass
+class KeptWindow:
+    """A generated window that trains again (GRPO's `num_iterations`): its samples, each one's group as the kind
+    kept it (with its old log-probabilities) and the optimizer steps it has trained."""
+
+    samples: frozenset[int]
+    groups: dict[int, Any]
+    trained: int = 1
+
+
+def steps_per_window(kind: Any) -> int:
+    """Optimizer steps each window trains in a row: the kind's `steps_per_window` (GRPO's num_iterations), else 1."""
+    return int(getattr(kind, "steps_per_window", 1))
+
+
 class SingleTask:
     """One dataset, one model: the plain loop."""
 
     recurrence: Recurrence | None = None
     _window_metrics: Any = None  # the last window's metric accumulator, for a kind with step metrics
+    _kept: KeptWindow | None = None  # a window to train again, as generated (`steps_per_window` > 1)
 
     def load_data(self, c: Config, tokenizer: Any, num_processes: int) -> tuple[Any, Any, list[str] | None]:
         """The dataset, tokenised (or read as a stream)."""
@@ -140,10 +156,34 @@ class SingleTask:
             if s.kind.entry.step_metrics else None
         observe = acc.add if acc is not None and weight else None
         if s.kind.entry.whole_window:  # a loss over the whole window (in-batch negatives, GRPO's groups)
-            return cached_backward_window(s.model, micro, self._collate(s), count, s.accelerator, kind=s.kind,
-                                          weight=weight, step=s.progress.step, observe=observe)
+            return self._whole_window(s, micro, count, weight, observe)
         return backward_window(s.model, micro, self._collate(s), count, s.accelerator, kind=s.kind, weight=weight,
                                observe=observe)
+
+    def _whole_window(self, s: Setup, micro: list[list[int]], count: int, weight: float, observe: Any
+                      ) -> torch.Tensor:
+        """The window by gradient caching. A kind that trains each window several steps (GRPO's num_iterations)
+        generates it at its first step and keeps its groups, the policy's log-probabilities then as the old ones;
+        its later steps collate the kept groups (by sample, so that a back-off's new split takes them too)."""
+        steps = steps_per_window(s.kind)
+        samples = frozenset(i for mb in micro for i in mb)
+        kept = self._kept if self._kept is not None and self._kept.samples == samples else None
+        collate, keep, fresh = self._collate(s), None, {}
+        if kept is not None:
+            def collate(mb: list[int]) -> dict[str, torch.Tensor]:
+                return s.kind.join_groups([kept.groups[i] for i in mb], s.tokenizer.pad_token_id)
+        elif steps > 1:
+            def keep(mb: list[int], batch: dict[str, torch.Tensor], outputs: torch.Tensor) -> None:
+                fresh.update(zip(mb, s.kind.keep_groups(batch, outputs), strict=True))
+        loss = cached_backward_window(s.model, micro, collate, count, s.accelerator, kind=s.kind, weight=weight,
+                                      step=s.progress.step, observe=observe, keep=keep)
+        # Only once the window has trained (an out-of-memory retry generates or collates it again).
+        if kept is not None:
+            kept.trained += 1
+        elif steps > 1:
+            kept = KeptWindow(samples, fresh)
+        self._kept = kept if kept is not None and kept.trained < steps else None
+        return loss
 
     def step_metrics(self, s: Setup) -> dict[str, float] | None:
         """The entry's `step_metrics` of the last window's batches, reduced over processes like an evaluation."""

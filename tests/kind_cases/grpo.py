@@ -34,5 +34,7 @@ CASE = Case(model="tiny_gpt2", data="arithmetic_csv", counts="sample",
             batch=16, micro=4,
             variants={"grpo": {}, "dapo": {"loss_type": "dapo"}, "dr_grpo-batch": {"loss_type": "dr_grpo",
                                                                                     "scale_rewards": "batch"},
-                      "bnpo-kl": {"loss_type": "bnpo", "beta": 0.1}},
+                      "bnpo-kl": {"loss_type": "bnpo", "beta": 0.1},
+                      # Each window trained 2 steps in a row, the second on the first's completions.
+                      "dapo-mu2": {"loss_type": "dapo", "num_iterations": 2, "epsilon": 0.05}},
             predict=("What is 2 + 3?",), predicted=frozenset({"text", "generated"}))
