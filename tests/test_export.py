@@ -310,6 +310,24 @@ needs_llama_cpp = pytest.mark.skipif(find_spec("llama_cpp") is None or find_spec
                                      reason="llama-cpp-python and gguf are not installed (pip install '.[export]')")
 
 
+@pytest.fixture(scope="session")
+def converters(tmp_path_factory) -> Path:
+    """One folder of fetched converters for this test process: each test has a cache folder of its own
+    (conftest's own_plan_cache), and fetching the converter downloads llama-cpp-python's source package (40 s here,
+    minutes under load), so the tests' caches all point here and it is fetched once."""
+    folder = tmp_path_factory.mktemp("cache") / "finetune" / "llama.cpp"  # as llamacpp.cache_dir() under XDG_CACHE_HOME
+    folder.mkdir(parents=True)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def shared_converters(own_plan_cache, converters) -> None:
+    from finetune.use import llamacpp
+
+    llamacpp.cache_dir().parent.mkdir(parents=True, exist_ok=True)
+    llamacpp.cache_dir().symlink_to(converters, target_is_directory=True)
+
+
 @needs_llama_cpp
 def test_a_gguf_llama_cpp_cannot_load_is_a_sentence(tmp_path):
     from finetune.use import llamacpp
@@ -324,13 +342,15 @@ def test_a_gguf_llama_cpp_cannot_load_is_a_sentence(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def f16_export(chat_run, tmp_path_factory):
+def f16_export(chat_run, converters, tmp_path_factory):
     """The chat run's f16 GGUF and Modelfile, converted once: llama.cpp's converter takes a minute or more here,
     and the tests below copy this folder so that their other quants start from it (as a second export does)."""
     if find_spec("llama_cpp") is None or find_spec("gguf") is None:
         pytest.skip("llama-cpp-python and gguf are not installed (pip install '.[export]')")
-    return export(str(chat_run), fmt="gguf", out=str(tmp_path_factory.mktemp("f16") / "g"), ollama_file=True,
-                  check=False)
+    with pytest.MonkeyPatch.context() as mp:  # set up before any test's own cache folder: the shared one
+        mp.setenv("XDG_CACHE_HOME", str(converters.parents[1]))
+        return export(str(chat_run), fmt="gguf", out=str(tmp_path_factory.mktemp("f16") / "g"), ollama_file=True,
+                      check=False)
 
 
 @needs_llama_cpp
