@@ -378,8 +378,8 @@ def test_the_gguf_carries_the_runs_template_tokens_and_end_of_turn(f16_export):
 @pytest.mark.slow
 def test_slow_llama_cpp_greedy_generation_matches_transformers(chat_run, f16_export, tmp_path, capsys):
     """The behaviour check, end to end through the CLI: f16 and q8_0 agree token for token and stop at
-    <|im_end|>; q4_k_m reports its agreement rate. About 20 s when written; 276 s at a load of 10 to 20.
-    (see docs/export.md, "What the tests cost")."""
+    <|im_end|>; q4_k_m reports its agreement rate. A few seconds from the shared f16 export
+    (docs/export.md, "What the tests cost")."""
     out = tmp_path / "g"
     shutil.copytree(f16_export.gguf.parent, out)  # the converted f16 (its converter run is tested above)
     for quant in ("f16", "q8_0", "q4_k_m"):
