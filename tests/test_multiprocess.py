@@ -39,7 +39,7 @@ def launch_two(tmp_path, values: dict, mode: tuple[str, ...] = ("--multi_gpu",))
 
 # One real launch per way of counting a window's targets; every kind's reduction is also checked in one process
 # (tests/test_contract.py: two ranks in threads).
-LAUNCHES = ["per-sample", "per-token", "per-pair"]
+LAUNCHES = ["per-sample", "per-token", "per-pair", "per-group"]
 
 
 def _launch_case(request, case: str) -> tuple[dict, int, int]:
@@ -55,6 +55,15 @@ def _launch_case(request, case: str) -> tuple[dict, int, int]:
         return {"model": request.getfixturevalue("tiny_llama"), "dataset": request.getfixturevalue("long_csv"),
                 "task": "causal_lm", "effective_batch_size": 8, "max_length": 32, "long_documents": "sliding_window",
                 "stride": 8, "shuffle": True, "group_by_length": True}, 2, 8
+    if case == "per-group":
+        # GRPO: each process generates its own prompts' groups (seeded per prompt and step, so the same completions
+        # as one process), the advantages and DAPO's token count are the window's, and each window trains twice
+        # (num_iterations 2) on its completions with the KL term: 10 prompts × 4 completions in windows of 16, the
+        # tail of 8 split 4 + 4.
+        return {"model": request.getfixturevalue("tiny_gpt2"), "dataset": request.getfixturevalue("arithmetic_csv"),
+                "task": "grpo", "max_length": 32, "rewards": "regex:^[a-m]", "num_generations": 4,
+                "max_completion_length": 6, "loss_type": "dapo", "num_iterations": 2, "beta": 0.1, "epochs": 1,
+                "effective_batch_size": 16, "learning_rate": 0.05}, 4, 16
     # Preference pairs with ORPO: pairs stay whole, and both counts (chosen tokens and pairs) are global.
     return {"model": request.getfixturevalue("tiny_gpt2"), "dataset": request.getfixturevalue("pairs_csv"),
             "task": "preference", "preference_loss": "orpo", "max_length": 32, "epochs": 1,
