@@ -84,7 +84,7 @@ def flavor_host(flavor: Flavor) -> HostMemory | None:
     share = f", {ram // flavor.gpus / 1e9:g} GB for each of its {flavor.gpus} GPUs' processes" \
         if flavor.gpus > 1 else ""
     return HostMemory(ram // max(flavor.gpus, 1), f"{flavor.name}'s {ram / 1e9:g} GB of RAM{share}",
-                      "a flavor with more RAM (`finetune jobs flavors`)")
+                      "a flavor with more RAM")
 
 
 def preflight(c: Config, flavor: Flavor, *, timeout_s: int | None, api: Any | None = None) -> Preflight:
