@@ -194,3 +194,15 @@ def test_longest_context_and_smallest_budget_count_a_kinds_own_terms(tmp_path):
     assert make_plan(c, [tokens], 0, device=CPU).predicted_peak_bytes <= SAFETY * 0.03 * GIB
     with pytest.raises(PlanError):
         make_plan(c, [tokens + 1], 0, device=CPU)
+    # An embedding run's window-wide loss (`plan_window`): its embeddings and scores of 64 samples, counted too.
+    from transformers import BertConfig
+
+    BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+               max_position_embeddings=512).save_pretrained(tmp_path / "bert")
+    e = from_dict({"model": str(tmp_path / "bert"), "task": "embedding", "dataset": "x.csv",
+                   "effective_batch_size": 64, "micro_batch_size": 1, "lora": "false", "optimizer": "sgd",
+                   "gradient_checkpointing": "true", "max_length": 128, "memory_budget_gb": 1})
+    gib, _ = smallest_budget(e, [128], 0, device=CPU)
+    plan = make_plan(e, [128], 0, device=CPU)
+    assert plan.breakdown["window_scores"] == 3 * 64 * 64 * 4
+    assert math.ceil(plan.predicted_peak_bytes / SAFETY / GIB * 100) / 100 == gib
