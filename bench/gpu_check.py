@@ -181,10 +181,15 @@ def longest_offloaded(path: str, budget: float, device: str) -> float:
     values = {"lora": "true", "quantization": "none", "chunked_loss": "true", "activation_offload": "true",
               "gradient_checkpointing": "true", "effective_batch_size": 1}
     c = config_of(path, values, 2048, budget)
-    planned_device = ("cuda (planned)" if device == "cuda" else "cpu", int(budget * GIB))
+    # Planned for a CUDA GPU (offload is refused on a CPU), its overhead added to the measured tensors too: on a
+    # CPU (a smoke run) the tensors are the live-tensor tracker's instead of the allocator's.
+    planned_device = ("cuda (planned)", int(budget * GIB))
     start = time.time()
-    predicted, rung = longest_context(c, 0, device=("cuda (planned)", int(budget * GIB)))
+    predicted, rung = longest_context(c, 0, device=planned_device)
     seconds = time.time() - start
+    if not predicted:
+        print(f"\nLongest context with activation offload: nothing fits {budget:g} GiB ({rung}).")
+        return 0.0
     host: dict[str, int] = {}
     skeleton = model_skeleton(c, 0, checkpointing=True, lora=True, precision="bf16", offload=True)
     terms = estimate(skeleton, c, kind=CHUNKED, micro=1, tokens=predicted, accum=1, precision="bf16",
@@ -197,8 +202,7 @@ def longest_offloaded(path: str, budget: float, device: str) -> float:
     def measured(tokens: int) -> int:
         """The measured window's peak at `tokens`, with the planner's overhead: what its rule compares."""
         try:
-            tensors = measure_window(model, c.replace(max_length=tokens), micro=1, tokens=tokens, accum=1,
-                                     precision="bf16")
+            tensors = measure_window(model, c, micro=1, tokens=tokens, accum=1, precision="bf16")
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             return 2**62  # does not fit
