@@ -20,7 +20,8 @@ micro-batch 1. The planner's answer (`longest_context`, dry runs only) beside th
 window fits by the planner's own rule (the allocator's peak plus the CUDA context and slack within 95 % of the
 budget), found by the same search over real windows; then, at the predicted length, the predicted device peak and
 host copies beside the measured ones (`max_memory_allocated`, and the bytes the offload hooks kept in pinned CPU
-memory). Not run yet: no GPU was lent when it was written (it was only imported and its --help read on a CPU).
+memory). Not run yet: no GPU was lent when it was written. On a CPU (`--device cpu --shape tiny --longest 1`)
+its real windows at long lengths did not finish within 500 s; its prediction is made for a CUDA GPU either way.
 """
 
 from __future__ import annotations
