@@ -12,6 +12,16 @@ and allocator-slack term (`overhead`) is printed apart, since `max_memory_alloca
 a bf16 base with the full and the chunked loss, 8-bit and 4-bit bases (chunked), and full fine-tuning with 8-bit
 AdamW and checkpointing. Then `finetune plan --device cuda` for 8, 12 and 24 GiB of the same model, and one short
 4-bit `finetune train` run whose peak is compared with its plan.json. Exits 0 when every row is within −5 %/+10 %.
+
+    python bench/gpu_check.py --longest 4     # also: the longest context with activation offload at 4 GiB
+
+`--longest GIB` (issue 32): LoRA on a bf16 base with checkpointing, the chunked loss and `activation_offload=true`,
+micro-batch 1. The planner's answer (`longest_context`, dry runs only) beside the longest length whose *measured*
+window fits by the planner's own rule (the allocator's peak plus the CUDA context and slack within 95 % of the
+budget), found by the same search over real windows; then, at the predicted length, the predicted device peak and
+host copies beside the measured ones (`max_memory_allocated`, and the bytes the offload hooks kept in pinned CPU
+memory). Not run yet: no GPU was lent when it was written. On a CPU (`--device cpu --shape tiny --longest 1`)
+its real windows at long lengths did not finish within 500 s; its prediction is made for a CUDA GPU either way.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memory_plan import _stored_extra  # noqa: E402
 
 from finetune.config.schema import from_dict  # noqa: E402
+from finetune.engine import offload as offloading  # noqa: E402
 from finetune.kinds.causal_lm import CHUNKED, KIND  # noqa: E402
 from finetune.models.pretrained import (  # noqa: E402
     load_model,
@@ -38,7 +49,15 @@ from finetune.models.pretrained import (  # noqa: E402
     resolve_model_path,
 )
 from finetune.plan.memory import measure_window, model_skeleton  # noqa: E402
-from finetune.plan.planner import GIB, estimate, make_plan  # noqa: E402
+from finetune.plan.planner import (  # noqa: E402
+    GIB,
+    SAFETY,
+    estimate,
+    longest_context,
+    longest_within,
+    make_plan,
+    overhead,
+)
 
 MIB = 2**20
 SHAPES = {  # Llama 3.2 1B and 3B; a tiny one for a CPU smoke run
@@ -157,6 +176,61 @@ def train_4bit(path: str, tokens: int, device: str, folder: Path) -> float:
     return (predicted - measured) / measured
 
 
+def longest_offloaded(path: str, budget: float, device: str) -> float:
+    """The longest context with activation offload at `budget` GiB, predicted against measured (printed side by
+    side); returns the measured device peak at the predicted length over the predicted one, less one."""
+    values = {"lora": "true", "quantization": "none", "chunked_loss": "true", "activation_offload": "true",
+              "gradient_checkpointing": "true", "effective_batch_size": 1}
+    c = config_of(path, values, 2048, budget)
+    # Planned for a CUDA GPU (offload is refused on a CPU), its overhead added to the measured tensors too: on a
+    # CPU (a smoke run) the tensors are the live-tensor tracker's instead of the allocator's.
+    planned_device = ("cuda (planned)", int(budget * GIB))
+    start = time.time()
+    predicted, rung = longest_context(c, 0, device=planned_device)
+    seconds = time.time() - start
+    if not predicted:
+        print(f"\nLongest context with activation offload: nothing fits {budget:g} GiB ({rung}).")
+        return 0.0
+    host: dict[str, int] = {}
+    skeleton = model_skeleton(c, 0, checkpointing=True, lora=True, precision="bf16", offload=True)
+    terms = estimate(skeleton, c, kind=CHUNKED, micro=1, tokens=predicted, accum=1, precision="bf16",
+                     optimizer=c.optimizer, device=planned_device[0], host=host)
+    del skeleton
+    model = prepare_for_training(load_model(c), c, checkpointing=True, lora=True, offload=True).to(device)
+    counts = offloading.of(model)
+    limit = SAFETY * budget * GIB
+
+    def measured(tokens: int) -> int:
+        """The measured window's peak at `tokens`, with the planner's overhead: what its rule compares."""
+        try:
+            tensors = measure_window(model, c, micro=1, tokens=tokens, accum=1, precision="bf16")
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return 2**62  # does not fit
+        return tensors + overhead(tensors, planned_device[0])
+
+    positions = getattr(model.config, "max_position_embeddings", 131072)
+    real = longest_within(measured, limit, min(positions, 131072))
+    counts.reset()
+    at_predicted = measured(predicted) - overhead(0, planned_device[0])
+    device_tensors = sum(terms.values()) - terms["overhead"]
+    if device == "cuda":  # the allocator's peak: the tensors, without the context and slack of `overhead`
+        at_predicted = torch.cuda.max_memory_allocated() if at_predicted < 2**61 else at_predicted
+    print(f"\nLongest context with activation offload at {budget:g} GiB ({rung}, micro-batch 1; planned in "
+          f"{seconds:.0f} s)")
+    print("| | predicted | measured |")
+    print("|---|---:|---:|")
+    print(f"| longest context (tokens) | {predicted:,} | {real:,} |")
+    print(f"| device peak at {predicted:,} tokens (MiB, tensors) | {device_tensors / MIB:.0f} | "
+          f"{at_predicted / MIB:.0f} |")
+    print(f"| host copies at {predicted:,} tokens (MiB) | {host['offloaded_activations'] / MIB:.0f} | "
+          f"{counts.peak / MIB:.0f} |", flush=True)
+    model.cpu()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return (device_tensors - at_predicted) / at_predicted
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=tuple(SHAPES), default="1B", help="The model's shape (default 1B).")
@@ -164,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=2048, help="Tokens per sample (default 2,048).")
     parser.add_argument("--rows", nargs="*", choices=tuple(ROWS), help="Only these rows (default: all).")
     parser.add_argument("--no-plans", action="store_true", help="Skip the plans and the 4-bit training run.")
+    parser.add_argument("--longest", type=float, metavar="GIB",
+                        help="Also measure the longest context with activation offload at this budget (GiB).")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/gpu_check.py needs a CUDA GPU (or --device cpu --shape tiny for a smoke run).", file=sys.stderr)
@@ -184,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_plans:
             plans(path, args.tokens)
             errors.append(train_4bit(path, args.tokens, args.device, Path(tmp)))
+        if args.longest:
+            errors.append(longest_offloaded(path, args.longest, args.device))
         print(f"\n{time.time() - start:.0f} s in all")
     within = sum(-0.05 <= e <= 0.10 for e in errors)
     print(f"{within}/{len(errors)} within -5 %/+10 %")

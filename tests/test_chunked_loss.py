@@ -166,3 +166,30 @@ def test_chunked_accumulation_equals_big_batch(tmp_path, tiny_llama, lm_csv, mon
     full, full_events, _ = run_train(tmp_path / "full", micro_batch_size=4, **{**common, "chunked_loss": "false"})
     torch.testing.assert_close(step_losses(full_events), step_losses(big_events), rtol=1e-5, atol=1e-6)
     assert_same_weights(big, full)
+
+
+@pytest.mark.parametrize("lora, precision, checkpointing, tied", [(False, "fp32", True, False),
+                                                                  (True, "bf16", True, False),
+                                                                  (False, "bf16", False, True)])
+def test_the_dry_run_s_stand_in_chunks_keep_every_byte(tmp_path, monkeypatch, lora, precision, checkpointing, tied):
+    """The planner's dry run computes the first and last COUNTED_CHUNKS chunks and stands in for the rest: the
+    same peak, part by part (a deep model's is scaled from each part's), as computing all of them, to the byte,
+    at one, two and three micro-batches, with a short last chunk and without."""
+    from transformers import LlamaConfig
+
+    from finetune.config.schema import from_dict
+    from finetune.plan.memory import dry_run, model_skeleton
+
+    LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=tied
+                ).save_pretrained(tmp_path / "llama")
+    c = from_dict({"model": str(tmp_path / "llama"), "task": "causal_lm", "dataset": "x.csv",
+                   "lora": str(lora).lower(), "precision": precision})
+    skeleton = model_skeleton(c, 0, checkpointing=checkpointing, lora=lora, precision=precision)
+    assert skeleton.wider is not None
+    for micro, tokens, accum in ((1, 16 * 40, 1), (2, 16 * 9 + 5, 2), (3, 100, 1)):
+        standing_in = dry_run(skeleton, CHUNKED, micro, tokens, accum, precision, cuda=precision == "bf16")
+        monkeypatch.setattr(chunked, "COUNTED_CHUNKS", 10**9)  # every chunk computed
+        every = dry_run(skeleton, CHUNKED, micro, tokens, accum, precision, cuda=precision == "bf16")
+        monkeypatch.setattr(chunked, "COUNTED_CHUNKS", 2)
+        assert standing_in == every, (micro, tokens)

@@ -142,3 +142,41 @@ def test_offload_is_refused_when_the_machines_ram_is_short(wide, monkeypatch):
     assert str(e.value).count(". ") == 0
     monkeypatch.setattr(planner, "host_memory", lambda: 64 * GIB)
     assert make_plan(c, [2048], 0, device=CUDA).host_bytes == 8 * 2**20
+
+
+def test_a_jobs_flavor_s_ram_is_what_the_offload_is_checked_against(wide, monkeypatch):
+    """Planned for a Jobs flavor, the host copies must fit the flavor's RAM (the Hub's table lists it), each
+    process's share of it on a flavor of several GPUs, not the RAM of the machine that plans."""
+    import dataclasses
+
+    from finetune.remote.flavors import BUILT_IN
+    from finetune.remote.preflight import flavor_host, plan_for
+
+    assert BUILT_IN.get("a10g-large").ram_bytes == 46 * 10**9
+    assert flavor_host(BUILT_IN.get("a10g-largex2")).bytes == 46 * 10**9  # 92 GB over two GPUs' processes
+    assert flavor_host(dataclasses.replace(BUILT_IN.get("t4-small"), ram="")) is None  # not known: this machine's
+    c = _wide_config(wide, activation_offload="true", memory_budget_gb=4)
+    monkeypatch.setattr(planner, "host_memory", lambda: 64 * GIB)  # this machine has plenty
+    tiny = dataclasses.replace(BUILT_IN.get("t4-small"), ram="0.009 GB")  # 80 % of it is under the 8 MiB needed
+    with pytest.raises(PlanError, match="more than 80% of t4-small's 0.009 GB of RAM: use a flavor with more RAM") \
+            as e:
+        plan_for(c, tiny)
+    assert str(e.value).count(". ") == 0
+    monkeypatch.setattr(planner, "host_memory", lambda: 9 * 2**20)  # and the reverse: this machine has too little
+    plan = plan_for(c, BUILT_IN.get("t4-small"))
+    assert plan.activation_offload and plan.host_bytes == 8 * 2**20
+    assert any("of t4-small's 15 GB of RAM" in n for n in plan.notes)
+
+
+def test_a_cached_plan_is_rechecked_against_this_machine_s_ram(wide, monkeypatch):
+    """A plan read back from the plan cache (made on a machine with more RAM) whose host copies no longer fit is
+    made again here: refused in one sentence when nothing smaller fits."""
+    c = _wide_config(wide, activation_offload="true", memory_budget_gb=4)
+    monkeypatch.setattr(planner, "host_memory", lambda: 64 * GIB)
+    first, _ = planner.plan_run(c, [2048], None, num_processes=1, device=None, planned_device=CUDA)
+    again, _ = planner.plan_run(c, [2048], None, num_processes=1, device=None, planned_device=CUDA)
+    assert first.method == "dry-run" and again.method == "cached dry-run" and again.host_bytes == 8 * 2**20
+    monkeypatch.setattr(planner, "host_memory", lambda: 9 * 2**20)
+    with pytest.raises(PlanError, match="more than 80% of this machine's 9 MiB of RAM") as e:
+        planner.plan_run(c, [2048], None, num_processes=1, device=None, planned_device=CUDA)
+    assert str(e.value).count(". ") == 0

@@ -171,3 +171,38 @@ def test_lora_dropout_0_saves_no_dropped_copy(tmp_path):
     on = _window(path, tokens, lora=True, lora_dropout=0.1)
     adapted = len(dropouts)  # q_proj and v_proj of each layer: their input is hidden_size wide
     assert on - off >= adapted * tokens * 64 * 4, (on, off, adapted)
+
+
+def test_longest_context_and_smallest_budget_count_a_kinds_own_terms(tmp_path):
+    """A kind's plan hooks (here a preference run's frozen reference copy, `plan_reference`) are counted by the
+    longest context and the smallest budget as by the plan (`kind_terms`): the budget named then fits, the length
+    named fits, and one token more does not."""
+    from finetune.errors import PlanError
+    from finetune.plan.planner import make_plan, smallest_budget
+
+    model = _llama(tmp_path)
+    c = from_dict({"model": model, "task": "preference", "dataset": "x.csv", "preference_loss": "dpo",
+                   "reference_model": model, "precompute_reference": "false", "memory_budget_gb": 0.03,
+                   "effective_batch_size": 1, "lora": "false", "optimizer": "sgd", "gradient_checkpointing": "true",
+                   "quantization": "none", "max_length": 4096})
+    gib, _ = smallest_budget(c, [512], 0, device=CPU)
+    plan = make_plan(c.replace(memory_budget_gb=gib), [512], 0, device=CPU)
+    assert plan.breakdown["reference_weights"] > 0 and plan.reference["strategy"] == "frozen_copy"
+    assert math.ceil(plan.predicted_peak_bytes / SAFETY / GIB * 100) / 100 == gib
+    tokens, _ = longest_context(c, 0, device=CPU)
+    assert 0 < tokens < 4096
+    assert make_plan(c, [tokens], 0, device=CPU).predicted_peak_bytes <= SAFETY * 0.03 * GIB
+    with pytest.raises(PlanError):
+        make_plan(c, [tokens + 1], 0, device=CPU)
+    # An embedding run's window-wide loss (`plan_window`): its embeddings and scores of 64 samples, counted too.
+    from transformers import BertConfig
+
+    BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+               max_position_embeddings=512).save_pretrained(tmp_path / "bert")
+    e = from_dict({"model": str(tmp_path / "bert"), "task": "embedding", "dataset": "x.csv",
+                   "effective_batch_size": 64, "micro_batch_size": 1, "lora": "false", "optimizer": "sgd",
+                   "gradient_checkpointing": "true", "max_length": 128, "memory_budget_gb": 1})
+    gib, _ = smallest_budget(e, [128], 0, device=CPU)
+    plan = make_plan(e, [128], 0, device=CPU)
+    assert plan.breakdown["window_scores"] == 3 * 64 * 64 * 4
+    assert math.ceil(plan.predicted_peak_bytes / SAFETY / GIB * 100) / 100 == gib

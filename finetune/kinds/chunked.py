@@ -28,6 +28,7 @@ from finetune.errors import ModelError
 IGNORE_INDEX = -100
 CHUNK_BYTES = 64 * 2**20  # one chunk's float32 logits: 128 positions of a 128 k vocabulary, 2,048 of 8 k
 MIN_POSITIONS = 16
+COUNTED_CHUNKS = 2  # the planner's dry run computes this many chunks at each end of the loop (`_chunks`)
 
 
 def chunk_positions(vocab: int) -> int:
@@ -119,14 +120,38 @@ def chunked_loss_sum(model: Any, inputs: dict[str, torch.Tensor], labels: torch.
         _check_head(head, transform, hidden, last)
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
         flat = hidden.reshape(-1, hidden.size(-1))
-        size = chunk_positions(last.size(-1))
         total = hidden.new_zeros((), dtype=torch.float32)
-        for h, t in zip(flat.split(size), targets.split(size), strict=True):
-            if torch.is_grad_enabled():  # the checkpoint's recompute restores this autocast
+        for h, t, stand_in in _chunks(flat, targets, chunk_positions(last.size(-1))):
+            if stand_in:
+                total = total + h[0, 0]
+            elif torch.is_grad_enabled():  # the checkpoint's recompute restores this autocast
                 total = total + checkpoint(_chunk_loss, head, transform, h, t, use_reentrant=False)
             else:
                 total = total + _chunk_loss(head, transform, h, t)
     return total
+
+
+def _chunks(flat: torch.Tensor, targets: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """The loss's chunks of `size` positions: their hidden states, their targets, and whether the chunk only
+    stands in for the chunks between the first and the last COUNTED_CHUNKS, in a dry run (fake tensors, shapes
+    only: the planner's) that would otherwise compute every one of a 32 k-token sample's 250.
+
+    Those middle chunks are the same ops on the same shapes, and what each leaves behind is nothing in the forward
+    (its loss is a scalar in place of the last one, its input a view of the hidden states) and in the backward its
+    input's gradient, which the split keeps until every chunk's is there: so each one's peak is the same transient
+    above the gradients of the chunks after it, and the largest is the last computed, a counted chunk at the start
+    (the end's are counted too: the shorter last chunk, the head's gradient made and first accumulated). One
+    stand-in of all the middle chunks' positions leaves what they leave, their gradients' bytes (one element's
+    gradient is a tensor of its input's shape, zeros but that element), without their logits, losses and
+    recomputation: the window's peak is what computing every chunk gives, to the byte (tests/test_chunked_loss.py
+    compares the two). A real run computes every chunk."""
+    chunks = -(-flat.size(0) // size)
+    if not (isinstance(flat, FakeTensor) and torch.is_grad_enabled()) or chunks <= 2 * COUNTED_CHUNKS:
+        return [(h, t, False) for h, t in zip(flat.split(size), targets.split(size), strict=True)]
+    middle = size * (chunks - 2 * COUNTED_CHUNKS)
+    sizes = [size] * COUNTED_CHUNKS + [middle] + [size] * (COUNTED_CHUNKS - 1) + [flat.size(0) - size * (chunks - 1)]
+    return [(h, t, k == COUNTED_CHUNKS)
+            for k, (h, t) in enumerate(zip(flat.split(sizes), targets.split(sizes), strict=True))]
 
 
 def _check_head(head: Any, transform: Callable, hidden: torch.Tensor, last: torch.Tensor) -> None:

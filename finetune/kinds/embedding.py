@@ -372,7 +372,10 @@ class Embedding:
         """One float32 embedding per sequence of a collated micro-batch (its inputs, without labels)."""
         out = model(**inputs)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        vectors = pool(hidden, inputs["attention_mask"], self.pooling)
+        mask = inputs.get("attention_mask")
+        if mask is None:  # every token attended: the planner's dry run of unpadded samples passes no mask
+            mask = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+        vectors = pool(hidden, mask, self.pooling)
         return F.normalize(vectors, dim=-1) if self.normalize else vectors
 
     def window_loss_sum(self, samples: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

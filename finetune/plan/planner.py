@@ -48,6 +48,26 @@ CHUNKED_RUNG = "chunked loss"
 OFFLOAD_RUNG = "activation offload"
 HOST_SHARE = 0.8  # activation offload may take this much of the machine's RAM (the process needs the rest)
 
+
+class HostMemory(NamedTuple):
+    """The CPU RAM that one process's offloaded activations must fit in, and how a refusal names it: this
+    machine's (`here`), or a Jobs flavor's share per GPU (`finetune.remote.preflight`)."""
+
+    bytes: int
+    words: str  # "this machine's 16 GiB of RAM"
+    elsewhere: str = "a machine with more RAM"  # what a refusal suggests
+
+    @classmethod
+    def here(cls) -> HostMemory:
+        """This machine's RAM (`host_memory`)."""
+        total = host_memory()
+        return cls(total, f"this machine's {_size(total)} of RAM")
+
+    def fits(self, offloaded: int) -> bool:
+        """Whether `offloaded` bytes of host copies fit HOST_SHARE of it."""
+        return offloaded <= HOST_SHARE * self.bytes
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """How to train within the budget: the batch split, what saves memory, and the predicted peak."""
@@ -249,6 +269,26 @@ def _reference_inputs(skeleton: Skeleton, cuda: bool, micro: int, tokens: int, p
             "precision": precision}
 
 
+def kind_for(c: Config, lora: bool) -> TaskKind:
+    """The run's kind as a rung with or without LoRA trains it (LoRA can change its reference)."""
+    spelled = str(lora).lower()
+    return configured(c if c.lora == spelled else c.replace(lora=spelled))
+
+
+def kind_terms(kind: TaskKind, skeleton: Skeleton, *, cuda: bool, micro: int, tokens: int, precision: str,
+               window: int) -> dict[str, int]:
+    """What a kind's plan hooks add to the dry run's terms, for every question the planner answers (a plan, the
+    longest context, the smallest budget): a reference model's weights when one sits beside the model
+    (`plan_reference`), a loss over the whole window of `window` samples, its embeddings and scores, resident
+    (`plan_window`)."""
+    terms: dict[str, int] = {}
+    if hasattr(kind, "plan_reference"):
+        terms |= kind.plan_reference(**_reference_inputs(skeleton, cuda, micro, tokens, precision))[0]
+    if hasattr(kind, "plan_window"):
+        terms |= kind.plan_window(window, getattr(getattr(skeleton.model, "config", None), "hidden_size", 0) or 0)
+    return terms
+
+
 def _micro_candidates(c: Config, batch: BatchSplit) -> list[int]:
     """Micro-batch sizes to consider, largest first: every divisor of a process's share, or the user's own."""
     if c.micro_batch_size or c.grad_accum_steps:
@@ -274,12 +314,14 @@ def may_pad(lengths: Any) -> bool:
 
 
 def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int = 1,
-              device: tuple[str, int] | None = None, distributed: str = "single") -> Plan:
+              device: tuple[str, int] | None = None, distributed: str = "single", host: HostMemory | None = None
+              ) -> Plan:
     """Choose the largest micro-batch that divides the effective batch and fits, escalating in a fixed order;
     `distributed` is how the run will distribute (fsdp shards weights, gradients and optimizer state). A `device`
-    named cuda… is planned for as a CUDA GPU (its precision and overhead) whether or not this machine has one."""
+    named cuda… is planned for as a CUDA GPU (its precision and overhead) whether or not this machine has one;
+    `host` is the RAM activation offload may use there (default: this machine's)."""
     search = _Search.start(c, lengths, num_labels, num_processes=num_processes, device=device,
-                           distributed=distributed)
+                           distributed=distributed, host=host)
     for step in _levels(c, search.notes, cuda=search.cuda, precision=search.precision, shards=search.shards):
         plan = search.rung(step)
         if plan is not None:
@@ -324,11 +366,8 @@ class _Peaks:
                          padded=s.uneven and micro > 1, quantization=step.quantization,
                          windows=s.windows(self.skeleton), host=host)
         self.host[micro] = host["offloaded_activations"]
-        if hasattr(kind, "plan_reference"):  # a reference model's weights, when one sits beside the model
-            terms |= kind.plan_reference(**_reference_inputs(self.skeleton, s.cuda, micro, s.tokens, s.precision))[0]
-        if hasattr(kind, "plan_window"):  # a loss over the whole window: its embeddings and scores, resident
-            terms |= kind.plan_window(s.batch.effective_batch_size,
-                                      getattr(getattr(self.skeleton.model, "config", None), "hidden_size", 0) or 0)
+        terms |= kind_terms(kind, self.skeleton, cuda=s.cuda, micro=micro, tokens=s.tokens, precision=s.precision,
+                            window=s.batch.effective_batch_size)
         s.tried = [a for a in s.tried if (a.level, a.micro) != (step.name, micro)]  # a bound made exact
         s.tried.append(Attempt(step.name, micro, sum(terms.values())))
         self.known[micro] = sum(terms.values()), terms
@@ -351,6 +390,7 @@ class _Search:
     candidates: list[int]
     distributed: str
     shards: int  # processes that FSDP splits the weights over (1: none)
+    host: HostMemory  # the RAM that activation offload's host copies must fit in
     memory: int | None = None  # segment recurrence: the carried cache's tokens
     segments: int = 1
     notes: list[str] = field(default_factory=list)
@@ -366,7 +406,7 @@ class _Search:
 
     @classmethod
     def start(cls, c: Config, lengths: list[int], num_labels: int, *, num_processes: int,
-              device: tuple[str, int] | None, distributed: str) -> _Search:
+              device: tuple[str, int] | None, distributed: str, host: HostMemory | None = None) -> _Search:
         """The search before its first rung, with the notes that segment recurrence and FSDP add."""
         device_name, _ = device or device_memory()
         batch = resolve_batch(c, num_processes)
@@ -375,7 +415,8 @@ class _Search:
                      precision=resolve_precision(c.precision, cuda=device_name.startswith("cuda")),
                      tokens=worst_case_tokens(c, lengths), uneven=may_pad(lengths),
                      budget=int(c.memory_budget_gb * GIB) if c.memory_budget_gb else None, batch=batch,
-                     candidates=_micro_candidates(c, batch), distributed=distributed, shards=shards)
+                     candidates=_micro_candidates(c, batch), distributed=distributed, shards=shards,
+                     host=host or HostMemory.here())
         recurrence = Recurrence.of(c)
         if recurrence:  # activations are one segment's; the cache carries up to memory_length earlier tokens
             # A stream's documents are not known yet: plan for the full memory (or max_document_length's).
@@ -396,10 +437,9 @@ class _Search:
         return search
 
     def kind_for(self, lora: bool) -> TaskKind:
-        """The run's kind as a rung with or without LoRA trains it (LoRA can change its reference)."""
+        """The run's kind as a rung with or without LoRA trains it (`kind_for`), made once."""
         if lora not in self.kinds:
-            spelled = str(lora).lower()
-            self.kinds[lora] = configured(self.c if self.c.lora == spelled else self.c.replace(lora=spelled))
+            self.kinds[lora] = kind_for(self.c, lora)
         return self.kinds[lora]
 
     def skeleton(self, step: Level) -> Skeleton:
@@ -437,19 +477,18 @@ class _Search:
                                                      host=peak_of.host.get(chosen, 0))
 
     def host_fitting(self, peak_of: _Peaks, chosen: int) -> int:
-        """The largest micro-batch up to `chosen` whose offloaded activations fit the machine's CPU memory (and
+        """The largest micro-batch up to `chosen` whose offloaded activations fit the host's CPU memory (and
         whose peak the budget), or the refusal that says they do not."""
-        limit = int(HOST_SHARE * host_memory())
         for micro in (m for m in self.candidates if m <= chosen):
             peak, _ = peak_of.exact(micro)  # a dry run: a bound counts no offloaded bytes
-            if peak_of.host[micro] <= limit and self.fits(peak):
+            if self.host.fits(peak_of.host[micro]) and self.fits(peak):
                 return micro
         smallest = min(self.candidates)
         peak_of.exact(smallest)
         raise PlanError([f"activation offload would keep {_size(peak_of.host[smallest])} of checkpointed inputs in "
-                         f"CPU memory at micro-batch {smallest}, more than {HOST_SHARE:.0%} of this machine's "
-                         f"{_size(host_memory())} of RAM: use a machine with more RAM, a smaller max_length, or "
-                         "a larger memory_budget_gb with activation_offload=auto."])
+                         f"CPU memory at micro-batch {smallest}, more than {HOST_SHARE:.0%} of {self.host.words}: "
+                         f"use {self.host.elsewhere}, a smaller max_length, or a larger memory_budget_gb with "
+                         "activation_offload=auto."])
 
     def largest_fitting(self, peak_of: _Peaks) -> int | None:
         """The largest candidate micro-batch whose peak fits the budget, or None. Without accumulation (the largest
@@ -500,8 +539,7 @@ class _Search:
                          f"their gradient at the peak instead of {_gib(full)}.")
         if step.offload:
             notes.append(f"Activation offload: the checkpointed layers' inputs wait in CPU memory ({_size(host)} of "
-                         f"this machine's {_size(host_memory())}), one layer's copied back at a time for its "
-                         "recomputation.")
+                         f"{self.host.words}), one layer's copied back at a time for its recomputation.")
         return Plan(batch=self.batch.with_micro(chosen), precision=precision,
                     gradient_checkpointing=step.checkpointing, lora=step.lora, optimizer=step.optimizer,
                     budget_bytes=self.budget, predicted_peak_bytes=peak, breakdown=terms, device=self.device_name,
@@ -525,9 +563,11 @@ class _Search:
                           f"smaller model{hint}."])
 
 
-def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | None = None) -> tuple[int, str]:
+def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | None = None,
+                    host: HostMemory | None = None) -> tuple[int, str]:
     """The reverse question: the largest `max_length` whose one sample fits the budget at micro-batch 1 on the
-    cheapest rung of the ladder that the config allows, and that rung's name (`finetune plan --longest`)."""
+    cheapest rung of the ladder that the config allows, and that rung's name (`finetune plan --longest`); with
+    activation offload, its host copies fit `host` too (default: this machine's RAM)."""
     device_name, _ = device or device_memory()
     cuda = device_name.startswith("cuda")
     precision = resolve_precision(c.precision, cuda=cuda)
@@ -537,21 +577,23 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
     step = _levels(c, [], cuda=cuda, precision=precision)[-1]
     skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
                                         precision=precision, offload=step.offload)
-    accum = resolve_batch(c, 1).per_process  # micro-batch 1: the whole batch accumulated
+    batch = resolve_batch(c, 1)  # micro-batch 1: the whole batch accumulated
     positions = getattr(skeleton.model.config, "max_position_embeddings", None) or c.max_length
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
-    kind = CHUNKED if use_chunks else kind_named(c.task)
+    kind = CHUNKED if use_chunks else kind_for(c, step.lora)
 
-    limit, host_limit = SAFETY * budget, HOST_SHARE * host_memory()
+    limit, host_limit = SAFETY * budget, HOST_SHARE * (host or HostMemory.here()).bytes
 
     def peak(tokens: int) -> int:
         """The device's peak, or the host's offloaded bytes in the device limit's units when they are the
         tighter constraint: a length fits when both fit (the max of the two is still piecewise affine)."""
-        host: dict[str, int] = {}
-        terms = estimate(skeleton, c, kind=kind, micro=1, tokens=tokens, accum=accum,
+        offloaded: dict[str, int] = {}
+        terms = estimate(skeleton, c, kind=kind, micro=1, tokens=tokens, accum=batch.per_process,
                          precision=precision, optimizer=step.optimizer, device=device_name,
-                         quantization=step.quantization, windows=windows, host=host)
-        return max(sum(terms.values()), math.ceil(host["offloaded_activations"] * limit / host_limit))
+                         quantization=step.quantization, windows=windows, host=offloaded)
+        terms |= kind_terms(kind, skeleton, cuda=cuda, micro=1, tokens=tokens, precision=precision,
+                            window=batch.effective_batch_size)
+        return max(sum(terms.values()), math.ceil(offloaded["offloaded_activations"] * limit / host_limit))
 
     return longest_within(peak, limit, min(positions, 131072)), step.name
 
@@ -640,9 +682,13 @@ def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[s
     skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
                                         precision=precision, offload=step.offload)
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
-    terms = estimate(skeleton, c, kind=CHUNKED if use_chunks else kind_named(c.task), micro=1, tokens=tokens,
-                     accum=resolve_batch(c, 1).per_process, precision=precision, optimizer=step.optimizer,
-                     device=device_name, padded=False, quantization=step.quantization, windows=windows)
+    kind = CHUNKED if use_chunks else kind_for(c, step.lora)
+    batch = resolve_batch(c, 1)
+    terms = estimate(skeleton, c, kind=kind, micro=1, tokens=tokens, accum=batch.per_process, precision=precision,
+                     optimizer=step.optimizer, device=device_name, padded=False, quantization=step.quantization,
+                     windows=windows)
+    terms |= kind_terms(kind, skeleton, cuda=cuda, micro=1, tokens=tokens, precision=precision,
+                        window=batch.effective_batch_size)
     return math.ceil(sum(terms.values()) / SAFETY / GIB * 100) / 100, step.name
 
 
@@ -703,18 +749,19 @@ def refine_with_probe(plan: Plan, model: Any, c: Config, longest: int | None = N
 
 
 def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, num_processes: int, device: Any,
-             load: bool = False, distributed: str = "single", planned_device: tuple[str, int] | None = None
-             ) -> tuple[Plan, Any | None]:
+             load: bool = False, distributed: str = "single", planned_device: tuple[str, int] | None = None,
+             host: HostMemory | None = None) -> tuple[Plan, Any | None]:
     """The plan a run trains with (what `finetune train` and `finetune plan` both use): the dry run, then, when
     `plan_probe` is on, the probe on the real model at `device`. `planned_device` (name, bytes): plan for that
-    device instead of this machine's (`finetune plan --device cuda`), by the dry run alone.
+    device instead of this machine's (`finetune plan --device cuda`), by the dry run alone; `host`: the RAM that
+    activation offload's copies must fit in there (default: this machine's).
 
     Returns the plan and the model loaded for it, prepared for training (checkpointing, LoRA). The model is loaded
     when the probe needs it or `load` asks for it; a dry run alone reads no weights (None)."""
     if c.segment_recurrence:  # refuse a model that would train silently wrong before planning for it
         check_run(c, lengths)
     plan = _dry_run_plan(c, lengths, len(label_names or []), num_processes=num_processes, distributed=distributed,
-                         device=planned_device)
+                         device=planned_device, host=host)
     if planned_device is not None:  # nothing to probe or load for a device that is not here
         return plan, None
     probe = probe_enabled(c)
@@ -736,9 +783,12 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
 
 
 def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int, distributed: str,
-                  device: tuple[str, int] | None = None) -> Plan:
-    """`make_plan`, or the same plan read back when nothing it depends on has changed since it was last made."""
+                  device: tuple[str, int] | None = None, host: HostMemory | None = None) -> Plan:
+    """`make_plan`, or the same plan read back when nothing it depends on has changed since it was last made and
+    its offloaded activations still fit the RAM they would wait in (a plan made on a machine with more RAM is made
+    again here: a smaller micro-batch, another rung, or the refusal)."""
     device = device or device_memory()
+    host = host or HostMemory.here()
     key = plancache.plan_key(c, tokens=worst_case_tokens(c, lengths), num_labels=num_labels,
                              num_processes=num_processes, distributed=distributed, device=device[0],
                              padded=may_pad(lengths),
@@ -746,10 +796,13 @@ def _dry_run_plan(c: Config, lengths: list[int], num_labels: int, *, num_process
     cached = plancache.load(key)
     if cached is not None:
         try:
-            return dataclasses.replace(Plan.from_dict(cached), method="cached dry-run")
+            plan = dataclasses.replace(Plan.from_dict(cached), method="cached dry-run")
         except (KeyError, TypeError):  # written by another version of Plan: plan again
-            pass
-    plan = make_plan(c, lengths, num_labels, num_processes=num_processes, device=device, distributed=distributed)
+            plan = None
+        if plan is not None and host.fits(plan.host_bytes):
+            return plan
+    plan = make_plan(c, lengths, num_labels, num_processes=num_processes, device=device, distributed=distributed,
+                     host=host)
     plancache.save(key, plan.to_dict())
     return plan
 

@@ -15,7 +15,7 @@ from finetune.config.schema import Config, from_dict
 from finetune.config.tasks import single_task_values
 from finetune.errors import ConfigError, PlanError
 from finetune.models.pretrained import resolve_model_path
-from finetune.plan.planner import plan_run
+from finetune.plan.planner import HostMemory, plan_run
 from finetune.remote.flavors import GIB, Flavor
 from finetune.remote.timelimit import TimeLimit, estimate, format_duration, parameter_count, training_rows
 
@@ -65,13 +65,26 @@ def plan_for(c: Config, flavor: Flavor) -> Any:
               int(c.memory_budget_gb * GIB))
     try:
         plan, _ = plan_run(single, [], labels, num_processes=flavor.gpus, device=None,
-                           distributed="ddp" if flavor.gpus > 1 else "single", planned_device=device)
+                           distributed="ddp" if flavor.gpus > 1 else "single", planned_device=device,
+                           host=flavor_host(flavor))
     except PlanError as e:
         inner = " ".join(e.problems).rstrip(".")
         raise PlanError([f"Not sent to Hugging Face Jobs: on {flavor.name} ({flavor.gpus} × {flavor.gpu_model}, "
                          f"{c.memory_budget_gb:g} GiB per GPU) {inner[:1].lower()}{inner[1:]}; `finetune jobs "
                          "flavors` lists the flavors with more GPU memory."]) from None
     return plan
+
+
+def flavor_host(flavor: Flavor) -> HostMemory | None:
+    """The RAM that one GPU's process may keep offloaded activations in on the flavor (its RAM over its GPUs, each
+    process offloading its own), or None when the table does not say (this machine's is checked instead)."""
+    ram = flavor.ram_bytes
+    if ram is None:
+        return None
+    share = f", {ram // flavor.gpus / 1e9:g} GB for each of its {flavor.gpus} GPUs' processes" \
+        if flavor.gpus > 1 else ""
+    return HostMemory(ram // max(flavor.gpus, 1), f"{flavor.name}'s {ram / 1e9:g} GB of RAM{share}",
+                      "a flavor with more RAM")
 
 
 def preflight(c: Config, flavor: Flavor, *, timeout_s: int | None, api: Any | None = None) -> Preflight:
