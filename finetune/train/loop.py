@@ -178,10 +178,10 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
             windows = s.train_data.windows(samples_of(s.batch.effective_batch_size, s.kind), seed=c.seed, epoch=p.epoch,
                                            shuffle=c.shuffle, group_by_length=c.group_by_length)
             # A kind may train each window several optimizer steps in a row (GRPO's num_iterations): each step is a
-            # step, and `p.window` counts them.
-            windows = [window for window in windows for _ in range(repeats)]
-            for w in range(p.window, len(windows)):
-                window = windows[w]
+            # step, and `p.window` counts them. (Indexed, not listed: a stream's windows are read when indexed.)
+            steps_in_epoch = len(windows) * repeats
+            for w in range(p.window, steps_in_epoch):
+                window = windows[w // repeats]
                 while True:
                     try:
                         window_loss_sum, count = s.variant.backward(s, window)
@@ -197,8 +197,8 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                 p.skipped += int(skipped)
                 p.skipped_in_a_row = p.skipped_in_a_row + 1 if skipped else 0
                 p.window = w + 1
-                epoch_progress = p.epoch + p.window / len(windows)  # fractional: 1.5 is halfway through epoch 2
-                if p.window == len(windows):
+                epoch_progress = p.epoch + p.window / steps_in_epoch  # fractional: 1.5 is halfway through epoch 2
+                if p.window == steps_in_epoch:
                     p.epoch, p.window = p.epoch + 1, 0
                 if p.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
                     raise TrainingError(f"fp16 overflowed on {p.skipped_in_a_row} optimizer steps in a row (loss "
