@@ -19,7 +19,7 @@ from app import charts
 from app.access import Access, AccessError
 from app.follow import completions_update
 from app.jobs.training import JobManager, JobStatus
-from app.mapping import FIELD_NAMES, SPECS, shown_fields, task_choices, to_widget, values_to_config
+from app.mapping import FIELD_NAMES, SPECS, field_problems, shown_fields, task_choices, to_widget, values_to_config
 from app.report import display_path
 from app.tabs import handlers
 from app.train import run_report
@@ -248,3 +248,11 @@ def test_start_checks_the_rewards_columns(tmp_path):
     assert "set `answer_column`" in problem and problem.count(". ") == 0
     assert data_problem(config.replace(answer_column="result")) == ""
     assert data_problem(config.replace(rewards=("regex:^a",))) == ""
+
+
+def test_rewards_left_empty_is_said_beside_the_rewards_field():
+    """The form shows a problem beside the first option it names: an empty Rewards is the Rewards field's, not the
+    Task's (it was, seen in the browser)."""
+    with pytest.raises(ConfigError) as e:
+        from_dict({"task": "grpo"})
+    assert list(field_problems(e.value)) == ["rewards"]

@@ -231,7 +231,7 @@ def test_refusals_are_one_sentence_each(tmp_path, capsys, tiny_gpt2):
 
     with pytest.raises(ConfigError, match="Unknown reward 'accuracy'"):
         from_dict({"task": "grpo", "rewards": ["accuracy"]})
-    with pytest.raises(ConfigError, match="needs `rewards`"):
+    with pytest.raises(ConfigError, match="`rewards` is empty, and task=grpo needs it"):
         from_dict({"task": "grpo"})
     with pytest.raises(ConfigError, match="whole number of groups of num_generations=4: use 8 or 12"):
         from_dict({"task": "grpo", "rewards": ["exact_match"], "num_generations": 4, "effective_batch_size": 10})

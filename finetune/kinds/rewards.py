@@ -100,8 +100,9 @@ def problems(specs: Sequence[str], weights: Sequence[str]) -> list[str]:
     """The configuration's sentences about `rewards` and `reward_weights` (none when they are fine)."""
     found = []
     if not specs:
-        found.append("task=grpo needs `rewards`: a list of reward names (exact_match, regex:PATTERN, "
-                     "format:PATTERN, length:N, reward_model:PATH or file.py:function).")
+        # `rewards` named first: the app's form shows a problem beside the first option it names.
+        found.append("`rewards` is empty, and task=grpo needs it: a list of reward names (exact_match, "
+                     "regex:PATTERN, format:PATTERN, length:N, reward_model:PATH or file.py:function).")
     for spec in specs:
         try:
             parse(spec)
