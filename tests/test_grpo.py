@@ -561,3 +561,15 @@ def test_an_out_of_memory_back_off_within_a_window_trains_its_kept_completions(t
     steps = [e for e in events if e["event"] == "step"]
     assert steps[1]["metrics"]["reward"] == steps[0]["metrics"]["reward"]
     assert_same_weights(load_weights(tmp_path / "backoff"), load_weights(tmp_path / "plain"), rtol=1e-5, atol=1e-6)
+
+
+def test_the_kinds_tokenizer_of_the_bundled_default_is_the_loaders():
+    """GRPO decodes its completions with the run's tokenizer, loaded by the kind: `model=bundled:…` (the default)
+    is resolved as the model loader resolves it (it was given to from_pretrained as a hub id: a traceback)."""
+    from finetune.config.schema import DEFAULT_MODEL
+    from finetune.kinds import grpo
+    from finetune.models.pretrained import load_tokenizer
+
+    tokenizer = grpo._tokenizer(DEFAULT_MODEL)
+    assert tokenizer.vocab == load_tokenizer(from_dict({"model": DEFAULT_MODEL})).vocab
+    assert tokenizer.pad_token is not None

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
 from finetune.data.chat import check_conversations, turns_of
 from finetune.errors import DataError
@@ -600,7 +601,7 @@ def kv_cache_bytes(model_config: Any, tokens: int, dtype_bytes: int, layers: int
 def _tokenizer(model: str) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

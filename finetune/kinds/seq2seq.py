@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 import torch
 import torch.nn.functional as F
 
+from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import ConfigError, DataError, ModelError
@@ -90,7 +91,7 @@ def _tokenizer(name: str, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelError(f"The tokenizer of {name!r} could not be loaded to decode the evaluation's generations "
                          f"({str(e).splitlines()[0][:200]}).") from None
