@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from app.jobs.training import JobStatus
-from app.mapping import in_form_words
+from app.mapping import in_form_words, plain_words
 from finetune.data.chat import describe_dropped
 from finetune.data.segments import Segmentation
 from finetune.kinds import registry as kinds
@@ -20,15 +20,16 @@ STATE_TITLES = {"idle": "Ready", "queued": "Queued", "starting": "Starting", "ru
                 "stopping": "Stopping", "stopped": "Stopped", "done": "Done", "failed": "Failed"}
 
 
-def data_lines(facts: dict[str, Any] | None) -> list[str]:
+def data_lines(facts: dict[str, Any] | None, plain: bool = False) -> list[str]:
     """What `long_documents` did to the data, from a start event or a plan: one line per data set, then any
-    warning, in the form's words."""
+    warning, in the form's words (Markdown, or `plain` text for the log)."""
+    words = plain_words if plain else in_form_words
     lines, warnings = [], []
     for name, key in (("training data", "segmentation"), ("evaluation data", "eval_segmentation")):
         counts = (facts or {}).get(key)
         if isinstance(counts, dict):
-            lines.append(f"{name}: {in_form_words(Segmentation(**counts).sentence())}")
-            warnings += [f"⚠️ {in_form_words(counts['warning'])}"] if counts.get("warning") else []
+            lines.append(f"{name}: {words(Segmentation(**counts).sentence())}")
+            warnings += [f"⚠️ {words(counts['warning'])}"] if counts.get("warning") else []
     return lines + warnings
 
 
@@ -51,7 +52,7 @@ def event_line(event: dict[str, Any], total: int | None) -> str | None:
                 + "".join(f"\n{clock} {what} data: {describe_dropped(event[key])}"
                           for what, key in (("training", "dropped_rows"), ("evaluation", "dropped_eval_rows"))
                           if event.get(key))
-                + "".join(f"\n{clock} {line}" for line in data_lines(event)))
+                + "".join(f"\n{clock} {line}" for line in data_lines(event, plain=True)))  # the log is not Markdown
     if kind == "step":
         return (f"{clock} step {event['step']}/{total or '?'} loss {event['loss']:.4f} lr {event['lr']:.2e} "
                 f"grad {event['grad_norm']:.3g} {event['samples_per_s']:.1f} samples/s")

@@ -202,7 +202,9 @@ def test_the_start_event_cli_and_gui_show_the_counts(tmp_path, tiny_gpt2, long_c
     assert "training data: 13 documents → 13 samples of at most 32 tokens (**Long documents** truncate): 0 split, " \
            "9 truncated" in shown
     assert f"⚠️ {in_form_words(counts['warning'])}" in shown and "evaluation data: 13 documents" in shown
-    assert "training data: 13 documents" in run_report.log_text(status)
+    # The log is plain text: the form's words without Markdown.
+    assert "training data: 13 documents → 13 samples of at most 32 tokens (Long documents truncate)" \
+        in run_report.log_text(status) and "**" not in run_report.log_text(status)
 
     assert main(["train", f"model={tiny_gpt2}", f"dataset={long_csv}", "task=causal_lm", "max_length=32",
                  "max_steps=1", "effective_batch_size=4", "eval_fraction=0", f"output_dir={tmp_path / 'cli'}",
