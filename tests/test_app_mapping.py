@@ -348,17 +348,20 @@ def test_a_reload_shows_the_runs_settings_without_its_folder_and_old_notes_go_wh
 
 
 @pytest.mark.slow  # 34-210 s in the fast lane (load 3)
-def test_start_runs_the_plans_checks_first_and_refuses_an_impossible_budget_without_a_folder(tmp_path, monkeypatch):
+def test_start_runs_the_plans_checks_first_and_refuses_an_impossible_budget_without_a_folder(tmp_path, monkeypatch,
+                                                                                            tiny_bert, cls_csv):
     monkeypatch.chdir(tmp_path)
     runs = Path("runs")
     ctl = handlers(runs, JobManager(runs))
-    config = from_dict({"dataset": str(ROOT / "assets" / "sst2_sample.csv"), "memory_budget_gb": 0.01})
+    # The tiny BERT on 37 rows: the planner's child tries every rung as it would for MiniLM on the sample data, in
+    # a fraction of the time.
+    config = from_dict({"model": tiny_bert, "dataset": cls_csv, "memory_budget_gb": 0.001})
     planned = ctl.plan.plan(*config_to_values(config))
-    assert planned.error.startswith("⚠️ Nothing fits **Memory budget (GB)** 0.01:")
+    assert planned.error.startswith("⚠️ Nothing fits **Memory budget (GB)** 0.001:")
     calls = []
     monkeypatch.setattr(ctl.state.jobs.planner, "run", lambda *a: calls.append(a))  # Start reuses Plan's answer
     refused = ctl.run.start(*config_to_values(config))
     assert not refused.started and refused.note.startswith(
-        "⚠️ Not started (nothing was written): Nothing fits **Memory budget (GB)** 0.01:")
-    assert "memory_budget_gb=0.01" in refused.message and calls == []  # the API keeps the planner's words
+        "⚠️ Not started (nothing was written): Nothing fits **Memory budget (GB)** 0.001:")
+    assert "memory_budget_gb=0.001" in refused.message and calls == []  # the API keeps the planner's words
     assert ctl.state.jobs.status().state == "idle" and not [p for p in runs.glob("*") if p.name != "uploads"]

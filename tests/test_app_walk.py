@@ -31,6 +31,9 @@ PUBLIC = {"/", "/login", "/login/", "/logout", "/favicon.ico", "/theme.css", "/r
           "/gradio_api/heartbeat/{session_hash}"}  # keeps a session alive; says nothing
 
 
+STREAM_PAUSE = 1.0  # seconds without a byte after which a stream's answer is read as complete
+
+
 class _Recorder(http.server.BaseHTTPRequestHandler):
     fetched: list[str] = []
 
@@ -71,6 +74,10 @@ def _request(url: str, method: str, cookie: str | None, body: bytes | None = Non
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             status, read = answer.status, answer
+            if answer.headers.get("Content-Type", "").startswith("text/event-stream"):
+                # A stream that goes on (the heartbeat, dev/reload) sends what it has at once, then nothing for
+                # 15 s (Gradio's heartbeat rate): a pause of 1 s reads all that 5 s did (15 s of the walk).
+                answer.fp.raw._sock.settimeout(STREAM_PAUSE)
             return status, _read(read)
     except urllib.error.HTTPError as e:
         return e.code, _read(e)

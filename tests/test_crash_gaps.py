@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from finetune.cli import main
 from finetune.config.schema import from_dict
 from finetune.run import rundir
 from finetune.run.events import read_events
@@ -75,7 +76,8 @@ def test_overwrite_keeps_the_files_a_person_put_into_the_run(tmp_path, tiny_bert
 
 
 @pytest.mark.slow  # a training child filling the disk (186 s at load 9)
-def test_a_full_disk_while_a_checkpoint_is_written_ends_the_run_in_one_sentence(tmp_path, tiny_bert, cls_csv):
+def test_a_full_disk_while_a_checkpoint_is_written_ends_the_run_in_one_sentence(tmp_path, tiny_bert, cls_csv,
+                                                                               capsys):
     run = tmp_path / "run"
     args = [f"model={tiny_bert}", f"dataset={cls_csv}", f"output_dir={run}", "max_steps=3", "save_every=1",
             "eval_fraction=0", "-q"]
@@ -87,9 +89,8 @@ def test_a_full_disk_while_a_checkpoint_is_written_ends_the_run_in_one_sentence(
         f"GB (about one checkpoint) there, then resume with `finetune train {run}/config.yaml resume=true`.")
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000001"]  # no half checkpoint left
     assert not rundir.is_finished(run) and read_events(run / "events.jsonl")[-1]["message"] == lines[-1][7:]
-    resumed = subprocess.run([sys.executable, "-m", "finetune", "train", str(run / "config.yaml"), "resume=true",
-                              "-q"], capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
+    # The resume is an ordinary `finetune train`: in this process, without a second child's start-up.
+    assert main(["train", str(run / "config.yaml"), "resume=true", "-q"]) == 0, capsys.readouterr().err
     assert rundir.is_finished(run)
 
 
@@ -105,7 +106,7 @@ def test_a_full_disk_while_the_model_is_saved_leaves_no_finished_run(tmp_path, t
 
 @pytest.mark.slow  # a training child filling the disk (232 s at load 9)
 def test_a_full_disk_before_the_run_begins_is_one_sentence_and_leaves_nothing_half_written(tmp_path, tiny_bert,
-                                                                                        cls_csv):
+                                                                                        cls_csv, capsys):
     run = tmp_path / "run"
     args = [f"model={tiny_bert}", f"dataset={cls_csv}", f"output_dir={run}", "max_steps=1", "eval_fraction=0", "-q"]
     proc = _train_with_full_disk(tmp_path, "config", 1, *args)
@@ -114,6 +115,5 @@ def test_a_full_disk_before_the_run_begins_is_one_sentence_and_leaves_nothing_ha
                                                            "failed with ")
     assert proc.stderr.strip().endswith("then start the run again.")
     assert not run.exists()  # the folder it made is taken back: starting again is not refused as an earlier run
-    again = subprocess.run([sys.executable, "-m", "finetune", "train", *args], capture_output=True, text=True,
-                           timeout=300)
-    assert again.returncode == 0 and rundir.is_finished(run), again.stderr
+    # Started again as an ordinary `finetune train`: in this process, without a second child's start-up.
+    assert main(["train", *args]) == 0 and rundir.is_finished(run), capsys.readouterr().err

@@ -13,6 +13,7 @@ import torch
 import yaml
 from conftest import assert_same_weights, load_weights
 
+from finetune.cli import main
 from finetune.config.schema import from_dict
 from finetune.run import rundir
 from finetune.run.events import Error, EventLog, Step, read_events
@@ -46,7 +47,7 @@ def _values(tmp_path, model, dataset, name):
             "save_every": 2}
 
 
-def test_kill_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, tiny_bert_dropout, cls_csv):
+def test_kill_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, tiny_bert_dropout, cls_csv, capsys):
     full = train(from_dict(_values(tmp_path, tiny_bert_dropout, cls_csv, "full")))
     assert full.status == "done" and full.step == 9
 
@@ -61,10 +62,12 @@ def test_kill_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, tiny_ber
     assert [p.name for p in rundir.checkpoints(run_dir)] == ["step-0000002"]
     assert (run_dir / "checkpoints" / "step-0000004.partial").is_dir()  # the half-written one is still there
 
-    resumed = subprocess.run([sys.executable, "-m", "finetune", "train", str(cfg), "resume=true", "-q"],
-                             capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "Traceback" not in resumed.stderr
+    # The resume is an ordinary `finetune train`: the CLI's main() in this process, without a child's start-up.
+    capsys.readouterr()
+    code = main(["train", str(cfg), "resume=true", "-q"])
+    resumed = capsys.readouterr()
+    assert code == 0, resumed.err
+    assert "Traceback" not in resumed.err
     assert_same_weights(load_weights(run_dir), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
     assert not list((run_dir / "checkpoints").glob("*.partial"))
     starts = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "start"]

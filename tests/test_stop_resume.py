@@ -13,6 +13,7 @@ import pytest
 import yaml
 from conftest import assert_same_weights, load_weights, step_losses
 
+from finetune.cli import main
 from finetune.config.schema import from_dict
 from finetune.run.events import Step, read_events
 from finetune.run.rundir import checkpoints
@@ -62,7 +63,7 @@ def test_stop_then_resume_equals_uninterrupted(tmp_path, request, case):
 
 
 @pytest.mark.slow  # 34-210 s in the fast lane (load 3)
-def test_sigint_stops_cleanly_and_resume_finishes(tmp_path, tiny_bert, cls_csv):
+def test_sigint_stops_cleanly_and_resume_finishes(tmp_path, tiny_bert, cls_csv, capsys):
     cfg = tmp_path / "run.yaml"
     run_dir = tmp_path / "run"
     values = {"model": tiny_bert, "dataset": cls_csv, "output_dir": str(run_dir), "epochs": 60,
@@ -82,17 +83,16 @@ def test_sigint_stops_cleanly_and_resume_finishes(tmp_path, tiny_bert, cls_csv):
     assert last["event"] == "stopped" and last["step"] < 60 * 3
     assert os.path.isdir(last["checkpoint"])
 
-    # A stopped run is protected: a plain re-run refuses, resume=true continues it to the end.
-    again = subprocess.run([sys.executable, "-m", "finetune", "train", str(cfg), "-q"], capture_output=True,
-                           text=True)
-    assert again.returncode == 2 and "resume=true" in again.stderr
-    done = subprocess.run([sys.executable, "-m", "finetune", "train", str(cfg), "resume=true", "max_steps=" +
-                           str(last["step"] + 2), "-q"], capture_output=True, text=True)
-    assert done.returncode == 2 and "max_steps" in done.stderr  # changing the schedule on resume is refused
-    done = subprocess.run([sys.executable, "-m", "finetune", "train", str(run_dir / "config.yaml"), "resume=true",
-                           "-q"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["steps"] == 60 * 3
+    # A stopped run is protected: a plain re-run refuses, resume=true continues it to the end. These are ordinary
+    # `finetune train` commands: the CLI's main() in this process, without a child's start-up each.
+    capsys.readouterr()
+    assert main(["train", str(cfg), "-q"]) == 2 and "resume=true" in capsys.readouterr().err
+    code = main(["train", str(cfg), "resume=true", f"max_steps={last['step'] + 2}", "-q"])
+    assert code == 2 and "max_steps" in capsys.readouterr().err  # changing the schedule on resume is refused
+    code = main(["train", str(run_dir / "config.yaml"), "resume=true", "-q"])
+    done = capsys.readouterr()
+    assert code == 0, done.err
+    assert json.loads(done.out)["steps"] == 60 * 3
     uninterrupted = train(from_dict({**values, "output_dir": str(tmp_path / "full")}))
     assert uninterrupted.step == 60 * 3
     assert_same_weights(load_weights(run_dir), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
