@@ -66,10 +66,9 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path, tiny_bert):
     data.write_text("".join((ROOT / "assets" / "sst2_sample.csv").read_text().splitlines(keepends=True)[:41]))
     # What Import config fills the form with: a run long enough to press Stop in, short enough to resume to the end.
     # The buttons need a model, not the bundled one: the tiny BERT trains, saves, exports and predicts in a fraction
-    # of MiniLM's time; the README's screenshots keep MiniLM. 400 steps: on an idle machine a tiny step takes about
-    # 15 ms and the page sees the first one up to a second late, so Stop must still find the run training.
+    # of MiniLM's time (its 200 steps take about as long as MiniLM's 30); the README's screenshots keep MiniLM.
     shots = os.environ.get("FINETUNE_TAB_SCREENSHOTS")
-    model, steps, every = ("bundled:all-MiniLM-L6-v2", 30, 10) if shots else (tiny_bert, 400, 100)
+    model, steps, every = ("bundled:all-MiniLM-L6-v2", 30, 10) if shots else (tiny_bert, 200, 50)
     config = tmp_path / "tiny.yaml"
     config.write_text(f"model: {model}\ndataset: {data}\ntext_column: sentence\nlabel_column: label\n"
                       f"max_length: 32\neffective_batch_size: 4\nmax_steps: {steps}\neval_every: {every}\n"
