@@ -58,21 +58,17 @@ def _no_error(page, log, after: str) -> None:
     assert "Traceback" not in text, f"a traceback in the app log after {after}:\n{text[-3000:]}"
 
 
-def test_every_button_is_pressed_once_without_an_error(tmp_path, tiny_bert):
+def test_every_button_is_pressed_once_without_an_error(tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     _browser_or_skip()
     data = tmp_path / "tiny.csv"
     data.write_text("".join((ROOT / "assets" / "sst2_sample.csv").read_text().splitlines(keepends=True)[:41]))
     # What Import config fills the form with: a run long enough to press Stop in, short enough to resume to the end.
-    # The buttons need a model, not the bundled one: the tiny BERT trains, saves, exports and predicts in a fraction
-    # of MiniLM's time (its 200 steps take about as long as MiniLM's 30); the README's screenshots keep MiniLM.
-    shots = os.environ.get("FINETUNE_TAB_SCREENSHOTS")
-    model, steps, every = ("bundled:all-MiniLM-L6-v2", 30, 10) if shots else (tiny_bert, 200, 50)
     config = tmp_path / "tiny.yaml"
-    config.write_text(f"model: {model}\ndataset: {data}\ntext_column: sentence\nlabel_column: label\n"
-                      f"max_length: 32\neffective_batch_size: 4\nmax_steps: {steps}\neval_every: {every}\n"
-                      "memory_budget_gb: 4\nlearning_rate: 1.0e-4\n")
+    config.write_text(f"dataset: {data}\ntext_column: sentence\nlabel_column: label\nmax_length: 32\n"
+                      "effective_batch_size: 4\nmax_steps: 30\neval_every: 10\nmemory_budget_gb: 4\n"
+                      "learning_rate: 1.0e-4\n")
     log = tmp_path / "app.log"
     pressed: list[str] = []
     with served_app(tmp_path, log=log, OMP_NUM_THREADS="1") as (url, runs), sync_playwright() as pw:
@@ -136,7 +132,7 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path, tiny_bert):
         expect(page.locator("#repro-message")).to_contain_text("Imported tiny.yaml", timeout=30_000)
         _no_error(page, log, "Import config")
         tab("Train")
-        expect(page.get_by_label("Max steps", exact=True)).to_have_value(str(steps))
+        expect(page.get_by_label("Max steps", exact=True)).to_have_value("30")
 
         press("Plan")
         expect(page.locator("#plan")).to_contain_text("effective batch 4", timeout=180_000)
@@ -191,7 +187,7 @@ def test_every_button_is_pressed_once_without_an_error(tmp_path, tiny_bert):
         expect(page.locator("#export-push-message")).to_contain_text("Give the repository", timeout=30_000)
         _no_error(page, log, "Export model and Push the export")
 
-        if folder := shots:  # the README's screenshots: each tab, two widths
+        if folder := os.environ.get("FINETUNE_TAB_SCREENSHOTS"):  # the README's screenshots: each tab, two widths
             for width, height in ((1400, 900), (400, 860)):
                 page.set_viewport_size({"width": width, "height": height})
                 for name in ("Train", "Try it", "Runs", "Export"):
