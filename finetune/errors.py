@@ -33,6 +33,10 @@ class PlanError(ConfigError):
     """No plan fits the budget; the message gives the smallest budget that would."""
 
 
+class HostMemoryError(PlanError):
+    """The plan fits the device, but activation offload's copies do not fit the machine's RAM."""
+
+
 class DataError(InputError):
     """The data cannot be used as configured; the message says what to change."""
 

@@ -242,6 +242,10 @@ def test_the_flavors_come_from_the_hub_with_the_gpus_the_pricing_page_lists(hub)
     assert (unknown.gpus, unknown.gpu_model, unknown.gpu_memory_gb) == (1, "Z100", 200)  # known to the API only
     assert table.names() == ["t4-small", "a10g-largex2", "z100-huge"]  # with a GPU
     assert "t4-small" in table.render() and "$0.42/h" in table.render()
+    # The RAM column: what activation offload's copies are checked against.
+    header, *rows = flavors.BUILT_IN.render().splitlines()
+    assert header.split() == ["flavor", "GPUs", "GPU", "memory", "plan", "budget", "RAM", "price"]
+    assert any(r.startswith("a10g-large ") and " 46 GB " in r for r in rows)
     assert flavors.BUILT_IN.get("h200").budget_gib == 131.32  # 141 GB of 10⁹ bytes, below the 139.8 GiB it reports
 
 

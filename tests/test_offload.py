@@ -162,6 +162,7 @@ def test_a_jobs_flavor_s_ram_is_what_the_offload_is_checked_against(wide, monkey
             as e:
         plan_for(c, tiny)
     assert str(e.value).count(". ") == 0
+    assert str(e.value).endswith("`finetune jobs flavors` lists the flavors with more RAM.")  # not GPU memory
     monkeypatch.setattr(planner, "host_memory", lambda: 9 * 2**20)  # and the reverse: this machine has too little
     plan = plan_for(c, BUILT_IN.get("t4-small"))
     assert plan.activation_offload and plan.host_bytes == 8 * 2**20

@@ -26,7 +26,7 @@ from finetune.config.schema import Config
 from finetune.engine import offload as offloading
 from finetune.engine.recurrence import Recurrence, check_run
 from finetune.engine.runtime import device_memory, host_memory, resolve_precision
-from finetune.errors import PlanError
+from finetune.errors import HostMemoryError, PlanError
 from finetune.kinds import chunked
 from finetune.kinds.base import TaskKind
 from finetune.kinds.causal_lm import CHUNKED
@@ -485,10 +485,10 @@ class _Search:
                 return micro
         smallest = min(self.candidates)
         peak_of.exact(smallest)
-        raise PlanError([f"activation offload would keep {_size(peak_of.host[smallest])} of checkpointed inputs in "
-                         f"CPU memory at micro-batch {smallest}, more than {HOST_SHARE:.0%} of {self.host.words}: "
-                         f"use {self.host.elsewhere}, a smaller max_length, or a larger memory_budget_gb with "
-                         "activation_offload=auto."])
+        raise HostMemoryError([f"activation offload would keep {_size(peak_of.host[smallest])} of checkpointed "
+                               f"inputs in CPU memory at micro-batch {smallest}, more than {HOST_SHARE:.0%} of "
+                               f"{self.host.words}: use {self.host.elsewhere}, a smaller max_length, or a larger "
+                               "memory_budget_gb with activation_offload=auto."])
 
     def largest_fitting(self, peak_of: _Peaks) -> int | None:
         """The largest candidate micro-batch whose peak fits the budget, or None. Without accumulation (the largest

@@ -73,9 +73,10 @@ class FlavorTable:
 
     def render(self) -> str:
         """The table as `finetune jobs flavors` prints it."""
-        rows = [("flavor", "GPUs", "GPU memory", "plan budget", "price"),
+        rows = [("flavor", "GPUs", "GPU memory", "plan budget", "RAM", "price"),
                 *((f.name, f"{f.gpus} × {f.gpu_model}" if f.gpus else "-", f"{f.gpu_memory_gb:g} GB" if f.gpus else
-                   "-", f"{f.budget_gib:g} GiB per GPU" if f.gpus else "-", f"${f.usd_per_hour:.2f}/h")
+                   "-", f"{f.budget_gib:g} GiB per GPU" if f.gpus else "-", f.ram.strip() or "-",
+                   f"${f.usd_per_hour:.2f}/h")
                   for f in self.flavors)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]

@@ -13,7 +13,7 @@ from typing import Any
 
 from finetune.config.schema import Config, from_dict
 from finetune.config.tasks import single_task_values
-from finetune.errors import ConfigError, PlanError
+from finetune.errors import ConfigError, HostMemoryError, PlanError
 from finetune.models.pretrained import resolve_model_path
 from finetune.plan.planner import HostMemory, plan_run
 from finetune.remote.flavors import GIB, Flavor
@@ -69,9 +69,10 @@ def plan_for(c: Config, flavor: Flavor) -> Any:
                            host=flavor_host(flavor))
     except PlanError as e:
         inner = " ".join(e.problems).rstrip(".")
-        raise PlanError([f"Not sent to Hugging Face Jobs: on {flavor.name} ({flavor.gpus} × {flavor.gpu_model}, "
-                         f"{c.memory_budget_gb:g} GiB per GPU) {inner[:1].lower()}{inner[1:]}; `finetune jobs "
-                         "flavors` lists the flavors with more GPU memory."]) from None
+        more = "RAM" if isinstance(e, HostMemoryError) else "GPU memory"  # what was short, and what to look for
+        raise type(e)([f"Not sent to Hugging Face Jobs: on {flavor.name} ({flavor.gpus} × {flavor.gpu_model}, "
+                       f"{c.memory_budget_gb:g} GiB per GPU) {inner[:1].lower()}{inner[1:]}; `finetune jobs "
+                       f"flavors` lists the flavors with more {more}."]) from None
     return plan
 
 
