@@ -4,6 +4,7 @@ links, bounded count and unpacked bytes, only images), and the grid of first ima
 from __future__ import annotations
 
 import os
+import re
 import stat
 import zipfile
 from pathlib import Path
@@ -88,6 +89,10 @@ def test_an_uploaded_zip_becomes_the_users_dataset_with_a_grid_of_labelled_image
     shown = ctl.dataset.on_upload(str(gradio_copy), "", "train", "image_classification", *none, request=ALICE)
     assert shown.dataset.startswith("runs/uploads/alice/digits-") and shown.dataset.endswith("/digits")
     assert shown.data.error == "" and not gradio_copy.exists()
+    # The first rows name each image's file (the mapping itself showed as "[object Object]" in the browser).
+    first = shown.data.preview
+    assert list(first.columns) == ["image", "label"] and all(
+        isinstance(cell, str) and re.fullmatch(r"image \d_\d+\.png", cell) for cell in first["image"])
     assert not list((runs / "uploads" / "alice").glob("*.zip"))  # the images are kept, not their zip
     grid = shown.data.images
     assert grid["visible"] is True and len(grid["value"]) == images.GRID_IMAGES

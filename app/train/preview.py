@@ -250,12 +250,16 @@ def _said(error: Exception) -> str:
 
 
 def _short_cells(frame: pd.DataFrame) -> pd.DataFrame:
-    """The preview with every cell's text cut to `MAX_CELL_CHARS` (a 100 MB cell was sent whole to the browser)."""
+    """The preview with every cell as text cut to `MAX_CELL_CHARS` (a 100 MB cell was sent whole to the browser;
+    a mapping or a list sent as itself showed as "[object Object]"), an image as its file's name."""
     def cut(value: Any) -> Any:
+        if isinstance(value, dict) and value and set(value) <= {"bytes", "path"}:  # datasets' Image feature
+            name = Path(str(value.get("path") or "")).name
+            value = f"image {name}" if name else f"image ({len(value.get('bytes') or b''):,} bytes)"
         text = value if isinstance(value, str) else None
         if text is None and not isinstance(value, (int, float, bool)) and value is not None:
             text = str(value)[:MAX_CELL_CHARS + 1]  # a list of turns, a mapping: its text, cut
-        return value if text is None or len(text) <= MAX_CELL_CHARS else text[:MAX_CELL_CHARS - 1] + "…"
+        return value if text is None else text if len(text) <= MAX_CELL_CHARS else text[:MAX_CELL_CHARS - 1] + "…"
 
     return frame.map(cut) if len(frame) else frame
 
