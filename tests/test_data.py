@@ -123,3 +123,19 @@ def test_hub_ids_are_tried_on_the_hub_and_fail_clearly_offline(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     with pytest.raises(DataError, match="neither a local file nor reachable"):
         load_table("no-such-user/no-such-dataset-xyz")
+
+
+def test_evaluation_data_without_the_training_columns_says_where_it_is_set_and_what_to_do(tmp_path, cls_csv):
+    """Seen in the app: an image folder trained with the form's evaluation set still the sample's sentences."""
+    from finetune.errors import summary
+
+    other = tmp_path / "other.csv"
+    other.write_text("review,label\na b,x\nc d,y\n")
+    c = from_dict({"dataset": cls_csv, "eval_dataset": str(other)})
+    with pytest.raises(DataError) as e:
+        load_data(c, bundled_tokenizer())
+    message = str(e.value)
+    assert message == (f"The evaluation data (eval_dataset={summary(str(other))}) lacks column(s) sentence; its "
+                       "columns are: review, label: give evaluation data with the training data's columns, or set "
+                       "eval_dataset and eval_split empty to hold out eval_fraction of the training data.")
+    assert message.count(". ") == 0

@@ -26,7 +26,7 @@ from finetune.data.encoding import IGNORE_INDEX, Columns, Encoded, collate, enco
 from finetune.data.packing import check_architecture, pack
 from finetune.data.stream import StreamData
 from finetune.data.windows import epoch_windows, micro_batches, windows_per_epoch
-from finetune.errors import ConfigError, DataError
+from finetune.errors import ConfigError, DataError, summary
 from finetune.kinds.registry import entry, kind
 
 __all__ = ["IGNORE_INDEX", "Columns", "DataError", "Encoded", "collate", "encode", "epoch_windows", "load_data",
@@ -317,8 +317,11 @@ def _eval_table(c: Config, cols: Columns) -> Any | None:
     eval_table = load_table(c.eval_dataset or c.dataset, c.dataset_config, c.eval_split or "train")
     missing = [x for x in dataclasses.astuple(cols) if x and x not in eval_table.column_names]
     if missing:
-        raise DataError(f"The evaluation data lacks column(s) {', '.join(missing)}; its columns are: "
-                        f"{', '.join(eval_table.column_names)}.")
+        where = f"eval_dataset={summary(c.eval_dataset)}" if c.eval_dataset else f"eval_split={c.eval_split!r}"
+        raise DataError(f"The evaluation data ({where}) lacks column(s) {', '.join(missing)}; its columns are: "
+                        f"{', '.join(eval_table.column_names)}: give evaluation data with the training data's "
+                        "columns, or set eval_dataset and eval_split empty to hold out eval_fraction of the "
+                        "training data.")
     return eval_table
 
 
