@@ -33,6 +33,8 @@ CSS = """
 .ft-progress progress { flex: 1; height: 18px; accent-color: var(--color-accent); }
 .ft-progress span { white-space: nowrap; font-variant-numeric: tabular-nums; }
 .ft-error p { color: var(--error-text-color, #b91c1c); }
+/* Try it's image fills its box, small images (8 × 8 digits) scaled up with their pixels kept sharp. */
+#try-image img { width: 100%; height: 100%; object-fit: contain; image-rendering: pixelated; }
 /* WCAG AA: help text 4.5:1 (Gradio's grey is 1.9:1 on white), white on the Start button 4.5:1 (2.8:1 on its orange). */
 .info-text { color: #4b5563 !important; }
 .dark .info-text { color: #d1d5db !important; }

@@ -44,7 +44,8 @@ def create_tryit_tab() -> TryItTab:
         text = gr.Textbox(label="Try it", placeholder="Type a text for the trained model",
                           max_length=limits.MAX_INPUT_CHARS, scale=4, elem_id="try-box")
         # A file path in Gradio's upload cache, the file as it was sent (`image_mode=None`: the kind converts it).
-        image = gr.Image(label="Image for the trained model", type="filepath", image_mode=None,
+        # A fixed height: an 8×8 digit was shown as a strip a few pixels high.
+        image = gr.Image(label="Image for the trained model", type="filepath", image_mode=None, height=240,
                          sources=["upload", "clipboard"], visible=False, scale=4, elem_id="try-image")
         button = gr.Button("Predict", scale=1, interactive=False, elem_id="try-button")
     new_chat = gr.ClearButton([chat], value="New chat", size="sm", visible=False)
