@@ -178,7 +178,7 @@ def train_4bit(path: str, tokens: int, device: str, folder: Path) -> float:
 
 def longest_offloaded(path: str, budget: float, device: str) -> float:
     """The longest context with activation offload at `budget` GiB, predicted against measured (printed side by
-    side); returns the measured device peak at the predicted length over the predicted one, less one."""
+    side); returns the predicted device peak at the predicted length over the measured one, less one."""
     values = {"lora": "true", "quantization": "none", "chunked_loss": "true", "activation_offload": "true",
               "gradient_checkpointing": "true", "effective_batch_size": 1}
     c = config_of(path, values, 2048, budget)

@@ -250,7 +250,7 @@ class GRPO:
         with labels (B, G, ·): the completion mask, old log-probabilities (NaN: the current ones), the reference's,
         whether it was cut off, and each reward. A batch prepared already (`join_groups`: a window trained again,
         num_iterations > 1) is returned as it is."""
-        if batch["labels"].dtype != torch.uint8:
+        if batch["labels"].dtype != torch.uint8:  # collated rows carry their extras as bytes; prepared ones, floats
             return batch
         base = getattr(model, "module", model)
         ids, mask, raw = batch["input_ids"], batch["attention_mask"], batch["labels"]

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from finetune.config.modelpath import resolve_model_path  # noqa: F401 (where the loaders import it from)
+from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
 from finetune.data.chat import read_template
 from finetune.engine import offload as offloading

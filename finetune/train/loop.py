@@ -290,8 +290,9 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     if note:
         plan = dataclasses.replace(plan, notes=(note, *plan.notes))
     c = plan.apply(c)
-    steps_per_epoch = windows_per_epoch(len(train_data), samples_of(plan.batch.effective_batch_size, configured(c))) \
-        * steps_per_window(configured(c))
+    kind = configured(c)
+    steps_per_epoch = windows_per_epoch(len(train_data), samples_of(plan.batch.effective_batch_size, kind)) \
+        * steps_per_window(kind)
     total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
     optimizer = make_optimizer(c, model)
     scheduler = make_scheduler(c, optimizer, total_steps)
@@ -300,7 +301,7 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     mode = distributed_mode(accelerator, model)  # what prepare() really did: fsdp only if parameters are sharded
     # Before a resumed run's checkpoint is loaded: a precomputed reference is the model as the run started (or
     # the values the first start stored in the data cache).
-    precompute(c, configured(c), model, tokenizer, accelerator, {"train": train_data, "eval": eval_data},
+    precompute(c, kind, model, tokenizer, accelerator, {"train": train_data, "eval": eval_data},
                batch_size=EVAL_BATCHES * plan.batch.micro_batch_size)
     progress = Progress()
     trackers = tracking.sinks(accelerator, c, run_dir)  # the trackers get the records events.jsonl gets
