@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import signal
 import sys
@@ -82,6 +83,9 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
         print(f"Runs go to {runs_dir}, on the storage mounted at {persist.DATA_MOUNT}: {args.runs_dir} would be lost "
               "when the Space restarts.", file=sys.stderr)
     runs_dir.mkdir(parents=True, exist_ok=True)
+    if access.shared and not access.hub_kernels:
+        # The app's own loads (Try it, exports) too: transformers 5.25 kernelizes every load from the Hub by default.
+        os.environ["USE_HUB_KERNELS"] = "NO"
     # Gradio keeps uploads and served files here; it must be writable (the Docker image points it at $HOME).
     os.environ.setdefault("GRADIO_TEMP_DIR", str((runs_dir / ".gradio").resolve()))
     from app.device import detect
@@ -126,9 +130,10 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
     # As PID 1 of a container, Python ignores SIGTERM; make `docker stop` close the server like Ctrl-C does.
     signal.signal(signal.SIGTERM, on_sigterm)
     _no_spaces_reloader()
-    # Gradio's run history would keep every call's inputs (file references too) in the browser and offer to copy
-    # them to a Hub bucket: nothing a shared training server needs.
-    kwargs.setdefault("run_history", False)
+    # Gradio's run history (from Gradio 6.24) would keep every call's inputs (file references too) in the browser
+    # and offer to copy them to a Hub bucket: nothing a shared training server needs. Older Gradios lack it.
+    if "run_history" in inspect.signature(app.demo.launch).parameters:
+        kwargs.setdefault("run_history", False)
     app.demo.queue(default_concurrency_limit=1).launch(
         server_name=args.host, server_port=args.port, max_file_size=args.max_file_size, css=app.css, js=app.js,
         footer_links=["gradio", "settings"], inbrowser=args.open, **kwargs)

@@ -267,7 +267,9 @@ def _bucket_api(request: Any, jobs: FakeJobs, method: str, rest: list[str], quer
                                 "url": f"{request.hub_url}/buckets/{bucket_id}"})
             return True
         payload = json.loads(request._body() or b"{}")
-        jobs.buckets[bucket_id] = {"private": payload.get("visibility") == "private", "files": {}}
+        # huggingface_hub 2 sends `visibility`, 1.x `private` (both floors of pyproject.toml talk to it)
+        private = payload.get("visibility") == "private" or payload.get("private") is True
+        jobs.buckets[bucket_id] = {"private": private, "files": {}}
         request._send(200, {"url": f"{request.hub_url}/buckets/{bucket_id}"})
         return True
     bucket = jobs.buckets.get(bucket_id)

@@ -24,6 +24,7 @@ def client(tmp_path):
         yield Client(url, verbose=False)
 
 
+@pytest.mark.floors
 def test_a_script_plans_trains_and_predicts_through_the_named_api(client, tiny_bert, cls_csv):
     api = client.view_api(return_format="dict", print_info=False)
     assert {name: [p["parameter_name"] for p in e["parameters"]]

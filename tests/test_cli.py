@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import ROOT, run_train
 from transformers import AutoModelForSequenceClassification
 
@@ -45,6 +46,7 @@ def test_eval_and_predict_on_a_trained_run(tmp_path, capsys, tiny_bert, cls_csv)
     assert "neither a run directory nor a model folder" in capsys.readouterr().err
 
 
+@pytest.mark.floors
 def test_predict_generates_with_a_causal_lm(tmp_path, capsys, tiny_gpt2, lm_csv):
     run_train(tmp_path / "lm", model=tiny_gpt2, dataset=lm_csv, task="causal_lm", epochs=1, effective_batch_size=9,
               max_length=64)
@@ -78,6 +80,7 @@ def test_module_entry_point_for_accelerate_launch():
     assert proc.returncode == 0 and "train" in proc.stdout
 
 
+@pytest.mark.floors
 def test_bundled_model_trains_end_to_end_on_the_shipped_sample(tmp_path, capsys):
     """The real MiniLM on 64 real SST-2 sentences: the default model path, tokenizer and head all work."""
     code = main(["train", str(ROOT / "assets" / "demo.yaml"), f"output_dir={tmp_path / 'demo'}",

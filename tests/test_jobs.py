@@ -123,6 +123,7 @@ def _no_token_in(folder: Path) -> None:
             assert TOKEN.encode() not in p.read_bytes(), p
 
 
+@pytest.mark.floors
 @pytest.mark.slow
 def test_a_run_trains_as_a_job_and_its_folder_mirrors_it_here(tmp_path, hub, recorded, tiny_bert, cls_csv):
     hub.jobs.script = replay(recorded)

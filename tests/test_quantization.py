@@ -60,6 +60,7 @@ def _common(model: str, data: str, quantization: str) -> dict:
             "shuffle": False, "group_by_length": False, "epochs": 1, "lora_r": 4}
 
 
+@pytest.mark.floors
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_quantized_lora_accumulation_equals_big_batch_and_merges(tmp_path, llama64, short_lm, quantization,
                                                                 monkeypatch):
