@@ -31,6 +31,8 @@ ANYONE = "anyone"  # the one user of an `open` server
 USERS_VAR, PASSWORD_VAR, ALLOWED_VAR = "FINETUNE_USERS", "FINETUNE_PASSWORD", "FINETUNE_ALLOWED_USERS"
 PUSHERS_VAR = "FINETUNE_PUSH_USERS"  # who, besides a Space's owner, may push with the server's Hugging Face token
 PASSWORD_USER = "admin"  # the account FINETUNE_PASSWORD sets
+# A shared server's runs never run kernel code fetched from the Hub at run time unless its owner sets this to 1.
+HUB_KERNELS_VAR = "FINETUNE_HUB_KERNELS"
 USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED = {"uploads"}  # folder names under runs/ that are not a user's
 MAX_OUTPUT_DIR_CHARS = 100  # a run folder's name typed in the app (a file system takes 255 bytes a name)
@@ -43,6 +45,8 @@ CHILD_ENV = {"PATH", "HOME", "USER", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP",
              "CUDA_HOME", "NVIDIA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
              "TOKENIZERS_PARALLELISM", "WORLD_SIZE"}
 NO_REMOTE_CODE = "trust_remote_code is disabled on a shared server."
+NO_HUB_KERNELS = ("Hub kernels (code transformers fetches from the Hugging Face Hub at run time) are off on this "
+                  f"shared server: set Kernels to auto or off (its owner can allow them with {HUB_KERNELS_VAR}=1).")
 NO_PUSH_IN_RUN = ("push_to_hub cannot be set on a shared server (the training process gets no token): leave it empty "
                   "and press Push to the Hub when the run is done.")
 
@@ -87,6 +91,7 @@ class Access:
     allowed: frozenset[str] = frozenset()
     accounts: tuple[tuple[str, str], ...] = ()
     pushers: frozenset[str] = frozenset()  # FINETUNE_PUSH_USERS
+    hub_kernels: bool = False  # FINETUNE_HUB_KERNELS=1: a shared server's runs may use the Hub's kernels
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], host: str, no_auth: bool = False) -> Access:
@@ -95,15 +100,16 @@ class Access:
         allowed, pushers = (frozenset(u.strip().lstrip("@") for u in (env.get(var) or "").split(",") if u.strip())
                             for var in (ALLOWED_VAR, PUSHERS_VAR))
         # What Gradio takes for a Space too: anywhere else a LoginButton would make it mock the sign-in.
+        kernels = (env.get(HUB_KERNELS_VAR) or "").strip().lower() in {"1", "true", "yes"}
         if env.get("SPACE_ID") and env.get("SYSTEM") == "spaces":
-            return cls("space", env.get("SPACE_AUTHOR_NAME") or None, allowed, pushers=pushers)
+            return cls("space", env.get("SPACE_AUTHOR_NAME") or None, allowed, pushers=pushers, hub_kernels=kernels)
         accounts = _accounts(env)
         if accounts:
-            return cls("password", accounts=accounts, pushers=pushers)
+            return cls("password", accounts=accounts, pushers=pushers, hub_kernels=kernels)
         if is_loopback(host):
             return cls()
         if no_auth:
-            return cls("open")
+            return cls("open", hub_kernels=kernels)
         raise AccessError(f"Listening on {host} lets anyone who can reach it train on this machine: set {USERS_VAR}="
                           f"name:password (or {PASSWORD_VAR}), or pass --no-auth to allow it anyway.")
 
@@ -194,7 +200,10 @@ class Access:
         """The environment of a training or planning child: all of `env` locally, only what it needs when shared."""
         if not self.shared:
             return dict(env)
-        return {k: v for k, v in env.items() if k in CHILD_ENV or k.startswith("LC_")}
+        child = {k: v for k, v in env.items() if k in CHILD_ENV or k.startswith("LC_")}
+        if not self.hub_kernels:  # transformers reads it in every load, ours and the libraries' own (kernels=auto)
+            child["USE_HUB_KERNELS"] = "NO"
+        return child
 
     def check_source(self, source: str | None, what: str, readable: tuple[Path, ...], kind: str | None = None
                      ) -> None:
@@ -237,6 +246,8 @@ class Access:
             return
         if config.trust_remote_code:
             raise AccessError(NO_REMOTE_CODE)
+        if config.kernels == "hub" and not self.hub_kernels:
+            raise AccessError(NO_HUB_KERNELS)
         if config.push_to_hub:
             raise AccessError(NO_PUSH_IN_RUN)
         for what, kind, value in sources(config):

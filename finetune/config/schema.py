@@ -233,6 +233,11 @@ class Config:
                               group="advanced")
     trust_remote_code: bool = _opt(False, "Allow the model repository to run its own Python code.",
                                    group="advanced")
+    kernels: str = _opt("auto", "Hugging Face Hub kernels (faster layers that transformers downloads from the Hub "
+                        "and runs): hub uses them and fails when they cannot be fetched; off never does; auto uses "
+                        "them when the `kernels` package is installed and they are cached or the Hub is reachable, "
+                        "and otherwise trains without them, saying so.", choices=("auto", "hub", "off"),
+                        group="advanced")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain YAML-able values, in schema order (a list field as a list)."""

@@ -488,7 +488,8 @@ def _frozen(name: str, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+    # use_kernels=False: a frozen scorer needs no Hub kernel code (transformers 5.25 would fetch it by default).
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, use_kernels=False).to(device).eval()
     model.requires_grad_(False)
     return model
 

@@ -297,7 +297,8 @@ def _reward_model(path: str) -> tuple[Any, Any]:
         folder = folder / "model"
     name = str(folder) if folder.exists() else path
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(name).eval()
+        # use_kernels=False: a frozen scorer needs no Hub kernel code (transformers 5.25 would fetch it by default).
+        model = AutoModelForSequenceClassification.from_pretrained(name, use_kernels=False).eval()
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
         raise ConfigError([f"Reward model {path!r} could not be loaded ({str(e).splitlines()[0][:160]}): give a "

@@ -15,7 +15,7 @@ from finetune.engine.runtime import resolve_precision
 from finetune.errors import ModelError
 from finetune.kinds.registry import entry, kind_of_model_config, kind_of_peft_task_type
 from finetune.kinds.registry import kind as kind_named
-from finetune.models import quantize
+from finetune.models import kernels, quantize
 
 
 def quiet_transformers() -> None:
@@ -82,9 +82,12 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
     head = kind.model_kwargs(label_names)
     if head:  # a head of the kind's own size replaces the checkpoint's
         kwargs.update(head, ignore_mismatched_sizes=True)
+    auto = auto_class(c.task)
     try:
-        model = auto_class(c.task).from_pretrained(path, **kwargs)
-    except (OSError, ValueError, KeyError) as e:
+        model = kernels.load(lambda **k: auto.from_pretrained(path, **kwargs, **k), c.kernels, c.model)
+    except ModelError:  # already said in the kernels' own words
+        raise
+    except (OSError, ValueError, KeyError, ImportError) as e:
         raise ModelError(_load_failure(c.model, e, c.task)) from None
     if c.quantization in ("8bit", "4bit") and (new := quantize.unquantized_layers(model)):
         # peft's quantized LoRA layers would fail on them with an AttributeError, after the plan
@@ -102,7 +105,7 @@ def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bo
     """Turn on gradient checkpointing (with `offload`, its layers' inputs kept in CPU memory:
     `finetune.engine.offload`) and wrap in LoRA adapters, the same way for the dry run and for training."""
     if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -124,8 +127,21 @@ def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bo
     return model
 
 
+def enable_checkpointing(model: Any) -> None:
+    """Gradient checkpointing with torch's non-reentrant checkpoint, by the name the installed transformers has: it
+    renamed `gradient_checkpointing_enable` (which still works, with a FutureWarning) to
+    `activation_checkpointing_enable` after 5.17."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _load_failure(name: str, error: Exception, task: str | None = None) -> str:
     text = str(error)
+    if kernels.is_kernel_failure(error):
+        return (f"Model {name!r} could not be loaded with the Hub's kernels ({text.splitlines()[0][:200]}): set "
+                "kernels=off to load it without them.")
     if "Unrecognized configuration class" in text:
         return (f"Model {name!r} has no {task} head in Transformers: pick a model made for {task} "
                 f"(or change `task`).")
@@ -168,22 +184,25 @@ def is_adapter(model_dir: Path) -> bool:
     return (Path(model_dir) / "adapter_config.json").is_file()
 
 
-def load_trained(model_dir: Path, task: str) -> Any:
-    """A model saved by a run: full weights, or a LoRA adapter on its base model (with the run's labels)."""
+def load_trained(model_dir: Path, task: str, kernels_mode: str = "auto") -> Any:
+    """A model saved by a run: full weights, or a LoRA adapter on its base model (with the run's labels); hub
+    kernels as `kernels_mode` says (the `kernels` option)."""
     from transformers import AutoConfig
 
     quiet_transformers()
     auto = auto_class(task)
     if not is_adapter(model_dir):
-        return auto.from_pretrained(model_dir, use_safetensors=True)
+        return kernels.load(lambda **k: auto.from_pretrained(model_dir, use_safetensors=True, **k), kernels_mode,
+                            str(model_dir))
     from peft import PeftModel
 
     base_path = json.loads((Path(model_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
     config = AutoConfig.from_pretrained(model_dir)
     saved = quantize.saved_quantization(model_dir)
     kwargs = quantize.load_kwargs(saved["quantization"], saved["precision"], True) if saved else {}
-    base = auto.from_pretrained(base_path, config=config, use_safetensors=True, ignore_mismatched_sizes=True,
-                                **kwargs)
+    base = kernels.load(lambda **k: auto.from_pretrained(base_path, config=config, use_safetensors=True,
+                                                         ignore_mismatched_sizes=True, **kwargs, **k),
+                        kernels_mode, base_path)
     return PeftModel.from_pretrained(base, model_dir)
 
 

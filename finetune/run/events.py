@@ -53,6 +53,9 @@ class Start:
     segmentation: Segmentation | None = None
     eval_segmentation: Segmentation | None = None
     tasks: dict[str, float] | None = None  # multi-task runs: each task's expected share of a window
+    # What the model's load did with Hugging Face Hub kernels (finetune.models.kernels.KernelUse.to_dict): the
+    # option, whether they were asked for, the kernel repositories its layers run, why `auto` went without them.
+    kernels: dict[str, Any] | None = None
     event: str = "start"
 
 

@@ -348,7 +348,8 @@ def behaviour_check(merged: Path, gguf: Path, turns: list[dict[str, Any]] | None
             else "Once upon a time")
     prompt = tokenizer(text, add_special_tokens=turns is None)["input_ids"]
     stops = stop_ids(merged)
-    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    # The reference the GGUF is checked against: transformers' own layers, no Hub kernels (5.25 loads them by default).
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, use_kernels=False).eval()
     with torch.inference_mode():
         ids = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
                              dtype=torch.long), max_new_tokens=n_tokens, do_sample=False, eos_token_id=stops,
