@@ -64,6 +64,12 @@ def _print_note(event: Any) -> None:
                 print(f"warning: {counts.warning}", file=sys.stderr, flush=True)
     if event.note:
         print(f"note: {event.note}", file=sys.stderr, flush=True)
+    kernels = event.kernels or {}
+    if kernels.get("note"):
+        print(f"note: {kernels['note']}", file=sys.stderr, flush=True)
+    if kernels.get("layers"):
+        used = ", ".join(f"{repo} ({n} layer{'s' if n != 1 else ''})" for repo, n in kernels["layers"].items())
+        print(f"hub kernels: {used}", file=sys.stderr, flush=True)
     from finetune.data.chat import describe_dropped
 
     for what, counts in (("training", event.dropped_rows), ("evaluation", event.dropped_eval_rows)):
@@ -354,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="Replace an existing file.")
     p.set_defaults(func=cmd_init)
     add_jobs_parser(sub, cmd_jobs)
+    add_doctor_parser(sub)
     try:
         from app.server import build_parser as ui_parser  # argparse only: gradio is imported when `ui` runs
     except ImportError:  # installed without the GUI package: every other command still works
@@ -364,10 +371,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_doctor_parser(sub: Any) -> None:
+    """The `finetune doctor` command."""
+    p = sub.add_parser("doctor", help="Check this machine: package versions, devices, memory, a short self-test.",
+                       description="Print every dependency's version against the supported range, the devices and "
+                       "their memory, bf16/fp16 support, bitsandbytes' backend, hub kernels, RAM and free disk; then "
+                       "train one window of a tiny model in each precision the device has and check that k "
+                       "micro-batches of B equal one batch of k·B and that the planner's predicted peak holds. Exit "
+                       "0 when all is well, else 2 with one sentence per problem.")
+    p.add_argument("--json", action="store_true", help="Print the findings as one JSON object.")
+    p.add_argument("--no-self-test", dest="self_test", action="store_false",
+                   help="Only report the versions and the machine (no training).")
+    p.add_argument("--device", default=None, help="The device to test (default: cuda when there is one, else cpu).")
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Run `finetune doctor [--json] [--no-self-test]`."""
+    from finetune.doctor.report import run_doctor
+
+    return run_doctor(json_output=args.json, self_test=args.self_test, device=args.device)
+
+
+# Commands that run without the engine's packages, so that a machine with a too-old one can still be checked.
+WITHOUT_PACKAGE_CHECK = {"init", "doctor"}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse, run, and map failures to exit codes with one clear message."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command not in WITHOUT_PACKAGE_CHECK:
+            from finetune.doctor.versions import require
+
+            require()  # before any command imports torch or transformers: a too-old one is a sentence, not a crash
         return args.func(args)
     except FinetuneError as e:  # bad input exits 2, a training failure 1: each class carries its code
         print(f"error: {describe(e)}", file=sys.stderr)

@@ -49,6 +49,11 @@ class RunDirError(InputError):
     """The output directory cannot be used as asked; the message says what to do."""
 
 
+class PackageError(InputError):
+    """An installed package is older (or newer) than the range this project supports, or missing; the message
+    names it, the version found and the version needed."""
+
+
 class TrainingError(FinetuneError, RuntimeError):
     """Training cannot go on; the message says why and what to change."""
 
