@@ -89,6 +89,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from finetune.run.events import ProgressBar, log_line
     from finetune.train.loop import StopFlag, train
 
+    if args.doctor and os.environ.get("RANK", "0") == "0":  # one report, not one per process
+        from finetune.doctor.report import findings, text
+
+        print(text(findings(self_test=False, device=None, folder=Path.cwd())), file=sys.stderr, flush=True)
+
     stop = StopFlag()
     previous = _install_stop_handlers(stop)
     # The notes first: printed after the bar is drawn, they would land on its line.
@@ -290,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="No progress bar.")
     p.add_argument("--log-events", action="store_true", help="Also print each event on stdout as one line "
                    "(`finetune-event: {json}`, its events.jsonl record), for a launcher that reads the logs.")
+    p.add_argument("--doctor", action="store_true", help="First print what `finetune doctor --no-self-test` finds "
+                   "(versions, devices, memory) on stderr: how a Hugging Face Job's log starts.")
     add_backend_arguments(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("plan", help="Show how a config would train within its memory budget.",

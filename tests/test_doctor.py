@@ -142,3 +142,12 @@ def test_lora_with_gradient_checkpointing_accumulates_exactly(tmp_path, tiny_lla
     assert acc_events[0]["grad_accum_steps"] == 4 and len(losses) == 5  # 27 texts in blocks of 48: 5 windows
     assert losses == pytest.approx(step_losses(big_events), rel=1e-5) and losses[-1] < losses[0]
     assert_same_weights(big, acc, rtol=1e-4, atol=1e-6)
+
+
+def test_train_with_doctor_prints_the_findings_first(tmp_path, tiny_bert, cls_csv, capsys):
+    """What a Hugging Face Job's log starts with (its command has `--doctor`)."""
+    assert main(["train", f"model={tiny_bert}", f"dataset={cls_csv}", "max_steps=1", f"output_dir={tmp_path}/r",
+                 "-q", "--doctor"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("packages (installed, supported):\n  ok  torch: ")
+    assert "device: cpu" in err and "all is well" in err

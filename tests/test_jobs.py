@@ -137,7 +137,7 @@ def test_a_run_trains_as_a_job_and_its_folder_mirrors_it_here(tmp_path, hub, rec
     spec = job.spec
     assert (spec["spaceId"], spec["flavor"], spec["timeoutSeconds"]) == ("alice/finetune", "t4-small", 1800)
     assert spec["command"] == ["timeout", "--signal=TERM", "--preserve-status", "1500s", "python", "-m", "finetune",
-                               "train", "/inputs/config.yaml", "-q", "--log-events"]
+                               "train", "/inputs/config.yaml", "-q", "--log-events", "--doctor"]
     assert spec["secrets"] == {"HF_TOKEN": TOKEN}
     assert TOKEN not in json.dumps({k: v for k, v in spec.items() if k != "secrets"})
     assert spec["volumes"] == [

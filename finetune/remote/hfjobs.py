@@ -3,14 +3,14 @@ cancel it, through huggingface_hub's own client (`run_job`, `inspect_job`, `canc
 repositories); `finetune.remote.follow` follows a job and `finetune.remote.fetch` copies its results.
 
 What a job is made of (`job_spec`): the image (a copy of this project's Space, `hf.co/spaces/USER/SPACE`); the
-command `finetune train /inputs/config.yaml -q --log-events` (under `accelerate launch --num_processes N` on a flavor
-with N GPUs), run under coreutils' `timeout`, which asks it to stop (SIGTERM: a checkpoint, then exit 130) a grace
-period before the job's own time limit; the token as the job's secret `HF_TOKEN` and nowhere else; two volumes: the
-user's private bucket, which holds the run folder (`/runs/<run>`: checkpoints, events, model), and the folder of
-the private inputs dataset repository that holds the config and the local files it names (`/inputs`, read-only).
-
-Every function takes the token to act with (default: huggingface_hub's, `HF_TOKEN` or the stored login), so that a
-server can act for each signed-in user with theirs; none prints: the launcher and the app say what they like.
+command `finetune train /inputs/config.yaml -q --log-events --doctor` (its log starts with `finetune doctor`'s
+findings; under `accelerate launch --num_processes N` on a flavor with N GPUs), run under coreutils' `timeout`,
+which asks it to stop (SIGTERM: a checkpoint, then exit 130) a grace period before the job's own time limit; the
+token as the job's secret `HF_TOKEN` and nowhere else; two volumes: the user's private bucket, which holds the run
+folder (`/runs/<run>`: checkpoints, events, model), and the folder of the private inputs dataset repository that
+holds the config and the local files it names (`/inputs`, read-only). Every function takes the token to act with
+(default: huggingface_hub's, `HF_TOKEN` or the stored login), so that a server can act for each signed-in user with
+theirs; none prints: the launcher and the app say what they like.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def job_command(limit: TimeLimit, gpus: int) -> list[str]:
         "accelerate", "launch", "--multi_gpu", "--num_processes", str(gpus), "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "finetune"]
     return ["timeout", "--signal=TERM", "--preserve-status", f"{limit.stop_after_s}s", *launcher, "train",
-            f"{INPUTS}/{CONFIG_NAME}", "-q", "--log-events"]
+            f"{INPUTS}/{CONFIG_NAME}", "-q", "--log-events", "--doctor"]
 
 
 def job_spec(*, image: str, flavor: str, command: list[str], limit: TimeLimit, token: str, bucket: str,
