@@ -19,6 +19,7 @@ from app.device import DeviceMemory
 from app.export.tab import ExportTab, create_export_tab, wire_export_tab
 from app.follow import Follow
 from app.jobs.training import JobManager
+from app.machine import MachineReport
 from app.mapping import COLUMN_FIELDS, FIELD_NAMES, changed_options, preset_config
 from app.runs.tab import RunsTab
 from app.tabs import Handlers, handlers
@@ -153,6 +154,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
     jobs = jobs or JobManager(runs_dir, env=access.child_env(os.environ) if access.shared else None,
                               max_run_s=server_limits.max_run_s)
     initial = initial_config(preset, memory, preset_base)
+    machine = MachineReport(runs_dir, jobs.env).start()  # `finetune doctor`, in a child process
     # The sample data the preset points at stays readable on a shared server, and so does the shipped ChatML
     # template (for conversation data on a model that has none).
     shipped = [Path(preset_base or Path.cwd()) / "assets" / "chatml.jinja"]
@@ -184,6 +186,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                 runs = RunsTab(h.runs)
             with gr.Tab("Export", id="export", elem_id="tab-export"):
                 export = create_export_tab(on, h)
+        with gr.Accordion("This machine", open=False, elem_id="this-machine") as machine_panel:
+            machine_text = gr.Markdown("Checking this machine…")
         fields = train.form.fields
         h.notes.infos = {name: fields[name].info or "" for name in FIELD_NAMES}
         wire_train_tab(on, h, train, demo.load)
@@ -195,6 +199,10 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         wire_export_tab(on, h, export, train)
         # The list is read again when the tab is opened and when a run's state changes (a run finished, say).
         runs.wire(on, [runs_tab.select, train.run.status.change, demo.load])
+        # Versions and devices are the server's business: shown only to those who may train on it (quietly).
+        for event in (demo.load, machine_panel.expand):
+            on(event, machine.markdown, None, {}, outputs=machine_text, gate="quiet", show_progress="hidden",
+               **PRIVATE)
     return App(demo, fields, jobs, h)
 
 

@@ -151,3 +151,30 @@ def test_train_with_doctor_prints_the_findings_first(tmp_path, tiny_bert, cls_cs
     err = capsys.readouterr().err
     assert err.startswith("packages (installed, supported):\n  ok  torch: ")
     assert "device: cpu" in err and "all is well" in err
+
+
+def test_the_apps_this_machine_panel_shows_the_doctors_findings(tmp_path):
+    from app.machine import MachineReport
+
+    report = MachineReport(tmp_path).start()
+    assert report.markdown() in ("Checking this machine…", report.markdown())
+    report._thread.join(timeout=300)
+    text = report.markdown()
+    assert "**Device**: CPU" in text and "| transformers | " in text and "**Problems**" not in text
+
+
+def test_the_panel_puts_problems_first():
+    from app.machine import describe
+
+    found = {"problems": ["torch 2.1 is installed, but finetune needs torch>=2.6: pip install 'torch>=2.6'."],
+             "packages": [{"name": "torch", "extra": None, "found": "2.1", "wanted": ">=2.6", "ok": False}],
+             "machine": {"devices": [{"device": "cuda:0", "name": "NVIDIA H200", "memory_gib": 139.8,
+                                      "free_gib": 139.1, "bf16": True}],
+                         "cuda_build": "13.0", "torch": "2.1", "python": "3.12.3",
+                         "bitsandbytes": {"version": "0.50.2", "backend": "cuda"},
+                         "hub_kernels": {"disabled_by_environment": True, "usable": True},
+                         "ram_gib": 128.0, "ram_available_gib": 120.0, "disk_free_gib": 40.0}}
+    text = describe(found)
+    assert text.startswith("**Problems**\n\n- torch 2.1 is installed")
+    assert "- **cuda:0**: NVIDIA H200, 139.8 GiB (139.1 free); bf16 yes, fp16 yes" in text
+    assert "| torch | 2.1 ⚠ | >=2.6 |" in text and "**Hub kernels**: off here" in text
