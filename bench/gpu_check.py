@@ -33,10 +33,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from preflight import check_packages  # noqa: E402
+
+if __name__ == "__main__":  # one line naming what this image lacks, before an import fails on it
+    check_packages("gpu_check.py", extras=("quantization",))
+
+import torch  # noqa: E402
 from memory_plan import _stored_extra  # noqa: E402
 
 from finetune.config.schema import from_dict  # noqa: E402

@@ -178,3 +178,16 @@ def test_the_panel_puts_problems_first():
     assert text.startswith("**Problems**\n\n- torch 2.1 is installed")
     assert "- **cuda:0**: NVIDIA H200, 139.8 GiB (139.1 free); bf16 yes, fp16 yes" in text
     assert "| torch | 2.1 ⚠ | >=2.6 |" in text and "**Hub kernels**: off here" in text
+
+
+def test_the_gpu_check_says_in_one_line_what_an_image_lacks():
+    """bench/gpu_check.py on a stock image without datasets (as the first GPU try found): one line, exit 2, before
+    torch is imported."""
+    code = ("import runpy, sys; sys.path.insert(0, 'bench'); import finetune.doctor.versions as v; real = v.installed; "
+            "v.installed = lambda n: None if n == 'datasets' else real(n); sys.argv = ['gpu_check.py']; "
+            "runpy.run_path('bench/gpu_check.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr == ("gpu_check.py cannot run here: datasets is not installed; finetune needs datasets>=4.0: pip "
+                           "install 'datasets>=4.0'. See docs/benchmarks.md, \"Running on a GPU machine without "
+                           "network\".\n")
