@@ -1,6 +1,6 @@
 """The page's collapsed "This machine" panel: what `finetune doctor --no-self-test` finds here (versions against
-their ranges, the devices, bitsandbytes, hub kernels, RAM and disk), asked once in a child process when the app
-starts, so that the app itself never creates a CUDA context on the GPU its runs need."""
+their ranges, the devices, bitsandbytes, hub kernels, RAM and disk), asked once in a child process when the page is
+first opened, so that the app itself never creates a CUDA context on the GPU its runs need."""
 
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ class MachineReport:
             self.error = f"`finetune doctor` could not run ({type(e).__name__}): run it in a terminal to see why."
 
     def markdown(self, request: Any = None) -> str:
-        """The panel's text."""
+        """The panel's text; the first call starts the doctor (not the app's start, which must answer Gradio's own
+        readiness check within seconds while the doctor's child imports torch)."""
+        self.start()
         if self.error:
             return self.error
         if self.found is None:

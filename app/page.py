@@ -154,7 +154,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
     jobs = jobs or JobManager(runs_dir, env=access.child_env(os.environ) if access.shared else None,
                               max_run_s=server_limits.max_run_s)
     initial = initial_config(preset, memory, preset_base)
-    machine = MachineReport(runs_dir, jobs.env).start()  # `finetune doctor`, in a child process
+    machine = MachineReport(runs_dir, jobs.env)  # `finetune doctor` in a child process, from the first page load
     # The sample data the preset points at stays readable on a shared server, and so does the shipped ChatML
     # template (for conversation data on a model that has none).
     shipped = [Path(preset_base or Path.cwd()) / "assets" / "chatml.jinja"]

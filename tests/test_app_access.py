@@ -117,7 +117,7 @@ def test_the_child_gets_no_secrets_on_a_shared_server():
     env = {"PATH": "/bin", "HOME": "/h", "HF_HOME": "/hf", "LC_ALL": "C", "HF_TOKEN": "hf_x", "AWS_SECRET": "s",
            "OAUTH_CLIENT_SECRET": "o", "CUDA_VISIBLE_DEVICES": "0"}
     assert PASSWORDS.child_env(env) == {"PATH": "/bin", "HOME": "/h", "HF_HOME": "/hf", "LC_ALL": "C",
-                                        "CUDA_VISIBLE_DEVICES": "0"}
+                                        "CUDA_VISIBLE_DEVICES": "0", "USE_HUB_KERNELS": "NO"}
     assert Access().child_env(env) == env  # locally: the user's own environment, as on the command line
 
 

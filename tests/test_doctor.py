@@ -156,7 +156,8 @@ def test_train_with_doctor_prints_the_findings_first(tmp_path, tiny_bert, cls_cs
 def test_the_apps_this_machine_panel_shows_the_doctors_findings(tmp_path):
     from app.machine import MachineReport
 
-    report = MachineReport(tmp_path).start()
+    report = MachineReport(tmp_path)
+    assert report._thread is None  # nothing runs until the page asks
     assert report.markdown() in ("Checking this machine…", report.markdown())
     report._thread.join(timeout=300)
     text = report.markdown()
