@@ -284,7 +284,7 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def test_a_looping_chat_template_is_stopped_within_a_second(tmp_path, tiny_gpt2):
+def test_a_looping_chat_template_is_stopped_within_seconds(tmp_path, tiny_gpt2):
     import multiprocessing
 
     data = tmp_path / "chat.jsonl"
@@ -299,7 +299,9 @@ def test_a_looping_chat_template_is_stopped_within_a_second(tmp_path, tiny_gpt2)
 
     assert example(CHATML).note.endswith("tokens are learned (highlighted): `train_on: assistant`.")
     shown, seconds = _timed(lambda: example(LOOPING))
-    assert seconds < 1.0 and shown.note == (
+    # Stopped at its 0.5 s limit; the bound leaves room for a loaded machine (1.03 s was seen with six test
+    # processes on two cores), and the loop itself would run for minutes.
+    assert seconds < 5.0 and shown.note == (
         "⚠️ Rendering the first conversation with the chat template took longer than 0.5 s and was stopped. A "
         "template that loops this long would not finish a dataset: simplify it.")
     assert not [c for c in multiprocessing.active_children() if c.name == "finetune-bounded"]
