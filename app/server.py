@@ -153,11 +153,15 @@ def _no_spaces_reloader() -> None:
 def serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C, then say whether a run goes on without the app; or until SIGTERM (`docker stop`: the
     container is going away), then stop the run with a checkpoint, waiting up to --stop-grace seconds for it.
-    2 when a public host has no accounts."""
+    2 when a public host has no accounts or a package is outside its supported range."""
+    from finetune.doctor.versions import require
+    from finetune.errors import PackageError
+
     terminated = threading.Event()
     try:
+        require()  # `python -m app` too: a too-old gradio or transformers is one sentence, not a traceback
         jobs = launch(args, terminated).jobs
-    except AccessError as e:
+    except (AccessError, PackageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if terminated.is_set():
