@@ -72,15 +72,21 @@ def _open(zip_path: Path) -> zipfile.ZipFile:
         raise DataError(f"The upload is not a readable zip ({e}): zip the image folder again.") from None
 
 
-def unpacked_size(zip_path: Path) -> int:
-    """The bytes the zip's images unpack to, as its directory declares them (read without unpacking a byte); a
-    `DataError` for an unsafe zip, or one over `MAX_IMAGES` or `MAX_UNPACKED_BYTES`."""
-    with _open(zip_path) as archive:
-        size = sum(m.file_size for m, _ in _members(archive))
+def _declared(members: list[tuple[zipfile.ZipInfo, tuple[str, ...]]]) -> int:
+    """The bytes the members unpack to, as the zip's directory declares them; a `DataError` over
+    `MAX_UNPACKED_BYTES`."""
+    size = sum(m.file_size for m, _ in members)
     if size > MAX_UNPACKED_BYTES:
         raise DataError(f"The zip's images unpack to more than {MAX_UNPACKED_BYTES / 1024**3:g} GiB "
                         f"({size / 1024**3:,.2f} GiB); upload a smaller set.")
     return size
+
+
+def unpacked_size(zip_path: Path) -> int:
+    """The bytes the zip's images unpack to, as its directory declares them (read without unpacking a byte); a
+    `DataError` for an unsafe zip, or one over `MAX_IMAGES` or `MAX_UNPACKED_BYTES`."""
+    with _open(zip_path) as archive:
+        return _declared(_members(archive))
 
 
 def unpack_images(zip_path: Path, folder: Path) -> Path:
@@ -111,11 +117,7 @@ def unpack_images(zip_path: Path, folder: Path) -> Path:
 def _unpack(zip_path: Path, tmp: Path) -> None:
     with _open(zip_path) as archive:
         members = _members(archive)
-        declared = sum(m.file_size for m, _ in members)
-        if declared > MAX_UNPACKED_BYTES:
-            raise DataError(f"The zip's images unpack to more than {MAX_UNPACKED_BYTES / 1024**3:g} GiB "
-                            f"({declared / 1024**3:,.2f} GiB); upload a smaller set.")
-        written = 0
+        declared, written = _declared(members), 0
         tmp.mkdir(parents=True, exist_ok=True)
         for member, parts in members:
             out = tmp.joinpath(*parts)
