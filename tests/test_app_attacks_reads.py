@@ -219,3 +219,23 @@ def test_a_zip_whose_directory_lies_is_stopped_at_its_declared_size_and_leaves_n
     with pytest.raises(DataError, match="cannot be unpacked"):
         images.unpack_images(zipped, tmp_path / "uploads")
     assert list((tmp_path / "uploads").iterdir()) == []
+
+
+def test_a_disk_that_fills_up_while_a_zip_unpacks_leaves_nothing(tmp_path, monkeypatch):
+    zipped = tmp_path / "digits.zip"
+    with zipfile.ZipFile(zipped, "w") as z:
+        for p in sorted(DIGITS.rglob("*.png"))[:4]:
+            z.writestr(f"{p.parent.name}/{p.name}", p.read_bytes())
+    real = zipfile.ZipFile.open
+    opened = []
+
+    def full(self, member, *args, **kwargs):  # the second image finds the disk full
+        opened.append(member)
+        if len(opened) == 2:
+            raise OSError(28, "No space left on device")
+        return real(self, member, *args, **kwargs)
+
+    monkeypatch.setattr(zipfile.ZipFile, "open", full)
+    with pytest.raises(DataError, match=r"could not be unpacked \(No space left on device\)"):
+        images.unpack_images(zipped, tmp_path / "uploads")
+    assert list((tmp_path / "uploads").iterdir()) == []

@@ -109,6 +109,9 @@ def unpack_images(zip_path: Path, folder: Path) -> Path:
             _unpack(zip_path, tmp)
             _class_root(tmp)  # before the rename: a zip without class folders leaves nothing behind
             os.replace(tmp, target)
+        except OSError as e:  # the disk filled up meanwhile, say: refused like any zip, and nothing is left
+            raise DataError(f"The zip could not be unpacked ({e.strerror or type(e).__name__}): free space on the "
+                            "server's disk, or upload a smaller set.") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return _class_root(target)
