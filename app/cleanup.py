@@ -41,6 +41,19 @@ def disk_problem(runs_dir: Path, min_free_gb: float, free: Callable[[Path], int]
             f"{min_free_gb:g} GB is needed to start a run; delete old runs, or free space on that disk.")
 
 
+def room_problem(runs_dir: Path, size: int, min_free_gb: float, free: Callable[[Path], int] | None = None
+                 ) -> str | None:
+    """Why `size` more bytes must not be written under `runs_dir` (a zip's images): they would leave less than the
+    `min_free_gb` a run needs free on its disk; None when they fit."""
+    disk = next((p for p in (Path(runs_dir), *Path(runs_dir).resolve().parents) if p.exists()), Path("."))
+    available = (free or free_bytes)(disk)  # the runs folder may not exist yet: its disk is its parent's
+    if available - size >= min_free_gb * 1e9:
+        return None
+    return (f"The zip's images unpack to {size / 1e9:,.2f} GB, and the disk of the runs folder ({Path(runs_dir).name}) "
+            f"has {available / 1e9:,.1f} GB free, of which {min_free_gb:g} GB is kept for runs: upload a smaller set, "
+            "or free space on that disk.")
+
+
 def _age_s(path: Path, now: float) -> float:
     """Seconds since anything a run writes last changed in folder `path` (or since file `path` changed)."""
     stamps = [path.stat().st_mtime]
@@ -125,9 +138,10 @@ def tidy(runs_dir: Path, keep_days: float | None, *, keep: Path | None = None, g
     return deleted
 
 
-def upload_quota_problem(runs_dir: Path, folder: Path, new: Path, quota: str | None) -> str | None:
+def upload_quota_problem(runs_dir: Path, folder: Path, new: Path, quota: str | None,
+                         unpacked: int | None = None) -> str | None:
     """Make room in `folder` (one user's uploads: files, and image folders unpacked from zips, app/train/images.py)
-    for the file `new` under `quota` (a size such as "1gb"): delete
+    for the file `new` (or the `unpacked` bytes of a zip's images) under `quota` (a size such as "1gb"): delete
     that user's oldest uploads that no kept run's config names; why `new` cannot be kept when that is not enough
     (None when it fits, or there is no quota)."""
     from app.limits import size_bytes
@@ -135,7 +149,7 @@ def upload_quota_problem(runs_dir: Path, folder: Path, new: Path, quota: str | N
     limit = size_bytes(quota)
     if limit is None:
         return None
-    size = new.stat().st_size if new.is_file() else 0
+    size = unpacked if unpacked is not None else new.stat().st_size if new.is_file() else 0
     kept = sorted((p for p in folder.iterdir() if (p.is_file() or p.is_dir()) and not p.name.startswith(".")),
                   key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
     used = sum(_size(p) for p in kept)
@@ -150,7 +164,8 @@ def upload_quota_problem(runs_dir: Path, folder: Path, new: Path, quota: str | N
                 _remove(old)
     if used + size <= limit:
         return None
-    return (f"This upload ({size / 1e6:,.1f} MB) does not fit in your upload quota of {quota}: your runs use "
+    how = " unpacked" if unpacked is not None else ""
+    return (f"This upload ({size / 1e6:,.1f} MB{how}) does not fit in your upload quota of {quota}: your runs use "
             f"{used / 1e6:,.1f} MB of uploads; upload a smaller file, or wait until old runs are cleaned up.")
 
 

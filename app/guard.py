@@ -10,7 +10,11 @@ is known).
   the upload quota within the time Gradio's copies are kept (`cleanup.GRADIO_KEEP_S`). The paths Gradio answers an
   upload with are remembered for the user who posted it (`UploadedFiles`).
 - Events: a request that runs an event names files only by the paths of the caller's own uploads; a file object
-  with any other path (a URL, a file of the server's, someone else's upload) is refused before Gradio reads it.
+  in any other shape (a URL, a `data:` URL Gradio would decode and write to its cache, no path, a file of the
+  server's, someone else's upload) is refused before Gradio reads it. On a shared server a visitor who may not
+  train sends no file data at all (nor a `data:` text): the answer is the sign-in refusal, before Gradio decodes,
+  parses or writes anything of it. Gradio's recording route (a video it writes and converts) is closed: no input of
+  the page records.
 - Sign-in (`Throttle`), keyed on what a client cannot choose: the account Gradio checks (a form that names two is
   refused) and the address of the connection (a forwarded address only from `FINETUNE_TRUSTED_PROXIES`). One
   account guessed from one address waits after a few failures; an account guessed from many addresses makes every
@@ -263,18 +267,32 @@ def _replay(chunks: list[dict[str, Any]], receive: Receive) -> Receive:
     return replayed
 
 
-def file_paths(value: Any) -> Iterator[str]:
-    """Every path a request's JSON names as a file (a mapping with a `path` text, as Gradio reads file data),
-    walked without recursion."""
+def _is_file_data(item: dict[str, Any]) -> bool:
+    """Whether Gradio would read a mapping as a file: one with a `path` or a `url` (an image's may come as a `data:`
+    URL alone, which Gradio decodes), or marked as file data."""
+    meta = item.get("meta")
+    return "path" in item or "url" in item or (isinstance(meta, dict) and meta.get("_type") == "gradio.FileData")
+
+
+def file_data(value: Any) -> Iterator[Any]:
+    """Every file a request's JSON sends, in any shape: each mapping Gradio would read as a file (`_is_file_data`),
+    and each `data:` text (a file's bytes written inline), walked without recursion."""
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
-            if isinstance(item.get("path"), str):
-                yield item["path"]
+            if _is_file_data(item):
+                yield item
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
+        elif isinstance(item, str) and item[:5].lower() == "data:":
+            yield item
+
+
+def _inline(item: dict[str, Any]) -> bool:
+    """Whether a file object carries its bytes as a `data:` URL (Gradio decodes it and writes it to its cache)."""
+    return isinstance(item.get("url"), str) and item["url"][:5].lower() == "data:"
 
 
 class Guard:
@@ -304,6 +322,8 @@ class Guard:
             path = scope.get("path", "").rstrip("/")
             if path.endswith("/upload"):
                 return await self._upload(scope, receive, send)
+            if path.endswith("/process_recording"):  # no input of the page records: nothing for Gradio to write
+                return await _answer(send, 404, "Not found.")
             if path.endswith("/login") and self.access.mode == "password":
                 return await self._login(scope, receive, send)
             if "/gradio_api/" in path + "/" and any(r in path + "/" for r in EVENT_ROUTES):
@@ -352,8 +372,14 @@ class Guard:
             payload = json.loads(raw) if raw.strip() else None
         except (ValueError, RecursionError):
             payload = None  # Gradio answers a body it cannot read itself
-        user = self._user(scope) or ""
-        if any(not self.uploads.owns(user, p) for p in file_paths(payload)):
+        user = self._user(scope)
+        files = list(file_data(payload))
+        if files and self.access.shared and not self.access.may_run(user):
+            # Gradio prepares an event's inputs (decodes an image, writes it to its cache) before the app's door
+            # asks who is calling: a visitor's file data goes no further than here.
+            return await _answer(send, 401, self.access.refusal(user))
+        if any(isinstance(f, dict) and (_inline(f) or not isinstance(f.get("path"), str)
+                                        or not self.uploads.owns(user or "", f["path"])) for f in files):
             return await _answer(send, 403, NOT_YOUR_FILE)
         await self.app(scope, _replay(chunks, receive), send)
 

@@ -236,11 +236,12 @@ def test_a_file_input_takes_only_the_callers_own_uploads_never_a_url_or_a_server
 
             link = f"http://127.0.0.1:{server.server_address[1]}/data.csv"
             alice, bob = (_session_cookie(secret, name) for name in ("alice", "bob"))
-            for who in (None, alice):  # the anonymous visitor, and a user allowed to train
+            for who in (None, alice):  # the anonymous visitor (asked to sign in), and a user allowed to train
                 for path in (link, "/etc/hostname", str(tmp_path / "runs" / "current.json")):
                     start = time.perf_counter()
                     status, text = _join(url, dependency["id"], [file(path), *[None] * (inputs - 1)], who)
-                    assert status == 403 and NOT_YOUR_FILE in text and time.perf_counter() - start < 2
+                    said = NOT_YOUR_FILE if who else "Sign in with Hugging Face to train."
+                    assert status == (403 if who else 401) and said in text and time.perf_counter() - start < 2
             assert _Recorder.fetched == []
             # alice's own upload passes the door (and goes on to her handler); bob may not name it.
             body, headers = _multipart("train.csv", b"text,label\n" + b"a,b\n" * 10)

@@ -84,6 +84,37 @@ def test_a_csv_of_relative_paths_trains_and_a_path_outside_its_folder_is_refused
         _load(tiny_vit, escaping)
 
 
+def test_image_paths_of_a_json_lines_file_as_mappings_stay_inside_its_folder(tmp_path, tiny_vit):
+    """`{"image": {"path": ...}}` rows (issue 41): relative to the data file and inside its folder, as a path column's;
+    another user's upload or a file of the server's is refused, where before training read it."""
+    data = tmp_path / "data"
+    shutil.copytree(DIGITS, data / "images")
+    rows = [{"image": {"path": f"images/{p.parent.name}/{p.name}"}, "label": p.parent.name}
+            for p in sorted((data / "images").rglob("*.png"))]
+    (data / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, train, _, names = _load(tiny_vit, str(data / "rows.jsonl"))
+    assert len(train) == 40 and Path(train.table.column("image_path")[0].as_py()).is_relative_to(data.resolve())
+    elsewhere = tmp_path / "someone-else.png"
+    shutil.copy(DIGITS / "3" / "3_1.png", elsewhere)
+    (data / "escape.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows[:5], {
+        "image": {"path": str(elsewhere)}, "label": "3"}]))
+    with pytest.raises(DataError, match="points outside the data file's folder"):
+        _load(tiny_vit, str(data / "escape.jsonl"))
+
+
+def test_an_image_over_the_pixel_bound_is_refused_from_its_header(tmp_path):
+    from PIL import Image
+
+    from finetune.kinds.image_classification import MAX_IMAGE_PIXELS, check_image, open_image
+
+    wide = tmp_path / "wide.png"
+    Image.new("1", (MAX_IMAGE_PIXELS // 1000 + 1, 1000)).save(wide)  # just over the bound
+    for read in (check_image, open_image):
+        with pytest.raises(DataError, match=f"{str(wide)!r} has more than {MAX_IMAGE_PIXELS:,} pixels: scale it"):
+            read(str(wide), None)
+    check_image(str(DIGITS / "3" / "3_1.png"), None)
+
+
 def test_a_file_that_is_not_an_image_exits_2_in_one_sentence_naming_it(tmp_path, capsys, tiny_vit):
     folder = tmp_path / "digits"
     shutil.copytree(DIGITS, folder)

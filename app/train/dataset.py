@@ -147,19 +147,29 @@ class DatasetHandlers:
         if refusal:
             return UploadShown(data=self.refresh_dataset("", "", split, task, *columns, request=request))
         folder = self.state.access.uploads(self.state.runs_dir, user)
-        quota = self.state.limits.upload_quota
-        if over := cleanup.upload_quota_problem(self.state.runs_dir, folder, Path(uploaded), quota):
+        quota, runs_dir = self.state.limits.upload_quota, self.state.runs_dir
+        zipped = Path(uploaded).suffix.lower() == ".zip"  # an image folder, unpacked beside the user's other uploads
+        try:
+            # A zip's images are counted by the unpacked bytes its directory declares, checked before a byte of
+            # them is written (a 2 MB zip held a 1.9 GiB image).
+            unpacked = images.unpacked_size(Path(uploaded)) if zipped else None
+            over = cleanup.upload_quota_problem(runs_dir, folder, Path(uploaded), quota, unpacked)
+            if over is None and unpacked is not None:
+                over = cleanup.room_problem(runs_dir, unpacked, self.state.limits.min_free_gb)
+        except DataError as e:
+            over = str(e)
+        if over:
             Path(uploaded).unlink(missing_ok=True)  # Gradio's copy: refused, so not kept either
             return UploadShown(data=DatasetShown(preview=gr.skip(), columns={}, labels="", error=f"⚠️ {over}"))
         kept = preview.keep_upload(uploaded, folder)
-        if kept.suffix == ".zip":  # an image folder, unpacked beside the user's other uploads
+        if zipped:
             try:
-                unpacked = images.unpack_images(kept, folder)
+                unpacked_folder = images.unpack_images(kept, folder)
             except DataError as e:
                 kept.unlink(missing_ok=True)
                 return UploadShown(data=DatasetShown(preview=gr.skip(), columns={}, labels="", error=f"⚠️ {e}"))
             kept.unlink(missing_ok=True)  # the images are kept, not their zip
-            kept = unpacked
+            kept = unpacked_folder
         source = display_path(kept)
         data = self.refresh_dataset(source, "", split, task, *columns, request=request)
         fraction = FIELDS["eval_fraction"].default

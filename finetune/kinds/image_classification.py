@@ -62,34 +62,58 @@ def load_processor(path: str, trust_remote_code: bool = False) -> ImageInputs:
                          "folder with a preprocessor_config.json (image_processor.save_pretrained).") from None
 
 
+# The most pixels an image may have (its size read from its header before any pixel is decoded): a photo of 60
+# megapixels passes; a 20 KB PNG of 13,000² px, which decodes to 1.7 GB, does not. Pillow's own check (it refuses
+# twice its limit) is set to it too, for images opened by code other than ours.
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
 def _where(path: str | None) -> str:
     return repr(path) if path else "an image given as bytes"
 
 
-def open_image(path: str | None, data: bytes | None) -> Any:
-    """The image at `path` (or in `data`), decoded to RGB; a `DataError` naming the file that is not an image."""
-    from PIL import Image, UnidentifiedImageError
+def pillow() -> Any:
+    """PIL's `Image` module, its decompression-bomb limit set to `MAX_IMAGE_PIXELS`."""
+    from PIL import Image
 
+    Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+    return Image
+
+
+def opened(path: str | None, data: bytes | None, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
+    """The image at `path` (or in `data`) opened, its header read and no pixel decoded (close it after use); a
+    `DataError` naming the file that is not an image, or whose size is over `max_pixels`."""
+    image_module = pillow()
+    too_large = f"Image file {_where(path)} has more than {max_pixels:,} pixels: scale it down."
     try:
-        with Image.open(io.BytesIO(data) if data is not None else path) as image:
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        image = image_module.open(io.BytesIO(data) if data is not None else path)
+    except image_module.DecompressionBombError:  # Pillow's own check: twice its limit
+        raise DataError(too_large) from None
+    except (image_module.UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
         raise DataError(f"Image file {_where(path)} is not a readable image ({reason}): replace or remove it.") \
             from None
+    if image.width * image.height > max_pixels:
+        image.close()
+        raise DataError(too_large)
+    return image
+
+
+def open_image(path: str | None, data: bytes | None) -> Any:
+    """The image at `path` (or in `data`), decoded to RGB once its header says it has at most `MAX_IMAGE_PIXELS`; a
+    `DataError` naming the file that is not an image or is too large."""
+    with opened(path, data) as image:
+        try:
+            return image.convert("RGB")
+        except (OSError, ValueError, SyntaxError) as e:  # a header that reads, pixels that do not
+            reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            raise DataError(f"Image file {_where(path)} is not a readable image ({reason}): replace or remove it.") \
+                from None
 
 
 def check_image(path: str | None, data: bytes | None) -> None:
-    """A `DataError` naming the file whose header is not an image's (read without decoding its pixels)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data) if data is not None else path):
-            pass
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        raise DataError(f"Image file {_where(path)} is not a readable image ({reason}): replace or remove it.") \
-            from None
+    """A `DataError` naming the file whose header is not an image's, or says it is too large (no pixel decoded)."""
+    opened(path, data).close()
 
 
 def inside(root: str, value: str) -> str:
@@ -100,6 +124,42 @@ def inside(root: str, value: str) -> str:
         raise DataError(f"Image path {value!r} points outside the data file's folder ({str(base)!r}): image paths "
                         "are relative to the file and stay inside its folder.")
     return str(path)
+
+
+def _download_folders() -> tuple[str, ...]:
+    """Where `datasets` keeps a hub dataset's downloaded files (the only folders a hub dataset's image paths name)."""
+    import datasets
+    from huggingface_hub import constants
+
+    return (str(datasets.config.HF_DATASETS_CACHE), str(constants.HF_HUB_CACHE))
+
+
+def image_source(value: Any, root: str | None) -> tuple[str | None, bytes | None]:
+    """Where an image of a data column is read from, as (path, bytes): an `Image` feature's bytes as they are; any
+    path, written in a data file or an `Image` feature's without bytes (a JSON record's `{"path": ...}`), only
+    inside `root`, the data's own folder, or for a hub dataset (no `root`) the folders its files were downloaded to;
+    a `DataError` for a path elsewhere (another user's upload, a file of the server's)."""
+    if isinstance(value, dict):  # an `Image` feature, as datasets stores it, or a mapping in a JSON record
+        path, data = value.get("path"), value.get("bytes")
+        if data is not None:
+            return path, data  # the path only names it
+        if path is None:
+            raise DataError("An image has neither a path nor bytes: fill or remove that row.")
+        if root:
+            return inside(root, str(path)), None
+        folders = _download_folders()
+        for folder in folders:
+            try:
+                return inside(folder, str(path)), None
+            except DataError:
+                continue
+        raise DataError(f"Image path {str(path)[:80]!r} of a hub dataset points outside the files downloaded for "
+                        "it: a dataset's image paths stay inside its own files.")
+    if root:  # a path written in a data file: relative to it, and inside its folder
+        return inside(root, str(value)), None
+    raise DataError(f"The image column holds paths ({str(value)[:80]!r}) but the data is not a local file they could "
+                    "be relative to: give a CSV/JSON file beside the images, an image folder, or a dataset with an "
+                    "Image feature.")
 
 
 def augmented(image: Any) -> Any:
@@ -207,16 +267,7 @@ class ImageClassification:
         root = (e.options or {}).get("root")
         paths, blobs = [], []
         for value in batch[e.cols["image"]]:
-            if isinstance(value, dict):  # an `Image` feature, as datasets stores it: its path or its bytes
-                path, data = value.get("path"), value.get("bytes")
-                if path is None and data is None:
-                    raise DataError("An image has neither a path nor bytes: fill or remove that row.")
-            elif root:  # a path written in a data file: relative to it, and inside its folder
-                path, data = inside(root, str(value)), None
-            else:
-                raise DataError(f"Image column {e.cols['image']!r} holds paths ({str(value)[:80]!r}) but the data "
-                                "is not a local file they could be relative to: give a CSV/JSON file beside the "
-                                "images, an image folder, or a dataset with an Image feature.")
+            path, data = image_source(value, root)
             check_image(path, data)
             paths.append(path)
             blobs.append(data)
