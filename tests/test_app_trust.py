@@ -1,0 +1,69 @@
+"""The third attack pass (issue #41), the rows about whom the app trusts: a proxy header a client adds to, files
+fetched from a Jobs bucket, the queue's refusals, Stop after a re-attach, two app processes on one runs folder,
+and odd values that once answered a bare "Error". Each row's request replayed, refused or handled with a sentence."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+
+import pytest
+
+from app.access import Access
+from app.guard import FREE_FAILURES, Guard, client_address, forwarded_header, trusted_networks
+
+# --- row 4: the throttle's key behind a trusted proxy
+
+
+def _sign_in(guard: Guard, password: str, headers: list[tuple[bytes, bytes]]) -> int:
+    """POST the login form to `guard` from the proxy 127.0.0.5 with `headers`; the HTTP status."""
+    body = urllib.parse.urlencode({"username": "alice", "password": password}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/login", "client": ("127.0.0.5", 4000),
+             "headers": [(b"content-type", b"application/x-www-form-urlencoded"), *headers]}
+    sent, status = [False], []
+
+    async def receive() -> dict:
+        if sent[0]:
+            return {"type": "http.disconnect"}
+        sent[0] = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+
+    asyncio.run(guard(scope, receive, send))
+    return status[0]
+
+
+def test_a_client_sent_forwarded_header_never_chooses_the_throttles_key():
+    checked: list[str] = []
+
+    async def login(scope, receive, send) -> None:  # Gradio's login route: 200 for the right password
+        form = urllib.parse.parse_qs((await receive())["body"].decode())
+        checked.append(form["password"][0])
+        status = 200 if form["password"] == ["a-secret"] else 400
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    guard = Guard(login, Access("password", accounts=(("alice", "a-secret"),)), trusted="127.0.0.5")
+    # The proxy appends what it saw to X-Forwarded-For; the client adds its own Forwarded: for= each try.
+    answers = [_sign_in(guard, f"guess{i}", [(b"x-forwarded-for", b"198.51.100.7"),
+                                             (b"forwarded", f"for=203.0.113.{i}".encode())]) for i in range(40)]
+    assert len(checked) == FREE_FAILURES and answers[FREE_FAILURES:] == [429] * (40 - FREE_FAILURES)  # was 28
+    assert _sign_in(guard, "a-secret", [(b"x-forwarded-for", b"198.51.100.7"),
+                                        (b"forwarded", b"for=203.0.113.99")]) == 429
+    # Left of the proxy's own entry, in the same header, the client's words choose nothing either.
+    assert _sign_in(guard, "guess", [(b"x-forwarded-for", b"203.0.113.50, 198.51.100.7")]) == 429
+
+
+def test_the_key_is_the_right_most_entry_of_the_one_header_that_is_not_a_trusted_proxy():
+    proxies = trusted_networks("127.0.0.5, 10.0.0.0/8")
+    headers = [(b"x-forwarded-for", b"1.1.1.1, 198.51.100.7"), (b"x-forwarded-for", b"10.0.0.3"),
+               (b"forwarded", b"for=203.0.113.1")]
+    scope = {"client": ("127.0.0.5", 1), "headers": headers}
+    assert client_address(scope, proxies) == "198.51.100.7"  # lines joined in order, a chain of proxies skipped
+    assert client_address(scope, proxies, forwarded_header("Forwarded")) == "203.0.113.1"
+    assert client_address({"client": ("127.0.0.5", 1), "headers": []}, proxies) == "127.0.0.5"
+    with pytest.raises(ValueError, match="FINETUNE_PROXY_HEADER is 'X-Real-IP': name the header"):
+        forwarded_header("X-Real-IP")
