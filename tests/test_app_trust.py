@@ -5,12 +5,22 @@ and odd values that once answered a bare "Error". Each row's request replayed, r
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import shutil
 import urllib.parse
+from pathlib import Path
 
 import pytest
+from test_app_queue import BOB, PASSWORDS, _config, _fake_python, _training
 
 from app.access import Access
+from app.api import ScriptApi
 from app.guard import FREE_FAILURES, Guard, client_address, forwarded_header, trusted_networks
+from app.jobs.training import JobManager
+from app.limits import Limits
+from app.mapping import COLUMN_FIELDS
+from app.tabs import handlers
 
 # --- row 4: the throttle's key behind a trusted proxy
 
@@ -67,3 +77,42 @@ def test_the_key_is_the_right_most_entry_of_the_one_header_that_is_not_a_trusted
     assert client_address({"client": ("127.0.0.5", 1), "headers": []}, proxies) == "127.0.0.5"
     with pytest.raises(ValueError, match="FINETUNE_PROXY_HEADER is 'X-Real-IP': name the header"):
         forwarded_header("X-Real-IP")
+
+
+# --- rows 8 and 10: the queue's refusals write nothing; one runs folder trains one run
+
+
+@pytest.fixture
+def queue(tmp_path, monkeypatch, cls_csv):
+    """test_app_queue's app (two users, a stand-in training child), without a cap on queued runs."""
+    monkeypatch.chdir(tmp_path)
+    jobs = JobManager(Path("runs"), python=_fake_python(tmp_path))
+    ctl = handlers(Path("runs"), jobs, access=PASSWORDS, server_limits=Limits())
+    upload = tmp_path / "gradio-bob" / "cls.csv"
+    upload.parent.mkdir()
+    shutil.copyfile(cls_csv, upload)
+    dataset = ctl.dataset.on_upload(str(upload), "", "train", "classification", *[""] * len(COLUMN_FIELDS),
+                                    request=BOB).dataset
+    yield ctl, ScriptApi(ctl), dataset
+    jobs._closing = True
+    for q in jobs.queue.entries():
+        jobs.cancel(q.run_dir)
+    if jobs.status().active:
+        os.killpg(json.loads((Path("runs") / "current.json").read_text())["pid"], 9)
+
+
+def test_a_start_into_ones_own_queued_run_changes_nothing_on_disk(queue):
+    ctl, api, dataset = queue
+    assert api.start(_config(dataset, "b1"), BOB)["started"]
+    _training(ctl, "runs/bob/b1")
+    assert api.start(_config(dataset, "b2"), BOB)["position"] == 1
+    launch = Path("runs/bob/b2/launch.yaml")
+    before = launch.read_bytes()
+    other = json.dumps({**json.loads(_config(dataset, "b2")), "learning_rate": 0.5, "epochs": 9})
+    for name, config in (("b2", other), ("b1", json.dumps({**json.loads(other), "output_dir": "b1"}))):
+        answer = api.start(config, BOB)
+        assert launch.read_bytes() == before, name  # was rewritten with the new settings, then run with them
+        assert not answer["started"] and not answer["queued"], answer
+        assert answer["message"] == "This run is already training or waiting in the queue: its settings stay as " \
+                                    "they were started.", name
+    assert sorted(p.name for p in Path("runs/bob/b2").iterdir()) == [".finetune-run", "launch.yaml"]

@@ -40,6 +40,7 @@ STOP_TIMEOUT_S = 600.0
 TERMINAL = ("stopped", "done", "error")
 KILLED = "The training process was killed (out of memory?)."
 WATCH_INTERVAL_S = 1.0
+ALREADY = "This run is already training or waiting in the queue: its settings stay as they were started."
 ENDED = "# ended: "  # the launch log's line saying how a session ended, as the app saw it (`ended_as`)
 
 
@@ -224,10 +225,10 @@ class JobManager:
         """Start the run now (0), or while another run is in progress (or others wait) put it at the end of the
         queue: its position then (1: it starts next). `JobBusy` when that run folder is already training or queued."""
         with self._lock, self.queue.locked():
+            if taken := self.taken(run_dir):
+                raise JobBusy(taken)
             queue = self.queue.entries()
             current = self.status()
-            if any(q.run_dir == run_dir for q in queue) or (current.active and current.run_dir == run_dir):
-                raise JobBusy("This run is already training or waiting in the queue.")
             if not current.active and not queue:
                 self.start(config_path, run_dir, overrides, owner)
                 return 0
@@ -235,6 +236,13 @@ class JobManager:
                                              overrides=tuple(overrides or ()), owner=owner, queued_at=time.time())])
         self._advance()  # the run in progress may have ended while this one was queued
         return self.queue.position(run_dir) or 0
+
+    def taken(self, run_dir: Path) -> str:
+        """Why no Start may go into `run_dir` now: it is training or waiting in the queue ("" when it may). Asked
+        before Start writes anything in the folder, and again when the run is submitted."""
+        current, here = self.status(), run_dir.resolve()
+        busy = [q.run_dir for q in self.queue.entries()] + ([current.run_dir] if current.active else [])
+        return ALREADY if any(p.resolve() == here for p in busy) else ""
 
     def cancel(self, run_dir: Path) -> Queued | None:
         """Take `run_dir` off the queue; the entry taken off, or None when it was not queued (it may have started)."""

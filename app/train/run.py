@@ -215,6 +215,9 @@ class RunHandlers:
         run_dir = self._refused(config, user, request, flavor)
         if isinstance(run_dir, Started):
             return run_dir
+        if taken := self.state.jobs.taken(run_dir):
+            # Refused before anything is written: a queued run starts later from its launch.yaml as it was queued.
+            return Started(started=False, message=taken)
         config = from_dict({**changed_options(config), "output_dir": display_path(run_dir)})
         try:
             run_dir = check_run_dir(config)
