@@ -17,7 +17,7 @@ from test_app_queue import BOB, PASSWORDS, _config, _fake_python, _training
 from app.access import Access
 from app.api import ScriptApi
 from app.guard import FREE_FAILURES, Guard, client_address, forwarded_header, trusted_networks
-from app.jobs.training import JobManager
+from app.jobs.training import OTHER_APP, JobBusy, JobManager
 from app.limits import Limits
 from app.mapping import COLUMN_FIELDS
 from app.tabs import handlers
@@ -116,3 +116,23 @@ def test_a_start_into_ones_own_queued_run_changes_nothing_on_disk(queue):
         assert answer["message"] == "This run is already training or waiting in the queue: its settings stay as " \
                                     "they were started.", name
     assert sorted(p.name for p in Path("runs/bob/b2").iterdir()) == [".finetune-run", "launch.yaml"]
+
+
+def test_two_app_processes_on_one_runs_folder_never_train_at_once(queue, tmp_path):
+    ctl, api, dataset = queue
+    # A second app on the same runs folder, started before either trains (its own job manager: nothing shared in
+    # memory, as in another process).
+    other = JobManager(Path("runs"), python=_fake_python(tmp_path))
+    other_api = ScriptApi(handlers(Path("runs"), other, access=PASSWORDS, server_limits=Limits()))
+    try:
+        assert api.start(_config(dataset, "b1"), BOB)["started"]
+        _training(ctl, "runs/bob/b1")
+        answer = other_api.start(_config(dataset, "b2"), BOB)  # was "Started": two training children at once
+        assert not answer["started"] and not answer["queued"]
+        assert answer["message"] == OTHER_APP and not Path("runs/bob/b2").exists()
+        with pytest.raises(JobBusy, match="Another app process on this runs folder is training a run"):
+            other.submit(Path("runs/bob/b1/launch.yaml"), Path("runs/bob/b3"))
+        assert other.queue.entries() == [] and json.loads(Path("runs/current.json").read_text())["run_dir"] == \
+            "runs/bob/b1"
+    finally:
+        other._closing = True
