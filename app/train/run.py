@@ -247,9 +247,12 @@ class RunHandlers:
         status = self.state.jobs.status()
         if refusal or (status.active and not self.state.policy.is_mine(status, user)):
             return f"⚠️ {refusal or 'Only the one who started the run in progress can stop it.'}"
-        if status.state == "stopping":  # this press kills the launcher: cancel its job here, or it would bill on
-            self.state.remote.cancel(status, request)
-        return self.state.jobs.stop()
+        # A run on Jobs whose child cannot be trusted to cancel its job: this press kills the launcher, or the child
+        # is a follower the app re-attached (a Stop while it still starts ended it before it could cancel). The
+        # launcher itself cancels on the first press.
+        follower = status.active and "finetune jobs follow" in status.command
+        cancelled = self.state.remote.cancel(status, request) if status.state == "stopping" or follower else ""
+        return " ".join(filter(None, (self.state.jobs.stop(), cancelled)))
 
     def resume(self, *, request: Any = None) -> str:
         """Continue the stopped run from its checkpoint."""
