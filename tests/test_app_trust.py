@@ -12,12 +12,15 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+import test_app_access
+import yaml
+from test_app_access import ALICE
 from test_app_queue import BOB, PASSWORDS, _config, _fake_python, _training
 
 from app.access import Access
 from app.api import ScriptApi
 from app.guard import FREE_FAILURES, Guard, client_address, forwarded_header, trusted_networks
-from app.jobs.training import OTHER_APP, JobBusy, JobManager
+from app.jobs.training import OTHER_APP, JobBusy, JobManager, JobStatus
 from app.limits import Limits
 from app.mapping import COLUMN_FIELDS
 from app.tabs import handlers
@@ -136,3 +139,78 @@ def test_two_app_processes_on_one_runs_folder_never_train_at_once(queue, tmp_pat
             "runs/bob/b1"
     finally:
         other._closing = True
+
+
+# --- row 6: files fetched from a Jobs bucket are untrusted input
+
+shared = test_app_access.shared  # the fixture: two password accounts, an upload each
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """The stand-in Hub (tests/fakehub.py); this process may reach nothing but it."""
+    from fakehub import fake_hub, loopback_only
+    from huggingface_hub import constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    with loopback_only(), fake_hub() as hub:
+        yield hub
+
+
+def _fetched(hub, run_dir: Path, files: dict[str, bytes]) -> Path:
+    """alice's finished Jobs run, fetched (`finetune.remote.fetch`) from a bucket holding `files`."""
+    from finetune.remote.fetch import fetch
+    from finetune.remote.jobfile import JobHandle, write_handle
+
+    remote = f"run-{run_dir.name}"
+    bucket = hub.jobs.buckets.setdefault("alice/finetune-runs", {"private": True, "files": {}})
+    bucket["files"].update({f"{remote}/{k}": v for k, v in files.items()})
+    run_dir.mkdir(parents=True)
+    handle = JobHandle(run_dir=run_dir, job_id="0" * 23 + "1", namespace="alice", url="https://hf.co/jobs/alice/1",
+                       endpoint=hub.url, flavor="t4-small", gpus=1, image="hf.co/spaces/owner/finetune",
+                       command=("timeout",), timeout_s=1800, stop_after_s=1500, bucket="alice/finetune-runs",
+                       remote_dir=remote, inputs_repo="alice/finetune-inputs", inputs_path=f"{remote}/t",
+                       inputs_revision=None)
+    write_handle(handle)
+    fetch(handle, token="hf_write")
+    (run_dir / "events.jsonl").write_text(json.dumps({"event": "done", "time": 1.0, "metrics": {}}) + "\n")
+    return run_dir
+
+
+def test_a_fetched_run_is_loaded_only_under_its_owners_rights(shared, hub, monkeypatch):
+    ctl, uploads = shared
+    api = ScriptApi(ctl)
+    # bob's finished run, and alice's bucket files that point at it.
+    bobs = Path("runs/bob/bq/model")
+    bobs.mkdir(parents=True)
+    (bobs / "config.json").write_text("{}")
+    adapter = {"base_model_name_or_path": str(bobs), "peft_type": "LORA", "task_type": "SEQ_CLS"}
+    own = {"dataset": uploads["alice"], "model": "prajjwal1/bert-tiny", "task": "classification"}
+    cases = {
+        "bobs-base": (own, "The run's adapter names 'runs/bob/bq/model' as its base model, a folder of this server "
+                           "that is not yours"),
+        "passwd": ({**own, "dataset": "/etc/passwd"}, "The run's config.yaml is refused: `dataset` '/etc/passwd' is "
+                                                      "not one of your uploads"),
+        "remote-code": ({**own, "trust_remote_code": True}, "The run's config.yaml is refused: trust_remote_code is "
+                                                            "disabled on a shared server."),
+    }
+    for name, (config, refusal) in cases.items():
+        base = adapter if name == "bobs-base" else {**adapter, "base_model_name_or_path": "prajjwal1/bert-tiny"}
+        run_dir = _fetched(hub, Path(f"runs/alice/{name}"), {
+            "config.yaml": yaml.safe_dump(config).encode(), "model/adapter_config.json": json.dumps(base).encode(),
+            "model/adapter_model.safetensors": b"not read"})
+        assert yaml.safe_load((run_dir / "config.yaml").read_text())["dataset"] == config["dataset"]  # as fetched
+        done = JobStatus(state="done", run_dir=run_dir, owner="alice")
+        monkeypatch.setattr(ctl.state.jobs, "status", lambda done=done: done)
+        # Before: her /predict loaded bob's model, her merged export wrote his weights (91/91 tensors equal).
+        assert api.predict("a sentence", ALICE)["error"].startswith(f"⚠️ {refusal}"), name
+        exported = api.export("merged", "", False, "", ALICE)
+        assert not exported["started"] and exported["message"].startswith(refusal), name
+        assert api.export("merged", "", False, name, ALICE)["message"].startswith(refusal)
+        assert not (run_dir / "export").exists()
+    # Her own run, with a Hub base model and her upload, passes the same check.
+    fine = _fetched(hub, Path("runs/alice/fine"), {"config.yaml": yaml.safe_dump(own).encode(),
+                                                    "model/adapter_config.json": json.dumps(
+                                                        {**adapter, "base_model_name_or_path": "prajjwal1/bert-tiny"}
+                                                    ).encode()})
+    assert ctl.state.policy.run_refusal(fine, "alice") == ""

@@ -265,6 +265,8 @@ class RunHandlers:
             return "Nothing to resume: only a stopped or failed run can be resumed."
         if not status.resumable:
             return "This run ended before its first checkpoint: start it again instead."
+        if refused := self.state.policy.run_refusal(status.run_dir, user):
+            return f"⚠️ {refused}"
         if refused := self.state.jobs.server_refusal(None):
             return f"⚠️ {refused}"
         try:
