@@ -311,7 +311,11 @@ def resolve_output_dir(typed: str | None, home: Path) -> Path | None:
     if len(typed) > MAX_OUTPUT_DIR_CHARS or any(ord(c) < 32 for c in typed):
         raise AccessError(f"output_dir {summary(typed)} must be a name of at most {MAX_OUTPUT_DIR_CHARS} characters "
                           "without control characters: give a shorter name for the run.")
-    path = Path(typed.strip()).expanduser()
+    try:
+        path = Path(typed.strip()).expanduser()
+    except RuntimeError:  # `~bob/x` of a user this machine does not know
+        raise AccessError(f"output_dir {typed!r} names the home folder of another user, which is outside the app's "
+                          "runs folder: give a name for the run (it goes in your runs folder).") from None
     if ".." in path.parts:
         raise AccessError(f"output_dir {typed!r} may not contain '..': give a name for the run (it goes in your "
                           "runs folder).")

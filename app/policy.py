@@ -142,6 +142,7 @@ class RequestPolicy:
 
         guarded.gate, guarded.handler = gate, handler  # what the event walk of the tests reads
         quiet_choices()
+        quiet_images()
         return event(guarded, inputs, components(targets) if targets else kwargs.pop("outputs"), **kwargs)
 
 
@@ -183,3 +184,23 @@ def quiet_choices() -> None:
 
         preprocess.quiet = True
         cls.preprocess = preprocess
+
+
+def quiet_images() -> None:
+    """Make Gradio's own opening of an image input (gr.Image reads the file's header while it prepares the event's
+    inputs, before any handler) answer an image past Pillow's safety limit with a sentence (`refused`), not its bare
+    "Error" and a traceback in the log. On the class, once for the process, as `quiet_choices`."""
+    if getattr(gr.Image.preprocess, "quiet", False):
+        return
+    loud = gr.Image.preprocess
+
+    def preprocess(self: Any, payload: Any) -> Any:
+        from PIL import Image
+
+        try:
+            return loud(self, payload)
+        except Image.DecompressionBombError:
+            raise refused(limits.image_too_big()) from None
+
+    preprocess.quiet = True
+    gr.Image.preprocess = preprocess

@@ -8,7 +8,9 @@ import asyncio
 import json
 import os
 import shutil
+import struct
 import urllib.parse
+import zlib
 from pathlib import Path
 
 import pytest
@@ -21,9 +23,10 @@ from app.access import Access
 from app.api import ScriptApi
 from app.guard import FREE_FAILURES, Guard, client_address, forwarded_header, trusted_networks
 from app.jobs.training import OTHER_APP, JobBusy, JobManager, JobStatus
-from app.limits import Limits
-from app.mapping import COLUMN_FIELDS
+from app.limits import MAX_TRY_IMAGE_PIXELS, Limits
+from app.mapping import COLUMN_FIELDS, config_to_values, in_form_words, plain_words
 from app.tabs import handlers
+from finetune.config.schema import from_dict
 
 # --- row 4: the throttle's key behind a trusted proxy
 
@@ -214,3 +217,78 @@ def test_a_fetched_run_is_loaded_only_under_its_owners_rights(shared, hub, monke
                                                         {**adapter, "base_model_name_or_path": "prajjwal1/bert-tiny"}
                                                     ).encode()})
     assert ctl.state.policy.run_refusal(fine, "alice") == ""
+
+
+# --- row 11: odd values get a sentence at their field, never a bare "Error" or raw torch text
+
+
+def _png_header(path: Path, width: int, height: int) -> str:
+    """A 1-bit PNG that says it is `width` × `height` pixels (its header is all that is read before decoding)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    return str(path)
+
+
+def test_an_output_dir_in_another_users_home_is_refused_at_its_field(shared):
+    ctl, uploads = shared
+    for typed in ("~bob/x", "~no-such-user-41/x"):
+        answer = ScriptApi(ctl).start(json.dumps({"dataset": uploads["alice"], "output_dir": typed}), ALICE)
+        assert not answer["started"] and "outside the app's runs folder: give a name for the run" in \
+            answer["message"], answer  # was a bare "Error" (RuntimeError: Could not determine home directory)
+        shown = ctl.run.start(*config_to_values(from_dict({"dataset": uploads["alice"], "output_dir": typed})),
+                              request=ALICE)
+        assert shown.fields["output_dir"]["info"] == f"⚠️ {plain_words(answer['message'])}"
+        assert shown.fields["output_dir"]["elem_classes"] == ["ft-invalid"]
+    assert not list(Path("runs").glob("*/x"))
+
+
+def test_a_huge_image_in_try_it_is_refused_with_a_sentence_from_its_header(tmp_path, monkeypatch):
+    import gradio as gr
+    from gradio.data_classes import FileData
+
+    from app.policy import quiet_images
+
+    huge, big = _png_header(tmp_path / "huge.png", 14_000, 14_000), _png_header(tmp_path / "big.png", 9_000, 9_000)
+    # Gradio's image input opens the file's header before any handler: past Pillow's limit, a sentence.
+    quiet_images()
+    with pytest.raises(gr.Error) as refused:
+        gr.Image(type="filepath", image_mode=None).preprocess(FileData(path=huge, orig_name="huge.png"))
+    assert not refused.value.print_exception  # no traceback in the server's log
+    assert refused.value.message == ("The image has more pixels than Pillow reads safely; an image has at most "
+                                     f"{MAX_TRY_IMAGE_PIXELS:,} pixels here: upload a smaller one.")
+    # Below Pillow's limit, Try it reads the size from the header and refuses before decoding 81 M pixels.
+    run = tmp_path / "runs" / "cats"
+    (run / "model").mkdir(parents=True)
+    (run / "config.yaml").write_text("task: image_classification\n")
+    ctl = handlers(tmp_path / "runs", JobManager(tmp_path / "runs"))
+    monkeypatch.setattr(ctl.state.jobs, "status", lambda: JobStatus(state="done", run_dir=run))
+    shown = ctl.tryit.try_it("", None, big, request=None)
+    assert shown.message == ("⚠️ The image is 9,000 × 9,000 pixels; an image has at most "
+                             f"{MAX_TRY_IMAGE_PIXELS:,} pixels here: upload a smaller one.")
+
+
+@pytest.mark.slow  # two planner children (torch's import each)
+def test_plans_that_cannot_be_made_say_why_in_the_projects_words(tmp_path, tiny_gpt2):
+    prompts, pairs = tmp_path / "prompts.jsonl", tmp_path / "pairs.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus {i}?"}) + "\n" for i in range(20)))
+    pairs.write_text("".join(json.dumps({"source": f"say {i}", "target": str(i)}) + "\n" for i in range(20)))
+    ctl = handlers(tmp_path / "runs", JobManager(tmp_path / "runs"))
+    grpo = from_dict({"task": "grpo", "model": tiny_gpt2, "dataset": str(prompts), "rewards": ["length:100"],
+                      "num_generations": 1024, "max_completion_length": 131072, "effective_batch_size": 1024,
+                      "plan_probe": "true"})
+    shown = ctl.plan.plan_for("here", *config_to_values(grpo))
+    # Was torch's "IndexError: index out of range in self" (or "The expanded size of the tensor (131096)…").
+    assert shown.error == "⚠️ " + in_form_words(
+        f"The longest prompt (8 tokens) and max_completion_length (131072) make 131080 positions, but {tiny_gpt2!r} "
+        "learned positions only up to 256: set max_completion_length to at most 248, or use a model with a longer "
+        "context.")
+    assert shown.fields["max_completion_length"]["info"].startswith("⚠️ The longest prompt (8 tokens)")
+    seq2seq = from_dict({"task": "seq2seq", "dataset": str(pairs)})
+    shown = ctl.plan.plan_for("here", *config_to_values(seq2seq))
+    # Was transformers' "Model type should be one of AudioFlamingo3Config, BartConfig, …".
+    assert shown.error == "⚠️ " + in_form_words("Model 'bundled:all-MiniLM-L6-v2' has no seq2seq head in "
+                                                "Transformers: pick a model made for seq2seq (or change `task`).")
+    assert shown.fields["task"]["elem_classes"] == ["ft-invalid"]

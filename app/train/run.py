@@ -155,7 +155,10 @@ class RunHandlers:
         except ConfigError as e:
             return Started(started=False, message=problems_text(e), fields=self.notes.notes(field_problems(e)))
         started = self.start_run(config, request=request, run_on=run_on)
-        return dataclasses.replace(started, fields=self.notes.notes({}))
+        # A refusal that names an option (`output_dir` outside the runs folder, a dataset that is not an upload) is
+        # shown at that field too.
+        refused = {} if started.started or started.queued else field_problems(ConfigError([started.message]))
+        return dataclasses.replace(started, fields=self.notes.notes(refused))
 
     def _refused(self, config: Config, user: str | None, request: Any, flavor: Flavor | None) -> Started | Path:
         """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder."""

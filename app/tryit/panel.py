@@ -211,6 +211,8 @@ class TryItHandlers:
         status = self._loadable(user)
         if try_view(status) != "image":
             raise Unanswered("This run's model reads text, not images: type a text in Try it.")
+        if too_big := limits.image_size_problem(image):
+            raise Unanswered(f"⚠️ {too_big}")
         from finetune.use.predict import predict
 
         out = predict(str(status.run_dir), [str(image)])[0]

@@ -73,7 +73,8 @@ def open_image(path: str | None, data: bytes | None) -> Any:
     try:
         with Image.open(io.BytesIO(data) if data is not None else path) as image:
             return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+    # DecompressionBombError: past twice Pillow's limit of pixels (a 14,000² image), refused from its header
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
         raise DataError(f"Image file {_where(path)} is not a readable image ({reason}): replace or remove it.") \
             from None

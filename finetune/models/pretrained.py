@@ -43,7 +43,7 @@ def load_tokenizer(c: Config) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=c.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ModelError(_load_failure(c.model, e)) from None
+        raise ModelError(load_failure(c.model, e)) from None
     if c.chat_template:  # saved with the tokenizer, so the trained model chats through the same template
         tokenizer.chat_template = read_template(c.chat_template)
     if tokenizer.pad_token is None:
@@ -85,7 +85,7 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
     try:
         model = auto_class(c.task).from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
-        raise ModelError(_load_failure(c.model, e, c.task)) from None
+        raise ModelError(load_failure(c.model, e, c.task)) from None
     if c.quantization in ("8bit", "4bit") and (new := quantize.unquantized_layers(model)):
         # peft's quantized LoRA layers would fail on them with an AttributeError, after the plan
         raise ModelError(f"quantization={c.quantization} cannot quantize {c.model!r} as a {c.task} model: "
@@ -124,7 +124,9 @@ def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bo
     return model
 
 
-def _load_failure(name: str, error: Exception, task: str | None = None) -> str:
+def load_failure(name: str, error: Exception, task: str | None = None) -> str:
+    """Why model `name` cannot be loaded (for `task`), in one sentence, from transformers' error (whose own text
+    lists every configuration class it knows, or points into its code)."""
     text = str(error)
     if "Unrecognized configuration class" in text:
         return (f"Model {name!r} has no {task} head in Transformers: pick a model made for {task} "
