@@ -275,6 +275,35 @@ def test_a_job_is_followed_again_after_the_app_restarted_once_its_owner_has_a_to
     assert not (run_dir / "child-follow.json").exists()
 
 
+def test_stop_after_a_re_attach_cancels_the_job_from_the_app_or_says_it_cannot(space, tmp_path, monkeypatch):
+    from finetune.remote import hfjobs
+
+    ctl, _, upload = space
+    run_dir = Path(ctl.run.start_on("t4-small", *_values(upload), request=ALICE).run_dir)
+    _child(run_dir)
+    handle = _job_json(run_dir)
+    _kill(Path("runs"))  # the app and its launcher go away; a new app process follows the job again
+    _wait_for(lambda: ctl.state.jobs.status().state == "failed")
+    again, _ = _controller(Path("runs"), _fake_python(tmp_path), ctl.state.access)
+    again.follow.poll(None, request=ALICE)
+    _child(run_dir, "follow")
+    cancelled = []
+    monkeypatch.setattr(hfjobs, "cancel", lambda job, token=None: cancelled.append((job.job_id, token)))
+    # The follower is stopped by the signal before it can cancel (as one that still starts is): the app cancels.
+    said = again.run.stop(request=ALICE)
+    assert said.startswith("Stopping after the current optimizer step") and said.endswith(
+        "The job on Hugging Face Jobs is cancelled: its billing stops.")
+    assert cancelled == [(handle.job_id, ALICE_TOKEN)]  # was none: the job ran on to COMPLETED
+
+    def unreachable(job, token=None):
+        raise hfjobs.JobRefused("The Hub refused to cancel job 1 (the token is not valid).")
+
+    monkeypatch.setattr(hfjobs, "cancel", unreachable)
+    assert again.state.remote.cancel(again.state.jobs.status(), ALICE) == (
+        "⚠️ The app could not cancel the job on Hugging Face Jobs (The Hub refused to cancel job 1 (the token is not "
+        "valid)): cancel it on its page, https://hf.co/jobs/alice/1, or it runs on, billed to its account.")
+
+
 # --- the runs folder on a Space
 OVERLAY = "22 1 0:21 / / rw,relatime - overlay overlay rw,lowerdir=/l\n"
 BUCKET = "26 22 0:40 / /data rw,nosuid,nodev - fuse hf-mount rw,user_id=1000\n"

@@ -41,7 +41,14 @@ class InferenceExport:
         self.state, self.pushes = state, pushes
 
     def run_of(self, user: str | None, run: str | None = None) -> Path:
-        """The finished run `user` may export: their current run, or `run` inside their runs folder."""
+        """The finished run `user` may export: their current run, or `run` inside their runs folder, once its files
+        pass the policy (`RequestPolicy.run_refusal`)."""
+        run_dir = self._finished_run(user, run)
+        if refused := self.state.policy.run_refusal(run_dir, user):
+            raise Refused(refused)
+        return run_dir
+
+    def _finished_run(self, user: str | None, run: str | None) -> Path:
         state = self.state
         if not run or not str(run).strip():
             status = state.jobs.status()

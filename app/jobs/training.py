@@ -15,6 +15,8 @@ and after an app restart; any failed or stopped run that has a complete checkpoi
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,10 @@ STOP_TIMEOUT_S = 600.0
 TERMINAL = ("stopped", "done", "error")
 KILLED = "The training process was killed (out of memory?)."
 WATCH_INTERVAL_S = 1.0
+ALREADY = "This run is already training or waiting in the queue: its settings stay as they were started."
 ENDED = "# ended: "  # the launch log's line saying how a session ended, as the app saw it (`ended_as`)
+OTHER_APP = ("Another app process on this runs folder is training a run, and one runs folder trains one run at a "
+             "time: start runs from that app, or stop it first (each app process needs its own --runs-dir).")
 
 
 class JobBusy(RuntimeError):
@@ -199,10 +205,12 @@ class JobManager:
 
     def _launch(self, command: list[str], config_path: Path, run_dir: Path, owner: str | None,
                 env: dict[str, str] | None, launched: float | None = None, reattach: bool = False) -> JobStatus:
-        with self._lock:
+        with self._lock, self._launching():
             current = self.status()
             if current.active:
                 raise JobBusy(_busy_message(current))
+            if elsewhere := self.elsewhere():
+                raise JobBusy(elsewhere)
             if not reattach:  # a re-attach follows the same job on: the launcher that went away did not end it
                 self._record_end(current)
             log_path = run_dir / "launch.log"
@@ -224,10 +232,10 @@ class JobManager:
         """Start the run now (0), or while another run is in progress (or others wait) put it at the end of the
         queue: its position then (1: it starts next). `JobBusy` when that run folder is already training or queued."""
         with self._lock, self.queue.locked():
+            if taken := self.taken(run_dir):
+                raise JobBusy(taken)
             queue = self.queue.entries()
             current = self.status()
-            if any(q.run_dir == run_dir for q in queue) or (current.active and current.run_dir == run_dir):
-                raise JobBusy("This run is already training or waiting in the queue.")
             if not current.active and not queue:
                 self.start(config_path, run_dir, overrides, owner)
                 return 0
@@ -235,6 +243,38 @@ class JobManager:
                                              overrides=tuple(overrides or ()), owner=owner, queued_at=time.time())])
         self._advance()  # the run in progress may have ended while this one was queued
         return self.queue.position(run_dir) or 0
+
+    @contextlib.contextmanager
+    def _launching(self) -> Iterator[None]:
+        """Launches on this runs folder to this thread alone, across app processes too (`training.lock`): the
+        check that no run trains and the write of current.json that says one does are one step. (Taken inside the
+        queue's lock, never around it.)"""
+        with open(self.runs_dir / "training.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def elsewhere(self) -> str:
+        """Why this app process may start no run now: another one on the same runs folder has a run training (its
+        current.json names a live finetune process that is not this one's); "" when none has."""
+        try:
+            pid = int(json.loads(self._current_file().read_text(encoding="utf-8"))["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+        if (self._job is not None and self._job.pid == pid) or not _alive(pid) or not _is_finetune(pid):
+            return ""
+        return OTHER_APP
+
+    def taken(self, run_dir: Path) -> str:
+        """Why no Start may go into `run_dir` now: it is training or waiting in the queue ("" when it may). Asked
+        before Start writes anything in the folder, and again when the run is submitted."""
+        current, here = self.status(), run_dir.resolve()
+        busy = [q.run_dir for q in self.queue.entries()] + ([current.run_dir] if current.active else [])
+        if any(p.resolve() == here for p in busy):
+            return ALREADY
+        return "" if current.active else self.elsewhere()  # a run in progress here queues it; another app's not
 
     def cancel(self, run_dir: Path) -> Queued | None:
         """Take `run_dir` off the queue; the entry taken off, or None when it was not queued (it may have started)."""
@@ -260,6 +300,8 @@ class JobManager:
                 self._adopt()
                 if self.status().active:
                     return
+            if self.elsewhere():  # that app process starts the next run when its run ends
+                return
             queue = self.queue.entries()
             while queue:
                 first = queue.pop(0)

@@ -81,8 +81,9 @@ class PlanHandlers:
             plan = self.make_plan(values_to_config(values), device=device, request=request)
         except ConfigError as e:
             return PlanShown(error=problems_markdown(e), fields=self.notes.notes(field_problems(e)))
-        except Unanswered as e:
-            return PlanShown(error=f"⚠️ {in_form_words(str(e))}", fields=self.notes.notes({}))
+        except Unanswered as e:  # the planner's sentence, at the field it names too (max_completion_length, task)
+            return PlanShown(error=f"⚠️ {in_form_words(str(e))}",
+                             fields=self.notes.notes(field_problems(ConfigError([str(e)]))))
         return PlanShown(text=plan_report.plan_markdown(plan),
                          chart=gr.update(value=plan_report.plan_chart_html(plan), visible=True, elem_classes=[]),
                          fields=self.notes.notes({}))
