@@ -10,6 +10,7 @@ upload.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import shutil
 import stat
@@ -92,6 +93,21 @@ def _unpack(zip_path: Path, tmp: Path) -> None:
                         raise DataError(f"The zip's images unpack to more than {MAX_UNPACKED_BYTES / 1024**3:g} GiB; "
                                         "upload a smaller set.")
                     dst.write(chunk)
+            _check_header(out, "/".join(parts))
+
+
+def _check_header(path: Path, name: str) -> None:
+    """A `DataError` naming member `name` by its path inside the zip when its header is not an image's: found at the
+    upload, not by the run at Start under the server's path (read without decoding its pixels)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path):
+            pass
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        raise DataError(f"The zip's {name[:120]!r} is not a readable image (its contents are not a "
+                        f"{PurePosixPath(name).suffix.lstrip('.').upper() or 'image'} file's): replace or remove it, "
+                        "and zip the folder again.") from None
 
 
 def _class_root(target: Path) -> Path:
@@ -105,9 +121,20 @@ def _class_root(target: Path) -> Path:
     return root
 
 
+def each_class(labels: list[Any], count: int) -> list[int]:
+    """The indices of up to `count` rows, one of each label in turn (in the order the labels first appear): an image
+    folder lists its classes one after another, so its first rows are all of one class."""
+    rows: dict[Any, list[int]] = {}
+    for index, label in enumerate(labels):
+        if len(rows.setdefault(label, [])) < count:
+            rows[label].append(index)
+    turns = itertools.zip_longest(*rows.values())
+    return [index for turn in turns for index in turn if index is not None][:count]
+
+
 def grid(table: Any, image_column: str, label_column: str | None, source: str) -> list[tuple[Any, str]]:
-    """The first images of the data with their labels' names (PIL images: Gradio serves copies, never the user's
-    files); images that cannot be read, or paths outside the data file's folder, are left out."""
+    """Images of the data, from every class in turn, with their labels' names (PIL images: Gradio serves copies,
+    never the user's files); images that cannot be read, or paths outside the data file's folder, are left out."""
     from datasets import ClassLabel
 
     from finetune.kinds.image_classification import inside, open_image
@@ -115,8 +142,9 @@ def grid(table: Any, image_column: str, label_column: str | None, source: str) -
     feature = table.features.get(label_column) if label_column else None
     root = Path(source).expanduser()
     root = root if root.is_dir() else root.parent
+    labels = table.with_format("arrow")[label_column].to_pylist() if label_column else [None] * len(table)
     shown = []
-    for row in table.select(range(min(GRID_IMAGES, len(table)))).with_format("arrow")[:].to_pylist():
+    for row in table.select(each_class(labels, GRID_IMAGES)).with_format("arrow")[:].to_pylist():
         value, label = row.get(image_column), row.get(label_column) if label_column else None
         try:
             if isinstance(value, dict):
