@@ -124,6 +124,7 @@ def test_a_refused_export_says_the_clis_sentence(alices_run, tmp_path):
     assert exporter.start("gguf", "q8_0", True)["started"]
     shown = _wait(exporter, None)
     assert shown["state"] == "failed"
-    assert shown["message"].startswith("GGUF is for models that generate text, and this run trained a "
-                                       "classification model: export it with --format merged")
+    # In the Export block's words (issue 42): the kind's label, not its id; the Format choice, not a CLI flag.
+    assert shown["message"] == ("GGUF is for models that generate text, and this run trained a text classification "
+                                "model: export it with **Format** merged (a transformers folder) instead.")
     assert not (run / "export").exists()

@@ -180,7 +180,7 @@ def test_refusals_come_in_one_sentence_before_any_work(chat_run, tmp_path, tiny_
         prepare(str(chat_run / "model"), out=str(out))
     cls_run = tmp_path / "cls"
     run_train(cls_run, model=tiny_bert, dataset=cls_csv, max_steps=1, effective_batch_size=8)
-    with pytest.raises(ExportError, match="trained a classification model: export it with --format merged"):
+    with pytest.raises(ExportError, match="trained a text classification model: export it with --format merged"):
         prepare(str(cls_run), fmt="gguf", out=str(out))
     assert prepare(str(cls_run), out=str(out)).format == "merged"  # a classifier still merges
     monkeypatch.setattr(export_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 1000))

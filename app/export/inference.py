@@ -12,6 +12,7 @@ server's run-time limit, else `app.jobs.export.EXPORT_LIMIT_S`.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -118,6 +119,7 @@ class InferenceExport:
             return _shown("failed", child.run_dir, message="The export took longer than this server allows and was "
                           "stopped.")
         error = next((line.removeprefix("error: ") for line in reversed(lines) if line.startswith("error: ")), None)
+        error = error and in_page_words(error)
         return _shown("failed", child.run_dir, message=error or "The export failed: " + (
             " ".join(lines[-3:])[-400:] if lines else f"exit code {rc}."))
 
@@ -155,6 +157,11 @@ class InferenceExport:
     def push_run(self, repo: str, private: bool, *, request: Any = None) -> PushOutcome:
         """Push the caller's finished run's export (see `app.export.publish.push_finished_run`)."""
         return self.pushes.push_run(repo, private, request=request, export=True)
+
+
+def in_page_words(text: str) -> str:
+    """`finetune export`'s sentence in the Export block's words: its `--format merged` is the Format choice."""
+    return re.sub(r"--format (merged|gguf)\b", r"**Format** \1", text)
 
 
 def _record(run_dir: Path) -> dict[str, Any] | None:
