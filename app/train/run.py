@@ -157,6 +157,24 @@ class RunHandlers:
         started = self.start_run(config, request=request, run_on=run_on)
         return dataclasses.replace(started, fields=self.notes.notes({}))
 
+    def run_on_note(self, run_on: str, *, request: Any = None) -> str:
+        """What picking `run_on` means, said when it is picked rather than at Start: for a Hugging Face Jobs flavor,
+        why this user cannot start a job here (offline, no token, …), or that Plan plans for its GPU."""
+        try:
+            flavor = flavor_of(run_on)
+            if flavor is None:
+                return ""
+            user, refusal = self.state.policy.who(request)
+            if refusal:
+                raise AccessError(refusal)
+            self.state.remote.prepare(flavor, user, request)
+        except ConfigError as e:
+            return f"⚠️ {problems_text(e)}"
+        except AccessError as e:
+            return f"⚠️ {e}"
+        return (f"Runs on Hugging Face Jobs' {flavor.describe()}, billed to your account: Plan and Start plan for "
+                f"one of its GPUs ({flavor.budget_gib:g} GiB).")
+
     def _refused(self, config: Config, user: str | None, request: Any, flavor: Flavor | None) -> Started | Path:
         """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder."""
         state = self.state
