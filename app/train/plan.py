@@ -11,6 +11,7 @@ import gradio as gr
 
 from app import limits
 from app.access import AccessError
+from app.hubcheck import hub_problem
 from app.mapping import changed_options, config_yaml, field_problems, in_form_words, problems_markdown, values_to_config
 from app.remote.choice import LOCAL, flavor_of
 from app.results import Unanswered, hidden
@@ -64,6 +65,8 @@ class PlanHandlers:
             raise Unanswered(str(e)) from None
         if over := limits.check(config, self.state.limits):
             raise Unanswered(" ".join(over))
+        if unreachable := hub_problem(config.model):  # at once, not after the planner's minute of retries
+            raise Unanswered(unreachable)
         device = device if device in PLAN_DEVICES else "here"
         return self.state.jobs.plan(config, (*_plan_key(config, user), device), device)
 
@@ -97,12 +100,14 @@ class PlanHandlers:
                          fields=self.notes.notes({}))
 
     def model_fit(self, *values: Any, request: Any = None) -> str:
-        """After a model is picked: a warning when it cannot fit the budget even with a 4-bit base, with the
-        smallest budget that works (the planner's refusal); "" when it fits or cannot be told."""
+        """After a model is picked: a warning when it is on a Hub out of reach, or cannot fit the budget even with a
+        4-bit base, with the smallest budget that works (the planner's refusal); "" when it fits or cannot be told."""
         try:
             config = values_to_config(values)
         except ConfigError:
             return ""  # the form's own problems are shown by Plan and Start
+        if unreachable := hub_problem(config.model):  # said when the preset is picked (was 62 s of nothing)
+            return f"⚠️ {unreachable}"
         if config.memory_budget_gb is None or config.tasks:
             return ""
         try:

@@ -13,6 +13,7 @@ from typing import Any
 import gradio as gr
 
 from app.access import AccessError, new_run_name, resolve_output_dir
+from app.hubcheck import hub_problem
 from app.jobs.planner import PLANNER_SLOW
 from app.jobs.training import JobBusy, JobStatus
 from app.mapping import (
@@ -190,6 +191,8 @@ class RunHandlers:
             return Started(started=False, message=refused)
         if problem := data_problem(config):
             return Started(started=False, message=problem, data_error=problem)
+        if unreachable := hub_problem(config.model):  # the run would retry the Hub for a minute, then fail
+            return Started(started=False, message=unreachable)
         if flavor is not None:
             # A job's budget is one of the flavor's GPUs (the launcher plans for it again before it sends anything).
             from finetune.remote.preflight import job_config
