@@ -28,7 +28,7 @@ from typing import Any
 from finetune.config.schema import read_yaml
 from finetune.data.chat import end_of_turn_ids, turns_of
 from finetune.errors import ConfigError, InputError, ModelError
-from finetune.kinds.registry import ENTRIES, entry
+from finetune.kinds.registry import ENTRIES, a_model, entry
 from finetune.models import quantize
 from finetune.models.heads import TASKS_FILE
 from finetune.models.pretrained import (
@@ -134,7 +134,7 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
                                                                                             "refusals", {})), None)
         raise ExportError(f"GGUF cannot be written for this run: {reason}; export it with --format merged (a "
                           "transformers folder) instead." if reason else
-                          f"GGUF is for models that generate text, and this run trained {_a_model(kind)}: export "
+                          f"GGUF is for models that generate text, and this run trained {a_model(kind)}: export "
                           "it with --format merged (a transformers folder) instead.")
     out_dir = Path(out).expanduser() if out else run_dir / EXPORT_DIR
     if out_dir.exists() and not out_dir.is_dir():
@@ -202,12 +202,6 @@ def export(target: str, *, fmt: str = "merged", quant: str | None = None, out: s
     EventLog(plan.run_dir / "events.jsonl").emit(Exported(format=plan.format, quant=plan.quant,
                                                           path=str(gguf or merged), seconds=seconds, check=report))
     return result
-
-
-def _a_model(kind: str) -> str:
-    """"an image classification model": a kind by its summary, not its id."""
-    what = ENTRIES[kind].summary.split(" (")[0] if kind in ENTRIES else kind
-    return f"{'an' if what[:1].lower() in 'aeiou' else 'a'} {what} model"
 
 
 def generates_text(kind: str) -> bool:
