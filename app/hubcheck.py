@@ -8,9 +8,11 @@ HEAD request to the Hub, without retries and bounded by `PROBE_S`, tells the pag
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from app.mapping import loads_offline
@@ -67,5 +69,9 @@ def _head(url: str) -> str | None:
         reason = getattr(e, "reason", None) or e
         if isinstance(reason, TimeoutError):
             return f"no answer within {PROBE_S:g} s"
+        if isinstance(reason, socket.gaierror):  # "[Errno -2] Name or service not known", in words
+            return f"the name {urllib.parse.urlsplit(url).hostname} does not resolve"
+        if isinstance(reason, ConnectionRefusedError):
+            return "the connection was refused"
         return str(reason).strip()[:120] or type(e).__name__
     return None

@@ -64,7 +64,8 @@ def test_an_unknown_host_or_a_hub_switched_off_is_said_too_and_local_models_are_
     monkeypatch.setattr(hubcheck, "_answers", {})
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://no-such-host.invalid")
-    assert "which this machine cannot reach (" in hubcheck.hub_problem(MODEL)
+    assert "which this machine cannot reach (the name no-such-host.invalid does not resolve)" in \
+        hubcheck.hub_problem(MODEL)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert hubcheck.hub_problem(MODEL) == (
         f"Model {MODEL!r} is on the Hugging Face Hub, which is switched off here (HF_HUB_OFFLINE): pick a model that "
