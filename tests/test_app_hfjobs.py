@@ -423,3 +423,33 @@ def test_stop_cancels_the_signed_in_users_job_which_ran_with_their_token_only(tm
     for path in run_dir.rglob("*"):
         if path.is_file():
             assert user_token.encode() not in path.read_bytes() and OWNER_SECRET.encode() not in path.read_bytes()
+
+
+def test_plan_follows_run_on_and_a_flavor_says_what_it_lacks_when_it_is_picked(tmp_path, monkeypatch, cls_csv):
+    """Issue 42 row 5. Before: Plan planned for this machine's RAM ("3 % of the 23.50 GiB budget") with a Jobs
+    flavor under Run on, and offline or no token was said only at Start."""
+    monkeypatch.chdir(tmp_path)
+    for key in ("HF_TOKEN", "FINETUNE_JOBS_IMAGE", "SPACE_ID", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "no-stored-token"))
+    runs = Path("runs")
+    ctl, plans = _controller(runs, _fake_python(tmp_path), Access())
+    values = _values(cls_csv)
+    shown = ctl.plan.plan_for("here", "a10g-large", *values)
+    assert shown.error == "" and plans == [(22.35, "cuda")]  # one A10G's memory, planned as a CUDA GPU
+    assert shown.text.startswith("Planned for one GPU of Hugging Face Jobs' a10g-large: 1 × A10G (24 GB), $1.50/h "
+                                 "(22.35 GiB), the Run on choice.")
+    ctl.plan.plan_for("here", LOCAL, *values)
+    assert plans[-1] == (None, "here")  # this machine: as the Plan for choice says
+    ctl.plan.plan_for("here", "a10g-large", *_values(cls_csv, memory_budget_gb=8))
+    assert plans[-1] == (8, "cuda")  # a smaller budget of the user's is kept, as Start keeps it
+    # What the flavor lacks here is said when it is picked, not at Start.
+    assert ctl.run.run_on_note("t4-small") == f"⚠️ {remote.NO_LOCAL_TOKEN}"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert ctl.run.run_on_note("t4-small") == f"⚠️ {remote.OFFLINE}"
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_TOKEN", "hf_mine")
+    monkeypatch.setenv("FINETUNE_JOBS_IMAGE", "hf.co/spaces/me/finetune")
+    assert ctl.run.run_on_note("t4-small").startswith("Runs on Hugging Face Jobs' t4-small: 1 × T4")
+    assert ctl.run.run_on_note(LOCAL) == ""
+    assert ctl.run.run_on_note("no-such-flavor").startswith("⚠️ ")

@@ -13,6 +13,7 @@ from typing import Any
 import gradio as gr
 
 from app.access import AccessError, new_run_name, resolve_output_dir
+from app.hubcheck import hub_problem
 from app.jobs.planner import PLANNER_SLOW
 from app.jobs.training import JobBusy, JobStatus
 from app.mapping import (
@@ -160,6 +161,24 @@ class RunHandlers:
         refused = {} if started.started or started.queued else field_problems(ConfigError([started.message]))
         return dataclasses.replace(started, fields=self.notes.notes(refused))
 
+    def run_on_note(self, run_on: str, *, request: Any = None) -> str:
+        """What picking `run_on` means, said when it is picked rather than at Start: for a Hugging Face Jobs flavor,
+        why this user cannot start a job here (offline, no token, …), or that Plan plans for its GPU."""
+        try:
+            flavor = flavor_of(run_on)
+            if flavor is None:
+                return ""
+            user, refusal = self.state.policy.who(request)
+            if refusal:
+                raise AccessError(refusal)
+            self.state.remote.prepare(flavor, user, request)
+        except ConfigError as e:
+            return f"⚠️ {problems_text(e)}"
+        except AccessError as e:
+            return f"⚠️ {e}"
+        return (f"Runs on Hugging Face Jobs' {flavor.describe()}, billed to your account: Plan and Start plan for "
+                f"one of its GPUs ({flavor.budget_gib:g} GiB).")
+
     def _refused(self, config: Config, user: str | None, request: Any, flavor: Flavor | None) -> Started | Path:
         """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder."""
         state = self.state
@@ -175,6 +194,8 @@ class RunHandlers:
             return Started(started=False, message=refused)
         if problem := data_problem(config):
             return Started(started=False, message=problem, data_error=problem)
+        if unreachable := hub_problem(config.model):  # the run would retry the Hub for a minute, then fail
+            return Started(started=False, message=unreachable)
         if flavor is not None:
             # A job's budget is one of the flavor's GPUs (the launcher plans for it again before it sends anything).
             from finetune.remote.preflight import job_config

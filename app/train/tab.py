@@ -139,7 +139,7 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
                   {"text": plan.text, "error": plan.error, "chart": plan.chart, "button": plan.button},
                   show_progress="hidden", js=pressed_js("ft-planning"), **PRIVATE)
     planning.then(None, js=answered_js("ft-planning"))  # refused or not
-    on(planning.success, h.plan.plan_for, [plan.device, *values],
+    on(planning.success, h.plan.plan_for, [plan.device, tab.run.run_on, *values],
        {"text": plan.text, "chart": plan.chart, "error": plan.error, "fields": by_name, "button": plan.button},
        concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, show_progress="hidden", **PRIVATE)
     run = tab.run
@@ -152,6 +152,8 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
     on(checking.success, h.run.start_on, [run.run_on, *values],
        {"note": run.message, "dataset_note": tab.dataset.error, "fields": by_name, "start_button": run.start,
         "panel": panel}, show_progress="hidden", **PRIVATE)
+    on(run.run_on.change, h.run.run_on_note, run.run_on, {}, outputs=run.message, gate="quiet",
+       show_progress="hidden", **PRIVATE)
     on(run.stop.click, h.run.stop, None, {}, outputs=run.message, gate="public", concurrency_limit=None, **PRIVATE)
     on(run.resume.click, h.run.resume, None, {}, outputs=run.message, **PRIVATE)
     on(run.cancel.click, h.run.cancel, None, {}, outputs=run.message, **PRIVATE)
