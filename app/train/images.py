@@ -143,11 +143,16 @@ def _unpack(zip_path: Path, tmp: Path) -> None:
 def _check_header(path: Path, name: str) -> None:
     """A `DataError` naming member `name` by its path inside the zip when its header is not an image's: found at the
     upload, not by the run at Start under the server's path (read without decoding its pixels)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import UnidentifiedImageError
 
+    from finetune.kinds.image_classification import pillow
+
+    image_module = pillow()  # the bomb limit set: an image past twice it raises before anything is decoded
     try:
-        with Image.open(path):
+        with image_module.open(path):
             pass
+    except image_module.DecompressionBombError:
+        return  # an image, if a huge one: training refuses it from its header, the preview leaves it out
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         raise DataError(f"The zip's {name[:120]!r} is not a readable image (its contents are not a "
                         f"{PurePosixPath(name).suffix.lstrip('.').upper() or 'image'} file's): replace or remove it, "
