@@ -22,9 +22,11 @@ from test_app_queue import BOB, PASSWORDS, _config, _fake_python, _training
 from app.access import Access
 from app.api import ScriptApi
 from app.guard import FREE_FAILURES, Guard, client_address, forwarded_header, trusted_networks
-from app.jobs.training import OTHER_APP, JobBusy, JobManager, JobStatus
+from app.jobs.current import OTHER_APP
+from app.jobs.training import JobBusy, JobManager, JobStatus
 from app.limits import MAX_TRY_IMAGE_PIXELS, Limits
 from app.mapping import COLUMN_FIELDS, config_to_values, in_form_words, plain_words
+from app.remote.choice import LOCAL
 from app.tabs import handlers
 from finetune.config.schema import from_dict
 
@@ -279,7 +281,7 @@ def test_plans_that_cannot_be_made_say_why_in_the_projects_words(tmp_path, tiny_
     grpo = from_dict({"task": "grpo", "model": tiny_gpt2, "dataset": str(prompts), "rewards": ["length:100"],
                       "num_generations": 1024, "max_completion_length": 131072, "effective_batch_size": 1024,
                       "plan_probe": "true"})
-    shown = ctl.plan.plan_for("here", *config_to_values(grpo))
+    shown = ctl.plan.plan_for("here", LOCAL, *config_to_values(grpo))
     # Was torch's "IndexError: index out of range in self" (or "The expanded size of the tensor (131096)…").
     assert shown.error == "⚠️ " + in_form_words(
         f"The longest prompt (8 tokens) and max_completion_length (131072) make 131080 positions, but {tiny_gpt2!r} "
@@ -287,7 +289,7 @@ def test_plans_that_cannot_be_made_say_why_in_the_projects_words(tmp_path, tiny_
         "context.")
     assert shown.fields["max_completion_length"]["info"].startswith("⚠️ The longest prompt (8 tokens)")
     seq2seq = from_dict({"task": "seq2seq", "dataset": str(pairs)})
-    shown = ctl.plan.plan_for("here", *config_to_values(seq2seq))
+    shown = ctl.plan.plan_for("here", LOCAL, *config_to_values(seq2seq))
     # Was transformers' "Model type should be one of AudioFlamingo3Config, BartConfig, …".
     assert shown.error == "⚠️ " + in_form_words("Model 'bundled:all-MiniLM-L6-v2' has no seq2seq head in "
                                                 "Transformers: pick a model made for seq2seq (or change `task`).")
