@@ -72,9 +72,9 @@ button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !import
 .ft-runs { overflow: auto; max-height: 360px; border: 1px solid var(--border-color-primary, #e5e7eb);
   border-radius: 6px; }
 .ft-runs:focus-visible { outline: 2px solid #c2410c; outline-offset: 2px; }
-.ft-runs table { border-collapse: collapse; width: 100%; min-width: 760px; font-size: 14px; }
-.ft-runs th, .ft-runs td { padding: 6px 8px; text-align: left; vertical-align: top;
-  border-bottom: 1px solid var(--border-color-primary, #e5e7eb); }
+.ft-runs table { border-collapse: collapse; width: 100%; min-width: 760px; margin: 0 !important; font-size: 14px; }
+.ft-runs th, .ft-runs td { padding: 6px 8px; text-align: left; vertical-align: top; border: 0 !important;
+  border-bottom: 1px solid var(--border-color-primary, #e5e7eb) !important; }
 .ft-runs th { position: sticky; top: 0; background: var(--background-fill-secondary, #f9fafb); white-space: nowrap; }
 .ft-runs .ft-nowrap { white-space: nowrap; }
 /* The selected tab's label: Gradio's orange (#f97316) is 2.8:1 on white, the Start button's 5.2:1. */
@@ -144,7 +144,11 @@ JS = """
     document.querySelector('#tab-train-button')?.click();
     setTimeout(() => document.querySelector('#start-button')?.focus(), 0);
   });
-  const all = () => { name(); roles(); alts(); wait(); };
+  // A read-only code box (CodeMirror: the Reproduce box's YAML) scrolls, but CodeMirror takes its scroller out of
+  // the Tab order: a keyboard could not scroll it (axe-core's scrollable-region-focusable).
+  const scrollers = () => document.querySelectorAll('.cm-scroller:not([tabindex="0"])').forEach(
+    (box) => box.setAttribute('tabindex', '0'));
+  const all = () => { name(); roles(); alts(); wait(); scrollers(); };
   all();
   new MutationObserver(all).observe(document.body, {childList: true, subtree: true});
 }

@@ -87,12 +87,21 @@ def _tab(page, name: str) -> None:
 
 
 def _serious(page) -> list[str]:
-    """axe-core's serious and critical violations on the page as it is now: rule, then the first nodes."""
+    """axe-core's serious and critical violations on the page as it is now: rule, then the first nodes; only those
+    still there a second later (a poll's answer that enables a button as axe runs fades it in over 0.2 s, and axe
+    measured its colours half-way: 1 run in 2 on a loaded machine)."""
     from axe_playwright_python.sync_playwright import Axe
 
-    results = Axe().run(page).response
-    return [f"{v['id']} ({v['impact']}): {[n['target'] for n in v['nodes'][:4]]}" for v in results["violations"]
-            if v.get("impact") in ("serious", "critical")]
+    def found() -> set[str]:
+        results = Axe().run(page).response
+        return {f"{v['id']} ({v['impact']}): {[n['target'] for n in v['nodes'][:4]]}" for v in results["violations"]
+                if v.get("impact") in ("serious", "critical")}
+
+    first = found()
+    if not first:
+        return []
+    page.wait_for_timeout(1_000)
+    return sorted(first & found())
 
 
 def _import(page, config) -> None:

@@ -115,3 +115,24 @@ def test_the_notes_follow_what_they_describe(app, browser, tiny_gpt2):
     expect(note).not_to_contain_text("settings of run")
     expect(page.locator("#repro-command textarea")).to_have_value("finetune train tiny.yaml")
     page.close()
+
+
+def test_axe_finds_nothing_serious_with_a_last_run_at_400_and_1400_px(app, browser):
+    """With a last run the tabs hold more (its config in the Reproduce box, the Runs table): axe-core at both widths."""
+    from test_browser_newuser import TABS, _axe_or_skip, _serious
+
+    _axe_or_skip()
+    from playwright.sync_api import expect
+
+    url, _ = app
+    for width in (400, 1400):
+        page = browser.new_page(viewport={"width": width, "height": 1000})
+        page.goto(url)
+        expect(page.locator("#form-note")).to_contain_text("The form shows the settings of run", timeout=60_000)
+        found = {}
+        for name in TABS:
+            page.get_by_role("tab", name=name, exact=True).click()
+            page.wait_for_timeout(1_000)
+            found[name] = _serious(page)
+        assert found == {name: [] for name in TABS}, width
+        page.close()
