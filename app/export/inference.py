@@ -126,6 +126,9 @@ class InferenceExport:
         """The caller's export: {state (idle, running, done, failed), run_dir, stage, message, check, files}."""
         user, _ = self.state.policy.who(request)
         child = self.state.jobs.exports.child
+        if child is not None and child.proc.poll() is not None and self._newer_run(child.run_dir, child.started,
+                                                                                 user):
+            child = None  # an ended export, then a newer run: the block speaks of that run, not of the export
         if child is None or not self.state.access.owns(user, child.owner):
             try:
                 run_dir = self.run_of(user)
@@ -150,6 +153,16 @@ class InferenceExport:
         error = error and in_page_words(error)
         return _shown("failed", child.run_dir, message=error or "The export failed: " + (
             " ".join(lines[-3:])[-400:] if lines else f"exit code {rc}."))
+
+    def _newer_run(self, run_dir: Path, since: float, user: str | None) -> bool:
+        """Whether `user` started another run than `run_dir` after `since` (its config written then)."""
+        status = self.state.jobs.status()
+        if status.run_dir is None or status.config_path is None or not self.state.policy.is_mine(status, user):
+            return False
+        try:
+            return status.run_dir.resolve() != run_dir.resolve() and status.config_path.stat().st_mtime > since
+        except OSError:
+            return False
 
     def files(self, shown: dict[str, Any]) -> list[str]:
         """The export's files as the download box may hand them out (the merged folder as one zip)."""

@@ -392,6 +392,11 @@ class JobManager:
         if job.killed:
             return "stopped", "The run was killed; Resume continues from its last checkpoint, if it saved one."
         if job.stop_requested_at is not None and rc in (None, 130, -signal.SIGINT):
+            # Stopped while it started: a resumed run keeps the checkpoint an earlier session saved.
+            kept = next(iter(reversed(checkpoints(job.run_dir))), None)
+            if kept is not None:
+                return "stopped", (f"The run was stopped while it started; its checkpoint of step "
+                                   f"{int(kept.name.removeprefix('step-'))} is kept. Resume continues from it.")
             return "stopped", "The run was stopped before it saved a checkpoint."
         # No final event and no signal of ours: something outside the app ended it (an out-of-memory kill, most
         # likely). An adopted run (rc None) that is gone without a final event ended the same way.
