@@ -20,6 +20,7 @@ import pytest
 from app import cleanup, limits
 from app.api import ScriptApi
 from app.downloads import zip_model
+from app.jobs import current
 from app.jobs import training as jobs
 from app.jobs.training import KILLED, JobManager
 from app.mapping import FIELD_NAMES, config_to_values, problems_text
@@ -331,7 +332,7 @@ def _until(manager: JobManager, check, timeout: float = 20):
 def test_current_json_is_written_atomically(tmp_path, monkeypatch, fake_python):
     python, run = fake_python
     written = []
-    monkeypatch.setattr(jobs, "write_json", lambda path, data: written.append(path) or path.write_text(
+    monkeypatch.setattr(current, "write_json", lambda path, data: written.append(path) or path.write_text(
         json.dumps(data)))
     manager = JobManager(tmp_path / "runs", python=python)
     manager.start(tmp_path / "r.yaml", run)
