@@ -1,0 +1,128 @@
+"""Slurm as a backend (`--backend slurm`), against the stand-in of tests/fakeslurm.py: every node a local process,
+so a 2-node job really trains over gloo and must equal one process; Ctrl-C cancels the job; what Slurm would reject
+is refused in one sentence before anything is submitted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT, assert_same_weights, load_weights, run_train, step_losses
+from fakeslurm import install
+
+from finetune.remote.slurm import cluster
+from finetune.run.events import read_events
+
+COMMON = {"optimizer": "sgd", "learning_rate": 0.5, "warmup_ratio": 0.0, "weight_decay": 0.0, "eval_fraction": 0.0,
+          "precision": "fp32", "epochs": 2, "logging_every": 1, "max_grad_norm": 1.0}
+
+
+@pytest.fixture
+def slurm(tmp_path, monkeypatch) -> dict[str, str]:
+    """The stand-in Slurm first on the PATH (of this process and its children); the environment it needs."""
+    env = install(tmp_path / "slurm-bin", tmp_path / "slurm-state")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
+
+
+def _jobs(state_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((state_dir / "jobs").glob("*.json"))]
+
+
+def test_what_slurm_would_reject_is_one_sentence(slurm, tmp_path, tiny_bert, cls_csv, capsys, monkeypatch):
+    from finetune.cli import main
+
+    base = ["train", f"model={tiny_bert}", f"dataset={cls_csv}", f"output_dir={tmp_path / 'run'}", "--backend",
+            "slurm"]
+    cases = [(["--partition", "big"], "Partition 'big' is not on this cluster: choose one of debug, gpu"),
+             (["--nodes", "3"], "Partition 'debug' has 2 node(s): --nodes 3 asks for more."),
+             (["--partition", "gpu", "--gpus-per-node", "9"],
+              "The nodes of partition 'gpu' have 8 GPU(s) each: --gpus-per-node 9 asks for more."),
+             (["--gpus-per-node", "0", "--time", "soon"], "--time 'soon' is not a Slurm time limit")]
+    for extra, sentence in cases:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert sentence in err and err.count("\n") == 1, err
+    assert main([*base[:-2], "--nodes", "2"]) == 2  # a Slurm option without the backend
+    assert "--nodes is an option of --backend slurm" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert main(base) == 2
+    assert "Slurm's sbatch is not on the PATH" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "slurm-state" / "jobs").exists()
+
+
+def test_time_limits_read_as_slurm_writes_them():
+    assert [cluster.time_seconds(t) for t in ("90", "4:00:00", "1-00:00:00", "2-12", "30:15")] == \
+        [5400, 14400, 86400, 216000, 1815]
+    assert cluster.grace_s(14400) == 600 and cluster.grace_s(600) == 60
+
+
+def test_batch_script_launches_one_accelerate_per_node(slurm, tmp_path):
+    checked = cluster.check_request(cluster.Request(nodes=2, gpus_per_node=8, partition="gpu", time="4:00:00"))
+    text = cluster.script(checked, run_dir=tmp_path / "run", name="run", workdir=tmp_path, python="python")
+    assert checked.hardware.processes == 16
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --requeue",
+                 "#SBATCH --time=4:00:00", "#SBATCH --signal=TERM@600",
+                 'MAIN=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'):
+        assert line in text.splitlines()
+    srun = text.splitlines()[-1]
+    assert srun.startswith("srun --kill-on-bad-exit=1 bash -c ")
+    assert ("--num_machines 2 --machine_rank $SLURM_NODEID --num_processes 16 --main_process_ip $MAIN "
+            "--main_process_port $PORT") in srun and f"train {tmp_path / 'run' / 'slurm.yaml'} -q $RESUME" in srun
+
+
+def _finetune(args: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
+    full = {**os.environ, **env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "finetune", *args], env=full, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+@pytest.mark.slow
+def test_two_nodes_train_like_one_process(slurm, tmp_path, tiny_bert, cls_csv):
+    """`--nodes 2 --gpus-per-node 0`: two "nodes", one gloo CPU process each, the first node the main process:
+    the same losses (to 1e-6) and weights as one process with the same effective batch; job.json says slurm."""
+    values = {"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 16, "max_steps": 3, "shuffle": True}
+    cfg = tmp_path / "two.yaml"
+    cfg.write_text(yaml.safe_dump({**COMMON, **values, "micro_batch_size": 4, "output_dir": str(tmp_path / "two")}))
+    proc = _finetune(["train", str(cfg), "-q", "--backend", "slurm", "--nodes", "2", "--gpus-per-node", "0"], slurm)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values, "micro_batch_size": 8})
+    two_events = read_events(tmp_path / "two" / "events.jsonl")
+    start = two_events[0]
+    assert (start["num_processes"], start["micro_batch_size"], start["grad_accum_steps"]) == (2, 4, 2)
+    torch.testing.assert_close(step_losses(two_events), step_losses(one_events), rtol=0, atol=1e-6)
+    assert_same_weights(load_weights(tmp_path / "two"), one)
+    job = json.loads((tmp_path / "two" / "job.json").read_text())
+    assert (job["backend"], job["nodes"], job["outcome"]["status"]) == ("slurm", 2, "done")
+    assert json.loads(out)["run_dir"] == str(tmp_path / "two")
+    assert "job 1000 start 0 on 127.0.0.1,127.0.0.2, main 127.0.0.1:" in (tmp_path / "two" / "slurm.log").read_text()
+
+
+def test_ctrl_c_cancels_the_job(slurm, tmp_path, tiny_bert, cls_csv):
+    """SIGINT to the launcher: `scancel`, the job ends CANCELLED, the launcher exits 130 and job.json says stopped."""
+    cfg = tmp_path / "long.yaml"
+    cfg.write_text(yaml.safe_dump({**COMMON, "model": tiny_bert, "dataset": cls_csv, "epochs": 1000,
+                                   "effective_batch_size": 8, "output_dir": str(tmp_path / "run")}))
+    proc = _finetune(["train", str(cfg), "-q", "--backend", "slurm", "--gpus-per-node", "0"], slurm)
+    state = tmp_path / "slurm-state"
+    deadline = time.monotonic() + 120
+    while not ((tmp_path / "run" / "job.json").is_file() and _jobs(state) and _jobs(state)[0]["state"] == "RUNNING"):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Cancelling Slurm job 1000" in err
+    assert _jobs(state)[0]["state"] == "CANCELLED"
+    outcome = json.loads((tmp_path / "run" / "job.json").read_text())["outcome"]
+    assert outcome["status"] == "stopped" and outcome["message"].startswith("The job was cancelled")
