@@ -77,7 +77,7 @@ def test_batch_script_launches_one_accelerate_per_node(slurm, tmp_path):
     srun = text.splitlines()[-1]
     assert srun.startswith("srun --kill-on-bad-exit=1 bash -c ")
     assert ("--num_machines 2 --machine_rank $SLURM_NODEID --num_processes 16 --main_process_ip $MAIN "
-            "--main_process_port $PORT") in srun and f"train {tmp_path / 'run' / 'slurm.yaml'} -q $RESUME" in srun
+            "--main_process_port $PORT") in srun and f"train {tmp_path / 'run' / 'slurm.yaml'} $RESUME -q" in srun
 
 
 def _finetune(args: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
@@ -126,3 +126,30 @@ def test_ctrl_c_cancels_the_job(slurm, tmp_path, tiny_bert, cls_csv):
     assert _jobs(state)[0]["state"] == "CANCELLED"
     outcome = json.loads((tmp_path / "run" / "job.json").read_text())["outcome"]
     assert outcome["status"] == "stopped" and outcome["message"].startswith("The job was cancelled")
+
+
+@pytest.mark.slow
+def test_a_preempted_job_resumes_and_ends_as_an_uninterrupted_run(slurm, tmp_path, tiny_bert, cls_csv):
+    """`scontrol requeue` once the first checkpoint is written: the run gets SIGTERM (a checkpoint, exit 130), the
+    requeued script resumes from the newest checkpoint, and the run ends with the weights and losses of a run that
+    was never interrupted; the launcher follows it through and exits 0."""
+    values = {"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 8, "micro_batch_size": 8,
+              "max_steps": 60, "epochs": 100, "save_every": 1}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({**COMMON, **values, "output_dir": str(tmp_path / "run")}))
+    proc = _finetune(["train", str(cfg), "-q", "--backend", "slurm", "--gpus-per-node", "0"], slurm)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "checkpoints").is_dir() or not any((tmp_path / "run" / "checkpoints").iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.02)
+    subprocess.run(["scontrol", "requeue", "1000"], check=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    log = (tmp_path / "run" / "slurm.log").read_text()
+    assert "job 1000 start 1 on 127.0.0.1, main 127.0.0.1:" in log and "resuming" in log
+    one, one_events, _ = run_train(tmp_path / "one", **{**COMMON, **values})
+    events = read_events(tmp_path / "run" / "events.jsonl")
+    assert [e["event"] for e in events].count("start") == 2 and events[-1]["event"] == "done"
+    steps = {e["step"]: e["loss"] for e in events if e["event"] == "step"}  # the resumed run's, by step
+    torch.testing.assert_close(list(steps.values()), step_losses(one_events), rtol=0, atol=1e-6)
+    assert_same_weights(load_weights(tmp_path / "run"), one)

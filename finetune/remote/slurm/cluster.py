@@ -177,7 +177,7 @@ def script(checked: Checked, *, run_dir: Path, name: str, workdir: Path, python:
         launcher = (f"{shlex.quote(python)} -m accelerate.commands.launch --multi_gpu --num_machines {r.nodes} "
                     f"--machine_rank $SLURM_NODEID --num_processes {hw.processes} --main_process_ip $MAIN "
                     "--main_process_port $PORT --mixed_precision no --dynamo_backend no -m finetune")
-    task = f"exec {launcher} train {config} -q $RESUME"
+    task = f"exec {launcher} train {config} $RESUME -q"
     lines += [
         "set -u",
         "export PYTHONUNBUFFERED=1 HF_HUB_DISABLE_PROGRESS_BARS=1",
@@ -187,7 +187,9 @@ def script(checked: Checked, *, run_dir: Path, name: str, workdir: Path, python:
         "  exit 2",
         "fi",
         "RESUME=",
-        f"if ls -d {run}/checkpoints/step-[0-9]*[0-9] >/dev/null 2>&1; then RESUME=resume=true; fi",
+        f"if ls -d {run}/checkpoints/step-[0-9]*[0-9] >/dev/null 2>&1; then RESUME=resume=true",
+        # A requeued start before the first checkpoint: what the earlier start wrote is started over.
+        'elif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=overwrite=true; fi',
         'MAIN=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "PORT=$((20000 + SLURM_JOB_ID % 20000))",
         "export MAIN PORT RESUME",
