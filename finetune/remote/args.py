@@ -27,9 +27,9 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_jobs_parser(sub: Any, func: Callable[[argparse.Namespace], int]) -> None:
     """`finetune jobs follow|status|cancel|fetch|flavors`."""
-    p = sub.add_parser("jobs", help="Runs on Hugging Face Jobs: follow, status, cancel, fetch; the flavors.",
-                       description="Act on the job of a run folder made by `finetune train … --backend hf-jobs` "
-                       "(its job.json), from any machine with your token.")
+    p = sub.add_parser("jobs", help="Runs on Hugging Face Jobs or Slurm: follow, status, cancel, fetch; the flavors.",
+                       description="Act on the job of a run folder made by `finetune train … --backend hf-jobs|slurm` "
+                       "(its job.json names the backend), from any machine that reaches it.")
     jobs = p.add_subparsers(dest="jobs_command", required=True)
     q = jobs.add_parser("follow", help="Re-attach: stream the job's logs and mirror its events into RUN until it "
                         "ends; exit as the run did. Ctrl-C cancels the job.")
