@@ -153,3 +153,15 @@ def test_a_preempted_job_resumes_and_ends_as_an_uninterrupted_run(slurm, tmp_pat
     steps = {e["step"]: e["loss"] for e in events if e["event"] == "step"}  # the resumed run's, by step
     torch.testing.assert_close(list(steps.values()), step_losses(one_events), rtol=0, atol=1e-6)
     assert_same_weights(load_weights(tmp_path / "run"), one)
+
+
+def test_the_run_panel_says_where_each_backend_runs(tmp_path):
+    """An active run's status names its backend's place, read from job.json's `backend`."""
+    from app.jobs.training import JobStatus
+    from app.remote.jobs import job_status
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.json").write_text(json.dumps({"backend": "slurm", "job_id": "1000", "nodes": 2, "partition": "gpu"}))
+    status = job_status(JobStatus(state="running", run_dir=run, message="Training."))
+    assert status.message == "Training. On Slurm (job 1000, 2 node(s) of gpu)"

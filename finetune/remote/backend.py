@@ -76,6 +76,9 @@ class Backend(Protocol):
     def fetch(self, run_dir: Path) -> list[str]:
         """Copy the finished run into its local folder; the files copied."""
 
+    def describe(self, job: dict[str, Any]) -> str:
+        """Where the job job.json records runs, in a sentence (the app's Run panel)."""
+
 
 def names() -> list[str]:
     """`--backend`'s choices: this machine, then every registered backend."""
@@ -96,7 +99,12 @@ def every() -> list[Backend]:
 
 
 def of_run(run_dir: Path) -> Backend:
-    """The backend a run folder's job.json names (older ones name hf-jobs); one sentence when it has none."""
+    """The backend a run folder's job.json names; one sentence when it has none."""
+    return get(read_job(run_dir)["backend"])
+
+
+def read_job(run_dir: Path) -> dict[str, Any]:
+    """A run folder's job.json, whichever registered backend wrote it; one sentence when it has none."""
     path = Path(run_dir) / "job.json"
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
@@ -109,7 +117,7 @@ def of_run(run_dir: Path) -> Backend:
     if name not in REGISTRY:
         raise ConfigError([f"{path} names no known backend ({name!r}): it was written by another version of "
                            "finetune."])
-    return get(name)
+    return values
 
 
 def refuse_foreign_options(args: argparse.Namespace) -> None:
