@@ -47,6 +47,7 @@ def test_what_slurm_would_reject_is_one_sentence(slurm, tmp_path, tiny_bert, cls
              (["--nodes", "3"], "Partition 'debug' has 2 node(s): --nodes 3 asks for more."),
              (["--partition", "gpu", "--gpus-per-node", "9"],
               "The nodes of partition 'gpu' have 8 GPU(s) each: --gpus-per-node 9 asks for more."),
+             (["--partition", "gpu", "--gpu-memory", "-1"], "--gpu-memory is the GB of one of the partition's GPUs"),
              (["--gpus-per-node", "0", "--time", "soon"], "--time 'soon' is not a Slurm time limit")]
     for extra, sentence in cases:
         assert main([*base, *extra]) == 2
@@ -54,6 +55,11 @@ def test_what_slurm_would_reject_is_one_sentence(slurm, tmp_path, tiny_bert, cls
         assert sentence in err and err.count("\n") == 1, err
     assert main([*base[:-2], "--nodes", "2"]) == 2  # a Slurm option without the backend
     assert "--nodes is an option of --backend slurm" in capsys.readouterr().err
+    assert main([*base, "--partition", "gpu", "--gpu-memory", "0.1"]) == 2  # the plan, for one of its GPUs
+    err = capsys.readouterr().err
+    assert err.startswith("error: Not sent to Slurm: on partition gpu (1 × A100, 0.09 GiB per GPU) nothing fits ")
+    assert err.rstrip().endswith("choose a partition with more GPU memory (`sinfo` lists them), or give --gpu-memory "
+                                 "its GPUs' GB.") and err.count("\n") == 1
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert main(base) == 2
     assert "Slurm's sbatch is not on the PATH" in capsys.readouterr().err
@@ -165,3 +171,34 @@ def test_the_run_panel_says_where_each_backend_runs(tmp_path):
     (run / "job.json").write_text(json.dumps({"backend": "slurm", "job_id": "1000", "nodes": 2, "partition": "gpu"}))
     status = job_status(JobStatus(state="running", run_dir=run, message="Training."))
     assert status.message == "Training. On Slurm (job 1000, 2 node(s) of gpu)"
+
+
+def test_a_node_that_cannot_see_the_run_folder_says_so(slurm, tmp_path):
+    """The batch script's first check: without the run folder's marker on the node, one `error:` line, exit 2."""
+    checked = cluster.check_request(cluster.Request(nodes=1, gpus_per_node=0))
+    script = tmp_path / "job.sbatch"
+    script.write_text(cluster.script(checked, run_dir=tmp_path / "elsewhere", name="x", workdir=tmp_path))
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "127.0.0.1"})
+    assert done.returncode == 2
+    assert done.stdout.startswith(f"error: the run folder {tmp_path / 'elsewhere'} is not visible on ")
+
+
+def test_jobs_commands_reach_the_slurm_job_of_a_run(slurm, tmp_path, tiny_bert, cls_csv, capsys):
+    """`--detach`, then `finetune jobs status|cancel|follow RUN`: job.json's backend sends each to Slurm."""
+    from finetune.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", f"model={tiny_bert}", f"dataset={cls_csv}", f"output_dir={run}", "epochs=1000",
+                 "--backend", "slurm", "--gpus-per-node", "0", "--detach", "-q"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"run_dir": str(run), "job_id": "1000"}
+    assert main(["jobs", "status", str(run)]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["job_id"], status["partition"], status["nodes"], status["outcome"]) == ("1000", "debug", 1, None)
+    assert status["stage"] in ("PENDING", "RUNNING")
+    assert main(["jobs", "cancel", str(run)]) == 0
+    assert "cancelled Slurm job 1000" in capsys.readouterr().err
+    assert main(["jobs", "follow", str(run), "-q"]) == 130
+    assert "The job was cancelled" in capsys.readouterr().err
+    assert _jobs(tmp_path / "slurm-state")[0]["state"] == "CANCELLED"
+    assert json.loads((run / "job.json").read_text())["outcome"]["status"] == "stopped"

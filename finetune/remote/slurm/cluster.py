@@ -41,6 +41,7 @@ class Partition:
     gpus: int
     ram_mb: int | None
     default: bool = False
+    gpu_type: str | None = None  # GRES's type (`gpu:a100:8`), when it names one
 
 
 @dataclass(frozen=True)
@@ -95,13 +96,15 @@ def partitions() -> list[Partition]:
         if len(parts) != 4:
             continue
         name, nodes, gres, ram = parts
-        gpus = max((int(m.group(1)) for m in re.finditer(r"gpu(?::[^:,(]+)?:(\d+)", gres)), default=0)
+        listed = [(int(m.group(2)), m.group(1)) for m in re.finditer(r"gpu(?::([^:,(]+))?:(\d+)", gres)]
+        gpus, gpu_type = max(listed, default=(0, None))
         default = name.endswith("*")
         name = name.rstrip("*")
         ram_mb = int(re.sub(r"\D", "", ram)) if re.sub(r"\D", "", ram) else None
         before = found.get(name)  # sinfo lists a partition once per kind of node: keep the largest
         if before is None or (gpus, int(nodes)) > (before.gpus, before.nodes):
-            found[name] = Partition(name, int(nodes), gpus, ram_mb, default or bool(before and before.default))
+            found[name] = Partition(name, int(nodes), gpus, ram_mb, default or bool(before and before.default),
+                                    gpu_type)
     return list(found.values())
 
 
@@ -130,6 +133,9 @@ def check_request(request: Request) -> Checked:
                            "Slurm module)."])
     if request.nodes < 1 or request.gpus_per_node < 0:
         raise ConfigError(["--nodes must be at least 1 and --gpus-per-node at least 0."])
+    if request.gpu_memory_gb is not None and request.gpu_memory_gb <= 0:
+        raise ConfigError([f"--gpu-memory is the GB of one of the partition's GPUs (80 for an 80 GB A100); "
+                           f"{request.gpu_memory_gb:g} is none."])
     known = partitions()
     if request.partition:
         partition = next((p for p in known if p.name == request.partition), None)
@@ -163,7 +169,7 @@ def script(checked: Checked, *, run_dir: Path, name: str, workdir: Path, python:
     checkpoint (a requeued job), then `srun` starting one launcher per node: `accelerate launch` with the first
     node as the main process and `SLURM_NODEID` as the machine rank, or plain `finetune train` for one process."""
     r, hw = checked.request, checked.hardware
-    run, config, log = (shlex.quote(str(run_dir / n)) for n in ("", CONFIG, LOG))
+    config, log = (shlex.quote(str(run_dir / n)) for n in (CONFIG, LOG))
     lines = ["#!/bin/bash", f"#SBATCH --job-name=finetune-{name}", f"#SBATCH --partition={checked.partition.name}",
              f"#SBATCH --nodes={r.nodes}", "#SBATCH --ntasks-per-node=1", f"#SBATCH --chdir={workdir}",
              f"#SBATCH --output={run_dir / LOG}", "#SBATCH --open-mode=append", "#SBATCH --requeue"]
@@ -187,7 +193,9 @@ def script(checked: Checked, *, run_dir: Path, name: str, workdir: Path, python:
         "  exit 2",
         "fi",
         "RESUME=",
-        f"if ls -d {run}/checkpoints/step-[0-9]*[0-9] >/dev/null 2>&1; then RESUME=resume=true",
+        # compgen, not ls: a checkpoint the run is pruning may vanish while ls reads it, and ls then fails.
+        f"if compgen -G {shlex.quote(str(run_dir / 'checkpoints' / 'step-[0-9]*[0-9]'))} >/dev/null; then "
+        "RESUME=resume=true",
         # A requeued start before the first checkpoint: what the earlier start wrote is started over.
         'elif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=overwrite=true; fi',
         'MAIN=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',

@@ -89,17 +89,21 @@ def train(args: argparse.Namespace, c: Config) -> int:
 
 
 def _planned(c: Config, checked: cluster.Checked) -> Config:
-    """`c` with one of the partition's GPUs as its memory budget, refused when its plan does not fit there."""
+    """`c` with one of the partition's GPUs (`--gpu-memory`) as its memory budget, for all of the job's
+    processes; refused in one sentence when its plan does not fit there."""
     from finetune.remote.flavors import Flavor
     from finetune.remote.preflight import job_config, plan_for
 
-    hw = checked.hardware
+    hw, partition = checked.hardware, checked.partition
     processes = hw.processes
-    flavor = Flavor(name=f"slurm partition {checked.partition.name}", pretty_name=checked.partition.name,
-                    gpus=processes, gpu_model=None, gpu_memory_gb=float(hw.gpu_memory_gb or 0) * processes,
-                    usd_per_hour=0.0)
+    # The RAM of all the nodes, so that each process's share is its node's RAM over the node's GPUs.
+    ram = f"{hw.ram_gb * hw.nodes:g} GB" if hw.ram_gb else ""
+    flavor = Flavor(name=f"partition {partition.name}", pretty_name=partition.name, gpus=processes,
+                    gpu_model=(partition.gpu_type or "GPU").upper(),
+                    gpu_memory_gb=float(hw.gpu_memory_gb or 0) * processes, usd_per_hour=0.0, ram=ram)
     planned = job_config(c, flavor)
-    plan_for(planned, flavor)
+    plan_for(planned, flavor, service="Slurm",
+             larger="choose a partition with more {more} (`sinfo` lists them), or give --gpu-memory its GPUs' GB")
     return planned
 
 
@@ -120,6 +124,8 @@ class Follower:
 
     def _read(self) -> None:
         records = read_events(self.run_dir / "events.jsonl")
+        if len(records) < self.records_seen:  # a requeued start before any checkpoint began the file again
+            self.records_seen = min(len(records), int(self.job.get("events_before") or 0))
         for record in records[self.records_seen:]:
             self.on_record(record)
         self.records_seen = max(self.records_seen, len(records))
