@@ -202,3 +202,25 @@ def test_jobs_commands_reach_the_slurm_job_of_a_run(slurm, tmp_path, tiny_bert, 
     assert "The job was cancelled" in capsys.readouterr().err
     assert _jobs(tmp_path / "slurm-state")[0]["state"] == "CANCELLED"
     assert json.loads((run / "job.json").read_text())["outcome"]["status"] == "stopped"
+
+
+def test_a_requeued_job_that_fails_says_its_own_error(slurm, tmp_path):
+    """The outcome is the last start's: a failed start after a preempted one is failed with its own sentence (the
+    earlier start's `stopped` record does not make it "stopped"), and names the checkpoint to resume from."""
+    from finetune.remote.slurm.run import Follower
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"event": "start"}, {"event": "checkpoint", "step": 3}, {"event": "stopped", "step": 3},
+               {"event": "start"}, {"event": "error", "message": "The data changed.", "exit_code": 2}]
+    (run / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "slurm-state" / "jobs").mkdir(parents=True)
+    (tmp_path / "slurm-state" / "jobs" / "1000.json").write_text(json.dumps({"id": "1000", "state": "FAILED"}))
+    job = {"backend": "slurm", "job_id": "1000", "nodes": 1, "gpus_per_node": 0, "partition": "debug",
+           "events_before": 0, "run_dir": str(run)}
+    result = Follower(job, lambda r: None, lambda line: None).run()
+    assert (result.status, result.exit_code, result.message) == ("failed", 2, "The data changed.")
+    (tmp_path / "slurm-state" / "jobs" / "1000.json").write_text(json.dumps({"id": "1000", "state": "CANCELLED"}))
+    (run / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:4]))
+    result = Follower(job, lambda r: None, lambda line: None).run()
+    assert result.status == "stopped" and "continue from its checkpoint (step 3)" in result.message

@@ -152,6 +152,10 @@ class Follower:
             time.sleep(POLL_S)
         self._read()
         records = read_events(self.run_dir / "events.jsonl")[int(self.job.get("events_before") or 0):]
+        # A requeued job's end is its last start's (a preempted start's `stopped` record is not this end's), but
+        # the checkpoints of every start are there to resume from.
+        last = max((i for i, r in enumerate(records) if r.get("event") == "start"), default=0)
+        records = [r for r in records[:last] if r.get("event") == "checkpoint"] + records[last:]
         result = outcome(STAGES.get(stage, stage), "timed out" if stage == "TIMEOUT" else None, records,
                          running_s=None, timeout_s=int(self.job.get("time_s") or 0),
                          resume_command=resume_command(self.job), last_error_line=self.last_error_line)
