@@ -21,7 +21,8 @@ from typing import Any
 from finetune.config.schema import Config, ConfigError, load
 from finetune.errors import EXIT_STOPPED, FinetuneError, describe
 from finetune.kinds import registry as kinds
-from finetune.remote.args import REMOTE_ONLY, add_backend_arguments, add_jobs_parser
+from finetune.remote import backend
+from finetune.remote.args import add_backend_arguments, add_jobs_parser
 
 # Only the light modules above load at start: each command imports the engine (torch, transformers, …) inside its
 # function when it runs, so that `finetune --help` answers at once.
@@ -78,14 +79,11 @@ def _print_note(event: Any) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Run `finetune train CONFIG [key=value …]` here, or as a Hugging Face Job (`--backend hf-jobs`)."""
+    """Run `finetune train CONFIG [key=value …]` here, or on another backend (`--backend hf-jobs|slurm`)."""
     cfg = _load_config(args)
-    if args.backend == "hf-jobs":
-        from finetune.remote.cli import train_remote
-
-        return train_remote(args, cfg)
-    if given := [f"--{name.replace('_', '-')}" for name in REMOTE_ONLY if getattr(args, name)]:
-        raise ConfigError([f"{given[0]} is an option of --backend hf-jobs: add `--backend hf-jobs`, or drop it."])
+    backend.refuse_foreign_options(args)
+    if args.backend != backend.LOCAL:
+        return backend.get(args.backend).train(args, cfg)
     from finetune.run.events import ProgressBar, log_line
     from finetune.train.loop import StopFlag, train
 

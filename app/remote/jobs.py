@@ -160,17 +160,20 @@ class RemoteRuns:
 
 
 def job_status(status: JobStatus) -> JobStatus:
-    """`status` as the Run panel tells a run on Jobs: where it runs while it is active, and once it ended, the
-    job's own sentence (cancelled, stopped at its time limit, failed) that the launcher recorded in job.json."""
+    """`status` as the Run panel tells a run on another backend (Jobs, Slurm): where it runs while it is active,
+    and once it ended, the job's own sentence (cancelled, stopped at its time limit, failed) that the launcher
+    recorded in job.json."""
+    from finetune.remote import backend
+
     if status.run_dir is None or not is_remote_run(status.run_dir):
         return status
     try:
-        job = read_job(status.run_dir)
+        job = backend.read_job(status.run_dir)
     except FinetuneError:
         return status
     outcome = job.get("outcome") or {}
     if status.active:
-        where = f"On Hugging Face Jobs ({job.get('flavor')}): {job.get('url')}"
+        where = backend.get(job["backend"]).describe(job)
         return dataclasses.replace(status, message=f"{status.message} {where}".strip())
     if outcome.get("status") in ("stopped", "failed") and outcome.get("message"):
         state = "stopped" if outcome["status"] == "stopped" else "failed"

@@ -1,4 +1,6 @@
-"""Training elsewhere: a run as a Hugging Face Job, followed, stopped, re-attached to and fetched like a local run.
+"""Training elsewhere: a run as a Hugging Face Job or a Slurm job, followed, stopped, re-attached to and fetched
+like a local run. `backend` holds the protocol every backend implements and the registry `--backend` chooses from;
+`hf_backend` is Hugging Face Jobs' implementation (the modules below), `slurm/` is Slurm's.
 
 The backend API (what `finetune train --backend hf-jobs`, `finetune jobs …` and the app call; each function takes
 the token to act with, so a server acts for each signed-in user with their own):

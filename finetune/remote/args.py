@@ -7,39 +7,29 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-BACKENDS = ("local", "hf-jobs")
-REMOTE_ONLY = ("flavor", "image", "timeout", "namespace", "bucket", "inputs_repo")
+from finetune.remote import backend
 
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
-    """`finetune train`'s options for where it trains."""
-    g = p.add_argument_group("training on Hugging Face Jobs (docs/jobs.md)")
-    g.add_argument("--backend", choices=BACKENDS, default="local",
+    """`finetune train`'s options for where it trains: `--backend`, then each backend's own (docs/jobs.md)."""
+    g = p.add_argument_group("training elsewhere (docs/jobs.md)")
+    g.add_argument("--backend", choices=backend.names(), default=backend.LOCAL,
                    help="local: this machine (default); hf-jobs: a Hugging Face Job on a GPU flavor, billed by the "
-                   "minute to your account, its run folder in your bucket and mirrored into output_dir here.")
-    g.add_argument("--flavor", help="hf-jobs: the hardware, e.g. a10g-large (`finetune jobs flavors` lists them with "
-                   "their GPU memory and price); its GPU memory is the plan's budget.")
-    g.add_argument("--image", help="hf-jobs: the image to run, e.g. hf.co/spaces/USER/SPACE (a copy of this "
-                   "project's Space built for a GPU); default inside a Space: the Space's own.")
-    g.add_argument("--timeout", help="hf-jobs: the job's time limit (90m, 2h, 1h30m); default: the plan's estimate "
-                   "with a margin. The run is asked to stop with a checkpoint a little before it.")
-    g.add_argument("--namespace", help="hf-jobs: the user or organization the job runs under and is billed to "
-                   "(default: the token's user).")
-    g.add_argument("--bucket", help="hf-jobs: the private bucket that holds the run folders (default: "
-                   "NAMESPACE/finetune-runs).")
-    g.add_argument("--inputs-repo", help="hf-jobs: the private dataset repository the config and local files are "
-                   "uploaded to (default: NAMESPACE/finetune-inputs).")
-    g.add_argument("--detach", action="store_true", help="hf-jobs: start the job and return; follow it later with "
+                   "minute to your account, its run folder in your bucket and mirrored into output_dir here; slurm: "
+                   "a Slurm job over one or more nodes that see output_dir on a shared filesystem.")
+    g.add_argument("--detach", action="store_true", help="start the job and return; follow it later with "
                    "`finetune jobs follow RUN`.")
     g.add_argument("--no-fetch", action="store_true", help="hf-jobs: leave the finished model in the bucket "
                    "(`finetune jobs fetch RUN` copies it later).")
+    for b in backend.every():
+        b.add_arguments(p.add_argument_group(f"--backend {b.name}: {b.title}"))
 
 
 def add_jobs_parser(sub: Any, func: Callable[[argparse.Namespace], int]) -> None:
     """`finetune jobs follow|status|cancel|fetch|flavors`."""
-    p = sub.add_parser("jobs", help="Runs on Hugging Face Jobs: follow, status, cancel, fetch; the flavors.",
-                       description="Act on the job of a run folder made by `finetune train … --backend hf-jobs` "
-                       "(its job.json), from any machine with your token.")
+    p = sub.add_parser("jobs", help="Runs on Hugging Face Jobs or Slurm: follow, status, cancel, fetch; the flavors.",
+                       description="Act on the job of a run folder made by `finetune train … --backend hf-jobs|slurm` "
+                       "(its job.json names the backend), from any machine that reaches it.")
     jobs = p.add_subparsers(dest="jobs_command", required=True)
     q = jobs.add_parser("follow", help="Re-attach: stream the job's logs and mirror its events into RUN until it "
                         "ends; exit as the run did. Ctrl-C cancels the job.")

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import huggingface_hub as hf
@@ -24,7 +25,7 @@ from finetune.errors import EXIT_STOPPED
 from finetune.remote import fetch as fetching
 from finetune.remote import flavors, hfjobs
 from finetune.remote.follow import Follower
-from finetune.remote.jobfile import JobHandle, recorded
+from finetune.remote.jobfile import JOB_FILE, JobHandle
 from finetune.remote.mirror import from_record
 from finetune.remote.timelimit import parse_duration
 from finetune.run.events import ProgressBar
@@ -94,25 +95,24 @@ def follow_to_end(handle: JobHandle, *, quiet: bool = False, fetch: bool = True)
 
 
 def jobs_command(args: argparse.Namespace) -> int:
-    """`finetune jobs follow|status|cancel|fetch|flavors`."""
+    """`finetune jobs follow|status|cancel|fetch|flavors`: the run's backend (its job.json) does the work."""
+    from finetune.remote import backend
+
     if args.jobs_command == "flavors":
         token = hf.get_token()
         table = None if hf_constants.is_offline_mode() else flavors.live_table(HfApi(), token or False)
         print((table or flavors.BUILT_IN).render())
         return 0
-    handle = hfjobs.attach(args.run_dir)
+    # A folder without job.json gets Hugging Face Jobs' sentence about it, as before there were other backends.
+    runner = backend.of_run(args.run_dir) if (Path(args.run_dir) / JOB_FILE).is_file() else backend.get("hf-jobs")
     if args.jobs_command == "follow":
-        return follow_to_end(handle, quiet=args.quiet, fetch=not args.no_fetch)
+        return runner.follow(Path(args.run_dir), quiet=args.quiet, fetch=not args.no_fetch)
     if args.jobs_command == "status":
-        state = hfjobs.status(handle)
-        print(json.dumps({"job_id": handle.job_id, "url": handle.url, "flavor": handle.flavor, "stage": state.stage,
-                          "message": state.message, "running_s": state.running_s,
-                          "outcome": recorded(handle.run_dir, "outcome")}, indent=2))
+        print(json.dumps(runner.status(Path(args.run_dir)), indent=2))
         return 0
     if args.jobs_command == "cancel":
-        hfjobs.cancel(handle)
-        _say(f"cancelled job {handle.job_id} ({handle.url})")
+        _say(runner.cancel(Path(args.run_dir)))
         return 0
-    files = fetching.fetch(handle)
-    print(json.dumps({"run_dir": str(handle.run_dir), "files": files}, indent=2))
+    files = runner.fetch(Path(args.run_dir))
+    print(json.dumps({"run_dir": str(args.run_dir), "files": files}, indent=2))
     return 0

@@ -52,9 +52,11 @@ def job_config(c: Config, flavor: Flavor) -> Config:
     return c.replace(memory_budget_gb=budget)
 
 
-def plan_for(c: Config, flavor: Flavor) -> Any:
+def plan_for(c: Config, flavor: Flavor, *, service: str = "Hugging Face Jobs",
+             larger: str = "`finetune jobs flavors` lists the flavors with more {more}") -> Any:
     """The dry-run plan of `c` on one of the flavor's GPUs, for as many processes as it has GPUs; a `PlanError`
-    that names the flavor when nothing fits."""
+    that names the flavor (or partition) and the `service` it was not sent to when nothing fits, and says where
+    to find `larger` hardware."""
     from transformers import AutoConfig
 
     single = from_dict({**single_task_values(c, c.tasks[0]), "memory_budget_gb": c.memory_budget_gb}) \
@@ -70,9 +72,9 @@ def plan_for(c: Config, flavor: Flavor) -> Any:
     except PlanError as e:
         inner = " ".join(e.problems).rstrip(".")
         more = "RAM" if isinstance(e, HostMemoryError) else "GPU memory"  # what was short, and what to look for
-        raise type(e)([f"Not sent to Hugging Face Jobs: on {flavor.name} ({flavor.gpus} × {flavor.gpu_model}, "
-                       f"{c.memory_budget_gb:g} GiB per GPU) {inner[:1].lower()}{inner[1:]}; `finetune jobs "
-                       f"flavors` lists the flavors with more {more}."]) from None
+        raise type(e)([f"Not sent to {service}: on {flavor.name} ({flavor.gpus} × {flavor.gpu_model}, "
+                       f"{c.memory_budget_gb:g} GiB per GPU) {inner[:1].lower()}{inner[1:]}; "
+                       f"{larger.format(more=more)}."]) from None
     return plan
 
 

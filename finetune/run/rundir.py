@@ -45,7 +45,8 @@ TRAINER_STATE = "trainer_state.json"  # progress and LR schedule, as JSON: resum
 # What a launcher (the app) puts in a run folder before `finetune train` starts in it: the config it launched with
 # and the child's printed output. They belong to the launch, so a new run may start beside them and
 # `overwrite` keeps them.
-LAUNCH_FILES = ("launch.yaml", "launch.log")
+# (A Slurm job's batch script, the config its nodes run and its log: finetune.remote.slurm.)
+LAUNCH_FILES = ("launch.yaml", "launch.log", "slurm.sbatch", "slurm.yaml", "slurm.log")
 # The files the tool wrote into the folders a person might add to (a README beside the model, say): `overwrite`
 # deletes only these, and keeps anything else found there.
 MANIFEST = ".finetune-files.json"
@@ -149,7 +150,7 @@ def check_run_dir(c: Config) -> Path:
             raise RunDirError(f"Nothing to resume in {c.output_dir!r}: it has no checkpoint. Start it without "
                               "resume=true.")
         return run_dir
-    if set(entries) <= {MARKER, *LAUNCH_FILES}:
+    if set(entries) <= {MARKER, *LAUNCH_FILES, "job.json"}:  # job.json: the job that starts it (Slurm)
         return run_dir
     if foreign or unmarked:
         shown = ", ".join((foreign or entries)[:3]) + (", …" if len(foreign or entries) > 3 else "")

@@ -1,0 +1,130 @@
+"""Where `finetune train` runs besides this machine: the backend protocol, and the registry of backends.
+
+A backend is one object (`Backend`) that says what hardware it offers (for the planner), adds its own options to
+`finetune train`, and checks, launches and follows a run, reports its status, cancels it and fetches it back. Its
+run folder is a local run folder plus `job.json`, which names the backend (`backend` key), so that `finetune jobs
+follow|status|cancel|fetch RUN` reaches the right one from any process. Events land in the run folder's
+`events.jsonl` while the run trains (mirrored from the job's log by `finetune.remote.mirror`, or written there
+directly over a shared filesystem), so the progress bar, the app's curves and `finetune eval` read it as a local
+run's.
+
+Adding a backend: a package with a class that implements `Backend`, and one line in `REGISTRY`. This module and
+each backend's class stay light (argparse only): `finetune --help` builds every backend's options, so the heavy
+modules are imported inside the methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from finetune.errors import ConfigError
+
+LOCAL = "local"
+# name → "module:attribute" of its Backend object; the order is `--backend`'s.
+REGISTRY = {
+    "hf-jobs": "finetune.remote.hf_backend:HF_JOBS",
+    "slurm": "finetune.remote.slurm:SLURM",
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a backend's request gives a run, for the planner: `nodes` machines of `gpus_per_node` GPUs with
+    `gpu_memory_gb` each (None: not known before the job runs) and `ram_gb` of RAM per node (None: not known)."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gb: float | None = None
+    ram_gb: float | None = None
+
+    @property
+    def processes(self) -> int:
+        """Training processes: one per GPU, or one per node on CPU nodes."""
+        return self.nodes * max(self.gpus_per_node, 1)
+
+
+class Backend(Protocol):
+    """One place to run: its options, hardware, and the life of a run there."""
+
+    name: str
+    title: str  # in words, for help and messages: "Hugging Face Jobs", "Slurm"
+    options: tuple[str, ...]  # argparse destinations only this backend takes (refused under another)
+
+    def add_arguments(self, group: argparse._ArgumentGroup) -> None:
+        """Its options of `finetune train`."""
+
+    def hardware(self, args: argparse.Namespace) -> Hardware:
+        """What the options ask for; one sentence (ConfigError) when the backend cannot give it."""
+
+    def train(self, args: argparse.Namespace, config: Any) -> int:
+        """`finetune train CONFIG --backend NAME …`: check, launch, follow to the end (Ctrl-C cancels); exit code."""
+
+    def follow(self, run_dir: Path, *, quiet: bool, fetch: bool) -> int:
+        """Re-attach to a run's job and follow it to its end; the run's exit code."""
+
+    def status(self, run_dir: Path) -> dict[str, Any]:
+        """The job's stage and how the run ended, as JSON for `finetune jobs status`."""
+
+    def cancel(self, run_dir: Path) -> str:
+        """Cancel the run's job; what happened, in a sentence."""
+
+    def fetch(self, run_dir: Path) -> list[str]:
+        """Copy the finished run into its local folder; the files copied."""
+
+    def describe(self, job: dict[str, Any]) -> str:
+        """Where the job job.json records runs, in a sentence (the app's Run panel)."""
+
+
+def names() -> list[str]:
+    """`--backend`'s choices: this machine, then every registered backend."""
+    return [LOCAL, *REGISTRY]
+
+
+def get(name: str) -> Backend:
+    """The backend registered as `name`; one sentence for any other."""
+    if name not in REGISTRY:
+        raise ConfigError([f"Unknown backend {name!r}: choose one of {', '.join(names())}."])
+    module, attribute = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def every() -> list[Backend]:
+    """Every registered backend, in `--backend`'s order."""
+    return [get(name) for name in REGISTRY]
+
+
+def of_run(run_dir: Path) -> Backend:
+    """The backend a run folder's job.json names; one sentence when it has none."""
+    return get(read_job(run_dir)["backend"])
+
+
+def read_job(run_dir: Path) -> dict[str, Any]:
+    """A run folder's job.json, whichever registered backend wrote it; one sentence when it has none."""
+    path = Path(run_dir) / "job.json"
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError([f"{str(run_dir)!r} has no job.json: it is not a run launched with --backend "
+                           f"({', '.join(REGISTRY)}); give the folder `finetune train … --backend` printed."]) from None
+    except (OSError, ValueError):
+        raise ConfigError([f"{path} cannot be read as JSON: it is damaged."]) from None
+    name = values.get("backend") if isinstance(values, dict) else None
+    if name not in REGISTRY:
+        raise ConfigError([f"{path} names no known backend ({name!r}): it was written by another version of "
+                           "finetune."])
+    return values
+
+
+def refuse_foreign_options(args: argparse.Namespace) -> None:
+    """One sentence when an option of another backend than `args.backend` is given."""
+    for backend in every():
+        if backend.name == args.backend:
+            continue
+        if given := [f"--{o.replace('_', '-')}" for o in backend.options if getattr(args, o, None)]:
+            raise ConfigError([f"{given[0]} is an option of --backend {backend.name}: add `--backend "
+                               f"{backend.name}`, or drop it."])
