@@ -114,7 +114,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Run `finetune eval RUN_OR_MODEL [key=value …]`."""
+    """Run `finetune eval RUN_OR_MODEL [key=value …]`, or `--benchmarks TASK[,TASK…]` through lm-evaluation-harness."""
+    if args.benchmarks is not None:
+        from finetune.use.benchmarks import run_benchmarks, table
+
+        if args.overrides:
+            raise ConfigError([f"{args.overrides[0]!r}: key=value options choose the data of the run's own metrics; "
+                               "--benchmarks takes none."])
+        record = run_benchmarks(args.target, args.benchmarks, base=args.base, limit=args.limit,
+                                batch_size=args.batch_size, progress=lambda s: print(s, file=sys.stderr, flush=True))
+        print(table(record), file=sys.stderr)
+        print(json.dumps(record, indent=2))
+        return EXIT_OK
+    if args.base or args.limit is not None:
+        raise ConfigError([f"{'--base' if args.base else '--limit'} goes with --benchmarks TASK[,TASK…]."])
     from finetune.use.evaluate import evaluate_target
 
     print(json.dumps(evaluate_target(args.target, args.overrides), indent=2))
@@ -318,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="Evaluate a run's model or a saved model.")
     p.add_argument("target", help="A run directory or a model folder.")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. dataset=val.csv eval_split=validation")
+    p.add_argument("--benchmarks", metavar="TASK[,TASK…]", help="Score the model with EleutherAI's "
+                   "lm-evaluation-harness instead: registry tasks (hellaswag, mmlu, …) or task YAML files; the scores "
+                   "go to RUN/benchmarks.json (docs/evaluations.md).")
+    p.add_argument("--base", action="store_true", help="Benchmarks: also score the model the run started from.")
+    p.add_argument("--limit", type=int, metavar="N", help="Benchmarks: score only the first N examples of each task.")
+    p.add_argument("--batch-size", default="8", type=lambda v: v if v == "auto" else int(v), metavar="N|auto",
+                   help="Benchmarks: the harness's batch size, or auto (default: 8).")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("predict", help="Run a trained model on texts.")
     p.add_argument("model", help="A run directory or a model folder.")

@@ -11,6 +11,7 @@
       model/         final model + tokenizer (from_pretrained-loadable), or a LoRA adapter
       adapter/       the LoRA adapter, when merge_lora put the merged model in model/
       metrics.json   final evaluation and training figures
+      benchmarks.json  lm-evaluation-harness scores of the model (and its base): `finetune eval RUN --benchmarks`
       loss.png       the loss curve, drawn from events.jsonl by a background process when the run ends
       tensorboard/   TensorBoard event files, with report_to=tensorboard
       export/        what `finetune export` wrote: merged/ (a transformers folder), *.gguf, Modelfile, export.json
@@ -52,7 +53,7 @@ LAUNCH_FILES = ("launch.yaml", "launch.log", "slurm.sbatch", "slurm.yaml", "slur
 MANIFEST = ".finetune-files.json"
 MANIFEST_DIRS = ("checkpoints", "model", "adapter")
 RUN_FILES = (MARKER, MANIFEST, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter",
-             "metrics.json", "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "export",
+             "metrics.json", "benchmarks.json", "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "export",
              "export.log",  # the app's log of `finetune export`, beside export/
              "wandb", "mlruns", *LAUNCH_FILES,
              "job.json", ".fetch.partial")  # a run on Hugging Face Jobs (finetune.remote): its job, a fetch under way
