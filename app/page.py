@@ -263,7 +263,9 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
                "try_panel": {"chat": tryit.chat, "label": tryit.label, "generated": tryit.generated,
                              "button": tryit.button, "entities": tryit.entities, "new_chat": tryit.new_chat,
                              "text": tryit.text, "message": tryit.message, "image": tryit.image,
-                             "push": export.push},
+                             "push": export.push, "settings": tryit.settings,
+                             "max_new_tokens": tryit.max_new_tokens, "temperature": tryit.temperature,
+                             "top_p": tryit.top_p, "system_prompt": tryit.system_prompt},
                "note": run.message, "scatter": run.scatter, "completions": run.completions}
     on(timer.tick, follow.poll, seen, targets, gate="public", concurrency_limit=None, show_progress="hidden",
        **PRIVATE)
