@@ -180,13 +180,17 @@ class ScriptApi:
             return {"message": self.handlers.run.cancel(request=request).removeprefix("⚠️ ")}
         return {"message": self.handlers.run.cancel_named(run, request=request).removeprefix("⚠️ ")}
 
-    def predict(self, text: str, request: gr.Request) -> dict[str, Any]:
-        """The finished run's model on `text`: {label, probabilities}, {generated}, {words, tags,
-        entities}, or {"error": message}."""
+    def predict(self, text: str, request: gr.Request = None, max_new_tokens: int | None = None,
+                temperature: float | None = None, top_p: float | None = None, system_prompt: str = ""
+                ) -> dict[str, Any]:
+        """The finished run's model on `text`: {label, probabilities}, {generated}, {reply}, {words, tags,
+        entities}, or {"error": message}; a model that generates text does so with the settings given (unset: its
+        generation_config's; at most Try it's new tokens)."""
         from finetune.errors import InputError
 
         try:
-            return self.handlers.tryit.predict(text, request=request)
+            return self.handlers.tryit.predict(text, request=request, max_new_tokens=max_new_tokens,
+                                               temperature=temperature, top_p=top_p, system_prompt=system_prompt)
         except (Unanswered, InputError) as e:  # InputError: the model cannot be loaded, or its template fails
             return {"error": str(e)}
 

@@ -6,7 +6,6 @@ schema gets a widget, a place on the page and a round trip through Export/Import
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass
@@ -393,21 +392,32 @@ def loads_offline(model: str) -> bool:
 
 
 HUB_MARK = " (downloads from the Hub)"
+NETWORK_MARK = " (needs the network)"  # offline: a preset that is not in the cache
 
 
-def model_choices(offline: bool | None = None) -> list[tuple[str, str]]:
-    """The Model dropdown's presets, grouped by kind (in the registry's order); a preset that needs a download is
-    marked so (and left out when the Hub is off: `offline`, default HF_HUB_OFFLINE)."""
+def model_choices(offline: bool | None = None, runs_dir: Path | None = None, shared: bool = False,
+                  cache_dir: str | Path | None = None) -> list[tuple[str, str]]:
+    """The Model dropdown: the presets grouped by kind (in the registry's order), a preset that needs a download
+    marked so (offline, `offline` or HF_HUB_OFFLINE: marked as needing the network); then the other models in the
+    Hugging Face cache (`cache_dir`, default the hub's) and, unless the server is `shared` (no local folders there),
+    the merged exports under `runs_dir`, each with its kind."""
     import os
+
+    from app.disk_models import cached_models, merged_exports
 
     if offline is None:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     out = []
     for kind in kinds.names():
         for model in kinds.entry(kind).presets:
-            here = loads_offline(model)
-            if here or not offline:
-                out.append((model if here else f"{model}{HUB_MARK}", model))
+            out.append((model if loads_offline(model) else f"{model}{NETWORK_MARK if offline else HUB_MARK}", model))
+    for repo, kind in cached_models(cache_dir):
+        if repo not in MODEL_PRESETS:
+            out.append((f"{repo} (in the cache{f': {task_label(kind)}' if kind else ''})", repo))
+    if runs_dir is not None and not shared:
+        for folder, kind in merged_exports(runs_dir):
+            name = f"{folder.parent.parent.name}'s merged export"
+            out.append((f"{folder} ({name}{f': {task_label(kind)}' if kind else ''})", str(folder)))
     return out
 
 
@@ -466,17 +476,24 @@ def field_problems(error: ConfigError) -> dict[str, str]:
 
 
 def infer_task(model: str) -> str | None:
-    """The task kind of a preset or a local model folder; None when it cannot be told offline."""
+    """The task kind of a preset, a local model folder or a hub model in the local cache; None when it cannot be told
+    offline."""
+    from app.disk_models import config_kind
+
     if model in MODEL_PRESETS:
         return MODEL_PRESETS[model]
-    config = Path(model).expanduser() / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        model_config = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return kinds.kind_of_model_config(model_config, default=None) if isinstance(model_config, dict) else None
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json")
+        except (ImportError, ValueError):  # not a hub id either
+            return None
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent
+    return config_kind(folder)
 
 
 def preset_config(path: str | Path, base: str | Path | None = None) -> Config:

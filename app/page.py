@@ -20,7 +20,7 @@ from app.export.tab import ExportTab, create_export_tab, wire_export_tab
 from app.follow import Follow
 from app.jobs.training import JobManager
 from app.machine import MachineReport
-from app.mapping import COLUMN_FIELDS, FIELD_NAMES, changed_options, preset_config
+from app.mapping import COLUMN_FIELDS, FIELD_NAMES, changed_options, model_choices, preset_config
 from app.runs.tab import RunsTab
 from app.tabs import Handlers, handlers
 from app.train import preview
@@ -218,7 +218,9 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         ScriptApi(h).register()
         with gr.Tabs(elem_id="steps"):
             with gr.Tab("Train", id="train", elem_id="tab-train"):
-                train = create_train_tab(Form(initial, memory, data))
+                # The models on this machine as the page is built (a shared server: only hub ids, from the cache).
+                models = model_choices(runs_dir=runs_dir, shared=access.shared)
+                train = create_train_tab(Form(initial, memory, data, models))
             with gr.Tab("Try it", id="try", elem_id="tab-try"):
                 tryit = create_tryit_tab()
             with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
@@ -263,7 +265,9 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
                "try_panel": {"chat": tryit.chat, "label": tryit.label, "generated": tryit.generated,
                              "button": tryit.button, "entities": tryit.entities, "new_chat": tryit.new_chat,
                              "text": tryit.text, "message": tryit.message, "image": tryit.image,
-                             "push": export.push},
+                             "push": export.push, "settings": tryit.settings,
+                             "max_new_tokens": tryit.max_new_tokens, "temperature": tryit.temperature,
+                             "top_p": tryit.top_p, "system_prompt": tryit.system_prompt},
                "note": run.message, "scatter": run.scatter, "completions": run.completions}
     on(timer.tick, follow.poll, seen, targets, gate="public", concurrency_limit=None, show_progress="hidden",
        **PRIVATE)

@@ -150,7 +150,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if not texts:
         raise ConfigError(["Nothing to predict: give texts as arguments or --file with one text per line."])
     for result in predict(args.model, texts, max_new_tokens=args.max_new_tokens, chat=args.chat,
-                          task_name=task_name):
+                          task_name=task_name, temperature=args.temperature, top_p=args.top_p,
+                          system_prompt=args.system_prompt):
         print(json.dumps(result, ensure_ascii=False))
     return EXIT_OK
 
@@ -343,7 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="A run directory or a model folder.")
     p.add_argument("texts", nargs="*", help="Texts to classify or continue.")
     p.add_argument("--file", help="A file with one text (or JSON conversation) per line.")
-    p.add_argument("--max-new-tokens", type=int, default=40, help="Causal LM: tokens to generate.")
+    p.add_argument("--max-new-tokens", type=int, help="Generating models: the most tokens to generate (default: the "
+                   "model's generation_config, else 40).")
+    p.add_argument("--temperature", type=float, help="Generating models: 0 for greedy, above 0 to sample (default: "
+                   "the model's generation_config, else greedy).")
+    p.add_argument("--top-p", type=float, help="Sampling: draw from the likeliest tokens whose probabilities add up "
+                   "to this (default: the model's generation_config, else 1).")
+    p.add_argument("--system-prompt", default="", help="Chat: a system turn before each conversation.")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="Causal LM: answer each text (or JSON conversation) as the assistant, through the model's "
                    "chat template, or continue it as plain text (--no-chat). Default: chat with a run that trained "

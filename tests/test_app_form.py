@@ -25,6 +25,7 @@ from app.mapping import (
     HUB_MARK,
     KIND_FIELDS,
     MODEL_PRESETS,
+    NETWORK_MARK,
     SPECS,
     model_choices,
     shown_fields,
@@ -97,7 +98,7 @@ def test_a_local_file_has_no_hub_config_or_split_and_one_resume_and_push(tmp_pat
     assert regression.chat_example == gr.update(visible=False) and regression.fields["train_split"]["visible"]
 
 
-def test_choices_name_kinds_and_mark_presets_that_need_the_hub(monkeypatch):
+def test_choices_name_kinds_and_mark_presets_that_need_the_hub(monkeypatch, tmp_path):
     assert [v for _, v in task_choices()] == list(kinds.names())
     assert dict(task_choices())["Text classification"] == "classification"
     assert all("_" not in label for label, _ in task_choices())  # no raw ids such as causal_lm
@@ -108,8 +109,10 @@ def test_choices_name_kinds_and_mark_presets_that_need_the_hub(monkeypatch):
     labels = dict((v, label) for label, v in choices)
     assert labels["bundled:all-MiniLM-L6-v2"] == "bundled:all-MiniLM-L6-v2"  # loads offline: as it is
     assert labels["openai-community/gpt2"] == f"openai-community/gpt2{HUB_MARK}"  # not cached on this machine
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert [v for _, v in model_choices()] == ["bundled:all-MiniLM-L6-v2"]  # offline: only what loads
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: what loads as it is, the others marked (an empty cache)
+    offline = model_choices(cache_dir=tmp_path)
+    assert [v for label, v in offline if not label.endswith(NETWORK_MARK)] == ["bundled:all-MiniLM-L6-v2"]
+    assert sorted(v for _, v in offline) == sorted(MODEL_PRESETS)
 
 
 def test_help_texts_use_the_forms_labels():

@@ -205,7 +205,7 @@ def test_try_it_truncates_a_long_text_and_says_so(tmp_path, monkeypatch):
 
     seen = {}
 
-    def fake_predict(target, texts, max_new_tokens=40, prompt=None):
+    def fake_predict(target, texts, max_new_tokens=40, prompt=None, **settings):
         seen.update(texts=texts, max_new_tokens=max_new_tokens)
         return [{"label": "pos", "probabilities": {"pos": 0.9, "neg": 0.1}}]
 
@@ -216,7 +216,7 @@ def test_try_it_truncates_a_long_text_and_says_so(tmp_path, monkeypatch):
     (run / "events.jsonl").write_text(json.dumps({"event": "done", "time": time.time() + 10}) + "\n")
     ctl.state.jobs.training._job = jobs._Job(run_dir=run, config_path=run / "config.yaml", log_path=run / "launch.log",
                                              command=["python"], pid=-1, proc=None, launched=time.time())
-    shown = ctl.tryit.try_it("word " * 10_000)
+    shown = ctl.tryit.try_it("word " * 10_000, max_new_tokens=10_000)
     assert len(seen["texts"][0]) == limits.MAX_TRY_CHARS and seen["max_new_tokens"] == limits.MAX_NEW_TOKENS
     assert shown.message == "Only the first 2,000 characters of the text were used."
     assert ctl.tryit.try_it("short").message == ""

@@ -54,8 +54,9 @@ def suggested(name: str, home: Path | None) -> list[tuple[str, str]]:
 
 
 def widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: DatasetView,
-           shown: dict[str, bool]) -> gr.components.Component:
-    """The widget of one config field, holding `value`; hidden when the form does not show it (`shown`)."""
+           shown: dict[str, bool], models: list[tuple[str, str]] | None = None) -> gr.components.Component:
+    """The widget of one config field, holding `value`; hidden when the form does not show it (`shown`); the Model
+    list offers `models` (default: the presets, `model_choices()`)."""
     common = {"label": spec.label, "info": spec.info, "value": value, "elem_id": f"field-{spec.name}",
               "visible": shown.get(spec.name, True)}
     if spec.name == "memory_budget_gb" and memory is not None:
@@ -73,8 +74,9 @@ def widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: Data
     if spec.kind == "numbers":  # a list whose items may repeat
         return gr.Textbox(placeholder="comma-separated: 1, 0.5", max_length=limits.MAX_INPUT_CHARS, **common)
     if spec.kind == "model":
-        return gr.Dropdown(model_choices(), allow_custom_value=True, filterable=True, **{
-            **common, "info": f"{spec.info} Pick a preset (grouped by task) or type any hub id or local folder."})
+        return gr.Dropdown(model_choices() if models is None else models, allow_custom_value=True, filterable=True,
+                           **{**common, "info": f"{spec.info} Pick a preset (grouped by task), a model already on "
+                              "this machine, or type any hub id or local folder."})
     if spec.kind == "column":
         value = value or data.chosen.get(spec.name) or ""
         choices = [NONE_CHOICE, *[(c, c) for c in data.columns]]
@@ -94,8 +96,9 @@ def widget(spec: WidgetSpec, value: Any, memory: DeviceMemory | None, data: Data
 class Form:
     """The config widgets of one page, by field name, made section by section (`place`) inside the open panel."""
 
-    def __init__(self, initial: Config, memory: DeviceMemory | None, data: DatasetView):
-        self.initial, self.memory, self.data = initial, memory, data
+    def __init__(self, initial: Config, memory: DeviceMemory | None, data: DatasetView,
+                 models: list[tuple[str, str]] | None = None):
+        self.initial, self.memory, self.data, self.models = initial, memory, data, models
         self.fields: dict[str, gr.components.Component] = {}
         self._sections: dict[str, list[WidgetSpec]] = {}
         for spec in SPECS.values():
@@ -110,7 +113,7 @@ class Form:
             with gr.Row():
                 for spec in specs[i: i + per_row]:
                     value = to_widget(spec.name, getattr(self.initial, spec.name))
-                    self.fields[spec.name] = widget(spec, value, self.memory, self.data, shown)
+                    self.fields[spec.name] = widget(spec, value, self.memory, self.data, shown, self.models)
 
     @property
     def by_name(self) -> dict[str, gr.components.Component]:

@@ -4,6 +4,7 @@ which of them the panel offers for a run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from app.state import AppState
 from app.tryit import renderers
 from finetune.config.schema import ConfigError, read_yaml
 from finetune.kinds import registry as kinds
+from finetune.use.generation import Generation, model_defaults
 
 # The run's chat template is a visitor's text: it renders in a forked child stopped after this long (or past
 # `bounded.MEMORY_HEADROOM` more memory), and what it renders is at most this long (the model reads far less).
@@ -110,6 +112,11 @@ class TryPanel:
     push: Any = keep()  # Push, like Predict, acts only on a finished model
     entities: Any = keep()  # token classification: the words with their entities highlighted
     image: Any = keep()  # an image classifier's input, shown in place of the text box
+    settings: Any = keep()  # the generation settings, shown for a model that generates text
+    max_new_tokens: Any = keep()
+    temperature: Any = keep()
+    top_p: Any = keep()
+    system_prompt: Any = keep()  # a chat's system turn
 
 
 def panel(status: JobStatus, *, new_model: bool) -> TryPanel:
@@ -124,13 +131,28 @@ def panel(status: JobStatus, *, new_model: bool) -> TryPanel:
                "entities": gr.update(value=None, visible=False), "message": ""} if new_model else {}
     if not ready:
         cleared["message"] = waiting_note(status)
+    generates = view in GENERATING_VIEWS
+    if new_model and generates:  # a new model's own defaults, from its generation_config
+        gen = generation_defaults(status.model_dir)
+        cleared |= {"max_new_tokens": gr.update(value=gen.max_new_tokens),
+                    "temperature": gr.update(value=gen.temperature), "top_p": gr.update(value=gen.top_p)}
     return TryPanel(chat=gr.update(visible=chat, **({"value": []} if new_model else {})),
                     new_chat=gr.update(visible=chat), push=gr.update(interactive=ready),
                     button=gr.update(interactive=ready, value="Send" if chat else "Predict"),
                     image=gr.update(visible=pictured, **({"value": None} if new_model else {})),
                     text=gr.update(visible=not pictured, label="Your message" if chat else "Try it",
                                    placeholder=PLACEHOLDERS.get(view or "", "Type a text for the trained model")),
-                    **cleared)
+                    settings=gr.update(visible=generates), system_prompt=gr.update(visible=chat), **cleared)
+
+
+# The views of a model that generates text: Try it shows the generation settings for them.
+GENERATING_VIEWS = ("chat", "text", "generated_text")
+
+
+def generation_defaults(model_dir: Any) -> Generation:
+    """Try it's settings for a model: its generation_config's, with at most `limits.MAX_NEW_TOKENS` new tokens."""
+    gen = model_defaults(model_dir)
+    return dataclasses.replace(gen, max_new_tokens=min(gen.max_new_tokens, limits.MAX_NEW_TOKENS))
 
 
 PLACEHOLDERS = {"chat": "Write to the trained model",
@@ -174,15 +196,27 @@ class TryItHandlers:
             raise Unanswered(f"⚠️ {refused}")
         return status
 
-    def predict(self, text: str, *, request: Any = None) -> dict[str, Any]:
+    def _settings(self, status: JobStatus, max_new_tokens: int | None, temperature: float | None,
+                  top_p: float | None, system_prompt: str | None) -> dict[str, Any]:
+        """`predict`'s generation keywords from a visitor's settings: unset ones from the model's generation_config,
+        new tokens at most `limits.MAX_NEW_TOKENS`, the system prompt cut to the Try it limit."""
+        default = generation_defaults(status.model_dir)
+        wanted = default.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        return {"max_new_tokens": min(wanted, limits.MAX_NEW_TOKENS), "temperature": temperature, "top_p": top_p,
+                "system_prompt": limits.truncate_try_text(system_prompt or "")[0], "prompt": bounded_prompt}
+
+    def predict(self, text: str, *, request: Any = None, max_new_tokens: int | None = None,
+                temperature: float | None = None, top_p: float | None = None, system_prompt: str = ""
+                ) -> dict[str, Any]:
         """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
         text is the user's turn), {generated}, {value}, {score} or {words, tags, entities} (the kind's record).
 
         Raises `Unanswered` without a text or a finished model, or for an image classifier (a text would name a
         file on the server: its images come as uploads, `predict_image`), `finetune.models.pretrained.ModelError`
-        when the model cannot be loaded, and `finetune.errors.DataError` when its chat template cannot render the
-        text."""
+        when the model cannot be loaded, `finetune.errors.DataError` when its chat template cannot render the
+        text, and `finetune.errors.ConfigError` for generation settings out of range (`finetune.use.generation`)."""
         text, status = self._finished_run(text, request)
+        settings = self._settings(status, max_new_tokens, temperature, top_p, system_prompt)
         if try_view(status) == "image":
             raise Unanswered("This run classifies images: upload an image in Try it.")
         from finetune.use.predict import predict
@@ -194,7 +228,7 @@ class TryItHandlers:
             vectors = [next(v for v in r.values() if isinstance(v, list)) for r in records]  # each one's vector
             return {"query": query, "similarities": nearest(vectors[0], candidates, vectors[1:]),
                     "candidates_dropped": max(0, len(lines) - 1 - limits.MAX_TRY_CANDIDATES)}
-        out = predict(str(status.run_dir), [text], max_new_tokens=limits.MAX_NEW_TOKENS, prompt=bounded_prompt)[0]
+        out = predict(str(status.run_dir), [text], **settings)[0]
         return {k: v for k, v in out.items() if k != "text"}  # the kind's record, less the text it was given
 
     def predict_image(self, image: str | None, *, request: Any = None) -> dict[str, Any]:
@@ -218,11 +252,12 @@ class TryItHandlers:
         out = predict(str(status.run_dir), [str(image)])[0]
         return {k: v for k, v in out.items() if k != "text"}  # the label and probabilities, less the file's path
 
-    def try_it(self, text: str, history: list[dict[str, Any]] | None = None, image: str | None = None, *,
-               request: Any = None) -> renderers.PredictionShown:
+    def try_it(self, text: str, history: list[dict[str, Any]] | None = None, image: str | None = None,
+               max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+               system_prompt: str = "", *, request: Any = None) -> renderers.PredictionShown:
         """Try it: the finished model's prediction shown by its kind's view (an image classifier's of the uploaded
         `image`), or (a run its kind chats with) the next turn of a chat with it, through the template it was
-        trained with."""
+        trained with; a model that generates text generates with the settings given (unset: its own)."""
         from finetune.errors import InputError
         from finetune.use.predict import chat
 
@@ -233,9 +268,11 @@ class TryItHandlers:
             if history or view == "chat":  # the model answers the whole conversation
                 text, status = self._finished_run(text, request)
                 turns = [*history_turns(history), {"role": "user", "content": text}]
-                reply = chat(str(status.run_dir), turns, max_new_tokens=limits.MAX_NEW_TOKENS, prompt=bounded_prompt)
+                reply = chat(str(status.run_dir), turns,
+                             **self._settings(status, max_new_tokens, temperature, top_p, system_prompt))
             else:
-                out = self.predict(text, request=request)
+                out = self.predict(text, request=request, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p, system_prompt=system_prompt)
         except Unanswered as e:
             return renderers.PredictionShown(message=str(e))
         except InputError as e:  # the model cannot be loaded, or its template cannot render the chat

@@ -11,6 +11,7 @@ import gradio as gr
 
 from app import limits
 from app.tryit.panel import TryItHandlers
+from finetune.use.generation import Generation
 
 
 @dataclass
@@ -26,6 +27,16 @@ class TryItTab:
     generated: Any
     entities: Any
     image: Any  # an image classifier's input, in place of the text box
+    settings: Any  # the accordion of generation settings (a model that generates text)
+    max_new_tokens: Any
+    temperature: Any
+    top_p: Any
+    system_prompt: Any
+
+    @property
+    def generation(self) -> list[Any]:
+        """The generation settings, in `TryItHandlers.try_it`'s order."""
+        return [self.max_new_tokens, self.temperature, self.top_p, self.system_prompt]
 
     @property
     def shown(self) -> dict[str, Any]:
@@ -49,15 +60,32 @@ def create_tryit_tab() -> TryItTab:
                          sources=["upload", "clipboard"], visible=False, scale=4, elem_id="try-image")
         button = gr.Button("Predict", scale=1, interactive=False, elem_id="try-button")
     new_chat = gr.ClearButton([chat], value="New chat", size="sm", visible=False)
+    # Set to the model's generation_config when a run finishes (`panel.panel`); hidden for a model that does not
+    # generate text.
+    defaults = Generation()
+    with gr.Accordion("Generation settings", open=False, visible=False, elem_id="try-settings") as settings:
+        with gr.Row():
+            max_new_tokens = gr.Slider(1, limits.MAX_NEW_TOKENS, value=min(defaults.max_new_tokens,
+                                                                           limits.MAX_NEW_TOKENS), step=1,
+                                       label="Max new tokens", elem_id="try-max-new-tokens")
+            temperature = gr.Slider(0, 2, value=defaults.temperature, step=0.05, elem_id="try-temperature",
+                                    label="Temperature", info="0: greedy, the likeliest token each step")
+            top_p = gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p", elem_id="try-top-p",
+                              info="Sampling: only the likeliest tokens that add up to this")
+        system_prompt = gr.Textbox(label="System prompt", placeholder="Before the chat, e.g. Answer briefly.",
+                                   max_length=limits.MAX_TRY_CHARS, visible=False, elem_id="try-system")
     message = gr.Markdown(elem_id="try-message")
     label = gr.Label(label="Prediction", num_top_classes=5, visible=False, elem_id="prediction")
     generated = gr.Textbox(label="Generated continuation", visible=False, interactive=False)
     entities = gr.HighlightedText(label="Entities", visible=False, show_legend=True, elem_id="try-entities")
     return TryItTab(chat=chat, text=text, button=button, new_chat=new_chat, message=message, label=label,
-                    generated=generated, entities=entities, image=image)
+                    generated=generated, entities=entities, image=image, settings=settings,
+                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, system_prompt=system_prompt)
 
 
 def wire_tryit_tab(on: Callable[..., Any], handlers: TryItHandlers, tab: TryItTab) -> None:
-    """Predict (or Send) and Enter in the box ask the model (an image classifier: about the uploaded image)."""
+    """Predict (or Send) and Enter in the box ask the model (an image classifier: about the uploaded image), with the
+    generation settings."""
     for event in (tab.button.click, tab.text.submit):
-        on(event, handlers.try_it, [tab.text, tab.chat, tab.image], tab.shown, api_visibility="private")
+        on(event, handlers.try_it, [tab.text, tab.chat, tab.image, *tab.generation], tab.shown,
+           api_visibility="private")

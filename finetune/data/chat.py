@@ -232,9 +232,11 @@ def prompt_of(tokenizer: Any, turns: list[dict[str, Any]]) -> tuple[str, list[in
 
 
 def reply(model: Any, tokenizer: Any, turns: list[dict[str, Any]], max_new_tokens: int,
-          prompt: Callable[[Any, list[dict[str, Any]]], tuple[str, list[int]]] = prompt_of) -> str:
-    """The model's next assistant turn after `turns`, generated greedily through the chat template; `prompt`
-    renders it (`prompt_of`: a server passes one that runs the template in a bounded child process)."""
+          prompt: Callable[[Any, list[dict[str, Any]]], tuple[str, list[int]]] = prompt_of,
+          sampling: dict[str, Any] | None = None) -> str:
+    """The model's next assistant turn after `turns`, generated through the chat template (greedily, unless
+    `sampling` gives `model.generate` other keywords); `prompt` renders it (`prompt_of`: a server passes one that runs
+    the template in a bounded child process)."""
     import torch
 
     text, stop = prompt(tokenizer, turns)
@@ -242,6 +244,6 @@ def reply(model: Any, tokenizer: Any, turns: list[dict[str, Any]], max_new_token
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0] if stop else None
     with torch.inference_mode():
         ids = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop or None,
-                             pad_token_id=pad)
+                             max_new_tokens=max_new_tokens, eos_token_id=stop or None, pad_token_id=pad,
+                             **(sampling or {"do_sample": False}))
     return tokenizer.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()

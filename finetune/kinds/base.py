@@ -36,6 +36,10 @@ TEXT_NAMES = ("text", "sentence", "sentence1", "content", "review", "document", 
 ROLES = tuple(dict.fromkeys(key.removesuffix("_column") for e in registry.ENTRIES.values() for key in e.columns))
 
 
+# `model.generate`'s keywords for decoding when the caller asks for nothing else (`predict`'s `sampling`).
+GREEDY: dict[str, Any] = {"do_sample": False}
+
+
 def _with_roles(cls: type) -> type:
     """`cls` with a field per role in `ROLES` (None by default), before `dataclass` makes it: a kind's own columns,
     declared in its registry entry, need no change here."""
@@ -144,7 +148,8 @@ class TaskKind(Protocol):
     # --- use after training
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str, max_new_tokens: int
                 ) -> list[dict[str, Any]]:
-        """`finetune predict`'s output, one record per text."""
+        """`finetune predict`'s output, one record per text (a kind that generates also takes `sampling`:
+        `model.generate`'s keywords for greedy or sampled decoding, `finetune.use.generation.Generation.sampling`)."""
 
 
 def padded_batch(rows: pa.Table, pad_id: int,

@@ -22,6 +22,7 @@ from finetune.data.chat import MESSAGES_NAMES, check_conversations, encode_conve
 from finetune.data.segments import split_documents
 from finetune.errors import DataError
 from finetune.kinds.base import (
+    GREEDY,
     IGNORE_INDEX,
     TEXT_NAMES,
     Columns,
@@ -183,16 +184,17 @@ class CausalLM:
             positions = min(positions, chunk_positions(vocab))
         return 2 * positions * vocab * 4
 
-    def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40
-                ) -> list[dict[str, Any]]:
-        """A greedy continuation of each text (after the task's prompt prefix, in a multi-task model)."""
+    def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40,
+                sampling: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """A continuation of each text (after the task's prompt prefix, in a multi-task model), greedy unless
+        `sampling` says otherwise."""
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         out = []
         for text in texts:
             enc = tokenizer(prefix + text, return_tensors="pt")
             # Only what every causal LM takes: a BERT-style tokenizer also returns token_type_ids, which Llama refuses.
             ids = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+                                 max_new_tokens=max_new_tokens, pad_token_id=pad, **(sampling or GREEDY))
             out.append({"text": text, "generated": tokenizer.decode(ids[0, enc["input_ids"].shape[1]:],
                                                                     skip_special_tokens=True)})
         return out

@@ -579,10 +579,11 @@ class GRPO:
         return micro * vocab * ((t + 1) * (2 if half else 4) + 2 * t * 4)
 
     # --- use after training
-    def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40
-                ) -> list[dict[str, Any]]:
-        """A greedy continuation of each prompt, as for a causal LM."""
-        return CAUSAL.predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens)
+    def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40,
+                sampling: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """A continuation of each prompt, as for a causal LM."""
+        return CAUSAL.predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens,
+                              sampling=sampling)
 
 
 def _cut(text: str) -> str:

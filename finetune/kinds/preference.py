@@ -396,10 +396,11 @@ class Preference:
         return dict(zip(REFERENCE_COLUMNS, logps.float().chunk(2), strict=True))
 
     # --- use after training
-    def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40
-                ) -> list[dict[str, Any]]:
-        """A greedy continuation of each prompt, as for a causal LM."""
-        return CAUSAL.predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens)
+    def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40,
+                sampling: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """A continuation of each prompt, as for a causal LM."""
+        return CAUSAL.predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens,
+                              sampling=sampling)
 
 
 def encode_text_pairs(batch: dict[str, list], indices: list[int], e: Encoding

@@ -31,6 +31,7 @@ from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import ConfigError, DataError, ModelError
 from finetune.kinds.base import (
+    GREEDY,
     IGNORE_INDEX,
     Columns,
     Encoding,
@@ -317,16 +318,17 @@ class Seq2Seq:
                 f'inputs = tokenizer((model.config.prefix or "") + "{example}", return_tensors="pt")\n'
                 f'print(tokenizer.decode(model.generate(**inputs, max_new_tokens=64)[0], skip_special_tokens=True))')
 
-    def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40
-                ) -> list[dict[str, Any]]:
-        """Each text's generated target (greedy), after the run's `source_prefix` saved with the model."""
+    def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40,
+                sampling: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Each text's generated target (greedy unless `sampling` says otherwise), after the run's `source_prefix`
+        saved with the model."""
         saved = getattr(_model_config(model), "prefix", None) or ""
         out = []
         for text in texts:
             enc = tokenizer(prefix + saved + text, return_tensors="pt", truncation=True,
                             max_length=min(int(getattr(tokenizer, "model_max_length", 512) or 512), 4096))
             ids = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                                 max_new_tokens=max_new_tokens, do_sample=False)
+                                 max_new_tokens=max_new_tokens, **(sampling or GREEDY))
             out.append({"text": text, "generated_text": tokenizer.decode(ids[0], skip_special_tokens=True).strip()})
         return out
 

@@ -15,6 +15,10 @@ from finetune.kinds import registry
 from finetune.kinds.registry import kind
 from finetune.models.heads import task_model_dir
 from finetune.models.pretrained import load_saved_preprocessor, load_trained, resolve_model_dir, task_of
+from finetune.use.generation import settings
+
+# The Try it views of the kinds whose `predict` generates text, and so takes `sampling`.
+GENERATED_VIEWS = ("text", "generated_text")
 
 
 def conversation_of(text: str) -> list[dict[str, Any]]:
@@ -34,26 +38,32 @@ def conversation_of(text: str) -> list[dict[str, Any]]:
 
 
 @torch.inference_mode()
-def predict(target: str, texts: list[str], max_new_tokens: int = 40, chat: bool | None = None,
-            task_name: str | None = None, prompt: Callable[..., tuple[str, list[int]]] = prompt_of
+def predict(target: str, texts: list[str], max_new_tokens: int | None = None, chat: bool | None = None,
+            task_name: str | None = None, prompt: Callable[..., tuple[str, list[int]]] = prompt_of,
+            temperature: float | None = None, top_p: float | None = None, system_prompt: str = ""
             ) -> list[dict[str, Any]]:
     """Per text: the label with class probabilities (classification), the model's reply through its chat template
     (a causal LM trained on conversations, or a model folder with a template, or `chat=True`; a text may be a JSON
-    conversation), or a generated continuation. A multi-task model needs `task_name`: that task's head, or its
-    prompt prefix before each text. `prompt` renders a chat (`finetune.data.chat.reply`)."""
+    conversation, after `system_prompt`), or a generated continuation. A multi-task model needs `task_name`: that
+    task's head, or its prompt prefix before each text. `prompt` renders a chat (`finetune.data.chat.reply`).
+    Generation settings left None come from the model's `generation_config.json` (`finetune.use.generation`)."""
     model_dir, run_dir = resolve_model_dir(target)
     model_dir, entry = task_model_dir(model_dir, task_name)
     prefix = (entry or {}).get("prompt_prefix") or ""
     task = task_of(model_dir)
+    gen = settings(model_dir, max_new_tokens, temperature, top_p, system_prompt)
     tokenizer = load_saved_preprocessor(model_dir, task)
     model = load_trained(model_dir, task).eval()
     if chat is None:
         chat = _trained_to_chat(tokenizer, run_dir)
     if registry.entry(task).generates and chat:  # chatting is a use of a causal LM trained on conversations
         require_template(tokenizer, str(model_dir))
-        return [{"text": text, "reply": reply(model, tokenizer, conversation_of(text), max_new_tokens, prompt)}
+        return [{"text": text, "reply": reply(model, tokenizer, gen.turns(conversation_of(text)), gen.max_new_tokens,
+                                              prompt, gen.sampling())}
                 for text in texts]
-    return kind(task).predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=max_new_tokens)
+    # Only a kind that generates text takes the sampling keywords (a classifier's `predict` has no use for them).
+    sampled = {"sampling": gen.sampling()} if registry.entry(task).try_view in GENERATED_VIEWS else {}
+    return kind(task).predict(model, tokenizer, texts, prefix=prefix, max_new_tokens=gen.max_new_tokens, **sampled)
 
 
 def _trained_to_chat(tokenizer: Any, run_dir: Path | None) -> bool:
@@ -64,17 +74,18 @@ def _trained_to_chat(tokenizer: Any, run_dir: Path | None) -> bool:
 
 
 @torch.inference_mode()
-def chat(target: str, turns: list[dict[str, Any]], max_new_tokens: int = 40,
-         prompt: Callable[..., tuple[str, list[int]]] = prompt_of) -> str:
-    """The trained causal LM's next assistant turn after `turns`, through the chat template it was trained with
-    (rendered by `prompt`)."""
+def chat(target: str, turns: list[dict[str, Any]], max_new_tokens: int | None = None,
+         prompt: Callable[..., tuple[str, list[int]]] = prompt_of, temperature: float | None = None,
+         top_p: float | None = None, system_prompt: str = "") -> str:
+    """The trained causal LM's next assistant turn after `turns` (and `system_prompt`), through the chat template it
+    was trained with (rendered by `prompt`); unset generation settings from its `generation_config.json`."""
     from transformers import AutoTokenizer
 
     model_dir, _ = resolve_model_dir(target)
+    gen = settings(model_dir, max_new_tokens, temperature, top_p, system_prompt)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     require_template(tokenizer, str(model_dir))
     # The one kind a chat loads as, whatever its config's architectures say (a run's saved model tells its kind by
     # them, and a chat model folder from elsewhere may name an architecture the registry does not list).
-    return reply(load_trained(model_dir, "causal_lm").eval(), tokenizer, turns, max_new_tokens, prompt)
-
-
+    return reply(load_trained(model_dir, "causal_lm").eval(), tokenizer, gen.turns(turns), gen.max_new_tokens,
+                 prompt, gen.sampling())
