@@ -208,3 +208,38 @@ def test_the_engine_writes_no_kinds_name_outside_the_kinds():
             if isinstance(node, ast.Constant) and node.value in registry.names():
                 counts[name, node.value] = counts.get((name, node.value), 0) + 1
     assert counts == KIND_NAMES_ALLOWED
+
+
+# --- the task-kind contract: every hook the engine calls on a kind is declared (finetune.kinds.base.TaskKind)
+def _kind_members() -> set[str]:
+    """The names of the kind contract's members and of every kind's own (fields of a configured kind included)."""
+    from finetune.kinds import registry
+    from finetune.kinds.base import TaskKind
+
+    return {name for cls in (TaskKind, *(type(registry.kind(n)) for n in registry.names()))
+            for klass in cls.__mro__ for name in vars(klass) if not name.startswith("__")}
+
+
+def _kind_probes(roots: tuple[Path, ...] = (PACKAGE, ROOT / "app")) -> list[str]:
+    """`hasattr(x, "name")` and `getattr(x, "name", …)` outside `finetune/kinds/` where `x` is a kind (its source
+    names one) or `name` is a member of one: a hook asked for by name instead of called."""
+    members = _kind_members()
+    found = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            if path.is_relative_to(PACKAGE / "kinds"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                        node.func.id in ("hasattr", "getattr") and len(node.args) >= 2 and \
+                        isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                    target = ast.unparse(node.args[0])
+                    if "kind" in target or "configured(" in target or node.args[1].value in members:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_engine_calls_a_kinds_hooks_and_never_probes_for_them():
+    """Every hook is a member of `TaskKind` with a default a kind inherits, so the engine calls it: a probe would
+    hide a hook the contract does not declare."""
+    assert _kind_probes() == []

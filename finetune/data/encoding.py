@@ -248,8 +248,7 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     for column in (cols.text, cols.text_pair, cols.prompt, cols.completion, cols.chosen, cols.rejected):
         if column and column not in listed:
             check_strings(table, column, source)
-    if hasattr(kind, "undecoded"):  # a kind that decodes its media at batch time (images): the rows as stored
-        table = kind.undecoded(table, cols)
+    table = kind.undecoded(table, cols)  # a kind that decodes its media at batch time (images): the rows as stored
     eos = kind.end_of_document(tokenizer)
     documents = c.segment_recurrence and takes(c.task, "segment_recurrence")  # whole documents, split by the loop
     if documents and cols.messages:  # a conversation column guessed from the data
@@ -261,8 +260,8 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
                 "mode": mode, "context": context_tokens(c, mode)}
     if kind.entry.options:  # the kind's own options (only for a kind that has some: the others' keys stay as they were)
         settings["options"] = {key: getattr(c, key) for key in kind.entry.options}
-    if hasattr(kind, "encoding_options"):  # what the kind reads of the data itself (where image paths start)
-        settings["options"] = {**settings.get("options", {}), **kind.encoding_options(table, cols, source)}
+    if (own := kind.encoding_options(table, cols, source)) is not None:  # what it reads of the data (image paths)
+        settings["options"] = {**settings.get("options", {}), **own}
     if documents:
         settings = {"task": c.task, "cols": asdict(cols), "eos": eos, "max_length": c.max_document_length or 0,
                     "label_index": settings["label_index"]}

@@ -284,9 +284,9 @@ def _for_training(c: Config, loaded: tuple[Encoded, Encoded | None, list[str] | 
     """The loaded data with the columns a kind marks its training rows with (images to augment), which the
     evaluation rows lack."""
     train_data = loaded[0]
-    marks = getattr(kind(c.task), "training_columns", None)
+    marks = kind(c.task).training_columns(c, len(train_data))
     if marks is not None:
-        train_data.add_columns(marks(c, len(train_data)))
+        train_data.add_columns(marks)
     return loaded
 
 

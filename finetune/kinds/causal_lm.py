@@ -28,6 +28,7 @@ from finetune.kinds.base import (
     Encoding,
     Metrics,
     SumMetrics,
+    TaskKind,
     padded_batch,
     pick_column,
     stored_targets,
@@ -37,7 +38,7 @@ from finetune.kinds.chunked import chunk_positions, chunked_loss_sum
 from finetune.kinds.registry import entry
 
 
-class CausalLM:
+class CausalLM(TaskKind):
     """The `TaskKind` of causal language modelling."""
 
     entry = entry("causal_lm")

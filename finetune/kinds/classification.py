@@ -22,6 +22,7 @@ from finetune.kinds.base import (
     Encoding,
     Metrics,
     SumMetrics,
+    TaskKind,
     named_head,
     padded_batch,
     pick_column,
@@ -84,7 +85,7 @@ def text_features(tokenizer: Any) -> dict[str, Any]:
     return {"token_type_ids": List(Value("int8"))} if "token_type_ids" in tokenizer.model_input_names else {}
 
 
-class Classification:
+class Classification(TaskKind):
     """The `TaskKind` of text classification."""
 
     entry = entry("classification")

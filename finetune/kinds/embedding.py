@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from finetune.config.schema import DEFAULT_MODEL, Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import DataError, ModelError
-from finetune.kinds.base import Columns, Encoding, Reduce, pick_column, refuse_empty_cells, texts_of
+from finetune.kinds.base import Columns, Encoding, Reduce, TaskKind, pick_column, refuse_empty_cells, texts_of
 from finetune.kinds.registry import entry
 from finetune.kinds.regression import average_ranks, pearson
 
@@ -245,7 +245,7 @@ def as_rows(samples: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class Embedding:
+class Embedding(TaskKind):
     """The `TaskKind` of sentence embeddings, with its loss and pooling (`configured` makes one from a config)."""
 
     loss: str = "auto"  # mnrl or cosent, or auto: as the data's shape says (scores: cosent)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import DataError, ModelError
-from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, named_head, pick_column
+from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, TaskKind, named_head, pick_column
 from finetune.kinds.classification import KIND as CLASSIFICATION
 from finetune.kinds.classification import LABEL_NAMES, classification_metrics, label_key
 from finetune.kinds.registry import entry
@@ -199,7 +199,7 @@ def has_batch_norm(c: Config) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class ImageClassification:
+class ImageClassification(TaskKind):
     """The `TaskKind` of image classification; `configured` gives it the model's image processor, which collation
     needs."""
 

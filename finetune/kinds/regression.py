@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from finetune.config.schema import Config
 from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
-from finetune.kinds.base import TEXT_NAMES, Columns, Encoding, Reduce, padded_batch, pick_column
+from finetune.kinds.base import TEXT_NAMES, Columns, Encoding, Reduce, TaskKind, padded_batch, pick_column
 from finetune.kinds.classification import encode_texts, text_features
 from finetune.kinds.registry import entry
 
@@ -98,7 +98,7 @@ class RegressionMetrics:
         return regression_metrics(reduce.sum(self.sums).cpu(), gathered(self.predictions), gathered(self.targets))
 
 
-class Regression:
+class Regression(TaskKind):
     """The `TaskKind` of text regression."""
 
     entry = entry("regression")

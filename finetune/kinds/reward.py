@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import Config
-from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics
+from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, TaskKind
 from finetune.kinds.preference import KIND as PAIRS
 from finetune.kinds.registry import entry
 
@@ -34,7 +34,7 @@ COMPLETION_KEYS = ("completion", "response", "chosen")  # what a JSON input to `
 
 
 @dataclasses.dataclass(frozen=True)
-class Reward:
+class Reward(TaskKind):
     """The `TaskKind` of reward modelling (`configured` adds the run's centring coefficient)."""
 
     center: float | None = None  # TRL's center_rewards_coefficient

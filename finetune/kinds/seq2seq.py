@@ -35,6 +35,7 @@ from finetune.kinds.base import (
     Columns,
     Encoding,
     Reduce,
+    TaskKind,
     padded_batch,
     pick_column,
     refuse_empty_cells,
@@ -165,7 +166,7 @@ class Seq2SeqMetrics:
 
 
 @dataclasses.dataclass(frozen=True)
-class Seq2Seq:
+class Seq2Seq(TaskKind):
     """The `TaskKind` of sequence to sequence, with the run's target length and generation settings (`configured`
     makes one from a config; the plain `KIND` has the defaults)."""
 

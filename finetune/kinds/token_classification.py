@@ -27,6 +27,7 @@ from finetune.kinds.base import (
     Encoding,
     Metrics,
     SumMetrics,
+    TaskKind,
     named_head,
     padded_batch,
     pick_column,
@@ -119,7 +120,7 @@ def tag_key(v: Any, index: dict[str, int]) -> int | None:
     return index[key] if key in index else (int(v) if 0 <= int(v) < len(index) else None)
 
 
-class TokenClassification:
+class TokenClassification(TaskKind):
     """The `TaskKind` of token classification."""
 
     entry = entry("token_classification")

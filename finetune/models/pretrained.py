@@ -37,9 +37,9 @@ def load_tokenizer(c: Config) -> Any:
 
     quiet_transformers()
     path = resolve_model_path(c.model)
-    own = getattr(kind_named(c.task), "load_preprocessor", None)
+    own = kind_named(c.task).load_preprocessor(path, c.trust_remote_code)
     if own is not None:  # a kind whose inputs are not text (images): the model's own processor
-        return own(path, c.trust_remote_code)
+        return own
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=c.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -57,8 +57,8 @@ def load_saved_preprocessor(model_dir: Path, task: str) -> Any:
     """The tokenizer saved beside a trained model, or the kind's own preprocessor (an image processor)."""
     from transformers import AutoTokenizer
 
-    own = getattr(kind_named(task), "load_preprocessor", None)
-    return own(str(model_dir)) if own is not None else AutoTokenizer.from_pretrained(model_dir)
+    own = kind_named(task).load_preprocessor(str(model_dir))
+    return own if own is not None else AutoTokenizer.from_pretrained(model_dir)
 
 
 def auto_class(task: str) -> Any:
@@ -98,7 +98,7 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
     if getattr(model.config, "pad_token_id", 0) is None:  # an image model's config has no token ids at all
         model.config.pad_token_id = model.config.eos_token_id
     # A kind that trains part of the model (an embedding model's encoder, not its pooler) says which.
-    return kind.trained_model(model) if hasattr(kind, "trained_model") else model
+    return kind.trained_model(model)
 
 
 def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bool, offload: bool = False) -> Any:

@@ -282,10 +282,9 @@ def kind_terms(kind: TaskKind, skeleton: Skeleton, *, cuda: bool, micro: int, to
     (`plan_reference`), a loss over the whole window of `window` samples, its embeddings and scores, resident
     (`plan_window`)."""
     terms: dict[str, int] = {}
-    if hasattr(kind, "plan_reference"):
-        terms |= kind.plan_reference(**_reference_inputs(skeleton, cuda, micro, tokens, precision))[0]
-    if hasattr(kind, "plan_window"):
-        terms |= kind.plan_window(window, getattr(getattr(skeleton.model, "config", None), "hidden_size", 0) or 0)
+    if (reference := kind.plan_reference(**_reference_inputs(skeleton, cuda, micro, tokens, precision))) is not None:
+        terms |= reference[0]
+    terms |= kind.plan_window(window, getattr(getattr(skeleton.model, "config", None), "hidden_size", 0) or 0)
     return terms
 
 
@@ -302,7 +301,7 @@ def worst_case_tokens(c: Config, lengths: Any) -> int:
     (a stream before its first window)."""
     # numpy's max: Python's iterates a 6 M-sample array element by element (a quarter of a second per pass).
     # A kind that generates (GRPO) trains on the prompt and its completion.
-    generated = getattr(configured(c), "generated_tokens", 0)
+    generated = configured(c).generated_tokens
     return (int(np.max(lengths)) if len(lengths) else c.max_length) + generated
 
 
@@ -427,8 +426,7 @@ class _Search:
             search.notes.append(f"Segment recurrence: the longest document ({longest} tokens) is {search.segments} "
                                 f"segment(s) of up to {search.tokens} tokens, each carrying a cache of up to "
                                 f"{search.memory} earlier tokens.")
-        kind_note = getattr(kind_named(c.task), "plan_note", None)
-        if kind_note is not None and (note := kind_note(c)):  # what the kind says of this model (batch norm)
+        if note := kind_named(c.task).plan_note(c):  # what the kind says of this model (batch norm)
             search.notes.append(note)
         if shards > 1:
             search.notes.append(f"Weights, gradients and optimizer state sharded over {shards} processes (FSDP): "
@@ -527,9 +525,9 @@ class _Search:
         if step.lora and dtype != torch.float32 and step.quantization == "none":
             notes.append(f"The frozen base is stored in {precision} (LoRA trains fp32 adapters on it).")
         reference: dict[str, Any] = {}
-        if hasattr(self.kind_for(step.lora), "plan_reference"):
-            _, reference, note = self.kind_for(step.lora).plan_reference(
-                **_reference_inputs(skeleton, self.cuda, chosen, self.tokens, self.precision))
+        if (found := self.kind_for(step.lora).plan_reference(
+                **_reference_inputs(skeleton, self.cuda, chosen, self.tokens, self.precision))) is not None:
+            _, reference, note = found
             notes += [note] if note else []
         if step.chunked:
             vocab = _vocab(self.c)
