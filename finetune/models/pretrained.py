@@ -11,7 +11,7 @@ from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
 from finetune.data.chat import read_template
 from finetune.engine import offload as offloading
-from finetune.engine.runtime import resolve_precision
+from finetune.engine.runtime import quiet_bitsandbytes, resolve_precision
 from finetune.errors import ModelError
 from finetune.kinds.registry import entry, kind_of_model_config, kind_of_peft_task_type
 from finetune.kinds.registry import kind as kind_named
@@ -28,7 +28,7 @@ def quiet_transformers() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    quantize.quiet_bitsandbytes()  # peft imports it, when it is installed, for its quantized LoRA layers
+    quiet_bitsandbytes()  # peft imports it, when it is installed, for its quantized LoRA layers
 
 
 def load_tokenizer(c: Config) -> Any:
