@@ -204,7 +204,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     from finetune.config.schema import repo_id_problem
     from finetune.errors import PushError
     from finetune.models.pretrained import resolve_model_dir
-    from finetune.run import hub
+    from finetune.use import hub
 
     if problem := repo_id_problem(args.repo):
         raise ConfigError([problem.replace("`push_to_hub`", "REPO")])
