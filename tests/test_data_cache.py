@@ -148,6 +148,19 @@ def test_the_key_covers_every_option_the_data_code_reads():
     assert read - {"max_steps", "replace"} <= set(datacache.DATA_OPTIONS)
 
 
+# Modules of the kinds' package that a kind imports for its loss alone, not for its rows.
+NOT_ROWS = {"kinds/chunked.py", "kinds/rewards.py"}
+
+
+def test_the_key_covers_every_kinds_module_the_data_code_imports():
+    """A module a kind shares with others (its columns, its encoding) decides the rows as much as the kind's own."""
+    imported = set()
+    for name in datacache.DATA_CODE:
+        tree = ast.parse((REPO / "finetune" / name).read_text())
+        imported |= {node.module.removeprefix("finetune.").replace(".", "/") + ".py" for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("finetune.kinds.")}
+    assert imported - NOT_ROWS <= set(datacache.DATA_CODE)
+
 def test_rows_are_gathered_across_record_batches_in_the_order_asked():
     import numpy as np
     import pyarrow as pa

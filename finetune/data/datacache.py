@@ -54,6 +54,7 @@ DATA_OPTIONS = tuple(dict.fromkeys((
 # Paths under finetune/.
 DATA_CODE = ("data/load.py", "data/encoding.py", "data/datacache.py", "data/segments.py", "data/chat.py",
              "data/packing.py", "data/arrow.py", "kinds/base.py", "kinds/registry.py",
+             "kinds/labelled.py",  # what the kinds with one label per sample share: their columns, their collation
              *(f"{e.module.removeprefix('finetune.').replace('.', '/')}.py" for e in kinds.ENTRIES.values()
                if e.module.startswith("finetune.")))  # the kinds' modules encode the rows
 
