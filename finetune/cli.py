@@ -70,7 +70,7 @@ def _print_note(event: Any) -> None:
     if kernels.get("layers"):
         used = ", ".join(f"{repo} ({n} layer{'s' if n != 1 else ''})" for repo, n in kernels["layers"].items())
         print(f"hub kernels: {used}", file=sys.stderr, flush=True)
-    from finetune.data.chat import describe_dropped
+    from finetune.rows.chat import describe_dropped
 
     for what, counts in (("training", event.dropped_rows), ("evaluation", event.dropped_eval_rows)):
         if counts:

@@ -102,8 +102,8 @@ def test_the_errors_module_imports_nothing():
 
 # The task-kind layer (finetune.kinds) sits below the data, the engine, the planner, the models and the loop, which
 # call it: it may import the configuration, the errors, and the data helpers that import nothing but those.
-KIND_LAYER_MAY_IMPORT = ("finetune.errors", "finetune.config.", "finetune.kinds.", "finetune.data.arrow",
-                         "finetune.data.chat", "finetune.data.segments")
+KIND_LAYER_MAY_IMPORT = ("finetune.errors", "finetune.config.", "finetune.kinds.", "finetune.rows.arrow",
+                         "finetune.rows.chat", "finetune.rows.segments")
 
 
 def test_the_task_kind_layer_imports_nothing_above_it():
@@ -114,7 +114,7 @@ def test_the_task_kind_layer_imports_nothing_above_it():
                    if not target.startswith(KIND_LAYER_MAY_IMPORT))
     assert above == []
     # The data helpers it uses stay below it too.
-    helpers = sorted((name, target) for name in ("finetune.data.arrow", "finetune.data.chat", "finetune.data.segments")
+    helpers = sorted((name, target) for name in ("finetune.rows.arrow", "finetune.rows.chat", "finetune.rows.segments")
                      for target in GRAPH[name] if not target.startswith(("finetune.errors", "finetune.config.")))
     assert helpers == []
 

@@ -26,7 +26,6 @@ from app.jobs import bounded
 from app.limits import short_text
 from app.mapping import COLUMN_FIELDS, task_label
 from finetune.config.schema import Config
-from finetune.data.chat import MESSAGES_NAMES
 from finetune.data.load import (
     SANITY_ROWS,
     Columns,
@@ -39,6 +38,7 @@ from finetune.data.load import (
     resolve_columns,
 )
 from finetune.kinds import registry as kinds
+from finetune.rows.chat import MESSAGES_NAMES
 
 PREVIEW_ROWS = 5
 UPLOAD_TYPES = [".csv", ".tsv", ".json", ".jsonl", ".parquet", ".zip"]  # a zip: an image folder (app/train/images.py)

@@ -29,10 +29,10 @@ MAX_PROMPT_CHARS = 4 * limits.MAX_INPUTS_CHARS
 
 
 def bounded_prompt(tokenizer: Any, turns: list[dict[str, Any]]) -> tuple[str, list[int]]:
-    """`finetune.data.chat.prompt_of` in a bounded child (`app.jobs.bounded`): the chat's prompt and its stop tokens,
+    """`finetune.rows.chat.prompt_of` in a bounded child (`app.jobs.bounded`): the chat's prompt and its stop tokens,
     or `DataError` with a sentence when the template loops, eats memory or writes too much."""
-    from finetune.data.chat import prompt_of
     from finetune.errors import DataError
+    from finetune.rows.chat import prompt_of
 
     def render() -> tuple[str, list[int]]:
         text, stop = prompt_of(tokenizer, turns)

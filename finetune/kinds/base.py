@@ -22,9 +22,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
 from finetune.kinds import registry
+from finetune.rows.arrow import numpy_of
 
 if TYPE_CHECKING:
     from finetune.config.schema import Config
@@ -107,7 +107,7 @@ class DataCodec(Protocol):
 
     def encode_rows(self, batch: dict[str, list], indices: list[int], e: Encoding) -> dict[str, list]:
         """One batch of rows → its encoded rows (inside `datasets.map`, maybe in a worker process): `input_ids`,
-        the kind's label columns, and `document`/`segment`/`dropped_tokens` (finetune.data.segments)."""
+        the kind's label columns, and `document`/`segment`/`dropped_tokens` (finetune.rows.segments)."""
 
     def features(self, cols: Columns, tokenizer: Any) -> dict[str, Any]:
         """The Arrow features of the kind's own encoded columns (`datasets` feature types), in column order."""

@@ -17,9 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
-from finetune.data.chat import MESSAGES_NAMES, check_conversations, encode_conversations
-from finetune.data.segments import split_documents
 from finetune.errors import DataError
 from finetune.kinds.base import (
     IGNORE_INDEX,
@@ -36,6 +33,9 @@ from finetune.kinds.base import (
 )
 from finetune.kinds.chunked import chunk_positions, chunked_loss_sum
 from finetune.kinds.registry import entry
+from finetune.rows.arrow import numpy_of
+from finetune.rows.chat import MESSAGES_NAMES, check_conversations, encode_conversations
+from finetune.rows.segments import split_documents
 
 
 class CausalLM(TaskKind):

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
 from finetune.kinds.base import TEXT_NAMES, Columns, TaskKind, named_head, padded_batch, pick_column
+from finetune.rows.arrow import numpy_of
 
 
 def text_columns(c: Config, columns: list[str], label_guesses: tuple[str, ...], what: str) -> Columns:

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
 from finetune.errors import ConfigError, DataError, ModelError
 from finetune.kinds.base import (
     IGNORE_INDEX,
@@ -42,6 +41,7 @@ from finetune.kinds.base import (
     texts_of,
 )
 from finetune.kinds.registry import entry
+from finetune.rows.arrow import numpy_of
 
 SOURCE_NAMES = ("source", "input", "document", "text", "article")
 TARGET_NAMES = ("target", "output", "summary", "highlights")

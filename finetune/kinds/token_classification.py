@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
 from finetune.kinds.base import (
     IGNORE_INDEX,
@@ -34,6 +33,7 @@ from finetune.kinds.base import (
     stored_targets,
 )
 from finetune.kinds.registry import entry
+from finetune.rows.arrow import numpy_of
 
 TOKENS_NAMES = ("tokens", "words")
 TAGS_NAMES = ("ner_tags", "tags", "pos_tags", "labels")

@@ -9,13 +9,13 @@ from typing import Any
 
 from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
-from finetune.data.chat import read_template
 from finetune.engine import offload as offloading
 from finetune.engine.runtime import quiet_bitsandbytes, resolve_precision
 from finetune.errors import ModelError
 from finetune.kinds.registry import entry, kind_of_model_config, kind_of_peft_task_type
 from finetune.kinds.registry import kind as kind_named
 from finetune.models import kernels, quantize
+from finetune.rows.chat import read_template
 
 
 def quiet_transformers() -> None:
