@@ -10,7 +10,7 @@ from typing import Any
 
 from app.jobs.training import JobStatus
 from app.mapping import in_form_words, plain_words
-from finetune.kinds import registry as kinds
+from finetune import registry as kinds
 from finetune.rows.chat import describe_dropped
 from finetune.rows.segments import Segmentation
 

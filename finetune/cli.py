@@ -18,9 +18,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from finetune import registry as kinds
 from finetune.config.schema import Config, ConfigError, load
 from finetune.errors import EXIT_STOPPED, FinetuneError, describe
-from finetune.kinds import registry as kinds
 from finetune.remote.args import REMOTE_ONLY, add_backend_arguments, add_jobs_parser
 
 # Only the light modules above load at start: each command imports the engine (torch, transformers, …) inside its

@@ -19,7 +19,7 @@ from finetune.config.schema import from_dict
 from finetune.data import datacache, encoding
 from finetune.data import load as data
 from finetune.errors import DataError
-from finetune.kinds.registry import kind
+from finetune.registry import kind
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,7 +114,7 @@ def test_a_cache_hit_imports_neither_datasets_nor_pandas(tmp_path):
     script = ("import sys, json; sys.path.insert(0, 'tests')\n"
               "from conftest import bundled_tokenizer\n"
               "from finetune.config.schema import from_dict\nfrom finetune.data.load import load_data, collate\n"
-              "from finetune.kinds.registry import kind\n"
+              "from finetune.registry import kind\n"
               f"train, _, _ = load_data(from_dict({{'dataset': {path!r}, 'eval_fraction': 0}}), bundled_tokenizer())\n"
               "collate(train, [0, 1], 0, kind('classification'))\n"
               "print(json.dumps({m: m in sys.modules for m in ('datasets', 'pandas')}))\n")

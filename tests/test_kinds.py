@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from finetune import registry
 from finetune.config.schema import TASKS, ConfigError, from_dict
-from finetune.kinds import registry
 from finetune.kinds.base import TaskKind
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ REQUIRED = sorted(name for (_, name), f in METHODS.items() if len(f.body) == 1 a
 
 
 def test_importing_the_registry_and_the_config_imports_no_torch():
-    code = ("import sys, json\nimport finetune.kinds.registry, finetune.config.schema\n"
+    code = ("import sys, json\nimport finetune.registry, finetune.config.schema\n"
             "print(json.dumps([m for m in ('torch', 'transformers', 'datasets', 'numpy', 'pyarrow') "
             "if m in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,

@@ -14,9 +14,9 @@ from typing import Any
 
 from app.jobs import bounded
 from app.train import preview
+from finetune import registry as kinds
 from finetune.config.schema import Config
 from finetune.errors import InputError
-from finetune.kinds import registry as kinds
 from finetune.rows.chat import DROPPED, DROPPED_WORDS, encode_conversations, require_template, turns_of
 
 LEARNED = "learned"

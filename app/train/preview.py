@@ -25,6 +25,7 @@ import pandas as pd
 from app.jobs import bounded
 from app.limits import short_text
 from app.mapping import COLUMN_FIELDS, task_label
+from finetune import registry as kinds
 from finetune.config.schema import Config
 from finetune.data.load import (
     SANITY_ROWS,
@@ -37,7 +38,6 @@ from finetune.data.load import (
     not_text,
     resolve_columns,
 )
-from finetune.kinds import registry as kinds
 from finetune.rows.chat import MESSAGES_NAMES
 
 PREVIEW_ROWS = 5

@@ -19,8 +19,8 @@ from app.report import waiting_note
 from app.results import Unanswered, keep
 from app.state import AppState
 from app.tryit import renderers
+from finetune import registry as kinds
 from finetune.config.schema import read_yaml
-from finetune.kinds import registry as kinds
 
 # The run's chat template is a visitor's text: it renders in a forked child stopped after this long (or past
 # `bounded.MEMORY_HEADROOM` more memory), and what it renders is at most this long (the model reads far less).

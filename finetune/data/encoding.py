@@ -25,7 +25,7 @@ from finetune.config.schema import Config
 from finetune.data.windows import Windows, epoch_windows
 from finetune.errors import ConfigError, DataError
 from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, TaskKind
-from finetune.kinds.registry import kind as kind_named
+from finetune.registry import kind as kind_named
 from finetune.rows.arrow import numpy_of
 from finetune.rows.chat import dropped_counts, dropped_reasons, require_template
 from finetune.rows.segments import Segmentation, context_tokens, count_segments, resolve_mode

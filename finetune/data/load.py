@@ -27,7 +27,7 @@ from finetune.data.packing import check_architecture, pack
 from finetune.data.stream import StreamData
 from finetune.data.windows import epoch_windows, micro_batches, windows_per_epoch
 from finetune.errors import ConfigError, DataError, summary
-from finetune.kinds.registry import entry, kind
+from finetune.registry import entry, kind
 
 __all__ = ["IGNORE_INDEX", "Columns", "DataError", "Encoded", "collate", "encode", "epoch_windows", "load_data",
            "load_table", "micro_batches", "resolve_columns", "windows_per_epoch"]

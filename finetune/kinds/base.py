@@ -22,13 +22,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from finetune import registry
 from finetune.errors import DataError
-from finetune.kinds import registry
 from finetune.rows.arrow import numpy_of
 
 if TYPE_CHECKING:
     from finetune.config.schema import Config
-    from finetune.kinds.registry import Entry
+    from finetune.registry import Entry
 
 IGNORE_INDEX = -100  # a label position that is not a target (transformers' and torch's convention)
 TEXT_NAMES = ("text", "sentence", "sentence1", "content", "review", "document", "question")

@@ -32,7 +32,7 @@ from finetune.kinds.base import (
     texts_of,
 )
 from finetune.kinds.chunked import chunk_positions, chunked_loss_sum
-from finetune.kinds.registry import entry
+from finetune.registry import entry
 from finetune.rows.arrow import numpy_of
 from finetune.rows.chat import MESSAGES_NAMES, check_conversations, encode_conversations
 from finetune.rows.segments import split_documents

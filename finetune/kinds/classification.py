@@ -21,7 +21,7 @@ from finetune.kinds.base import (
     texts_of,
 )
 from finetune.kinds.labelled import LabelPerSample, text_columns
-from finetune.kinds.registry import entry
+from finetune.registry import entry
 
 LABEL_NAMES = ("label", "labels", "class", "target")
 PAIR_NAMES = ("text_pair", "sentence2")

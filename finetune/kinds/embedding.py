@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from finetune.config.schema import DEFAULT_MODEL, Config
 from finetune.errors import DataError, ModelError
 from finetune.kinds.base import Columns, Encoding, Reduce, TaskKind, pick_column, refuse_empty_cells, texts_of
-from finetune.kinds.registry import entry
 from finetune.kinds.regression import average_ranks, pearson
+from finetune.registry import entry
 from finetune.rows.arrow import numpy_of
 
 ANCHOR_NAMES = ("anchor", "query", "sentence1", "sentence_A", "question")

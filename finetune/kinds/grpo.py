@@ -45,7 +45,7 @@ from finetune.kinds import rewards as reward_functions
 from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, TaskKind, pick_column
 from finetune.kinds.causal_lm import KIND as CAUSAL
 from finetune.kinds.preference import _frozen as frozen_model
-from finetune.kinds.registry import entry
+from finetune.registry import entry
 from finetune.rows.chat import check_conversations, turns_of
 
 PROMPT_NAMES = ("prompt", "question", "problem", "query")

@@ -28,7 +28,7 @@ from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, pick_col
 from finetune.kinds.classification import KIND as CLASSIFICATION
 from finetune.kinds.classification import LABEL_NAMES, classification_metrics, label_key
 from finetune.kinds.labelled import LabelPerSample
-from finetune.kinds.registry import entry
+from finetune.registry import entry
 
 IMAGE_NAMES = ("image", "img", "picture", "image_path", "path", "file", "filename")
 TOP_K = 5  # top-5 accuracy, reported above this many classes

@@ -36,7 +36,7 @@ from finetune.config.schema import Config
 from finetune.errors import DataError
 from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, Metrics, SumMetrics, TaskKind, pick_column, texts_of
 from finetune.kinds.causal_lm import KIND as CAUSAL
-from finetune.kinds.registry import entry
+from finetune.registry import entry
 from finetune.rows.arrow import numpy_of
 from finetune.rows.chat import check_conversations, special_ids, turns_of
 

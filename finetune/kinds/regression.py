@@ -22,7 +22,7 @@ from finetune.errors import DataError
 from finetune.kinds.base import Columns, Encoding, Reduce
 from finetune.kinds.classification import encode_texts, text_features
 from finetune.kinds.labelled import LabelPerSample, text_columns
-from finetune.kinds.registry import entry
+from finetune.registry import entry
 
 TARGET_NAMES = ("label", "labels", "score", "target", "value", "y")
 

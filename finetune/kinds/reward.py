@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from finetune.config.schema import Config
 from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, TaskKind
 from finetune.kinds.preference import KIND as PAIRS
-from finetune.kinds.registry import entry
+from finetune.registry import entry
 
 METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 COMPLETION_KEYS = ("completion", "response", "chosen")  # what a JSON input to `predict` may call the completion

@@ -40,7 +40,7 @@ from finetune.kinds.base import (
     refuse_empty_cells,
     texts_of,
 )
-from finetune.kinds.registry import entry
+from finetune.registry import entry
 from finetune.rows.arrow import numpy_of
 
 SOURCE_NAMES = ("source", "input", "document", "text", "article")

@@ -32,7 +32,7 @@ from finetune.kinds.base import (
     pick_column,
     stored_targets,
 )
-from finetune.kinds.registry import entry
+from finetune.registry import entry
 from finetune.rows.arrow import numpy_of
 
 TOKENS_NAMES = ("tokens", "words")

@@ -12,9 +12,9 @@ from finetune.config.schema import Config
 from finetune.engine import offload as offloading
 from finetune.engine.runtime import quiet_bitsandbytes, resolve_precision
 from finetune.errors import ModelError
-from finetune.kinds.registry import entry, kind_of_model_config, kind_of_peft_task_type
-from finetune.kinds.registry import kind as kind_named
 from finetune.models import kernels, quantize
+from finetune.registry import entry, kind_of_model_config, kind_of_peft_task_type
+from finetune.registry import kind as kind_named
 from finetune.rows.chat import read_template
 
 

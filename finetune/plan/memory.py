@@ -27,10 +27,10 @@ from finetune.engine.losses import loss_sum
 from finetune.engine.optim import make_optimizer
 from finetune.engine.recurrence import Recurrence, detach_cache, segment_loss_sum
 from finetune.kinds.base import TaskKind
-from finetune.kinds.registry import configured
-from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
 from finetune.models.pretrained import prepare_for_training, quiet_transformers, resolve_model_path
+from finetune.registry import configured
+from finetune.registry import kind as kind_named
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions that autocast to half
 

@@ -30,12 +30,12 @@ from finetune.errors import HostMemoryError, PlanError
 from finetune.kinds import chunked
 from finetune.kinds.base import TaskKind
 from finetune.kinds.causal_lm import CHUNKED
-from finetune.kinds.registry import configured, entry
-from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
 from finetune.models.pretrained import load_model, prepare_for_training, resolve_model_path
 from finetune.plan import plancache
 from finetune.plan.memory import Skeleton, dry_run, dry_run_segments, measure_window, model_skeleton
+from finetune.registry import configured, entry
+from finetune.registry import kind as kind_named
 
 GIB = 2**30
 SAFETY = 0.95  # plan to 95 % of the budget: the estimate aims at ±5 % on a GPU

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from finetune.config.schema import DEFAULT_MODEL, FIELDS, Config, from_dict, read_yaml
-from finetune.kinds.registry import entry, kind, names
+from finetune.registry import entry, kind, names
 from finetune.run.events import read_events
 
 # The bundled model is this Hub model, shipped in a pip package.

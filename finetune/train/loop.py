@@ -41,9 +41,9 @@ from finetune.engine.runtime import (
 from finetune.engine.step import optimizer_step
 from finetune.errors import RunDirError, TrainingError
 from finetune.kinds.base import TaskKind
-from finetune.kinds.registry import configured
 from finetune.models import kernels as hub_kernels
 from finetune.models.pretrained import load_tokenizer
+from finetune.registry import configured
 from finetune.run import rundir, tracking
 from finetune.run.events import (
     Backoff,

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
+from finetune import registry
 from finetune.config.schema import read_yaml
-from finetune.kinds import registry
-from finetune.kinds.registry import kind
 from finetune.models.heads import task_model_dir
 from finetune.models.pretrained import load_saved_preprocessor, load_trained, resolve_model_dir, task_of
+from finetune.registry import kind
 from finetune.rows.chat import MESSAGES_NAMES, prompt_of, reply, require_template, turns_of
 
 
