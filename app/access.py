@@ -260,6 +260,32 @@ class Access:
             if reward.kind == "reward_model" and not _inside(reward.argument, own_runs):
                 self.check_source(reward.argument, "rewards", readable, "model")
 
+    def check_base(self, base: Any, own_runs: Path | None = None) -> None:
+        """Refuse, when shared, the base model a saved adapter names (`base_model_name_or_path`, which loading the
+        adapter loads) unless the user could have trained on it: a Hub id, the bundled model, or a run of their own
+        (inside `own_runs`). A run fetched from a Jobs bucket holds whatever the bucket held: never another user's
+        run, or any other folder of the server."""
+        if not self.shared:
+            return
+        if not isinstance(base, str) or not base.strip():
+            raise AccessError("The run's adapter names no base model: train the run again.")
+        if base == DEFAULT_MODEL or not _model_is_local(base) or _inside(base, own_runs) or _is_bundled(base):
+            return
+        raise AccessError(f"The run's adapter names {summary(base, 120)} as its base model, a folder of this server "
+                          "that is not yours: an adapter loads on a Hub model, the bundled model or one of your own "
+                          "runs (were the run's files changed in its bucket?).")
+
+
+def _is_bundled(path: str) -> bool:
+    """Whether `path` is the bundled default model's folder (what a run on it saves as its adapter's base)."""
+    from finetune.config.modelpath import resolve_model_path
+    from finetune.errors import ModelError
+
+    try:
+        return Path(path).resolve() == Path(resolve_model_path(DEFAULT_MODEL)).resolve()
+    except (ModelError, OSError, ValueError, RuntimeError):
+        return False
+
 
 def _inside(source: str, folder: Path | None) -> bool:
     """Whether `source` names a path strictly inside `folder` (links and `..` resolved first)."""
@@ -296,7 +322,11 @@ def resolve_output_dir(typed: str | None, home: Path) -> Path | None:
     if len(typed) > MAX_OUTPUT_DIR_CHARS or any(ord(c) < 32 for c in typed):
         raise AccessError(f"output_dir {summary(typed)} must be a name of at most {MAX_OUTPUT_DIR_CHARS} characters "
                           "without control characters: give a shorter name for the run.")
-    path = Path(typed.strip()).expanduser()
+    try:
+        path = Path(typed.strip()).expanduser()
+    except RuntimeError:  # `~bob/x` of a user this machine does not know
+        raise AccessError(f"output_dir {typed!r} names the home folder of another user, which is outside the app's "
+                          "runs folder: give a name for the run (it goes in your runs folder).") from None
     if ".." in path.parts:
         raise AccessError(f"output_dir {typed!r} may not contain '..': give a name for the run (it goes in your "
                           "runs folder).")

@@ -43,7 +43,10 @@ class RunShown:
     stop_button: Any = keep()
     resume_button: Any = keep()
     cancel_button: Any = keep()  # shown while the caller has a run in the queue
-    command: Any = keep()
+    command: Any = keep()  # the Reproduce box: the run's command and its config (the YAML and a file emptied)
+    config_yaml: Any = keep()
+    config_file: Any = keep()
+    form_note: Any = keep()  # "The form shows the settings of run X": emptied once a newer run is the current one
     trackers: Any = keep()  # how to open the run's TensorBoard / trackio dashboard
     hub_note: Any = keep()  # the last push, or (on a Space) the advice to push
     push_repo: Any = keep()  # the repository box, filled from the run's push_to_hub
@@ -95,18 +98,30 @@ class Follow:
         zipped = zip_model(model_dir, status.run_dir / "model.zip")
         return gr.update(value=self.state.downloads.handout(zipped, f"{status.run_dir.name}.zip"), interactive=True)
 
+    @staticmethod
+    def _config_text(status: JobStatus) -> str:
+        """The config the run's command runs, as the Reproduce box shows it."""
+        try:
+            return status.config_path.read_text(encoding="utf-8", errors="replace") if status.config_path else ""
+        except OSError:  # deleted meanwhile: the command alone
+            return ""
+
     def poll(self, seen: Any, *, request: Any = None) -> RunShown:
         """Refresh the run's progress, curve, log and results, Try it and Export; leave everything as it is when
         nothing changed."""
         status, text, queued = self._seen_by(request)
+        command = reproduce_command(status)
         signature = (str(status.run_dir), len(status.events), status.state, status.message, status.output_tail,
-                     text)
+                     text, command)
         if seen == signature:
             return RunShown()
         known = isinstance(seen, (list, tuple))  # what this page showed before (None: a new page)
         changed_run = not known or list(seen[:1]) + list(seen[2:3]) != [str(status.run_dir), status.state]
-        new_model = not known or seen[0] != str(status.run_dir) or status.state == "done"
-        command = reproduce_command(status)
+        newer_run = known and seen[0] != str(status.run_dir)
+        new_model = not known or newer_run or status.state == "done"
+        # The Reproduce box is rewritten only when the command changes (a new run, a resume): an import or an
+        # export in between keeps its own YAML and command, and never shares the box with another config's.
+        new_command = bool(command) and (not known or list(seen[6:7]) != [command])
         options = publish.run_options(status) if status.run_dir else {"report_to": [], "push_to_hub": None}
         return RunShown(signature=signature, status=text,
                         progress=run_report.progress_html(status), stats=run_report.stats_markdown(status),
@@ -115,7 +130,10 @@ class Follow:
                         download=self._download(status), start_button=gr.update(interactive=True),
                         stop_button=gr.update(interactive=status.active),
                         resume_button=gr.update(visible=status.resumable), cancel_button=gr.update(visible=queued),
-                        command=command if command else gr.skip(),
+                        command=command if new_command else gr.skip(),
+                        config_yaml=self._config_text(status) if new_command else gr.skip(),
+                        config_file=None if new_command else gr.skip(),
+                        form_note="" if newer_run else gr.skip(),
                         trackers=run_report.trackers_markdown(options["report_to"], status.run_dir),
                         hub_note=publish.hub_markdown(status, on_space=bool(self.state.restart_notice)),
                         push_repo=options["push_to_hub"] or gr.skip(),

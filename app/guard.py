@@ -16,7 +16,8 @@ is known).
   parses or writes anything of it. Gradio's recording route (a video it writes and converts) is closed: no input of
   the page records.
 - Sign-in (`Throttle`), keyed on what a client cannot choose: the account Gradio checks (a form that names two is
-  refused) and the address of the connection (a forwarded address only from `FINETUNE_TRUSTED_PROXIES`). One
+  refused) and the address of the connection (a forwarded address only from `FINETUNE_TRUSTED_PROXIES`, read from
+  the one header `FINETUNE_PROXY_HEADER` names). One
   account guessed from one address waits after a few failures; an account guessed from many addresses makes every
   address that has failed wait too, but never a fresh one or one the account signed in from: the owner gets in.
 """
@@ -44,6 +45,8 @@ MAX_LOGIN_BODY = 16 * 1024  # a login form is a name and a password
 MAX_EVENT_BODY = 1 << 20  # an event's request: its inputs are text (at most 256 K characters) and file references
 UPLOADS_KEPT = 1000  # upload paths remembered per user (the newest)
 TRUSTED_PROXIES_VAR = "FINETUNE_TRUSTED_PROXIES"
+PROXY_HEADER_VAR = "FINETUNE_PROXY_HEADER"
+PROXY_HEADERS = ("x-forwarded-for", "forwarded")  # the one a proxy appends to is read; the other is ignored
 EVENT_ROUTES = ("/queue/join", "/run/", "/api/", "/call/", "/stream/")  # under Gradio's /gradio_api prefix
 NOT_YOUR_FILE = ("A file input takes only a file you uploaded to this app (not a URL or a path on the server): "
                  "upload the file.")
@@ -203,14 +206,27 @@ def _is_in(host: str, networks: tuple[Any, ...]) -> bool:
     return any(address in n for n in networks)
 
 
-def _forwarded_hosts(headers: list[tuple[bytes, bytes]]) -> list[str]:
-    """The addresses of `X-Forwarded-For` and `Forwarded: for=` in the order the proxies added them."""
+def forwarded_header(text: str | None) -> bytes:
+    """The one header `FINETUNE_PROXY_HEADER` names for the proxies' forwarded addresses (`X-Forwarded-For`, the
+    default, or `Forwarded`), lower-case; raises `ValueError` with a sentence for any other."""
+    name = (text or "").strip().lower() or "x-forwarded-for"
+    if name not in PROXY_HEADERS:
+        raise ValueError(f"{PROXY_HEADER_VAR} is {text.strip()!r}: name the header your reverse proxy adds the "
+                         "client's address to, X-Forwarded-For or Forwarded.")
+    return name.encode()
+
+
+def _forwarded_hosts(headers: list[tuple[bytes, bytes]], header: bytes = b"x-forwarded-for") -> list[str]:
+    """The addresses of the one forwarding `header` (`x-forwarded-for`, or `forwarded`'s `for=`), its lines joined
+    in order: each proxy appends what it saw, so the right-most entries are the nearest proxies' words."""
     hosts: list[str] = []
     for name, value in headers:
+        if name != header:
+            continue
         text = value.decode("latin-1")
-        if name == b"x-forwarded-for":
+        if header == b"x-forwarded-for":
             hosts += [h.strip() for h in text.split(",")]
-        elif name == b"forwarded":
+        else:
             for element in text.split(","):
                 for pair in element.split(";"):
                     key, _, val = pair.strip().partition("=")
@@ -226,13 +242,14 @@ def _host_only(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
-def client_address(scope: Scope, trusted: tuple[Any, ...] = ()) -> str:
+def client_address(scope: Scope, trusted: tuple[Any, ...] = (), header: bytes = b"x-forwarded-for") -> str:
     """The address a request comes from: its connection's, or, when that is one of the `trusted` proxies, the
-    nearest address the proxies forwarded that is not one of them."""
+    address the nearest trusted proxy saw: the right-most entry of the one forwarding `header` that is not itself
+    a trusted proxy. (What a client sends in the other header, or left of that entry, never chooses it.)"""
     address = (scope.get("client") or ("?",))[0] or "?"
     if not _is_in(address, trusted):
         return address
-    for host in reversed(_forwarded_hosts(scope.get("headers") or [])):
+    for host in reversed(_forwarded_hosts(scope.get("headers") or [], header)):
         if not _is_in(host, trusted):
             return host
     return address
@@ -301,12 +318,13 @@ class Guard:
 
     def __init__(self, app: Callable[..., Awaitable[None]], access: Access, upload_quota: int | None = None,
                  throttle: Throttle | None = None, ledger: UploadLedger | None = None,
-                 uploads: UploadedFiles | None = None, trusted: str | None = None):
+                 uploads: UploadedFiles | None = None, trusted: str | None = None, proxy_header: str | None = None):
         self.app, self.access, self.upload_quota = app, access, upload_quota
         self.throttle = throttle or Throttle()
         self.ledger = ledger or UploadLedger()
         self.uploads = uploads or UploadedFiles()
         self.trusted = trusted_networks(trusted)
+        self.proxy_header = forwarded_header(proxy_header)
 
     def _user(self, scope: Scope) -> str | None:
         return self.access.identify(SimpleNamespace(scope=scope, username=_password_user(scope)))
@@ -395,7 +413,7 @@ class Guard:
         # cannot fill the throttle's memory.
         name = form["username"][0].strip()
         name = name if name in {n for n, _ in self.access.accounts} else ""
-        address = client_address(scope, self.trusted)
+        address = client_address(scope, self.trusted, self.proxy_header)
         if (wait := self.throttle.admit(name, address)) > 0:
             return await _answer(send, 429, f"Too many failed sign-ins for this account from this address: try "
                                             f"again in {wait:.0f} s.")

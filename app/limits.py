@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ MAX_CONFIG_BYTES = 64 * 1024  # an imported (or API) config: a real one is a few
 MAX_CONFIG_DEPTH = 8  # a config as a mapping: options, `tasks` entries, their values (lists of trackers, say)
 MAX_TRY_CHARS = 2000  # Try it: characters of the text the model sees
 MAX_NEW_TOKENS = 64  # Try it: tokens a causal LM may generate
+MAX_TRY_IMAGE_PIXELS = 64_000_000  # Try it: an image's pixels (8,000²; a phone's full-size 50-megapixel photo fits)
 MAX_TRY_CANDIDATES = 8  # Try it, an embedding model: the candidates compared with the first line
 MAX_INPUT_CHARS = 64 * 1024  # one text box of the page (the Tasks YAML is a config: at most MAX_CONFIG_BYTES too)
 MAX_INPUTS_CHARS = 256 * 1024  # all of one event's inputs together (a Try it chat's history included)
@@ -218,3 +220,28 @@ def truncate_try_text(text: str) -> tuple[str, str]:
     if len(text) <= MAX_TRY_CHARS:
         return text, ""
     return text[:MAX_TRY_CHARS], f"Only the first {MAX_TRY_CHARS:,} characters of the text were used."
+
+
+def image_size_problem(path: str | Path, limit: int = MAX_TRY_IMAGE_PIXELS) -> str | None:
+    """Why the image at `path` is too large to decode (its size read from its header, no pixel decoded); None when
+    it is not, or when it is no image (reading it says so)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                width, height = image.size
+    except Image.DecompressionBombError:  # past twice Pillow's own limit: refused by Pillow's header check
+        return image_too_big()
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        return None
+    else:
+        if width * height <= limit:
+            return None
+        return image_too_big(f"is {width:,} × {height:,} pixels", limit)
+
+
+def image_too_big(size: str = "has more pixels than Pillow reads safely", limit: int = MAX_TRY_IMAGE_PIXELS) -> str:
+    """The sentence for an image that `size` ("is 9,000 × 9,000 pixels") past `limit` pixels."""
+    return f"The image {size}; an image has at most {limit:,} pixels here: upload a smaller one."

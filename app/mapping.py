@@ -320,6 +320,8 @@ def _form_word(name: str, value: str | None, advice: bool) -> str:
         if advice:  # "set overwrite=true" → "tick Overwrite"
             return f"{'tick' if ticked else 'untick'} **{label}**"
         return f"**{label}** {'ticked' if ticked else 'unticked'}"
+    if name == "task" and value in kinds.names():  # the Task dropdown shows the kind's label, not its id
+        value = task_label(value)
     return f"**{label}** {value}"
 
 

@@ -67,9 +67,29 @@ button.stop:not(:disabled) { background: #b91c1c !important; color: #fff !import
   .gradio-container .row { flex-wrap: wrap !important; }
   #train-row > * { width: 100% !important; flex-basis: 100% !important; }
   .gradio-container .row > * { min-width: min(100%, 160px) !important; }
-  /* The Runs table keeps readable columns and scrolls sideways, rather than one letter a line. */
-  #runs-table table { min-width: 880px; }
 }
+/* The Runs table (`app.runs.listing.runs_html`): one table, so its header and body scroll sideways together in a
+   narrow window, each column wide enough to read (Gradio's Dataframe squeezed its body to a few letters at 400 px). */
+.ft-runs { overflow: auto; max-height: 360px; border: 1px solid var(--border-color-primary, #e5e7eb);
+  border-radius: 6px; }
+.ft-runs:focus-visible { outline: 2px solid #c2410c; outline-offset: 2px; }
+.ft-runs table { border-collapse: collapse; width: 100%; min-width: 760px; margin: 0 !important; font-size: 14px; }
+.ft-runs th, .ft-runs td { padding: 6px 8px; text-align: left; vertical-align: top; border: 0 !important;
+  border-bottom: 1px solid var(--border-color-primary, #e5e7eb) !important; }
+.ft-runs th { position: sticky; top: 0; background: var(--background-fill-secondary, #f9fafb); white-space: nowrap; }
+.ft-runs .ft-nowrap { white-space: nowrap; }
+/* The selected tab's label: Gradio's orange (#f97316) is 2.8:1 on white, the Start button's 5.2:1. */
+#steps button[role="tab"].selected { color: #c2410c !important; }
+.dark #steps button[role="tab"].selected { color: #fdba74 !important; }
+/* The skip link to Start (the first Tab stop; the form's forty fields come before Start otherwise): shown on focus. */
+.ft-skip { position: absolute; left: -10000px; width: 1px; height: 1px; overflow: hidden; }
+#skip .ft-skip:focus { position: static; width: auto; height: auto; display: inline-block; padding: 6px 12px;
+  background: #c2410c !important; color: #fff !important; border-radius: 4px; }
+/* Until the page load's refill of the last run's settings has landed (`ft-filled` on <body>, `FILLED_JS`) the Train
+   tab is read-only and says so: an edit made before it would be overwritten (a model typed, its task kept). */
+body:not(.ft-filled) #train-row { opacity: 0.6; pointer-events: none; }
+body:not(.ft-filled) #form-note .prose { display: none; }
+body:not(.ft-filled) #form-note::before { content: "⏳ Loading your last run's settings…"; }
 /* The chart's numbers are HTML around the drawing (app.charts), so they keep their size however narrow it is. */
 .ft-plot { padding: 0 4px 20px 52px; }
 .ft-area { position: relative; }
@@ -115,11 +135,29 @@ JS = """
   // An icon whose alt text repeats its button's words ("Settings" beside "Settings") is read twice: it is decoration.
   const alts = () => document.querySelectorAll('button img[alt]:not([alt=""]), a img[alt]:not([alt=""])').forEach(
     (img) => { if (img.closest('button, a').textContent.includes(img.alt)) img.alt = ''; });
-  const all = () => { name(); roles(); alts(); };
+  // Until the load's refill has landed (`ft-filled`), no field can be typed in or reached with Tab (see the CSS).
+  const wait = () => { if (!document.body.classList.contains('ft-filled'))
+    document.querySelector('#train-row')?.setAttribute('inert', ''); };
+  // The skip link opens the Train tab and moves the focus to Start itself (a fragment would only scroll there).
+  document.addEventListener('click', (e) => {
+    if (!e.target.closest || !e.target.closest('a.ft-skip')) return;
+    e.preventDefault();
+    document.querySelector('#tab-train-button')?.click();
+    setTimeout(() => document.querySelector('#start-button')?.focus(), 0);
+  });
+  // A read-only code box (CodeMirror: the Reproduce box's YAML) scrolls, but CodeMirror takes its scroller out of
+  // the Tab order: a keyboard could not scroll it (axe-core's scrollable-region-focusable).
+  const scrollers = () => document.querySelectorAll('.cm-scroller:not([tabindex="0"])').forEach(
+    (box) => box.setAttribute('tabindex', '0'));
+  const all = () => { name(); roles(); alts(); wait(); scrollers(); };
   all();
   new MutationObserver(all).observe(document.body, {childList: true, subtree: true});
 }
 """
+# The load's refill has landed (or there was none): the Train tab can be edited.
+FILLED_JS = ("() => { document.body.classList.add('ft-filled'); "
+             "document.querySelector('#train-row')?.removeAttribute('inert'); }")
+SKIP_LINK = '<a class="ft-skip" href="#start-button">Skip to Start training</a>'
 INTRO = ("# finetune\nFine-tune a Transformers model on your own data: pick a model and a dataset, check the plan "
          "against your memory, press **Start training**. Every run is a `finetune train` command you can "
          "reproduce from a terminal.")
@@ -168,6 +206,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         data = preview.inspect(initial.dataset, initial.dataset_config, initial.train_split, initial.task,
                                {c: getattr(initial, c) for c in COLUMN_FIELDS})
     with gr.Blocks(title="finetune") as demo:
+        gr.HTML(SKIP_LINK, container=False, padding=False, elem_id="skip")
         gr.Markdown(INTRO)
         if access.mode == "space":  # only on a Space: elsewhere Gradio would mock the sign-in with a hub call
             gr.LoginButton("Sign in with Hugging Face to train")
@@ -191,12 +230,13 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         fields = train.form.fields
         h.notes.infos = {name: fields[name].info or "" for name in FIELD_NAMES}
         wire_train_tab(on, h, train, demo.load)
-        wire_follow(on, h.follow, demo.load, train, tryit, export)
-        on(demo.load, h.form.running_config, None, {"values": train.form.by_name, "note": form_note,
-                                                     "data": train.data_targets},
-           gate="public", show_progress="hidden", **PRIVATE)
+        wire_follow(on, h.follow, demo.load, train, tryit, export, form_note)
+        filled = on(demo.load, h.form.running_config, None, {"values": train.form.by_name, "note": form_note,
+                                                              "data": train.data_targets},
+                    gate="public", show_progress="hidden", **PRIVATE)
+        filled.then(None, js=FILLED_JS)  # answered or not, the form is the user's from now on
         wire_tryit_tab(on, h.tryit, tryit)
-        wire_export_tab(on, h, export, train)
+        wire_export_tab(on, h, export, train, form_note)
         # The list is read again when the tab is opened and when a run's state changes (a run finished, say).
         runs.wire(on, [runs_tab.select, train.run.status.change, demo.load])
         # Versions and devices are the server's business: shown only to those who may train on it (quietly).
@@ -207,8 +247,9 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
 
 
 def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainTab, tryit: TryItTab,
-                export: ExportTab) -> None:
-    """The poll (`app.follow`) on a timer and on each page load, to the components of every tab it refreshes."""
+                export: ExportTab, form_note: Any) -> None:
+    """The poll (`app.follow`) on a timer and on each page load, to the components of every tab it refreshes
+    (`form_note`: the note over the form, naming the run its settings came from)."""
     run = train.run
     seen = gr.State(None)
     timer = gr.Timer(1.0)
@@ -216,6 +257,7 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
                "loss_curve": run.loss, "log": run.log, "metrics": run.metrics, "run_dir": run.run_dir,
                "download": export.download, "start_button": run.start, "stop_button": run.stop,
                "resume_button": run.resume, "cancel_button": run.cancel, "command": export.command,
+               "config_yaml": export.yaml, "config_file": export.config_file, "form_note": form_note,
                "trackers": run.trackers,
                "hub_note": export.hub_note, "push_repo": export.push_repo,
                "try_panel": {"chat": tryit.chat, "label": tryit.label, "generated": tryit.generated,

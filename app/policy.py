@@ -9,6 +9,7 @@ access policy's (`app.access`); the HTTP routes Gradio serves itself are guarded
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,12 @@ from typing import Any
 import gradio as gr
 
 from app import limits
-from app.access import Access
+from app.access import Access, AccessError
 from app.jobs.training import JobStatus
+from app.mapping import parse_config_yaml
 from app.results import Targets, components, updates
+from finetune.config.schema import ConfigError
+from finetune.remote.jobfile import is_remote_run
 
 # The components whose own preprocessing refuses a value a caller chose (one not among their choices), before the door.
 CHOICES = (gr.Dropdown, gr.Radio, gr.CheckboxGroup)
@@ -27,6 +31,7 @@ CHOICES = (gr.Dropdown, gr.Radio, gr.CheckboxGroup)
 # whoever may not train), "quiet" (it runs by itself, on page load: refused silently), "public" (progress, Stop, the
 # form of one's own run: the handler checks ownership itself).
 GATES = ("signed_in", "quiet", "public")
+ADAPTER_CONFIG, BASE_KEY = "adapter_config.json", "base_model_name_or_path"  # what loading an adapter reads
 
 
 class RequestPolicy:
@@ -68,6 +73,38 @@ class RequestPolicy:
             return None
         return self.access.home(self.runs_dir, user)
 
+    def run_refusal(self, run_dir: Path, user: str | None) -> str:
+        """Why `user` may not load (Try it, `/predict`, export, Resume) their run `run_dir`'s model; "" when they
+        may. On a shared server the files of a run on Hugging Face Jobs are checked as what the user types is: the
+        fetch copied whatever the user's bucket held (a local run's files are the training child's, from a checked
+        config). Its config.yaml passes the check a typed config does (`Access.check_config`), and each adapter's
+        base model `Access.check_base`: another user's run, a server file or remote code is never loaded."""
+        if not self.access.shared or not is_remote_run(run_dir):
+            return ""
+        config = run_dir / "config.yaml"
+        try:
+            if too_big := limits.config_size_problem(config, is_file=True):
+                raise ConfigError([too_big])
+            self.access.check_config(parse_config_yaml(config.read_text(encoding="utf-8")), self.readable(user),
+                                     self.own_runs(user))
+        except ConfigError as e:
+            return f"The run's config.yaml cannot be used: {limits.short_problems(e.problems)[0]}"
+        except AccessError as e:
+            return f"The run's config.yaml is refused: {e}"
+        except (OSError, ValueError) as e:  # unreadable, or not UTF-8
+            return f"The run's config.yaml cannot be read ({type(e).__name__}): train the run again."
+        try:
+            for adapter in _adapter_configs(run_dir):
+                if adapter.stat().st_size > limits.MAX_CONFIG_BYTES:
+                    raise ValueError("too big")
+                saved = json.loads(adapter.read_text(encoding="utf-8"))
+                self.access.check_base(saved.get(BASE_KEY) if isinstance(saved, dict) else None, self.own_runs(user))
+        except AccessError as e:
+            return str(e)
+        except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON, too big for one
+            return f"The run's adapter_config.json is not one a run writes ({e}): train the run again."
+        return ""
+
     def is_mine(self, status: JobStatus, user: str | None) -> bool:
         """Whether `status` is a run `user` may see and steer (every run, locally)."""
         return status.state != "idle" and self.access.owns(user, status.owner)
@@ -105,7 +142,16 @@ class RequestPolicy:
 
         guarded.gate, guarded.handler = gate, handler  # what the event walk of the tests reads
         quiet_choices()
+        quiet_images()
         return event(guarded, inputs, components(targets) if targets else kwargs.pop("outputs"), **kwargs)
+
+
+def _adapter_configs(run_dir: Path) -> list[Path]:
+    """The adapter configs of a run's saved model: model/ or adapter/, and one folder per task of a multi-task run."""
+    found = []
+    for folder in (run_dir / "model", run_dir / "adapter"):
+        found += [p for p in (folder / ADAPTER_CONFIG, *folder.glob(f"*/{ADAPTER_CONFIG}")) if p.is_file()]
+    return found
 
 
 def refused(message: str) -> gr.Error:
@@ -138,3 +184,23 @@ def quiet_choices() -> None:
 
         preprocess.quiet = True
         cls.preprocess = preprocess
+
+
+def quiet_images() -> None:
+    """Make Gradio's own opening of an image input (gr.Image reads the file's header while it prepares the event's
+    inputs, before any handler) answer an image past Pillow's safety limit with a sentence (`refused`), not its bare
+    "Error" and a traceback in the log. On the class, once for the process, as `quiet_choices`."""
+    if getattr(gr.Image.preprocess, "quiet", False):
+        return
+    loud = gr.Image.preprocess
+
+    def preprocess(self: Any, payload: Any) -> Any:
+        from PIL import Image
+
+        try:
+            return loud(self, payload)
+        except Image.DecompressionBombError:
+            raise refused(limits.image_too_big()) from None
+
+    preprocess.quiet = True
+    gr.Image.preprocess = preprocess

@@ -24,7 +24,8 @@ SHARED_HELP = (
     "admin), asked for by Gradio's login form. On a Space, visitors sign in with Hugging Face: its owner and "
     "FINETUNE_ALLOWED_USERS=alice,bob may train. Behind a reverse proxy, list its addresses (or networks) in "
     "FINETUNE_TRUSTED_PROXIES=10.0.0.1,172.16.0.0/12: only from them are forwarded client addresses believed (the "
-    "sign-in throttle counts by address).")
+    "sign-in throttle counts by address), from the one header FINETUNE_PROXY_HEADER names (X-Forwarded-For, the "
+    "default, or Forwarded).")
 PRESET = Path("assets") / "demo.yaml"
 
 
@@ -69,11 +70,13 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
     once with `prevent_thread_lock=True`. A training run outlives the server: the next start re-attaches to it.
     SIGTERM closes the server like Ctrl-C and sets `terminated`."""
     access = Access.from_env(os.environ, args.host, args.no_auth)
-    from app.guard import TRUSTED_PROXIES_VAR, trusted_networks
+    from app.guard import PROXY_HEADER_VAR, TRUSTED_PROXIES_VAR, forwarded_header, trusted_networks
 
     trusted = os.environ.get(TRUSTED_PROXIES_VAR, "")
+    proxy_header = os.environ.get(PROXY_HEADER_VAR, "")
     try:
         trusted_networks(trusted)
+        forwarded_header(proxy_header)
     except ValueError as e:
         raise AccessError(str(e)) from None
     from app import persist
@@ -118,7 +121,7 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
     # headers itself, and only from the proxies listed.
     os.environ["FORWARDED_ALLOW_IPS"] = ""
     guard = Middleware(Guard, access=access, upload_quota=limits.size_bytes(server_limits.upload_quota)
-                       if access.shared else None, trusted=trusted)
+                       if access.shared else None, trusted=trusted, proxy_header=proxy_header)
     app_kwargs = kwargs.setdefault("app_kwargs", {})
     app_kwargs["middleware"] = [*app_kwargs.get("middleware", []), guard]
 

@@ -426,6 +426,12 @@ def entry(name: str) -> Entry:
     return ENTRIES[name]
 
 
+def a_model(name: str) -> str:
+    """A kind's model in words, by its summary ("an image classification model"), never its id."""
+    what = ENTRIES[name].summary.split(" (")[0] if name in ENTRIES else name
+    return f"{'an' if what[:1].lower() in 'aeiou' else 'a'} {what} model"
+
+
 @functools.cache
 def kind(name: str) -> Any:
     """The kind object of `name` (a `finetune.kinds.base.TaskKind`), its module imported on first use. (The registry

@@ -66,6 +66,26 @@ def own_plan_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
+@pytest.fixture(scope="session")
+def converters(tmp_path_factory) -> Path:
+    """One folder of fetched llama.cpp converters for this test process: each test has a cache folder of its own
+    (own_plan_cache), and fetching the converter downloads llama-cpp-python's source package (40 s here, minutes
+    under load), so the tests' caches all point here and it is fetched once: by a GGUF export, or by an app that
+    fetches it ahead once a run could become a GGUF (app/export/inference.py)."""
+    folder = tmp_path_factory.mktemp("cache") / "finetune" / "llama.cpp"  # as llamacpp.cache_dir() under XDG_CACHE_HOME
+    folder.mkdir(parents=True)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def shared_converters(own_plan_cache, converters) -> None:
+    """Each test's cache (and the apps and CLIs it starts) finds the session's converters."""
+    from finetune.use import llamacpp
+
+    llamacpp.cache_dir().parent.mkdir(parents=True, exist_ok=True)
+    llamacpp.cache_dir().symlink_to(converters, target_is_directory=True)
+
+
 def bundled_tokenizer():
     from transformers import AutoTokenizer
 

@@ -355,16 +355,19 @@ def test_a_config_of_20000_tasks_is_refused_fast_anonymous_and_signed_in(tmp_pat
     api = ScriptApi(ctl)
     tasks = {"tasks": [{"name": f"t{i}", "dataset": f"d{i}.csv"} for i in range(20_000)]}
     assert 700_000 < len(json.dumps(tasks)) < 900_000  # about the 789 KB of the attack
+    # Each refusal takes milliseconds; the bound leaves room for a loaded machine (2.07 s was seen with six test
+    # processes on two cores) and still catches the 11.5 s the attack took.
+    bound = 5.0
     for call in (api.plan, api.start):
         out, seconds = _timed(lambda c=call: c(tasks, ANON))
-        assert seconds < 1.0 and "Sign in with Hugging Face to train." in str(out), out
+        assert seconds < bound and "Sign in with Hugging Face to train." in str(out), out
         out, seconds = _timed(lambda c=call: c(tasks, _signed_in("alice")))
-        assert seconds < 1.0 and "The config holds more than" in str(out), out  # 64 KB of text, first
+        assert seconds < bound and "The config holds more than" in str(out), out  # 64 KB of text, first
     deep: dict = {}
     for _ in range(12_000):
         deep = {"a": deep}
     out, seconds = _timed(lambda: api.plan({"epochs": deep}, _signed_in("alice")))
-    assert seconds < 1.0 and "nests deeper than 8 levels" in out["error"]
+    assert seconds < bound and "nests deeper than 8 levels" in out["error"]
     out = api.plan({"dataset": "x" * 70_000}, _signed_in("alice"))
     assert "more than 64 KB of text" in out["error"]
     # The task-name check is linear now: the command line's own check of 20,000 tasks takes well under a second

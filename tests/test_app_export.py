@@ -124,6 +124,29 @@ def test_a_refused_export_says_the_clis_sentence(alices_run, tmp_path):
     assert exporter.start("gguf", "q8_0", True)["started"]
     shown = _wait(exporter, None)
     assert shown["state"] == "failed"
-    assert shown["message"].startswith("GGUF is for models that generate text, and this run trained a "
-                                       "classification model: export it with --format merged")
+    # In the Export block's words (issue 42): the kind's label, not its id; the Format choice, not a CLI flag.
+    assert shown["message"] == ("GGUF is for models that generate text, and this run trained a text classification "
+                                "model: export it with **Format** merged (a transformers folder) instead.")
     assert not (run / "export").exists()
+
+
+def test_a_finished_run_that_can_become_a_gguf_fetches_the_converter_ahead_once(alices_run, tmp_path, monkeypatch):
+    """Issue 42 row 10: the Export block fetches llama.cpp's converter in the background once it shows a finished
+    run of a kind that exports GGUF (a classifier's cannot), so that the first export does not wait for it."""
+    from finetune.use import llamacpp
+
+    asked = []
+    monkeypatch.setattr(llamacpp, "fetch_ahead", lambda: asked.append(1) or SimpleNamespace())
+    run = tmp_path / "runs" / "run"
+    shutil.copytree(alices_run, run, ignore=shutil.ignore_patterns("export", "export.log"))
+    exporter = handlers(tmp_path / "runs", _Jobs(run, None), access=Access()).inference
+    exporter.status()
+    assert asked == []  # a classifier: nothing to fetch for
+    causal = tmp_path / "runs" / "causal"
+    shutil.copytree(run, causal)
+    config = [line for line in (run / "config.yaml").read_text().splitlines() if not line.startswith("task:")]
+    (causal / "config.yaml").write_text("\n".join([*config, "task: causal_lm", ""]))
+    exporter = handlers(tmp_path / "runs", _Jobs(causal, None), access=Access()).inference
+    for _ in range(3):
+        exporter.status()
+    assert asked == [1]  # once per app, however often the block asks

@@ -119,7 +119,7 @@ def test_help_texts_use_the_forms_labels():
 
 def test_a_bad_number_is_shown_next_to_its_field_and_cleared_once_fixed(tmp_path):
     ctl = _controller(tmp_path)
-    planned = ctl.plan.plan_for("here", *_values(learning_rate=5, epochs=0))
+    planned = ctl.plan.plan_for("here", "local", *_values(learning_rate=5, epochs=0))
     assert planned.error.startswith("⚠️") and planned.chart == gr.update(visible=False)
     notes = planned.fields
     assert notes["learning_rate"]["info"] == "⚠️ Learning rate must be at most 1, not 5.0."
@@ -225,7 +225,7 @@ def test_the_model_picker_warns_when_nothing_fits_and_the_plan_is_for_a_cuda_gpu
     assert "GiB" in warning and "memory_budget_gb" not in warning  # the smallest budget, in the form's words
     assert ctl.plan.model_fit(*_values(**form)) == ""  # no budget: nothing to warn of
     # "Plan for a CUDA GPU": `finetune plan --device cuda`, a GPU of the budget's memory, from this CPU machine.
-    planned = ctl.plan.plan_for("cuda", *_values(**form, memory_budget_gb=8))
+    planned = ctl.plan.plan_for("cuda", "local", *_values(**form, memory_budget_gb=8))
     assert planned.error == "", planned.error
     assert "device **cuda (planned for a 8 GiB GPU)**" in planned.text and "precision **bf16**" in planned.text
     assert 'class="ft-plan-chart"' in planned.chart["value"] and planned.chart["visible"]

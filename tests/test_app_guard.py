@@ -26,6 +26,7 @@ from app.guard import (
     Throttle,
     UploadLedger,
     client_address,
+    forwarded_header,
     trusted_networks,
 )
 
@@ -97,8 +98,9 @@ def test_the_client_address_is_the_connections_unless_a_trusted_proxy_forwards_i
     headers = [(b"x-forwarded-for", b"6.6.6.6, 10.1.1.1"), (b"forwarded", b'for="[2001:db8::1]:80";proto=https')]
     scope = {"client": ("127.0.0.1", 5000), "headers": headers}
     assert client_address(scope) == "127.0.0.1"  # nobody trusted: the header is the client's own words
-    assert client_address(scope, trusted_networks("127.0.0.1")) == "2001:db8::1"
-    assert client_address(scope, trusted_networks("127.0.0.0/8, 2001:db8::/32, 10.0.0.0/8")) == "6.6.6.6"
+    assert client_address(scope, trusted_networks("127.0.0.1")) == "10.1.1.1"  # X-Forwarded-For only, by default
+    assert client_address(scope, trusted_networks("127.0.0.0/8, 10.0.0.0/8")) == "6.6.6.6"
+    assert client_address(scope, trusted_networks("127.0.0.1"), forwarded_header("Forwarded")) == "2001:db8::1"
     assert client_address({"client": ("5.5.5.5", 1), "headers": headers}, trusted_networks("127.0.0.1")) == "5.5.5.5"
     with pytest.raises(ValueError, match="FINETUNE_TRUSTED_PROXIES lists 'proxy.local', which is neither"):
         trusted_networks("10.0.0.1,proxy.local")

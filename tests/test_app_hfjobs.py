@@ -275,6 +275,35 @@ def test_a_job_is_followed_again_after_the_app_restarted_once_its_owner_has_a_to
     assert not (run_dir / "child-follow.json").exists()
 
 
+def test_stop_after_a_re_attach_cancels_the_job_from_the_app_or_says_it_cannot(space, tmp_path, monkeypatch):
+    from finetune.remote import hfjobs
+
+    ctl, _, upload = space
+    run_dir = Path(ctl.run.start_on("t4-small", *_values(upload), request=ALICE).run_dir)
+    _child(run_dir)
+    handle = _job_json(run_dir)
+    _kill(Path("runs"))  # the app and its launcher go away; a new app process follows the job again
+    _wait_for(lambda: ctl.state.jobs.status().state == "failed")
+    again, _ = _controller(Path("runs"), _fake_python(tmp_path), ctl.state.access)
+    again.follow.poll(None, request=ALICE)
+    _child(run_dir, "follow")
+    cancelled = []
+    monkeypatch.setattr(hfjobs, "cancel", lambda job, token=None: cancelled.append((job.job_id, token)))
+    # The follower is stopped by the signal before it can cancel (as one that still starts is): the app cancels.
+    said = again.run.stop(request=ALICE)
+    assert said.startswith("Stopping after the current optimizer step") and said.endswith(
+        "The job on Hugging Face Jobs is cancelled: its billing stops.")
+    assert cancelled == [(handle.job_id, ALICE_TOKEN)]  # was none: the job ran on to COMPLETED
+
+    def unreachable(job, token=None):
+        raise hfjobs.JobRefused("The Hub refused to cancel job 1 (the token is not valid).")
+
+    monkeypatch.setattr(hfjobs, "cancel", unreachable)
+    assert again.state.remote.cancel(again.state.jobs.status(), ALICE) == (
+        "⚠️ The app could not cancel the job on Hugging Face Jobs (The Hub refused to cancel job 1 (the token is not "
+        "valid)): cancel it on its page, https://hf.co/jobs/alice/1, or it runs on, billed to its account.")
+
+
 # --- the runs folder on a Space
 OVERLAY = "22 1 0:21 / / rw,relatime - overlay overlay rw,lowerdir=/l\n"
 BUCKET = "26 22 0:40 / /data rw,nosuid,nodev - fuse hf-mount rw,user_id=1000\n"
@@ -394,3 +423,33 @@ def test_stop_cancels_the_signed_in_users_job_which_ran_with_their_token_only(tm
     for path in run_dir.rglob("*"):
         if path.is_file():
             assert user_token.encode() not in path.read_bytes() and OWNER_SECRET.encode() not in path.read_bytes()
+
+
+def test_plan_follows_run_on_and_a_flavor_says_what_it_lacks_when_it_is_picked(tmp_path, monkeypatch, cls_csv):
+    """Issue 42 row 5. Before: Plan planned for this machine's RAM ("3 % of the 23.50 GiB budget") with a Jobs
+    flavor under Run on, and offline or no token was said only at Start."""
+    monkeypatch.chdir(tmp_path)
+    for key in ("HF_TOKEN", "FINETUNE_JOBS_IMAGE", "SPACE_ID", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "no-stored-token"))
+    runs = Path("runs")
+    ctl, plans = _controller(runs, _fake_python(tmp_path), Access())
+    values = _values(cls_csv)
+    shown = ctl.plan.plan_for("here", "a10g-large", *values)
+    assert shown.error == "" and plans == [(22.35, "cuda")]  # one A10G's memory, planned as a CUDA GPU
+    assert shown.text.startswith("Planned for one GPU of Hugging Face Jobs' a10g-large: 1 × A10G (24 GB), $1.50/h "
+                                 "(22.35 GiB), the Run on choice.")
+    ctl.plan.plan_for("here", LOCAL, *values)
+    assert plans[-1] == (None, "here")  # this machine: as the Plan for choice says
+    ctl.plan.plan_for("here", "a10g-large", *_values(cls_csv, memory_budget_gb=8))
+    assert plans[-1] == (8, "cuda")  # a smaller budget of the user's is kept, as Start keeps it
+    # What the flavor lacks here is said when it is picked, not at Start.
+    assert ctl.run.run_on_note("t4-small") == f"⚠️ {remote.NO_LOCAL_TOKEN}"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert ctl.run.run_on_note("t4-small") == f"⚠️ {remote.OFFLINE}"
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_TOKEN", "hf_mine")
+    monkeypatch.setenv("FINETUNE_JOBS_IMAGE", "hf.co/spaces/me/finetune")
+    assert ctl.run.run_on_note("t4-small").startswith("Runs on Hugging Face Jobs' t4-small: 1 × T4")
+    assert ctl.run.run_on_note(LOCAL) == ""
+    assert ctl.run.run_on_note("no-such-flavor").startswith("⚠️ ")

@@ -186,14 +186,14 @@ def test_a_hub_preview_is_streamed_and_says_it_counted_only_the_first_rows(monke
 def test_a_local_preview_writes_nothing_into_the_datasets_cache(tmp_path, monkeypatch, cls_csv):
     import datasets
 
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")  # not the test's cache
     frame = pd.read_csv(cls_csv)
     frame.to_json(tmp_path / "data.jsonl", orient="records", lines=True)
     frame.to_parquet(tmp_path / "data.parquet")
     for path in (Path(cls_csv), tmp_path / "data.jsonl", tmp_path / "data.parquet"):
         view = preview.inspect(str(path), None, "train", "classification", {})
         assert view.error == "" and view.rows == 37 and sum(view.labels.values()) == 37, path
-    assert not (tmp_path / "cache").exists()
+    assert not (tmp_path / "datasets-cache").exists()
 
 
 # --- Try it

@@ -278,3 +278,21 @@ def test_try_it_offers_a_chat_only_for_a_finished_run_trained_on_conversations(t
     before = panel.panel(JobStatus(state="idle"), new_model=True)
     assert before.button["interactive"] is False and before.push["interactive"] is False
     assert before.chat["visible"] is False and before.new_chat["visible"] is False
+
+
+def test_an_empty_or_header_only_file_is_a_sentence_about_the_file_not_datasets_words(tmp_path):
+    """Issue 42 row 9. Before: `... could not be read as .csv (Instruction "train" corresponds to no data!)` and
+    `(An error occurred while generating the dataset)`."""
+    empty, header, jsonl = tmp_path / "empty.csv", tmp_path / "header.csv", tmp_path / "empty.jsonl"
+    empty.write_text("")
+    header.write_text("text,label\n")
+    jsonl.write_text("\n")
+    said = {path.name: preview.inspect(str(path), None, "train", "classification", {}).error
+            for path in (empty, header, jsonl)}
+    assert said == {
+        "empty.csv": f"Dataset file {str(empty)!r} is empty: give a file with one example per row (a CSV's first "
+                     "line names its columns).",
+        "header.csv": f"Dataset file {str(header)!r} has a header line ('text,label') but no rows: add one example "
+                      "per line under it.",
+        "empty.jsonl": f"Dataset file {str(jsonl)!r} is empty: give a file with one example per row (a CSV's first "
+                       "line names its columns)."}

@@ -278,3 +278,35 @@ def test_integer_and_string_tags_side_by_side_are_refused(tmp_path, tiny_bert):
     _one_sentence(code, err, tmp_path)
     assert err == (f"error: Tags column 'tags' of {str(data)!r} mixes kinds of values: tags are all strings, or all "
                    "integers.\n")
+
+
+# --- Issue 42: the data decides what it can be; no pyarrow or `datasets` text reaches a person
+
+DIGITS = Path(__file__).resolve().parents[1] / "assets" / "digits_sample"
+
+
+@pytest.mark.parametrize("task, kind", [("classification", "text classification"),
+                                        ("causal_lm", "causal language modelling")])
+def test_an_image_folder_under_a_text_task_names_image_classification(tmp_path, task, kind):
+    """Before: the default task cast the images to text (a pyarrow traceback, exit 1); causal_lm said "No text
+    column found … columns are: image, label". Neither named the task that reads images."""
+    code, err, _ = _cli(tmp_path, f"dataset={DIGITS}", f"task={task}", "max_steps=1")
+    _one_sentence(code, err, tmp_path)
+    assert err == (f"error: Dataset {str(DIGITS)!r} holds images (column 'image'), which a {kind} model cannot learn "
+                   "from: set task=image_classification and an image model (model=google/vit-base-patch16-224-in21k, "
+                   "say) to train on them.\n")
+
+
+def test_an_empty_or_header_only_csv_is_one_sentence_about_the_file(capsys, tmp_path, base):
+    """Before: `Instruction "train" corresponds to no data!` (header only) and `An error occurred while generating
+    the dataset` (empty), both `datasets`' own words."""
+    empty = tmp_path / "empty.csv"
+    empty.write_text("\n  \n")
+    code, err = _run(capsys, *base, f"dataset={empty}")
+    assert code == 2 and err == (f"error: Dataset file {str(empty)!r} is empty: give a file with one example per row "
+                                 "(a CSV's first line names its columns).\n")
+    header = tmp_path / "header.csv"
+    header.write_text("text,label\n\n")
+    code, err = _run(capsys, *base, f"dataset={header}")
+    assert code == 2 and err == (f"error: Dataset file {str(header)!r} has a header line ('text,label') but no rows: "
+                                 "add one example per line under it.\n")

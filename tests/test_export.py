@@ -9,6 +9,7 @@ import io
 import json
 import random
 import shutil
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -180,7 +181,7 @@ def test_refusals_come_in_one_sentence_before_any_work(chat_run, tmp_path, tiny_
         prepare(str(chat_run / "model"), out=str(out))
     cls_run = tmp_path / "cls"
     run_train(cls_run, model=tiny_bert, dataset=cls_csv, max_steps=1, effective_batch_size=8)
-    with pytest.raises(ExportError, match="trained a classification model: export it with --format merged"):
+    with pytest.raises(ExportError, match="trained a text classification model: export it with --format merged"):
         prepare(str(cls_run), fmt="gguf", out=str(out))
     assert prepare(str(cls_run), out=str(out)).format == "merged"  # a classifier still merges
     monkeypatch.setattr(export_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 1000))
@@ -240,7 +241,7 @@ def test_gguf_is_offered_for_every_kind_that_generates_text(tmp_path, tiny_gpt2,
 
     assert {k for k in registry.names() if export_mod.generates_text(k)} == {"causal_lm", "preference", "grpo"}
 
-    def reached(llama_cpp=None):
+    def reached(llama_cpp=None, say=None):
         raise llamacpp.LlamaCppError("reached llama.cpp's converter")
 
     monkeypatch.setattr(llamacpp, "converter", reached)
@@ -249,7 +250,7 @@ def test_gguf_is_offered_for_every_kind_that_generates_text(tmp_path, tiny_gpt2,
     with pytest.raises(llamacpp.LlamaCppError, match="reached llama.cpp's converter"):
         prepare(str(tmp_path / "pref"), fmt="gguf", out=str(tmp_path / "never"))
     run_train(tmp_path / "cls", model=tiny_bert, dataset=cls_csv, max_steps=1, effective_batch_size=8)
-    with pytest.raises(ExportError, match="this run trained a classification model"):
+    with pytest.raises(ExportError, match="this run trained a text classification model"):
         prepare(str(tmp_path / "cls"), fmt="gguf", out=str(tmp_path / "never"))
 
 
@@ -294,7 +295,7 @@ def test_a_llama_cpp_crash_ends_the_export_with_one_sentence_and_exit_2(chat_run
     (out / "model-f16.gguf").write_bytes(b"GGUF")
     record = json.loads((out / "export.json").read_text())
     (out / "export.json").write_text(json.dumps({**record, "gguf": str(out / "model-f16.gguf")}))
-    monkeypatch.setattr(llamacpp, "converter", lambda llama_cpp=None: Path(llamacpp.CONVERTER))
+    monkeypatch.setattr(llamacpp, "converter", lambda llama_cpp=None, say=None: Path(llamacpp.CONVERTER))
     monkeypatch.setattr(llamacpp, "CHILD", SIGILL)
     capsys.readouterr()
     assert main(["export", str(chat_run), "--format", "gguf", "--quant", "q8_0", "--out", str(out)]) == 2
@@ -308,24 +309,6 @@ def test_a_llama_cpp_crash_ends_the_export_with_one_sentence_and_exit_2(chat_run
 
 needs_llama_cpp = pytest.mark.skipif(find_spec("llama_cpp") is None or find_spec("gguf") is None,
                                      reason="llama-cpp-python and gguf are not installed (pip install '.[export]')")
-
-
-@pytest.fixture(scope="session")
-def converters(tmp_path_factory) -> Path:
-    """One folder of fetched converters for this test process: each test has a cache folder of its own
-    (conftest's own_plan_cache), and fetching the converter downloads llama-cpp-python's source package (40 s here,
-    minutes under load), so the tests' caches all point here and it is fetched once."""
-    folder = tmp_path_factory.mktemp("cache") / "finetune" / "llama.cpp"  # as llamacpp.cache_dir() under XDG_CACHE_HOME
-    folder.mkdir(parents=True)
-    return folder
-
-
-@pytest.fixture(autouse=True)
-def shared_converters(own_plan_cache, converters) -> None:
-    from finetune.use import llamacpp
-
-    llamacpp.cache_dir().parent.mkdir(parents=True, exist_ok=True)
-    llamacpp.cache_dir().symlink_to(converters, target_is_directory=True)
 
 
 @needs_llama_cpp
@@ -572,3 +555,44 @@ def test_push_uploads_the_export_with_a_card_that_says_how_to_run_it(chat_run, t
     check = json.loads((out / "check-q8_0.json").read_text())
     assert check["agree"] and "Checked: on `model-q8_0.gguf`, llama.cpp and transformers agree token for token" in card
     assert str(tmp_path) not in card
+
+
+def test_the_converter_is_fetched_once_across_concurrent_asks_and_says_so(tmp_path, monkeypatch):
+    """Issue 42 row 10: the page's first GGUF export took 219 s where the CLI's took 24 s: the first fetched
+    llama.cpp's converter (measured here: 164 s with a fresh cache, 34 s with a kept one; the page's own export with
+    a kept converter took the CLI's time, 38 s and 32 s against 46 s and 29 s). The app now fetches it ahead; an
+    export started meanwhile waits for that fetch instead of starting a second one, and says what it waits for."""
+    import threading
+
+    from finetune.use import llamacpp
+
+    monkeypatch.setattr(llamacpp, "runtime_version", lambda: "9.9.9")
+    monkeypatch.setattr(llamacpp, "_require_gguf", lambda: None)
+    fetches: list[str] = []
+    gate = threading.Event()
+
+    def fetch(release: str, folder: Path) -> None:
+        fetches.append(release)
+        gate.wait(10)
+        folder.mkdir(parents=True)
+        (folder / llamacpp.CONVERTER).write_text("# the converter")
+
+    monkeypatch.setattr(llamacpp, "_fetch_converter", fetch)
+    ahead = llamacpp.fetch_ahead()
+    assert ahead is not None
+    said: list[str] = []
+    export = threading.Thread(target=lambda: said.append(str(llamacpp.converter(say=said.append))))
+    export.start()
+    time.sleep(0.5)
+    gate.set()
+    ahead.join(10)
+    export.join(10)
+    assert fetches == ["9.9.9"]  # one fetch, not two unpacking over each other
+    kept = llamacpp.cache_dir() / "9.9.9" / llamacpp.CONVERTER
+    assert said[-1] == str(kept) and kept.is_file()
+    assert llamacpp.fetch_ahead() is None  # kept: nothing to fetch
+    shutil.rmtree(kept.parent)
+    said.clear()
+    assert llamacpp.converter(say=said.append) == kept
+    assert said == ["fetching llama.cpp's converter (llama-cpp-python 9.9.9's source package, once per machine)"]
+    assert fetches == ["9.9.9"] * 2

@@ -138,3 +138,16 @@ def test_a_reused_plan_is_keyed_on_generation_and_the_reference(tiny_llama):
     assert key is not None and key == plancache.plan_key(c.replace(temperature=0.7), tokens=20)
     for change in ({"num_generations": 8}, {"max_completion_length": 16}, {"beta": 0.04}):
         assert plancache.plan_key(c.replace(**change), tokens=20) != key, change
+
+
+def test_the_plan_says_how_many_forward_passes_generation_adds_to_a_step(tiny_llama):
+    """Issue 42 row 12: 6 steps of GRPO's defaults (256 tokens) on a tiny model took 198 s on a CPU and nothing said
+    why. The plan counts generation's forward passes per step: prompts × max_completion_length."""
+    notes = _grpo_plan(tiny_llama).notes  # 8 completions of 4 per prompt: 2 prompts, up to 8 tokens each
+    assert ("Generation: each optimizer step generates 2 prompt(s) × 4 completions of up to 8 tokens, a token at a "
+            "time: up to 16 forward passes of the model one after another before its backward (a completion that "
+            "ends sooner stops sooner), the step's longest part on a CPU; lower max_completion_length for shorter "
+            "steps.") in notes
+    longer = _grpo_plan(tiny_llama, max_completion_length=256, effective_batch_size=32, num_iterations=2).notes
+    assert any(n.startswith("Generation: every 2 optimizer steps generates 8 prompt(s) × 4 completions of up to 256 "
+                            "tokens, a token at a time: up to 2,048 forward passes") for n in longer)

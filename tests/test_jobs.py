@@ -376,6 +376,19 @@ def test_each_end_of_a_job_is_the_exit_code_of_a_local_run(cli, hub, tmp_path, c
     assert all(not str(v).startswith("/runs/") for r in records for v in r.values())  # local paths
 
 
+def test_a_job_ended_in_error_says_why_on_a_line_of_its_own_under_the_bar(cli, hub, tmp_path, capsys):
+    # Killed by the platform mid-run: no final event closes the bar, so its last frame was left open and the
+    # sentence was printed after it, on the same line (issue #42, row 13).
+    handle = _start(hub, tmp_path, [START, STEP[0], "loading shard 2", STEP[1]], stage="ERROR",
+                    message="Job exceeded its memory limit")
+    assert cli(["jobs", "follow", str(handle.run_dir), "--no-fetch"]) == 1
+    lines = capsys.readouterr().err.split("\n")  # a bar's frames are joined by carriage returns, lines by \n
+    assert "2/4" in lines[-3]  # the bar's last frame, ended
+    assert lines[-2] == "error: The job ended with ERROR: Job exceeded its memory limit."
+    # The job's log line above the bar (its line cleared first), not after a frame.
+    assert "loading shard 2" in [line.split("\r")[-1] for line in lines]
+
+
 def test_a_job_cancelled_elsewhere_is_a_stopped_run(cli, hub, tmp_path, capsys):
     handle = _start(hub, tmp_path, [START, STEP[0], CHECKPOINT, STEP[1]], hold_after=3)
 

@@ -63,6 +63,8 @@ def test_storage_of_this_machine_and_an_unreadable_table(tmp_path):
 
 
 def test_renames_are_probed(tmp_path, monkeypatch):
+    tmp_path = tmp_path / "mount"  # tmp_path itself holds the test's cache folder (conftest's shared converters)
+    tmp_path.mkdir()
     assert renames_atomically(tmp_path)
     real = os.replace
 

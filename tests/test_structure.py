@@ -222,10 +222,17 @@ def _kind_members() -> set[str]:
             for klass in cls.__mro__ for name in vars(klass) if not name.startswith("__")}
 
 
+# Names of the contract that other objects have too (a `datasets` table's features, a model's config and
+# tokenizer, a dataclass's fields): asked of those, they are no probe of a kind.
+NOT_ONLY_HOOKS = {"features", "metrics", "entry", "tokenizer", "model", "seed", "loss", "lora", "weights", "score",
+                  "temperature", "stats", "inputs", "rewards", "trust_remote_code", "beta", "reference_model"}
+
+
 def _kind_probes(roots: tuple[Path, ...] = (PACKAGE, ROOT / "app")) -> list[str]:
     """`hasattr(x, "name")` and `getattr(x, "name", …)` outside `finetune/kinds/` where `x` is a kind (its source
-    names one) or `name` is a member of one: a hook asked for by name instead of called."""
-    members = _kind_members()
+    names one: `kind`, `s.kind`, `kind_named(…)`, `configured(c)`) or any object but a table's or a model's and
+    `name` a hook of the contract: a hook asked for by name instead of called."""
+    hooks = _kind_members() - NOT_ONLY_HOOKS
     found = []
     for root in roots:
         for path in sorted(root.rglob("*.py")):
@@ -236,7 +243,7 @@ def _kind_probes(roots: tuple[Path, ...] = (PACKAGE, ROOT / "app")) -> list[str]
                         node.func.id in ("hasattr", "getattr") and len(node.args) >= 2 and \
                         isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
                     target = ast.unparse(node.args[0])
-                    if "kind" in target or "configured(" in target or node.args[1].value in members:
+                    if "kind" in target or "configured(" in target or node.args[1].value in hooks:
                         found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     return found
 

@@ -3,6 +3,7 @@ runs it), and a YAML config imported into the form."""
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,16 @@ class ExportShown:
     message: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class ImportShown(FormShown):
+    """Import config: the form filled from the file, and the Reproduce box and the form's note saying so (the
+    command of a run, a YAML exported before and the imported one no longer share the box)."""
+
+    command: Any = keep()
+    file: Any = keep()
+    form_note: Any = keep()  # the note over the form: whose settings it shows
+
+
 class ReproduceHandlers:
     """Export and Import config: pure functions of the form and of a file (no state of the app's)."""
 
@@ -48,15 +59,19 @@ class ReproduceHandlers:
                            command="finetune train finetune-config.yaml",
                            message="Exported: download the file, or copy the YAML.")
 
-    def import_config(self, uploaded: str | None, *, request: Any = None) -> FormShown:
-        """Fill every widget from a YAML config (its errors are the config's own)."""
+    def import_config(self, uploaded: str | None, *, request: Any = None) -> ImportShown:
+        """Fill every widget from a YAML config (its errors are the config's own); the Reproduce box shows that
+        config alone, and the note over the form names the file."""
         if not uploaded:
-            return FormShown()
+            return ImportShown()
         if too_big := limits.config_size_problem(uploaded, is_file=True):  # before parsing: a 5 MB YAML takes minutes
-            return FormShown(note=f"⚠️ {too_big}")
+            return ImportShown(note=f"⚠️ {too_big}")
         try:
             config = load_config_file(uploaded)
         except ConfigError as e:  # in the file's words (its keys), not the form's: the file is what to fix
-            return FormShown(note=f"⚠️ {problems_text(e)}")
-        return FormShown(values=dict(zip(FIELD_NAMES, config_to_values(config), strict=True)),
-                         note=f"Imported `{Path(uploaded).name}`.", yaml=config_yaml(config))
+            return ImportShown(note=f"⚠️ {problems_text(e)}")
+        name = Path(uploaded).name
+        return ImportShown(values=dict(zip(FIELD_NAMES, config_to_values(config), strict=True)),
+                           note=f"Imported `{name}`.", yaml=config_yaml(config),
+                           command=shlex.join(["finetune", "train", name]), file=None,
+                           form_note=f"The form shows the settings imported from `{name}`.")

@@ -54,7 +54,7 @@ def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
             export_config = gr.Button("Export config")
             import_config = gr.UploadButton("Import config", file_types=[".yaml", ".yml"])
         message = gr.Markdown(elem_id="repro-message")
-        command = gr.Textbox(label="Command", interactive=False, buttons=["copy"])
+        command = gr.Textbox(label="Command", interactive=False, buttons=["copy"], elem_id="repro-command")
         yaml_code = gr.Code(language="yaml", label="Config (YAML)", interactive=False)
         config_file = gr.File(label="Config file", interactive=False)
     return ExportTab(download=download, hub_note=hub_note, push_repo=push_repo, push_private=push_private, push=push,
@@ -62,14 +62,16 @@ def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
                      message=message, command=command, yaml=yaml_code, config_file=config_file)
 
 
-def wire_export_tab(on: Callable[..., Any], h: Handlers, tab: ExportTab, train: TrainTab) -> None:
-    """Push, Export config and Import config (which fills the Train tab's form, then reads its data again)."""
+def wire_export_tab(on: Callable[..., Any], h: Handlers, tab: ExportTab, train: TrainTab, form_note: Any) -> None:
+    """Push, Export config and Import config (which fills the Train tab's form, then reads its data again;
+    `form_note` is the note over the form, which then names the file)."""
     on(tab.push.click, h.publish.push, [tab.push_repo, tab.push_private], {"message": tab.push_message},
        concurrency_id="push", **PRIVATE)
     on(tab.export_config.click, h.reproduce.export, train.form.values,
        {"yaml": tab.yaml, "file": tab.config_file, "command": tab.command, "message": tab.message}, **PRIVATE)
     imported = on(tab.import_config.upload, h.reproduce.import_config, tab.import_config,
-                  {"values": train.form.by_name, "note": tab.message, "yaml": tab.yaml}, **PRIVATE)
+                  {"values": train.form.by_name, "note": tab.message, "yaml": tab.yaml, "command": tab.command,
+                   "file": tab.config_file, "form_note": form_note}, **PRIVATE)
     refreshed = on(imported.then, h.dataset.refresh_dataset, train.data_inputs, train.data_targets,
                    show_progress="hidden", **PRIVATE)
     on(refreshed.then, h.form.clear_note, None, {}, outputs=train.model_note, gate="public", **PRIVATE)

@@ -66,6 +66,10 @@ class JobClient:
                 return 0
             return self.training.submit(config_path, run_dir, owner=owner)
 
+    def taken(self, run_dir: Path) -> str:
+        """Why no Start may write into `run_dir` now (it trains, or waits in the queue); "" when it may."""
+        return self.training.taken(run_dir)
+
     def resume(self, run_dir: Path, owner: str | None) -> int:
         """Continue a stopped or failed run from its newest checkpoint, now (0) or once the runs before it end (its
         position in the queue); `JobBusy` while another job is in the way."""

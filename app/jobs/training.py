@@ -15,7 +15,6 @@ and after an app restart; any failed or stopped run that has a complete checkpoi
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -26,13 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from app.jobs.children import signal_group, spawn
+from app.jobs.current import CurrentRun, alive, is_finetune
 from app.jobs.queue import Queued, RunQueue
 from app.jobs.tail import EventTail, error_from_output, session_output
 from finetune.config.schema import ConfigError, read_yaml
-from finetune.run.rundir import checkpoints, write_json
+from finetune.run.rundir import checkpoints
 
 # After a Stop, how long the child may take to finish its optimizer step and write the checkpoint before it is
 # killed: long windows of a big model and a multi-GB optimizer state take minutes; a second Stop kills at once.
@@ -40,6 +38,7 @@ STOP_TIMEOUT_S = 600.0
 TERMINAL = ("stopped", "done", "error")
 KILLED = "The training process was killed (out of memory?)."
 WATCH_INTERVAL_S = 1.0
+ALREADY = "This run is already training or waiting in the queue: its settings stay as they were started."
 ENDED = "# ended: "  # the launch log's line saying how a session ended, as the app saw it (`ended_as`)
 
 
@@ -128,26 +127,6 @@ class _Job:
         return self.tail.read()
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs; a zombie (exited, not yet reaped by its adopter) does not."""
-    if pid <= 0:
-        return False
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:  # someone else's process: it exists
-        return True
-
-
-def _is_finetune(pid: int) -> bool:
-    """Whether process `pid` runs finetune (a recorded pid may since belong to an unrelated process)."""
-    try:
-        return any("finetune" in arg for arg in psutil.Process(pid).cmdline())
-    except psutil.Error:
-        return False
-
-
 def _busy_message(status: JobStatus) -> str:
     """Why a second run cannot start now (what `start` raises; the app queues it instead: `submit`)."""
     step, start = status.last("step"), status.last("start")
@@ -179,6 +158,7 @@ class JobManager:
         self._job: _Job | None = None
         self._closing = False  # the app is shutting down: no queued run starts
         self.queue = RunQueue(self.runs_dir)  # the runs waiting for this one to end
+        self.current = CurrentRun(self.runs_dir)  # current.json: what another app process trains, what to adopt
         self._adopt()
         self._advance()  # a queued run whose turn came while no app was running starts now
 
@@ -199,10 +179,12 @@ class JobManager:
 
     def _launch(self, command: list[str], config_path: Path, run_dir: Path, owner: str | None,
                 env: dict[str, str] | None, launched: float | None = None, reattach: bool = False) -> JobStatus:
-        with self._lock:
+        with self._lock, self.current.launching():
             current = self.status()
             if current.active:
                 raise JobBusy(_busy_message(current))
+            if elsewhere := self.current.other_app(getattr(self._job, "pid", None)):
+                raise JobBusy(elsewhere)
             if not reattach:  # a re-attach follows the same job on: the launcher that went away did not end it
                 self._record_end(current)
             log_path = run_dir / "launch.log"
@@ -224,10 +206,10 @@ class JobManager:
         """Start the run now (0), or while another run is in progress (or others wait) put it at the end of the
         queue: its position then (1: it starts next). `JobBusy` when that run folder is already training or queued."""
         with self._lock, self.queue.locked():
+            if taken := self.taken(run_dir):
+                raise JobBusy(taken)
             queue = self.queue.entries()
             current = self.status()
-            if any(q.run_dir == run_dir for q in queue) or (current.active and current.run_dir == run_dir):
-                raise JobBusy("This run is already training or waiting in the queue.")
             if not current.active and not queue:
                 self.start(config_path, run_dir, overrides, owner)
                 return 0
@@ -235,6 +217,16 @@ class JobManager:
                                              overrides=tuple(overrides or ()), owner=owner, queued_at=time.time())])
         self._advance()  # the run in progress may have ended while this one was queued
         return self.queue.position(run_dir) or 0
+
+    def taken(self, run_dir: Path) -> str:
+        """Why no Start may go into `run_dir` now: it is training or waiting in the queue ("" when it may). Asked
+        before Start writes anything in the folder, and again when the run is submitted."""
+        current, here = self.status(), run_dir.resolve()
+        busy = [q.run_dir for q in self.queue.entries()] + ([current.run_dir] if current.active else [])
+        if any(p.resolve() == here for p in busy):
+            return ALREADY
+        # a run in progress here queues it; another app's does not
+        return "" if current.active else self.current.other_app(getattr(self._job, "pid", None))
 
     def cancel(self, run_dir: Path) -> Queued | None:
         """Take `run_dir` off the queue; the entry taken off, or None when it was not queued (it may have started)."""
@@ -253,13 +245,16 @@ class JobManager:
             if self._closing or self.status().active:
                 return
             try:  # another app process (one ending as this one starts) may have started it already: follow that
-                launched = float(json.loads(self._current_file().read_text(encoding="utf-8"))["launched"])
-            except (OSError, ValueError, KeyError, TypeError):
+                launched = float((self.current.read() or {})["launched"])
+            except (KeyError, ValueError, TypeError):
                 launched = 0.0
             if self._job is not None and launched > self._job.launched:
                 self._adopt()
                 if self.status().active:
                     return
+            # another app process's run: that process starts the next run when its run ends
+            if self.current.other_app(getattr(self._job, "pid", None)):
+                return
             queue = self.queue.entries()
             while queue:
                 first = queue.pop(0)
@@ -348,7 +343,7 @@ class JobManager:
     def _running(self, job: _Job) -> bool:
         if job.proc is not None:
             return job.proc.poll() is None
-        return _alive(job.pid)
+        return alive(job.pid)
 
     def status(self) -> JobStatus:
         """The current or last run's state, events, exit code and messages."""
@@ -397,6 +392,11 @@ class JobManager:
         if job.killed:
             return "stopped", "The run was killed; Resume continues from its last checkpoint, if it saved one."
         if job.stop_requested_at is not None and rc in (None, 130, -signal.SIGINT):
+            # Stopped while it started: a resumed run keeps the checkpoint an earlier session saved.
+            kept = next(iter(reversed(checkpoints(job.run_dir))), None)
+            if kept is not None:
+                return "stopped", (f"The run was stopped while it started; its checkpoint of step "
+                                   f"{int(kept.name.removeprefix('step-'))} is kept. Resume continues from it.")
             return "stopped", "The run was stopped before it saved a checkpoint."
         # No final event and no signal of ours: something outside the app ended it (an out-of-memory kill, most
         # likely). An adopted run (rc None) that is gone without a final event ended the same way.
@@ -405,22 +405,18 @@ class JobManager:
         return "failed", error_from_output(output) or f"The training process exited with code {rc}."
 
     # --- re-attaching after the app restarts
-    def _current_file(self) -> Path:
-        return self.runs_dir / "current.json"
-
     def _save_current(self) -> None:
         job = self._job
         record = {"pid": job.pid, "run_dir": str(job.run_dir), "config_path": str(job.config_path),
                   "log_path": str(job.log_path), "command": job.command, "launched": job.launched,
                   "owner": job.owner, "stop_requested_at": job.stop_requested_at, "killed": job.killed,
                   "time_limit_min": job.time_limit_min}
-        # Atomic: an app killed mid-write must not leave a half file that the next start cannot adopt.
-        write_json(self._current_file(), record)
+        self.current.write(record)
 
     def _adopt(self) -> None:
         """Follow the run an earlier app process started, so its progress (or result) shows again."""
         try:
-            record = json.loads(self._current_file().read_text(encoding="utf-8"))
+            record = self.current.read() or {}
             job = _Job(run_dir=Path(record["run_dir"]), config_path=Path(record["config_path"]),
                        log_path=Path(record["log_path"]), command=list(record["command"]), pid=int(record["pid"]),
                        proc=None, launched=float(record["launched"]), owner=record.get("owner"),
@@ -428,7 +424,7 @@ class JobManager:
                        time_limit_min=record.get("time_limit_min"))
         except (OSError, ValueError, KeyError, TypeError):
             return
-        if _alive(job.pid) and not _is_finetune(job.pid):
+        if alive(job.pid) and not is_finetune(job.pid):
             job.pid = -1  # the id now belongs to an unrelated process: never signal it
         self._job = job
         if self._running(job):

@@ -131,19 +131,32 @@ class RemoteRuns:
             return False
         return True
 
-    def cancel(self, status: JobStatus, request: Any) -> None:
-        """Cancel the job of `status` from the app itself (a second Stop kills the launcher, which would leave the
-        job billing); nothing when it is no job, or the Hub cannot be asked."""
+    def cancel(self, status: JobStatus, request: Any) -> str:
+        """Cancel the job of `status` from the app itself, with the caller's token: what happened, in a sentence
+        ("" when it is no job, or the job is not started yet). Stop asks this as well as signalling the child: a
+        launcher or a re-attached follower that is still starting (or is killed by a second Stop) would leave the
+        job billing."""
         if status.run_dir is None or not is_remote_run(status.run_dir):
-            return
+            return ""
+        from huggingface_hub.errors import HTTPError as HubNetworkError
+
         from finetune.remote import hfjobs
 
         try:
+            job = hfjobs.attach(status.run_dir)
+        except FinetuneError:
+            return ""  # no job.json yet: the launcher has started no job, or cancels the one it is starting
+        try:
             env = self._token_env(request)
-            token = (env or {}).get("HF_TOKEN")
-            hfjobs.cancel(hfjobs.attach(status.run_dir), token=token)
-        except (AccessError, FinetuneError, OSError):
-            return
+            hfjobs.cancel(job, token=(env or {}).get("HF_TOKEN"))
+        except (AccessError, FinetuneError) as e:
+            reason = str(e)
+        except (HubNetworkError, OSError) as e:
+            reason = f"the Hub could not be reached: {type(e).__name__}"
+        else:
+            return "The job on Hugging Face Jobs is cancelled: its billing stops."
+        return (f"⚠️ The app could not cancel the job on Hugging Face Jobs ({reason.rstrip('.')}): cancel it on its "
+                f"page, {job.url}, or it runs on, billed to its account.")
 
 
 def job_status(status: JobStatus) -> JobStatus:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import time
 from dataclasses import dataclass, field
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from finetune.run.events import read_events
 from finetune.run.rundir import LAUNCH_FILES, MARKER, checkpoints, clear_run_dir, is_finished
 
 TABLE_COLUMNS = ["Run", "Status", "Task", "Model", "Steps", "Metrics", "Started", "Finished"]
-COLUMN_WIDTHS = ["15%", "10%", "10%", "15%", "6%", "20%", "12%", "12%"]  # of TABLE_COLUMNS
+NOWRAP = {"Run", "Status", "Steps", "Started", "Finished"}  # short cells kept on one line (the others wrap)
 NOT_DIFFED = ("output_dir", "resume", "overwrite")  # where a run went, not how it trained
 MAX_RUNS = 200  # the newest shown (a runs folder kept for months would make a table nobody reads)
 
@@ -135,6 +136,23 @@ def runs_frame(runs: list[RunInfo]) -> pd.DataFrame:
              r.model, f"{r.step}/{r.total}" if r.total else "", headline(r.metrics), clock(r.started),
              clock(r.finished)] for r in runs]
     return pd.DataFrame(rows, columns=TABLE_COLUMNS)
+
+
+def runs_html(frame: pd.DataFrame) -> str:
+    """The runs table as the tab draws it: one <table>, its header and body in the same columns, in a region that
+    scrolls sideways in a narrow window (a keyboard can focus and scroll it); a sentence when there are no runs.
+
+    Gradio's Dataframe drew its header and its body as two tables: at 400 px the body's columns shrank to a few
+    letters, no longer under their titles."""
+    if frame.empty:
+        return '<p class="ft-runs-empty">No runs yet: the runs you start appear here.</p>'
+    head = "".join(f'<th scope="col">{escape(c)}</th>' for c in frame.columns)
+    nowrap = [' class="ft-nowrap"' if column in NOWRAP else "" for column in frame.columns]
+    rows = "".join("<tr>" + "".join(f"<td{cls}>{escape(str(value))}</td>" for cls, value in zip(nowrap, row,
+                                                                                                 strict=True))
+                   + "</tr>" for row in frame.itertuples(index=False))
+    return (f'<div class="ft-runs" role="region" aria-label="Your runs" tabindex="0"><table><thead><tr>{head}</tr>'
+            f"</thead><tbody>{rows}</tbody></table></div>")
 
 
 def status_title(run: RunInfo) -> str:

@@ -19,7 +19,6 @@ import gradio as gr
 from app import charts, report
 from app.jobs.training import JobBusy
 from app.runs.listing import (
-    COLUMN_WIDTHS,
     RunInfo,
     clock,
     compare_frame,
@@ -30,6 +29,7 @@ from app.runs.listing import (
     list_runs,
     metrics_frame,
     runs_frame,
+    runs_html,
     status_title,
 )
 from app.state import AppState
@@ -57,10 +57,15 @@ class RunsShown:
     """The Runs tab after a refresh: the table, the choices (the selection kept where it still exists), the
     selection's view and a message."""
 
-    table: Any
+    table: Any  # the runs, one row each (a DataFrame); the tab draws it as `table_html`
     choices: Any
     selection: SelectionShown
     message: Any = ""  # a refresh clears the last action's message (a run resumed, then finished, say)
+
+    @property
+    def table_html(self) -> str:
+        """The table as the tab draws it."""
+        return runs_html(self.table)
 
 
 class RunsHandlers:
@@ -220,8 +225,8 @@ class RunsTab:
         with gr.Row():
             self.refresh_btn = gr.Button("Refresh", size="sm", scale=0, elem_id="runs-refresh")
             self.message = gr.Markdown(elem_id="runs-message")
-        self.table = gr.Dataframe(runs_frame([]), label="Your runs", interactive=False, max_height=320, wrap=True,
-                                  column_widths=COLUMN_WIDTHS, elem_id="runs-table")
+        gr.Markdown("## Your runs")
+        self.table = gr.HTML(runs_html(runs_frame([])), elem_id="runs-table")
         # A multiselect that takes any name (the handlers look names up among the user's runs): a run deleted
         # while a tick on it is on its way is dropped, rather than failing the event as a CheckboxGroup would.
         self.chosen = gr.Dropdown([], value=[], multiselect=True, allow_custom_value=True, filterable=True,
@@ -247,7 +252,7 @@ class RunsTab:
         self.selection = {"details": details, "config": config, "command": command, "log": log_btn,
                           "resume": self.resume_btn, "cancel": self.cancel_queued_btn, "delete": self.delete_btn,
                           "confirm": self.confirm, "chart": chart, "metrics": metrics, "diff": diff}
-        self.listing = {"table": self.table, "choices": self.chosen, "selection": self.selection,
+        self.listing = {"table_html": self.table, "choices": self.chosen, "selection": self.selection,
                         "message": self.message}
 
     def wire(self, on: Callable[..., Any], refresh_on: list[Any]) -> None:

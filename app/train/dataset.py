@@ -111,13 +111,13 @@ class DatasetHandlers:
         column = view.chosen.get("image_column") if view.columns and not view.error else None
         if task not in kinds.names() or kinds.entry(task).inputs != "images" or not column:
             return gr.update(visible=False)
-        try:
-            head = preview.load(source.strip(), (config_name or "").strip() or None, (split or "").strip() or "train",
-                                head=images.GRID_IMAGES)
+        label = view.chosen.get("label_column")
+        try:  # both columns of every row (a hub dataset's sample): the grid takes images from every class
+            table = preview.load(source.strip(), (config_name or "").strip() or None,
+                                 (split or "").strip() or "train", columns=(column, label) if label else (column,))
         except DataError:
             return gr.update(visible=False)
-        return gr.update(value=images.grid(head, column, view.chosen.get("label_column"), source.strip()),
-                         visible=True)
+        return gr.update(value=images.grid(table, column, label, source.strip()), visible=True)
 
     def tasks_table(self, text: str, mixing: str, temperature: Any, cap: Any, *, request: Any = None) -> TasksShown:
         """The Tasks table of the multi-task YAML: each task's data, columns, weight and share, after the same file

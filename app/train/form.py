@@ -250,5 +250,5 @@ class FormHandlers:
                               "new run (in a new folder) from them.")
 
     def clear_note(self, *, request: Any = None) -> str:
-        """Empty the model's note (after an import: the imported model may differ)."""
+        """Empty the model's note (after an import: the imported model may differ; after a task picked by hand)."""
         return ""

@@ -11,6 +11,7 @@ it is known to hold class subfolders, named by the zip's content hash like any u
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import shutil
 import stat
@@ -136,6 +137,26 @@ def _unpack(zip_path: Path, tmp: Path) -> None:
             except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError) as e:
                 raise DataError(f"The zip's member {member.filename[:120]!r} cannot be unpacked ({e}): zip the "
                                 "image folder again.") from None
+            _check_header(out, "/".join(parts))
+
+
+def _check_header(path: Path, name: str) -> None:
+    """A `DataError` naming member `name` by its path inside the zip when its header is not an image's: found at the
+    upload, not by the run at Start under the server's path (read without decoding its pixels)."""
+    from PIL import UnidentifiedImageError
+
+    from finetune.kinds.image_classification import pillow
+
+    image_module = pillow()  # the bomb limit set: an image past twice it raises before anything is decoded
+    try:
+        with image_module.open(path):
+            pass
+    except image_module.DecompressionBombError:
+        return  # an image, if a huge one: training refuses it from its header, the preview leaves it out
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        raise DataError(f"The zip's {name[:120]!r} is not a readable image (its contents are not a "
+                        f"{PurePosixPath(name).suffix.lstrip('.').upper() or 'image'} file's): replace or remove it, "
+                        "and zip the folder again.") from None
 
 
 def _class_root(target: Path) -> Path:
@@ -166,10 +187,21 @@ def thumbnail(path: str | None, data: bytes | None) -> Any:
             raise DataError(f"Image {path!r} is not a readable image ({type(e).__name__}).") from None
 
 
+def each_class(labels: list[Any], count: int) -> list[int]:
+    """The indices of up to `count` rows, one of each label in turn (in the order the labels first appear): an image
+    folder lists its classes one after another, so its first rows are all of one class."""
+    rows: dict[Any, list[int]] = {}
+    for index, label in enumerate(labels):
+        if len(rows.setdefault(label, [])) < count:
+            rows[label].append(index)
+    turns = itertools.zip_longest(*rows.values())
+    return [index for turn in turns for index in turn if index is not None][:count]
+
+
 def grid(table: Any, image_column: str, label_column: str | None, source: str) -> list[tuple[Any, str]]:
-    """The first images of the data with their labels' names, as thumbnails (PIL images: Gradio serves copies, never
-    the user's files); images that cannot be read or are too large to preview, and paths outside the data's own
-    folder (`image_source`: another user's upload, a file of the server's), are left out."""
+    """Images of the data, from every class in turn, with their labels' names, as thumbnails (PIL images: Gradio
+    serves copies, never the user's files); images that cannot be read or are too large to preview, and paths outside
+    the data's own folder (`image_source`: another user's upload, a file of the server's), are left out."""
     from datasets import ClassLabel
 
     from finetune.data.load import is_local
@@ -178,8 +210,9 @@ def grid(table: Any, image_column: str, label_column: str | None, source: str) -
     feature = table.features.get(label_column) if label_column else None
     path = Path(source).expanduser()
     root = str(path if path.is_dir() else path.parent) if is_local(source) else None  # None: a hub dataset
+    labels = table.with_format("arrow")[label_column].to_pylist() if label_column else [None] * len(table)
     shown = []
-    for row in table.select(range(min(GRID_IMAGES, len(table)))).with_format("arrow")[:].to_pylist():
+    for row in table.select(each_class(labels, GRID_IMAGES)).with_format("arrow")[:].to_pylist():
         value, label = row.get(image_column), row.get(label_column) if label_column else None
         if value is None:
             continue

@@ -11,7 +11,9 @@ import gradio as gr
 
 from app import limits
 from app.access import AccessError
+from app.hubcheck import hub_problem
 from app.mapping import changed_options, config_yaml, field_problems, in_form_words, problems_markdown, values_to_config
+from app.remote.choice import LOCAL, flavor_of
 from app.results import Unanswered, hidden
 from app.state import AppState
 from app.train import plan_report, preview
@@ -63,6 +65,8 @@ class PlanHandlers:
             raise Unanswered(str(e)) from None
         if over := limits.check(config, self.state.limits):
             raise Unanswered(" ".join(over))
+        if unreachable := hub_problem(config.model):  # at once, not after the planner's minute of retries
+            raise Unanswered(unreachable)
         device = device if device in PLAN_DEVICES else "here"
         return self.state.jobs.plan(config, (*_plan_key(config, user), device), device)
 
@@ -72,28 +76,39 @@ class PlanHandlers:
 
     def plan(self, *values: Any, request: Any = None) -> PlanShown:
         """Plan the form's config for this machine (see `plan_for`)."""
-        return self.plan_for("here", *values, request=request)
+        return self.plan_for("here", LOCAL, *values, request=request)
 
-    def plan_for(self, device: str, *values: Any, request: Any = None) -> PlanShown:
+    def plan_for(self, device: str, run_on: str | None, *values: Any, request: Any = None) -> PlanShown:
         """Plan the form's config for `device` ("here", or "cuda": a CUDA GPU of the budget's memory) and show the
-        answer, or its error next to the button and each bad value next to its field."""
+        answer, or its error next to the button and each bad value next to its field. A Hugging Face Jobs flavor
+        under Run on wins: the plan is for one of its GPUs, as Start plans it (`job_config`)."""
         try:
-            plan = self.make_plan(values_to_config(values), device=device, request=request)
+            config, flavor = values_to_config(values), flavor_of(run_on)
+            if flavor is not None:
+                from finetune.remote.preflight import job_config  # as Start does: it imports the planner
+
+                config, device = job_config(config, flavor), "cuda"
+            plan = self.make_plan(config, device=device, request=request)
         except ConfigError as e:
             return PlanShown(error=problems_markdown(e), fields=self.notes.notes(field_problems(e)))
-        except Unanswered as e:
-            return PlanShown(error=f"⚠️ {in_form_words(str(e))}", fields=self.notes.notes({}))
-        return PlanShown(text=plan_report.plan_markdown(plan),
+        except Unanswered as e:  # the planner's sentence, at the field it names too (max_completion_length, task)
+            return PlanShown(error=f"⚠️ {in_form_words(str(e))}",
+                             fields=self.notes.notes(field_problems(ConfigError([str(e)]))))
+        where = (f"Planned for one GPU of Hugging Face Jobs' {flavor.describe()} ({config.memory_budget_gb:g} GiB), "
+                 "the Run on choice.\n\n") if flavor is not None else ""
+        return PlanShown(text=where + plan_report.plan_markdown(plan),
                          chart=gr.update(value=plan_report.plan_chart_html(plan), visible=True, elem_classes=[]),
                          fields=self.notes.notes({}))
 
     def model_fit(self, *values: Any, request: Any = None) -> str:
-        """After a model is picked: a warning when it cannot fit the budget even with a 4-bit base, with the
-        smallest budget that works (the planner's refusal); "" when it fits or cannot be told."""
+        """After a model is picked: a warning when it is on a Hub out of reach, or cannot fit the budget even with a
+        4-bit base, with the smallest budget that works (the planner's refusal); "" when it fits or cannot be told."""
         try:
             config = values_to_config(values)
         except ConfigError:
             return ""  # the form's own problems are shown by Plan and Start
+        if unreachable := hub_problem(config.model):  # said when the preset is picked (was 62 s of nothing)
+            return f"⚠️ {unreachable}"
         if config.memory_budget_gb is None or config.tasks:
             return ""
         try:

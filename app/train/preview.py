@@ -31,7 +31,9 @@ from finetune.data.load import (
     SANITY_ROWS,
     Columns,
     DataError,
+    check_inputs,
     check_json_width,
+    class_name,
     is_local,
     label_counts,
     load_table,
@@ -241,9 +243,13 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
     if len(columns) > MAX_COLUMNS:  # a hub dataset (a local file was refused before its rows were read)
         return DatasetView(error=f"Dataset {source!r} has {len(columns):,} columns; the app reads data of at most "
                                  f"{MAX_COLUMNS:,} columns.")
-    preview = _short_cells(head.select(range(min(PREVIEW_ROWS, len(head)))).select_columns(
-        columns[:MAX_PREVIEW_COLUMNS]).to_pandas())
+    preview = _short_cells(_named_classes(head.select(range(min(PREVIEW_ROWS, len(head)))).select_columns(
+        columns[:MAX_PREVIEW_COLUMNS]).to_pandas(), head))
     sampled = not is_local(source)
+    try:
+        check_inputs(task, head, source)
+    except DataError as e:  # images under a text task: said at the dataset, before any column is guessed
+        return DatasetView(columns, preview, len(head), error=_said(e), sampled=sampled)
     kept = {k: v for k, v in wanted.items() if k in COLUMN_FIELDS and v and v in columns}
     kept = _for_task(kept, task)
     try:
@@ -267,6 +273,13 @@ def inspect(source: str | None, config_name: str | None, split: str | None, task
 def _said(error: Exception) -> str:
     """A data error's sentence, cut to `MAX_ERROR_CHARS` (it may list every column of the file)."""
     return short_text(str(error), MAX_ERROR_CHARS)
+
+
+def _named_classes(frame: pd.DataFrame, table: Any) -> pd.DataFrame:
+    """The preview with a ClassLabel column's ids as their class names (an image folder's `one`, not 1)."""
+    named = {column: frame[column].map(lambda v, column=column: class_name(table, column, v))
+             for column in frame.columns if getattr(table.features.get(column), "names", None)}
+    return frame.assign(**named) if named else frame
 
 
 def _short_cells(frame: pd.DataFrame) -> pd.DataFrame:

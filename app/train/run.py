@@ -13,6 +13,7 @@ from typing import Any
 import gradio as gr
 
 from app.access import AccessError, new_run_name, resolve_output_dir
+from app.hubcheck import hub_problem
 from app.jobs.planner import PLANNER_SLOW
 from app.jobs.training import JobBusy, JobStatus
 from app.mapping import (
@@ -155,7 +156,28 @@ class RunHandlers:
         except ConfigError as e:
             return Started(started=False, message=problems_text(e), fields=self.notes.notes(field_problems(e)))
         started = self.start_run(config, request=request, run_on=run_on)
-        return dataclasses.replace(started, fields=self.notes.notes({}))
+        # A refusal that names an option (`output_dir` outside the runs folder, a dataset that is not an upload) is
+        # shown at that field too.
+        refused = {} if started.started or started.queued else field_problems(ConfigError([started.message]))
+        return dataclasses.replace(started, fields=self.notes.notes(refused))
+
+    def run_on_note(self, run_on: str, *, request: Any = None) -> str:
+        """What picking `run_on` means, said when it is picked rather than at Start: for a Hugging Face Jobs flavor,
+        why this user cannot start a job here (offline, no token, …), or that Plan plans for its GPU."""
+        try:
+            flavor = flavor_of(run_on)
+            if flavor is None:
+                return ""
+            user, refusal = self.state.policy.who(request)
+            if refusal:
+                raise AccessError(refusal)
+            self.state.remote.prepare(flavor, user, request)
+        except ConfigError as e:
+            return f"⚠️ {problems_text(e)}"
+        except AccessError as e:
+            return f"⚠️ {e}"
+        return (f"Runs on Hugging Face Jobs' {flavor.describe()}, billed to your account: Plan and Start plan for "
+                f"one of its GPUs ({flavor.budget_gib:g} GiB).")
 
     def _refused(self, config: Config, user: str | None, request: Any, flavor: Flavor | None) -> Started | Path:
         """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder."""
@@ -172,6 +194,8 @@ class RunHandlers:
             return Started(started=False, message=refused)
         if problem := data_problem(config):
             return Started(started=False, message=problem, data_error=problem)
+        if unreachable := hub_problem(config.model):  # the run would retry the Hub for a minute, then fail
+            return Started(started=False, message=unreachable)
         if flavor is not None:
             # A job's budget is one of the flavor's GPUs (the launcher plans for it again before it sends anything).
             from finetune.remote.preflight import job_config
@@ -215,6 +239,9 @@ class RunHandlers:
         run_dir = self._refused(config, user, request, flavor)
         if isinstance(run_dir, Started):
             return run_dir
+        if taken := self.state.jobs.taken(run_dir):
+            # Refused before anything is written: a queued run starts later from its launch.yaml as it was queued.
+            return Started(started=False, message=taken)
         config = from_dict({**changed_options(config), "output_dir": display_path(run_dir)})
         try:
             run_dir = check_run_dir(config)
@@ -244,9 +271,12 @@ class RunHandlers:
         status = self.state.jobs.status()
         if refusal or (status.active and not self.state.policy.is_mine(status, user)):
             return f"⚠️ {refusal or 'Only the one who started the run in progress can stop it.'}"
-        if status.state == "stopping":  # this press kills the launcher: cancel its job here, or it would bill on
-            self.state.remote.cancel(status, request)
-        return self.state.jobs.stop()
+        # A run on Jobs whose child cannot be trusted to cancel its job: this press kills the launcher, or the child
+        # is a follower the app re-attached (a Stop while it still starts ended it before it could cancel). The
+        # launcher itself cancels on the first press.
+        follower = status.active and "finetune jobs follow" in status.command
+        cancelled = self.state.remote.cancel(status, request) if status.state == "stopping" or follower else ""
+        return " ".join(filter(None, (self.state.jobs.stop(), cancelled)))
 
     def resume(self, *, request: Any = None) -> str:
         """Continue the stopped run from its checkpoint."""
@@ -259,6 +289,8 @@ class RunHandlers:
             return "Nothing to resume: only a stopped or failed run can be resumed."
         if not status.resumable:
             return "This run ended before its first checkpoint: start it again instead."
+        if refused := self.state.policy.run_refusal(status.run_dir, user):
+            return f"⚠️ {refused}"
         if refused := self.state.jobs.server_refusal(None):
             return f"⚠️ {refused}"
         try:

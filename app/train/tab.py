@@ -82,7 +82,7 @@ def create_train_tab(form: Form) -> TrainTab:
             with gr.Column(variant="panel"):
                 gr.Markdown("## 1 · Model")
                 form.place("model", per_row=2)
-                model_note = gr.Markdown()
+                model_note = gr.Markdown(elem_id="model-note")
                 model_fit = gr.Markdown(elem_classes="ft-error", elem_id="model-fit")
             with gr.Column(variant="panel"):
                 dataset = build_dataset_panel(form)
@@ -110,6 +110,9 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
     # (Only on a pick: a planner child on every blur of the budget would compete with the run for the cores.)
     on(picked.then, h.plan.model_fit, values, {}, outputs=tab.model_fit, concurrency_id="plan",
        concurrency_limit=limits.PLAN_CONCURRENCY, show_progress="hidden", **PRIVATE)
+    # A task the user picks makes "Task inferred from the model" untrue: the note goes.
+    on(fields["task"].input, h.form.clear_note, None, {}, outputs=tab.model_note, gate="public",
+       show_progress="hidden", **PRIVATE)
     on(fields["task"].change, h.dataset.refresh_dataset, data_in, data_out, **PRIVATE)
     # Only what applies: the chosen kind's fields, and no hub config or split for a local file.
     fields_out = {"fields": by_name, "tasks_section": tab.dataset.tasks_section, "chat_example": tab.dataset.example}
@@ -139,7 +142,7 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
                   {"text": plan.text, "error": plan.error, "chart": plan.chart, "button": plan.button},
                   show_progress="hidden", js=pressed_js("ft-planning"), **PRIVATE)
     planning.then(None, js=answered_js("ft-planning"))  # refused or not
-    on(planning.success, h.plan.plan_for, [plan.device, *values],
+    on(planning.success, h.plan.plan_for, [plan.device, tab.run.run_on, *values],
        {"text": plan.text, "chart": plan.chart, "error": plan.error, "fields": by_name, "button": plan.button},
        concurrency_id="plan", concurrency_limit=limits.PLAN_CONCURRENCY, show_progress="hidden", **PRIVATE)
     run = tab.run
@@ -152,6 +155,8 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
     on(checking.success, h.run.start_on, [run.run_on, *values],
        {"note": run.message, "dataset_note": tab.dataset.error, "fields": by_name, "start_button": run.start,
         "panel": panel}, show_progress="hidden", **PRIVATE)
+    on(run.run_on.change, h.run.run_on_note, run.run_on, {}, outputs=run.message, gate="quiet",
+       show_progress="hidden", **PRIVATE)
     on(run.stop.click, h.run.stop, None, {}, outputs=run.message, gate="public", concurrency_limit=None, **PRIVATE)
     on(run.resume.click, h.run.resume, None, {}, outputs=run.message, **PRIVATE)
     on(run.cancel.click, h.run.cancel, None, {}, outputs=run.message, **PRIVATE)

@@ -20,7 +20,7 @@ from app.results import Unanswered, keep
 from app.state import AppState
 from app.tryit import renderers
 from finetune import registry as kinds
-from finetune.config.schema import read_yaml
+from finetune.config.schema import ConfigError, read_yaml
 
 # The run's chat template is a visitor's text: it renders in a forked child stopped after this long (or past
 # `bounded.MEMORY_HEADROOM` more memory), and what it renders is at most this long (the model reads far less).
@@ -72,7 +72,11 @@ def try_view(status: JobStatus) -> str | None:
     if status.model_dir is None or status.run_dir is None:
         return None
     config = status.run_dir / "config.yaml"
-    options = read_yaml(config) if config.is_file() else {}
+    try:  # a run fetched from a bucket holds whatever the bucket held: Predict then says why (`run_refusal`)
+        options = read_yaml(config) if config.is_file() and not limits.config_size_problem(config, is_file=True) \
+            else {}
+    except ConfigError:
+        options = {}
     task = options.get("task", kinds.DEFAULT)
     entry = kinds.entry(task if task in kinds.names() else kinds.DEFAULT)
     chats = CHATS.get(entry.chat_when)
@@ -159,10 +163,16 @@ class TryItHandlers:
         text, _ = limits.truncate_try_text(text)
         if not text:
             raise Unanswered("Type a text first.")
+        return text, self._loadable(user)
+
+    def _loadable(self, user: str | None) -> JobStatus:
+        """The caller's finished run, once its files pass the policy (`RequestPolicy.run_refusal`), or `Unanswered`."""
         status = self.state.jobs.status()
-        if status.model_dir is None or not self.state.policy.is_mine(status, user):
+        if status.model_dir is None or status.run_dir is None or not self.state.policy.is_mine(status, user):
             raise Unanswered("No trained model yet: train (or resume) a run to the end first.")
-        return text, status
+        if refused := self.state.policy.run_refusal(status.run_dir, user):
+            raise Unanswered(f"⚠️ {refused}")
+        return status
 
     def predict(self, text: str, *, request: Any = None) -> dict[str, Any]:
         """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
@@ -198,11 +208,11 @@ class TryItHandlers:
             raise Unanswered(refusal)
         if not image:
             raise Unanswered("Upload an image first.")
-        status = self.state.jobs.status()
-        if status.model_dir is None or not self.state.policy.is_mine(status, user):
-            raise Unanswered("No trained model yet: train (or resume) a run to the end first.")
+        status = self._loadable(user)
         if try_view(status) != "image":
             raise Unanswered("This run's model reads text, not images: type a text in Try it.")
+        if too_big := limits.image_size_problem(image):
+            raise Unanswered(f"⚠️ {too_big}")
         from finetune.use.predict import predict
 
         out = predict(str(status.run_dir), [str(image)])[0]

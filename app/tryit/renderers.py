@@ -46,6 +46,9 @@ def entity_pieces(out: dict[str, Any]) -> list[tuple[str, str | None]]:
     return pieces
 
 
+EMPTY_REPLY = "it may need more training, or more data."  # what an empty answer says to do (chat and text alike)
+
+
 def _in_box(value: str, label: str, note: str) -> PredictionShown:
     """One line of text in the result box, labelled."""
     return PredictionShown(label=gr.update(visible=False), chat=gr.update(visible=False), message=note,
@@ -75,9 +78,17 @@ def value(out: dict[str, Any], note: str) -> PredictionShown:
     return _in_box(f"{out['value']:.4g}", "Predicted value", note)
 
 
+def _generated(value: str, label: str, note: str) -> PredictionShown:
+    """A model's generated text in the result box; nothing generated says so (an empty box reads as a broken
+    page), as the chat does for an empty reply."""
+    if not value.strip():
+        note = " ".join(n for n in (note, f"The model generated nothing: {EMPTY_REPLY}") if n)
+    return _in_box(value, label, note)
+
+
 def text(out: dict[str, Any], note: str) -> PredictionShown:
     """A causal LM's continuation of the text."""
-    return _in_box(out["generated"], "Generated continuation", note)
+    return _generated(out["generated"], "Generated continuation", note)
 
 
 def vector(out: dict[str, Any], note: str) -> PredictionShown:
@@ -96,7 +107,7 @@ def vector(out: dict[str, Any], note: str) -> PredictionShown:
 
 def generated_text(out: dict[str, Any], note: str) -> PredictionShown:
     """A seq2seq model's target text for the text (its summary, its translation)."""
-    return _in_box(out["generated_text"], "Generated text", note)
+    return _generated(out["generated_text"], "Generated text", note)
 
 
 def image(out: dict[str, Any], note: str) -> PredictionShown:
@@ -115,8 +126,7 @@ def chat(turns: list[dict[str, str]], reply: str, note: str) -> PredictionShown:
     an empty reply says so rather than showing an empty bubble."""
     if not reply.strip():  # an empty bubble reads as a broken page
         reply = "*(no reply)*"
-        note = " ".join(n for n in (note, "The model answered with nothing: it may need more training, or more "
-                                    "data.") if n)
+        note = " ".join(n for n in (note, f"The model answered with nothing: {EMPTY_REPLY}") if n)
     return PredictionShown(label=gr.update(visible=False), generated=gr.update(visible=False),
                            chat=gr.update(value=[*turns, {"role": "assistant", "content": reply}], visible=True),
                            text="", message=note)

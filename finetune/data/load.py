@@ -27,7 +27,7 @@ from finetune.data.packing import check_architecture, pack
 from finetune.data.stream import StreamData
 from finetune.data.windows import epoch_windows, micro_batches, windows_per_epoch
 from finetune.errors import ConfigError, DataError, summary
-from finetune.registry import entry, kind
+from finetune.registry import entry, kind, names
 
 __all__ = ["IGNORE_INDEX", "Columns", "DataError", "Encoded", "collate", "encode", "epoch_windows", "load_data",
            "load_table", "micro_batches", "resolve_columns", "windows_per_epoch"]
@@ -93,6 +93,9 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
             raise DataError(f"Dataset file {source!r} does not exist: check the path.")
         if fmt is None:
             raise DataError(f"Dataset file {source!r} has an unknown type: use .csv, .tsv, .json, .jsonl or .parquet.")
+        if _blank(path):  # `datasets` says "An error occurred while generating the dataset"
+            raise DataError(f"Dataset file {source!r} is empty: give a file with one example per row (a CSV's first "
+                            "line names its columns).")
         if fmt == "json":
             check_json_width(path, source)
         kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
@@ -100,6 +103,9 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
             table = datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=streaming,
                                           **kwargs)
         except Exception as e:  # datasets raises many types for a malformed file; all mean the same to a user
+            if fmt == "csv" and (header := _header_only(path)) is not None:  # "Instruction "train" corresponds…"
+                raise DataError(f"Dataset file {source!r} has a header line ({header}) but no rows: add one "
+                                "example per line under it.") from None
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise DataError(f"Dataset file {source!r} could not be read as {path.suffix} ({reason}): check its "
                             "format.") from None
@@ -115,6 +121,24 @@ def load_table(source: str, config_name: str | None = None, split: str = "train"
     if not streaming and len(table) == 0:
         raise DataError(f"Dataset {source!r} has no rows.")
     return table
+
+
+def _blank(path: Path) -> bool:
+    """Whether the file holds nothing but white space (read a block at a time, stopping at the first text)."""
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 16), b""):
+            if block.strip():
+                return False
+    return True
+
+
+def _header_only(path: Path) -> str | None:
+    """The header of a CSV or TSV file that has no line after it (its first column names), None otherwise."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in itertools.islice(f, 1000) if line.strip()]
+    if len(lines) != 1:
+        return None
+    return summary(lines[0].strip(), 120)
 
 
 def _image_folder(path: Path, source: str, streaming: bool) -> Any:
@@ -217,6 +241,26 @@ def _fields(value: Any, paths: set[tuple[str, ...]] | None = None) -> int:
     return len(paths)
 
 
+def image_columns(table: Any) -> list[str]:
+    """The columns of `table` that hold images (`datasets`' Image feature: an image folder's, or a hub dataset's)."""
+    features = getattr(table, "features", None) or {}
+    return [name for name, feature in features.items() if type(feature).__name__ == "Image"]
+
+
+def check_inputs(task: str, table: Any, source: str) -> None:
+    """A `DataError` for images under a kind that reads text, which names the kind that reads images: an image
+    folder under the default task was cast to text deep inside `datasets` (a pyarrow traceback). The app's Dataset
+    block and `finetune train` both ask."""
+    found = image_columns(table)
+    if not found or task not in names() or entry(task).inputs == "images":
+        return
+    reader = next(name for name in names() if entry(name).inputs == "images")
+    model = next(iter(entry(reader).presets), "")
+    raise DataError(f"Dataset {summary(source)} holds images (column {found[0]!r}), which a "
+                    f"{entry(task).summary} model cannot learn from: set task={reader}"
+                    + (f" and an image model (model={model}, say)" if model else "") + " to train on them.")
+
+
 def resolve_columns(c: Config, columns: list[str]) -> Columns:
     """The columns to use, from the config or guessed from common names, as the task kind reads them; a `DataError`
     naming what is missing."""
@@ -294,6 +338,7 @@ def load_tables(c: Config) -> tuple[Any, Columns, list[str] | None, Any | None]:
     """The training rows (after `max_train_samples` and the hold-out), their columns, the class names and the
     evaluation rows (a separate set, a split, the hold-out, or None), untokenised."""
     table = load_table(c.dataset, c.dataset_config, c.train_split)
+    check_inputs(c.task, table, c.dataset)
     cols = resolve_columns(c, list(table.column_names))
     texts = [getattr(cols, role) for role in TEXT_ROLES if getattr(cols, role)]
     check_text_columns(c, cols, table.select(range(min(SANITY_ROWS, len(table)))).select_columns(texts).to_dict(),
@@ -335,6 +380,7 @@ def _load_stream(c: Config, tokenizer: Any, window_size: int) -> tuple[StreamDat
     head = list(itertools.islice(stream, LABEL_PEEK if entry(c.task).has_labels else 1))
     if not head:
         raise DataError(f"Dataset {c.dataset!r} has no rows.")
+    check_inputs(c.task, stream, c.dataset)
     cols = resolve_columns(c, list(head[0]))
     check_text_columns(c, cols, {name: [row.get(name) for row in head[:SANITY_ROWS]] for name in head[0]},
                        list(head[0]))
@@ -353,6 +399,16 @@ def _load_stream(c: Config, tokenizer: Any, window_size: int) -> tuple[StreamDat
 
 
 def label_counts(table: Any, column: str) -> dict[str, int]:
-    """How many rows each label value has, most frequent first (for previews and messages); counted in Arrow."""
+    """How many rows each label value has, most frequent first (for previews and messages), a class id by its class
+    name (an image folder's subfolder, a hub dataset's ClassLabel); counted in Arrow."""
     counts = pc.value_counts(table.with_format("arrow")[column]).to_pylist()
-    return {str(c["values"]): c["counts"] for c in sorted(counts, key=lambda c: -c["counts"])}
+    return {class_name(table, column, c["values"]): c["counts"] for c in sorted(counts, key=lambda c: -c["counts"])}
+
+
+def class_name(table: Any, column: str, value: Any) -> str:
+    """A label value as text: a class id of a ClassLabel column by its name (the digit folder `one`, not 1)."""
+    feature = (getattr(table, "features", None) or {}).get(column)
+    names = getattr(feature, "names", None)
+    if names and isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(names):
+        return str(names[value])
+    return str(value)

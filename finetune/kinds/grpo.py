@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from finetune.config.batch import resolve_batch
 from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
 from finetune.errors import DataError
@@ -116,6 +117,17 @@ class GRPO(TaskKind):
                            c.num_generations, c.max_completion_length, c.temperature, c.top_p, c.loss_type,
                            c.epsilon, c.epsilon_high, c.beta or 0.0, c.scale_rewards, c.seed, c.model,
                            c.lora == "true", c.num_iterations)
+
+    def plan_note(self, c: Config) -> str:
+        """How long generation makes a step, in forward passes of the model: each prompt's G completions are
+        generated together, a token at a time, and the prompts one after another (6 steps of a tiny model took 198 s
+        on a CPU at the default length of 256, and nothing said why)."""
+        prompts = max(1, resolve_batch(c).effective_batch_size // max(c.num_generations, 1))
+        when = "each optimizer step" if c.num_iterations == 1 else f"every {c.num_iterations} optimizer steps"
+        return (f"Generation: {when} generates {prompts} prompt(s) × {c.num_generations} completions of up to "
+                f"{c.max_completion_length} tokens, a token at a time: up to {prompts * c.max_completion_length:,} "
+                "forward passes of the model one after another before its backward (a completion that ends sooner "
+                "stops sooner), the step's longest part on a CPU; lower max_completion_length for shorter steps.")
 
     @property
     def steps_per_window(self) -> int:

@@ -43,7 +43,7 @@ def load_tokenizer(c: Config) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=c.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ModelError(_load_failure(c.model, e)) from None
+        raise ModelError(load_failure(c.model, e)) from None
     if c.chat_template:  # saved with the tokenizer, so the trained model chats through the same template
         tokenizer.chat_template = read_template(c.chat_template)
     if tokenizer.pad_token is None:
@@ -88,7 +88,7 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
     except ModelError:  # already said in the kernels' own words
         raise
     except (OSError, ValueError, KeyError, ImportError) as e:
-        raise ModelError(_load_failure(c.model, e, c.task)) from None
+        raise ModelError(load_failure(c.model, e, c.task)) from None
     if c.quantization in ("8bit", "4bit") and (new := quantize.unquantized_layers(model)):
         # peft's quantized LoRA layers would fail on them with an AttributeError, after the plan
         raise ModelError(f"quantization={c.quantization} cannot quantize {c.model!r} as a {c.task} model: "
@@ -137,7 +137,9 @@ def enable_checkpointing(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _load_failure(name: str, error: Exception, task: str | None = None) -> str:
+def load_failure(name: str, error: Exception, task: str | None = None) -> str:
+    """Why model `name` cannot be loaded (for `task`), in one sentence, from transformers' error (whose own text
+    lists every configuration class it knows, or points into its code)."""
     text = str(error)
     if kernels.is_kernel_failure(error):
         return (f"Model {name!r} could not be loaded with the Hub's kernels ({text.splitlines()[0][:200]}): set "

@@ -26,9 +26,10 @@ from finetune.config.schema import Config
 from finetune.engine.losses import loss_sum
 from finetune.engine.optim import make_optimizer
 from finetune.engine.recurrence import Recurrence, detach_cache, segment_loss_sum
+from finetune.errors import ModelError
 from finetune.kinds.base import TaskKind
 from finetune.models import quantize
-from finetune.models.pretrained import prepare_for_training, quiet_transformers, resolve_model_path
+from finetune.models.pretrained import load_failure, prepare_for_training, quiet_transformers, resolve_model_path
 from finetune.registry import configured
 from finetune.registry import kind as kind_named
 
@@ -165,8 +166,11 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
         # (only for image models: elsewhere it leaves GPT-2's tied head untied in the count, 14 % over.)
         init = no_init_weights() if kind.entry.inputs == "images" else contextlib.nullcontext()
         with fake, _adapters_stay_where_made(), init:
-            model = auto.from_config(config, trust_remote_code=c.trust_remote_code,
-                                     dtype=quantize.base_dtype(precision, lora))
+            try:
+                model = auto.from_config(config, trust_remote_code=c.trust_remote_code,
+                                         dtype=quantize.base_dtype(precision, lora))
+            except ValueError as e:  # no such head for this architecture (seq2seq on BERT): as loading it says
+                raise ModelError(load_failure(c.model, e, c.task)) from None
             return prepare_for_training(model, c, checkpointing=checkpointing, lora=lora, offload=offload)
 
     layers = _scalable_layers(model_config, c)

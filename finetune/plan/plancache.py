@@ -28,7 +28,8 @@ PLAN_OPTIONS = ("task", "max_length", "effective_batch_size", "micro_batch_size"
                 "memory_budget_gb", "gradient_checkpointing", "lora", "lora_r", "lora_alpha", "lora_dropout",
                 "lora_target_modules", "optimizer", "precision", "packing", "segment_recurrence", "memory_length",
                 "quantization", "preference_loss", "reference_model", "precompute_reference", "streaming",
-                "chunked_loss", "num_generations", "max_completion_length", "beta", "activation_offload")
+                "chunked_loss", "num_generations", "max_completion_length", "beta", "activation_offload",
+                "num_iterations")  # num_iterations: the GRPO note says how often a window generates
 # Paths under finetune/.
 PLANNING_CODE = ("plan/planner.py", "plan/memory.py", "models/pretrained.py", "engine/losses.py", "config/batch.py",
                  "engine/recurrence.py", "data/packing.py", "models/quantize.py",

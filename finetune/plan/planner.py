@@ -24,7 +24,7 @@ import torch
 from finetune.config.batch import BatchSplit, counted, divisors, resolve_batch
 from finetune.config.schema import Config
 from finetune.engine import offload as offloading
-from finetune.engine.recurrence import Recurrence, check_run
+from finetune.engine.recurrence import Recurrence, absolute_position_limit, check_run
 from finetune.engine.runtime import device_memory, host_memory, resolve_precision
 from finetune.errors import HostMemoryError, PlanError
 from finetune.kinds import chunked
@@ -305,6 +305,29 @@ def worst_case_tokens(c: Config, lengths: Any) -> int:
     return (int(np.max(lengths)) if len(lengths) else c.max_length) + generated
 
 
+def check_generated_positions(c: Config, model_config: Any, longest_prompt: int | None) -> None:
+    """A `PlanError` when a generating kind's sequences (the longest prompt and `max_completion_length`, to which
+    every completion is padded) need more positions than the model learned (GPT-2's `n_positions`): the first
+    generation or dry run would fail deep in the position embedding. Without the data (a stream), only a completion
+    that alone cannot fit is refused."""
+    generated = configured(c).generated_tokens
+    limit = absolute_position_limit(model_config)
+    if not generated or limit is None:
+        return
+    needed = generated + (longest_prompt or 0)
+    if needed <= limit:
+        return
+    if longest_prompt:
+        what = (f"The longest prompt ({longest_prompt} tokens) and max_completion_length ({generated}) make "
+                f"{needed} positions")
+    else:
+        what = f"max_completion_length ({generated}) needs {needed} positions"
+    room = limit - (longest_prompt or 0)
+    fix = f"set max_completion_length to at most {room}" if room > 0 else "shorten the prompts (max_length)"
+    raise PlanError([f"{what}, but {c.model!r} learned positions only up to {limit}: {fix}, or use a model with a "
+                     "longer context."])
+
+
 def may_pad(lengths: Any) -> bool:
     """Whether the samples differ in length (or are not known yet, a stream), so that a micro-batch of two or more
     holding the longest can be padded: the worst case then carries the attention mask that padding makes the model
@@ -392,6 +415,7 @@ class _Search:
     host: HostMemory  # the RAM that activation offload's host copies must fit in
     memory: int | None = None  # segment recurrence: the carried cache's tokens
     segments: int = 1
+    longest_prompt: int | None = None  # a generating kind (GRPO): its longest prompt, when the data is known
     notes: list[str] = field(default_factory=list)
     tried: list[Attempt] = field(default_factory=list)
     exact: dict[tuple[str, int], Any] = field(default_factory=dict)  # a bounded attempt's dry run, when needed
@@ -416,6 +440,7 @@ class _Search:
                      budget=int(c.memory_budget_gb * GIB) if c.memory_budget_gb else None, batch=batch,
                      candidates=_micro_candidates(c, batch), distributed=distributed, shards=shards,
                      host=host or HostMemory.here())
+        search.longest_prompt = int(np.max(lengths)) if len(lengths) else None
         recurrence = Recurrence.of(c)
         if recurrence:  # activations are one segment's; the cache carries up to memory_length earlier tokens
             # A stream's documents are not known yet: plan for the full memory (or max_document_length's).
@@ -447,6 +472,7 @@ class _Search:
         if key not in self.skeletons:
             self.skeletons[key] = reused_skeleton(self.c, self.num_labels, checkpointing=step.checkpointing,
                                                   lora=step.lora, precision=self.precision, offload=step.offload)
+            check_generated_positions(self.c, self.skeletons[key][0].model.config, self.longest_prompt)
         return self.skeletons[key][0]
 
     def windows(self, skeleton: Skeleton) -> dict:

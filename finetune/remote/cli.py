@@ -61,12 +61,13 @@ def follow_to_end(handle: JobHandle, *, quiet: bool = False, fetch: bool = True)
         if event is not None:
             bar(event)
 
-    follower = Follower(handle, on_record=on_record, on_log=_say)
+    follower = Follower(handle, on_record=on_record, on_log=bar.say)  # the job's log lines above the bar
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         try:
             result = follower.run()
         except KeyboardInterrupt:
+            bar.close()
             _say("\nCancelling the job (billing stops; its checkpoints stay in the bucket). Ctrl-C again leaves "
                  "without waiting for it to end.")
             hfjobs.cancel(handle)
@@ -76,6 +77,7 @@ def follow_to_end(handle: JobHandle, *, quiet: bool = False, fetch: bool = True)
                 return EXIT_STOPPED
     finally:
         signal.signal(signal.SIGTERM, previous)
+        bar.close()  # a job that ended in ERROR sent no final event: its sentence goes on a line of its own
     if result.status != "done":
         _say(("error: " if result.status == "failed" else "") + result.message)
         return result.exit_code

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -296,6 +297,18 @@ class ProgressBar:
             self._bar.write(f"step {event.step}: {event.message}")
         elif isinstance(event, Eval) and self._bar is not None:
             self._bar.write(f"step {event.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in event.metrics.items()))
-        elif isinstance(event, (Stopped, Done, Error)) and self._bar is not None:
+        elif isinstance(event, (Stopped, Done, Error)):
+            self.close()
+
+    def say(self, text: str) -> None:
+        """A line on stderr, above the bar while one is drawn (a plain print would land after its last frame)."""
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """End the bar's line: a job that ended without a final event (ERROR, a kill) leaves it drawn."""
+        if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -38,7 +38,7 @@ from finetune.models.pretrained import (
     resolve_model_path,
     task_of,
 )
-from finetune.registry import ENTRIES, entry
+from finetune.registry import ENTRIES, a_model, entry
 from finetune.rows.chat import end_of_turn_ids, turns_of
 from finetune.run.events import EventLog, Exported
 from finetune.run.rundir import is_finished, write_json
@@ -98,8 +98,10 @@ class ExportResult:
 
 
 def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: str | None = None,
-            ollama_file: bool = False, dtype: str = "auto", llama_cpp: str | None = None) -> ExportPlan:
-    """Check everything an export needs before any work: an `ExportError` (one sentence) for what cannot be done."""
+            ollama_file: bool = False, dtype: str = "auto", llama_cpp: str | None = None,
+            progress: Callable[[str], None] | None = None) -> ExportPlan:
+    """Check everything an export needs before any work: an `ExportError` (one sentence) for what cannot be done.
+    `progress` is told when llama.cpp's converter has to be fetched first."""
     if fmt not in FORMATS:
         raise ConfigError([f"--format {fmt!r} is not one of {', '.join(FORMATS)}."])
     if quant is not None and fmt != "gguf":
@@ -132,8 +134,8 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
                                                                                             "refusals", {})), None)
         raise ExportError(f"GGUF cannot be written for this run: {reason}; export it with --format merged (a "
                           "transformers folder) instead." if reason else
-                          f"GGUF is for models that generate text, and this run trained a {kind} model: export it "
-                          "with --format merged (a transformers folder) instead.")
+                          f"GGUF is for models that generate text, and this run trained {a_model(kind)}: export "
+                          "it with --format merged (a transformers folder) instead.")
     out_dir = Path(out).expanduser() if out else run_dir / EXPORT_DIR
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"--out {str(out_dir)!r} is a file: give a directory.")
@@ -143,9 +145,9 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
     _check_disk(out_dir, parameters, dtype, quant)
     converter = None
     if fmt == "gguf" and _reusable(out_dir, model_dir, dtype):  # converted before, from the same model: no re-check
-        converter = llamacpp.converter(llama_cpp)
+        converter = llamacpp.converter(llama_cpp, say=progress)
     elif fmt == "gguf":
-        converter = llamacpp.converter(llama_cpp)
+        converter = llamacpp.converter(llama_cpp, say=progress)
         arch = _architecture(model_dir)
         if arch not in llamacpp.supported_architectures(converter):
             raise ExportError(f"llama.cpp's converter does not support the {arch} architecture, so this run cannot "
@@ -166,7 +168,7 @@ def export(target: str, *, fmt: str = "merged", quant: str | None = None, out: s
     `progress` is told each stage as it begins (the CLI prints them; the app shows the last one)."""
     say = progress or (lambda stage: None)
     plan = prepare(target, fmt=fmt, quant=quant, out=out, ollama_file=ollama_file, dtype=dtype,
-                   llama_cpp=llama_cpp)
+                   llama_cpp=llama_cpp, progress=say)
     started = time.perf_counter()
     plan.out.mkdir(parents=True, exist_ok=True)
     merged, f16 = plan.out / MERGED_DIR, plan.out / "model-f16.gguf"
