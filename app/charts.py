@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from finetune.kinds import registry as kinds
+from finetune import registry as kinds
 
 MAX_PLOT_POINTS = 1000  # the whole curve is re-sent each update; beyond this, every k-th training step is shown
 

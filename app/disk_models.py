@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from finetune.kinds import registry as kinds
+from finetune import registry as kinds
 from finetune.use.export import EXPORT_DIR, MERGED_DIR
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from app.limits import config_size_problem, mapping_size_problem, short_problems
+from finetune import registry as kinds
 from finetune.config.schema import (
     FIELDS,
     Config,
@@ -28,7 +29,6 @@ from finetune.config.schema import (
     read_yaml,
 )
 from finetune.config.tasks import parse_tasks
-from finetune.kinds import registry as kinds
 
 FIELD_NAMES: tuple[str, ...] = tuple(FIELDS)
 # Labels that people and browser tests look for; every other field is labelled from its name.

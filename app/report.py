@@ -10,9 +10,9 @@ from typing import Any
 
 from app.jobs.training import JobStatus
 from app.mapping import in_form_words, plain_words
-from finetune.data.chat import describe_dropped
-from finetune.data.segments import Segmentation
-from finetune.kinds import registry as kinds
+from finetune import registry as kinds
+from finetune.rows.chat import describe_dropped
+from finetune.rows.segments import Segmentation
 
 # A finished run's headline metrics, every kind's (its registry entry), then the loss: a run has only its own kind's.
 HEADLINE_METRICS = (*dict.fromkeys(m for n in kinds.names() for m in kinds.entry(n).metrics), "loss")

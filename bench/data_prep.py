@@ -53,7 +53,7 @@ def child(pipeline: str, data: str) -> None:
     from finetune.config.schema import from_dict
     from finetune.data.encoding import num_processes_for
     from finetune.data.load import collate, load_data, micro_batches
-    from finetune.kinds.registry import kind
+    from finetune.registry import kind
 
     start = time.perf_counter()
     if pipeline == "plain":

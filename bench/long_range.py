@@ -42,9 +42,9 @@ from finetune.data.load import collate, load_data
 from finetune.engine.recurrence import Recurrence
 from finetune.engine.recurrence import backward_window as recurrent_backward_window
 from finetune.engine.step import backward_window
-from finetune.kinds.registry import kind
 from finetune.models.pretrained import load_tokenizer
 from finetune.plan.memory import LiveTensorTracker, tensor_bytes
+from finetune.registry import kind
 from finetune.train.loop import train
 
 KEYS = [f"key{i}" for i in range(16)]

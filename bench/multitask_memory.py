@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import from_dict
-from finetune.kinds.registry import kind
 from finetune.models.heads import build_multihead
 from finetune.models.pretrained import load_model
 from finetune.plan.memory import LiveTensorTracker
+from finetune.registry import kind
 
 TASKS = {"sentiment": (2, 128), "topic": (4, 96), "nli": (3, 64)}  # name: (labels, tokens per sample)
 

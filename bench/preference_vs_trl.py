@@ -218,10 +218,10 @@ def reference_memory(model: str, micro: int) -> list[dict]:
 
     from finetune.config.schema import from_dict
     from finetune.kinds import preference
-    from finetune.kinds.registry import configured
     from finetune.models.pretrained import prepare_for_training
     from finetune.plan.memory import LiveTensorTracker, measure_window, model_skeleton, synthetic_batch, tensor_bytes
     from finetune.plan.planner import _reference_inputs, estimate
+    from finetune.registry import configured
 
     rows = []
     for strategy, settings in STRATEGIES.items():

@@ -18,9 +18,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from finetune import registry as kinds
 from finetune.config.schema import Config, ConfigError, load
 from finetune.errors import EXIT_STOPPED, FinetuneError, describe
-from finetune.kinds import registry as kinds
 from finetune.remote import backend
 from finetune.remote.args import add_backend_arguments, add_jobs_parser
 
@@ -71,7 +71,7 @@ def _print_note(event: Any) -> None:
     if kernels.get("layers"):
         used = ", ".join(f"{repo} ({n} layer{'s' if n != 1 else ''})" for repo, n in kernels["layers"].items())
         print(f"hub kernels: {used}", file=sys.stderr, flush=True)
-    from finetune.data.chat import describe_dropped
+    from finetune.rows.chat import describe_dropped
 
     for what, counts in (("training", event.dropped_rows), ("evaluation", event.dropped_eval_rows)):
         if counts:
@@ -216,7 +216,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     from finetune.config.schema import repo_id_problem
     from finetune.errors import PushError
     from finetune.models.pretrained import resolve_model_dir
-    from finetune.run import hub
+    from finetune.use import hub
 
     if problem := repo_id_problem(args.repo):
         raise ConfigError([problem.replace("`push_to_hub`", "REPO")])

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from finetune.config.schema import from_dict
 from finetune.data.load import collate, epoch_windows, load_data, micro_batches
-from finetune.kinds.registry import kind
+from finetune.registry import kind
 
 
 def _grad_norms(events):

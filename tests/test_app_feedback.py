@@ -108,7 +108,7 @@ def test_messages_name_the_forms_fields_and_say_types_in_words():
 
 
 def test_precompute_reference_shows_only_for_a_kind_that_has_it_among_its_settings():
-    from finetune.kinds import registry as kinds
+    from finetune import registry as kinds
 
     for name in kinds.names():
         assert shown_fields(name).get("precompute_reference", False) == (

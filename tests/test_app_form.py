@@ -35,8 +35,8 @@ from app.mapping import (
 from app.tabs import Handlers, handlers
 from app.train import examples, run_report
 from app.tryit import panel
+from finetune import registry as kinds
 from finetune.config.schema import FIELDS
-from finetune.kinds import registry as kinds
 
 CAUSAL_ONLY = ("chat_template", "train_on", "packing", "stride", "segment_recurrence")
 

@@ -14,7 +14,7 @@ from conftest import bundled_tokenizer
 
 from finetune.config.schema import from_dict
 from finetune.data.load import IGNORE_INDEX, collate, load_data
-from finetune.kinds.registry import kind
+from finetune.registry import kind
 
 CAUSAL = kind("causal_lm")
 

@@ -17,7 +17,7 @@ from finetune.cli import main
 from finetune.config.schema import from_dict
 from finetune.data.load import IGNORE_INDEX, collate, load_data
 from finetune.errors import ConfigError, DataError, ModelError
-from finetune.kinds.registry import kind
+from finetune.registry import kind
 
 CHATML = (ROOT / "assets" / "chatml.jinja").read_text()
 LLAMA3 = """{{- bos_token }}

@@ -30,9 +30,9 @@ import torch
 from conftest import assert_same_weights, load_weights, run_train, step_losses
 from kind_cases import COUNTS, Case
 
+from finetune import registry
 from finetune.config.schema import from_dict
-from finetune.kinds import registry
-from finetune.kinds.registry import configured
+from finetune.registry import configured
 from finetune.train.variants import step_metric_names
 
 CASES = Path(__file__).parent / "kind_cases"
@@ -209,8 +209,8 @@ def test_two_ranks_reduce_like_one_process(tmp_path, request, kind, variant):
     of micro-batches of `micro` gives one process's loss, averaged gradient, step metrics and evaluation, on a full
     window, the short last one and a window of one sample (one rank joins with a weight-0 stand-in)."""
     from finetune.data.load import load_data
-    from finetune.kinds.registry import configured
     from finetune.models.pretrained import load_model, load_tokenizer
+    from finetune.registry import configured
     from finetune.train.precompute import precompute
     from finetune.train.variants import SingleTask
 

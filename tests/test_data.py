@@ -9,7 +9,7 @@ from conftest import bundled_tokenizer, run_train
 
 from finetune.config.schema import from_dict
 from finetune.data.load import IGNORE_INDEX, DataError, collate, epoch_windows, load_data, load_table, micro_batches
-from finetune.kinds.registry import kind
+from finetune.registry import kind
 
 CAUSAL = kind("causal_lm")
 CLASSIFICATION = kind("classification")

@@ -19,7 +19,7 @@ from finetune.config.schema import from_dict
 from finetune.data import datacache, encoding
 from finetune.data import load as data
 from finetune.errors import DataError
-from finetune.kinds.registry import kind
+from finetune.registry import kind
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,7 +114,7 @@ def test_a_cache_hit_imports_neither_datasets_nor_pandas(tmp_path):
     script = ("import sys, json; sys.path.insert(0, 'tests')\n"
               "from conftest import bundled_tokenizer\n"
               "from finetune.config.schema import from_dict\nfrom finetune.data.load import load_data, collate\n"
-              "from finetune.kinds.registry import kind\n"
+              "from finetune.registry import kind\n"
               f"train, _, _ = load_data(from_dict({{'dataset': {path!r}, 'eval_fraction': 0}}), bundled_tokenizer())\n"
               "collate(train, [0, 1], 0, kind('classification'))\n"
               "print(json.dumps({m: m in sys.modules for m in ('datasets', 'pandas')}))\n")
@@ -147,6 +147,19 @@ def test_the_key_covers_every_option_the_data_code_reads():
     # max_steps only sizes a stream, which is never cached
     assert read - {"max_steps", "replace"} <= set(datacache.DATA_OPTIONS)
 
+
+# Modules of the kinds' package that a kind imports for its loss alone, not for its rows.
+NOT_ROWS = {"kinds/chunked.py", "kinds/rewards.py"}
+
+
+def test_the_key_covers_every_kinds_module_the_data_code_imports():
+    """A module a kind shares with others (its columns, its encoding) decides the rows as much as the kind's own."""
+    imported = set()
+    for name in datacache.DATA_CODE:
+        tree = ast.parse((REPO / "finetune" / name).read_text())
+        imported |= {node.module.removeprefix("finetune.").replace(".", "/") + ".py" for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("finetune.kinds.")}
+    assert imported - NOT_ROWS <= set(datacache.DATA_CODE)
 
 def test_rows_are_gathered_across_record_batches_in_the_order_asked():
     import numpy as np

@@ -15,11 +15,11 @@ from conftest import assert_same_weights, bundled_tokenizer, load_weights, run_t
 from kind_cases.embedding import sentence, write_rows
 from transformers import AutoModel
 
+from finetune import registry
 from finetune.config.schema import from_dict
 from finetune.data.load import collate, load_data
 from finetune.engine.gradcache import cached_backward_window, gather_rows
 from finetune.errors import DataError
-from finetune.kinds import registry
 from finetune.kinds.embedding import Embedding, EmbeddingMetrics, as_samples, cosent, mnrl_sum, retrieval_metrics
 from finetune.run.events import read_events
 

@@ -9,11 +9,11 @@ import re
 import pytest
 import yaml
 
+from finetune import registry
 from finetune.cli import main
 from finetune.config import exclusions as x
 from finetune.config.schema import Config, ConfigError, from_dict
 from finetune.config.tasks import parse_tasks
-from finetune.kinds import registry
 
 
 def _kind_for(*features: str) -> str:

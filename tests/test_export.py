@@ -236,7 +236,7 @@ def test_gguf_is_offered_for_every_kind_that_generates_text(tmp_path, tiny_gpt2,
                                                               monkeypatch):
     """By the kind's registry entry (its text-generation pipeline), not its name: a preference-tuned model is a
     causal LM that Try it chats with, so it converts; a classifier does not."""
-    from finetune.kinds import registry
+    from finetune import registry
     from finetune.use import llamacpp
 
     assert {k for k in registry.names() if export_mod.generates_text(k)} == {"causal_lm", "preference", "grpo"}

@@ -26,7 +26,7 @@ from conftest import assert_same_weights, load_weights
 
 from finetune.data.load import IGNORE_INDEX
 from finetune.engine.step import backward_window, optimizer_step, share_of
-from finetune.kinds.registry import kind
+from finetune.registry import kind
 
 # 9 samples in windows of 4: two full windows, then a tail of 1, smaller than the number of processes (one process
 # joins with a weight-0 stand-in). Two epochs: 6 optimizer steps; the checkpoint is taken after step 3.

@@ -108,7 +108,7 @@ def test_advantages_are_trls(scale):
 def _kind(tiny_gpt2: str, **extra) -> GRPO:
     values = {"task": "grpo", "model": tiny_gpt2, "rewards": REWARD, "num_generations": 4,
               "max_completion_length": 5, **extra}
-    from finetune.kinds.registry import configured
+    from finetune.registry import configured
 
     return configured(from_dict(values))
 

@@ -13,7 +13,7 @@ from finetune.kinds.grpo import GRPO
 
 
 def _kind(path: str, **extra) -> GRPO:
-    from finetune.kinds.registry import configured
+    from finetune.registry import configured
 
     return configured(from_dict({"task": "grpo", "model": path, "rewards": REWARD, **extra}))
 
@@ -110,7 +110,7 @@ def test_the_reference_forward_is_measured_and_within_the_graph(tiny_llama, lora
 
     c = from_dict({"task": "grpo", "model": tiny_llama, "rewards": REWARD, "num_generations": 4,
                    "max_completion_length": 8, "beta": 0.04, "lora": lora})
-    from finetune.kinds.registry import configured
+    from finetune.registry import configured
 
     kind = configured(c)
     model = prepare_for_training(load_model(c, None), c, checkpointing=False, lora=lora == "true")

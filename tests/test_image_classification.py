@@ -18,8 +18,8 @@ from finetune.cli import main
 from finetune.config.schema import from_dict
 from finetune.data.load import load_data
 from finetune.errors import DataError
-from finetune.kinds.registry import configured, kind
 from finetune.models.pretrained import load_tokenizer
+from finetune.registry import configured, kind
 
 
 def _config(model: str, dataset: str, **extra):

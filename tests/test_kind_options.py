@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from finetune import registry
 from finetune.cli import kind_options_help
 from finetune.config.schema import FIELDS, field_type
-from finetune.kinds import registry
 
 REPO = Path(__file__).resolve().parent.parent
 DECLARED = [pytest.param(e, o, id=o.name) for e in registry.ENTRIES.values() for o in e.declares]
@@ -50,7 +50,7 @@ def test_a_declared_option_is_named_for_what_its_kind_does_with_it(e, o):
 SCRIPT = """
 import json, sys
 sys.path.insert(0, 'tests')
-from finetune.kinds import registry
+from finetune import registry
 # A kind with a column of its own and a setting of its own, declared in its entry: the one change outside its module.
 registry.ENTRIES['word_parity'] = registry.Entry(
     name='word_parity', module='toykind', summary='word-count parity', columns=('words_column',),

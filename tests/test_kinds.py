@@ -3,6 +3,7 @@ protocol, and what the configuration and the saved models read from the registry
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -11,16 +12,23 @@ from pathlib import Path
 
 import pytest
 
+from finetune import registry
 from finetune.config.schema import TASKS, ConfigError, from_dict
-from finetune.kinds import registry
 from finetune.kinds.base import TaskKind
 
 REPO = Path(__file__).resolve().parent.parent
-PROTOCOL = sorted(name for name, value in vars(TaskKind).items() if callable(value) and not name.startswith("_"))
+# The contract's methods, over its roles (DataCodec, Objective, …), and those without a default (a body that is
+# only its docstring): every kind implements these.
+ROLES = {klass.__name__ for klass in TaskKind.__mro__ if klass.__module__ == "finetune.kinds.base"}
+METHODS = {(role.name, f.name): f for role in ast.parse((REPO / "finetune/kinds/base.py").read_text()).body
+           if isinstance(role, ast.ClassDef) and role.name in ROLES for f in role.body
+           if isinstance(f, ast.FunctionDef) and not f.name.startswith("_") and not f.decorator_list}
+PROTOCOL = sorted(name for _, name in METHODS)
+REQUIRED = sorted(name for (_, name), f in METHODS.items() if len(f.body) == 1 and isinstance(f.body[0], ast.Expr))
 
 
 def test_importing_the_registry_and_the_config_imports_no_torch():
-    code = ("import sys, json\nimport finetune.kinds.registry, finetune.config.schema\n"
+    code = ("import sys, json\nimport finetune.registry, finetune.config.schema\n"
             "print(json.dumps([m for m in ('torch', 'transformers', 'datasets', 'numpy', 'pyarrow') "
             "if m in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
@@ -35,6 +43,9 @@ def test_every_kind_implements_the_whole_protocol(name):
     assert kind.entry is registry.entry(name)
     missing = [m for m in PROTOCOL if not callable(getattr(kind, m, None))]
     assert missing == []
+    # The members without a default are the kind's own, not the protocol's docstring.
+    inherited = [m for m in REQUIRED if next(k for k in type(kind).__mro__ if m in vars(k)).__name__ in ROLES]
+    assert inherited == []
     e = kind.entry
     # A head's auto class (AutoModelFor…), or the bare encoder's (AutoModel, for embeddings).
     assert e.auto_model.startswith("AutoModel") and e.peft_auto_model.startswith("AutoPeftModel")

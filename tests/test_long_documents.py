@@ -19,9 +19,9 @@ from app.train import plan_report, run_report
 from finetune.cli import main
 from finetune.config.schema import ConfigError, from_dict
 from finetune.data.load import IGNORE_INDEX, collate, load_data
-from finetune.data.segments import block_starts
-from finetune.kinds.registry import kind
 from finetune.plan.planner import worst_case_tokens
+from finetune.registry import kind
+from finetune.rows.segments import block_starts
 
 CAUSAL = kind("causal_lm")
 

@@ -22,7 +22,7 @@ from test_multiprocess import launch_two
 from finetune.config.schema import ConfigError, from_dict
 from finetune.data.mixing import MultiData, load_tasks, mixing_probabilities, task_micro_batches
 from finetune.engine.losses import loss_sum
-from finetune.kinds.registry import kind
+from finetune.registry import kind
 from finetune.run.events import Step, read_events
 from finetune.train.loop import StopFlag, train
 

@@ -10,10 +10,10 @@ import torch
 from finetune.config.schema import from_dict
 from finetune.engine import offload
 from finetune.errors import PlanError
-from finetune.kinds.registry import kind
 from finetune.plan import planner
 from finetune.plan.memory import measure_window, model_skeleton
 from finetune.plan.planner import estimate, make_plan
+from finetune.registry import kind
 
 GIB = 2**30
 CUDA = ("cuda (planned)", 80 * GIB)

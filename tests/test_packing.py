@@ -17,7 +17,7 @@ from finetune.data.load import collate, load_data
 from finetune.data.packing import best_fit_decreasing, check_keeps_samples_apart
 from finetune.engine.losses import loss_sum
 from finetune.errors import ConfigError, ModelError
-from finetune.kinds.registry import kind
+from finetune.registry import kind
 
 LM = {"task": "causal_lm", "eval_fraction": 0.0, "max_length": 64}
 

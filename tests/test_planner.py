@@ -12,9 +12,9 @@ from conftest import assert_same_weights, run_train, step_losses
 from finetune.config.schema import from_dict
 from finetune.engine.losses import loss_sum
 from finetune.errors import TrainingError
-from finetune.kinds.registry import kind
 from finetune.plan.memory import LiveTensorTracker, measure_window, model_skeleton, tensor_bytes
 from finetune.plan.planner import GIB, PlanError, estimate, make_plan, render
+from finetune.registry import kind
 from finetune.train.loop import train
 
 CPU = ("cpu", 24 * GIB)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from finetune.config.schema import from_dict
-from finetune.kinds.registry import kind
 from finetune.plan.memory import measure_window, model_skeleton
 from finetune.plan.planner import GIB, estimate, make_plan, may_pad, render
+from finetune.registry import kind
 
 CPU = ("cpu", 24 * GIB)
 TOKENS = 1024

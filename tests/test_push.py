@@ -27,8 +27,8 @@ from app.tabs import handlers
 from app.train import run_report
 from finetune.config.schema import ConfigError, from_dict
 from finetune.run.events import read_events
-from finetune.run.hub import check_can_push
 from finetune.run.modelcard import metadata, render
+from finetune.use.hub import check_can_push
 
 
 def _env(hub_url: str, tmp_path: Path, token: str | None = "hf_write") -> dict[str, str]:
@@ -296,7 +296,7 @@ def test_an_unreachable_hub_passes_the_check_and_fails_the_push_with_exit_3(fini
 
     from finetune.errors import PushError
     from finetune.run.events import EventLog
-    from finetune.run.hub import push_after_training
+    from finetune.use.hub import push_after_training
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)

@@ -16,9 +16,9 @@ from kind_cases.regression import write_rows
 from scipy import stats
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from finetune import registry
 from finetune.cli import main
 from finetune.config.schema import ConfigError, from_dict
-from finetune.kinds import registry
 from finetune.kinds.regression import RegressionMetrics, average_ranks
 from finetune.train.loop import train
 

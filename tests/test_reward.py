@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import assert_same_weights, run_train, step_losses
 
+from finetune import registry
 from finetune.config.schema import from_dict
 from finetune.errors import ConfigError, DataError
-from finetune.kinds import registry
 from finetune.kinds.reward import Reward
 
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")

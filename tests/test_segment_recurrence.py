@@ -28,9 +28,9 @@ from finetune.engine.recurrence import (
     self_check,
 )
 from finetune.errors import ModelError
-from finetune.kinds.registry import kind
 from finetune.plan.memory import LiveTensorTracker, model_skeleton, tensor_bytes
 from finetune.plan.planner import make_plan
+from finetune.registry import kind
 from finetune.run.events import Step, read_events
 from finetune.train.loop import StopFlag, train
 

@@ -13,11 +13,11 @@ import torch
 from conftest import _save, assert_same_weights, bundled_tokenizer, load_weights, run_train, step_losses
 from kind_cases.seq2seq import pairs, tiny_t5_config, write_pairs
 
+from finetune import registry
 from finetune.cli import main
 from finetune.config.schema import ConfigError, from_dict
 from finetune.data.load import collate, load_data
 from finetune.errors import DataError
-from finetune.kinds import registry
 from finetune.kinds.seq2seq import KIND, Seq2SeqMetrics, text_metrics
 
 

@@ -108,26 +108,28 @@ def test_the_errors_module_imports_nothing():
 
 
 # The task-kind layer (finetune.kinds) sits below the data, the engine, the planner, the models and the loop, which
-# call it: it may import the configuration, the errors, and the data helpers that import nothing but those.
-KIND_LAYER_MAY_IMPORT = ("finetune.errors", "finetune.config.", "finetune.kinds.", "finetune.data.arrow",
-                         "finetune.data.chat", "finetune.data.segments")
+# call it: it may import the errors, the registry, the configuration, and the row helpers that import nothing but
+# those (the floors below it: FLOORS).
+KIND_LAYER_MAY_IMPORT = ("finetune.errors", "finetune.registry", "finetune.config.", "finetune.kinds.",
+                         "finetune.rows.arrow", "finetune.rows.chat", "finetune.rows.segments")
 
 
 def test_the_task_kind_layer_imports_nothing_above_it():
     kinds = [name for name in GRAPH if name.startswith("finetune.kinds.")]
-    assert {"finetune.kinds.base", "finetune.kinds.registry", "finetune.kinds.classification",
+    assert {"finetune.kinds.base", "finetune.kinds.classification",
             "finetune.kinds.causal_lm"} <= set(kinds)
     above = sorted((name, target) for name in kinds for target in GRAPH[name]
                    if not target.startswith(KIND_LAYER_MAY_IMPORT))
     assert above == []
     # The data helpers it uses stay below it too.
-    helpers = sorted((name, target) for name in ("finetune.data.arrow", "finetune.data.chat", "finetune.data.segments")
-                     for target in GRAPH[name] if not target.startswith(("finetune.errors", "finetune.config.")))
+    helpers = sorted((name, target) for name in ("finetune.rows.arrow", "finetune.rows.chat", "finetune.rows.segments")
+                     for target in GRAPH[name]
+                     if not target.startswith(("finetune.errors", "finetune.registry", "finetune.config.")))
     assert helpers == []
 
 
 def test_the_kind_registry_imports_no_kind():
-    assert GRAPH["finetune.kinds.registry"] == set()
+    assert GRAPH["finetune.registry"] == set()
 
 
 # --- the app
@@ -185,7 +187,7 @@ def test_no_function_of_the_app_is_longer_than_80_lines():
 def test_the_app_writes_no_kinds_name():
     """A kind's views, previews, plots and presets are chosen through its registry entry (`Entry.try_view`, …), so
     adding a kind touches no app module; a string that is a kind's name would be a comparison waiting to happen."""
-    from finetune.kinds import registry
+    from finetune import registry
 
     named = sorted((name, node.value) for name, path in APP_MODULES.items()
                    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
@@ -205,13 +207,112 @@ KIND_NAMES_ALLOWED = {
 def test_the_engine_writes_no_kinds_name_outside_the_kinds():
     """Outside `finetune/kinds/` a kind is asked through its registry entry (`Entry.generates`, `features`, …) or
     its protocol (`card_rows`, …), not compared by name; the few names left are listed above, with why."""
-    from finetune.kinds import registry
+    from finetune import registry
 
     counts: dict[tuple[str, str], int] = {}
     for name, path in MODULES.items():
-        if name.startswith("finetune.kinds."):
+        if name.startswith("finetune.kinds.") or name == "finetune.registry":  # where the kinds are named
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and node.value in registry.names():
                 counts[name, node.value] = counts.get((name, node.value), 0) + 1
     assert counts == KIND_NAMES_ALLOWED
+
+
+# --- the task-kind contract: every hook the engine calls on a kind is declared (finetune.kinds.base.TaskKind)
+def _kind_members() -> set[str]:
+    """The names of the kind contract's members and of every kind's own (fields of a configured kind included)."""
+    from finetune import registry
+    from finetune.kinds.base import TaskKind
+
+    return {name for cls in (TaskKind, *(type(registry.kind(n)) for n in registry.names()))
+            for klass in cls.__mro__ for name in vars(klass) if not name.startswith("__")}
+
+
+# Names of the contract that other objects have too (a `datasets` table's features, a model's config and
+# tokenizer, a dataclass's fields): asked of those, they are no probe of a kind.
+NOT_ONLY_HOOKS = {"features", "metrics", "entry", "tokenizer", "model", "seed", "loss", "lora", "weights", "score",
+                  "temperature", "stats", "inputs", "rewards", "trust_remote_code", "beta", "reference_model"}
+
+
+def _kind_probes(roots: tuple[Path, ...] = (PACKAGE, ROOT / "app")) -> list[str]:
+    """`hasattr(x, "name")` and `getattr(x, "name", …)` outside `finetune/kinds/` where `x` is a kind (its source
+    names one: `kind`, `s.kind`, `kind_named(…)`, `configured(c)`) or any object but a table's or a model's and
+    `name` a hook of the contract: a hook asked for by name instead of called."""
+    hooks = _kind_members() - NOT_ONLY_HOOKS
+    found = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            if path.is_relative_to(PACKAGE / "kinds"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                        node.func.id in ("hasattr", "getattr") and len(node.args) >= 2 and \
+                        isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                    target = ast.unparse(node.args[0])
+                    if "kind" in target or "configured(" in target or node.args[1].value in hooks:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_engine_calls_a_kinds_hooks_and_never_probes_for_them():
+    """Every hook is a member of `TaskKind` with a default a kind inherits, so the engine calls it: a probe would
+    hide a hook the contract does not declare."""
+    assert _kind_probes() == []
+
+
+# --- packages as floors: each of finetune's packages imports only those below it (function-local and type-only
+# imports included), so the package graph has no cycle, not only the file graph.
+FLOORS = (
+    ("errors", "registry"),  # the error classes; the task kinds by name (torch-free, importing no kind)
+    ("config",),  # the typed config, its checks and the batch arithmetic
+    ("rows",),  # Arrow columns, chat templates, document segments: what the kinds read rows with
+    ("kinds",),  # the task kinds' implementations (finetune.kinds.base.TaskKind)
+    ("data",),  # loading, encoding and caching a data set, through the kinds
+    ("engine",),  # the runtime, the loss, the step, the metrics: the loop's parts
+    ("models",),  # loading a model for a kind: quantized, with LoRA, offloaded
+    ("plan",),  # the memory planner
+    ("run",),  # the run directory: events, checkpoints, trackers, the model card, storage
+    ("use",),  # after training: predict, evaluate, export, publish to the Hub
+    ("train",),  # the training loop
+    ("remote",),  # Hugging Face Jobs: a run elsewhere
+    ("doctor",),  # versions, the machine, the self-test
+    ("cli", "__init__"),  # the command line; the package's version
+    ("__main__",),  # python -m finetune
+)
+FLOOR = {package: level for level, names in enumerate(FLOORS) for package in names}
+
+
+def _package(module: str) -> str:
+    """The package (or top-level module) of finetune that `module` belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _package_graph() -> dict[str, set[str]]:
+    return {package: {_package(t) for name in MODULES if _package(name) == package for t in GRAPH[name]} - {package}
+            for package in {_package(name) for name in MODULES}}
+
+
+def test_every_package_has_a_floor():
+    assert set(_package_graph()) == set(FLOOR)
+
+
+def test_each_package_imports_only_the_floors_below_it():
+    up = sorted((f"finetune.{a}", f"finetune.{b}") for a, targets in _package_graph().items() for b in targets
+                if FLOOR[b] >= FLOOR[a])
+    assert up == []
+
+
+def test_the_packages_import_each_other_without_a_cycle():
+    graph = _package_graph()
+    assert _cycle(graph) is None, " → ".join(_cycle(graph))
+
+
+def test_a_package_cycle_is_found_where_no_file_cycle_is():
+    """The check above sees a knot of packages that no two files make: a → b in one pair of files, b → a in
+    another."""
+    files = {"p.a1": {"q.b1"}, "q.b2": {"p.a2"}, "p.a2": set(), "q.b1": set()}
+    assert _cycle(files) is None
+    packages = {"p": {"q"}, "q": {"p"}}
+    assert _cycle(packages) == ["p", "q", "p"]

@@ -14,8 +14,8 @@ from finetune.config.schema import from_dict
 from finetune.data.load import load_data
 from finetune.errors import ConfigError, DataError
 from finetune.kinds.base import IGNORE_INDEX
-from finetune.kinds.registry import kind
 from finetune.kinds.token_classification import entities, entity_counts, entity_scores, scheme_of
+from finetune.registry import kind
 
 KIND = kind("token_classification")
 def _write(tmp_path, rows, name="rows.jsonl") -> str:

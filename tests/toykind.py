@@ -11,7 +11,7 @@ from typing import Any
 from finetune.config.schema import Config
 from finetune.kinds.base import TEXT_NAMES, Columns, Encoding, pick_column, texts_of
 from finetune.kinds.classification import Classification
-from finetune.kinds.registry import entry
+from finetune.registry import entry
 
 NAMES = ["even", "odd"]
 

@@ -29,7 +29,7 @@ from app.export.publish import PushHandlers, PushOutcome
 from app.jobs.training import JobBusy
 from app.state import AppState
 from finetune.config.schema import ConfigError, read_yaml
-from finetune.kinds.registry import ENTRIES
+from finetune.registry import ENTRIES
 from finetune.run.rundir import is_finished
 from finetune.use import llamacpp
 from finetune.use.export import EXPORT_DIR, FORMATS, MERGED_DIR, QUANTS, RECORD, describe_check

@@ -3,7 +3,7 @@ shows; and what the page says of a run's last push.
 
 The push runs in the app's own process with the token of whoever runs the app (`HF_TOKEN`, or their stored login),
 which never leaves that process: the training child of a shared server does not get it, and no answer contains it
-(`finetune.run.hub.describe_failure` masks it in error text). Who may push is `Access.may_push` (see `app.access`).
+(`finetune.use.hub.describe_failure` masks it in error text). Who may push is `Access.may_push` (see `app.access`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from app.report import waiting_note
 from app.state import AppState
 from finetune.config.schema import read_yaml, repo_id_problem
 from finetune.errors import ConfigError, InputError
-from finetune.run import hub
 from finetune.run.events import EventLog, Pushed
+from finetune.use import hub
 
 
 @dataclass(frozen=True)

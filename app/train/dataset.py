@@ -19,10 +19,10 @@ from app.state import AppState
 from app.train import examples, images, preview
 from app.train.form import NONE_CHOICE, FieldNotes, Form
 from app.train.tasks import tasks_config, tasks_frame
+from finetune import registry as kinds
 from finetune.config.exclusions import takes
 from finetune.config.schema import FIELDS, ConfigError
 from finetune.errors import DataError
-from finetune.kinds import registry as kinds
 
 TASK_COLUMNS = {name: kinds.entry(name).columns for name in kinds.names()}  # the column widgets each kind shows
 TASK_FIELDS = ("tasks", "mixing", "mixing_temperature", "mixing_cap")  # what the Tasks table is drawn from

@@ -2,7 +2,7 @@
 as the model sees it, with the learned tokens highlighted, or the first preference pair with its scored tokens.
 
 A conversation is rendered by the same code that encodes the training data
-(`finetune.data.chat.encode_conversations`), with the model's tokenizer and the form's `chat_template`, `train_on`
+(`finetune.rows.chat.encode_conversations`), with the model's tokenizer and the form's `chat_template`, `train_on`
 and `max_length`; a pair is tokenized as the kind encodes one.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 
 from app.jobs import bounded
 from app.train import preview
+from finetune import registry as kinds
 from finetune.config.schema import Config
-from finetune.data.chat import DROPPED, DROPPED_WORDS, encode_conversations, require_template, turns_of
 from finetune.errors import InputError
-from finetune.kinds import registry as kinds
+from finetune.rows.chat import DROPPED, DROPPED_WORDS, encode_conversations, require_template, turns_of
 
 LEARNED = "learned"
 # One conversation renders in milliseconds with a real template; one that needs longer loops (nested `range`s, say).

@@ -37,9 +37,9 @@ from app.results import DatasetShown, FormShown, keep
 from app.state import AppState
 from app.train.preview import DatasetView
 from app.train.rewards import reward_choices
+from finetune import registry as kinds
 from finetune.config.exclusions import takes
 from finetune.config.schema import FIELDS, Config, ConfigError, from_dict
-from finetune.kinds import registry as kinds
 
 NONE_CHOICE = ("—", "")
 # The choices of a list of names, by field, from the caller's runs folder (None: no one's runs): GRPO's rewards.

@@ -25,8 +25,8 @@ import pandas as pd
 from app.jobs import bounded
 from app.limits import short_text
 from app.mapping import COLUMN_FIELDS, task_label
+from finetune import registry as kinds
 from finetune.config.schema import Config
-from finetune.data.chat import MESSAGES_NAMES
 from finetune.data.load import (
     SANITY_ROWS,
     Columns,
@@ -40,7 +40,7 @@ from finetune.data.load import (
     not_text,
     resolve_columns,
 )
-from finetune.kinds import registry as kinds
+from finetune.rows.chat import MESSAGES_NAMES
 
 PREVIEW_ROWS = 5
 UPLOAD_TYPES = [".csv", ".tsv", ".json", ".jsonl", ".parquet", ".zip"]  # a zip: an image folder (app/train/images.py)

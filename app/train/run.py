@@ -34,9 +34,9 @@ from app.train import preview
 from app.train.form import FieldNotes
 from app.train.plan import PlanHandlers
 from app.train.run_report import progress_html
+from finetune import registry as kinds
 from finetune.config.schema import Config, ConfigError, from_dict
 from finetune.config.tasks import single_task_values
-from finetune.kinds import registry as kinds
 from finetune.remote.flavors import Flavor
 from finetune.run.rundir import RunDirError, check_run_dir, mark_run_dir
 

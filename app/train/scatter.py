@@ -9,8 +9,8 @@ from typing import Any
 
 import pandas as pd
 
+from finetune import registry as kinds
 from finetune.config.schema import read_yaml
-from finetune.kinds import registry as kinds
 
 MAX_POINTS = 2000  # a scatter of more points tells no more, and is re-sent to the browser whole
 

@@ -20,8 +20,8 @@ from app.report import waiting_note
 from app.results import Unanswered, keep
 from app.state import AppState
 from app.tryit import renderers
+from finetune import registry as kinds
 from finetune.config.schema import ConfigError, read_yaml
-from finetune.kinds import registry as kinds
 from finetune.use.generation import Generation, model_defaults
 
 # The run's chat template is a visitor's text: it renders in a forked child stopped after this long (or past
@@ -31,10 +31,10 @@ MAX_PROMPT_CHARS = 4 * limits.MAX_INPUTS_CHARS
 
 
 def bounded_prompt(tokenizer: Any, turns: list[dict[str, Any]]) -> tuple[str, list[int]]:
-    """`finetune.data.chat.prompt_of` in a bounded child (`app.jobs.bounded`): the chat's prompt and its stop tokens,
+    """`finetune.rows.chat.prompt_of` in a bounded child (`app.jobs.bounded`): the chat's prompt and its stop tokens,
     or `DataError` with a sentence when the template loops, eats memory or writes too much."""
-    from finetune.data.chat import prompt_of
     from finetune.errors import DataError
+    from finetune.rows.chat import prompt_of
 
     def render() -> tuple[str, list[int]]:
         text, stop = prompt_of(tokenizer, turns)

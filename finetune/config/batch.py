@@ -68,9 +68,9 @@ def resolve_batch(c: Config, num_processes: int = 1) -> BatchSplit:
 def samples_of(count: int, kind: Any) -> int:
     """Samples (data rows) in `count` of what the batch sizes count: the same for every kind but one whose sample is
     several counted units (GRPO's group of G completions: `counted_per_sample`), which its config check keeps whole."""
-    return count // getattr(kind, "counted_per_sample", 1)
+    return count // kind.counted_per_sample
 
 
 def counted(samples: int, kind: Any) -> int:
     """What the batch sizes count in `samples` data rows (`samples_of` undone)."""
-    return samples * getattr(kind, "counted_per_sample", 1)
+    return samples * kind.counted_per_sample

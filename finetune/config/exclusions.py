@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.kinds import registry
+from finetune import registry
 
 SPLITTING = ("chunk", "sliding_window")
 

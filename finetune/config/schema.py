@@ -21,14 +21,14 @@ from typing import Any
 
 import yaml
 
+from finetune import registry as kinds
 from finetune.config import exclusions
 from finetune.config.tasks import MIXINGS, TaskSpec, check_tasks, parse_tasks
 from finetune.errors import ConfigError, summary
-from finetune.kinds import registry as kinds
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 DEFAULT_EFFECTIVE_BATCH = 32
-TASKS = kinds.names()  # the task kinds (finetune.kinds.registry)
+TASKS = kinds.names()  # the task kinds (finetune.registry)
 _SUMMARIES = [kinds.entry(n).summary for n in TASKS]
 TASK_HELP = f"What the model learns: {', '.join(_SUMMARIES[:-1])} or {_SUMMARIES[-1]}."  # every kind, by its summary
 # The experiment trackers accelerate can log to (its `LoggerType`, less `all`: a run names what it reports to).
@@ -55,7 +55,7 @@ KIND_OPTIONS_AFTER = "rejected_column"  # the kinds' own options follow the colu
 
 
 def _with_kind_options(cls: type) -> type:
-    """`cls` with the options the task kinds declare (`finetune.kinds.registry.Option`, in registry order) as fields
+    """`cls` with the options the task kinds declare (`finetune.registry.Option`, in registry order) as fields
     after `KIND_OPTIONS_AFTER`, before `dataclass` makes it: a kind's option is a field like any other, declared
     with its kind."""
     declared = [o for e in kinds.ENTRIES.values() for o in e.declares]

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from finetune import registry
 from finetune.errors import summary
-from finetune.kinds import registry
 
 MIXINGS = ("proportional", "temperature", "round_robin", "manual")
 
@@ -48,7 +48,7 @@ class TaskSpec:
 
 TASK_KEYS = {f.name: f for f in fields(TaskSpec)}
 TASK_COLUMN_KEYS = tuple(k for k in TASK_KEYS if k.endswith("_column"))
-# The kinds a multi-task run trains (finetune.kinds.registry): one head per task, or one model shared by all.
+# The kinds a multi-task run trains (finetune.registry): one head per task, or one model shared by all.
 MULTITASK_KINDS = tuple(n for n in registry.names() if registry.entry(n).multitask)
 _STRINGS = {n for n, f in TASK_KEYS.items() if f.type in ("str", "str | None")}
 

@@ -1,2 +1,2 @@
-"""Data: loading files and hub datasets, tokenising into Arrow, caching, long documents, chat, packing, streams
+"""Data: loading files and hub datasets, tokenising into Arrow, caching, long documents, packing, streams
 and the order of windows."""

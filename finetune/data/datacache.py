@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from finetune import registry as kinds
 from finetune.config.schema import COLUMN_KEYS, Config
 from finetune.data.encoding import ENCODING_VERSION, Encoded, tokenizer_fingerprint
-from finetune.data.segments import Segmentation
-from finetune.kinds import registry as kinds
+from finetune.rows.segments import Segmentation
 
 # Every option load_data reads (tests/test_data_cache.py checks this list against the code of DATA_CODE).
 DATA_OPTIONS = tuple(dict.fromkeys((
@@ -52,8 +52,9 @@ DATA_OPTIONS = tuple(dict.fromkeys((
                 "chunked_loss")))
 # The modules whose code decides what load_data returns: a change to any of them never reuses an old entry.
 # Paths under finetune/.
-DATA_CODE = ("data/load.py", "data/encoding.py", "data/datacache.py", "data/segments.py", "data/chat.py",
-             "data/packing.py", "data/arrow.py", "kinds/base.py", "kinds/registry.py",
+DATA_CODE = ("data/load.py", "data/encoding.py", "data/datacache.py", "rows/segments.py", "rows/chat.py",
+             "data/packing.py", "rows/arrow.py", "kinds/base.py", "registry.py",
+             "kinds/labelled.py",  # what the kinds with one label per sample share: their columns, their collation
              *(f"{e.module.removeprefix('finetune.').replace('.', '/')}.py" for e in kinds.ENTRIES.values()
                if e.module.startswith("finetune.")))  # the kinds' modules encode the rows
 

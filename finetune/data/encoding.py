@@ -4,7 +4,7 @@ No Python list of the whole set is ever built. The encoded columns are `input_id
 tokenizer makes them, and the task kind's own columns (`finetune.kinds`: `label` for classification; `prompt_length`
 and, for conversations, `loss_mask` with `num_targets` for a causal LM, whose targets are the input ids themselves,
 derived in `collate` rather than stored as a second copy). `document`, `segment` and `dropped_tokens` say where each
-row came from (`finetune.data.segments`). Rows packed by `finetune.data.packing` are collated here too (`packed_batch`).
+row came from (`finetune.rows.segments`). Rows packed by `finetune.data.packing` are collated here too (`packed_batch`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import torch
 
 from finetune.config.exclusions import RECURRENCE_NOT_FOR_CONVERSATIONS, takes
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
-from finetune.data.chat import dropped_counts, dropped_reasons, require_template
-from finetune.data.segments import Segmentation, context_tokens, count_segments, resolve_mode
 from finetune.data.windows import Windows, epoch_windows
 from finetune.errors import ConfigError, DataError
 from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, TaskKind
-from finetune.kinds.registry import kind as kind_named
+from finetune.registry import kind as kind_named
+from finetune.rows.arrow import numpy_of
+from finetune.rows.chat import dropped_counts, dropped_reasons, require_template
+from finetune.rows.segments import Segmentation, context_tokens, count_segments, resolve_mode
 
 __all__ = ["IGNORE_INDEX", "Columns", "Encoded", "collate", "encode", "numpy_of", "packed_batch"]
 
@@ -50,7 +50,7 @@ class Encoded:
         self.files = list(files)  # the cache files the table is read from (none for data held in memory)
         self.segmentation = segmentation  # what `long_documents` did to the input rows
         self.messages = messages  # the conversation column these rows came from, if any
-        self.dropped = dropped or {}  # conversations left out, per reason (see finetune.data.chat.DROPPED)
+        self.dropped = dropped or {}  # conversations left out, per reason (see finetune.rows.chat.DROPPED)
         self._rows = rows
         self._batches: list[pa.RecordBatch] = []
         self._starts: np.ndarray | None = None  # where each record batch starts, for `columns`
@@ -248,8 +248,7 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
     for column in (cols.text, cols.text_pair, cols.prompt, cols.completion, cols.chosen, cols.rejected):
         if column and column not in listed:
             check_strings(table, column, source)
-    if hasattr(kind, "undecoded"):  # a kind that decodes its media at batch time (images): the rows as stored
-        table = kind.undecoded(table, cols)
+    table = kind.undecoded(table, cols)  # a kind that decodes its media at batch time (images): the rows as stored
     eos = kind.end_of_document(tokenizer)
     documents = c.segment_recurrence and takes(c.task, "segment_recurrence")  # whole documents, split by the loop
     if documents and cols.messages:  # a conversation column guessed from the data
@@ -261,8 +260,8 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
                 "mode": mode, "context": context_tokens(c, mode)}
     if kind.entry.options:  # the kind's own options (only for a kind that has some: the others' keys stay as they were)
         settings["options"] = {key: getattr(c, key) for key in kind.entry.options}
-    if hasattr(kind, "encoding_options"):  # what the kind reads of the data itself (where image paths start)
-        settings["options"] = {**settings.get("options", {}), **kind.encoding_options(table, cols, source)}
+    if (own := kind.encoding_options(table, cols, source)) is not None:  # what it reads of the data (image paths)
+        settings["options"] = {**settings.get("options", {}), **own}
     if documents:
         settings = {"task": c.task, "cols": asdict(cols), "eos": eos, "max_length": c.max_document_length or 0,
                     "label_index": settings["label_index"]}

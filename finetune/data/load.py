@@ -27,7 +27,7 @@ from finetune.data.packing import check_architecture, pack
 from finetune.data.stream import StreamData
 from finetune.data.windows import epoch_windows, micro_batches, windows_per_epoch
 from finetune.errors import ConfigError, DataError, summary
-from finetune.kinds.registry import entry, kind, names
+from finetune.registry import entry, kind, names
 
 __all__ = ["IGNORE_INDEX", "Columns", "DataError", "Encoded", "collate", "encode", "epoch_windows", "load_data",
            "load_table", "micro_batches", "resolve_columns", "windows_per_epoch"]
@@ -328,9 +328,9 @@ def _for_training(c: Config, loaded: tuple[Encoded, Encoded | None, list[str] | 
     """The loaded data with the columns a kind marks its training rows with (images to augment), which the
     evaluation rows lack."""
     train_data = loaded[0]
-    marks = getattr(kind(c.task), "training_columns", None)
+    marks = kind(c.task).training_columns(c, len(train_data))
     if marks is not None:
-        train_data.add_columns(marks(c, len(train_data)))
+        train_data.add_columns(marks)
     return loaded
 
 

@@ -22,10 +22,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
 from finetune.data.encoding import Encoded
 from finetune.errors import ConfigError, ModelError
-from finetune.models.pretrained import resolve_model_path
 
 # Bump when pack() changes what it stores, so that packed rows written by an older version are not reused.
 PACKING_VERSION = 2

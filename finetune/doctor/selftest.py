@@ -20,10 +20,10 @@ from finetune.config.schema import from_dict
 from finetune.data.load import IGNORE_INDEX
 from finetune.engine.runtime import make_accelerator
 from finetune.engine.step import backward_window
-from finetune.kinds.registry import kind
 from finetune.models.pretrained import load_model, prepare_for_training, quiet_transformers
 from finetune.plan.memory import measure_window, model_skeleton
 from finetune.plan.planner import estimate
+from finetune.registry import kind
 
 SHAPE = {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256, "tie_word_embeddings": False}

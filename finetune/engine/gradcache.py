@@ -90,8 +90,7 @@ def cached_backward_window(model: Any, micro: list[list[int]],
     with torch.no_grad():
         for mb in micro:
             batch = {k: v.to(dist.device) for k, v in collate_fn(mb).items()}
-            if hasattr(kind, "prepare_batch"):  # samples made before they are scored (GRPO's generated groups)
-                batch = kind.prepare_batch(model, batch, step=step)
+            batch = kind.prepare_batch(model, batch, step=step)  # samples made before they are scored (GRPO's groups)
             states.append(RandomState(dist.device))
             outputs = kind.embed(model, _inputs(batch)).float()
             samples.append(kind.as_samples(outputs, len(batch["labels"])))

@@ -33,8 +33,8 @@ def evaluate(model: Any, data: Encoded, *, kind: TaskKind, label_names: list[str
             loss, logits = document_loss_sum(model, batch, recurrence), None
         else:
             loss, logits = loss_sum(model, batch, kind)
-        if hasattr(kind, "generate_batch"):  # a kind scored on what its model generates (seq2seq's texts)
-            batch = {**batch, "generated_ids": kind.generate_batch(model, batch)}
+        if (generated := kind.generate_batch(model, batch)) is not None:  # scored on what it generates (seq2seq)
+            batch = {**batch, "generated_ids": generated}
         metrics.add(batch, logits, loss)
     result = metrics.result(AcrossProcesses(accelerator))
     model.train(was_training)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from finetune.config.schema import Config
-from finetune.models.quantize import import_bitsandbytes
+from finetune.engine.runtime import import_bitsandbytes
 
 
 def make_optimizer(c: Config, model: Any) -> torch.optim.Optimizer:

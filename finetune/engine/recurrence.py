@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
 from finetune.data.encoding import IGNORE_INDEX
 from finetune.errors import ModelError
-from finetune.models.pretrained import resolve_model_path
 
 # Architectures whose state transformers cannot carry across calls exactly (checked with transformers 5.24).
 CANNOT_CARRY = {

@@ -1,10 +1,13 @@
 """Where training runs: the precision it resolves to, the accelerate `Accelerator`, the device's memory, and
-how long the process has been running."""
+how long the process has been running, and bitsandbytes imported quietly (the 8-bit optimizer's and the quantized
+layers')."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +120,22 @@ def seconds_since_process_start() -> float:
         return round(time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"), 2)
     except (OSError, ValueError, IndexError, AttributeError):  # not Linux
         return round(time.time() - psutil.Process().create_time(), 2)
+
+
+def quiet_bitsandbytes() -> None:
+    """bitsandbytes warns on every 8-bit matmul of fp32 inputs (it casts them to fp16) and, as it is imported, about
+    optional kernels: on a CPU with AVX512-BF16 "Failed to load CPU gemm_4bit_forward from kernels-community: No
+    module named 'kernels'". That kernel is not installed on purpose: the `kernels` package downloads it from the
+    Hub when bitsandbytes is imported (a network fetch that fails offline and on a locked-down Space), and without it
+    bitsandbytes computes 4-bit matmuls on the CPU with its own kernels, which the tests check. Called before any
+    import that can bring bitsandbytes in (peft's LoRA layers import it whenever it is installed)."""
+    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def import_bitsandbytes() -> Any:
+    """bitsandbytes, imported quietly: only by a run that uses it (a quantized base, 8-bit AdamW)."""
+    quiet_bitsandbytes()
+    import bitsandbytes
+
+    return bitsandbytes

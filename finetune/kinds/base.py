@@ -12,7 +12,9 @@ How to add one: docs/task-kind-protocol.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -20,13 +22,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from finetune.data.arrow import numpy_of
+from finetune import registry
 from finetune.errors import DataError
-from finetune.kinds import registry
+from finetune.rows.arrow import numpy_of
 
 if TYPE_CHECKING:
     from finetune.config.schema import Config
-    from finetune.kinds.registry import Entry
+    from finetune.registry import Entry
 
 IGNORE_INDEX = -100  # a label position that is not a target (transformers' and torch's convention)
 TEXT_NAMES = ("text", "sentence", "sentence1", "content", "review", "document", "question")
@@ -92,12 +94,9 @@ class Metrics(Protocol):
         """The metrics over every process's batches (every process calls it: the reductions are collective)."""
 
 
-class TaskKind(Protocol):
-    """One kind of task. Implementations are stateless module-level objects (`KIND` in the kind's module)."""
+class DataCodec(Protocol):
+    """A kind's data: its columns and their rules, its encoding of rows, their Arrow features, its collation."""
 
-    entry: Entry  # its registry entry: name, columns, Hugging Face names
-
-    # --- data
     def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
         """The columns to use, from the config or guessed from common names; a `DataError` naming what is missing."""
 
@@ -112,7 +111,7 @@ class TaskKind(Protocol):
 
     def encode_rows(self, batch: dict[str, list], indices: list[int], e: Encoding) -> dict[str, list]:
         """One batch of rows → its encoded rows (inside `datasets.map`, maybe in a worker process): `input_ids`,
-        the kind's label columns, and `document`/`segment`/`dropped_tokens` (finetune.data.segments)."""
+        the kind's label columns, and `document`/`segment`/`dropped_tokens` (finetune.rows.segments)."""
 
     def features(self, cols: Columns, tokenizer: Any) -> dict[str, Any]:
         """The Arrow features of the kind's own encoded columns (`datasets` feature types), in column order."""
@@ -127,7 +126,31 @@ class TaskKind(Protocol):
     def num_targets(self, data: Any, indices: list[int]) -> int:
         """What the loss sum of these samples is divided by (over a window: exact accumulation rests on it)."""
 
-    # --- model
+    # --- with defaults: what a kind whose inputs are text leaves as it is
+    def load_preprocessor(self, path: str, trust_remote_code: bool = False) -> Any:
+        """The model's own preprocessor, for a kind whose inputs are not text (images: the image processor), or
+        None (default): the model's tokenizer."""
+        return None
+
+    def undecoded(self, table: Any, cols: Columns) -> Any:
+        """The rows as encoding reads them; a kind that decodes its media at batch time keeps them as stored.
+        Default: the table itself."""
+        return table
+
+    def encoding_options(self, table: Any, cols: Columns, source: str) -> dict[str, Any] | None:
+        """What the kind reads of the data itself (where image paths start), part of the encoding's cache key; None
+        (default): nothing."""
+        return None
+
+    def training_columns(self, c: Config, rows: int) -> dict[str, np.ndarray] | None:
+        """Columns that mark the training rows (images to augment), which the evaluation rows lack; None (default):
+        none."""
+        return None
+
+
+class Objective(Protocol):
+    """A kind's model and loss: its head, its loss sum, its metrics, and how its batches count."""
+
     def model_kwargs(self, label_names: list[str] | None) -> dict[str, Any]:
         """Keyword arguments for the model config (`num_labels`, `id2label`, `problem_type`, …)."""
 
@@ -138,18 +161,161 @@ class TaskKind(Protocol):
     def metrics(self, label_names: list[str] | None, device: torch.device) -> Metrics:
         """A fresh metric accumulator for one evaluation."""
 
-    # --- the planner's dry run
+    # --- with defaults
+    counted_per_sample: int = 1  # what the batch sizes count per data row (GRPO: the G completions of a prompt)
+    steps_per_window: int = 1  # optimizer steps a window trains in a row (GRPO's num_iterations)
+
+    def configured(self, c: Config) -> Any:
+        """The kind as run config `c` sets it (its loss's settings, its weights); default: itself."""
+        return self
+
+    @property
+    def step_metrics(self) -> tuple[str, ...]:
+        """Its metrics followed per optimizer step; default: its registry entry's."""
+        return self.entry.step_metrics  # type: ignore[attr-defined]  # TaskKind's `entry`
+
+    def prepare_batch(self, model: Any, batch: dict[str, torch.Tensor], *, step: int) -> dict[str, torch.Tensor]:
+        """A collated micro-batch made ready to score (GRPO generates its groups here); default: the batch."""
+        return batch
+
+    def generate_batch(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """What the model generates for an evaluation batch, for metrics scored on it (seq2seq's texts); None
+        (default): the metrics read the logits."""
+        return None
+
+    def trained_model(self, model: Any) -> Any:
+        """The part of the loaded model that trains (an embedding model's encoder, its pooler frozen); default: the
+        whole model."""
+        return model
+
+
+def _needs(hook: str, why: str) -> NotImplementedError:
+    """The error of a hook a kind must implement when its entry asks for it."""
+    return NotImplementedError(f"A kind with {why} implements `{hook}`.")
+
+
+class WindowLoss(Protocol):
+    """A loss over the whole window (`Entry.whole_window`: in-batch negatives, GRPO's groups), taken by
+    finetune.engine.gradcache; and a window trained again (`steps_per_window` > 1). A kind without them keeps the
+    defaults, which are never called."""
+
+    def embed(self, model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One float32 output per sequence of a collated micro-batch (its inputs, without labels)."""
+        raise _needs("embed", "`whole_window`")
+
+    def as_samples(self, reps: torch.Tensor, batch: int) -> torch.Tensor:
+        """A micro-batch's outputs (rows) as its `batch` samples."""
+        raise _needs("as_samples", "`whole_window`")
+
+    def as_rows(self, samples: torch.Tensor) -> torch.Tensor:
+        """`as_samples` undone."""
+        raise _needs("as_rows", "`whole_window`")
+
+    def window_loss_sum(self, samples: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss sum of a whole window's samples with their labels."""
+        raise _needs("window_loss_sum", "`whole_window`")
+
+    def keep_groups(self, batch: dict[str, torch.Tensor], logps: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """A prepared micro-batch as the samples a window trained again is made of."""
+        raise _needs("keep_groups", "`steps_per_window` > 1")
+
+    def join_groups(self, groups: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+        """Samples kept by `keep_groups` as a prepared micro-batch."""
+        raise _needs("join_groups", "`steps_per_window` > 1")
+
+
+class Precomputed(Protocol):
+    """Columns computed once before training and kept in the data cache (a preference reference's
+    log-probabilities). A kind with none keeps `precomputes` empty; the other hooks are then never called."""
+
+    precomputes: tuple[str, ...] = ()  # the columns; default none
+
+    def precompute_source(self) -> str:
+        """The model whose outputs are precomputed (what the stored values are keyed by)."""
+        raise _needs("precompute_source", "`precomputes`")
+
+    def precompute_model(self, model: Any) -> AbstractContextManager[Any]:
+        """The model of the pass, as a context (loaded for it and freed after)."""
+        raise _needs("precompute_model", "`precomputes`")
+
+    def precompute_batch(self, reference: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The precomputed columns of one collated micro-batch."""
+        raise _needs("precompute_batch", "`precomputes`")
+
+
+class PlanTerms(Protocol):
+    """What a kind adds to the planner's dry run: its synthetic batch, its logits, the terms beside the model."""
+
     def synthetic_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The labels of a worst-case micro-batch of these (random) input ids."""
 
     def logits_bytes(self, micro: int, tokens: int, vocab: int, num_labels: int) -> int:
         """Bytes the loss's float32 logits (and their gradient) take in one micro-batch, as the planner counts them."""
 
-    # --- use after training
+    # --- with defaults: a kind whose sample is one sequence of tokens, with nothing beside its model
+    sequences_per_sample: int = 1  # sequences the planner's micro-batch holds per sample (a preference pair: 2)
+    generated_tokens: int = 0  # tokens a sample grows by while training (GRPO's completions)
+
+    def synthetic_batch(self, model: Any, micro: int, device: Any = None) -> dict[str, torch.Tensor] | None:
+        """A worst-case micro-batch for a kind whose inputs are not tokens (images of the model's size); None
+        (default): random tokens with `synthetic_labels`."""
+        return None
+
+    def synthetic_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Inputs the kind joins to its batches besides the tokens (a precomputed reference's log-probabilities);
+        default: none."""
+        return {}
+
+    def plan_reference(self, *, weights: int, cuda: bool, micro: int, tokens: int, vocab: int,
+                       model_config: Any = None, layers: int = 0, precision: str = "fp32"
+                       ) -> tuple[dict[str, int], dict[str, Any], str | None] | None:
+        """What a reference model costs the plan (its peak terms, the record plan.json keeps, the plan's note); None
+        (default): no reference."""
+        return None
+
+    def plan_window(self, window: int, hidden: int) -> dict[str, int]:
+        """Terms a loss over the whole window of `window` samples keeps resident; default: none."""
+        return {}
+
+    def plan_note(self, c: Config) -> str | None:
+        """What the plan says of this kind with this model (batch norm's statistics); None (default): nothing."""
+        return None
+
+
+class AfterTraining(Protocol):
+    """What a kind does with its trained model: prediction, its saved folder, the model card, sample outputs."""
+
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str, max_new_tokens: int
                 ) -> list[dict[str, Any]]:
         """`finetune predict`'s output, one record per text (a kind that generates also takes `sampling`:
         `model.generate`'s keywords for greedy or sampled decoding, `finetune.use.generation.Generation.sampling`)."""
+
+    # --- with defaults
+    def save_layout(self, folder: Path, model: Any, max_length: int) -> None:
+        """Add the kind's own files to a saved model folder (sentence-transformers'); default: nothing."""
+        return None  # a body besides the docstring: a default, not a member every kind must implement
+
+    def sample_completions(self, model: Any, data: Any, pad_id: int, device: torch.device
+                           ) -> list[dict[str, Any]] | None:
+        """The `samples` event's rows (a kind that generates: GRPO); None (default): no such event."""
+        return None
+
+    def usage_code(self, repo_id: str, example: str) -> str | None:
+        """The model card's snippet, for a kind whose model a pipeline would misread; None (default): the
+        pipeline's."""
+        return None
+
+    def card_rows(self, c: Config) -> list[tuple[str, Any]]:
+        """The model card's rows of the kind's own method and settings (a loss and its weights); default: none."""
+        return []
+
+
+class TaskKind(DataCodec, Objective, WindowLoss, Precomputed, PlanTerms, AfterTraining, Protocol):
+    """One kind of task: every hook the engine calls, by role. Implementations are stateless module-level objects
+    (`KIND` in the kind's module) of a class that subclasses this one, so that they inherit the defaults; the
+    members without one (their body is a docstring) every kind implements."""
+
+    entry: Entry  # its registry entry: name, columns, Hugging Face names
 
 
 def padded_batch(rows: pa.Table, pad_id: int,

@@ -17,9 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
-from finetune.data.chat import MESSAGES_NAMES, check_conversations, encode_conversations
-from finetune.data.segments import split_documents
 from finetune.errors import DataError
 from finetune.kinds.base import (
     GREEDY,
@@ -29,16 +26,20 @@ from finetune.kinds.base import (
     Encoding,
     Metrics,
     SumMetrics,
+    TaskKind,
     padded_batch,
     pick_column,
     stored_targets,
     texts_of,
 )
 from finetune.kinds.chunked import chunk_positions, chunked_loss_sum
-from finetune.kinds.registry import entry
+from finetune.registry import entry
+from finetune.rows.arrow import numpy_of
+from finetune.rows.chat import MESSAGES_NAMES, check_conversations, encode_conversations
+from finetune.rows.segments import split_documents
 
 
-class CausalLM:
+class CausalLM(TaskKind):
     """The `TaskKind` of causal language modelling."""
 
     entry = entry("causal_lm")

@@ -7,27 +7,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-import torch.nn.functional as F
 
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
 from finetune.kinds.base import (
-    TEXT_NAMES,
     Columns,
     Encoding,
     Metrics,
     SumMetrics,
-    named_head,
-    padded_batch,
-    pick_column,
     texts_of,
 )
-from finetune.kinds.registry import entry
+from finetune.kinds.labelled import LabelPerSample, text_columns
+from finetune.registry import entry
 
 LABEL_NAMES = ("label", "labels", "class", "target")
 PAIR_NAMES = ("text_pair", "sentence2")
@@ -84,20 +78,14 @@ def text_features(tokenizer: Any) -> dict[str, Any]:
     return {"token_type_ids": List(Value("int8"))} if "token_type_ids" in tokenizer.model_input_names else {}
 
 
-class Classification:
+class Classification(LabelPerSample):
     """The `TaskKind` of text classification."""
 
     entry = entry("classification")
 
     def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
         """The text (and pair) and label columns, set or guessed; a lone other column is the text."""
-        label = pick_column(columns, c.label_column, LABEL_NAMES, "Label", "label_column")
-        others = tuple(n for n in columns if n != label)
-        text = pick_column(columns, c.text_column, TEXT_NAMES + (others if len(others) == 1 else ()), "Text",
-                           "text_column")
-        pair = pick_column(columns, c.text_pair_column, (), "Text pair", "text_pair_column") \
-            if c.text_pair_column else None
-        return Columns(text=text, text_pair=pair, label=label)
+        return text_columns(c, columns, LABEL_NAMES, "Label")
 
     def label_names(self, table: Any, cols: Columns, source: str) -> list[str]:
         """The class names, in id order: a `ClassLabel`'s names, else the sorted distinct values."""
@@ -136,10 +124,6 @@ class Classification:
             raise DataError(f"Label {unknown[0]!r} at row {row + 1} of {source!r} is not among the training labels "
                             f"({', '.join(label_names or [])}).")
 
-    def end_of_document(self, tokenizer: Any) -> list[int]:
-        """Nothing: a text is classified as the tokenizer encodes it."""
-        return []
-
     def encode_rows(self, batch: dict[str, list], indices: list[int], e: Encoding) -> dict[str, list]:
         """Each text (or pair) whole, cut to `max_length` by the tokenizer's truncation rule, and its class id."""
         return {**encode_texts(batch, indices, e),
@@ -150,31 +134,6 @@ class Classification:
         from datasets import Value
 
         return {"label": Value("int64"), **text_features(tokenizer)}
-
-    def check_encoded(self, data: Any, cols: Columns, c: Config, source: str, documents: bool) -> None:
-        """Nothing to check: every sample has its label."""
-
-    def collate_rows(self, rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
-        """A right-padded micro-batch with one class id per sample."""
-        return padded_batch(rows, pad_id, self._labels)
-
-    def _labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
-        """One class id per sample."""
-        return torch.from_numpy(numpy_of(rows.column("label")).astype(np.int64))
-
-    def num_targets(self, data: Any, indices: list[int]) -> int:
-        """One target per sample."""
-        return len(indices)
-
-    def model_kwargs(self, label_names: list[str] | None) -> dict[str, Any]:
-        """The head sized for the classes, named by them."""
-        return named_head(label_names)
-
-    def loss_sum(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cross-entropy summed over the samples."""
-        logits = model(**inputs).logits.float()
-        return F.cross_entropy(logits, labels, reduction="sum"), logits
 
     def metrics(self, label_names: list[str] | None, device: torch.device) -> Metrics:
         """Loss, accuracy and macro-F1: the loss sum, the sample count and the confusion matrix, summed."""
@@ -193,14 +152,6 @@ class Classification:
             return {"loss": loss, **classification_metrics(sums[2:].view(n, n))}
 
         return SumMetrics(2 + n * n, device, update, finish)
-
-    def synthetic_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Class 0 for every sample."""
-        return torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-
-    def logits_bytes(self, micro: int, tokens: int, vocab: int, num_labels: int) -> int:
-        """Negligible: one row of class scores per sample (counted with the activations)."""
-        return 0
 
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 0
                 ) -> list[dict[str, Any]]:

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import DEFAULT_MODEL, Config
-from finetune.data.arrow import numpy_of
 from finetune.errors import DataError, ModelError
-from finetune.kinds.base import Columns, Encoding, Reduce, pick_column, refuse_empty_cells, texts_of
-from finetune.kinds.registry import entry
+from finetune.kinds.base import Columns, Encoding, Reduce, TaskKind, pick_column, refuse_empty_cells, texts_of
 from finetune.kinds.regression import average_ranks, pearson
+from finetune.registry import entry
+from finetune.rows.arrow import numpy_of
 
 ANCHOR_NAMES = ("anchor", "query", "sentence1", "sentence_A", "question")
 POSITIVE_NAMES = ("positive", "document", "sentence2", "sentence_B", "answer")
@@ -245,7 +245,7 @@ def as_rows(samples: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class Embedding:
+class Embedding(TaskKind):
     """The `TaskKind` of sentence embeddings, with its loss and pooling (`configured` makes one from a config)."""
 
     loss: str = "auto"  # mnrl or cosent, or auto: as the data's shape says (scores: cosent)

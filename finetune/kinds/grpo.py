@@ -41,13 +41,13 @@ import torch
 from finetune.config.batch import resolve_batch
 from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
-from finetune.data.chat import check_conversations, turns_of
 from finetune.errors import DataError
 from finetune.kinds import rewards as reward_functions
-from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, pick_column
+from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, TaskKind, pick_column
 from finetune.kinds.causal_lm import KIND as CAUSAL
 from finetune.kinds.preference import _frozen as frozen_model
-from finetune.kinds.registry import entry
+from finetune.registry import entry
+from finetune.rows.chat import check_conversations, turns_of
 
 PROMPT_NAMES = ("prompt", "question", "problem", "query")
 ANSWER_NAMES = reward_functions.ANSWER_NAMES
@@ -90,7 +90,7 @@ class SeededSampling:
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPO:
+class GRPO(TaskKind):
     """The `TaskKind` of GRPO, with the run's rewards, generation and loss (`configured` makes one from a config)."""
 
     rewards: tuple[str, ...] = ("exact_match",)

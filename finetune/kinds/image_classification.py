@@ -21,15 +21,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-import torch.nn.functional as F
 
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
 from finetune.errors import DataError, ModelError
-from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, named_head, pick_column
+from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, pick_column
 from finetune.kinds.classification import KIND as CLASSIFICATION
 from finetune.kinds.classification import LABEL_NAMES, classification_metrics, label_key
-from finetune.kinds.registry import entry
+from finetune.kinds.labelled import LabelPerSample
+from finetune.registry import entry
 
 IMAGE_NAMES = ("image", "img", "picture", "image_path", "path", "file", "filename")
 TOP_K = 5  # top-5 accuracy, reported above this many classes
@@ -199,7 +198,7 @@ def has_batch_norm(c: Config) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class ImageClassification:
+class ImageClassification(LabelPerSample):
     """The `TaskKind` of image classification; `configured` gives it the model's image processor, which collation
     needs."""
 
@@ -258,10 +257,6 @@ class ImageClassification:
             raise DataError(f"Image column {cols.image!r} of {source!r} has empty values (first at row {row + 1}): "
                             "fill or remove those rows.")
 
-    def end_of_document(self, tokenizer: Any) -> list[int]:
-        """Nothing: an image has no tokens."""
-        return []
-
     def encode_rows(self, batch: dict[str, list], indices: list[int], e: Encoding) -> dict[str, list]:
         """Each image's absolute path (or its bytes), its header checked, and its class id: no pixels."""
         root = (e.options or {}).get("root")
@@ -282,9 +277,6 @@ class ImageClassification:
 
         return {"image_path": Value("string"), "image_bytes": Value("binary"), "label": Value("int64")}
 
-    def check_encoded(self, data: Any, cols: Columns, c: Config, source: str, documents: bool) -> None:
-        """Nothing to check: every image has its label."""
-
     def training_columns(self, c: Config, rows: int) -> dict[str, np.ndarray]:
         """The training rows' marks for `augment: basic` (evaluation rows are never augmented)."""
         return {"augment": np.full(rows, c.augment == "basic")}
@@ -301,23 +293,9 @@ class ImageClassification:
         images = [augmented(im) if mark else im for im, mark in zip(images, marks, strict=True)]
         pixels = self.inputs.processor(images=images, return_tensors="pt")["pixel_values"]
         return {"pixel_values": pixels,
-                "labels": torch.from_numpy(numpy_of(rows.column("label")).astype(np.int64))}
-
-    def num_targets(self, data: Any, indices: list[int]) -> int:
-        """One target per sample."""
-        return len(indices)
+                "labels": self.labels_of(rows)}
 
     # --- model
-    def model_kwargs(self, label_names: list[str] | None) -> dict[str, Any]:
-        """The head sized for the classes, named by them."""
-        return named_head(label_names)
-
-    def loss_sum(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cross-entropy summed over the samples."""
-        logits = model(**inputs).logits.float()
-        return F.cross_entropy(logits, labels, reduction="sum"), logits
-
     def metrics(self, label_names: list[str] | None, device: torch.device) -> Metrics:
         """Loss, accuracy, macro-F1 and (above five classes) top-5 accuracy: the loss sum, the sample count, the
         top-5 hits and the confusion matrix, summed."""
@@ -349,14 +327,6 @@ class ImageClassification:
         channels = getattr(config, "num_channels", 3) or 3
         return {"pixel_values": torch.randn(micro, channels, height, width, device=device),
                 "labels": torch.zeros(micro, dtype=torch.long, device=device)}
-
-    def synthetic_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Class 0 for every sample."""
-        return torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-
-    def logits_bytes(self, micro: int, tokens: int, vocab: int, num_labels: int) -> int:
-        """Negligible: one row of class scores per sample (counted with the activations)."""
-        return 0
 
     def plan_note(self, c: Config) -> str | None:
         """What the plan says of a model with batch norm: its statistics are the micro-batch's, so accumulation

@@ -33,12 +33,12 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
-from finetune.data.chat import check_conversations, special_ids, turns_of
 from finetune.errors import DataError
-from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, Metrics, SumMetrics, pick_column, texts_of
+from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, Metrics, SumMetrics, TaskKind, pick_column, texts_of
 from finetune.kinds.causal_lm import KIND as CAUSAL
-from finetune.kinds.registry import entry
+from finetune.registry import entry
+from finetune.rows.arrow import numpy_of
+from finetune.rows.chat import check_conversations, special_ids, turns_of
 
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
 NEEDS_REFERENCE = ("dpo", "ipo")
@@ -82,7 +82,7 @@ def reference_strategy(loss: str, *, lora: bool, reference_model: str | None, pr
 
 
 @dataclasses.dataclass(frozen=True)
-class Preference:
+class Preference(TaskKind):
     """The `TaskKind` of preference tuning, with the loss's settings (`configured` makes one from a config)."""
 
     loss: str = "dpo"

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
-from finetune.kinds.base import TEXT_NAMES, Columns, Encoding, Reduce, padded_batch, pick_column
+from finetune.kinds.base import Columns, Encoding, Reduce
 from finetune.kinds.classification import encode_texts, text_features
-from finetune.kinds.registry import entry
+from finetune.kinds.labelled import LabelPerSample, text_columns
+from finetune.registry import entry
 
 TARGET_NAMES = ("label", "labels", "score", "target", "value", "y")
 
@@ -98,20 +98,15 @@ class RegressionMetrics:
         return regression_metrics(reduce.sum(self.sums).cpu(), gathered(self.predictions), gathered(self.targets))
 
 
-class Regression:
+class Regression(LabelPerSample):
     """The `TaskKind` of text regression."""
 
     entry = entry("regression")
+    label_dtype = torch.float32
 
     def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
         """The text (and pair) and target columns, set or guessed; a lone other column is the text."""
-        label = pick_column(columns, c.label_column, TARGET_NAMES, "Target", "label_column")
-        others = tuple(n for n in columns if n != label)
-        text = pick_column(columns, c.text_column, TEXT_NAMES + (others if len(others) == 1 else ()), "Text",
-                           "text_column")
-        pair = pick_column(columns, c.text_pair_column, (), "Text pair", "text_pair_column") \
-            if c.text_pair_column else None
-        return Columns(text=text, text_pair=pair, label=label)
+        return text_columns(c, columns, TARGET_NAMES, "Target")
 
     def label_names(self, table: Any, cols: Columns, source: str) -> None:
         """A regression target is a number, not a class."""
@@ -137,10 +132,6 @@ class Regression:
         raise DataError(f"Target column {column!r} of {source!r} at row {row + 1} {what}: regression needs a number "
                         "in every row; fix or remove that row.")
 
-    def end_of_document(self, tokenizer: Any) -> list[int]:
-        """Nothing: a text is read as the tokenizer encodes it."""
-        return []
-
     def encode_rows(self, batch: dict[str, list], indices: list[int], e: Encoding) -> dict[str, list]:
         """Each text (or pair) whole, cut to `max_length` by the tokenizer's truncation rule, and its target."""
         return {**encode_texts(batch, indices, e), "label": [as_number(v) for v in batch[e.cols["label"]]]}
@@ -151,42 +142,17 @@ class Regression:
 
         return {"label": Value("float32"), **text_features(tokenizer)}
 
-    def check_encoded(self, data: Any, cols: Columns, c: Config, source: str, documents: bool) -> None:
-        """Nothing to check: every sample has its target."""
-
-    def collate_rows(self, rows: pa.Table, pad_id: int) -> dict[str, torch.Tensor]:
-        """A right-padded micro-batch with one float target per sample."""
-        return padded_batch(rows, pad_id, self._labels)
-
-    def _labels(self, rows: pa.Table, input_ids: np.ndarray, present: np.ndarray) -> torch.Tensor:
-        """One float target per sample."""
-        return torch.from_numpy(numpy_of(rows.column("label")).astype(np.float32))
-
-    def num_targets(self, data: Any, indices: list[int]) -> int:
-        """One target per sample."""
-        return len(indices)
-
     def model_kwargs(self, label_names: list[str] | None) -> dict[str, Any]:
         """One output, read as a regression by transformers (its loss, its pipeline)."""
         return {"num_labels": 1, "problem_type": "regression", "id2label": {0: "value"}, "label2id": {"value": 0}}
 
-    def loss_sum(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def head_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Squared errors summed over the samples (the model's float32 prediction against the target)."""
-        logits = model(**inputs).logits.float()
-        return F.mse_loss(logits.reshape(-1), labels.float(), reduction="sum"), logits
+        return F.mse_loss(logits.reshape(-1), labels.float(), reduction="sum")
 
     def metrics(self, label_names: list[str] | None, device: torch.device) -> RegressionMetrics:
         """Loss, MSE, RMSE, MAE, Pearson and Spearman."""
         return RegressionMetrics(device)
-
-    def synthetic_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """A target of 0 for every sample."""
-        return torch.zeros(input_ids.shape[0], dtype=torch.float32, device=input_ids.device)
-
-    def logits_bytes(self, micro: int, tokens: int, vocab: int, num_labels: int) -> int:
-        """Negligible: one number per sample (counted with the activations)."""
-        return 0
 
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 0
                 ) -> list[dict[str, Any]]:

@@ -25,16 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import Config
-from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics
+from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, TaskKind
 from finetune.kinds.preference import KIND as PAIRS
-from finetune.kinds.registry import entry
+from finetune.registry import entry
 
 METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 COMPLETION_KEYS = ("completion", "response", "chosen")  # what a JSON input to `predict` may call the completion
 
 
 @dataclasses.dataclass(frozen=True)
-class Reward:
+class Reward(TaskKind):
     """The `TaskKind` of reward modelling (`configured` adds the run's centring coefficient)."""
 
     center: float | None = None  # TRL's center_rewards_coefficient

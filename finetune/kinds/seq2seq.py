@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
 from finetune.errors import ConfigError, DataError, ModelError
 from finetune.kinds.base import (
     GREEDY,
@@ -36,12 +35,14 @@ from finetune.kinds.base import (
     Columns,
     Encoding,
     Reduce,
+    TaskKind,
     padded_batch,
     pick_column,
     refuse_empty_cells,
     texts_of,
 )
-from finetune.kinds.registry import entry
+from finetune.registry import entry
+from finetune.rows.arrow import numpy_of
 
 SOURCE_NAMES = ("source", "input", "document", "text", "article")
 TARGET_NAMES = ("target", "output", "summary", "highlights")
@@ -166,7 +167,7 @@ class Seq2SeqMetrics:
 
 
 @dataclasses.dataclass(frozen=True)
-class Seq2Seq:
+class Seq2Seq(TaskKind):
     """The `TaskKind` of sequence to sequence, with the run's target length and generation settings (`configured`
     makes one from a config; the plain `KIND` has the defaults)."""
 

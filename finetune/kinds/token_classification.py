@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import Config
-from finetune.data.arrow import numpy_of
 from finetune.errors import DataError
 from finetune.kinds.base import (
     IGNORE_INDEX,
@@ -27,12 +26,14 @@ from finetune.kinds.base import (
     Encoding,
     Metrics,
     SumMetrics,
+    TaskKind,
     named_head,
     padded_batch,
     pick_column,
     stored_targets,
 )
-from finetune.kinds.registry import entry
+from finetune.registry import entry
+from finetune.rows.arrow import numpy_of
 
 TOKENS_NAMES = ("tokens", "words")
 TAGS_NAMES = ("ner_tags", "tags", "pos_tags", "labels")
@@ -119,7 +120,7 @@ def tag_key(v: Any, index: dict[str, int]) -> int | None:
     return index[key] if key in index else (int(v) if 0 <= int(v) < len(index) else None)
 
 
-class TokenClassification:
+class TokenClassification(TaskKind):
     """The `TaskKind` of token classification."""
 
     entry = entry("token_classification")

@@ -9,13 +9,13 @@ from typing import Any
 
 from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
-from finetune.data.chat import read_template
 from finetune.engine import offload as offloading
-from finetune.engine.runtime import resolve_precision
+from finetune.engine.runtime import quiet_bitsandbytes, resolve_precision
 from finetune.errors import ModelError
-from finetune.kinds.registry import entry, kind_of_model_config, kind_of_peft_task_type
-from finetune.kinds.registry import kind as kind_named
 from finetune.models import kernels, quantize
+from finetune.registry import entry, kind_of_model_config, kind_of_peft_task_type
+from finetune.registry import kind as kind_named
+from finetune.rows.chat import read_template
 
 
 def quiet_transformers() -> None:
@@ -28,7 +28,7 @@ def quiet_transformers() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    quantize.quiet_bitsandbytes()  # peft imports it, when it is installed, for its quantized LoRA layers
+    quiet_bitsandbytes()  # peft imports it, when it is installed, for its quantized LoRA layers
 
 
 def load_tokenizer(c: Config) -> Any:
@@ -37,9 +37,9 @@ def load_tokenizer(c: Config) -> Any:
 
     quiet_transformers()
     path = resolve_model_path(c.model)
-    own = getattr(kind_named(c.task), "load_preprocessor", None)
+    own = kind_named(c.task).load_preprocessor(path, c.trust_remote_code)
     if own is not None:  # a kind whose inputs are not text (images): the model's own processor
-        return own(path, c.trust_remote_code)
+        return own
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=c.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -57,8 +57,8 @@ def load_saved_preprocessor(model_dir: Path, task: str) -> Any:
     """The tokenizer saved beside a trained model, or the kind's own preprocessor (an image processor)."""
     from transformers import AutoTokenizer
 
-    own = getattr(kind_named(task), "load_preprocessor", None)
-    return own(str(model_dir)) if own is not None else AutoTokenizer.from_pretrained(model_dir)
+    own = kind_named(task).load_preprocessor(str(model_dir))
+    return own if own is not None else AutoTokenizer.from_pretrained(model_dir)
 
 
 def auto_class(task: str) -> Any:
@@ -98,7 +98,7 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
     if getattr(model.config, "pad_token_id", 0) is None:  # an image model's config has no token ids at all
         model.config.pad_token_id = model.config.eos_token_id
     # A kind that trains part of the model (an embedding model's encoder, not its pooler) says which.
-    return kind.trained_model(model) if hasattr(kind, "trained_model") else model
+    return kind.trained_model(model)
 
 
 def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bool, offload: bool = False) -> Any:

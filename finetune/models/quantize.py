@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from finetune.engine.runtime import quiet_bitsandbytes
 
 QUANTIZATIONS = ("auto", "none", "8bit", "4bit")
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,25 +64,6 @@ def load_kwargs(quantization: str, precision: str, lora: bool) -> dict[str, Any]
         quiet_bitsandbytes()
         kwargs["quantization_config"] = bnb_config(quantization, precision)
     return kwargs
-
-
-def quiet_bitsandbytes() -> None:
-    """bitsandbytes warns on every 8-bit matmul of fp32 inputs (it casts them to fp16) and, as it is imported, about
-    optional kernels: on a CPU with AVX512-BF16 "Failed to load CPU gemm_4bit_forward from kernels-community: No
-    module named 'kernels'". That kernel is not installed on purpose: the `kernels` package downloads it from the
-    Hub when bitsandbytes is imported (a network fetch that fails offline and on a locked-down Space), and without it
-    bitsandbytes computes 4-bit matmuls on the CPU with its own kernels, which the tests check. Called before any
-    import that can bring bitsandbytes in (peft's LoRA layers import it whenever it is installed)."""
-    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-
-
-def import_bitsandbytes() -> Any:
-    """bitsandbytes, imported quietly: only by a run that uses it (a quantized base, 8-bit AdamW)."""
-    quiet_bitsandbytes()
-    import bitsandbytes
-
-    return bitsandbytes
 
 
 def unquantized_layers(model: Any) -> list[str]:

@@ -28,10 +28,10 @@ from finetune.engine.optim import make_optimizer
 from finetune.engine.recurrence import Recurrence, detach_cache, segment_loss_sum
 from finetune.errors import ModelError
 from finetune.kinds.base import TaskKind
-from finetune.kinds.registry import configured
-from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
 from finetune.models.pretrained import load_failure, prepare_for_training, quiet_transformers, resolve_model_path
+from finetune.registry import configured
+from finetune.registry import kind as kind_named
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the precisions that autocast to half
 
@@ -314,13 +314,13 @@ def synthetic_batch(model: Any, micro: int, tokens: int, kind: TaskKind, device:
     `packed`: rows of two packed samples (position ids restarting, no attention mask), as `packing` trains them;
     more than one sample per row is what makes the model build a full block-diagonal mask. The labels are the
     task kind's (`synthetic_labels`)."""
-    if hasattr(kind, "synthetic_batch"):  # a kind whose inputs are not tokens (images of the model's size)
-        return kind.synthetic_batch(model, micro, device)
-    micro *= getattr(kind, "sequences_per_sample", 1)  # a preference pair is two sequences
+    if (own := kind.synthetic_batch(model, micro, device)) is not None:  # inputs that are not tokens (images)
+        return own
+    micro *= kind.sequences_per_sample  # a preference pair is two sequences
     ids = torch.randint(3, max(getattr(model.config, "vocab_size", 0) or 0, 4), (micro, tokens), device=device)
     labels = kind.synthetic_labels(ids)
     # Inputs a kind joins to its batches besides the tokens (a precomputed reference's log-probabilities).
-    extra = kind.synthetic_inputs(ids) if hasattr(kind, "synthetic_inputs") else {}
+    extra = kind.synthetic_inputs(ids)
     if packed:
         half = tokens // 2
         positions = torch.cat([torch.arange(half, device=device), torch.arange(tokens - half, device=device)])

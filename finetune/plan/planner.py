@@ -30,12 +30,12 @@ from finetune.errors import HostMemoryError, PlanError
 from finetune.kinds import chunked
 from finetune.kinds.base import TaskKind
 from finetune.kinds.causal_lm import CHUNKED
-from finetune.kinds.registry import configured, entry
-from finetune.kinds.registry import kind as kind_named
 from finetune.models import quantize
 from finetune.models.pretrained import load_model, prepare_for_training, resolve_model_path
 from finetune.plan import plancache
 from finetune.plan.memory import Skeleton, dry_run, dry_run_segments, measure_window, model_skeleton
+from finetune.registry import configured, entry
+from finetune.registry import kind as kind_named
 
 GIB = 2**30
 SAFETY = 0.95  # plan to 95 % of the budget: the estimate aims at ±5 % on a GPU
@@ -282,10 +282,9 @@ def kind_terms(kind: TaskKind, skeleton: Skeleton, *, cuda: bool, micro: int, to
     (`plan_reference`), a loss over the whole window of `window` samples, its embeddings and scores, resident
     (`plan_window`)."""
     terms: dict[str, int] = {}
-    if hasattr(kind, "plan_reference"):
-        terms |= kind.plan_reference(**_reference_inputs(skeleton, cuda, micro, tokens, precision))[0]
-    if hasattr(kind, "plan_window"):
-        terms |= kind.plan_window(window, getattr(getattr(skeleton.model, "config", None), "hidden_size", 0) or 0)
+    if (reference := kind.plan_reference(**_reference_inputs(skeleton, cuda, micro, tokens, precision))) is not None:
+        terms |= reference[0]
+    terms |= kind.plan_window(window, getattr(getattr(skeleton.model, "config", None), "hidden_size", 0) or 0)
     return terms
 
 
@@ -302,7 +301,7 @@ def worst_case_tokens(c: Config, lengths: Any) -> int:
     (a stream before its first window)."""
     # numpy's max: Python's iterates a 6 M-sample array element by element (a quarter of a second per pass).
     # A kind that generates (GRPO) trains on the prompt and its completion.
-    generated = getattr(configured(c), "generated_tokens", 0)
+    generated = configured(c).generated_tokens
     return (int(np.max(lengths)) if len(lengths) else c.max_length) + generated
 
 
@@ -311,7 +310,7 @@ def check_generated_positions(c: Config, model_config: Any, longest_prompt: int 
     every completion is padded) need more positions than the model learned (GPT-2's `n_positions`): the first
     generation or dry run would fail deep in the position embedding. Without the data (a stream), only a completion
     that alone cannot fit is refused."""
-    generated = getattr(configured(c), "generated_tokens", 0)
+    generated = configured(c).generated_tokens
     limit = absolute_position_limit(model_config)
     if not generated or limit is None:
         return
@@ -452,8 +451,7 @@ class _Search:
             search.notes.append(f"Segment recurrence: the longest document ({longest} tokens) is {search.segments} "
                                 f"segment(s) of up to {search.tokens} tokens, each carrying a cache of up to "
                                 f"{search.memory} earlier tokens.")
-        kind_note = getattr(kind_named(c.task), "plan_note", None)
-        if kind_note is not None and (note := kind_note(c)):  # what the kind says of this model (batch norm)
+        if note := kind_named(c.task).plan_note(c):  # what the kind says of this model (batch norm)
             search.notes.append(note)
         if shards > 1:
             search.notes.append(f"Weights, gradients and optimizer state sharded over {shards} processes (FSDP): "
@@ -553,9 +551,9 @@ class _Search:
         if step.lora and dtype != torch.float32 and step.quantization == "none":
             notes.append(f"The frozen base is stored in {precision} (LoRA trains fp32 adapters on it).")
         reference: dict[str, Any] = {}
-        if hasattr(self.kind_for(step.lora), "plan_reference"):
-            _, reference, note = self.kind_for(step.lora).plan_reference(
-                **_reference_inputs(skeleton, self.cuda, chosen, self.tokens, self.precision))
+        if (found := self.kind_for(step.lora).plan_reference(
+                **_reference_inputs(skeleton, self.cuda, chosen, self.tokens, self.precision))) is not None:
+            _, reference, note = found
             notes += [note] if note else []
         if step.chunked:
             vocab = _vocab(self.c)

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.batch import BatchSplit
-from finetune.data.segments import Segmentation
 from finetune.errors import EXIT_STOPPED
 from finetune.remote.timelimit import format_duration
+from finetune.rows.segments import Segmentation
 from finetune.run.events import (
     Backoff,
     Checkpoint,

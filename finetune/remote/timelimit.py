@@ -22,8 +22,8 @@ from finetune.config.schema import Config, from_dict
 from finetune.config.tasks import single_task_values
 from finetune.data.load import is_local, load_table
 from finetune.errors import ConfigError
-from finetune.kinds.registry import entry
 from finetune.models.pretrained import quiet_transformers, resolve_model_path
+from finetune.registry import entry
 
 # Dense bf16 (fp16 on a T4) tensor-core TFLOPS per GPU, from NVIDIA's datasheets; the A10G is AWS's cut of the
 # A10, counted at about half the A10's 125 to stay on the safe side.

@@ -24,7 +24,7 @@ from finetune.config.batch import BatchSplit
 from finetune.errors import describe, exit_code
 
 if TYPE_CHECKING:  # the record only carries it: importing segments would load numpy and pyarrow for `--help`
-    from finetune.data.segments import Segmentation
+    from finetune.rows.segments import Segmentation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +48,7 @@ class Start:
     distributed: str = "single"
     note: str | None = None
     startup_s: float | None = None
-    # Conversations left out because they have nothing to learn, per reason (finetune.data.chat.DROPPED); None if none.
+    # Conversations left out because they have nothing to learn, per reason (finetune.rows.chat.DROPPED); None if none.
     dropped_rows: dict[str, int] | None = None
     dropped_eval_rows: dict[str, int] | None = None
     segmentation: Segmentation | None = None

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from finetune.config.schema import DEFAULT_MODEL, FIELDS, Config, from_dict, read_yaml
-from finetune.kinds.registry import entry, kind, names
+from finetune.registry import entry, kind, names
 from finetune.run.events import read_events
 
 # The bundled model is this Hub model, shipped in a pip package.
@@ -133,9 +133,9 @@ def _results(metrics: dict[str, Any], evals: list[dict[str, Any]], task: str) ->
 
 def _usage(c: Config, repo_id: str, adapter: bool) -> str:
     example = entry(c.task).example
-    own = getattr(kind(c.task), "usage_code", None)  # a kind whose model a pipeline would misread
+    own = kind(c.task).usage_code(repo_id, example)  # a kind whose model a pipeline would misread
     if own is not None and not adapter:
-        code = own(repo_id, example)
+        code = own
     elif not adapter:
         code = (f'from transformers import pipeline\n\npipe = pipeline("{PIPELINES[c.task]}", model="{repo_id}")\n'
                 f'print(pipe("{example}"))')
@@ -227,8 +227,7 @@ def _procedure(c: Config, start: dict[str, Any], metrics: dict[str, Any], run_di
         rows.append(("optimizer steps", start.get("total_steps")))
     if (run_dir / "model" / "adapter_config.json").is_file() or (run_dir / "adapter").is_dir():
         rows += [(k, getattr(c, k)) for k in LORA_KEYS]
-    if hasattr(kind(c.task), "card_rows"):  # the kind's own method and settings (a loss and its weights)
-        rows += kind(c.task).card_rows(c)
+    rows += kind(c.task).card_rows(c)  # the kind's own method and settings (a loss and its weights)
     for key in ("train_seconds", "train_samples_per_s"):
         if key in metrics:
             rows.append((key.replace("_", " "), metrics[key]))

@@ -41,10 +41,10 @@ from finetune.engine.runtime import (
 from finetune.engine.step import optimizer_step
 from finetune.errors import RunDirError, TrainingError
 from finetune.kinds.base import TaskKind
-from finetune.kinds.registry import configured
 from finetune.models import kernels as hub_kernels
 from finetune.models.pretrained import load_tokenizer
-from finetune.run import hub, rundir, tracking
+from finetune.registry import configured
+from finetune.run import rundir, tracking
 from finetune.run.events import (
     Backoff,
     Checkpoint,
@@ -60,6 +60,7 @@ from finetune.run.events import (
 )
 from finetune.train.precompute import precompute
 from finetune.train.variants import Variant, steps_per_window, variant_of
+from finetune.use import hub
 
 MAX_SKIPPED_IN_A_ROW = 25
 # Evaluation batches, in micro-batches. Inference keeps no activations for a backward: a training micro-batch holds

@@ -13,8 +13,6 @@ from finetune.data.mixing import MultiData, TaskData, task_counts, task_micro_ba
 from finetune.engine.metrics import evaluate
 from finetune.engine.step import backward_tasks
 from finetune.kinds.base import TaskKind
-from finetune.kinds.registry import entry
-from finetune.kinds.registry import kind as kind_named
 from finetune.models.heads import (
     MultiHeadModel,
     add_body_lora,
@@ -25,6 +23,8 @@ from finetune.models.heads import (
 )
 from finetune.models.pretrained import load_model, prepare_for_training, save_model
 from finetune.plan.planner import Plan, plan_run
+from finetune.registry import entry
+from finetune.registry import kind as kind_named
 
 # Bytes a trained parameter costs beyond its forward: its gradient and the optimizer's state (fp32).
 STATE_BYTES = {"sgd": 8, "adamw": 16, "adamw_8bit": 10}

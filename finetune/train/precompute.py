@@ -48,7 +48,7 @@ def precompute(c: Config, kind: TaskKind, model: Any, tokenizer: Any, accelerato
     """Join the kind's precomputed columns to each part (train, eval): read from the data cache, or computed in one
     pass and stored there. Every process computes what the cache does not hold, the main one first (the others then
     read its values). Returns how each part's values were obtained (`cached` or `computed`), for the start event."""
-    columns = tuple(getattr(kind, "precomputes", ()))
+    columns = tuple(kind.precomputes)
     if not columns:
         return {}
     key = datacache.columns_key(datacache.data_key(c, tokenizer), depends_on(c, kind))

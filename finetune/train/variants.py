@@ -93,7 +93,7 @@ def global_count(s: Setup, indices: list[int]) -> int | tuple[int, ...]:
 
 def step_metric_names(kind: Any) -> tuple[str, ...]:
     """The kind's step metrics: its configured object's own (GRPO's, one per reward), else its entry's."""
-    return getattr(kind, "step_metrics", kind.entry.step_metrics)
+    return kind.step_metrics
 
 
 @dataclasses.dataclass
@@ -108,7 +108,7 @@ class KeptWindow:
 
 def steps_per_window(kind: Any) -> int:
     """Optimizer steps each window trains in a row: the kind's `steps_per_window` (GRPO's num_iterations), else 1."""
-    return int(getattr(kind, "steps_per_window", 1))
+    return int(kind.steps_per_window)
 
 
 class SingleTask:
@@ -206,15 +206,15 @@ class SingleTask:
     def samples(self, s: Setup) -> list[dict[str, Any]] | None:
         """The kind's sample completions of the first evaluation rows (a kind that generates: GRPO), else None.
         Every process generates the same few (a sharded model's forward is collective)."""
-        if not hasattr(s.kind, "sample_completions") or s.eval_data is None or len(s.eval_data) == 0:
+        if s.eval_data is None or len(s.eval_data) == 0:
             return None
         return s.kind.sample_completions(s.model, s.eval_data, s.tokenizer.pad_token_id, s.accelerator.device)
 
     def save(self, s: Setup, model: Any, state_dict: dict[str, Any] | None) -> None:
         """model/ (and adapter/ with merge_lora)."""
         save_model(model, s.tokenizer, s.run_dir, merge_lora=s.config.merge_lora, state_dict=state_dict)
-        if hasattr(s.kind, "save_layout"):  # a kind whose folder has files of its own (sentence-transformers')
-            s.kind.save_layout(s.run_dir / "model", model, s.config.max_length)
+        # A kind whose folder has files of its own (sentence-transformers') adds them.
+        s.kind.save_layout(s.run_dir / "model", model, s.config.max_length)
 
 
 class Recurrent(SingleTask):

@@ -1,1 +1,1 @@
-"""Using a trained run: prediction and evaluation of saved models."""
+"""Using a trained run: prediction, evaluation, export, and publishing it to the Hugging Face Hub."""

@@ -22,8 +22,8 @@ from typing import Any
 from finetune.config.schema import ConfigError, read_yaml
 from finetune.doctor.versions import require
 from finetune.errors import DataError, ModelError, PackageError
-from finetune.kinds.registry import entry
 from finetune.models.pretrained import is_adapter, load_failure, resolve_model_dir, resolve_model_path, task_of
+from finetune.registry import entry
 from finetune.run.rundir import write_json
 
 RESULTS = "benchmarks.json"  # in the run directory, beside metrics.json

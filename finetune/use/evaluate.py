@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from finetune import registry
 from finetune.config.schema import Config, ConfigError, from_dict, parse_overrides, read_yaml
 from finetune.config.tasks import TaskSpec, single_task_values
 from finetune.data.encoding import Encoded, encode
@@ -21,10 +22,9 @@ from finetune.data.load import load_data, load_table, resolve_columns
 from finetune.data.mixing import load_task, with_prefix
 from finetune.engine.metrics import evaluate
 from finetune.engine.recurrence import Recurrence
-from finetune.kinds import registry
-from finetune.kinds.registry import configured, entry
 from finetune.models.heads import read_tasks_file, task_model_dir
 from finetune.models.pretrained import load_tokenizer, load_trained, resolve_model_dir, saved_label_names, task_of
+from finetune.registry import configured, entry
 
 
 @dataclass(frozen=True)

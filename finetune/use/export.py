@@ -26,9 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import read_yaml
-from finetune.data.chat import end_of_turn_ids, turns_of
 from finetune.errors import ConfigError, InputError, ModelError
-from finetune.kinds.registry import ENTRIES, a_model, entry
 from finetune.models import quantize
 from finetune.models.heads import TASKS_FILE
 from finetune.models.pretrained import (
@@ -40,6 +38,8 @@ from finetune.models.pretrained import (
     resolve_model_path,
     task_of,
 )
+from finetune.registry import ENTRIES, a_model, entry
+from finetune.rows.chat import end_of_turn_ids, turns_of
 from finetune.run.events import EventLog, Exported
 from finetune.run.rundir import is_finished, write_json
 from finetune.use import llamacpp, ollama

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
+from finetune import registry
 from finetune.config.schema import read_yaml
-from finetune.data.chat import MESSAGES_NAMES, prompt_of, reply, require_template, turns_of
-from finetune.kinds import registry
-from finetune.kinds.registry import kind
 from finetune.models.heads import task_model_dir
 from finetune.models.pretrained import load_saved_preprocessor, load_trained, resolve_model_dir, task_of
+from finetune.registry import kind
+from finetune.rows.chat import MESSAGES_NAMES, prompt_of, reply, require_template, turns_of
 from finetune.use.generation import settings
 
 # The Try it views of the kinds whose `predict` generates text, and so takes `sampling`.
@@ -45,7 +45,7 @@ def predict(target: str, texts: list[str], max_new_tokens: int | None = None, ch
     """Per text: the label with class probabilities (classification), the model's reply through its chat template
     (a causal LM trained on conversations, or a model folder with a template, or `chat=True`; a text may be a JSON
     conversation, after `system_prompt`), or a generated continuation. A multi-task model needs `task_name`: that
-    task's head, or its prompt prefix before each text. `prompt` renders a chat (`finetune.data.chat.reply`).
+    task's head, or its prompt prefix before each text. `prompt` renders a chat (`finetune.rows.chat.reply`).
     Generation settings left None come from the model's `generation_config.json` (`finetune.use.generation`)."""
     model_dir, run_dir = resolve_model_dir(target)
     model_dir, entry = task_model_dir(model_dir, task_name)

@@ -443,8 +443,7 @@ def kind(name: str) -> Any:
 def configured(c: Any) -> Any:
     """The kind object of run config `c`: the kind's own `configured(c)` where it has settings (a loss, its
     weights), else the plain kind."""
-    k = kind(c.task)
-    return k.configured(c) if hasattr(k, "configured") else k
+    return kind(c.task).configured(c)
 
 
 def column_problems(task: str, values: dict[str, object]) -> list[str]:
