@@ -157,7 +157,7 @@ def serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C, then say whether a run goes on without the app; or until SIGTERM (`docker stop`: the
     container is going away), then stop the run with a checkpoint, waiting up to --stop-grace seconds for it.
     2 when a public host has no accounts or a package is outside its supported range."""
-    from finetune.doctor.versions import require
+    from finetune.config.versions import require
     from finetune.errors import PackageError
 
     terminated = threading.Event()

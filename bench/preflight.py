@@ -18,7 +18,7 @@ def check_packages(script: str, extras: tuple[str, ...] = ()) -> None:
     `extras`); return when all are there."""
     sys.path.insert(0, str(ROOT))
     try:
-        from finetune.doctor.versions import problems  # reads package metadata only: no torch, no transformers
+        from finetune.config.versions import problems  # reads package metadata only: no torch, no transformers
     except ImportError as e:  # not even `packaging` (a transformers dependency): the environment has nothing
         print(f"{script} cannot run here: {e.name or e} is not installed. See docs/benchmarks.md, \"Running on a "
               "GPU machine without network\".", file=sys.stderr)

@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command not in WITHOUT_PACKAGE_CHECK:
-            from finetune.doctor.versions import require
+            from finetune.config.versions import require
 
             require()  # before any command imports torch or transformers: a too-old one is a sentence, not a crash
         return args.func(args)

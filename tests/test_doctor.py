@@ -12,7 +12,8 @@ import pytest
 from conftest import ROOT, assert_same_weights, run_train, step_losses
 
 from finetune.cli import main
-from finetune.doctor import machine, report, selftest, versions
+from finetune.config import versions
+from finetune.doctor import machine, report, selftest
 
 
 def _pyproject(tmp_path, dependencies: list[str], extras: dict[str, list[str]] | None = None):
@@ -184,7 +185,7 @@ def test_the_panel_puts_problems_first():
 def test_the_gpu_check_says_in_one_line_what_an_image_lacks():
     """bench/gpu_check.py on a stock image without datasets (as the first GPU try found): one line, exit 2, before
     torch is imported."""
-    code = ("import runpy, sys; sys.path.insert(0, 'bench'); import finetune.doctor.versions as v; real = v.installed; "
+    code = ("import runpy, sys; sys.path.insert(0, 'bench'); import finetune.config.versions as v; real = v.installed; "
             "v.installed = lambda n: None if n == 'datasets' else real(n); sys.argv = ['gpu_check.py']; "
             "runpy.run_path('bench/gpu_check.py', run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)

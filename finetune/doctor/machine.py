@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import torch
 
-from finetune.doctor.versions import installed
+from finetune.config.versions import installed
 from finetune.models import kernels
 
 GIB = 2**30

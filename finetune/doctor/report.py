@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from finetune.doctor import machine, selftest, versions
+from finetune.config import versions
+from finetune.doctor import machine, selftest
 
 EXIT_OK, EXIT_PROBLEMS = 0, 2
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import ConfigError, read_yaml
-from finetune.doctor.versions import require
+from finetune.config.versions import require
 from finetune.errors import DataError, ModelError, PackageError
 from finetune.models.pretrained import is_adapter, load_failure, resolve_model_dir, resolve_model_path, task_of
 from finetune.registry import entry
