@@ -11,15 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lm_eval
 import pytest
 import torch
 from conftest import ROOT, bundled_tokenizer
-from lm_eval.tasks import TaskManager
 
 from finetune.cli import main
 from finetune.config.schema import from_dict
 from finetune.train.loop import train
+
+lm_eval = pytest.importorskip("lm_eval")  # the `evals` extra (in `test`; not in the floors lane)
+TaskManager = pytest.importorskip("lm_eval.tasks").TaskManager
 
 TASKS = ROOT / "tests" / "evals"
 TASK = TASKS / "sentiment.yaml"
