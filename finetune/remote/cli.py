@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from finetune.remote import fetch as fetching
 from finetune.remote import flavors, hfjobs
 from finetune.remote.follow import Follower
 from finetune.remote.jobfile import JOB_FILE, JobHandle
-from finetune.remote.mirror import from_record
+from finetune.remote.mirror import follow_cancelling, from_record
 from finetune.remote.timelimit import parse_duration
 from finetune.run.events import ProgressBar
 
@@ -49,10 +48,6 @@ def train_remote(args: argparse.Namespace, c: Config) -> int:
     return follow_to_end(handle, quiet=args.quiet, fetch=not args.no_fetch)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM (a `kill`, the app) cancels the job as Ctrl-C does
-
-
 def follow_to_end(handle: JobHandle, *, quiet: bool = False, fetch: bool = True) -> int:
     """Stream the job until it ends, mirror its events, cancel it on Ctrl-C; fetch the model when it is done."""
     bar = ProgressBar(disable=quiet)
@@ -63,22 +58,11 @@ def follow_to_end(handle: JobHandle, *, quiet: bool = False, fetch: bool = True)
             bar(event)
 
     follower = Follower(handle, on_record=on_record, on_log=bar.say)  # the job's log lines above the bar
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        try:
-            result = follower.run()
-        except KeyboardInterrupt:
-            bar.close()
-            _say("\nCancelling the job (billing stops; its checkpoints stay in the bucket). Ctrl-C again leaves "
-                 "without waiting for it to end.")
-            hfjobs.cancel(handle)
-            try:
-                result = follower.run()
-            except KeyboardInterrupt:
-                return EXIT_STOPPED
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        bar.close()  # a job that ended in ERROR sent no final event: its sentence goes on a line of its own
+    result = follow_cancelling(follower.run, lambda: hfjobs.cancel(handle), bar,
+                               "\nCancelling the job (billing stops; its checkpoints stay in the bucket). Ctrl-C "
+                               "again leaves without waiting for it to end.")
+    if result is None:
+        return EXIT_STOPPED
     if result.status != "done":
         _say(("error: " if result.status == "failed" else "") + result.message)
         return result.exit_code

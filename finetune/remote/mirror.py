@@ -11,6 +11,9 @@ status read it as they read a local run's. A log stream is replayed from the job
 from __future__ import annotations
 
 import dataclasses
+import signal
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,3 +154,28 @@ def outcome(stage: str, message: str | None, records: list[dict[str, Any]], *, r
     why = message or (last_error_line.removeprefix("error:").strip() if last_error_line else None)
     detail = f": {why}" if why else " (its logs say why)"
     return Outcome("failed", 1, f"The job ended with {stage}{detail}.", stage)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM (a `kill`, the app) cancels the job as Ctrl-C does
+
+
+def follow_cancelling(run: Callable[[], Outcome], cancel: Callable[[], None], bar: Any, notice: str) -> Outcome | None:
+    """`run()` (a backend's follower) until the job ends; Ctrl-C or SIGTERM says `notice`, `cancel()`s the job and
+    follows it to its end. None when a second Ctrl-C leaves without waiting. The progress bar is closed before
+    anything after it is said, so a job's last sentence is on a line of its own."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        try:
+            return run()
+        except KeyboardInterrupt:
+            bar.close()
+            print(notice, file=sys.stderr, flush=True)
+            cancel()
+            try:
+                return run()
+            except KeyboardInterrupt:
+                return None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        bar.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 from finetune.config.schema import Config
 from finetune.errors import EXIT_STOPPED, RunDirError
-from finetune.remote.mirror import Outcome, from_record, outcome
+from finetune.remote.mirror import Outcome, follow_cancelling, from_record, outcome
 from finetune.remote.slurm import cluster
 from finetune.run.events import ProgressBar, parse_log_line, read_events
 from finetune.run.rundir import check_run_dir, default_output_dir, mark_run_dir, write_json, write_text
@@ -107,10 +106,6 @@ def _planned(c: Config, checked: cluster.Checked) -> Config:
     return planned
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM (a `kill`, the app) cancels the job as Ctrl-C does
-
-
 class Follower:
     """Reads a job's run folder while Slurm runs it: new records of `events.jsonl` to `on_record`, new lines of
     its log to `on_log`; re-runnable after an interrupt (nothing is handled twice)."""
@@ -173,21 +168,12 @@ def follow_to_end(job: dict[str, Any], *, quiet: bool = False) -> int:
         if event is not None:
             bar(event)
 
-    follower = Follower(job, on_record, _say)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        try:
-            result = follower.run()
-        except KeyboardInterrupt:
-            _say(f"\nCancelling Slurm job {job['job_id']} (its checkpoints stay in the run folder). Ctrl-C again "
-                 "leaves without waiting for it to end.")
-            cluster.cancel(job["job_id"])
-            try:
-                result = follower.run()
-            except KeyboardInterrupt:
-                return EXIT_STOPPED
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    follower = Follower(job, on_record, bar.say)  # the job's log lines above the bar
+    result = follow_cancelling(follower.run, lambda: cluster.cancel(job["job_id"]), bar,
+                               f"\nCancelling Slurm job {job['job_id']} (its checkpoints stay in the run folder). "
+                               "Ctrl-C again leaves without waiting for it to end.")
+    if result is None:
+        return EXIT_STOPPED
     if result.status != "done":
         _say(("error: " if result.status == "failed" else "") + result.message)
         return result.exit_code
