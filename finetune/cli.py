@@ -431,8 +431,8 @@ WITHOUT_PACKAGE_CHECK = {"init", "doctor"}
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse, run, and map failures to exit codes with one clear message."""
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # building the parser imports modules: a Stop may land there
         if args.command not in WITHOUT_PACKAGE_CHECK:
             from finetune.config.versions import require
 

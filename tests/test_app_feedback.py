@@ -67,6 +67,20 @@ def test_done_says_pushing_only_for_a_run_that_pushes(tmp_path):
         "running", "Training is done; pushing the model to the Hub…")
 
 
+def test_a_stop_that_lands_while_the_child_imports_is_a_stopped_run_whatever_its_exit_code(tmp_path):
+    jobs = JobManager(tmp_path / "runs")
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    job = _job(run, run / "config.yaml")
+    interrupted = 'Traceback (most recent call last):\n  File "<frozen abc>", line 106, in __new__\nKeyboardInterrupt\n'
+    # An interpreter interrupted inside an import may exit 1 (not 130): the traceback's last line says why.
+    assert jobs._state(job, [], 1, False, interrupted)[0] == "failed"  # nobody pressed Stop: it is a failure
+    job.stop_requested_at = time.time()
+    stopped = ("stopped", "The run was stopped before it saved a checkpoint.")
+    assert jobs._state(job, [], 1, False, interrupted) == stopped
+    assert jobs._state(job, [], 1, False, "error: something else\n")[0] == "failed"
+
+
 @pytest.mark.slow
 def test_a_stop_at_once_stops_the_run_when_the_app_ignores_sigint_and_runs_says_stopped(tmp_path, monkeypatch,
                                                                                           tiny_bert, cls_csv):

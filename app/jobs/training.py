@@ -391,7 +391,7 @@ class JobManager:
             return "failed", last.get("message") or error_from_output(output)
         if job.killed:
             return "stopped", "The run was killed; Resume continues from its last checkpoint, if it saved one."
-        if job.stop_requested_at is not None and rc in (None, 130, -signal.SIGINT):
+        if job.stop_requested_at is not None and (rc in (None, 130, -signal.SIGINT) or _interrupted(output)):
             # Stopped while it started: a resumed run keeps the checkpoint an earlier session saved.
             kept = next(iter(reversed(checkpoints(job.run_dir))), None)
             if kept is not None:
@@ -430,3 +430,10 @@ class JobManager:
         if self._running(job):
             # the time limit counts from the launch, across app restarts
             threading.Thread(target=self._follow, args=(job,), daemon=True).start()
+
+
+def _interrupted(output: str) -> bool:
+    """Whether the child's output ends in an interrupt's traceback: a Stop that landed while Python still imported
+    (an interpreter stopped there may exit 1, not 130)."""
+    lines = [line.strip() for line in output.strip().splitlines()]
+    return bool(lines) and lines[-1] == "KeyboardInterrupt"
