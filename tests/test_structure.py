@@ -91,7 +91,8 @@ def test_only_the_cli_imports_the_training_loop():
 # Besides the CLI, the backends' entry points: `--backend`'s choices and each backend's options are read when the
 # parser is built (`finetune --help` stays fast), and a backend imports its work (the Hub client, the planner) only
 # when it runs.
-LAZY_ENTRY_POINTS = {"finetune.cli", "finetune.remote.cli", "finetune.remote.hf_backend", "finetune.remote.slurm",
+LAZY_ENTRY_POINTS = {"finetune.__main__", "finetune.cli", "finetune.remote.cli",
+                     "finetune.remote.hf_backend", "finetune.remote.slurm",
                      "finetune.remote.slurm.run"}
 
 
