@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.config.schema import from_dict  # noqa: E402
 from finetune.kinds.causal_lm import CHUNKED, KIND  # noqa: E402
-from finetune.plan.memory import model_skeleton  # noqa: E402
 from finetune.plan.planner import SAFETY, estimate  # noqa: E402
+from finetune.plan.skeleton import model_skeleton  # noqa: E402
 
 GIB = 2**30
 SHAPES = {  # Llama 3.1 8B and Llama 3.2 3B

@@ -52,7 +52,8 @@ from finetune.models.pretrained import (  # noqa: E402
     quiet_transformers,
     resolve_model_path,
 )
-from finetune.plan.memory import measure_window, model_skeleton  # noqa: E402
+from finetune.plan.estimate import overhead  # noqa: E402
+from finetune.plan.memory import measure_window  # noqa: E402
 from finetune.plan.planner import (  # noqa: E402
     GIB,
     SAFETY,
@@ -60,8 +61,8 @@ from finetune.plan.planner import (  # noqa: E402
     longest_context,
     longest_within,
     make_plan,
-    overhead,
 )
+from finetune.plan.skeleton import model_skeleton  # noqa: E402
 
 MIB = 2**20
 SHAPES = {  # Llama 3.2 1B and 3B; a tiny one for a CPU smoke run

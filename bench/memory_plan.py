@@ -35,8 +35,9 @@ import torch
 from finetune.config.schema import from_dict
 from finetune.kinds.causal_lm import CHUNKED
 from finetune.models.pretrained import load_model, prepare_for_training, quiet_transformers, resolve_model_path
-from finetune.plan.memory import measure_window, model_skeleton, tensor_bytes
+from finetune.plan.memory import measure_window, tensor_bytes
 from finetune.plan.planner import estimate
+from finetune.plan.skeleton import model_skeleton
 from finetune.registry import kind
 
 MIB = 2**20

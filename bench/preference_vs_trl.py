@@ -219,8 +219,9 @@ def reference_memory(model: str, micro: int) -> list[dict]:
     from finetune.config.schema import from_dict
     from finetune.kinds import preference
     from finetune.models.pretrained import prepare_for_training
-    from finetune.plan.memory import LiveTensorTracker, measure_window, model_skeleton, synthetic_batch, tensor_bytes
-    from finetune.plan.planner import _reference_inputs, estimate
+    from finetune.plan.estimate import estimate, reference_inputs
+    from finetune.plan.memory import LiveTensorTracker, measure_window, synthetic_batch, tensor_bytes
+    from finetune.plan.skeleton import model_skeleton
     from finetune.registry import configured
 
     rows = []
@@ -233,7 +234,7 @@ def reference_memory(model: str, micro: int) -> list[dict]:
         skeleton = model_skeleton(c, 0, checkpointing=False, lora=lora, precision="fp32")
         terms = estimate(skeleton, c, kind=kind, micro=micro, tokens=MAX_LENGTH, accum=1, precision="fp32",
                          optimizer="adamw", device="cpu")
-        inputs = _reference_inputs(skeleton, False, micro, MAX_LENGTH)
+        inputs = reference_inputs(skeleton, False, micro, MAX_LENGTH)
         extra, record, _ = kind.plan_reference(**inputs)
         predicted = sum(v for k, v in (terms | extra).items() if k != "overhead")
         torch.manual_seed(SEED)

@@ -178,7 +178,8 @@ def test_the_dry_run_s_stand_in_chunks_keep_every_byte(tmp_path, monkeypatch, lo
     from transformers import LlamaConfig
 
     from finetune.config.schema import from_dict
-    from finetune.plan.memory import dry_run, model_skeleton
+    from finetune.plan.dryrun import dry_run
+    from finetune.plan.skeleton import model_skeleton
 
     LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=tied

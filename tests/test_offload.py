@@ -10,9 +10,11 @@ import torch
 from finetune.config.schema import from_dict
 from finetune.engine import offload
 from finetune.errors import PlanError
-from finetune.plan import planner
-from finetune.plan.memory import measure_window, model_skeleton
+from finetune.plan import ladder, planner
+from finetune.plan import plan as plan_module  # where this machine's RAM is read
+from finetune.plan.memory import measure_window
 from finetune.plan.planner import estimate, make_plan
+from finetune.plan.skeleton import model_skeleton
 from finetune.registry import kind
 
 GIB = 2**30
@@ -101,7 +103,7 @@ def _wide_config(path: str, **values):
 
 
 def test_auto_offloads_only_as_the_ladders_last_rung_for_a_cuda_gpu(wide, monkeypatch):
-    monkeypatch.setattr(planner, "host_memory", lambda: 64 * GIB)
+    monkeypatch.setattr(plan_module, "host_memory", lambda: 64 * GIB)
     without = make_plan(_wide_config(wide, activation_offload="false"), [2048], 0, device=CUDA)
     offloaded = make_plan(_wide_config(wide, activation_offload="true"), [2048], 0, device=CUDA)
     assert not without.activation_offload and offloaded.activation_offload
@@ -126,21 +128,21 @@ def test_auto_offloads_only_as_the_ladders_last_rung_for_a_cuda_gpu(wide, monkey
     with pytest.raises(PlanError, match="Nothing fits"):
         make_plan(c.replace(activation_offload="false"), [2048], 0, device=CUDA)
     # On a CPU, auto never offloads (the activations are in CPU memory already), and true is refused.
-    assert not any(step.offload for step in planner._levels(c, [], cuda=False))
-    assert [step.offload for step in planner._levels(c, [], cuda=True)] == [False, True]
+    assert not any(step.offload for step in ladder.rungs(c, [], cuda=False))
+    assert [step.offload for step in ladder.rungs(c, [], cuda=True)] == [False, True]
     with pytest.raises(PlanError, match=r"^activation_offload=true needs a CUDA GPU") as refused:
         make_plan(c.replace(activation_offload="true"), [2048], 0, device=("cpu", 64 * GIB))
     assert str(refused.value).count(". ") == 0  # one sentence
 
 
 def test_offload_is_refused_when_the_machines_ram_is_short(wide, monkeypatch):
-    monkeypatch.setattr(planner, "host_memory", lambda: 9 * 2**20)  # 80 % of 9 MiB is under the 8 it needs
+    monkeypatch.setattr(plan_module, "host_memory", lambda: 9 * 2**20)  # 80 % of 9 MiB is under the 8 it needs
     c = _wide_config(wide, activation_offload="true", memory_budget_gb=4)
     with pytest.raises(PlanError, match="activation offload would keep 8 MiB of checkpointed inputs in CPU memory "
                                         "at micro-batch 1, more than 80% of this machine's 9 MiB of RAM") as e:
         make_plan(c, [2048], 0, device=CUDA)
     assert str(e.value).count(". ") == 0
-    monkeypatch.setattr(planner, "host_memory", lambda: 64 * GIB)
+    monkeypatch.setattr(plan_module, "host_memory", lambda: 64 * GIB)
     assert make_plan(c, [2048], 0, device=CUDA).host_bytes == 8 * 2**20
 
 
@@ -156,14 +158,14 @@ def test_a_jobs_flavor_s_ram_is_what_the_offload_is_checked_against(wide, monkey
     assert flavor_host(BUILT_IN.get("a10g-largex2")).bytes == 46 * 10**9  # 92 GB over two GPUs' processes
     assert flavor_host(dataclasses.replace(BUILT_IN.get("t4-small"), ram="")) is None  # not known: this machine's
     c = _wide_config(wide, activation_offload="true", memory_budget_gb=4)
-    monkeypatch.setattr(planner, "host_memory", lambda: 64 * GIB)  # this machine has plenty
+    monkeypatch.setattr(plan_module, "host_memory", lambda: 64 * GIB)  # this machine has plenty
     tiny = dataclasses.replace(BUILT_IN.get("t4-small"), ram="0.009 GB")  # 80 % of it is under the 8 MiB needed
     with pytest.raises(PlanError, match="more than 80% of t4-small's 0.009 GB of RAM: use a flavor with more RAM") \
             as e:
         plan_for(c, tiny)
     assert str(e.value).count(". ") == 0
     assert str(e.value).endswith("`finetune jobs flavors` lists the flavors with more RAM.")  # not GPU memory
-    monkeypatch.setattr(planner, "host_memory", lambda: 9 * 2**20)  # and the reverse: this machine has too little
+    monkeypatch.setattr(plan_module, "host_memory", lambda: 9 * 2**20)  # and the reverse: this machine has too little
     plan = plan_for(c, BUILT_IN.get("t4-small"))
     assert plan.activation_offload and plan.host_bytes == 8 * 2**20
     assert any("of t4-small's 15 GB of RAM" in n for n in plan.notes)
@@ -173,11 +175,11 @@ def test_a_cached_plan_is_rechecked_against_this_machine_s_ram(wide, monkeypatch
     """A plan read back from the plan cache (made on a machine with more RAM) whose host copies no longer fit is
     made again here: refused in one sentence when nothing smaller fits."""
     c = _wide_config(wide, activation_offload="true", memory_budget_gb=4)
-    monkeypatch.setattr(planner, "host_memory", lambda: 64 * GIB)
+    monkeypatch.setattr(plan_module, "host_memory", lambda: 64 * GIB)
     first, _ = planner.plan_run(c, [2048], None, num_processes=1, device=None, planned_device=CUDA)
     again, _ = planner.plan_run(c, [2048], None, num_processes=1, device=None, planned_device=CUDA)
     assert first.method == "dry-run" and again.method == "cached dry-run" and again.host_bytes == 8 * 2**20
-    monkeypatch.setattr(planner, "host_memory", lambda: 9 * 2**20)
+    monkeypatch.setattr(plan_module, "host_memory", lambda: 9 * 2**20)
     with pytest.raises(PlanError, match="more than 80% of this machine's 9 MiB of RAM") as e:
         planner.plan_run(c, [2048], None, num_processes=1, device=None, planned_device=CUDA)
     assert str(e.value).count(". ") == 0

@@ -221,8 +221,9 @@ def test_packed_rows_are_cached(tiny_llama, lm_csv):
 
 
 def test_plan_is_for_packed_rows(tiny_llama):
-    from finetune.plan.memory import measure_window, model_skeleton
+    from finetune.plan.memory import measure_window
     from finetune.plan.planner import estimate
+    from finetune.plan.skeleton import model_skeleton
 
     c = from_dict({"model": tiny_llama, "dataset": "x.csv", "packing": True, **LM})
     skeleton = model_skeleton(c, 0, checkpointing=False, lora=False)

@@ -12,9 +12,11 @@ import torch
 from finetune.config.schema import from_dict
 from finetune.kinds import chunked
 from finetune.kinds.causal_lm import CHUNKED, KIND
-from finetune.plan import planner
-from finetune.plan.memory import dry_run, model_skeleton
+from finetune.plan import estimate as estimate_module
+from finetune.plan import longest
+from finetune.plan.dryrun import dry_run
 from finetune.plan.planner import GIB, SAFETY, estimate, longest_context, longest_within
+from finetune.plan.skeleton import model_skeleton
 
 CPU = ("cpu", 64 * GIB)
 
@@ -70,12 +72,13 @@ def _llama(tmp_path, **extra) -> str:
 def test_longest_context_is_the_bisection_s_answer_in_fewer_dry_runs(tmp_path, monkeypatch):
     """Eager attention keeps its scores, so the peak is quadratic in the length: the secant steps still end where
     the bisection ends, checked against a plain dry run at the answer and one token more."""
-    monkeypatch.setattr(planner, "model_skeleton", lambda *a, real=planner.model_skeleton, **k: _eager(real(*a, **k)))
+    monkeypatch.setattr(estimate_module, "model_skeleton",
+                        lambda *a, real=estimate_module.model_skeleton, **k: _eager(real(*a, **k)))
     c = from_dict({"model": _llama(tmp_path), "task": "causal_lm", "dataset": "x.csv",
                    "memory_budget_gb": 0.03, "effective_batch_size": 1, "lora": "false", "optimizer": "sgd",
                    "gradient_checkpointing": "true", "quantization": "none", "chunked_loss": "false"})
     made = []
-    monkeypatch.setattr(planner, "estimate", lambda *a, real=planner.estimate, **k: made.append(k["tokens"])
+    monkeypatch.setattr(longest, "estimate", lambda *a, real=longest.estimate, **k: made.append(k["tokens"])
                         or real(*a, **k))
     tokens, rung = longest_context(c, 0, device=CPU)
     assert rung == "plain" and 64 < tokens < 4096

@@ -11,9 +11,10 @@ from conftest import assert_same_weights, run_train, step_losses
 
 from finetune.config.schema import from_dict
 from finetune.engine.losses import loss_sum
-from finetune.errors import TrainingError
-from finetune.plan.memory import LiveTensorTracker, measure_window, model_skeleton, tensor_bytes
-from finetune.plan.planner import GIB, PlanError, estimate, make_plan, render
+from finetune.errors import PlanError, TrainingError
+from finetune.plan.memory import LiveTensorTracker, measure_window, tensor_bytes
+from finetune.plan.planner import GIB, estimate, make_plan, render
+from finetune.plan.skeleton import model_skeleton
 from finetune.registry import kind
 from finetune.train.loop import train
 
@@ -270,14 +271,14 @@ def deep_llama(tmp_path_factory) -> str:
 ])
 def test_a_deep_models_dry_run_scaled_from_two_and_three_layers_is_the_whole_ones(monkeypatch, deep_llama, ckpt,
                                                                                   lora, accum, precision, padded):
-    from finetune.plan import memory
+    from finetune.plan import skeleton
 
     c = from_dict({"model": deep_llama, "task": "causal_lm", "dataset": "x.csv"})
     scaled = model_skeleton(c, 0, checkpointing=ckpt, lora=lora, precision=precision)
-    assert scaled.layers == 6 and len(memory.repeated_layers(scaled.model)) == 2
-    monkeypatch.setattr(memory, "_scalable_layers", lambda *args: 0)
+    assert scaled.layers == 6 and len(skeleton.repeated_layers(scaled.model)) == 2
+    monkeypatch.setattr(skeleton, "_scalable_layers", lambda *args: 0)
     whole = model_skeleton(c, 0, checkpointing=ckpt, lora=lora, precision=precision)
-    assert whole.wider is None and len(memory.repeated_layers(whole.model)) == 6
+    assert whole.wider is None and len(skeleton.repeated_layers(whole.model)) == 6
     args = dict(kind=kind("causal_lm"), micro=3, tokens=96, accum=accum, precision=precision, optimizer="adamw",
                 device="cuda", padded=padded)
     assert estimate(scaled, c, **args) == estimate(whole, c, **args)  # every term, to the byte

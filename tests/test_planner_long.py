@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from finetune.config.schema import from_dict
-from finetune.plan.memory import measure_window, model_skeleton
+from finetune.plan.memory import measure_window
 from finetune.plan.planner import GIB, estimate, make_plan, may_pad, render
+from finetune.plan.skeleton import model_skeleton
 from finetune.registry import kind
 
 CPU = ("cpu", 24 * GIB)

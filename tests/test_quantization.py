@@ -161,7 +161,7 @@ def _stored_bytes(model) -> int:
 def test_planned_weights_are_what_bitsandbytes_stores(llama64, short_lm, quantization):
     from finetune.models import quantize
     from finetune.models.pretrained import load_model, prepare_for_training
-    from finetune.plan.memory import model_skeleton
+    from finetune.plan.skeleton import model_skeleton
 
     c = from_dict({**_common(llama64, short_lm, quantization), "lora": "true"})
     skeleton = model_skeleton(c, 0, checkpointing=False, lora=True)

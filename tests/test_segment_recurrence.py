@@ -28,8 +28,9 @@ from finetune.engine.recurrence import (
     self_check,
 )
 from finetune.errors import ModelError
-from finetune.plan.memory import LiveTensorTracker, model_skeleton, tensor_bytes
+from finetune.plan.memory import LiveTensorTracker, tensor_bytes
 from finetune.plan.planner import make_plan
+from finetune.plan.skeleton import model_skeleton
 from finetune.registry import kind
 from finetune.run.events import Step, read_events
 from finetune.train.loop import StopFlag, train

@@ -11,7 +11,7 @@ from conftest import run_train
 
 from finetune.config.schema import from_dict
 from finetune.engine.runtime import seconds_since_process_start
-from finetune.plan import planner
+from finetune.plan import estimate, planner
 from finetune.run.rundir import plot_loss_in_background
 
 CPU = ("cpu", 64 * 2**30)
@@ -25,7 +25,7 @@ def test_a_second_run_with_the_same_settings_reuses_the_plan(tmp_path, monkeypat
     settings = {"model": tiny_bert, "dataset": cls_csv, "effective_batch_size": 16, "max_steps": 1}
     run_train(tmp_path / "first", **settings)
     first = json.loads((tmp_path / "first" / "plan.json").read_text())
-    monkeypatch.setattr(planner, "model_skeleton", _no_dry_run)
+    monkeypatch.setattr(estimate, "model_skeleton", _no_dry_run)
     _, events, _ = run_train(tmp_path / "second", **settings)
     second = json.loads((tmp_path / "second" / "plan.json").read_text())
     assert (first["method"], second["method"]) == ("dry-run", "cached dry-run")

@@ -317,3 +317,24 @@ def test_a_package_cycle_is_found_where_no_file_cycle_is():
     assert _cycle(files) is None
     packages = {"p": {"q"}, "q": {"p"}}
     assert _cycle(packages) == ["p", "q", "p"]
+
+
+# --- the planner, split by the question each part answers (listed in finetune/plan/planner.py's docstring)
+PLANNER = "finetune.plan."
+PLANNER_MODULE_LINES = 400
+
+
+def test_no_module_of_the_planner_is_longer_than_400_lines():
+    lines = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in MODULES.items()
+             if name.startswith(PLANNER)}
+    assert "finetune.plan.planner" in lines  # the planner's modules are found
+    assert {name: n for name, n in lines.items() if n > PLANNER_MODULE_LINES} == {}
+
+
+def test_the_planner_imports_no_kind_only_the_kinds_protocols():
+    """A kind's own rung (causal LM's chunked loss) reaches the planner through its protocol (`chunked_variant`):
+    the planner imports finetune.kinds.base, never a kind."""
+    assert "finetune.kinds.base" in GRAPH["finetune.plan.memory"]  # the graph sees the planner's imports
+    kinds = sorted(f"{name} imports {target}" for name in MODULES if name.startswith(PLANNER) for target in GRAPH[name]
+                   if target.startswith("finetune.kinds.") and target != "finetune.kinds.base")
+    assert kinds == []

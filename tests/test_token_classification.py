@@ -198,7 +198,8 @@ def test_cli_refusal_is_one_sentence_exit_2(tmp_path, capsys, tiny_bert_tagger):
 def test_the_planner_dry_runs_a_token_classifier(tiny_bert_tagger):
     """The dry run builds the token classifier (LoRA on: its head trained whole, out of the adapters) and its
     synthetic batch has a tag per token; the logits term counts tags, not the vocabulary."""
-    from finetune.plan.memory import dry_run, model_skeleton
+    from finetune.plan.dryrun import dry_run
+    from finetune.plan.skeleton import model_skeleton
 
     assert KIND.logits_bytes(4, 128, 30522, 5) == 2 * 4 * 128 * 5 * 4
     c = from_dict({"model": tiny_bert_tagger, "task": "token_classification", "dataset": "x.jsonl", "lora": "true"})

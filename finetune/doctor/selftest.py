@@ -21,8 +21,9 @@ from finetune.data.load import IGNORE_INDEX
 from finetune.engine.runtime import make_accelerator
 from finetune.engine.step import backward_window
 from finetune.models.pretrained import load_model, prepare_for_training, quiet_transformers
-from finetune.plan.memory import measure_window, model_skeleton
+from finetune.plan.memory import measure_window
 from finetune.plan.planner import estimate
+from finetune.plan.skeleton import model_skeleton
 from finetune.registry import kind
 
 SHAPE = {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,

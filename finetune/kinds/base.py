@@ -243,8 +243,18 @@ class Precomputed(Protocol):
         raise _needs("precompute_batch", "`precomputes`")
 
 
+@dataclass(frozen=True)
+class ChunkedLoss:
+    """A kind's loss computed a chunk of positions at a time, so that the full [tokens × vocabulary] logits never
+    exist: the planner's chunked-loss rung (`chunked_loss`), which the kind contributes (`chunked_variant`)."""
+
+    kind: Any  # the kind (a `TaskKind`) whose `loss_sum` and `logits_bytes` are chunked: what the rung dry-runs
+    unsupported: Callable[[Any], str | None]  # why a model (its skeleton) cannot compute it so; None: it can
+    chunk_positions: Callable[[int], int]  # positions per chunk, for a vocabulary of this size (the plan's note)
+
+
 class PlanTerms(Protocol):
-    """What a kind adds to the planner's dry run: its synthetic batch, its logits, the terms beside the model."""
+    """What a kind adds to the planner: its synthetic batch, its logits, the terms beside the model, its own rung."""
 
     def synthetic_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The labels of a worst-case micro-batch of these (random) input ids."""
@@ -279,6 +289,11 @@ class PlanTerms(Protocol):
 
     def plan_note(self, c: Config) -> str | None:
         """What the plan says of this kind with this model (batch norm's statistics); None (default): nothing."""
+        return None
+
+    def chunked_variant(self) -> ChunkedLoss | None:
+        """Its loss a chunk of positions at a time, a rung of the planner's ladder where its registry entry lists the
+        `chunked_loss` feature (causal LM's); None (default): no such rung."""
         return None
 
 

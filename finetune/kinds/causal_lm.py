@@ -22,6 +22,7 @@ from finetune.kinds.base import (
     GREEDY,
     IGNORE_INDEX,
     TEXT_NAMES,
+    ChunkedLoss,
     Columns,
     Encoding,
     Metrics,
@@ -32,7 +33,7 @@ from finetune.kinds.base import (
     stored_targets,
     texts_of,
 )
-from finetune.kinds.chunked import chunk_positions, chunked_loss_sum
+from finetune.kinds.chunked import chunk_positions, chunked_loss_sum, unsupported
 from finetune.registry import entry
 from finetune.rows.arrow import numpy_of
 from finetune.rows.chat import MESSAGES_NAMES, check_conversations, encode_conversations
@@ -184,6 +185,10 @@ class CausalLM(TaskKind):
         if self.chunked:
             positions = min(positions, chunk_positions(vocab))
         return 2 * positions * vocab * 4
+
+    def chunked_variant(self) -> ChunkedLoss:
+        """The loss a chunk of positions at a time (finetune.kinds.chunked), for the planner's chunked-loss rung."""
+        return ChunkedLoss(CHUNKED, unsupported, chunk_positions)
 
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40,
                 sampling: dict[str, Any] | None = None) -> list[dict[str, Any]]:

@@ -30,10 +30,10 @@ PLAN_OPTIONS = ("task", "max_length", "effective_batch_size", "micro_batch_size"
                 "quantization", "preference_loss", "reference_model", "precompute_reference", "streaming",
                 "chunked_loss", "num_generations", "max_completion_length", "beta", "activation_offload",
                 "num_iterations")  # num_iterations: the GRPO note says how often a window generates
-# Paths under finetune/.
-PLANNING_CODE = ("plan/planner.py", "plan/memory.py", "models/pretrained.py", "engine/losses.py", "config/batch.py",
-                 "engine/recurrence.py", "data/packing.py", "models/quantize.py",
-                 "kinds/chunked.py", "kinds/causal_lm.py", "kinds/grpo.py", "engine/offload.py")
+# Paths under finetune/: every module of the planner, and those it dry-runs.
+PLANNING_CODE = (*sorted(f"plan/{p.name}" for p in Path(__file__).parent.glob("*.py")), "models/pretrained.py",
+                 "engine/losses.py", "config/batch.py", "engine/recurrence.py", "data/packing.py",
+                 "models/quantize.py", "kinds/chunked.py", "kinds/causal_lm.py", "kinds/grpo.py", "engine/offload.py")
 LIBRARIES = ("torch", "transformers", "peft")
 
 
