@@ -100,6 +100,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         callbacks.append(lambda event: print(log_line(event), flush=True))
     try:
         result = train(cfg, stop=stop, callbacks=callbacks)
+        if result.status == "done" and result.is_main_process and result.config.push_to_hub:
+            from finetune.use.hub import push_after_training
+
+            # After `done`, with the stop handlers still on: a failed upload leaves the saved model as it is.
+            push_after_training(result.run_dir, result.config, result.log)
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)

@@ -218,6 +218,21 @@ def test_a_shared_server_refuses_push_to_hub_in_the_run_config():
     Access().check_config(from_dict({"push_to_hub": "alice/x"}), ())  # locally the child has the token
 
 
+def test_train_leaves_publishing_to_its_caller(tmp_path, monkeypatch, tiny_bert, cls_csv):
+    """`train()` trains and saves; the CLI's train command (what the app's child runs) pushes after it, with the
+    run's config and event log that the result hands back."""
+    from finetune.use import hub
+
+    pushed = []
+    monkeypatch.setattr(hub, "check_push", lambda c, hub_token=None: None)  # a token that may push: not here
+    monkeypatch.setattr(hub, "push_after_training", lambda *args: pushed.append(args))
+    _, events, result = run_train(tmp_path / "run", model=tiny_bert, dataset=cls_csv, max_steps=1,
+                                  effective_batch_size=8, push_to_hub="alice/x")
+    assert pushed == [] and events[-1]["event"] == "done"
+    assert result.status == "done" and result.config.push_to_hub == "alice/x"
+    assert result.log.path == tmp_path / "run" / "events.jsonl"
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, tiny_bert, cls_csv) -> Path:
     out = tmp_path_factory.mktemp("finished") / "run"

@@ -103,13 +103,16 @@ class Progress:
 
 @dataclass(kw_only=True)
 class RunResult:
-    """How a run ended: `status` is done or stopped."""
+    """How a run ended: `status` is done or stopped. A finished run also hands its caller what publishing it needs
+    (`finetune.use.hub.push_after_training`): the run's resolved config and its event log."""
 
     status: str
     run_dir: Path
     step: int
     metrics: dict[str, float]
     is_main_process: bool = True
+    config: Config | None = None
+    log: EventLog | None = None
 
 
 @dataclass(kw_only=True)
@@ -228,10 +231,7 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                                      is_main_process=accelerator.is_main_process)
                 if p.step >= s.total_steps:
                     break
-        result = _finish(s, time.perf_counter() - train_start)
-    if c.push_to_hub and result.is_main_process:  # after `done`: a failed upload leaves the saved model as it is
-        hub.push_after_training(s.run_dir, c, s.log)
-    return result
+        return _finish(s, time.perf_counter() - train_start)
 
 
 def _back_off(s: Setup) -> None:
@@ -424,4 +424,4 @@ def _finish(s: Setup, seconds: float) -> RunResult:
         metrics = summary
     accelerator.wait_for_everyone()
     return RunResult(status="done", run_dir=s.run_dir, step=p.step, metrics=metrics,
-                     is_main_process=accelerator.is_main_process)
+                     is_main_process=accelerator.is_main_process, config=s.config, log=s.log)
