@@ -102,3 +102,39 @@ def test_a_saved_adapters_kind_is_read_from_its_peft_task_type():
     assert registry.kind_of_peft_task_type("CAUSAL_LM") == "causal_lm"
     assert registry.kind_of_peft_task_type("SEQ_CLS") == "classification"
     assert registry.kind_of_peft_task_type("FEATURE_EXTRACTION") == "embedding"
+
+
+# Every member of the role protocols, attributes with a default (`counted_per_sample`, …) included.
+MEMBERS = sorted({name for klass in TaskKind.__mro__ if klass.__module__ == "finetune.kinds.base"
+                  for name in [*vars(klass), *getattr(klass, "__annotations__", {})] if not name.startswith("_")})
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_every_kinds_spec_is_declared_and_its_whole_contract_resolves(name):
+    """The contract once over every kind: what its registry entry declares (columns, options, settings, features)
+    is the config's and the planner's, and every member of every role protocol resolves on it."""
+    import dataclasses
+
+    from finetune.config.exclusions import KIND_FEATURES
+    from finetune.config.schema import Config
+
+    fields = {f.name for f in dataclasses.fields(Config)}
+    e, kind = registry.entry(name), registry.kind(name)
+    assert e.name == name and e.module.startswith("finetune.kinds.") and e.summary
+    assert all(column.endswith("_column") for column in e.columns)
+    assert sorted({*e.columns, *e.options, *e.settings, *(o.name for o in e.declares)} - fields) == []
+    assert sorted(set(e.features) - {*KIND_FEATURES, "quantization"}) == []
+    assert [m for m in MEMBERS if not hasattr(kind, m)] == []
+    # The planner's chunked-loss rung is the kind's own: offered where the entry lists the feature, and then there.
+    chunks = kind.chunked_variant()
+    assert (chunks is not None) == ("chunked_loss" in e.features)
+    if chunks is not None:
+        assert chunks.kind.entry is e and chunks.chunk_positions(128256) > 0
+
+
+def test_the_protocol_page_names_every_member_of_the_contract():
+    """docs/task-kind-protocol.md lists every role and every member with its default, from the code."""
+    page = (REPO / "docs" / "task-kind-protocol.md").read_text(encoding="utf-8")
+    assert sorted(m for m in [*ROLES, *MEMBERS] if f"`{m}" not in page) == []
+    words = {13: "Thirteen", 14: "Fourteen", 15: "Fifteen", 16: "Sixteen", 17: "Seventeen"}
+    assert f"{words[len(REQUIRED)]} members have none" in page
