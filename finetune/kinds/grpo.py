@@ -4,7 +4,8 @@ loss types (grpo, bnpo, dr_grpo, dapo) and names.
 A row is one prompt (`prompt_column`: plain text, or a conversation rendered with the chat template up to its
 generation prompt) and the other columns the reward functions read (`answer_column` for exact_match). A sample is a
 *group*: the prompt and the `num_generations` (G) completions generated from it, so `micro_batch_size` and
-`effective_batch_size` count completions and hold whole groups (`counted_per_sample`).
+`effective_batch_size` count completions (`counted_per_sample`): a window holds whole groups, a micro-batch whole
+groups or an equal part of one (`micro_pieces`: its group generated whole, then cut).
 
 The window is the unit of the loss: its advantages are normalised over each group (or over the whole window), and
 bnpo, dapo and dr_grpo normalise over the window's tokens or completions. So the registry entry asks for the whole
@@ -372,6 +373,15 @@ class GRPO(TaskKind):
         return torch.gather(torch.log_softmax(logits, -1), 2, ids[:, -t:].unsqueeze(-1)).squeeze(-1)
 
     @staticmethod
+    def micro_pieces(inputs: dict[str, torch.Tensor], rows: int) -> list[dict[str, torch.Tensor]]:
+        """A generation batch's completions (B·G rows, group after group) in micro-batches of `rows`: a part of a
+        group when `rows` < G (the batch is then one group, so no row carries another prompt's padding)."""
+        n = len(inputs["input_ids"])
+        if not 0 < rows < n:
+            return [inputs]
+        return [{k: v[s: s + rows] for k, v in inputs.items()} for s in range(0, n, rows)]
+
+    @staticmethod
     def as_samples(reps: torch.Tensor, batch: int) -> torch.Tensor:
         """A micro-batch's rows (B·G, T) as its groups (B, G, T)."""
         return reps.view(batch, -1, reps.shape[-1])
@@ -556,13 +566,21 @@ class GRPO(TaskKind):
         words = (f"Generation: the KV cache of {self.generations} × {tokens} tokens (num_generations × the longest "
                  f"prompt and max_completion_length), {cache / 2**20:.1f} MiB, counted on top of the graph (generation "
                  "runs before the backward: an upper bound)")
+        generation = max(micro, self.generations)  # a micro-batch of part of a group: the group is generated whole
+        if generation > micro:
+            words += (f"; the generation batch ({generation} completions, whole groups) is generated and scored "
+                      f"before it is cut into micro-batches of {micro}")
         if not self.beta:
             return terms, {"strategy": "none"}, words + "; no reference (beta is 0)."
-        forward = self.reference_forward_bytes(micro, vocab, half)
+        forward = self.reference_forward_bytes(generation, vocab, half)
         record: dict[str, Any] = {"strategy": "adapter_off" if self.lora else "frozen_copy",
                                   "reference_weights_bytes": 0, "reference_forward_bytes": forward}
         alone = (f"its no-grad forward ({forward / 2**20:.1f} MiB of logits, before the backward) fits in the "
                  "graph's peak")
+        if generation > micro:  # over the generation batch, larger than the micro-batch whose graph the dry run takes
+            terms["reference_forward"] = forward
+            alone = (f"its no-grad forward over the generation batch ({forward / 2**20:.1f} MiB of logits, before "
+                     "the backward) is counted on top of the graph (an upper bound)")
         if self.lora:
             return terms, record, words + f"; reference: the base with its LoRA adapter switched off (no second " \
                                           f"copy); {alone}."
