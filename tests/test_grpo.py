@@ -474,7 +474,7 @@ def test_micro_batches_of_part_of_a_group_train_as_the_whole_window(tiny_gpt2):
 
             with mock.patch.object(type(kind), "embed", staticmethod(counting)):
                 loss = cached_backward_window(
-                    model, chunks, lambda mb: {k: v[mb] for k, v in prompts.items()}, 16, dist, kind=kind,
+                    model, chunks, lambda mb, p=prompts: {k: v[mb] for k, v in p.items()}, 16, dist, kind=kind,
                     step=0, micro_rows=rows)
             results.append((loss, {k: p.grad.clone() for k, p in model.named_parameters()}, forwards,
                             dist.gradient_accumulation_steps))
