@@ -648,9 +648,8 @@ def test_the_kinds_tokenizer_of_the_bundled_default_is_the_loaders():
     """GRPO decodes its completions with the run's tokenizer, loaded by the kind: `model=bundled:…` (the default)
     is resolved as the model loader resolves it (it was given to from_pretrained as a hub id: a traceback)."""
     from finetune.config.schema import DEFAULT_MODEL
-    from finetune.kinds import grpo
     from finetune.models.pretrained import load_tokenizer
 
-    tokenizer = grpo._tokenizer(DEFAULT_MODEL)
+    tokenizer = GRPO(model=DEFAULT_MODEL).tokenizer
     assert tokenizer.vocab == load_tokenizer(from_dict({"model": DEFAULT_MODEL})).vocab
     assert tokenizer.pad_token is not None

@@ -1,4 +1,4 @@
-"""GRPO's plan (finetune/kinds/grpo.py's `plan_reference`): generation's KV cache against the cache `generate`
+"""GRPO's plan (finetune/kinds/grpo/plan.py's `plan_reference`): generation's KV cache against the cache `generate`
 returns, the plan growing with num_generations and max_completion_length, the reference's cost measured, and the
 plan cache keyed on what changes the plan. Apart from tests/test_grpo.py, which tests the kind's training."""
 

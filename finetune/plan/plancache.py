@@ -33,7 +33,8 @@ PLAN_OPTIONS = ("task", "max_length", "effective_batch_size", "micro_batch_size"
 # Paths under finetune/.
 PLANNING_CODE = ("plan/planner.py", "plan/memory.py", "models/pretrained.py", "engine/losses.py", "config/batch.py",
                  "engine/recurrence.py", "data/packing.py", "models/quantize.py",
-                 "kinds/chunked.py", "kinds/causal_lm.py", "kinds/grpo.py", "engine/offload.py")
+                 "kinds/chunked.py", "kinds/causal_lm.py", "kinds/grpo/plan.py", "kinds/grpo/loss.py",
+                 "engine/offload.py")
 LIBRARIES = ("torch", "transformers", "peft")
 
 
