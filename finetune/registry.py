@@ -85,7 +85,8 @@ GRPO_OPTIONS = (
            source="file"),
     Option("reward_weights", tuple, (), "GRPO: one weight per reward (default: all 1).", group="advanced"),
     Option("num_generations", int, 8, "GRPO: completions generated per prompt (G, a group); `micro_batch_size` and "
-           "`effective_batch_size` count completions, whole groups.", min=2, max=1024, group="main"),
+           "`effective_batch_size` count completions: a window of whole groups, micro-batches of whole groups or "
+           "of a divisor of G.", min=2, max=1024, group="main"),
     Option("max_completion_length", int, 256, "GRPO: the most tokens a completion may have (prompts are cut to "
            "`max_length`).", min=1, max=131072, group="advanced"),
     Option("temperature", float, 1.0, "GRPO: the sampling temperature of generation (the log-probabilities are "

@@ -5,9 +5,11 @@ reward, a reward model and a Python function as rewards; the refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -235,6 +237,10 @@ def test_refusals_are_one_sentence_each(tmp_path, capsys, tiny_gpt2):
         from_dict({"task": "grpo"})
     with pytest.raises(ConfigError, match="whole number of groups of num_generations=4: use 8 or 12"):
         from_dict({"task": "grpo", "rewards": ["exact_match"], "num_generations": 4, "effective_batch_size": 10})
+    with pytest.raises(ConfigError, match="`micro_batch_size`=3 counts completions, so it must divide "
+                       "num_generations=8 or be a whole number of its groups: use 2 or 8"):
+        from_dict({"task": "grpo", "rewards": ["exact_match"], "effective_batch_size": 24, "micro_batch_size": 3})
+    assert from_dict({"task": "grpo", "rewards": ["exact_match"], "effective_batch_size": 16, "micro_batch_size": 4})
     with pytest.raises(ConfigError, match="2 weight"):
         from_dict({"task": "grpo", "rewards": ["exact_match"], "reward_weights": ["1", "2"]})
     with pytest.raises(ConfigError, match="bad pattern"):
@@ -427,6 +433,81 @@ def test_a_later_iteration_is_trls_loss_with_the_generation_time_logps(tiny_gpt2
     assert clip > 0 and clip == pytest.approx(trl_self._metrics["train"]["clip_ratio/region_mean"][0], abs=1e-6)
 
 
+class _OneProcess:
+    """accelerate's single-process window arithmetic (backward divides by the micro-batches), for the engine."""
+
+    num_processes, process_index, device, scaler = 1, 0, torch.device("cpu"), None
+    gradient_accumulation_steps, step = 1, 0
+
+    def accumulate(self, model):
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        (loss / self.gradient_accumulation_steps).backward()
+
+
+def test_micro_batches_of_part_of_a_group_train_as_the_whole_window(tiny_gpt2):
+    """Issue 46 item 4: with G = 8, micro-batches of 4 completions (half a group) × 4 leave the loss and the
+    gradient of one micro-batch of 16, for every loss type (the KL term and the window's reward scaling too): each
+    generation batch holds a whole group, the advantages are taken over whole groups, and only then are the
+    completions cut into micro-batches, each its own forward and backward."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.engine.gradcache import cached_backward_window
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2)
+    texts = ["What is 2 + 3?", "a long and dull plot, twice"]  # uneven: the big batch pads the shorter prompt
+    for loss_type, extra in [("grpo", {}), ("bnpo", {"beta": 0.1}), ("dr_grpo", {"scale_rewards": "batch"}),
+                             ("dapo", {})]:
+        kind = _kind(tiny_gpt2, num_generations=8, max_completion_length=3, loss_type=loss_type, **extra)
+        prompts = _prompts(tiny_gpt2, kind, texts)
+        results = []
+        for chunks, rows in (([[0, 1]], 16), ([[0], [1]], 4)):
+            model.zero_grad(set_to_none=True)
+            dist, forwards = _OneProcess(), []
+            embed = kind.embed
+
+            def counting(m, inputs, embed=embed, forwards=forwards):
+                if m is model:  # the policy's, not the reference's
+                    forwards.append(len(inputs["input_ids"]))
+                return embed(m, inputs)
+
+            with mock.patch.object(type(kind), "embed", staticmethod(counting)):
+                loss = cached_backward_window(
+                    model, chunks, lambda mb, p=prompts: {k: v[mb] for k, v in p.items()}, 16, dist, kind=kind,
+                    step=0, micro_rows=rows)
+            results.append((loss, {k: p.grad.clone() for k, p in model.named_parameters()}, forwards,
+                            dist.gradient_accumulation_steps))
+        (big, big_grads, big_forwards, big_steps), (acc, acc_grads, acc_forwards, acc_steps) = results
+        assert (big_forwards, big_steps) == ([16, 16], 1)  # cached, then replayed with a graph
+        assert (acc_forwards, acc_steps) == ([4] * 8, 4)
+        # One iteration: the ratio is 1, so the loss is the advantages' (near 0 by construction), its gradient not.
+        torch.testing.assert_close(acc, big, rtol=1e-5, atol=1e-7, msg=loss_type)
+        assert max(float(g.abs().max()) for g in big_grads.values()) > 1e-4, loss_type
+        for name, grad in big_grads.items():
+            torch.testing.assert_close(acc_grads[name], grad, rtol=1e-4, atol=1e-7, msg=f"{loss_type} {name}")
+
+
+def test_a_run_with_micro_batches_of_half_a_group_steps_as_one_micro_batch(tmp_path, tiny_gpt2):
+    """The loop's side of issue 46 item 4: `micro_batch_size=4` with `num_generations=8` (refused before) trains
+    in 4 accumulation steps, the window's 2 groups generated whole, and its step is the (16, 1) run's."""
+    from conftest import assert_same_weights, run_train
+
+    path = tmp_path / "q.csv"
+    path.write_text("prompt\n" + "".join(f"What is {i} + {2 * i}?\n" for i in range(2)))
+    values = {"task": "grpo", "model": tiny_gpt2, "dataset": str(path), "rewards": [REWARD], "num_generations": 8,
+              "max_completion_length": 3, "max_length": 32, "effective_batch_size": 16, "max_steps": 1,
+              "learning_rate": 0.05}
+    big, big_events, _ = run_train(tmp_path / "big", micro_batch_size=16, **values)
+    acc, acc_events, _ = run_train(tmp_path / "acc", micro_batch_size=4, **values)
+    assert (acc_events[0]["micro_batch_size"], acc_events[0]["grad_accum_steps"]) == (4, 4)
+    (one,), (other,) = ([e for e in events if e["event"] == "step"] for events in (big_events, acc_events))
+    assert one["grad_norm"] > 0 and other["samples"] == one["samples"] == 16
+    assert other["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert other["metrics"] == pytest.approx(one["metrics"], rel=1e-5, abs=1e-7)
+    assert_same_weights(big, acc)
+
+
 def test_num_iterations_trains_each_window_again_on_its_completions(tmp_path, tiny_gpt2):
     """num_iterations=2: every window is two optimizer steps, the second on the first's completions (the same
     rewards and lengths, not generated again) with the ratio clipped; its first step is the one-iteration run's
@@ -567,9 +648,8 @@ def test_the_kinds_tokenizer_of_the_bundled_default_is_the_loaders():
     """GRPO decodes its completions with the run's tokenizer, loaded by the kind: `model=bundled:…` (the default)
     is resolved as the model loader resolves it (it was given to from_pretrained as a hub id: a traceback)."""
     from finetune.config.schema import DEFAULT_MODEL
-    from finetune.kinds import grpo
     from finetune.models.pretrained import load_tokenizer
 
-    tokenizer = grpo._tokenizer(DEFAULT_MODEL)
+    tokenizer = GRPO(model=DEFAULT_MODEL).tokenizer
     assert tokenizer.vocab == load_tokenizer(from_dict({"model": DEFAULT_MODEL})).vocab
     assert tokenizer.pad_token is not None

@@ -1,4 +1,4 @@
-"""GRPO's plan (finetune/kinds/grpo.py's `plan_reference`): generation's KV cache against the cache `generate`
+"""GRPO's plan (finetune/kinds/grpo/plan.py's `plan_reference`): generation's KV cache against the cache `generate`
 returns, the plan growing with num_generations and max_completion_length, the reference's cost measured, and the
 plan cache keyed on what changes the plan. Apart from tests/test_grpo.py, which tests the kind's training."""
 
@@ -151,3 +151,21 @@ def test_the_plan_says_how_many_forward_passes_generation_adds_to_a_step(tiny_ll
     longer = _grpo_plan(tiny_llama, max_completion_length=256, effective_batch_size=32, num_iterations=2).notes
     assert any(n.startswith("Generation: every 2 optimizer steps generates 8 prompt(s) × 4 completions of up to 256 "
                             "tokens, a token at a time: up to 2,048 forward passes") for n in longer)
+
+
+def test_a_micro_batch_of_part_of_a_group_is_planned_apart_from_its_generation_batch(tiny_llama):
+    """Issue 46 item 4: with micro-batches of 4 completions and G = 8, the graph is a micro-batch's (smaller than a
+    group's), while generation's KV cache and the reference's no-grad forward are the whole group's, the latter
+    counted on top (it no longer fits in the smaller graph)."""
+    from finetune.plan.planner import render
+
+    group = _grpo_plan(tiny_llama, num_generations=8, effective_batch_size=16, micro_batch_size=8, beta=0.04)
+    half = _grpo_plan(tiny_llama, num_generations=8, effective_batch_size=16, micro_batch_size=4, beta=0.04)
+    assert (half.batch.micro_batch_size, half.batch.grad_accum_steps) == (4, 4)
+    assert sum(half.breakdown[k] for k in GRAPH) < sum(group.breakdown[k] for k in GRAPH)
+    assert half.breakdown["generation_cache"] == group.breakdown["generation_cache"]
+    kind = _kind(tiny_llama, num_generations=8, max_completion_length=8, beta=0.04)
+    assert half.breakdown["reference_forward"] == kind.reference_forward_bytes(8, 30522, half=False)
+    assert "reference_forward" not in group.breakdown
+    assert "the generation batch (8 completions, whole groups) is generated and scored before it is cut into " \
+           "micro-batches of 4" in render(half)

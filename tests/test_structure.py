@@ -178,6 +178,20 @@ def test_no_class_of_the_app_has_more_than_20_methods():
     assert {name: n for name, n in methods.items() if n > MAX_METHODS} == {}
 
 
+MAX_KIND_METHODS = 25  # a kind is composed of its roles (data codec, objective, window loss, plan terms, …)
+
+
+def test_no_class_of_the_kinds_has_more_than_25_methods():
+    """A kind too big to read splits along the role protocols of finetune/kinds/base.py (GRPO: its codec,
+    generation, loss, metrics and plan terms, each a class of its own), each class with its own members."""
+    methods = {f"{path.relative_to(PACKAGE / 'kinds')}:{node.name}":
+               sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
+               for path in sorted((PACKAGE / "kinds").rglob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(node, ast.ClassDef)}
+    assert methods["grpo/__init__.py:GRPO"] > 5 and methods["preference.py:PairCodec"] > 5
+    assert {name: n for name, n in methods.items() if n > MAX_KIND_METHODS} == {}
+
+
 def test_no_function_of_the_app_is_longer_than_80_lines():
     lengths = {name: node.end_lineno - node.lineno + 1
                for kind in (ast.FunctionDef, ast.AsyncFunctionDef) for name, node in _defs(kind)}

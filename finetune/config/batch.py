@@ -67,8 +67,17 @@ def resolve_batch(c: Config, num_processes: int = 1) -> BatchSplit:
 
 def samples_of(count: int, kind: Any) -> int:
     """Samples (data rows) in `count` of what the batch sizes count: the same for every kind but one whose sample is
-    several counted units (GRPO's group of G completions: `counted_per_sample`), which its config check keeps whole."""
-    return count // kind.counted_per_sample
+    several counted units (GRPO's group of G completions: `counted_per_sample`). A count smaller than one sample (a
+    micro-batch holding part of a group) is that one sample, which the kind cuts into micro-batches
+    (`micro_pieces`)."""
+    return max(count // kind.counted_per_sample, 1 if count else 0)
+
+
+def splits_samples(micro: int, kind: Any) -> bool:
+    """Whether micro-batches of `micro` counted units cut the samples evenly: whole samples, or an equal part of
+    one (GRPO: whole groups, or a divisor of G completions)."""
+    whole = kind.counted_per_sample
+    return micro % whole == 0 or whole % micro == 0
 
 
 def counted(samples: int, kind: Any) -> int:

@@ -50,13 +50,20 @@ DATA_OPTIONS = tuple(dict.fromkeys((
                 "lora",
                 # Read by the causal-LM kind's module for its loss (chunked or whole), likewise.
                 "chunked_loss")))
+def _code_files(module: str) -> list[str]:
+    """A kind's module as paths under finetune/: its file, or every file of its package (GRPO's)."""
+    path = module.removeprefix("finetune.").replace(".", "/")
+    package = Path(__file__).parents[1] / path
+    return sorted(f"{path}/{p.name}" for p in package.glob("*.py")) if package.is_dir() else [f"{path}.py"]
+
+
 # The modules whose code decides what load_data returns: a change to any of them never reuses an old entry.
 # Paths under finetune/.
 DATA_CODE = ("data/load.py", "data/encoding.py", "data/datacache.py", "rows/segments.py", "rows/chat.py",
              "data/packing.py", "rows/arrow.py", "kinds/base.py", "registry.py",
              "kinds/labelled.py",  # what the kinds with one label per sample share: their columns, their collation
-             *(f"{e.module.removeprefix('finetune.').replace('.', '/')}.py" for e in kinds.ENTRIES.values()
-               if e.module.startswith("finetune.")))  # the kinds' modules encode the rows
+             *(name for e in kinds.ENTRIES.values() if e.module.startswith("finetune.")
+               for name in _code_files(e.module)))  # the kinds' modules encode the rows
 
 
 def cache_dir() -> Path:

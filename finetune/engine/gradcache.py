@@ -74,25 +74,32 @@ def cached_backward_window(model: Any, micro: list[list[int]],
                            collate_fn: Callable[[list[int]], dict[str, torch.Tensor]], count: int,
                            dist: Distributed, *, kind: TaskKind, weight: float = 1.0, step: int = 0,
                            observe: Callable[[dict[str, torch.Tensor], Any, torch.Tensor | None], None] | None = None,
-                           keep: Callable[[list[int], dict[str, torch.Tensor], torch.Tensor], None] | None = None
-                           ) -> torch.Tensor:
+                           keep: Callable[[list[int], dict[str, torch.Tensor], torch.Tensor], None] | None = None,
+                           micro_rows: int = 0) -> torch.Tensor:
     """Forward and backward this process's micro-batches of one window by gradient caching, leaving the gradient of
     the global window's `window_loss_sum / count` in the parameters; returns this process's share of that loss sum
     (its samples' part, so that the sum over processes is the window's). A stand-in (`weight` 0) joins every
     collective with no samples of its own. `observe(batch, outputs, None)` sees each micro-batch's cached outputs
     (a metric accumulator's `add`); `keep(indices, batch, outputs)` sees each prepared micro-batch with its outputs
-    without a graph (GRPO keeps a window it trains again, those outputs its old log-probabilities)."""
-    dist.gradient_accumulation_steps = len(micro)
+    without a graph (GRPO keeps a window it trains again, those outputs its old log-probabilities).
+
+    `micro` lists the batches the kind prepares (GRPO's generation batches of whole groups); each prepared batch is
+    forwarded in the kind's `micro_pieces` of `micro_rows` rows (GRPO's micro-batches of completions, which may hold
+    part of a group), each piece a backward of its own."""
     dist.step = 0
-    batches, states, samples = [], [], []
-    # 1. The window's embeddings, without a graph; each micro-batch's random state kept for its replay. Through the
+    batches, pieces, samples = [], [], []  # pieces: (inputs, random state, rows) of each forward, in order
+    # 1. The window's embeddings, without a graph; each piece's random state kept for its replay. Through the
     # prepared model (its autocast) with no gradient: the numbers the replay's forward makes again.
     with torch.no_grad():
         for mb in micro:
             batch = {k: v.to(dist.device) for k, v in collate_fn(mb).items()}
             batch = kind.prepare_batch(model, batch, step=step)  # samples made before they are scored (GRPO's groups)
-            states.append(RandomState(dist.device))
-            outputs = kind.embed(model, _inputs(batch)).float()
+            parts = []
+            for inputs in kind.micro_pieces(_inputs(batch), micro_rows):
+                state = RandomState(dist.device)
+                parts.append(kind.embed(model, inputs).float())
+                pieces.append((inputs, state, len(parts[-1])))
+            outputs = torch.cat(parts)
             samples.append(kind.as_samples(outputs, len(batch["labels"])))
             batches.append(batch)
             if keep is not None:
@@ -109,16 +116,23 @@ def cached_backward_window(model: Any, micro: list[list[int]],
         total = kind.window_loss_sum(window, window_labels.to(labels.dtype))
         (grad,) = torch.autograd.grad(total / per_count(count, total), window)
     grad = grad[start: start + len(mine)]
-    # 3. Each micro-batch again, with a graph, back-propagating its slice. accelerate's backward divides by the
-    # micro-batches and DDP averages over processes: the factor undoes both, as in `backward_window`.
-    factor = weight * len(micro) * dist.num_processes
+    # 3. Each piece again, with a graph, back-propagating its slice. accelerate's backward divides by the pieces
+    # (the window's backward calls) and DDP averages over processes: the factor undoes both, as in `backward_window`.
+    dist.gradient_accumulation_steps = len(pieces)
+    factor = weight * len(pieces) * dist.num_processes
+    row_grads = []
     offset = 0
-    for batch, state, cached in zip(batches, states, samples, strict=True):
+    for cached in samples:
         size = len(cached) if weight else 0
+        row_grads.append(kind.as_rows(grad[offset: offset + size]) if size else None)
+        offset += size
+    row_grad = torch.cat(row_grads) if weight else None
+    offset = 0
+    for inputs, state, size in pieces:
         with dist.accumulate(model):
             with state.replayed():
-                rows = kind.embed(model, _inputs(batch)).float()
-            slice_grad = kind.as_rows(grad[offset: offset + size]) if size else torch.zeros_like(rows)
+                rows = kind.embed(model, inputs).float()
+            slice_grad = row_grad[offset: offset + size] if row_grad is not None else torch.zeros_like(rows)
             dist.backward((rows * slice_grad).sum() * factor)
         offset += size
     share = len(mine) / max(len(window), 1)

@@ -215,6 +215,11 @@ class WindowLoss(Protocol):
         """The loss sum of a whole window's samples with their labels."""
         raise _needs("window_loss_sum", "`whole_window`")
 
+    def micro_pieces(self, inputs: dict[str, torch.Tensor], rows: int) -> list[dict[str, torch.Tensor]]:
+        """A prepared batch's inputs as the micro-batches that run forward and backward, `rows` rows each (GRPO's
+        completions, a part of a group too); default: the batch whole (its rows are not samples)."""
+        return [inputs]
+
     def keep_groups(self, batch: dict[str, torch.Tensor], logps: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """A prepared micro-batch as the samples a window trained again is made of."""
         raise _needs("keep_groups", "`steps_per_window` > 1")

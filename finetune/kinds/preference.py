@@ -81,36 +81,10 @@ def reference_strategy(loss: str, *, lora: bool, reference_model: str | None, pr
     return "precompute" if precompute == "auto" and not streaming else "frozen_copy"
 
 
-@dataclasses.dataclass(frozen=True)
-class Preference(TaskKind):
-    """The `TaskKind` of preference tuning, with the loss's settings (`configured` makes one from a config)."""
+class PairCodec:
+    """Preference pairs in (a prompt, a chosen and a rejected completion, text or conversation), each pair's two
+    sequences with their completion masks out (the `DataCodec` role; no setting of the loss reads it)."""
 
-    loss: str = "dpo"
-    beta: float = 0.1
-    gamma: float = 0.5  # SimPO's target reward margin (TRL's simpo_gamma)
-    lam: float = 1.0  # ORPO's weight of the odds-ratio term (TRL's beta for ORPO)
-    reference_model: str | None = None
-    base_model: str | None = None
-    reference: str = "frozen_copy"  # one of STRATEGIES (`configured` chooses it); a hand-made kind computes it live
-    entry = entry("preference")
-    sequences_per_sample = 2  # chosen and rejected: the planner's micro-batch counts both
-
-    def configured(self, c: Config) -> Preference:
-        """This kind with the run's loss settings and its reference strategy (LoRA as `c.lora` says: after the
-        plan, as it trains)."""
-        strategy = reference_strategy(c.preference_loss, lora=c.lora == "true", reference_model=c.reference_model,
-                                      precompute=c.precompute_reference, streaming=c.streaming)
-        return _configured(c.preference_loss, beta_of(c), c.simpo_gamma, c.orpo_lambda, c.reference_model, c.model,
-                           strategy)
-
-    def card_rows(self, c: Config) -> list[tuple[str, Any]]:
-        """The model card's rows for the method and its weights (those its loss uses)."""
-        return [("preference_loss", c.preference_loss), ("beta", beta_of(c))] + \
-            ([("simpo_gamma", c.simpo_gamma)] if c.preference_loss == "simpo" else []) + \
-            ([("orpo_lambda", c.orpo_lambda)] if c.preference_loss == "orpo" else []) + \
-            ([("reference_model", c.reference_model)] if c.reference_model else [])
-
-    # --- data
     def resolve_columns(self, c: Config, columns: list[str]) -> Columns:
         """The prompt, chosen and rejected columns, set or named as TRL's preference format names them (the prompt
         is optional: conversational pairs may share it as the prefix of their messages)."""
@@ -208,6 +182,36 @@ class Preference(TaskKind):
             batch["reference_logps"] = torch.from_numpy(np.concatenate(
                 [numpy_of(rows.column(name)).astype(np.float32) for name in REFERENCE_COLUMNS]))
         return batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Preference(PairCodec, TaskKind):
+    """The `TaskKind` of preference tuning, with the loss's settings (`configured` makes one from a config)."""
+
+    loss: str = "dpo"
+    beta: float = 0.1
+    gamma: float = 0.5  # SimPO's target reward margin (TRL's simpo_gamma)
+    lam: float = 1.0  # ORPO's weight of the odds-ratio term (TRL's beta for ORPO)
+    reference_model: str | None = None
+    base_model: str | None = None
+    reference: str = "frozen_copy"  # one of STRATEGIES (`configured` chooses it); a hand-made kind computes it live
+    entry = entry("preference")
+    sequences_per_sample = 2  # chosen and rejected: the planner's micro-batch counts both
+
+    def configured(self, c: Config) -> Preference:
+        """This kind with the run's loss settings and its reference strategy (LoRA as `c.lora` says: after the
+        plan, as it trains)."""
+        strategy = reference_strategy(c.preference_loss, lora=c.lora == "true", reference_model=c.reference_model,
+                                      precompute=c.precompute_reference, streaming=c.streaming)
+        return _configured(c.preference_loss, beta_of(c), c.simpo_gamma, c.orpo_lambda, c.reference_model, c.model,
+                           strategy)
+
+    def card_rows(self, c: Config) -> list[tuple[str, Any]]:
+        """The model card's rows for the method and its weights (those its loss uses)."""
+        return [("preference_loss", c.preference_loss), ("beta", beta_of(c))] + \
+            ([("simpo_gamma", c.simpo_gamma)] if c.preference_loss == "simpo" else []) + \
+            ([("orpo_lambda", c.orpo_lambda)] if c.preference_loss == "orpo" else []) + \
+            ([("reference_model", c.reference_model)] if c.reference_model else [])
 
     def num_targets(self, data: Any, indices: list[int]) -> int | tuple[int, int]:
         """The pairs (ORPO: the chosen completions' tokens, then the pairs)."""

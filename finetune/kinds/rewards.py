@@ -335,16 +335,21 @@ def _score_with_model(path: str, prompts: list[Any], completions: list[Any], ids
 
 
 def config_problems(c: Any) -> list[str]:
-    """A GRPO config's problems, one sentence each: its rewards and weights, and a batch of whole groups
-    (`micro_batch_size` and `effective_batch_size` count completions, `num_generations` per prompt)."""
+    """A GRPO config's problems, one sentence each: its rewards and weights, a window of whole groups and
+    micro-batches that cut them evenly (`micro_batch_size` and `effective_batch_size` count completions,
+    `num_generations` per prompt; a window's groups are generated whole, then split into micro-batches)."""
     found = problems(c.rewards, c.reward_weights)
     g = c.num_generations
-    for key in ("effective_batch_size", "micro_batch_size"):
-        value = getattr(c, key)
-        if value is not None and value % g:
-            low = max(g, value // g * g)
-            found.append(f"`{key}`={value} counts completions, so it must be a whole number of groups of "
-                         f"num_generations={g}: use {low} or {low + g}.")
+    eff, micro = c.effective_batch_size, c.micro_batch_size
+    if eff is not None and eff % g:
+        low = max(g, eff // g * g)
+        found.append(f"`effective_batch_size`={eff} counts completions, so it must be a whole number of groups of "
+                     f"num_generations={g}: use {low} or {low + g}.")
+    if micro is not None and micro % g and g % micro:
+        parts = [d for d in range(1, g) if g % d == 0]
+        below = max([d for d in parts if d < micro] or [1])
+        found.append(f"`micro_batch_size`={micro} counts completions, so it must divide num_generations={g} or "
+                     f"be a whole number of its groups: use {below} or {max(g, micro // g * g)}.")
     if c.effective_batch_size is None and not (c.micro_batch_size and c.grad_accum_steps) and DEFAULT_BATCH % g:
         found.append(f"The default effective_batch_size={DEFAULT_BATCH} is not a whole number of groups of "
                      f"num_generations={g}: set `effective_batch_size` to a multiple of {g}.")

@@ -33,7 +33,8 @@ PLAN_OPTIONS = ("task", "max_length", "effective_batch_size", "micro_batch_size"
 # Paths under finetune/: every module of the planner, and those it dry-runs.
 PLANNING_CODE = (*sorted(f"plan/{p.name}" for p in Path(__file__).parent.glob("*.py")), "models/pretrained.py",
                  "engine/losses.py", "config/batch.py", "engine/recurrence.py", "data/packing.py",
-                 "models/quantize.py", "kinds/chunked.py", "kinds/causal_lm.py", "kinds/grpo.py", "engine/offload.py")
+                 "models/quantize.py", "kinds/chunked.py", "kinds/causal_lm.py", "kinds/grpo/plan.py",
+                 "kinds/grpo/loss.py", "engine/offload.py")
 LIBRARIES = ("torch", "transformers", "peft")
 
 

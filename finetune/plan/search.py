@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from finetune.config.batch import BatchSplit, counted, divisors, resolve_batch
+from finetune.config.batch import BatchSplit, divisors, resolve_batch, splits_samples
 from finetune.config.schema import Config
 from finetune.engine.recurrence import Recurrence
 from finetune.engine.runtime import device_memory, resolve_precision
@@ -50,8 +50,8 @@ def micro_candidates(c: Config, batch: BatchSplit) -> list[int]:
     """Micro-batch sizes to consider, largest first: every divisor of a process's share, or the user's own."""
     if c.micro_batch_size or c.grad_accum_steps:
         return [batch.micro_batch_size]  # the user fixed the split: check it, don't change it
-    whole = counted(1, configured(c))  # micro-batches of whole samples (GRPO's groups of completions)
-    return [d for d in divisors(batch.per_process)[::-1] if d % whole == 0]
+    kind = configured(c)  # micro-batches of whole samples, or of an equal part of one (GRPO's groups)
+    return [d for d in divisors(batch.per_process)[::-1] if splits_samples(d, kind)]
 
 
 def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: int = 1,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
 
-from finetune.config.batch import BatchSplit, counted, divisors, resolve_batch, samples_of
+from finetune.config.batch import BatchSplit, counted, divisors, resolve_batch, samples_of, splits_samples
 from finetune.config.schema import Config
 from finetune.data.load import Encoded, windows_per_epoch
 from finetune.data.mixing import MultiData
@@ -245,9 +245,9 @@ def _back_off(s: Setup) -> None:
         # Another process may already wait in the gradient all-reduce; they cannot re-split together.
         raise TrainingError(f"Out of memory at micro_batch_size={old.micro_batch_size} with several processes: set "
                             "a smaller micro_batch_size or memory_budget_gb and restart (resume=true keeps progress).")
-    whole = counted(1, s.kind)  # a micro-batch of whole samples (GRPO: whole groups)
+    # A micro-batch of whole samples, or of an equal part of one (GRPO: whole groups, or a divisor of G).
     smaller = next((d for d in reversed(divisors(old.per_process))
-                    if d <= old.micro_batch_size // 2 and d % whole == 0), None)
+                    if d <= old.micro_batch_size // 2 and splits_samples(d, s.kind)), None)
     if smaller is None:
         raise TrainingError("Out of memory even at micro_batch_size=1: lower max_length, set lora=true or "
                             "gradient_checkpointing=true, or use a smaller model or a larger device.")

@@ -176,7 +176,8 @@ class SingleTask:
             def keep(mb: list[int], batch: dict[str, torch.Tensor], outputs: torch.Tensor) -> None:
                 fresh.update(zip(mb, s.kind.keep_groups(batch, outputs), strict=True))
         loss = cached_backward_window(s.model, micro, collate, count, s.accelerator, kind=s.kind, weight=weight,
-                                      step=s.progress.step, observe=observe, keep=keep)
+                                      step=s.progress.step, observe=observe, keep=keep,
+                                      micro_rows=s.batch.micro_batch_size)
         # Only once the window has trained (an out-of-memory retry generates or collates it again).
         if kept is not None:
             kept.trained += 1
