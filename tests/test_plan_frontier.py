@@ -73,7 +73,8 @@ def test_longest_context_is_the_bisection_s_answer_in_fewer_dry_runs(tmp_path, m
     monkeypatch.setattr(planner, "model_skeleton", lambda *a, real=planner.model_skeleton, **k: _eager(real(*a, **k)))
     c = from_dict({"model": _llama(tmp_path), "task": "causal_lm", "dataset": "x.csv",
                    "memory_budget_gb": 0.03, "effective_batch_size": 1, "lora": "false", "optimizer": "sgd",
-                   "gradient_checkpointing": "true", "quantization": "none", "chunked_loss": "false"})
+                   "gradient_checkpointing": "true", "quantization": "none", "chunked_loss": "false",
+                   "tiled_mlp": "false"})
     made = []
     monkeypatch.setattr(planner, "estimate", lambda *a, real=planner.estimate, **k: made.append(k["tokens"])
                         or real(*a, **k))

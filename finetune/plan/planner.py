@@ -30,7 +30,7 @@ from finetune.errors import HostMemoryError, PlanError
 from finetune.kinds import chunked
 from finetune.kinds.base import TaskKind
 from finetune.kinds.causal_lm import CHUNKED
-from finetune.models import quantize
+from finetune.models import quantize, tiled_mlp
 from finetune.models.pretrained import load_model, prepare_for_training, resolve_model_path
 from finetune.plan import plancache
 from finetune.plan.memory import Skeleton, dry_run, dry_run_segments, measure_window, model_skeleton
@@ -46,6 +46,7 @@ CPU_RUNTIME = 0  # live tensors only: the process's own footprint is not the mod
 SHARDED_TERMS = ("weights", "quantized_weights", "quantization_constants", "gradients", "optimizer_state")
 CHUNKED_RUNG = "chunked loss"
 OFFLOAD_RUNG = "activation offload"
+TILED_RUNG = "tiled MLP"
 HOST_SHARE = 0.8  # activation offload may take this much of the machine's RAM (the process needs the rest)
 
 
@@ -95,6 +96,8 @@ class Plan:
     # takes: not part of the device peak, checked against the machine's RAM (`host_memory`).
     activation_offload: bool = False
     host_bytes: int = 0
+    tiled_mlp: bool = False  # the MLPs a tile of positions at a time (finetune.models.tiled_mlp)
+    tiled_mlp_tile: int | None = None  # its positions per tile
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -115,7 +118,8 @@ class Plan:
                          gradient_checkpointing=str(self.gradient_checkpointing).lower(),
                          lora=str(self.lora).lower(), optimizer=self.optimizer, quantization=self.quantization,
                          chunked_loss=str(self.chunked_loss).lower(),
-                         activation_offload=str(self.activation_offload).lower())
+                         activation_offload=str(self.activation_offload).lower(),
+                         tiled_mlp=str(self.tiled_mlp).lower(), tiled_mlp_tile=self.tiled_mlp_tile or c.tiled_mlp_tile)
 
 
 class Level(NamedTuple):
@@ -128,6 +132,7 @@ class Level(NamedTuple):
     quantization: str = "none"
     chunked: bool = False  # the loss in chunks of positions: one chunk's logits alive, not all
     offload: bool = False  # the checkpointed layers' inputs in CPU memory: one layer's on the device, not all
+    tiled: bool = False  # the MLPs a tile of positions at a time: one tile's intermediate on the device, not all
 
 
 class Attempt(NamedTuple):
@@ -237,19 +242,20 @@ _reused: OrderedDict[tuple, tuple[Skeleton, dict]] = OrderedDict()
 
 
 def reused_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool, precision: str,
-                    offload: bool = False) -> tuple[Skeleton, dict]:
+                    offload: bool = False, tiled: bool = False) -> tuple[Skeleton, dict]:
     """`model_skeleton`, and a dict for the dry runs made on it (`estimate`'s `windows`), shared by the plans this
     process makes of the same model (`finetune plan --longest` asks twice, the GUI asks again and again). A model
     whose config.json is not on disk, or that runs its own code, is built afresh each time."""
     model_config = plancache.model_config_bytes(c)
     key = None if model_config is None else (
         hashlib.sha256(model_config).hexdigest(), c.model, c.task, num_labels, checkpointing, lora, precision,
-        offload, c.segment_recurrence, c.lora_r, c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules))
+        offload, tiled, c.tiled_mlp_tile, c.segment_recurrence, c.lora_r,
+        c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules))
     if key in _reused:
         _reused.move_to_end(key)
         return _reused[key]
     built = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora, precision=precision,
-                           offload=offload), {}
+                           offload=offload, tiled=tiled), {}
     if key is not None:
         _reused[key] = built
         while len(_reused) > REUSED_SKELETONS:
@@ -419,7 +425,7 @@ class _Search:
     notes: list[str] = field(default_factory=list)
     tried: list[Attempt] = field(default_factory=list)
     exact: dict[tuple[str, int], Any] = field(default_factory=dict)  # a bounded attempt's dry run, when needed
-    skeletons: dict[tuple[bool, bool, bool], tuple[Skeleton, dict]] = field(default_factory=dict)  # + dry runs
+    skeletons: dict[tuple[bool, bool, bool, bool], tuple[Skeleton, dict]] = field(default_factory=dict)  # + dry runs
     kinds: dict[bool, TaskKind] = field(default_factory=dict)  # the kind as each rung trains it (LoRA or not)
 
     @property
@@ -468,10 +474,11 @@ class _Search:
     def skeleton(self, step: Level) -> Skeleton:
         """The rung's fake model. Rungs that differ only in the optimizer or in how the frozen base is stored share
         it and its dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds."""
-        key = step.checkpointing, step.lora, step.offload
+        key = step.checkpointing, step.lora, step.offload, step.tiled
         if key not in self.skeletons:
             self.skeletons[key] = reused_skeleton(self.c, self.num_labels, checkpointing=step.checkpointing,
-                                                  lora=step.lora, precision=self.precision, offload=step.offload)
+                                                  lora=step.lora, precision=self.precision, offload=step.offload,
+                                                  tiled=step.tiled)
             check_generated_positions(self.c, self.skeletons[key][0].model.config, self.longest_prompt)
         return self.skeletons[key][0]
 
@@ -493,12 +500,22 @@ class _Search:
                 self.notes.append(f"Chunked loss not considered: {reason}.")
                 return None
             step = step._replace(chunked=False)
+        if step.tiled and not tiled_mlp.tile_of(skeleton.model):
+            return self.untiled(step, skeleton)
         peak_of = _Peaks(self, step, skeleton, CHUNKED if step.chunked else self.kind_for(step.lora))
         chosen = self.largest_fitting(peak_of)
         if chosen is not None and step.offload:
             chosen = self.host_fitting(peak_of, chosen)
         return None if chosen is None else self.plan(step, skeleton, chosen, *peak_of(chosen),
                                                      host=peak_of.host.get(chosen, 0))
+
+    def untiled(self, step: Level, skeleton: Skeleton) -> None:
+        """A tiled rung of a model without gated MLPs to tile: refused under `tiled_mlp=true`, else skipped."""
+        reason = f"{type(chunked.unwrap(skeleton.model)).__name__} has no gated MLP (gate, up and down projections)"
+        if self.c.tiled_mlp == "true":
+            raise PlanError([f"tiled_mlp=true cannot run: {reason} to tile; set tiled_mlp=auto or false."])
+        self.notes.append(f"Tiled MLP not considered: {reason}.")
+        return None
 
     def host_fitting(self, peak_of: _Peaks, chosen: int) -> int:
         """The largest micro-batch up to `chosen` whose offloaded activations fit the host's CPU memory (and
@@ -561,6 +578,9 @@ class _Search:
             notes.append(f"The loss is computed {chunked.chunk_positions(vocab)} positions at a time (chunked_loss), "
                          f"each chunk's logits recomputed in the backward: {_mib(terms['logits'])} of logits and "
                          f"their gradient at the peak instead of {_gib(full)}.")
+        if step.tiled:
+            notes.append(f"Tiled MLP: each layer's MLP runs {tiled_mlp.tile_of(skeleton.model)} positions at a time, "
+                         "each tile recomputed in the backward, so one tile's intermediate is on the device.")
         if step.offload:
             notes.append(f"Activation offload: the checkpointed layers' inputs wait in CPU memory ({_size(host)} of "
                          f"{self.host.words}), one layer's copied back at a time for its recomputation.")
@@ -570,7 +590,8 @@ class _Search:
                     worst_case_tokens=self.tokens, method="dry-run", notes=tuple(notes),
                     distributed=self.distributed, padded=self.uneven, quantization=step.quantization,
                     base_dtype={torch.float32: "fp32"}.get(dtype, precision), reference=reference,
-                    chunked_loss=step.chunked, activation_offload=step.offload, host_bytes=host)
+                    chunked_loss=step.chunked, activation_offload=step.offload, host_bytes=host,
+                    tiled_mlp=step.tiled, tiled_mlp_tile=tiled_mlp.tile_of(skeleton.model) if step.tiled else None)
 
     def nothing_fits(self) -> PlanError:
         """The refusal when no rung fits: the smallest plan tried, and the budget it would need."""
@@ -600,7 +621,7 @@ def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | Non
     budget = c.memory_budget_gb * GIB
     step = _levels(c, [], cuda=cuda, precision=precision)[-1]
     skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
-                                        precision=precision, offload=step.offload)
+                                        precision=precision, offload=step.offload, tiled=step.tiled)
     batch = resolve_batch(c, 1)  # micro-batch 1: the whole batch accumulated
     positions = getattr(skeleton.model.config, "max_position_embeddings", None) or c.max_length
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
@@ -704,7 +725,7 @@ def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[s
     tokens = worst_case_tokens(c, lengths)
     step = _levels(c, [], cuda=cuda, precision=precision)[-1]
     skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
-                                        precision=precision, offload=step.offload)
+                                        precision=precision, offload=step.offload, tiled=step.tiled)
     use_chunks = step.chunked and chunked.unsupported(skeleton.model) is None
     kind = CHUNKED if use_chunks else kind_for(c, step.lora)
     batch = resolve_batch(c, 1)
@@ -798,7 +819,7 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
     planned = plan.apply(c)  # the base stored as the plan says: fp32, the half dtype or quantized
     model = prepare_for_training(load_model(planned, label_names), planned,
                                  checkpointing=plan.gradient_checkpointing, lora=plan.lora,
-                                 offload=plan.activation_offload)
+                                 offload=plan.activation_offload, tiled=plan.tiled_mlp)
     if probe:
         # bitsandbytes puts a quantized model on its device as it loads it, and refuses to move it after.
         model = model if plan.quantization != "none" else model.to(device)
@@ -846,12 +867,23 @@ def _levels(c: Config, notes: list[str], *, cuda: bool = False, precision: str =
         and shards == 1
     ladder = _ladder(c, notes, cuda=cuda, precision=precision, shards=shards)
     if not (always or auto):
-        return _offloaded(c, ladder, cuda)
+        return _tiled(c, _offloaded(c, ladder, cuda))
     first, rest = ladder[0], [step._replace(chunked=True) for step in ladder[1:]]
     if always:
-        return _offloaded(c, [first._replace(chunked=True), *rest], cuda)
+        return _tiled(c, _offloaded(c, [first._replace(chunked=True), *rest], cuda))
     name = CHUNKED_RUNG if first.name == "plain" else f"{first.name} with {CHUNKED_RUNG}"
-    return _offloaded(c, [first, first._replace(name=name, chunked=True), *rest], cuda)
+    return _tiled(c, _offloaded(c, [first, first._replace(name=name, chunked=True), *rest], cuda))
+
+
+def _tiled(c: Config, ladder: list[Level]) -> list[Level]:
+    """The ladder with the tiled MLP: `true` on every rung, `auto` one more rung at the top (the last rung with
+    its MLPs a tile at a time: exact, but each tile's MLP runs twice, so it comes after everything else)."""
+    if c.tiled_mlp == "true":
+        return [step._replace(tiled=True) for step in ladder]
+    if c.tiled_mlp == "auto":
+        top = ladder[-1]
+        return [*ladder, top._replace(name=f"{top.name} with {TILED_RUNG}", tiled=True)]
+    return ladder
 
 
 def _offloaded(c: Config, ladder: list[Level], cuda: bool) -> list[Level]:
@@ -965,6 +997,7 @@ def render(plan: Plan) -> str:
         *([("loss", "chunked (chunked_loss): a chunk of positions' logits at a time")] if plan.chunked_loss else []),
         *([("activation offload", f"on: checkpointed inputs in CPU memory ({_size(plan.host_bytes)})")]
           if plan.activation_offload else []),
+        *([("tiled MLP", f"on: {plan.tiled_mlp_tile} positions per tile")] if plan.tiled_mlp else []),
         ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"
                                    + (", padded" if plan.padded and b.micro_batch_size > 1 else "")),
         ("device", plan.device),
