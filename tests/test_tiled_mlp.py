@@ -172,3 +172,22 @@ def test_the_start_event_says_the_mlp_runs_tiled(tiny_llama, lm_csv, tmp_path):
                              effective_batch_size=4, max_steps=1, tiled_mlp="true", tiled_mlp_tile=8)
     start = next(e for e in events if e["event"] == "start")
     assert start["tiled_mlp"] == 8
+
+
+def test_longest_explain_shows_the_terms_and_that_tiling_was_needed(mlp_heavy):
+    from finetune.plan.planner import explain_longest, longest_context
+
+    c = from_dict({"model": mlp_heavy, "task": "causal_lm", "dataset": "x.csv", "effective_batch_size": 1,
+                   "memory_budget_gb": 0.030, "gradient_checkpointing": "true", "lora": "false",
+                   "quantization": "none", "optimizer": "sgd", "chunked_loss": "false", "tiled_mlp_tile": 64})
+    cpu = ("cpu", 64 * GIB)
+    untiled, _ = longest_context(c.replace(tiled_mlp="false"), 0, device=cpu)
+    terms: dict[str, int] = {}
+    tokens, rung = longest_context(c, 0, device=cpu, explain=terms)
+    assert rung == "plain with tiled MLP" and tokens > 1.5 * untiled
+    assert sum(terms.values()) <= 0.95 * 0.030 * GIB and {"weights", "activations", "logits"} <= terms.keys()
+    text = explain_longest(c, 0, tokens, terms, device=cpu)
+    lines = text.splitlines()
+    assert lines[0].startswith(f"at {tokens} tokens, predicted peak ")
+    assert lines[1].split()[0] == max(terms, key=terms.get)  # the largest term first
+    assert lines[-1].startswith("tiled MLP: needed (without it: ")
