@@ -680,15 +680,15 @@ def explain_longest(c: Config, num_labels: int, tokens: int, terms: dict[str, in
     saved there (`finetune plan --longest --explain`)."""
     device_terms = {k: v for k, v in terms.items() if not k.startswith("CPU")}
     total = max(sum(device_terms.values()), 1)
-    lines = [f"at {tokens} tokens, predicted peak {_gib(total)}:"]
+    lines = [f"at {tokens} tokens, predicted peak {_size(total)}:"]
     for term, value in sorted(terms.items(), key=lambda kv: -kv[1]):
         share = "" if term.startswith("CPU") else f" {value / total:4.0%}"
-        lines.append(f"  {term.ljust(34)} {value / GIB:8.2f} GiB{share}")
+        lines.append(f"  {term.ljust(34)} {_size(value):>10}{share}")
     budget = SAFETY * (c.memory_budget_gb or 0) * GIB
     for name, peak in rungs_needed(c, num_labels, tokens, device=device):
         verdict = "needed" if peak > budget else "not needed"
-        lines.append(f"{name}: {verdict} (without it: {_gib(peak)} at {tokens} tokens, against "
-                     f"{_gib(budget)} allowed)")
+        lines.append(f"{name}: {verdict} (without it: {_size(peak)} at {tokens} tokens, against "
+                     f"{_size(budget)} allowed)")
     return "\n".join(lines)
 
 
