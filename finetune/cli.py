@@ -186,11 +186,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # Where `finetune train` would probe (not for a device elsewhere: the dry run alone plans for it).
         device = None if planned else make_accelerator(resolve_precision(cfg.precision)).device
         if args.longest:  # before the plan, so that a refusal still answers it
-            from finetune.plan.planner import longest_context
+            from finetune.plan.planner import explain_longest, longest_context
 
-            tokens, rung = longest_context(cfg, len(label_names or []), device=planned)
+            terms: dict[str, int] = {}
+            tokens, rung = longest_context(cfg, len(label_names or []), device=planned,
+                                           explain=terms if args.explain else None)
             print(f"longest context: fits {cfg.memory_budget_gb:g} GiB up to {tokens} tokens at micro-batch 1 "
                   f"({rung})")
+            if args.explain and tokens:
+                print(explain_longest(cfg, len(label_names or []), tokens, terms, device=planned))
         plan, _ = plan_run(cfg, train_data.widths, label_names, num_processes=args.num_processes, device=device,
                            distributed=distributed, planned_device=planned)
     print(render(plan))
@@ -333,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--longest", action="store_true",
                    help="Also print the largest max_length whose sample fits memory_budget_gb at micro-batch 1, on "
                    "the cheapest rung of the ladder the config allows.")
+    p.add_argument("--explain", action="store_true",
+                   help="With --longest: the predicted memory terms at that length, largest first, and which of "
+                   "the ladder's last steps (tiled MLP, activation offload) it needed.")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("eval", help="Evaluate a run's model or a saved model.")
     p.add_argument("target", help="A run directory or a model folder.")

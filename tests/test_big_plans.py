@@ -106,7 +106,7 @@ def test_longest_context_is_the_edge_of_what_fits(tmp_path, capsys):
     c = from_dict({"model": str(tmp_path / "llama"), "task": "causal_lm", "dataset": "x.csv",
                    "memory_budget_gb": 0.05, "effective_batch_size": 1, "lora": "false", "optimizer": "sgd",
                    "gradient_checkpointing": "true", "quantization": "none", "max_length": 8192,
-                   "chunked_loss": "false"})
+                   "chunked_loss": "false", "tiled_mlp": "false"})
     tokens, rung = longest_context(c, 0, device=cpu)
     assert 64 < tokens < 8192 and rung == "plain"  # the only rung: every escalation is fixed
     assert make_plan(c, [tokens], 0, device=cpu).predicted_peak_bytes <= 0.95 * 0.05 * GIB

@@ -96,10 +96,11 @@ def wide(tmp_path_factory) -> str:
 
 
 def _wide_config(path: str, **values):
-    # A ladder of two rungs (checkpointing and SGD fixed, no chunked loss): plain, then plain with offload.
+    # A ladder of two rungs (checkpointing and SGD fixed, no chunked loss, no tiled MLP): plain, then plain with
+    # offload.
     return from_dict({"model": path, "task": "causal_lm", "dataset": "x.csv", "max_length": 2048,
                       "effective_batch_size": 1, "lora": "false", "quantization": "none", "optimizer": "sgd",
-                      "gradient_checkpointing": "true", "chunked_loss": "false", **values})
+                      "gradient_checkpointing": "true", "chunked_loss": "false", "tiled_mlp": "false", **values})
 
 
 def test_auto_offloads_only_as_the_ladders_last_rung_for_a_cuda_gpu(wide, monkeypatch):

@@ -193,6 +193,14 @@ class Config:
                                    "one layer's inputs on the GPU instead of every layer's; CUDA only (auto: the "
                                    "last step of the plan, only when the budget needs it; never on a CPU).",
                                    choices=("auto", "true", "false"), group="advanced")
+    tiled_mlp: str = _opt("auto", "Run each decoder layer's gated MLP (Llama, Qwen, Mistral, Gemma) a tile of "
+                          "positions at a time, recomputing each tile in the backward, so that only one tile's "
+                          "tokens × intermediate_size tensors exist: the same loss and gradients (auto: the last step "
+                          "of the plan, only when the budget needs it).", choices=("auto", "true", "false"),
+                          group="advanced")
+    tiled_mlp_tile: int | None = _opt(None, "Positions per tile of the tiled MLP (default: the model's hidden size, "
+                                      "so that a tile's intermediate is the size of one projection's weight).",
+                                      min=1, max=1_048_576, group="advanced")
     lora_r: int = _opt(16, "LoRA rank.", min=1, max=4096, group="advanced")
     lora_alpha: float = _opt(32.0, "LoRA scaling numerator (the update is scaled by alpha / r).", min=0.0,
                              group="advanced")

@@ -12,7 +12,7 @@ from finetune.config.schema import Config
 from finetune.engine import offload as offloading
 from finetune.engine.runtime import quiet_bitsandbytes, resolve_precision
 from finetune.errors import ModelError
-from finetune.models import kernels, quantize
+from finetune.models import kernels, quantize, tiled_mlp
 from finetune.registry import entry, kind_of_model_config, kind_of_peft_task_type
 from finetune.registry import kind as kind_named
 from finetune.rows.chat import read_template
@@ -101,9 +101,11 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
     return kind.trained_model(model)
 
 
-def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bool, offload: bool = False) -> Any:
+def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bool, offload: bool = False,
+                         tiled: bool = False) -> Any:
     """Turn on gradient checkpointing (with `offload`, its layers' inputs kept in CPU memory:
-    `finetune.engine.offload`) and wrap in LoRA adapters, the same way for the dry run and for training."""
+    `finetune.engine.offload`), wrap in LoRA adapters and (`tiled`) tile the MLPs by `tiled_mlp_tile` positions
+    (`finetune.models.tiled_mlp`), the same way for the dry run and for training."""
     if checkpointing:
         enable_checkpointing(model)
     if lora:
@@ -124,6 +126,8 @@ def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bo
         quantize.upcast_trainable(model)
     if offload and checkpointing:
         offloading.enable(model)
+    if tiled:  # on the MLP modules themselves, so below peft's wrapper and around its adapters
+        tiled_mlp.enable(model, tiled_mlp.resolved_tile(c, model.config))
     return model
 
 

@@ -77,6 +77,20 @@ def attention_as_on_cuda() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _one_sequence_per_row() -> Iterator[None]:
+    """Let transformers see that an unpacked fake batch holds one sequence per row, as it sees in a real one.
+
+    transformers looks for packed sequences in the position ids and, when it cannot read their values (fake tensors
+    are "tracing" to it), assumes there may be some: it then builds the (tokens × tokens) causal mask that a real
+    unpadded batch skips (sdpa's `is_causal`), 2 GiB of booleans and a 4 GiB bf16 copy at 46 k tokens, which a real
+    run never holds. The dry run's unpacked batches have none (`synthetic_batch`), so the answer is "none"."""
+    from transformers import masking_utils
+
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
+
+
 def _window(model: Any, fake_mode: FakeTensorMode, kind: TaskKind, micro: int, tokens: int, accum: int,
             precision: str, packed: bool, padded: bool, by_phase: bool = False) -> tuple[int, dict[tuple, int]]:
     """One fake model's window: its peak, and (`by_phase`) the peak of each of its parts (`LayerPhases`)."""
@@ -85,7 +99,8 @@ def _window(model: Any, fake_mode: FakeTensorMode, kind: TaskKind, micro: int, t
         batch = synthetic_batch(model, micro, tokens, kind, packed=packed, padded=padded)
     phases = LayerPhases(repeated_layers(model) or []) if by_phase else None
     try:
-        with fake_mode, LiveTensorTracker(phases) as tracker:
+        with fake_mode, LiveTensorTracker(phases) as tracker, \
+                contextlib.nullcontext() if packed else _one_sequence_per_row():
             micro_steps(model, lambda: batch, kind, accum, precision, "cpu", phases)
     finally:
         if phases is not None:

@@ -131,19 +131,20 @@ _reused: OrderedDict[tuple, tuple[Skeleton, dict]] = OrderedDict()
 
 
 def reused_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool, precision: str,
-                    offload: bool = False) -> tuple[Skeleton, dict]:
+                    offload: bool = False, tiled: bool = False) -> tuple[Skeleton, dict]:
     """`model_skeleton`, and a dict for the dry runs made on it (`estimate`'s `windows`), shared by the plans this
     process makes of the same model (`finetune plan --longest` asks twice, the GUI asks again and again). A model
     whose config.json is not on disk, or that runs its own code, is built afresh each time."""
     model_config = plancache.model_config_bytes(c)
     key = None if model_config is None else (
         hashlib.sha256(model_config).hexdigest(), c.model, c.task, num_labels, checkpointing, lora, precision,
-        offload, c.segment_recurrence, c.lora_r, c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules))
+        offload, tiled, c.tiled_mlp_tile, c.segment_recurrence, c.lora_r,
+        c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules))
     if key in _reused:
         _reused.move_to_end(key)
         return _reused[key]
     built = model_skeleton(c, num_labels, checkpointing=checkpointing, lora=lora, precision=precision,
-                           offload=offload), {}
+                           offload=offload, tiled=tiled), {}
     if key is not None:
         _reused[key] = built
         while len(_reused) > REUSED_SKELETONS:

@@ -19,6 +19,7 @@ from finetune.registry import entry
 
 CHUNKED_RUNG = "chunked loss"
 OFFLOAD_RUNG = "activation offload"
+TILED_RUNG = "tiled MLP"
 
 
 class Level(NamedTuple):
@@ -31,6 +32,7 @@ class Level(NamedTuple):
     quantization: str = "none"
     chunked: bool = False  # the loss in chunks of positions: one chunk's logits alive, not all
     offload: bool = False  # the checkpointed layers' inputs in CPU memory: one layer's on the device, not all
+    tiled: bool = False  # the MLPs a tile of positions at a time: one tile's intermediate on the device, not all
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def rungs(c: Config, notes: list[str], *, cuda: bool = False, precision: str = "
           ) -> list[Level]:
     """The escalation ladder, cheapest loss of quality first, respecting what the user fixed: plain → chunked loss
     → gradient checkpointing → 8-bit AdamW → LoRA (on a half-precision base under mixed precision) → 8-bit base →
-    4-bit base → activation offload: the base rungs, then each layer of `LAYERS`."""
+    4-bit base → activation offload → tiled MLP: the base rungs, then each layer of `LAYERS`."""
     climb = Climb(c, notes, cuda, precision, shards)
     for layer in LAYERS:
         layer.refuse(climb)
@@ -117,8 +119,20 @@ def _offloaded(climb: Climb, ladder: list[Level]) -> list[Level]:
     return ladder
 
 
+def _tiled(climb: Climb, ladder: list[Level]) -> list[Level]:
+    """The ladder with the tiled MLP: `true` on every rung, `auto` one more rung at the top (the last rung with
+    its MLPs a tile at a time: exact, but each tile's MLP runs twice, so it comes after everything else)."""
+    c = climb.c
+    if c.tiled_mlp == "true":
+        return [step._replace(tiled=True) for step in ladder]
+    if c.tiled_mlp == "auto":
+        top = ladder[-1]
+        return [*ladder, top._replace(name=f"{top.name} with {TILED_RUNG}", tiled=True)]
+    return ladder
+
+
 # The savings laid over the base rungs, in this order (a new one goes here: see the module's docstring).
-LAYERS = (Layer(_refuse_chunked, _chunked), Layer(_refuse_nothing, _offloaded))
+LAYERS = (Layer(_refuse_chunked, _chunked), Layer(_refuse_nothing, _offloaded), Layer(_refuse_nothing, _tiled))
 
 
 def base_rungs(climb: Climb) -> list[Level]:

@@ -12,42 +12,91 @@ from finetune.config.schema import Config
 from finetune.engine.runtime import device_memory, resolve_precision
 from finetune.errors import PlanError
 from finetune.plan.estimate import SAFETY, estimate, kind_terms, reused_skeleton, rung_kind, worst_case_tokens
-from finetune.plan.ladder import rungs
-from finetune.plan.plan import GIB, HOST_SHARE, HostMemory
+from finetune.plan.ladder import OFFLOAD_RUNG, TILED_RUNG, Level, rungs
+from finetune.plan.plan import GIB, HOST_SHARE, HostMemory, human_size
 
 
-def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | None = None,
-                    host: HostMemory | None = None) -> tuple[int, str]:
-    """The reverse question: the largest `max_length` whose one sample fits the budget at micro-batch 1 on the
-    cheapest rung of the ladder that the config allows, and that rung's name (`finetune plan --longest`); with
-    activation offload, its host copies fit `host` too (default: this machine's RAM)."""
-    device_name, _ = device or device_memory()
+def _terms_by_length(c: Config, num_labels: int, step: Level, device_name: str
+                     ) -> tuple[Callable[[int], tuple[dict[str, int], int]], int]:
+    """On rung `step` at micro-batch 1: a function from a length to the device's terms there and the host's
+    offloaded bytes, and the model's positions (the longest length to ask about)."""
     cuda = device_name.startswith("cuda")
     precision = resolve_precision(c.precision, cuda=cuda)
-    if not c.memory_budget_gb:
-        raise PlanError(["The longest context that fits needs a budget: set memory_budget_gb."])
-    budget = c.memory_budget_gb * GIB
-    step = rungs(c, [], cuda=cuda, precision=precision)[-1]
     skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
-                                        precision=precision, offload=step.offload)
+                                        precision=precision, offload=step.offload, tiled=step.tiled)
     batch = resolve_batch(c, 1)  # micro-batch 1: the whole batch accumulated
     positions = getattr(skeleton.model.config, "max_position_embeddings", None) or c.max_length
     kind = rung_kind(c, skeleton, chunked=step.chunked, lora=step.lora)
 
-    limit, host_limit = SAFETY * budget, HOST_SHARE * (host or HostMemory.here()).bytes
-
-    def peak(tokens: int) -> int:
-        """The device's peak, or the host's offloaded bytes in the device limit's units when they are the
-        tighter constraint: a length fits when both fit (the max of the two is still piecewise affine)."""
+    def terms_at(tokens: int) -> tuple[dict[str, int], int]:
         offloaded: dict[str, int] = {}
         terms = estimate(skeleton, c, kind=kind, micro=1, tokens=tokens, accum=batch.per_process,
                          precision=precision, optimizer=step.optimizer, device=device_name,
                          quantization=step.quantization, windows=windows, host=offloaded)
         terms |= kind_terms(kind, skeleton, cuda=cuda, micro=1, tokens=tokens, precision=precision,
                             window=batch.effective_batch_size)
-        return max(sum(terms.values()), math.ceil(offloaded["offloaded_activations"] * limit / host_limit))
+        return terms, offloaded["offloaded_activations"]
 
-    return longest_within(peak, limit, min(positions, 131072)), step.name
+    return terms_at, positions
+
+
+def longest_context(c: Config, num_labels: int, *, device: tuple[str, int] | None = None,
+                    host: HostMemory | None = None, explain: dict[str, int] | None = None) -> tuple[int, str]:
+    """The reverse question: the largest `max_length` whose one sample fits the budget at micro-batch 1 on the
+    cheapest rung of the ladder that the config allows, and that rung's name (`finetune plan --longest`); with
+    activation offload, its host copies fit `host` too (default: this machine's RAM). `explain`, when given,
+    receives the terms of the peak at the answer (`finetune plan --longest --explain`)."""
+    device_name, _ = device or device_memory()
+    cuda = device_name.startswith("cuda")
+    if not c.memory_budget_gb:
+        raise PlanError(["The longest context that fits needs a budget: set memory_budget_gb."])
+    step = rungs(c, [], cuda=cuda, precision=resolve_precision(c.precision, cuda=cuda))[-1]
+    terms_at, positions = _terms_by_length(c, num_labels, step, device_name)
+    limit, host_limit = SAFETY * c.memory_budget_gb * GIB, HOST_SHARE * (host or HostMemory.here()).bytes
+
+    def peak(tokens: int) -> int:
+        """The device's peak, or the host's offloaded bytes in the device limit's units when they are the
+        tighter constraint: a length fits when both fit (the max of the two is still piecewise affine)."""
+        terms, offloaded = terms_at(tokens)
+        return max(sum(terms.values()), math.ceil(offloaded * limit / host_limit))
+
+    tokens = longest_within(peak, limit, min(positions, 131072))
+    if explain is not None and tokens:  # the dry run at the answer is kept: no new one
+        terms, offloaded = terms_at(tokens)
+        explain |= terms | ({"CPU memory (offloaded activations)": offloaded} if offloaded else {})
+    return tokens, step.name
+
+
+def rungs_needed(c: Config, num_labels: int, tokens: int, *, device: tuple[str, int] | None = None
+                 ) -> list[tuple[str, int]]:
+    """The steps the ladder adds at its top (`auto`: the tiled MLP, activation offload) that the longest context
+    of `tokens` was answered with, each with the predicted device peak at `tokens` without it (one more dry run
+    each, on its own skeleton): over the budget where the answer needed it."""
+    device_name, _ = device or device_memory()
+    cuda = device_name.startswith("cuda")
+    top = rungs(c, [], cuda=cuda, precision=resolve_precision(c.precision, cuda=cuda))[-1]
+    without = [(TILED_RUNG, top._replace(tiled=False), c.tiled_mlp == "auto" and top.tiled),
+               (OFFLOAD_RUNG, top._replace(offload=False), c.activation_offload == "auto" and top.offload)]
+    return [(name, sum(_terms_by_length(c, num_labels, step, device_name)[0](tokens)[0].values()))
+            for name, step, added in without if added]
+
+
+def explain_longest(c: Config, num_labels: int, tokens: int, terms: dict[str, int], *,
+                    device: tuple[str, int] | None = None) -> str:
+    """The breakdown of the longest context's peak, largest term first, and what each of the ladder's last steps
+    saved there (`finetune plan --longest --explain`)."""
+    device_terms = {k: v for k, v in terms.items() if not k.startswith("CPU")}
+    total = max(sum(device_terms.values()), 1)
+    lines = [f"at {tokens} tokens, predicted peak {human_size(total)}:"]
+    for term, value in sorted(terms.items(), key=lambda kv: -kv[1]):
+        share = "" if term.startswith("CPU") else f" {value / total:4.0%}"
+        lines.append(f"  {term.ljust(34)} {human_size(value):>10}{share}")
+    budget = SAFETY * (c.memory_budget_gb or 0) * GIB
+    for name, peak in rungs_needed(c, num_labels, tokens, device=device):
+        verdict = "needed" if peak > budget else "not needed"
+        lines.append(f"{name}: {verdict} (without it: {human_size(peak)} at {tokens} tokens, against "
+                     f"{human_size(budget)} allowed)")
+    return "\n".join(lines)
 
 
 FIRST_LENGTH = 1024  # where the search for the longest context starts measuring: a short, quick dry run
@@ -132,7 +181,7 @@ def smallest_budget(c: Config, lengths: Any, num_labels: int, *, device: tuple[s
     tokens = worst_case_tokens(c, lengths)
     step = rungs(c, [], cuda=cuda, precision=precision)[-1]
     skeleton, windows = reused_skeleton(c, num_labels, checkpointing=step.checkpointing, lora=step.lora,
-                                        precision=precision, offload=step.offload)
+                                        precision=precision, offload=step.offload, tiled=step.tiled)
     kind = rung_kind(c, skeleton, chunked=step.chunked, lora=step.lora)
     batch = resolve_batch(c, 1)
     terms = estimate(skeleton, c, kind=kind, micro=1, tokens=tokens, accum=batch.per_process, precision=precision,

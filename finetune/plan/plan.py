@@ -61,6 +61,8 @@ class Plan:
     # takes: not part of the device peak, checked against the machine's RAM (`host_memory`).
     activation_offload: bool = False
     host_bytes: int = 0
+    tiled_mlp: bool = False  # the MLPs a tile of positions at a time (finetune.models.tiled_mlp)
+    tiled_mlp_tile: int | None = None  # its positions per tile
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -81,7 +83,8 @@ class Plan:
                          gradient_checkpointing=str(self.gradient_checkpointing).lower(),
                          lora=str(self.lora).lower(), optimizer=self.optimizer, quantization=self.quantization,
                          chunked_loss=str(self.chunked_loss).lower(),
-                         activation_offload=str(self.activation_offload).lower())
+                         activation_offload=str(self.activation_offload).lower(),
+                         tiled_mlp=str(self.tiled_mlp).lower(), tiled_mlp_tile=self.tiled_mlp_tile or c.tiled_mlp_tile)
 
 
 def _base_words(plan: Plan) -> str:
@@ -127,6 +130,7 @@ def render(plan: Plan) -> str:
         *([("loss", "chunked (chunked_loss): a chunk of positions' logits at a time")] if plan.chunked_loss else []),
         *([("activation offload", f"on: checkpointed inputs in CPU memory ({human_size(plan.host_bytes)})")]
           if plan.activation_offload else []),
+        *([("tiled MLP", f"on: {plan.tiled_mlp_tile} positions per tile")] if plan.tiled_mlp else []),
         ("worst-case micro-batch", f"{b.micro_batch_size} × {plan.worst_case_tokens} tokens"
                                    + (", padded" if plan.padded and b.micro_batch_size > 1 else "")),
         ("device", plan.device),

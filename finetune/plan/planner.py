@@ -30,15 +30,15 @@ from finetune.models.pretrained import load_model, prepare_for_training
 from finetune.plan import plancache
 from finetune.plan.estimate import SAFETY, estimate, may_pad, worst_case_tokens
 from finetune.plan.ladder import has_bitsandbytes
-from finetune.plan.longest import longest_context, longest_within, smallest_budget
+from finetune.plan.longest import explain_longest, longest_context, longest_within, rungs_needed, smallest_budget
 from finetune.plan.plan import GIB, HostMemory, Plan, render
 from finetune.plan.probe import probe_enabled, refine_with_probe
 from finetune.plan.search import make_plan
 
 # The planner's questions, answered in the modules above, for the callers that ask them here.
-__all__ = ["GIB", "SAFETY", "HostMemory", "Plan", "estimate", "longest_context", "longest_within", "make_plan",
-           "may_pad", "plan_run", "probe_enabled", "refine_with_probe", "render", "smallest_budget",
-           "worst_case_tokens"]
+__all__ = ["GIB", "SAFETY", "HostMemory", "Plan", "estimate", "explain_longest", "longest_context", "longest_within",
+           "make_plan", "may_pad", "plan_run", "probe_enabled", "refine_with_probe", "render", "rungs_needed",
+           "smallest_budget", "worst_case_tokens"]
 
 
 def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, num_processes: int, device: Any,
@@ -67,7 +67,7 @@ def plan_run(c: Config, lengths: list[int], label_names: list[str] | None, *, nu
     planned = plan.apply(c)  # the base stored as the plan says: fp32, the half dtype or quantized
     model = prepare_for_training(load_model(planned, label_names), planned,
                                  checkpointing=plan.gradient_checkpointing, lora=plan.lora,
-                                 offload=plan.activation_offload)
+                                 offload=plan.activation_offload, tiled=plan.tiled_mlp)
     if probe:
         # bitsandbytes puts a quantized model on its device as it loads it, and refuses to move it after.
         model = model if plan.quantization != "none" else model.to(device)

@@ -16,7 +16,7 @@ from finetune.engine.recurrence import Recurrence
 from finetune.engine.runtime import device_memory, resolve_precision
 from finetune.errors import HostMemoryError, PlanError
 from finetune.kinds.base import TaskKind
-from finetune.models import quantize
+from finetune.models import quantize, tiled_mlp
 from finetune.plan.estimate import (
     SAFETY,
     check_generated_positions,
@@ -138,7 +138,7 @@ class _Search:
     notes: list[str] = field(default_factory=list)
     tried: list[Attempt] = field(default_factory=list)
     exact: dict[tuple[str, int], Any] = field(default_factory=dict)  # a bounded attempt's dry run, when needed
-    skeletons: dict[tuple[bool, bool, bool], tuple[Skeleton, dict]] = field(default_factory=dict)  # + dry runs
+    skeletons: dict[tuple[bool, bool, bool, bool], tuple[Skeleton, dict]] = field(default_factory=dict)  # + dry runs
     kinds: dict[bool, TaskKind] = field(default_factory=dict)  # the kind as each rung trains it (LoRA or not)
 
     @property
@@ -187,10 +187,11 @@ class _Search:
     def skeleton(self, step: Level) -> Skeleton:
         """The rung's fake model. Rungs that differ only in the optimizer or in how the frozen base is stored share
         it and its dry run (those terms are counted from shapes): an 8 B model's skeleton takes tens of seconds."""
-        key = step.checkpointing, step.lora, step.offload
+        key = step.checkpointing, step.lora, step.offload, step.tiled
         if key not in self.skeletons:
             self.skeletons[key] = reused_skeleton(self.c, self.num_labels, checkpointing=step.checkpointing,
-                                                  lora=step.lora, precision=self.precision, offload=step.offload)
+                                                  lora=step.lora, precision=self.precision, offload=step.offload,
+                                                  tiled=step.tiled)
             check_generated_positions(self.c, self.skeletons[key][0].model.config, self.longest_prompt)
         return self.skeletons[key][0]
 
@@ -213,12 +214,24 @@ class _Search:
                 self.notes.append(f"Chunked loss not considered: {reason}.")
                 return None
             chunks, step = None, step._replace(chunked=False)
+        if step.tiled and not tiled_mlp.tile_of(skeleton.model):
+            return self.untiled(skeleton)
         peak_of = _Peaks(self, step, skeleton, chunks.kind if chunks is not None else self.kind_for(step.lora))
         chosen = self.largest_fitting(peak_of)
         if chosen is not None and step.offload:
             chosen = self.host_fitting(peak_of, chosen)
         return None if chosen is None else self.plan(step, skeleton, chosen, *peak_of(chosen),
                                                      host=peak_of.host.get(chosen, 0))
+
+    def untiled(self, skeleton: Skeleton) -> None:
+        """A tiled rung of a model without gated MLPs to tile: refused under `tiled_mlp=true`, else skipped."""
+        model = skeleton.model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA: peft's wrapper
+        reason = f"{type(base).__name__} has no gated MLP (gate, up and down projections)"
+        if self.c.tiled_mlp == "true":
+            raise PlanError([f"tiled_mlp=true cannot run: {reason} to tile; set tiled_mlp=auto or false."])
+        self.notes.append(f"Tiled MLP not considered: {reason}.")
+        return None
 
     def host_fitting(self, peak_of: _Peaks, chosen: int) -> int:
         """The largest micro-batch up to `chosen` whose offloaded activations fit the host's CPU memory (and
@@ -282,6 +295,9 @@ class _Search:
             notes.append(f"The loss is computed {chunks.chunk_positions(vocab)} positions at a time (chunked_loss), "
                          f"each chunk's logits recomputed in the backward: {mib(terms['logits'])} of logits and "
                          f"their gradient at the peak instead of {gib(full)}.")
+        if step.tiled:
+            notes.append(f"Tiled MLP: each layer's MLP runs {tiled_mlp.tile_of(skeleton.model)} positions at a time, "
+                         "each tile recomputed in the backward, so one tile's intermediate is on the device.")
         if step.offload:
             notes.append(f"Activation offload: the checkpointed layers' inputs wait in CPU memory ({human_size(host)} "
                          f"of {self.host.words}), one layer's copied back at a time for its recomputation.")
@@ -291,7 +307,8 @@ class _Search:
                     worst_case_tokens=self.tokens, method="dry-run", notes=tuple(notes),
                     distributed=self.distributed, padded=self.uneven, quantization=step.quantization,
                     base_dtype={torch.float32: "fp32"}.get(dtype, precision), reference=reference,
-                    chunked_loss=step.chunked, activation_offload=step.offload, host_bytes=host)
+                    chunked_loss=step.chunked, activation_offload=step.offload, host_bytes=host,
+                    tiled_mlp=step.tiled, tiled_mlp_tile=tiled_mlp.tile_of(skeleton.model) if step.tiled else None)
 
     def nothing_fits(self) -> PlanError:
         """The refusal when no rung fits: the smallest plan tried, and the budget it would need."""

@@ -54,12 +54,13 @@ def scaled(small: int, wider: int, layers: int) -> int:
 
 
 def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bool, precision: str = "fp32",
-                   offload: bool = False) -> Skeleton:
+                   offload: bool = False, tiled: bool = False) -> Skeleton:
     """The configured model as fake tensors (shapes, dtypes and a device, no data and no weights read), with
     checkpointing and LoRA as asked; under LoRA with mixed precision the frozen base is in the half dtype, as
     `load_model` stores it (a quantized base is counted from these shapes: `quantize.weight_bytes`); with
     `offload`, checkpointing's saved inputs leave the device and are counted as host bytes
-    (`finetune.engine.offload`). A deep model of identical layers is built with two and three of them
+    (`finetune.engine.offload`); with `tiled`, its MLPs run a tile of positions at a time
+    (`finetune.models.tiled_mlp`). A deep model of identical layers is built with two and three of them
     (`Skeleton`)."""
     import transformers
     from transformers import AutoConfig
@@ -88,7 +89,8 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
                                          dtype=quantize.base_dtype(precision, lora))
             except ValueError as e:  # no such head for this architecture (seq2seq on BERT): as loading it says
                 raise ModelError(load_failure(c.model, e, c.task)) from None
-            return prepare_for_training(model, c, checkpointing=checkpointing, lora=lora, offload=offload)
+            return prepare_for_training(model, c, checkpointing=checkpointing, lora=lora, offload=offload,
+                                        tiled=tiled)
 
     layers = _scalable_layers(model_config, c)
     if layers:

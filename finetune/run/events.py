@@ -57,6 +57,7 @@ class Start:
     # What the model's load did with Hugging Face Hub kernels (finetune.models.kernels.KernelUse.to_dict): the
     # option, whether they were asked for, the kernel repositories its layers run, why `auto` went without them.
     kernels: dict[str, Any] | None = None
+    tiled_mlp: int | None = None  # positions per tile when the MLPs run tiled (finetune.models.tiled_mlp), else None
     event: str = "start"
 
 

@@ -42,6 +42,7 @@ from finetune.engine.step import optimizer_step
 from finetune.errors import RunDirError, TrainingError
 from finetune.kinds.base import TaskKind
 from finetune.models import kernels as hub_kernels
+from finetune.models import tiled_mlp
 from finetune.models.pretrained import load_tokenizer
 from finetune.registry import configured
 from finetune.run import rundir, tracking
@@ -172,7 +173,8 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                      dropped_eval_rows=getattr(s.eval_data, "dropped", None) or None,
                      segmentation=getattr(s.train_data, "segmentation", None),
                      eval_segmentation=getattr(s.eval_data, "segmentation", None),
-                     tasks=s.variant.shares(s), kernels=hub_kernels.record(accelerator.unwrap_model(model))))
+                     tasks=s.variant.shares(s), kernels=hub_kernels.record(accelerator.unwrap_model(model)),
+                     tiled_mlp=tiled_mlp.tile_of(accelerator.unwrap_model(model))))
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock

@@ -63,7 +63,7 @@ def load_multitask_model(c: Config, tasks: list[TaskData], plan: Plan) -> Any:
     shared = entry(c.task).multitask == "shared"
     first = prepare_for_training(load_model(tasks[0].config, tasks[0].label_names), c,
                                  checkpointing=plan.gradient_checkpointing, lora=plan.lora and shared,
-                                 offload=plan.activation_offload)
+                                 offload=plan.activation_offload, tiled=plan.tiled_mlp)
     if shared:
         return first
     kind = kind_named(c.task)
