@@ -12,8 +12,8 @@ from finetune.errors import PlanError
 from finetune.models import tiled_mlp
 from finetune.models.pretrained import load_model, prepare_for_training
 from finetune.plan.memory import measure_window
-from finetune.plan.skeleton import model_skeleton
 from finetune.plan.planner import estimate, make_plan
+from finetune.plan.skeleton import model_skeleton
 from finetune.registry import kind
 
 GIB = 2**30
