@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-PARTITIONS = "debug*|2|(null)|16000\ngpu|4|gpu:a100:8|512000\n"
+# As `sinfo -h -o "%P|%D|%G|%m|%f"` prints them: partition, nodes, GRES, RAM (MB), node features.
+PARTITIONS = "debug*|2|(null)|16000|(null)\ngpu|4|gpu:h100:8(S:0-1)|512000|h100,h100_80gb,ib\n"
 COMMANDS = ("sbatch", "squeue", "sacct", "scancel", "scontrol", "srun", "sinfo")
 
 

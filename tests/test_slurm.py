@@ -57,13 +57,33 @@ def test_what_slurm_would_reject_is_one_sentence(slurm, tmp_path, tiny_bert, cls
     assert "--nodes is an option of --backend slurm" in capsys.readouterr().err
     assert main([*base, "--partition", "gpu", "--gpu-memory", "0.1"]) == 2  # the plan, for one of its GPUs
     err = capsys.readouterr().err
-    assert err.startswith("error: Not sent to Slurm: on partition gpu (1 × A100, 0.09 GiB per GPU) nothing fits ")
+    assert err.startswith("error: Not sent to Slurm: on partition gpu (1 × H100, 0.09 GiB per GPU) nothing fits ")
     assert err.rstrip().endswith("choose a partition with more GPU memory (`sinfo` lists them), or give --gpu-memory "
                                  "its GPUs' GB.") and err.count("\n") == 1
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert main(base) == 2
     assert "Slurm's sbatch is not on the PATH" in capsys.readouterr().err
     assert not (tmp_path / "run").exists() and not (tmp_path / "slurm-state" / "jobs").exists()
+
+
+def test_the_plan_is_for_one_gpu_of_the_partition_as_sinfo_describes_it(slurm, tiny_bert, cls_csv):
+    """Without --gpu-memory, a GPU's memory is read from `sinfo`: a node feature that names the GPU and ends in its
+    size (`h100_80gb`), else the size of its GRES type (the smaller of a model sold in two); the launcher plans
+    the job for one of them (80 GB: 74.51 GiB)."""
+    from finetune.config.schema import from_dict
+    from finetune.remote.slurm.run import _planned
+
+    assert [cluster.gpu_memory_gb(f, t) for f, t in (("h100,h100_80gb,ib", "h100"), ("skylake,gpumem_94G", None),
+                                                     ("ram512g,a100", "a100"), ("ram512g", "mystery"))] == \
+        [80.0, 94.0, 40.0, None]
+    (debug, gpu) = cluster.partitions()
+    assert (gpu.name, gpu.gpus, gpu.gpu_type, gpu.gpu_memory_gb) == ("gpu", 8, "h100", 80.0)
+    assert debug.default and debug.gpu_memory_gb is None
+    checked = cluster.check_request(cluster.Request(partition="gpu", gpus_per_node=2))
+    assert checked.hardware.gpu_memory_gb == 80.0
+    assert cluster.check_request(cluster.Request(partition="gpu", gpu_memory_gb=40)).hardware.gpu_memory_gb == 40
+    planned = _planned(from_dict({"model": tiny_bert, "dataset": cls_csv}), checked)
+    assert planned.memory_budget_gb == 74.51
 
 
 def test_time_limits_read_as_slurm_writes_them():

@@ -41,7 +41,8 @@ class Slurm:
                        "the run is asked to save a checkpoint and stop a little before it, and a requeued job "
                        "resumes from it.")
         g.add_argument("--gpu-memory", type=float, help="slurm: GB of memory of one of the partition's GPUs: the "
-                       "plan's budget, checked before the job is submitted.")
+                       "plan's budget, checked before the job is submitted (default: what `sinfo` says, a node "
+                       "feature such as h100_80gb or the GPU type's size).")
 
     def hardware(self, args: argparse.Namespace) -> Hardware:
         """The nodes and GPUs asked for, checked against the partition `sinfo` describes."""

@@ -7,6 +7,7 @@ nodes or GPUs per node than the partition has, a time limit Slurm cannot read.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import shlex
 import shutil
@@ -26,6 +27,10 @@ LOG = "slurm.log"  # in the run folder: the job's output, appended to by each re
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD",
           "REQUEUE_FED", "PREEMPTED", "SIGNALING", "STAGE_OUT", "STOPPED")
 COMMAND_TIMEOUT_S = 60
+# GB of one GPU of a GRES type (`gpu:h100:8`) when no node feature says it: the smaller size of a model sold in two
+# (A100 40/80, V100 16/32), so that a plan made for it fits either.
+GPU_MEMORY_GB = {"h200": 141, "h100": 80, "gh200": 96, "a100": 40, "a40": 48, "a10": 24, "a10g": 24, "l40s": 48,
+                 "l40": 48, "l4": 24, "t4": 16, "v100": 16, "a6000": 48, "rtx6000": 24, "mi300x": 192, "mi250x": 128}
 
 
 class SlurmError(FinetuneError):
@@ -42,6 +47,7 @@ class Partition:
     ram_mb: int | None
     default: bool = False
     gpu_type: str | None = None  # GRES's type (`gpu:a100:8`), when it names one
+    gpu_memory_gb: float | None = None  # GB of one GPU: a node feature's (`h100_80gb`), else its type's; None: unknown
 
 
 @dataclass(frozen=True)
@@ -88,23 +94,40 @@ def _run(command: list[str], what: str) -> str:
     return done.stdout
 
 
+def gpu_memory_gb(features: str, gpu_type: str | None) -> float | None:
+    """GB of one GPU of a node, from its features (`sinfo`'s %f): one that names the GPU (its GRES type, or `gpu`)
+    and ends in its memory (`h100_80gb`, `gpu80g`, `gpumem_80G`); else the type's in `GPU_MEMORY_GB`; else None."""
+    names = ("gpu", gpu_type.lower()) if gpu_type else ("gpu",)
+    for feature in features.lower().split(","):
+        found = re.search(r"(\d+(?:\.\d+)?)gi?b?$", feature.strip())
+        if found and any(n in feature[:found.start()] for n in names):
+            return float(found.group(1))
+    return GPU_MEMORY_GB.get((gpu_type or "").lower())
+
+
 def partitions() -> list[Partition]:
-    """The cluster's partitions (`sinfo`), the default one marked."""
+    """The cluster's partitions (`sinfo`), the default one marked; a partition's GPUs are those of its largest kind
+    of node, their memory the smallest any of its kinds of node says."""
     found: dict[str, Partition] = {}
-    for line in _run(["sinfo", "-h", "-o", "%P|%D|%G|%m"], "list the partitions").splitlines():
+    for line in _run(["sinfo", "-h", "-o", "%P|%D|%G|%m|%f"], "list the partitions").splitlines():
         parts = line.strip().split("|")
-        if len(parts) != 4:
+        if len(parts) != 5:
             continue
-        name, nodes, gres, ram = parts
+        name, nodes, gres, ram, features = parts
         listed = [(int(m.group(2)), m.group(1)) for m in re.finditer(r"gpu(?::([^:,(]+))?:(\d+)", gres)]
         gpus, gpu_type = max(listed, default=(0, None))
         default = name.endswith("*")
         name = name.rstrip("*")
         ram_mb = int(re.sub(r"\D", "", ram)) if re.sub(r"\D", "", ram) else None
+        memory = gpu_memory_gb(features, gpu_type) if gpus else None
         before = found.get(name)  # sinfo lists a partition once per kind of node: keep the largest
+        if before is not None and before.gpu_memory_gb is not None:
+            memory = before.gpu_memory_gb if memory is None else min(memory, before.gpu_memory_gb)
         if before is None or (gpus, int(nodes)) > (before.gpus, before.nodes):
             found[name] = Partition(name, int(nodes), gpus, ram_mb, default or bool(before and before.default),
-                                    gpu_type)
+                                    gpu_type, memory)
+        else:
+            found[name] = dataclasses.replace(before, gpu_memory_gb=memory)
     return list(found.values())
 
 
@@ -154,7 +177,8 @@ def check_request(request: Request) -> Checked:
                            f"--gpus-per-node {request.gpus_per_node} asks for more."])
     time_s = time_seconds(request.time) if request.time else None
     ram = partition.ram_mb / 1000 if partition.ram_mb else None
-    hardware = Hardware(request.nodes, request.gpus_per_node, request.gpu_memory_gb, ram)
+    # --gpu-memory wins over what `sinfo` says (a feature, or the GPU type's size).
+    hardware = Hardware(request.nodes, request.gpus_per_node, request.gpu_memory_gb or partition.gpu_memory_gb, ram)
     return Checked(request, partition, hardware, time_s)
 
 
