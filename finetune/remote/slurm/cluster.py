@@ -191,9 +191,11 @@ def grace_s(time_s: int) -> int:
 def script(checked: Checked, *, run_dir: Path, name: str, workdir: Path, python: str = sys.executable) -> str:
     """The batch script: the shared run folder checked on the first node, `resume=true` when the folder holds a
     checkpoint (a requeued job), then `srun` starting one launcher per node: `accelerate launch` with the first
-    node as the main process and `SLURM_NODEID` as the machine rank, or plain `finetune train` for one process."""
+    node as the main process and `SLURM_NODEID` as the machine rank, or plain `finetune train` for one process.
+    A run that stopped with a new checkpoint at the signal before the time limit requeues the job."""
     r, hw = checked.request, checked.hardware
-    config, log = (shlex.quote(str(run_dir / n)) for n in (CONFIG, LOG))
+    config, log, events = (shlex.quote(str(run_dir / n)) for n in (CONFIG, LOG, "events.jsonl"))
+    steps = shlex.quote(str(run_dir / "checkpoints" / "step-[0-9]*[0-9]"))  # the checkpoints, as a glob
     lines = ["#!/bin/bash", f"#SBATCH --job-name=finetune-{name}", f"#SBATCH --partition={checked.partition.name}",
              f"#SBATCH --nodes={r.nodes}", "#SBATCH --ntasks-per-node=1", f"#SBATCH --chdir={workdir}",
              f"#SBATCH --output={run_dir / LOG}", "#SBATCH --open-mode=append", "#SBATCH --requeue"]
@@ -216,9 +218,10 @@ def script(checked: Checked, *, run_dir: Path, name: str, workdir: Path, python:
         'that every node shares (home or a parallel filesystem), then submit again."',
         "  exit 2",
         "fi",
+        f"newest() {{ compgen -G {steps} | sort | tail -n 1; }}",
         "RESUME=",
         # compgen, not ls: a checkpoint the run is pruning may vanish while ls reads it, and ls then fails.
-        f"if compgen -G {shlex.quote(str(run_dir / 'checkpoints' / 'step-[0-9]*[0-9]'))} >/dev/null; then "
+        f"if compgen -G {steps} >/dev/null; then "
         "RESUME=resume=true",
         # A requeued start before the first checkpoint: what the earlier start wrote is started over.
         'elif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=overwrite=true; fi',
@@ -227,7 +230,20 @@ def script(checked: Checked, *, run_dir: Path, name: str, workdir: Path, python:
         "export MAIN PORT RESUME",
         f"echo \"finetune: job $SLURM_JOB_ID start ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST, main $MAIN:$PORT"
         f"${{RESUME:+, resuming}}\" >> {log}",
+        "NEWEST_BEFORE=$(newest)",
         f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(task)}",
+        "CODE=$?",
+        # The run stopped with a checkpoint (its last event) at the signal before the time limit: a cancel or a
+        # preemption ends this script before it gets here. Requeued, the job starts again with a full time limit
+        # and resumes from it; only when the checkpoint is new, so that a start that cannot reach a step does not
+        # loop. (Its last event, not the exit code: accelerate's launcher exits 1 for a stopped run too.)
+        f'if [ "$CODE" -ne 0 ] && [ "$(newest)" != "$NEWEST_BEFORE" ] && tail -n 1 {events} | grep -q \'"event": '
+        '"stopped"\'; then',
+        f'  echo "finetune: job $SLURM_JOB_ID stopped with a checkpoint before its time limit; requeued to resume '
+        f'from $(basename "$(newest)")" >> {log}',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$CODE"',
     ]
     return "\n".join(lines) + "\n"
 
