@@ -69,7 +69,13 @@ def _job_state(tmp_path: Path, job_id: str = "1000") -> str:
 
 def _controller(runs: Path, python: str):
     ctl = handlers(runs, JobManager(runs, python=python), access=Access())
-    ctl.plan.make_plan = lambda config, *, device="here", request=None: {}  # the planner child is tested elsewhere
+    ctl.plan.plans = []  # what Start planned here: (budget, device)
+
+    def make_plan(config, *, device="here", request=None):  # the planner child is tested elsewhere
+        ctl.plan.plans.append((config.memory_budget_gb, device))
+        return {}
+
+    ctl.plan.make_plan = make_plan
     return ctl
 
 
@@ -159,7 +165,8 @@ def test_a_slurm_run_starts_is_followed_again_after_a_restart_and_stop_cancels_i
     fake.chmod(0o755)
     runs = Path("runs")
     ctl = _controller(runs, str(fake))
-    values = config_to_values(from_dict({"dataset": cls_csv, "effective_batch_size": 8, "eval_fraction": 0.0}))
+    values = config_to_values(from_dict({"dataset": cls_csv, "effective_batch_size": 8, "eval_fraction": 0.0,
+                                         "memory_budget_gb": 4}))
     try:
         refused = ctl.run.start_on("slurm", *values, "two", 0, "", "")
         assert not refused.started and refused.message == "Nodes is 'two': give a whole number."
@@ -172,6 +179,8 @@ def test_a_slurm_run_starts_is_followed_again_after_a_restart_and_stop_cancels_i
         assert argv == ["-m", "finetune", "train", str(run_dir / "launch.yaml"), "--backend", "slurm", "--nodes", "2",
                         "--gpus-per-node", "0", "--partition", "gpu", "--time", "1:00:00", "-q"]
         assert started.command.endswith("--backend slurm --nodes 2 --gpus-per-node 0 --partition gpu --time 1:00:00")
+        # Planned by the launcher for one GPU of the partition, not here for this machine.
+        assert ctl.plan.plans == []
         # What the launcher does next: submit a job and record it in job.json.
         script = tmp_path / "job.sbatch"
         script.write_text("#!/bin/bash\nsleep 120\n")

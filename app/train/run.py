@@ -193,8 +193,10 @@ class RunHandlers:
         return (f"Runs on Hugging Face Jobs' {flavor.describe()}, billed to your account: Plan and Start plan for "
                 f"one of its GPUs ({flavor.budget_gib:g} GiB).")
 
-    def _refused(self, config: Config, user: str | None, request: Any, flavor: Flavor | None) -> Started | Path:
-        """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder."""
+    def _refused(self, config: Config, user: str | None, request: Any, flavor: Flavor | None,
+                 launch: JobLaunch | None = None) -> Started | Path:
+        """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder. A run
+        on another backend than Jobs is planned by its launcher, for that backend's GPU (not this machine's)."""
         state = self.state
         home = state.access.home(state.runs_dir, user)
         try:
@@ -217,7 +219,7 @@ class RunHandlers:
             planned, device = job_config(config, flavor), "cuda"
         else:
             planned, device = config, "here"
-        if planned.memory_budget_gb is not None:
+        if planned.memory_budget_gb is not None and (launch is None or flavor is not None):
             # The plan's checks before any folder is made: an impossible budget is refused here, in the form,
             # rather than by the run a few seconds after it started.
             try:
@@ -251,7 +253,7 @@ class RunHandlers:
 
     def _start_checked(self, config: Config, user: str | None, request: Any, flavor: Flavor | None,
                        launch: JobLaunch | None) -> Started:
-        run_dir = self._refused(config, user, request, flavor)
+        run_dir = self._refused(config, user, request, flavor, launch)
         if isinstance(run_dir, Started):
             return run_dir
         if taken := self.state.jobs.taken(run_dir):
