@@ -185,13 +185,13 @@ def test_a_preempted_job_resumes_and_ends_as_an_uninterrupted_run(slurm, tmp_pat
 def test_the_signal_before_the_time_limit_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(slurm, tmp_path,
                                                                                                   tiny_bert, cls_csv):
     """`--time 1:00:00` asks Slurm for SIGTERM 360 s before the limit (`--signal=TERM@360`; the stand-in's clock
-    sped up 250 times: 13 s after each start): the run saves a checkpoint and stops, the batch script requeues the
+    sped up 333 times: 9.7 s after each start): the run saves a checkpoint and stops, the batch script requeues the
     job, and its next start resumes from that checkpoint."""
     cfg = tmp_path / "long.yaml"
     cfg.write_text(yaml.safe_dump({**COMMON, "model": tiny_bert, "dataset": cls_csv, "epochs": 1000,
                                    "effective_batch_size": 8, "output_dir": str(tmp_path / "run")}))
     proc = _finetune(["train", str(cfg), "-q", "--backend", "slurm", "--gpus-per-node", "0", "--time", "1:00:00",
-                      "--detach"], {**slurm, "FAKE_SLURM_TIME_SCALE": "0.004"})
+                      "--detach"], {**slurm, "FAKE_SLURM_TIME_SCALE": "0.003"})
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
     assert "#SBATCH --signal=TERM@360" in (tmp_path / "run" / "slurm.sbatch").read_text()
