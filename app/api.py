@@ -118,7 +118,8 @@ class ScriptApi:
 
     def start(self, config: str | dict[str, Any], request: gr.Request, run_on: str = "local") -> StartResult:
         """Start training `config` (YAML text, or a mapping of config options) as a `finetune train` child process,
-        on this machine (`run_on` "local") or on a Hugging Face Jobs flavor (`run_on` "a10g-large", …)."""
+        on this machine (`run_on` "local"), on a Hugging Face Jobs flavor (`run_on` "a10g-large", …) or another
+        entry of the page's Run on list (`slurm`: with its defaults, one node and one GPU)."""
         try:
             parsed = self._read(config, request)
         except (ConfigError, Unanswered) as e:

@@ -220,7 +220,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
             with gr.Tab("Train", id="train", elem_id="tab-train"):
                 # The models on this machine as the page is built (a shared server: only hub ids, from the cache).
                 models = model_choices(runs_dir=runs_dir, shared=access.shared)
-                train = create_train_tab(Form(initial, memory, data, models))
+                train = create_train_tab(Form(initial, memory, data, models), h.state.remote.choices())
             with gr.Tab("Try it", id="try", elem_id="tab-try"):
                 tryit = create_tryit_tab()
             with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:

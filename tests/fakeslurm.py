@@ -3,19 +3,24 @@ Python program (`fakeslurm.py COMMAND …`), put on the PATH by `install` as she
 `$FAKE_SLURM_DIR/jobs/ID.json`; each job's batch script runs in a detached runner process, and `srun` starts one
 process per "node" (node i is 127.0.0.(i+1), all on this machine), so a multi-node job really trains over gloo.
 `scancel` ends a job (CANCELLED); `scontrol requeue` preempts it: its processes get SIGTERM, and the script starts
-again with SLURM_RESTART_COUNT one higher, as Slurm does for a `--requeue` job."""
+again with SLURM_RESTART_COUNT one higher, as Slurm does for a `--requeue` job. A job with `--time` and
+`--signal=[B:]SIG@OFFSET` gets SIG that long before its limit (to its steps, `srun`, or with `B:` to the batch
+script), on a clock sped up by `FAKE_SLURM_TIME_SCALE` (real seconds per Slurm second, default 1); the limit itself
+is not enforced."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-PARTITIONS = "debug*|2|(null)|16000\ngpu|4|gpu:a100:8|512000\n"
+# As `sinfo -h -o "%P|%D|%G|%m|%f"` prints them: partition, nodes, GRES, RAM (MB), node features.
+PARTITIONS = "debug*|2|(null)|16000|(null)\ngpu|4|gpu:h100:8(S:0-1)|512000|h100,h100_80gb,ib\n"
 COMMANDS = ("sbatch", "squeue", "sacct", "scancel", "scontrol", "srun", "sinfo")
 
 
@@ -74,6 +79,30 @@ def sbatch(argv: list[str]) -> int:
     return 0
 
 
+def _signal_at(options: dict[str, str]) -> tuple[float, signal.Signals, bool] | None:
+    """When (real seconds after a start) and which signal `--signal` sends before `--time`, and whether to the
+    batch script; None without both."""
+    found = re.fullmatch(r"(B:)?(\w+)@(\d+)", options.get("signal", ""))
+    if not found or not options.get("time"):
+        return None
+    parts = [int(x) for x in re.split(r"[-:]", options["time"])]
+    limit_s = {1: 60 * parts[0], 2: 60 * parts[0] + parts[1], 3: 3600 * parts[0] + 60 * parts[1] + parts[2]}[len(parts)]
+    name = found.group(2) if found.group(2).startswith("SIG") else f"SIG{found.group(2)}"
+    scale = float(os.environ.get("FAKE_SLURM_TIME_SCALE", "1"))
+    return (limit_s - int(found.group(3))) * scale, signal.Signals[name], bool(found.group(1))
+
+
+def _send_before_limit(job_id: str, child: subprocess.Popen, when: tuple[float, signal.Signals, bool]) -> None:
+    """Slurm's signal before the time limit: to the batch script, or to the job's step (the `srun` running now)."""
+    _, sig, to_batch = when
+    step = _jobs() / f"{job_id}.step"
+    pid = child.pid if to_batch or not step.is_file() else int(step.read_text())
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _run(job_id: str) -> int:
     """The job's life: its script, again after each requeue, until it ends or is cancelled."""
     asked: list[str] = []
@@ -91,15 +120,21 @@ def _run(job_id: str) -> int:
         with open(output, "a") as log:
             child = subprocess.Popen(["bash", job["script"]], cwd=options.get("chdir") or None, env=env,
                                      stdout=log, stderr=log, start_new_session=True)
+            started, when = time.monotonic(), _signal_at(options)
             while child.poll() is None and not asked:
+                if when is not None and time.monotonic() - started >= when[0]:
+                    _send_before_limit(job_id, child, when)
+                    when = None  # once per start
                 time.sleep(0.1)
             if asked:  # Slurm signals every process of the job, then kills what is left
-                os.killpg(child.pid, signal.SIGTERM)
                 try:
+                    os.killpg(child.pid, signal.SIGTERM)  # gone already: the script requeued itself and exited
                     child.wait(timeout=30)
+                except ProcessLookupError:
+                    pass
                 except subprocess.TimeoutExpired:
                     os.killpg(child.pid, signal.SIGKILL)
-                    child.wait()
+                child.wait()
         job = _load(job_id)
         if asked and asked[-1] == "requeue":
             asked.clear()
@@ -114,6 +149,8 @@ def srun(argv: list[str]) -> int:
     """One task per node, each with its SLURM_PROCID/SLURM_NODEID; the first to fail ends the others."""
     command = [a for a in argv if not a.startswith("--")]
     nodes = int(os.environ.get("SLURM_NNODES", "1"))
+    if os.environ.get("SLURM_JOB_ID"):  # where the runner finds the job's step, to signal it before the limit
+        (_jobs() / f"{os.environ['SLURM_JOB_ID']}.step").write_text(str(os.getpid()))
     tasks = [subprocess.Popen(command, env={**os.environ, "SLURM_PROCID": str(i), "SLURM_NODEID": str(i),
                                            "SLURM_LOCALID": "0", "SLURMD_NODENAME": f"127.0.0.{i + 1}"})
              for i in range(nodes)]

@@ -57,13 +57,33 @@ def test_what_slurm_would_reject_is_one_sentence(slurm, tmp_path, tiny_bert, cls
     assert "--nodes is an option of --backend slurm" in capsys.readouterr().err
     assert main([*base, "--partition", "gpu", "--gpu-memory", "0.1"]) == 2  # the plan, for one of its GPUs
     err = capsys.readouterr().err
-    assert err.startswith("error: Not sent to Slurm: on partition gpu (1 × A100, 0.09 GiB per GPU) nothing fits ")
+    assert err.startswith("error: Not sent to Slurm: on partition gpu (1 × H100, 0.09 GiB per GPU) nothing fits ")
     assert err.rstrip().endswith("choose a partition with more GPU memory (`sinfo` lists them), or give --gpu-memory "
                                  "its GPUs' GB.") and err.count("\n") == 1
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert main(base) == 2
     assert "Slurm's sbatch is not on the PATH" in capsys.readouterr().err
     assert not (tmp_path / "run").exists() and not (tmp_path / "slurm-state" / "jobs").exists()
+
+
+def test_the_plan_is_for_one_gpu_of_the_partition_as_sinfo_describes_it(slurm, tiny_bert, cls_csv):
+    """Without --gpu-memory, a GPU's memory is read from `sinfo`: a node feature that names the GPU and ends in its
+    size (`h100_80gb`), else the size of its GRES type (the smaller of a model sold in two); the launcher plans
+    the job for one of them (80 GB: 74.51 GiB)."""
+    from finetune.config.schema import from_dict
+    from finetune.remote.slurm.run import _planned
+
+    assert [cluster.gpu_memory_gb(f, t) for f, t in (("h100,h100_80gb,ib", "h100"), ("skylake,gpumem_94G", None),
+                                                     ("ram512g,a100", "a100"), ("ram512g", "mystery"))] == \
+        [80.0, 94.0, 40.0, None]
+    (debug, gpu) = cluster.partitions()
+    assert (gpu.name, gpu.gpus, gpu.gpu_type, gpu.gpu_memory_gb) == ("gpu", 8, "h100", 80.0)
+    assert debug.default and debug.gpu_memory_gb is None
+    checked = cluster.check_request(cluster.Request(partition="gpu", gpus_per_node=2))
+    assert checked.hardware.gpu_memory_gb == 80.0
+    assert cluster.check_request(cluster.Request(partition="gpu", gpu_memory_gb=40)).hardware.gpu_memory_gb == 40
+    planned = _planned(from_dict({"model": tiny_bert, "dataset": cls_csv}), checked)
+    assert planned.memory_budget_gb == 74.51
 
 
 def test_time_limits_read_as_slurm_writes_them():
@@ -80,7 +100,7 @@ def test_batch_script_launches_one_accelerate_per_node(slurm, tmp_path):
                  "#SBATCH --time=4:00:00", "#SBATCH --signal=TERM@600",
                  'MAIN=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'):
         assert line in text.splitlines()
-    srun = text.splitlines()[-1]
+    (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
     assert srun.startswith("srun --kill-on-bad-exit=1 bash -c ")
     assert ("--num_machines 2 --machine_rank $SLURM_NODEID --num_processes 16 --main_process_ip $MAIN "
             "--main_process_port $PORT") in srun and f"train {tmp_path / 'run' / 'slurm.yaml'} $RESUME -q" in srun
@@ -159,6 +179,45 @@ def test_a_preempted_job_resumes_and_ends_as_an_uninterrupted_run(slurm, tmp_pat
     steps = {e["step"]: e["loss"] for e in events if e["event"] == "step"}  # the resumed run's, by step
     torch.testing.assert_close(list(steps.values()), step_losses(one_events), rtol=0, atol=1e-6)
     assert_same_weights(load_weights(tmp_path / "run"), one)
+
+
+@pytest.mark.slow
+def test_the_signal_before_the_time_limit_saves_a_checkpoint_and_the_requeued_job_resumes_from_it(slurm, tmp_path,
+                                                                                                  tiny_bert, cls_csv):
+    """`--time 1:00:00` asks Slurm for SIGTERM 360 s before the limit (`--signal=TERM@360`; the stand-in's clock
+    sped up 333 times: 9.7 s after each start): the run saves a checkpoint and stops, the batch script requeues the
+    job, and its next start resumes from that checkpoint."""
+    cfg = tmp_path / "long.yaml"
+    cfg.write_text(yaml.safe_dump({**COMMON, "model": tiny_bert, "dataset": cls_csv, "epochs": 1000,
+                                   "effective_batch_size": 8, "output_dir": str(tmp_path / "run")}))
+    proc = _finetune(["train", str(cfg), "-q", "--backend", "slurm", "--gpus-per-node", "0", "--time", "1:00:00",
+                      "--detach"], {**slurm, "FAKE_SLURM_TIME_SCALE": "0.003"})
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "#SBATCH --signal=TERM@360" in (tmp_path / "run" / "slurm.sbatch").read_text()
+
+    def resumed() -> list[dict]:
+        events = read_events(tmp_path / "run" / "events.jsonl")
+        starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+        return events if len(starts) > 1 and events[-1]["event"] == "step" and events[-1]["step"] > 0 and \
+            starts[-1] < len(events) - 1 else []
+
+    deadline = time.monotonic() + 240
+    try:
+        while not (events := resumed()):
+            assert time.monotonic() < deadline, (tmp_path / "run" / "slurm.log").read_text()[-3000:]
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", "1000"], check=True)
+    second = [i for i, e in enumerate(events) if e["event"] == "start"][1]
+    stopped = [e for e in events[:second] if e["event"] == "stopped"]
+    saved = [e["step"] for e in events[:second] if e["event"] == "checkpoint"]
+    assert stopped and saved and saved[-1] == stopped[-1]["step"] > 0
+    assert [e["step"] for e in events[second:] if e["event"] == "step"][0] == saved[-1] + 1
+    log = (tmp_path / "run" / "slurm.log").read_text()
+    assert (f"finetune: job 1000 stopped with a checkpoint before its time limit; requeued to resume from "
+            f"step-{saved[-1]:07d}") in log
+    assert "finetune: job 1000 start 1 on 127.0.0.1, main 127.0.0.1:" in log and "resuming" in log
 
 
 def test_the_run_panel_says_where_each_backend_runs(tmp_path):

@@ -60,8 +60,8 @@ class JobClient:
                 raise JobBusy(other)
             if launch is not None:
                 if self.training.queue.entries():
-                    raise JobBusy("Runs are waiting in this app's queue, and a Hugging Face Jobs run is not queued "
-                                  "(its token is kept nowhere): start it when the queue is empty.")
+                    raise JobBusy("Runs are waiting in this app's queue, and a run elsewhere (Run on) is not queued "
+                                  "(a Hugging Face Jobs token is kept nowhere): start it when the queue is empty.")
                 self.training.start(config_path, run_dir, launch.args, owner=owner, env=launch.env)
                 return 0
             return self.training.submit(config_path, run_dir, owner=owner)

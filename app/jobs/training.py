@@ -172,7 +172,7 @@ class JobManager:
 
     def follow_job(self, run_dir: Path, owner: str | None = None, env: dict[str, str] | None = None,
                    launched: float | None = None) -> JobStatus:
-        """Re-attach to the Hugging Face Job of `run_dir` (`finetune jobs follow RUN -q`: it mirrors the job's
+        """Re-attach to the job of `run_dir` on its backend (`finetune jobs follow RUN -q`: it follows the job's
         events and ends as the job does), as the current run; events from `launched` on are this session's."""
         command = [self.python, "-m", "finetune", "jobs", "follow", str(run_dir), "-q"]
         return self._launch(command, run_dir / "config.yaml", run_dir, owner, env, launched, reattach=True)

@@ -12,6 +12,12 @@ job) and the Runs tab work as they do for a local run. Whose job it is:
 - Locally, the one user's (their `HF_TOKEN` or `hf auth login`), as on the command line.
 - On any other shared server (accounts, `--no-auth`), nobody's: a job would be billed to whoever runs the server.
 
+A backend that runs on this machine's own account (`on_host`: Slurm, through the cluster this machine logs in to)
+is the app's owner's: offered locally, never on a Space (its visitors would run commands on the host's cluster),
+and on a shared server only when its owner lists it in `FINETUNE_BACKENDS` (e.g. `FINETUNE_BACKENDS=slurm`). Its
+child is a local run's (`finetune train … --backend NAME …` in the app's environment); Stop, re-attaching and the
+Run panel work as for Jobs, through the backend job.json names.
+
 A launcher that went away (the app restarted) is replaced by `finetune jobs follow RUN -q`, once per app process,
 when the run's owner next asks (a page load or the poll, the API's status) with a token to follow it with.
 """
@@ -27,10 +33,14 @@ from typing import Any
 
 from app.access import Access, AccessError
 from app.jobs.training import JobBusy, JobManager, JobStatus
+from app.remote.choice import backend_of, flavor_of, launch_arguments, run_on_choices
 from finetune.errors import FinetuneError
+from finetune.remote import backend
+from finetune.remote.backend import Backend
 from finetune.remote.flavors import Flavor
-from finetune.remote.jobfile import is_remote_run, read_job
+from finetune.remote.jobfile import is_remote_run
 
+BACKENDS_VAR = "FINETUNE_BACKENDS"  # the backends on the host's own account a shared server offers (`slurm`)
 IMAGE_VAR = "FINETUNE_JOBS_IMAGE"  # the image a job runs (default on a Space: the Space's own)
 JOBS_SCOPE = "jobs"  # the OAuth scope that lets the Space start jobs for its user (README.md's hf_oauth_scopes)
 NO_TOKEN = ("Sign in with Hugging Face to run on Hugging Face Jobs: the job runs in your account, with your token, "
@@ -45,6 +55,10 @@ NO_IMAGE = (f"Hugging Face Jobs needs an image with finetune in it: set {IMAGE_V
 NO_LOCAL_TOKEN = ("Hugging Face Jobs needs your Hugging Face token (write access and the `jobs` permission): set "
                   "HF_TOKEN or run `hf auth login` where the app runs, then start again.")
 OFFLINE = "Hugging Face Jobs needs the network, but HF_HUB_OFFLINE is set where the app runs: unset it to use Jobs."
+ON_SPACE = ("{title} is not offered on a Space: its jobs would run on the Space's own machine and account. Run on "
+            "this machine, or use the app on the cluster's login node.")
+NOT_ENABLED = ("{title} is not offered on this server: its jobs run with the server's own account. Its owner can "
+               f"offer it with {BACKENDS_VAR}={{name}}.")
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,7 @@ class JobLaunch:
 
     args: list[str]
     env: dict[str, str] | None
+    title: str = ""  # where it runs, said by Start, for a backend other than Jobs (whose flavor says more)
 
 
 def _on(value: str | None) -> bool:
@@ -108,6 +123,46 @@ class RemoteRuns:
             args += ["--namespace", user]  # the signed-in user's own account, whatever else their token may reach
         return JobLaunch(args, env)
 
+    def refusal(self, chosen: Backend) -> str:
+        """Why this app does not offer a backend on this machine's own account (`on_host`); "" when it does."""
+        if not chosen.on_host:
+            return ""
+        if self.access.mode == "space":
+            return ON_SPACE.format(title=chosen.title)
+        enabled = {n.strip() for n in (self.env.get(BACKENDS_VAR) or "").split(",")}
+        if self.access.shared and chosen.name not in enabled:
+            return NOT_ENABLED.format(title=chosen.title, name=chosen.name)
+        return ""
+
+    def choices(self) -> list[tuple[str, str]]:
+        """The Run on list of this app: `run_on_choices` less the entries of a backend it does not offer."""
+        return [(label, value) for label, value in run_on_choices()
+                if (chosen := backend_of(value)) is None or not self.refusal(chosen)]
+
+    def launch(self, run_on: str | None, fields: dict[str, Any], user: str | None, request: Any) -> JobLaunch | None:
+        """What `finetune train` gets for a Run on choice (None: this machine): a Jobs flavor's as `prepare` says,
+        another backend's options from its form's `fields`; `AccessError` or `ConfigError` (one sentence) when the
+        caller cannot run there."""
+        chosen = backend_of(run_on)
+        if chosen is None:
+            return None
+        flavor = flavor_of(run_on)
+        if flavor is not None:
+            return self.prepare(flavor, user, request)
+        if refused := self.refusal(chosen):
+            raise AccessError(refused)
+        return JobLaunch(launch_arguments(str(run_on), fields), None, chosen.title)  # a local run's child
+
+    def _follow_env(self, run_dir: Path, request: Any) -> dict[str, str] | None:
+        """The environment a follower of the run's job gets: the caller's token for Jobs, the app's own for a
+        backend on this machine's account (`AccessError` when this app does not offer it)."""
+        chosen = backend.of_run(run_dir)
+        if chosen.on_host:
+            if refused := self.refusal(chosen):
+                raise AccessError(refused)
+            return None
+        return self._token_env(request)
+
     # --- a job whose launcher went away
     def reattach(self, training: JobManager, status: JobStatus, user: str | None, request: Any) -> bool:
         """Follow the caller's job again (`finetune jobs follow`) when its launcher is gone and the job's end is
@@ -118,8 +173,8 @@ class RemoteRuns:
         if not self.access.owns(user, status.owner):
             return False
         try:
-            job = read_job(run_dir)
-            env = self._token_env(request)
+            job = backend.read_job(run_dir)
+            env = self._follow_env(run_dir, request)
         except (AccessError, FinetuneError):
             return False
         if job.get("outcome") is not None:
@@ -138,6 +193,12 @@ class RemoteRuns:
         job billing."""
         if status.run_dir is None or not is_remote_run(status.run_dir):
             return ""
+        try:
+            chosen = backend.of_run(status.run_dir)
+        except FinetuneError:
+            return ""
+        if chosen.on_host:
+            return self._cancel_on_host(chosen, status.run_dir)
         from huggingface_hub.errors import HTTPError as HubNetworkError
 
         from finetune.remote import hfjobs
@@ -157,6 +218,15 @@ class RemoteRuns:
             return "The job on Hugging Face Jobs is cancelled: its billing stops."
         return (f"⚠️ The app could not cancel the job on Hugging Face Jobs ({reason.rstrip('.')}): cancel it on its "
                 f"page, {job.url}, or it runs on, billed to its account.")
+
+    def _cancel_on_host(self, chosen: Backend, run_dir: Path) -> str:
+        """Cancel a job on this machine's account (`scancel`): what happened, in a sentence."""
+        try:
+            said = chosen.cancel(run_dir)
+        except FinetuneError as e:
+            return (f"⚠️ The app could not cancel the job on {chosen.title} ({str(e).rstrip('.')}): "
+                    f"`finetune jobs cancel {run_dir}` cancels it.")
+        return f"The job on {chosen.title} is cancelled ({said})."
 
 
 def job_status(status: JobStatus) -> JobStatus:

@@ -17,6 +17,8 @@ import yaml
 from app import charts, report
 from app.jobs.training import ENDED
 from finetune.config.schema import ConfigError, from_dict, read_yaml
+from finetune.errors import FinetuneError
+from finetune.remote import backend
 from finetune.run.events import read_events
 from finetune.run.rundir import LAUNCH_FILES, MARKER, checkpoints, clear_run_dir, is_finished
 
@@ -42,6 +44,7 @@ class RunInfo:
     finished: float | None
     resumable: bool
     position: int | None = None  # its place in the queue, while it waits there (state "queued")
+    ran_on: str = ""  # the backend its job.json names, in words ("Slurm"); "" for this machine
     events: list[dict[str, Any]] = field(repr=False, default_factory=list)
 
     @property
@@ -80,6 +83,16 @@ def ended_as(path: Path) -> str | None:
     return said[-1] if said and said[-1] in ("stopped", "failed", "done") else None
 
 
+def ran_on(path: Path) -> str:
+    """Where the run trained, when not on this machine: the title of the backend its job.json names."""
+    if not (path / "job.json").is_file():
+        return ""
+    try:
+        return backend.of_run(path).title
+    except FinetuneError:  # damaged, or written by another version: the run is still listed
+        return ""
+
+
 def run_info(path: Path, current: Any = None, position: int | None = None) -> RunInfo:
     """What `path` holds: its state (the job manager's `current` status when it is that run, "queued" at
     `position` in the queue), last step, final metrics and times, from its events."""
@@ -110,7 +123,7 @@ def run_info(path: Path, current: Any = None, position: int | None = None) -> Ru
                    step=step, total=starts[-1].get("total_steps") if starts else None, metrics=metrics,
                    started=stamp, finished=final.get("time") if final and state in ("done", "stopped", "failed")
                    else None, resumable=state in ("stopped", "failed") and not finished and bool(checkpoints(path)),
-                   position=position if state == "queued" else None, events=events)
+                   position=position if state == "queued" else None, ran_on=ran_on(path), events=events)
 
 
 def list_runs(home: Path, current: Any = None, queued: dict[Path, int] | None = None) -> list[RunInfo]:
@@ -156,8 +169,8 @@ def runs_html(frame: pd.DataFrame) -> str:
 
 
 def status_title(run: RunInfo) -> str:
-    """The run's status as the table shows it: "Stopped (resumable)", "Queued (position 2)"."""
-    title = report.STATE_TITLES.get(run.state, run.state)
+    """The run's status as the table shows it: "Stopped (resumable)", "Queued (position 2)", "Done on Slurm"."""
+    title = report.STATE_TITLES.get(run.state, run.state) + (f" on {run.ran_on}" if run.ran_on else "")
     if run.position is not None:
         return f"{title} (position {run.position})"
     return title + (" (resumable)" if run.resumable else "")

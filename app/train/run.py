@@ -18,6 +18,7 @@ from app.jobs.planner import PLANNER_SLOW
 from app.jobs.training import JobBusy, JobStatus
 from app.mapping import (
     COLUMN_FIELDS,
+    FIELD_NAMES,
     changed_options,
     config_yaml,
     field_problems,
@@ -25,7 +26,7 @@ from app.mapping import (
     problems_text,
     values_to_config,
 )
-from app.remote.choice import LOCAL, flavor_of, run_on_choices
+from app.remote.choice import LOCAL, backend_fields, backend_of, flavor_of, run_on_choices
 from app.remote.jobs import JobLaunch
 from app.report import display_path, queued_words, shown_path
 from app.results import Unanswered
@@ -150,27 +151,40 @@ class RunHandlers:
         return self.start_on(LOCAL, *values, request=request)
 
     def start_on(self, run_on: str, *values: Any, request: Any = None) -> Started:
-        """Start the form's config where the form's "Run on" says: this machine, or a Hugging Face Jobs flavor."""
+        """Start the form's config where the form's "Run on" says: this machine, a Hugging Face Jobs flavor, or
+        another backend; `values` are the form's (`FIELD_NAMES`' order), then on the page the backends' own fields
+        (`backend_fields`' order)."""
+        values, extra = values[:len(FIELD_NAMES)], values[len(FIELD_NAMES):]
+        fields = {f.option: v for (_, f), v in zip(backend_fields(), extra, strict=False)}
         try:
             config = values_to_config(values)
         except ConfigError as e:
             return Started(started=False, message=problems_text(e), fields=self.notes.notes(field_problems(e)))
-        started = self.start_run(config, request=request, run_on=run_on)
+        started = self.start_run(config, request=request, run_on=run_on, fields=fields)
         # A refusal that names an option (`output_dir` outside the runs folder, a dataset that is not an upload) is
         # shown at that field too.
         refused = {} if started.started or started.queued else field_problems(ConfigError([started.message]))
         return dataclasses.replace(started, fields=self.notes.notes(refused))
 
+    def backend_form(self, run_on: str, *, request: Any = None) -> dict[str, Any]:
+        """The chosen backend's own fields shown, the others hidden (`backend_form_shown`)."""
+        return backend_form_shown(run_on)
+
     def run_on_note(self, run_on: str, *, request: Any = None) -> str:
         """What picking `run_on` means, said when it is picked rather than at Start: for a Hugging Face Jobs flavor,
         why this user cannot start a job here (offline, no token, …), or that Plan plans for its GPU."""
         try:
-            flavor = flavor_of(run_on)
-            if flavor is None:
+            chosen, flavor = backend_of(run_on), flavor_of(run_on)
+            if chosen is None:
                 return ""
             user, refusal = self.state.policy.who(request)
             if refusal:
                 raise AccessError(refusal)
+            if flavor is None:  # another backend: its own refusal here, else where it runs
+                if refused := self.state.remote.refusal(chosen):
+                    raise AccessError(refused)
+                return (f"Runs on {chosen.title}, with the options below: the launcher checks them and plans for "
+                        "one of its GPUs before it submits the job.")
             self.state.remote.prepare(flavor, user, request)
         except ConfigError as e:
             return f"⚠️ {problems_text(e)}"
@@ -179,8 +193,10 @@ class RunHandlers:
         return (f"Runs on Hugging Face Jobs' {flavor.describe()}, billed to your account: Plan and Start plan for "
                 f"one of its GPUs ({flavor.budget_gib:g} GiB).")
 
-    def _refused(self, config: Config, user: str | None, request: Any, flavor: Flavor | None) -> Started | Path:
-        """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder."""
+    def _refused(self, config: Config, user: str | None, request: Any, flavor: Flavor | None,
+                 launch: JobLaunch | None = None) -> Started | Path:
+        """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder. A run
+        on another backend than Jobs is planned by its launcher, for that backend's GPU (not this machine's)."""
         state = self.state
         home = state.access.home(state.runs_dir, user)
         try:
@@ -203,7 +219,7 @@ class RunHandlers:
             planned, device = job_config(config, flavor), "cuda"
         else:
             planned, device = config, "here"
-        if planned.memory_budget_gb is not None:
+        if planned.memory_budget_gb is not None and (launch is None or flavor is not None):
             # The plan's checks before any folder is made: an impossible budget is refused here, in the form,
             # rather than by the run a few seconds after it started.
             try:
@@ -214,16 +230,17 @@ class RunHandlers:
                                    form_message=f"Not started (nothing was written): {in_form_words(str(e))}")
         return run_dir
 
-    def start_run(self, config: Config, *, request: Any = None, run_on: str | None = None) -> Started:
-        """Check who asks, where the run goes (`run_on`: this machine, or a Hugging Face Jobs flavor: who pays for
-        it), the server's limits and disk, the data and the run directory, write the YAML into it and start
-        `finetune train` (with `--backend hf-jobs --flavor F` on Jobs)."""
+    def start_run(self, config: Config, *, request: Any = None, run_on: str | None = None,
+                  fields: dict[str, Any] | None = None) -> Started:
+        """Check who asks, where the run goes (`run_on`: this machine, a Hugging Face Jobs flavor: who pays for
+        it, or another backend with its form's `fields`), the server's limits and disk, the data and the run
+        directory, write the YAML into it and start `finetune train` (with `--backend NAME …` elsewhere)."""
         user, refusal = self.state.policy.who(request)
         if refusal:
             return Started(started=False, message=refusal)
         try:
             flavor = flavor_of(run_on)
-            launch = self.state.remote.prepare(flavor, user, request) if flavor is not None else None
+            launch = self.state.remote.launch(run_on, fields or {}, user, request)
         except (ConfigError, AccessError) as e:
             return Started(started=False, message=problems_text(e) if isinstance(e, ConfigError) else str(e))
         try:
@@ -236,7 +253,7 @@ class RunHandlers:
 
     def _start_checked(self, config: Config, user: str | None, request: Any, flavor: Flavor | None,
                        launch: JobLaunch | None) -> Started:
-        run_dir = self._refused(config, user, request, flavor)
+        run_dir = self._refused(config, user, request, flavor, launch)
         if isinstance(run_dir, Started):
             return run_dir
         if taken := self.state.jobs.taken(run_dir):
@@ -262,6 +279,8 @@ class RunHandlers:
                            command=command, message=f"{queued_words(position)} Reproduce from a terminal with "
                                                     f"`{command}`.")
         where = f" on Hugging Face Jobs ({flavor.describe()}, billed to your account)" if flavor else ""
+        if launch is not None and launch.title:
+            where = f" on {launch.title}"
         return Started(started=True, message=f"Started{where}. Reproduce from a terminal with `{command}`.",
                        run_dir=shown, command=command)
 
@@ -324,7 +343,9 @@ class RunHandlers:
 class RunPanel:
     """The Run panel and the Results under it."""
 
-    run_on: Any  # this machine, or a Hugging Face Jobs flavor
+    run_on: Any  # this machine, or an entry of a backend (a Hugging Face Jobs flavor, Slurm)
+    backend_groups: dict[str, Any]  # backend name → the group of its own fields, shown while it is chosen
+    backend_inputs: list[Any]  # those fields, in `backend_fields`' order (Start's first inputs after Run on)
     start: Any
     stop: Any
     resume: Any
@@ -342,14 +363,42 @@ class RunPanel:
     run_dir: Any
 
 
-def build_run_panel() -> RunPanel:
-    """The Run panel (Start, Stop, Resume, progress, the loss chart, the log) and Results, in the open column."""
+def _backend_form() -> tuple[dict[str, Any], list[Any]]:
+    """Each backend's own fields (a number or a text box), in a group hidden until one of its entries is chosen."""
+    groups: dict[str, Any] = {}
+    inputs: list[Any] = []
+    for chosen, f in backend_fields():
+        if chosen.name not in groups:
+            groups[chosen.name] = gr.Group(visible=False, elem_id=f"run-on-{chosen.name}")
+        with groups[chosen.name]:
+            widget = gr.Number if f.kind in (int, float) else gr.Textbox
+            extra = {"precision": 0} if f.kind is int else {}
+            inputs.append(widget(label=f.label, info=f.info, elem_id=f"run-on-{f.option.replace('_', '-')}",
+                                 **extra))
+    return groups, inputs
+
+
+def backend_form_shown(run_on: str | None) -> dict[str, Any]:
+    """The backends' field groups for a Run on choice: the chosen backend's shown, the others hidden."""
+    try:
+        chosen = backend_of(run_on)
+    except ConfigError:
+        chosen = None
+    names = dict.fromkeys(b.name for b, _ in backend_fields())
+    return {name: gr.update(visible=chosen is not None and chosen.name == name) for name in names}
+
+
+def build_run_panel(choices: list[tuple[str, str]] | None = None) -> RunPanel:
+    """The Run panel (Run on with each backend's own fields, Start, Stop, Resume, progress, the loss chart, the log)
+    and Results, in the open column; `choices`: the Run on list this app offers (default: every entry)."""
     with gr.Column(variant="panel"):
         gr.Markdown("## Run")
-        run_on = gr.Dropdown(run_on_choices(), value=LOCAL, label="Run on", elem_id="run-on",
-                             info="This machine, or a GPU of Hugging Face Jobs: billed by the minute to your own "
-                             "Hugging Face account (on a Space, the one you signed in with); the plan is made for "
-                             "its GPU memory before anything is sent.")
+        run_on = gr.Dropdown(choices or run_on_choices(), value=LOCAL, label="Run on", elem_id="run-on",
+                             info="This machine, or elsewhere: a GPU of Hugging Face Jobs (billed by the minute to "
+                             "your own Hugging Face account; on a Space, the one you signed in with), or a cluster "
+                             "this machine submits jobs to; the plan is made for its GPU memory before anything is "
+                             "sent.")
+        backend_groups, backend_inputs = _backend_form()
         with gr.Row():
             start = gr.Button("Start training", variant="primary", elem_id="start-button")
             stop = gr.Button("Stop", variant="stop", interactive=False)
@@ -372,6 +421,7 @@ def build_run_panel() -> RunPanel:
         # A kind that generates while it trains (GRPO): the latest evaluation's completions and their rewards.
         completions = gr.HTML(visible=False, elem_id="run-completions")
         run_dir = gr.Textbox(label="Run directory", interactive=False)
-    return RunPanel(run_on=run_on, start=start, stop=stop, resume=resume, cancel=cancel, message=message, status=status,
+    return RunPanel(run_on=run_on, backend_groups=backend_groups, backend_inputs=backend_inputs, start=start,
+                    stop=stop, resume=resume, cancel=cancel, message=message, status=status,
                     progress=progress, stats=stats, trackers=trackers, loss=loss, log=log, metrics=metrics,
                     scatter=scatter, completions=completions, run_dir=run_dir)

@@ -75,8 +75,9 @@ class TrainTab:
         return {**self.dataset.shown, "columns": self.form.columns}
 
 
-def create_train_tab(form: Form) -> TrainTab:
-    """The Train tab's widgets, inside the open `gr.Tab`: the config form, panel by panel, and the Run panel."""
+def create_train_tab(form: Form, run_on: list[tuple[str, str]] | None = None) -> TrainTab:
+    """The Train tab's widgets, inside the open `gr.Tab`: the config form, panel by panel, and the Run panel
+    (`run_on`: the places to run this app offers)."""
     with gr.Row(equal_height=False, elem_id="train-row"):
         with gr.Column(scale=5):
             with gr.Column(variant="panel"):
@@ -95,7 +96,7 @@ def create_train_tab(form: Form) -> TrainTab:
                 with gr.Accordion("Advanced", open=False):
                     form.place("advanced")
         with gr.Column(scale=4):
-            run = build_run_panel()
+            run = build_run_panel(run_on)
     return TrainTab(form=form, model_note=model_note, model_fit=model_fit, dataset=dataset, plan=plan, run=run)
 
 
@@ -152,11 +153,13 @@ def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any
                   {"note": run.message, "start_button": run.start, "panel": panel}, show_progress="hidden",
                   js=pressed_js("ft-checking"), **PRIVATE)
     checking.then(None, js=answered_js("ft-checking"))
-    on(checking.success, h.run.start_on, [run.run_on, *values],
+    on(checking.success, h.run.start_on, [run.run_on, *values, *run.backend_inputs],
        {"note": run.message, "dataset_note": tab.dataset.error, "fields": by_name, "start_button": run.start,
         "panel": panel}, show_progress="hidden", **PRIVATE)
     on(run.run_on.change, h.run.run_on_note, run.run_on, {}, outputs=run.message, gate="quiet",
        show_progress="hidden", **PRIVATE)
+    on(run.run_on.change, h.run.backend_form, run.run_on, run.backend_groups, gate="quiet", show_progress="hidden",
+       **PRIVATE)
     on(run.stop.click, h.run.stop, None, {}, outputs=run.message, gate="public", concurrency_limit=None, **PRIVATE)
     on(run.resume.click, h.run.resume, None, {}, outputs=run.message, **PRIVATE)
     on(run.cancel.click, h.run.cancel, None, {}, outputs=run.message, **PRIVATE)

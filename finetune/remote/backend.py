@@ -8,6 +8,11 @@ follow|status|cancel|fetch RUN` reaches the right one from any process. Events l
 directly over a shared filesystem), so the progress bar, the app's curves and `finetune eval` read it as a local
 run's.
 
+The app offers the same backends (its "Run on" choice): each says which entries it offers from this machine
+(`run_on`: none when it cannot be reached from here), its own form fields (`form`), shown when it is chosen, and
+the options of `finetune train` an entry and those fields give (`arguments`). Who may use it on a shared app is the
+app's: `on_host` says whether a run spends this machine's own account.
+
 Adding a backend: a package with a class that implements `Backend`, and one line in `REGISTRY`. This module and
 each backend's class stay light (argparse only): `finetune --help` builds every backend's options, so the heavy
 modules are imported inside the methods.
@@ -48,12 +53,43 @@ class Hardware:
         return self.nodes * max(self.gpus_per_node, 1)
 
 
+@dataclass(frozen=True)
+class FormField:
+    """One of a backend's own fields in the app's Train form: the option it fills (one of the backend's
+    `options`), its label and help, and its type (int, float or str); an empty field leaves the option out."""
+
+    option: str
+    label: str
+    kind: type = str
+    info: str = ""
+
+    def argument(self, value: Any) -> list[str]:
+        """`--option VALUE` for the field's value, [] when it is empty; one sentence when it is not of its type."""
+        text = "" if value is None else str(value).strip()
+        if not text:
+            return []
+        flag = f"--{self.option.replace('_', '-')}"
+        if self.kind is str:
+            return [flag, text]
+        try:
+            number = float(text)
+        except ValueError:
+            number = None
+        if number is None or (self.kind is int and not number.is_integer()):
+            raise ConfigError([f"{self.label} is {text!r}: give a {'whole ' if self.kind is int else ''}number."])
+        return [flag, f"{int(number)}" if self.kind is int else f"{number:g}"]
+
+
 class Backend(Protocol):
     """One place to run: its options, hardware, and the life of a run there."""
 
     name: str
     title: str  # in words, for help and messages: "Hugging Face Jobs", "Slurm"
     options: tuple[str, ...]  # argparse destinations only this backend takes (refused under another)
+    form: tuple[FormField, ...]  # its own fields of the app's form, shown while it is chosen (empty: none)
+    # Whether a run spends this machine's own account (a cluster it logs in to), not the user's: an app on a
+    # public Space never offers it, a shared server only when its owner lists it (the app's FINETUNE_BACKENDS).
+    on_host: bool
 
     def add_arguments(self, group: argparse._ArgumentGroup) -> None:
         """Its options of `finetune train`."""
@@ -79,6 +115,14 @@ class Backend(Protocol):
     def describe(self, job: dict[str, Any]) -> str:
         """Where the job job.json records runs, in a sentence (the app's Run panel)."""
 
+    def run_on(self) -> list[tuple[str, str]]:
+        """The app's "Run on" entries it offers from this machine, as (label, value); none when it cannot be
+        reached from here. Values are unique over all backends (the app finds the backend by its value)."""
+
+    def arguments(self, value: str, fields: dict[str, Any]) -> list[str]:
+        """The options of `finetune train` after `--backend NAME` for its Run on entry `value` and the values of
+        its `form` (by option); one sentence (ConfigError) for a value it cannot take."""
+
 
 def names() -> list[str]:
     """`--backend`'s choices: this machine, then every registered backend."""
@@ -96,6 +140,11 @@ def get(name: str) -> Backend:
 def every() -> list[Backend]:
     """Every registered backend, in `--backend`'s order."""
     return [get(name) for name in REGISTRY]
+
+
+def of_choice(value: str) -> Backend | None:
+    """The backend that offers the app's Run on entry `value` from this machine; None for none."""
+    return next((b for b in every() if any(v == value for _, v in b.run_on())), None)
 
 
 def of_run(run_dir: Path) -> Backend:

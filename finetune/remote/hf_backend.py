@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from finetune.remote.backend import Hardware
+from finetune.remote.backend import FormField, Hardware
 
 
 class HFJobs:
@@ -16,6 +16,8 @@ class HFJobs:
     name = "hf-jobs"
     title = "Hugging Face Jobs"
     options = ("flavor", "image", "timeout", "namespace", "bucket", "inputs_repo")
+    form: tuple[FormField, ...] = ()  # the flavor is the Run on entry itself; the app adds whose job it is
+    on_host = False  # billed to the user's own Hugging Face account
 
     def add_arguments(self, g: argparse._ArgumentGroup) -> None:
         """`--flavor`, `--image`, `--timeout`, `--namespace`, `--bucket`, `--inputs-repo`."""
@@ -82,6 +84,17 @@ class HFJobs:
     def describe(self, job: dict[str, Any]) -> str:
         """Where a run's job runs, for the app's Run panel."""
         return f"On Hugging Face Jobs ({job.get('flavor')}): {job.get('url')}"
+
+    def run_on(self) -> list[tuple[str, str]]:
+        """Every flavor with a GPU, with its GPUs, their memory and its price (the built-in table)."""
+        from finetune.remote import flavors
+
+        return [(f"Hugging Face Jobs: {f.name} — {f.gpus} × {f.gpu_model}, {f.gpu_memory_gb:g} GB GPU memory, "
+                 f"${f.usd_per_hour:.2f}/h", f.name) for f in flavors.BUILT_IN.flavors if f.gpus]
+
+    def arguments(self, value: str, fields: dict[str, Any]) -> list[str]:
+        """`--flavor VALUE` (the image and the namespace are the app's: whose job it is)."""
+        return ["--flavor", value]
 
 
 HF_JOBS = HFJobs()

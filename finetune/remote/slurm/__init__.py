@@ -9,10 +9,11 @@ User guide: docs/jobs.md.
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 from typing import Any
 
-from finetune.remote.backend import Hardware
+from finetune.remote.backend import FormField, Hardware
 
 
 class Slurm:
@@ -21,6 +22,12 @@ class Slurm:
     name = "slurm"
     title = "Slurm"
     options = ("nodes", "gpus_per_node", "partition", "time", "gpu_memory")
+    form = (FormField("nodes", "Nodes", int, "Machines to train on (empty: 1)."),
+            FormField("gpus_per_node", "GPUs per node", int, "One process each (empty: 1; 0 trains on CPU)."),
+            FormField("partition", "Partition", str, "Empty: the cluster's default (`sinfo` lists them)."),
+            FormField("time", "Time limit", str, "As Slurm writes it (4:00:00, 90): a checkpoint is saved before "
+                      "it and the requeued job resumes from it."))
+    on_host = True  # the jobs run on this machine's Slurm account
 
     def add_arguments(self, g: argparse._ArgumentGroup) -> None:
         """`--nodes`, `--gpus-per-node`, `--partition`, `--time`, `--gpu-memory`."""
@@ -34,7 +41,8 @@ class Slurm:
                        "the run is asked to save a checkpoint and stop a little before it, and a requeued job "
                        "resumes from it.")
         g.add_argument("--gpu-memory", type=float, help="slurm: GB of memory of one of the partition's GPUs: the "
-                       "plan's budget, checked before the job is submitted.")
+                       "plan's budget, checked before the job is submitted (default: what `sinfo` says, a node "
+                       "feature such as h100_80gb or the GPU type's size).")
 
     def hardware(self, args: argparse.Namespace) -> Hardware:
         """The nodes and GPUs asked for, checked against the partition `sinfo` describes."""
@@ -77,6 +85,16 @@ class Slurm:
     def describe(self, job: dict[str, Any]) -> str:
         """Where a run's job runs, for the app's Run panel."""
         return f"On Slurm (job {job.get('job_id')}, {job.get('nodes')} node(s) of {job.get('partition') or 'default'})"
+
+    def run_on(self) -> list[tuple[str, str]]:
+        """One entry while `sbatch` is on this machine's PATH (a login node), none otherwise."""
+        if shutil.which("sbatch") is None:
+            return []
+        return [("Slurm: a job on this machine's cluster (sbatch), on the nodes and GPUs below", self.name)]
+
+    def arguments(self, value: str, fields: dict[str, Any]) -> list[str]:
+        """Its form's fields as options: `--nodes N --gpus-per-node G --partition P --time T`, the empty left out."""
+        return [a for f in self.form for a in f.argument(fields.get(f.option))]
 
 
 SLURM = Slurm()

@@ -7,6 +7,7 @@ nodes or GPUs per node than the partition has, a time limit Slurm cannot read.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import shlex
 import shutil
@@ -26,6 +27,10 @@ LOG = "slurm.log"  # in the run folder: the job's output, appended to by each re
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD",
           "REQUEUE_FED", "PREEMPTED", "SIGNALING", "STAGE_OUT", "STOPPED")
 COMMAND_TIMEOUT_S = 60
+# GB of one GPU of a GRES type (`gpu:h100:8`) when no node feature says it: the smaller size of a model sold in two
+# (A100 40/80, V100 16/32), so that a plan made for it fits either.
+GPU_MEMORY_GB = {"h200": 141, "h100": 80, "gh200": 96, "a100": 40, "a40": 48, "a10": 24, "a10g": 24, "l40s": 48,
+                 "l40": 48, "l4": 24, "t4": 16, "v100": 16, "a6000": 48, "rtx6000": 24, "mi300x": 192, "mi250x": 128}
 
 
 class SlurmError(FinetuneError):
@@ -42,6 +47,7 @@ class Partition:
     ram_mb: int | None
     default: bool = False
     gpu_type: str | None = None  # GRES's type (`gpu:a100:8`), when it names one
+    gpu_memory_gb: float | None = None  # GB of one GPU: a node feature's (`h100_80gb`), else its type's; None: unknown
 
 
 @dataclass(frozen=True)
@@ -88,23 +94,40 @@ def _run(command: list[str], what: str) -> str:
     return done.stdout
 
 
+def gpu_memory_gb(features: str, gpu_type: str | None) -> float | None:
+    """GB of one GPU of a node, from its features (`sinfo`'s %f): one that names the GPU (its GRES type, or `gpu`)
+    and ends in its memory (`h100_80gb`, `gpu80g`, `gpumem_80G`); else the type's in `GPU_MEMORY_GB`; else None."""
+    names = ("gpu", gpu_type.lower()) if gpu_type else ("gpu",)
+    for feature in features.lower().split(","):
+        found = re.search(r"(\d+(?:\.\d+)?)gi?b?$", feature.strip())
+        if found and any(n in feature[:found.start()] for n in names):
+            return float(found.group(1))
+    return GPU_MEMORY_GB.get((gpu_type or "").lower())
+
+
 def partitions() -> list[Partition]:
-    """The cluster's partitions (`sinfo`), the default one marked."""
+    """The cluster's partitions (`sinfo`), the default one marked; a partition's GPUs are those of its largest kind
+    of node, their memory the smallest any of its kinds of node says."""
     found: dict[str, Partition] = {}
-    for line in _run(["sinfo", "-h", "-o", "%P|%D|%G|%m"], "list the partitions").splitlines():
+    for line in _run(["sinfo", "-h", "-o", "%P|%D|%G|%m|%f"], "list the partitions").splitlines():
         parts = line.strip().split("|")
-        if len(parts) != 4:
+        if len(parts) != 5:
             continue
-        name, nodes, gres, ram = parts
+        name, nodes, gres, ram, features = parts
         listed = [(int(m.group(2)), m.group(1)) for m in re.finditer(r"gpu(?::([^:,(]+))?:(\d+)", gres)]
         gpus, gpu_type = max(listed, default=(0, None))
         default = name.endswith("*")
         name = name.rstrip("*")
         ram_mb = int(re.sub(r"\D", "", ram)) if re.sub(r"\D", "", ram) else None
+        memory = gpu_memory_gb(features, gpu_type) if gpus else None
         before = found.get(name)  # sinfo lists a partition once per kind of node: keep the largest
+        if before is not None and before.gpu_memory_gb is not None:
+            memory = before.gpu_memory_gb if memory is None else min(memory, before.gpu_memory_gb)
         if before is None or (gpus, int(nodes)) > (before.gpus, before.nodes):
             found[name] = Partition(name, int(nodes), gpus, ram_mb, default or bool(before and before.default),
-                                    gpu_type)
+                                    gpu_type, memory)
+        else:
+            found[name] = dataclasses.replace(before, gpu_memory_gb=memory)
     return list(found.values())
 
 
@@ -154,7 +177,8 @@ def check_request(request: Request) -> Checked:
                            f"--gpus-per-node {request.gpus_per_node} asks for more."])
     time_s = time_seconds(request.time) if request.time else None
     ram = partition.ram_mb / 1000 if partition.ram_mb else None
-    hardware = Hardware(request.nodes, request.gpus_per_node, request.gpu_memory_gb, ram)
+    # --gpu-memory wins over what `sinfo` says (a feature, or the GPU type's size).
+    hardware = Hardware(request.nodes, request.gpus_per_node, request.gpu_memory_gb or partition.gpu_memory_gb, ram)
     return Checked(request, partition, hardware, time_s)
 
 
@@ -167,9 +191,11 @@ def grace_s(time_s: int) -> int:
 def script(checked: Checked, *, run_dir: Path, name: str, workdir: Path, python: str = sys.executable) -> str:
     """The batch script: the shared run folder checked on the first node, `resume=true` when the folder holds a
     checkpoint (a requeued job), then `srun` starting one launcher per node: `accelerate launch` with the first
-    node as the main process and `SLURM_NODEID` as the machine rank, or plain `finetune train` for one process."""
+    node as the main process and `SLURM_NODEID` as the machine rank, or plain `finetune train` for one process.
+    A run that stopped with a new checkpoint at the signal before the time limit requeues the job."""
     r, hw = checked.request, checked.hardware
-    config, log = (shlex.quote(str(run_dir / n)) for n in (CONFIG, LOG))
+    config, log, events = (shlex.quote(str(run_dir / n)) for n in (CONFIG, LOG, "events.jsonl"))
+    steps = shlex.quote(str(run_dir / "checkpoints" / "step-[0-9]*[0-9]"))  # the checkpoints, as a glob
     lines = ["#!/bin/bash", f"#SBATCH --job-name=finetune-{name}", f"#SBATCH --partition={checked.partition.name}",
              f"#SBATCH --nodes={r.nodes}", "#SBATCH --ntasks-per-node=1", f"#SBATCH --chdir={workdir}",
              f"#SBATCH --output={run_dir / LOG}", "#SBATCH --open-mode=append", "#SBATCH --requeue"]
@@ -192,9 +218,10 @@ def script(checked: Checked, *, run_dir: Path, name: str, workdir: Path, python:
         'that every node shares (home or a parallel filesystem), then submit again."',
         "  exit 2",
         "fi",
+        f"newest() {{ compgen -G {steps} | sort | tail -n 1; }}",
         "RESUME=",
         # compgen, not ls: a checkpoint the run is pruning may vanish while ls reads it, and ls then fails.
-        f"if compgen -G {shlex.quote(str(run_dir / 'checkpoints' / 'step-[0-9]*[0-9]'))} >/dev/null; then "
+        f"if compgen -G {steps} >/dev/null; then "
         "RESUME=resume=true",
         # A requeued start before the first checkpoint: what the earlier start wrote is started over.
         'elif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=overwrite=true; fi',
@@ -203,7 +230,20 @@ def script(checked: Checked, *, run_dir: Path, name: str, workdir: Path, python:
         "export MAIN PORT RESUME",
         f"echo \"finetune: job $SLURM_JOB_ID start ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST, main $MAIN:$PORT"
         f"${{RESUME:+, resuming}}\" >> {log}",
+        "NEWEST_BEFORE=$(newest)",
         f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(task)}",
+        "CODE=$?",
+        # The run stopped with a checkpoint (its last event) at the signal before the time limit: a cancel or a
+        # preemption ends this script before it gets here. Requeued, the job starts again with a full time limit
+        # and resumes from it; only when the checkpoint is new, so that a start that cannot reach a step does not
+        # loop. (Its last event, not the exit code: accelerate's launcher exits 1 for a stopped run too.)
+        f'if [ "$CODE" -ne 0 ] && [ "$(newest)" != "$NEWEST_BEFORE" ] && tail -n 1 {events} | grep -q \'"event": '
+        '"stopped"\'; then',
+        f'  echo "finetune: job $SLURM_JOB_ID stopped with a checkpoint before its time limit; requeued to resume '
+        f'from $(basename "$(newest)")" >> {log}',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$CODE"',
     ]
     return "\n".join(lines) + "\n"
 
