@@ -20,6 +20,7 @@ from app import charts, report
 from app.jobs.training import JobBusy
 from app.runs.listing import (
     RunInfo,
+    benchmarks_frame,
     clock,
     compare_frame,
     config_diff,
@@ -50,6 +51,7 @@ class SelectionShown:
     chart: Any = ""
     metrics: Any = field(default_factory=lambda: gr.update(value=None, visible=False))
     diff: Any = field(default_factory=lambda: gr.update(value=None, visible=False))
+    benchmarks: Any = field(default_factory=lambda: gr.update(value=None, visible=False))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,7 +121,9 @@ class RunsHandlers:
                                           "compare them.")
         frame = compare_frame(picked)
         chart = charts.loss_chart_html(frame) if len(frame) else "No loss recorded yet."
-        compared = {"metrics": gr.update(value=metrics_frame(picked), visible=True), "chart": chart}
+        scores = benchmarks_frame(picked)
+        compared = {"metrics": gr.update(value=metrics_frame(picked), visible=True), "chart": chart,
+                    "benchmarks": gr.update(value=scores, visible=not scores.empty)}
         if len(picked) > 1:
             diff = config_diff(picked)
             return SelectionShown(details=f"Comparing {len(picked)} runs: {', '.join(f'`{r.name}`' for r in picked)}."
@@ -235,6 +239,8 @@ class RunsTab:
         details = gr.Markdown(elem_id="runs-details")
         chart = gr.HTML(container=True, elem_id="runs-chart")
         metrics = gr.Dataframe(label="Final metrics", interactive=False, visible=False, elem_id="runs-metrics")
+        benchmarks = gr.Dataframe(label="Benchmarks (lm-evaluation-harness): fine-tuned and base, value ± standard "
+                                  "error", interactive=False, visible=False, elem_id="runs-benchmarks")
         diff = gr.Dataframe(label="Config: the options that differ", interactive=False, visible=False, wrap=True,
                             elem_id="runs-diff")
         with gr.Row():
@@ -251,7 +257,8 @@ class RunsTab:
         config = gr.Code(language="yaml", label="Config (YAML)", interactive=False, elem_id="runs-config")
         self.selection = {"details": details, "config": config, "command": command, "log": log_btn,
                           "resume": self.resume_btn, "cancel": self.cancel_queued_btn, "delete": self.delete_btn,
-                          "confirm": self.confirm, "chart": chart, "metrics": metrics, "diff": diff}
+                          "confirm": self.confirm, "chart": chart, "metrics": metrics, "diff": diff,
+                          "benchmarks": benchmarks}
         self.listing = {"table_html": self.table, "choices": self.chosen, "selection": self.selection,
                         "message": self.message}
 

@@ -223,7 +223,8 @@ def _one_trial(optuna: Any, study: Any, config: Config, spec: SweepSpec, folder:
         say(f"trial {trial.number} ({shown}): pruned before it started: {reason}")
         return
     say(f"trial {trial.number} ({shown}): training in {run}")
-    record = {"sweep": folder.name, "sweep_dir": str(folder), "trial": trial.number, "params": trial.params}
+    record = {"sweep": folder.name, "sweep_dir": str(folder), "trial": trial.number, "params": trial.params,
+              "objective": spec.objective, "direction": spec.direction}
     run.mkdir(parents=True, exist_ok=True)
     write_json(run / TRIAL_FILE, {**record, "state": "running"})
     trial_stop = TrialStop(stop)
