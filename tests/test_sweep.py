@@ -108,6 +108,7 @@ def test_median_pruning_and_a_sweep_killed_mid_trial_resumes_without_rerunning_f
     assert [c.learning_rate for c in second][0] == killed
     assert len(second) == 3 and {c.learning_rate for c in first[:2] + second} == set(rates)
     assert "trial 2: cut short when the sweep was stopped; its parameters are tried again" in said
+    assert json.loads((trial_folder(folder, 2) / "sweep.json").read_text())["state"] == "retried"
     assert "resuming: 2 of 5 trial(s) already finished" in said
     summary = json.loads((folder / "summary.json").read_text())
     states = {t["number"]: t["state"] for t in summary["trials"]}
@@ -153,3 +154,26 @@ def test_slow_a_sweep_of_runs_prunes_the_trials_that_cannot_fit_and_groups_its_r
     # Again: every trial has finished, so nothing trains.
     assert main(["sweep", str(path), "-q"]) == 0
     assert "resuming: 4 of 4 trial(s) already finished" in capsys.readouterr().err
+
+
+def test_a_resumed_tpe_search_draws_new_values(tmp_path):
+    """TPE's first trials are random: a resumed sweep's sampler must not start again from the seed that drew them."""
+    path = _write(tmp_path, {"objective": "accuracy", "direction": "maximize", "trials": 3, "pruning": "none",
+                             "space": {"learning_rate": {"low": 1.0e-5, "high": 1.0e-1, "log": True}}})
+    config, spec = load_sweep(path)
+    folder, calls, accuracy = Path(config.output_dir), [], _AnyRate()
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(config, spec, folder, train=_fake_train(calls, accuracy, kill_at=1), stop=SimpleNamespace(
+            requested=False), say=lambda _: None)
+    run_sweep(config, spec, folder, train=_fake_train(calls, accuracy), stop=SimpleNamespace(requested=False),
+              say=lambda _: None)
+    rates = [c.learning_rate for c in calls]
+    assert len(rates) == 4 and rates[2] == rates[1]  # the killed trial's rate again, then a new one
+    assert len(set(rates)) == 3
+
+
+class _AnyRate(dict):
+    """Accuracy 0.5 at any learning rate."""
+
+    def __missing__(self, key: float) -> float:
+        return 0.5

@@ -122,7 +122,7 @@ def run_sweep(config: Config, spec: SweepSpec, folder: Path, *, train: Callable[
     folder.mkdir(parents=True, exist_ok=True)
     with _Lock(folder / LOCK_FILE):
         study = _study(optuna, config, spec, folder)
-        for retried in _recover(optuna, study):
+        for retried in _recover(optuna, study, folder):
             say(f"trial {retried}: cut short when the sweep was stopped; its parameters are tried again")
         total = min(spec.trials, _grid_size(spec))
         done = _finished(optuna, study)
@@ -143,12 +143,16 @@ def run_sweep(config: Config, spec: SweepSpec, folder: Path, *, train: Callable[
 def _study(optuna: Any, config: Config, spec: SweepSpec, folder: Path) -> Any:
     """The folder's study, created on the first run; a folder that holds another search is refused."""
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(folder / STUDY_FILE)))
-    sampler = _grid(optuna)({p.name: list(p.choices) for p in spec.space}, seed=spec.seed) \
-        if spec.sampler == "grid" else optuna.samplers.TPESampler(seed=spec.seed)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=spec.startup_trials) if spec.pruning == "median" \
         else optuna.pruners.NopPruner()
-    study = optuna.create_study(storage=storage, study_name=folder.name, sampler=sampler, pruner=pruner,
-                                direction=spec.direction, load_if_exists=True)
+    study = optuna.create_study(storage=storage, study_name=folder.name, pruner=pruner, direction=spec.direction,
+                                load_if_exists=True)
+    # A resumed TPE search starts from the seed moved on by the trials the study holds: from the same seed it would
+    # draw the first trials' values again (its first trials are random). The grid keeps its seed, which orders the
+    # grid that its trials' numbers index.
+    moved = spec.seed + len(study.get_trials(deepcopy=False))
+    study.sampler = _grid(optuna)({p.name: list(p.choices) for p in spec.space}, seed=spec.seed) \
+        if spec.sampler == "grid" else optuna.samplers.TPESampler(seed=moved)
     mine = json.loads(json.dumps({"sweep": spec.to_dict(), "config": config.to_dict()}))
     if not study.user_attrs:
         for key, value in mine.items():
@@ -199,12 +203,16 @@ def _finished(optuna: Any, study: Any) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False, states=ended) if t.number not in retried)
 
 
-def _recover(optuna: Any, study: Any) -> list[int]:
-    """Trials a killed sweep left running: failed, their parameters queued again. Returns their numbers."""
+def _recover(optuna: Any, study: Any, folder: Path) -> list[int]:
+    """Trials a killed sweep left running: failed, their parameters queued again, their runs' sweep.json saying
+    so. Returns their numbers."""
     stale = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
     for t in stale:
         study.tell(t.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
         study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+        record = trial_folder(folder, t.number) / TRIAL_FILE
+        if record.is_file():
+            write_json(record, {**json.loads(record.read_text(encoding="utf-8")), "state": "retried"})
     return [t.number for t in stale]
 
 
