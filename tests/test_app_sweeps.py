@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
+from app.access import Access
 from app.jobs.training import JobManager
 from app.runs.listing import benchmarks_frame, list_runs
 from app.tabs import handlers
@@ -65,3 +67,36 @@ def test_a_runs_benchmarks_are_compared_beside_its_base(tmp_path):
     shown = ctl.select(["chat", "other"])
     assert shown.benchmarks["visible"] and shown.benchmarks["value"].Run.tolist() == ["chat", "chat"]
     assert not ctl.select(["other"]).benchmarks["visible"]  # no scores: no table
+
+
+def test_the_runs_tab_evaluates_a_finished_run_in_a_child_whose_sentence_lands_in_its_log(tmp_path):
+    """The Evaluate section runs `finetune eval RUN --benchmarks …` as a bounded child; an encoder run is refused by
+    the harness's own check, in the child's log, in one sentence."""
+    runs = tmp_path / "runs"
+    run = _run(runs, "cls", 100.0, "done")
+    (run / "metrics.json").write_text('{"loss": 0.4}')
+    (run / "model").mkdir()
+    (run / "model" / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"],
+                                                           "model_type": "bert"}))
+    _run(runs, "stopped", 200.0, "stopped")
+    ctl = handlers(runs, JobManager(runs)).runs
+    assert ctl.evaluate(["cls"], " , ") == ("Name one or more benchmarks: registry tasks (hellaswag, arc_easy) or "
+                                            "task YAML files.")
+    assert ctl.evaluate(["stopped"], "hellaswag").startswith("Only a finished run can be evaluated")
+    assert ctl.evaluate(["cls"], "hellaswag", True, 0).startswith("The limit is a number of examples")
+    said = ctl.evaluate(["cls"], "hellaswag", True, 5)
+    assert said.startswith("Evaluating `cls`") and said.endswith(f"`finetune eval {run} --benchmarks hellaswag --base "
+                                                                 "--limit 5`.")
+    child = ctl.state.jobs.evaluations.child
+    assert child.proc.wait(timeout=300) == 2
+    log = (run / "benchmarks.log").read_text()
+    # On a shared server a task file would be read from the server's disk: registry names only.
+    (runs / "alice").mkdir()
+    (run).rename(runs / "alice" / "cls")
+    shared = handlers(runs, JobManager(runs), access=Access("password", accounts=(("alice", "a"),))).runs
+    assert shared.evaluate(["cls"], "hellaswag,../../x.yaml", request=SimpleNamespace(username="alice")) == (
+        "⚠️ A shared server evaluates registry tasks only (hellaswag, arc_easy): a task file would be read from "
+        "the server's disk.")
+    last = log.strip().splitlines()[-1]
+    assert last.startswith(f"error: '{run}' holds a text classification model, which lm-evaluation-harness does "
+                           "not score"), log

@@ -10,6 +10,7 @@ page sends: a name that is not one of the user's runs is refused like a run that
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,6 +209,32 @@ class RunsHandlers:
             f"Resuming `{run.name}` (follow it in the Train tab)."
         return f"{doing} From a terminal: `finetune train {report.display_path(run.path / 'config.yaml')} resume=true`."
 
+    def evaluate(self, selected: Any, benchmarks: Any, base: Any = False, limit: Any = None, *,
+                 request: Any = None) -> str:
+        """Score the one selected finished run with lm-evaluation-harness (`finetune eval RUN --benchmarks …`) in a
+        child process with a time limit; its scores join the comparison when it ends."""
+        user, run, problem = self._one(selected, request)
+        if run is None:
+            return problem
+        names = [n.strip() for n in str(benchmarks or "").split(",") if n.strip()]
+        if not run.finished or run.state != "done":
+            return "Only a finished run can be evaluated: wait for it to finish (or resume it)."
+        if not names:
+            return "Name one or more benchmarks: registry tasks (hellaswag, arc_easy) or task YAML files."
+        if self.state.access.shared and any("/" in n or n.lower().endswith((".yaml", ".yml")) for n in names):
+            return ("⚠️ A shared server evaluates registry tasks only (hellaswag, arc_easy): a task file would be "
+                    "read from the server's disk.")
+        if limit not in (None, "") and not (isinstance(limit, (int, float)) and limit >= 1):
+            return "The limit is a number of examples per task (1 or more), or empty for all of them."
+        command = [sys.executable, "-m", "finetune", "eval", str(run.path), "--benchmarks", ",".join(names),
+                   *(["--base"] if base else []), *(["--limit", str(int(limit))] if limit not in (None, "") else [])]
+        try:
+            self.state.jobs.start_evaluation(command, run.path, user)
+        except JobBusy as e:
+            return f"⚠️ {e}"
+        return (f"Evaluating `{run.name}` (its log: `benchmarks.log` in the run's folder); Refresh once it ends to see "
+                f"the scores. From a terminal: `finetune {' '.join(command[3:])}`.")
+
     def cancel(self, selected: Any, *, request: Any = None) -> RunsShown:
         """Take the one selected run off the queue (its folder too, when nothing had run in it)."""
         user, run, problem = self._one(selected, request)
@@ -253,6 +280,14 @@ class RunsTab:
         with gr.Row(visible=False) as self.confirm:
             self.confirm_btn = gr.Button("Yes, delete it", variant="stop", size="sm", elem_id="runs-confirm")
             self.cancel_btn = gr.Button("Cancel", size="sm", elem_id="runs-cancel")
+        with gr.Accordion("Evaluate with lm-evaluation-harness (one finished run)", open=False):
+            with gr.Row():
+                self.bench_names = gr.Textbox(label="Benchmarks", placeholder="hellaswag,arc_easy or my_task.yaml",
+                                              scale=3, elem_id="runs-bench-names")
+                self.bench_base = gr.Checkbox(label="Also the base model", value=True, elem_id="runs-bench-base")
+                self.bench_limit = gr.Number(label="Examples per task (empty: all)", value=None, precision=0,
+                                             minimum=1, elem_id="runs-bench-limit")
+            self.bench_btn = gr.Button("Evaluate", size="sm", elem_id="runs-evaluate")
         command = gr.Textbox(label="Command", interactive=False, buttons=["copy"], elem_id="runs-command")
         config = gr.Code(language="yaml", label="Config (YAML)", interactive=False, elem_id="runs-config")
         self.selection = {"details": details, "config": config, "command": command, "log": log_btn,
@@ -276,3 +311,5 @@ class RunsTab:
         on(self.confirm_btn.click, runs.delete, chosen, self.listing, **private)
         on(self.resume_btn.click, runs.resume, chosen, {}, outputs=self.message, **private)
         on(self.cancel_queued_btn.click, runs.cancel, chosen, self.listing, **private)
+        on(self.bench_btn.click, runs.evaluate, [chosen, self.bench_names, self.bench_base, self.bench_limit], {},
+           outputs=self.message, **private)

@@ -57,6 +57,7 @@ MANIFEST_DIRS = ("checkpoints", "model", "adapter")
 RUN_FILES = (MARKER, MANIFEST, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter",
              "metrics.json", "benchmarks.json", "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "export",
              "export.log",  # the app's log of `finetune export`, beside export/
+             "benchmarks.log",  # the app's log of `finetune eval --benchmarks`, beside benchmarks.json
              "wandb", "mlruns", *LAUNCH_FILES,
              "job.json", ".fetch.partial")  # a run on Hugging Face Jobs (finetune.remote): its job, a fetch under way
 # Options that may differ when resuming: they change reporting, not the numbers.
