@@ -17,7 +17,9 @@ from finetune.rows.segments import Segmentation
 # A finished run's headline metrics, every kind's (its registry entry), then the loss: a run has only its own kind's.
 HEADLINE_METRICS = (*dict.fromkeys(m for n in kinds.names() for m in kinds.entry(n).metrics), "loss")
 STATE_TITLES = {"idle": "Ready", "queued": "Queued", "starting": "Starting", "running": "Training",
-                "stopping": "Stopping", "stopped": "Stopped", "done": "Done", "failed": "Failed"}
+                "stopping": "Stopping", "stopped": "Stopped", "done": "Done", "failed": "Failed",
+                # A sweep's trial that median pruning stopped (its sweep.json says so): never resumed.
+                "pruned": "Pruned"}
 
 
 def data_lines(facts: dict[str, Any] | None, plain: bool = False) -> list[str]:

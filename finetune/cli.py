@@ -1,4 +1,4 @@
-"""`finetune` command line: train, plan, eval, predict, export, push, init, ui, jobs.
+"""`finetune` command line: train, sweep, plan, eval, predict, export, push, init, ui, jobs.
 
 Exit codes: 0 done, 2 bad input (one sentence, no traceback, nothing overwritten), 130 stopped, 1 internal error,
 3 trained and saved but the push to the Hub (or, on Hugging Face Jobs, the fetch from the bucket) failed.
@@ -115,6 +115,39 @@ def cmd_train(args: argparse.Namespace) -> int:
               "resume=true", file=sys.stderr)
         return EXIT_STOPPED
     print(json.dumps({"run_dir": str(result.run_dir), **result.metrics}, indent=2))
+    return EXIT_OK
+
+
+def _say(sentence: str) -> None:
+    """A sweep's progress, on stderr."""
+    print(f"sweep: {sentence}", file=sys.stderr, flush=True)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Run `finetune sweep CONFIG [key=value …]`: the trials its `sweep:` section asks for, one run each."""
+    from finetune.sweep.space import load_sweep
+
+    cfg, spec = load_sweep(args.config, args.overrides)  # every problem of the search before anything is imported
+    from finetune.run.events import ProgressBar
+    from finetune.sweep.study import optuna_module, run_sweep, sweep_folder
+    from finetune.train.loop import StopFlag, train
+
+    optuna_module()
+    stop = StopFlag()
+    previous = _install_stop_handlers(stop)
+    try:
+        result = run_sweep(cfg, spec, sweep_folder(cfg, args.config), train=train, stop=stop, say=_say,
+                           callbacks=[ProgressBar(disable=args.quiet)])
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    best = result.summary["best"]
+    _say(f"best: trial {best['number']} ({best['run']}), {spec.objective} {best['value']:.4g}" if best else
+        "no trial finished")
+    if result.status == "stopped":
+        _say(f"stopped; continue with: finetune sweep {args.config}")
+        return EXIT_STOPPED
+    print(json.dumps({"sweep_dir": str(result.folder), **result.summary}, indent=2))
     return EXIT_OK
 
 
@@ -320,6 +353,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "(versions, devices, memory) on stderr: how a Hugging Face Job's log starts.")
     add_backend_arguments(p)
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("sweep", help="Search hyper-parameters: one run per trial (the config's `sweep:` section).",
+                       description="Run the trials the config's `sweep:` section asks for (objective, direction, "
+                       "trials, sampler, space), one after another, each planned into memory_budget_gb and trained "
+                       "as a run beside the sweep's folder; again after a stop or crash, it runs only what is left "
+                       "(docs/sweeps.md).")
+    p.add_argument("config", help="YAML config file with a `sweep:` section.")
+    p.add_argument("overrides", nargs="*", help="key=value options of the runs, e.g. max_steps=20")
+    p.add_argument("-q", "--quiet", action="store_true", help="No progress bar.")
+    p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("plan", help="Show how a config would train within its memory budget.",
                        description="Predict peak memory and choose micro-batch, accumulation, checkpointing and "
                        "LoRA for memory_budget_gb; exit 2 when nothing fits.")

@@ -290,6 +290,7 @@ FLOORS = (
     ("run",),  # the run directory: events, checkpoints, trackers, the model card, storage
     ("use",),  # after training: predict, evaluate, export, publish to the Hub
     ("train",),  # the training loop
+    ("sweep",),  # hyper-parameter sweeps: trials trained by the loop the CLI hands in
     ("remote",),  # Hugging Face Jobs: a run elsewhere
     ("doctor",),  # versions, the machine, the self-test
     ("cli", "__init__"),  # the command line; the package's version

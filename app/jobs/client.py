@@ -22,7 +22,7 @@ from typing import Any
 
 from app import cleanup, limits
 from app.access import Access
-from app.jobs.export import ExportChild, ExportJobs
+from app.jobs.export import EVAL_LOG, ExportChild, ExportJobs
 from app.jobs.planner import Planner
 from app.jobs.queue import Queued, remove_unstarted
 from app.jobs.training import JobBusy, JobManager, JobStatus
@@ -41,6 +41,8 @@ class JobClient:
         self.access = access or Access()
         self.limits = server_limits
         self.exports = ExportJobs(server_limits.max_run_s)
+        self.evaluations = ExportJobs(server_limits.max_run_s, log=EVAL_LOG, busy="An evaluation is in progress on "
+                                      "this server: wait for it to finish.")
         self.planner = Planner()
         self._lock = threading.RLock()  # one decision at a time about the server's one job
         self._preparing: int | None = None  # the thread checking a Start (`preparing`)
@@ -165,6 +167,14 @@ class JobClient:
             if other := self.export_refusal():
                 raise JobBusy(other)
             return self.exports.start(command, run_dir, owner, self.child_env())
+
+    def start_evaluation(self, command: list[str], run_dir: Path, owner: str | None) -> ExportChild:
+        """Start `finetune eval RUN --benchmarks …` (`command`) for `owner`, as an export starts; `JobBusy` while
+        another evaluation runs (or, on a shared server, another job)."""
+        with self._lock:
+            if other := self.export_refusal():
+                raise JobBusy(other.replace("export when", "evaluate when"))
+            return self.evaluations.start(command, run_dir, owner, self.child_env())
 
     def plan(self, config: Config, key: Hashable, device: str = "here") -> dict[str, Any]:
         """`finetune plan` of `config` for `device`, remembered under `key`; `Unanswered` with the planner's

@@ -1,5 +1,6 @@
 """The export child: `finetune export` of a finished run, one at a time on the server, its output in the run's
 `export.log`, and its whole process group killed past a time limit (an export that hangs must not hold the machine).
+The Runs tab's evaluation (`finetune eval RUN --benchmarks`) is a child of its own kind, the same way (`EVAL_LOG`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from app.jobs.training import JobBusy
 
 EXPORT_LIMIT_S = 3600.0  # without a server run-time limit (locally): an export is minutes even for a 7B model
 LOG = "export.log"  # in the run directory, beside export/ (which the child creates)
+EVAL_LOG = "benchmarks.log"  # in the run directory, beside benchmarks.json
 
 
 @dataclass
@@ -32,10 +34,12 @@ class ExportChild:
 
 
 class ExportJobs:
-    """The app's one export child."""
+    """The app's one export child (or, with `log` and `busy`, its one child of another kind)."""
 
-    def __init__(self, limit_s: float | None = None):
+    def __init__(self, limit_s: float | None = None, log: str = LOG,
+                 busy: str = "An export is in progress on this server: wait for it to finish."):
         self.limit_s = limit_s or EXPORT_LIMIT_S
+        self.log_name, self.busy = log, busy
         self._lock = threading.Lock()
         self._child: ExportChild | None = None
 
@@ -54,8 +58,8 @@ class ExportJobs:
         while another export runs."""
         with self._lock:
             if self._child is not None and self._child.proc.poll() is None:
-                raise JobBusy("An export is in progress on this server: wait for it to finish.")
-            log = run_dir / LOG
+                raise JobBusy(self.busy)
+            log = run_dir / self.log_name
             with open(log, "w", encoding="utf-8") as out:
                 out.write(f"$ finetune {' '.join(command[3:])}\n")
                 out.flush()

@@ -1,9 +1,12 @@
 """The user's run folders, read for the Runs tab as pure functions: each run's status, metrics and times from its
 events and config, the table of runs, the comparison of several (curves, final metrics, the config keys that differ),
-one run's whole log, and deleting what finetune wrote in a run folder."""
+one run's whole log, and deleting what finetune wrote in a run folder. A sweep's trials (their `sweep.json`) are listed
+together, the best marked; a run's lm-evaluation-harness scores (`benchmarks.json`) are compared beside its base's."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -26,6 +29,9 @@ TABLE_COLUMNS = ["Run", "Status", "Task", "Model", "Steps", "Metrics", "Started"
 NOWRAP = {"Run", "Status", "Steps", "Started", "Finished"}  # short cells kept on one line (the others wrap)
 NOT_DIFFED = ("output_dir", "resume", "overwrite")  # where a run went, not how it trained
 MAX_RUNS = 200  # the newest shown (a runs folder kept for months would make a table nobody reads)
+SWEEP_FILE = "sweep.json"  # a sweep's trial: its sweep, trial number, options and end (finetune.sweep.study)
+BENCHMARKS_FILE = "benchmarks.json"  # `finetune eval RUN --benchmarks` (finetune.use.benchmarks.RESULTS)
+BENCHMARK_COLUMNS = ["Run", "Task", "Metric", "Fine-tuned", "Base"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +52,8 @@ class RunInfo:
     position: int | None = None  # its place in the queue, while it waits there (state "queued")
     ran_on: str = ""  # the backend its job.json names, in words ("Slurm"); "" for this machine
     events: list[dict[str, Any]] = field(repr=False, default_factory=list)
+    sweep: dict[str, Any] | None = None  # a sweep's trial: its sweep.json (sweep, trial, state, value, direction)
+    best: bool = False  # the best complete trial of its sweep
 
     @property
     def active(self) -> bool:
@@ -119,11 +127,25 @@ def run_info(path: Path, current: Any = None, position: int | None = None) -> Ru
     stamp = starts[0].get("time") if starts else None
     if stamp is None and (path / MARKER).is_file():
         stamp = (path / MARKER).stat().st_mtime
+    sweep = _json_of(path / SWEEP_FILE)
+    sweep = sweep if isinstance(sweep.get("sweep"), str) and isinstance(sweep.get("trial"), int) else None
+    if sweep is not None and state == "stopped" and sweep.get("state") == "pruned":
+        state = "pruned"
     return RunInfo(name=path.name, path=path, state=state, task=config.get("task", ""), model=config.get("model", ""),
                    step=step, total=starts[-1].get("total_steps") if starts else None, metrics=metrics,
                    started=stamp, finished=final.get("time") if final and state in ("done", "stopped", "failed")
                    else None, resumable=state in ("stopped", "failed") and not finished and bool(checkpoints(path)),
-                   position=position if state == "queued" else None, ran_on=ran_on(path), events=events)
+                   position=position if state == "queued" else None, ran_on=ran_on(path), events=events,
+                   sweep=sweep)
+
+
+def _json_of(path: Path) -> dict[str, Any]:
+    """A JSON object file, or {} when it is missing or not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def list_runs(home: Path, current: Any = None, queued: dict[Path, int] | None = None) -> list[RunInfo]:
@@ -133,8 +155,28 @@ def list_runs(home: Path, current: Any = None, queued: dict[Path, int] | None = 
         return []
     folders = [p for p in home.iterdir() if p.is_dir() and not p.is_symlink() and (p / MARKER).is_file()]
     positions = {Path(k).resolve(): v for k, v in (queued or {}).items()}
-    runs = [run_info(p, current, positions.get(p.resolve())) for p in folders]
-    return sorted(runs, key=lambda r: (r.started or 0, r.name), reverse=True)[:MAX_RUNS]
+    runs = _mark_best([run_info(p, current, positions.get(p.resolve())) for p in folders])
+    # A sweep's trials side by side, where its newest trial would be.
+    newest: dict[str, float] = {}
+    for r in runs:
+        if r.sweep is not None:
+            newest[r.sweep["sweep"]] = max(newest.get(r.sweep["sweep"], 0.0), r.started or 0.0)
+    return sorted(runs, key=lambda r: (newest[r.sweep["sweep"]] if r.sweep else r.started or 0, r.name),
+                  reverse=True)[:MAX_RUNS]
+
+
+def _mark_best(runs: list[RunInfo]) -> list[RunInfo]:
+    """The runs, the best complete trial of each sweep marked (by its objective, in its direction)."""
+    best: dict[str, RunInfo] = {}
+    for r in runs:
+        if r.sweep is None or r.sweep.get("state") != "complete" or not isinstance(r.sweep.get("value"), (int, float)):
+            continue
+        sign = -1 if r.sweep.get("direction") == "minimize" else 1
+        held = best.get(r.sweep["sweep"])
+        if held is None or sign * r.sweep["value"] > sign * held.sweep["value"]:
+            best[r.sweep["sweep"]] = r
+    chosen = {id(r) for r in best.values()}
+    return [dataclasses.replace(r, best=True) if id(r) in chosen else r for r in runs]
 
 
 def headline(metrics: dict[str, Any]) -> str:
@@ -173,7 +215,9 @@ def status_title(run: RunInfo) -> str:
     title = report.STATE_TITLES.get(run.state, run.state) + (f" on {run.ran_on}" if run.ran_on else "")
     if run.position is not None:
         return f"{title} (position {run.position})"
-    return title + (" (resumable)" if run.resumable else "")
+    trial = f" · sweep {run.sweep['sweep']} #{run.sweep['trial']}" + (" ★ best" if run.best else "") \
+        if run.sweep else ""
+    return title + (" (resumable)" if run.resumable else "") + trial
 
 
 def compare_frame(runs: list[RunInfo]) -> pd.DataFrame:
@@ -195,6 +239,29 @@ def metrics_frame(runs: list[RunInfo]) -> pd.DataFrame:
              *[round(float(r.metrics[k]), 4) if isinstance(r.metrics.get(k), (int, float)) else None for k in keys]]
             for r in runs]
     return pd.DataFrame(rows, columns=["Run", "Status", *keys])
+
+
+def benchmarks_frame(runs: list[RunInfo]) -> pd.DataFrame:
+    """Each run's lm-evaluation-harness scores (its benchmarks.json), the fine-tuned model beside its base, per task
+    and metric: value ± the harness's standard error ("" where the base was not scored)."""
+    rows = []
+    for r in runs:
+        record = _json_of(r.path / BENCHMARKS_FILE)
+        tasks = (record.get("model") or {}).get("tasks") or {}
+        base = (record.get("base") or {}).get("tasks") or {}
+        for task, result in tasks.items():
+            for metric, score in (result.get("metrics") or {}).items():
+                theirs = ((base.get(task) or {}).get("metrics") or {}).get(metric)
+                rows.append([r.name, task, metric, _score(score), _score(theirs)])
+    return pd.DataFrame(rows, columns=BENCHMARK_COLUMNS)
+
+
+def _score(score: Any) -> str:
+    """A harness score as "0.8750 ± 0.0690"."""
+    if not isinstance(score, dict) or not isinstance(score.get("value"), (int, float)):
+        return ""
+    stderr = score.get("stderr")
+    return f"{score['value']:.4f}" + (f" ± {stderr:.4f}" if isinstance(stderr, (int, float)) else "")
 
 
 def config_diff(runs: list[RunInfo]) -> pd.DataFrame:

@@ -10,6 +10,7 @@ page sends: a name that is not one of the user's runs is refused like a run that
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from app import charts, report
 from app.jobs.training import JobBusy
 from app.runs.listing import (
     RunInfo,
+    benchmarks_frame,
     clock,
     compare_frame,
     config_diff,
@@ -50,6 +52,7 @@ class SelectionShown:
     chart: Any = ""
     metrics: Any = field(default_factory=lambda: gr.update(value=None, visible=False))
     diff: Any = field(default_factory=lambda: gr.update(value=None, visible=False))
+    benchmarks: Any = field(default_factory=lambda: gr.update(value=None, visible=False))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,7 +122,9 @@ class RunsHandlers:
                                           "compare them.")
         frame = compare_frame(picked)
         chart = charts.loss_chart_html(frame) if len(frame) else "No loss recorded yet."
-        compared = {"metrics": gr.update(value=metrics_frame(picked), visible=True), "chart": chart}
+        scores = benchmarks_frame(picked)
+        compared = {"metrics": gr.update(value=metrics_frame(picked), visible=True), "chart": chart,
+                    "benchmarks": gr.update(value=scores, visible=not scores.empty)}
         if len(picked) > 1:
             diff = config_diff(picked)
             return SelectionShown(details=f"Comparing {len(picked)} runs: {', '.join(f'`{r.name}`' for r in picked)}."
@@ -204,6 +209,32 @@ class RunsHandlers:
             f"Resuming `{run.name}` (follow it in the Train tab)."
         return f"{doing} From a terminal: `finetune train {report.display_path(run.path / 'config.yaml')} resume=true`."
 
+    def evaluate(self, selected: Any, benchmarks: Any, base: Any = False, limit: Any = None, *,
+                 request: Any = None) -> str:
+        """Score the one selected finished run with lm-evaluation-harness (`finetune eval RUN --benchmarks …`) in a
+        child process with a time limit; its scores join the comparison when it ends."""
+        user, run, problem = self._one(selected, request)
+        if run is None:
+            return problem
+        names = [n.strip() for n in str(benchmarks or "").split(",") if n.strip()]
+        if not run.finished or run.state != "done":
+            return "Only a finished run can be evaluated: wait for it to finish (or resume it)."
+        if not names:
+            return "Name one or more benchmarks: registry tasks (hellaswag, arc_easy) or task YAML files."
+        if self.state.access.shared and any("/" in n or n.lower().endswith((".yaml", ".yml")) for n in names):
+            return ("⚠️ A shared server evaluates registry tasks only (hellaswag, arc_easy): a task file would be "
+                    "read from the server's disk.")
+        if limit not in (None, "") and not (isinstance(limit, (int, float)) and limit >= 1):
+            return "The limit is a number of examples per task (1 or more), or empty for all of them."
+        command = [sys.executable, "-m", "finetune", "eval", str(run.path), "--benchmarks", ",".join(names),
+                   *(["--base"] if base else []), *(["--limit", str(int(limit))] if limit not in (None, "") else [])]
+        try:
+            self.state.jobs.start_evaluation(command, run.path, user)
+        except JobBusy as e:
+            return f"⚠️ {e}"
+        return (f"Evaluating `{run.name}` (its log: `benchmarks.log` in the run's folder); Refresh once it ends to see "
+                f"the scores. From a terminal: `finetune {' '.join(command[3:])}`.")
+
     def cancel(self, selected: Any, *, request: Any = None) -> RunsShown:
         """Take the one selected run off the queue (its folder too, when nothing had run in it)."""
         user, run, problem = self._one(selected, request)
@@ -235,6 +266,8 @@ class RunsTab:
         details = gr.Markdown(elem_id="runs-details")
         chart = gr.HTML(container=True, elem_id="runs-chart")
         metrics = gr.Dataframe(label="Final metrics", interactive=False, visible=False, elem_id="runs-metrics")
+        benchmarks = gr.Dataframe(label="Benchmarks (lm-evaluation-harness): fine-tuned and base, value ± standard "
+                                  "error", interactive=False, visible=False, elem_id="runs-benchmarks")
         diff = gr.Dataframe(label="Config: the options that differ", interactive=False, visible=False, wrap=True,
                             elem_id="runs-diff")
         with gr.Row():
@@ -247,11 +280,20 @@ class RunsTab:
         with gr.Row(visible=False) as self.confirm:
             self.confirm_btn = gr.Button("Yes, delete it", variant="stop", size="sm", elem_id="runs-confirm")
             self.cancel_btn = gr.Button("Cancel", size="sm", elem_id="runs-cancel")
+        with gr.Accordion("Evaluate with lm-evaluation-harness (one finished run)", open=False):
+            with gr.Row():
+                self.bench_names = gr.Textbox(label="Benchmarks", placeholder="hellaswag,arc_easy or my_task.yaml",
+                                              scale=3, elem_id="runs-bench-names")
+                self.bench_base = gr.Checkbox(label="Also the base model", value=True, elem_id="runs-bench-base")
+                self.bench_limit = gr.Number(label="Examples per task (empty: all)", value=None, precision=0,
+                                             minimum=1, elem_id="runs-bench-limit")
+            self.bench_btn = gr.Button("Evaluate", size="sm", elem_id="runs-evaluate")
         command = gr.Textbox(label="Command", interactive=False, buttons=["copy"], elem_id="runs-command")
         config = gr.Code(language="yaml", label="Config (YAML)", interactive=False, elem_id="runs-config")
         self.selection = {"details": details, "config": config, "command": command, "log": log_btn,
                           "resume": self.resume_btn, "cancel": self.cancel_queued_btn, "delete": self.delete_btn,
-                          "confirm": self.confirm, "chart": chart, "metrics": metrics, "diff": diff}
+                          "confirm": self.confirm, "chart": chart, "metrics": metrics, "diff": diff,
+                          "benchmarks": benchmarks}
         self.listing = {"table_html": self.table, "choices": self.chosen, "selection": self.selection,
                         "message": self.message}
 
@@ -269,3 +311,5 @@ class RunsTab:
         on(self.confirm_btn.click, runs.delete, chosen, self.listing, **private)
         on(self.resume_btn.click, runs.resume, chosen, {}, outputs=self.message, **private)
         on(self.cancel_queued_btn.click, runs.cancel, chosen, self.listing, **private)
+        on(self.bench_btn.click, runs.evaluate, [chosen, self.bench_names, self.bench_base, self.bench_limit], {},
+           outputs=self.message, **private)

@@ -15,6 +15,7 @@
       loss.png       the loss curve, drawn from events.jsonl by a background process when the run ends
       tensorboard/   TensorBoard event files, with report_to=tensorboard
       export/        what `finetune export` wrote: merged/ (a transformers folder), *.gguf, Modelfile, export.json
+      sweep.json     a sweep's trial: its sweep, trial number, parameters and how it ended (finetune.sweep.study)
       job.json       a run on Hugging Face Jobs: its job (id, URL, flavor, image, bucket), see finetune.remote
 """
 
@@ -47,7 +48,8 @@ TRAINER_STATE = "trainer_state.json"  # progress and LR schedule, as JSON: resum
 # and the child's printed output. They belong to the launch, so a new run may start beside them and
 # `overwrite` keeps them.
 # (A Slurm job's batch script, the config its nodes run and its log: finetune.remote.slurm.)
-LAUNCH_FILES = ("launch.yaml", "launch.log", "slurm.sbatch", "slurm.yaml", "slurm.log")
+# A sweep's trial: sweep.json, its sweep and trial number (finetune.sweep.study).
+LAUNCH_FILES = ("launch.yaml", "launch.log", "slurm.sbatch", "slurm.yaml", "slurm.log", "sweep.json")
 # The files the tool wrote into the folders a person might add to (a README beside the model, say): `overwrite`
 # deletes only these, and keeps anything else found there.
 MANIFEST = ".finetune-files.json"
@@ -55,6 +57,7 @@ MANIFEST_DIRS = ("checkpoints", "model", "adapter")
 RUN_FILES = (MARKER, MANIFEST, "config.yaml", "plan.json", "events.jsonl", "checkpoints", "model", "adapter",
              "metrics.json", "benchmarks.json", "loss.png", "loss.png.tmp", "model.zip", "tensorboard", "export",
              "export.log",  # the app's log of `finetune export`, beside export/
+             "benchmarks.log",  # the app's log of `finetune eval --benchmarks`, beside benchmarks.json
              "wandb", "mlruns", *LAUNCH_FILES,
              "job.json", ".fetch.partial")  # a run on Hugging Face Jobs (finetune.remote): its job, a fetch under way
 # Options that may differ when resuming: they change reporting, not the numbers.
