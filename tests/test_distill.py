@@ -126,3 +126,12 @@ def test_the_model_card_names_the_teacher(word_student, word_teacher):
     rows = dict(configured(c).card_rows(c))
     assert rows == {"teacher_model": word_teacher, "distill_loss": "jsd", "distill_beta": 0.5,
                     "distill_temperature": 1.0, "distill_alpha": 0.0}
+
+
+def test_the_form_shows_the_teacher_and_the_divergence_for_distill_alone():
+    from app.mapping import shown_fields
+
+    own = ("teacher_model", "distill_loss", "distill_beta", "distill_temperature", "distill_alpha")
+    assert all(shown_fields("distill")[name] for name in own)
+    assert not any(shown_fields(task)[name] for task in ("causal_lm", "preference") for name in own)
+    assert shown_fields("distill")["tools_column"] and not shown_fields("distill")["packing"]
