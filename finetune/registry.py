@@ -109,6 +109,26 @@ GRPO_OPTIONS = (
 )
 
 
+# Distillation's options: the teacher and the divergence (TRL's DistillationTrainer's `beta` and `temperature`).
+DISTILL_SETTINGS = ("distill_loss", "distill_beta", "distill_temperature", "distill_alpha")
+DISTILL_OPTIONS = (
+    Option("teacher_model", str, None, "Distill: Hub id or local folder of the teacher, a causal LM whose tokenizer "
+           "is the student's; frozen, beside the student on its device.", group="main", source="model"),
+    Option("distill_loss", str, "forward_kl", "Distill: the divergence per token between the teacher's and the "
+           "student's next-token distributions: forward_kl (KL(teacher‖student), mass-covering), reverse_kl "
+           "(KL(student‖teacher), mode-seeking) or jsd (the generalized Jensen–Shannon divergence weighted by "
+           "`distill_beta`).", choices=("forward_kl", "reverse_kl", "jsd"), group="main"),
+    Option("distill_beta", float, 0.5, "Distill, jsd: β of the generalized JSD (TRL's `beta`: 0 is forward KL, 1 "
+           "reverse KL).", min=0.0, max=1.0, group="advanced"),
+    Option("distill_temperature", float, 1.0, "Distill: both distributions are softened by this temperature "
+           "before the divergence (TRL's `temperature`; not rescaled by T²).", min=1e-3, max=100.0,
+           group="advanced"),
+    Option("distill_alpha", float, 0.0, "Distill: the weight of the plain next-token loss on the data's own "
+           "tokens; the divergence gets 1 − alpha (0: the teacher's distribution alone, as TRL's).", min=0.0,
+           max=1.0, group="advanced"),
+)
+
+
 @dataclass(frozen=True)
 class Entry:
     """What is known about a kind before its module is imported."""
@@ -208,10 +228,15 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
           presets=("bundled:all-MiniLM-L6-v2", "distilbert/distilbert-base-uncased", "google-bert/bert-base-uncased",
                    "FacebookAI/roberta-base", "answerdotai/ModernBERT-base")),
     Entry(name="causal_lm", module="finetune.kinds.causal_lm", summary="causal language modelling",
-          columns=("text_column", "prompt_column", "completion_column", "messages_column"),
-          own_columns=(("prompt_column", "completion_column"), ("messages_column",)),
+          columns=("text_column", "prompt_column", "completion_column", "messages_column", "tools_column"),
+          own_columns=(("prompt_column", "completion_column"), ("messages_column",), ("tools_column",)),
           uses="`text_column`, or `prompt_column` with `completion_column`",
-          column_reasons={"messages_column": "conversations train a language model"},
+          column_reasons={"messages_column": "conversations train a language model",
+                          "tools_column": "it gives a causal LM's conversations the tools their assistant calls"},
+          declares=(Option("tools_column", str, None, "Causal LM: column of the tools each conversation may call "
+                           "(a list of JSON schemas of functions, or JSON text; default 'tools' beside conversations), "
+                           "rendered by the chat template's own tools support; assistant turns with `tool_calls` are "
+                           "learned, `tool` results are not."),),
           auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
           pipeline_tag="text-generation", architectures=("ForCausalLM", "LMHeadModel"), example="Once upon a time",
           multitask="shared",
@@ -269,6 +294,25 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                     "segment_recurrence": "a reward model scores each sequence whole; turn it off",
                     "split_documents": "a reward pair is scored whole, so it cannot be split"},
           try_view="score", data_preview="pair"),
+    Entry(name="distill", module="finetune.kinds.distill",
+          summary="distillation of a causal LM from a teacher's token distributions",
+          columns=("text_column", "prompt_column", "completion_column", "messages_column", "tools_column"),
+          own_columns=(("teacher_model",), ("tools_column",)),
+          uses="`teacher_model` with `text_column`, `prompt_column` and `completion_column`, or `messages_column`",
+          column_reasons={"teacher_model": "it is the model a task=distill student learns from"},
+          auto_model="AutoModelForCausalLM", peft_task_type="CAUSAL_LM", peft_auto_model="AutoPeftModelForCausalLM",
+          pipeline_tag="text-generation", example="Once upon a time",
+          # A distilled student is a causal LM: a saved one is told as causal_lm, which comes first.
+          architectures=("ForCausalLM", "LMHeadModel"),
+          metrics=("perplexity",), options=("teacher_model",), settings=DISTILL_SETTINGS, declares=DISTILL_OPTIONS,
+          generates=True,
+          exports=("merged", "gguf"), features=("split_documents",),
+          refusals={"packing": "a packed row would need the teacher's logits over several documents at once; pack "
+                               "with task=causal_lm",
+                    "segment_recurrence": "the teacher reads each row whole; turn it off",
+                    "chunked_loss": "the divergence needs the student's and the teacher's whole logits; turn it "
+                                    "off"},
+          try_view="text", chat_when="messages", data_preview="conversation"),
     Entry(name="token_classification", module="finetune.kinds.token_classification",
           summary="token classification (NER and tagging)", columns=("tokens_column", "tags_column"),
           own_columns=(("tokens_column", "tags_column"), ("label_all_tokens",)),

@@ -48,6 +48,8 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "tags_column": {"task": "token_classification"},
     "label_all_tokens": {"task": "token_classification"},
     "center_rewards_coefficient": {"task": "reward"},
+    "teacher_model": {"task": "distill"},
+    "tools_column": {"task": "causal_lm"},
     "chunked_loss": {"task": "causal_lm"},
     **{key: {"task": "embedding"} for key in ("anchor_column", "positive_column", "negative_column", "score_column")},
     **{key: {"task": "seq2seq"} for key in ("source_column", "target_column", "source_prefix")},

@@ -88,6 +88,7 @@ def test_every_kind_has_a_case_and_every_case_a_kind():
 def _values(request, case: Case, variant: str | None = None, **extra) -> dict:
     """The run's config keys: the case's model, data and keys, the variant's and `extra` on top."""
     return {"model": request.getfixturevalue(case.model), "dataset": request.getfixturevalue(case.data),
+            **{key: request.getfixturevalue(name) for key, name in case.fixtures.items()},
             "effective_batch_size": case.batch, **case.values, **(case.variants[variant] if variant else {}),
             **extra}
 

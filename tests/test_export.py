@@ -239,7 +239,8 @@ def test_gguf_is_offered_for_every_kind_that_generates_text(tmp_path, tiny_gpt2,
     from finetune import registry
     from finetune.use import llamacpp
 
-    assert {k for k in registry.names() if export_mod.generates_text(k)} == {"causal_lm", "preference", "grpo"}
+    generating = {k for k in registry.names() if export_mod.generates_text(k)}
+    assert generating == {"causal_lm", "preference", "distill", "grpo"}
 
     def reached(llama_cpp=None, say=None):
         raise llamacpp.LlamaCppError("reached llama.cpp's converter")

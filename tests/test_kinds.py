@@ -56,8 +56,8 @@ def test_every_kind_implements_the_whole_protocol(name):
 
 def test_the_config_accepts_exactly_the_registered_kinds():
     assert TASKS == registry.names() == ("classification", "causal_lm", "regression", "preference", "reward",
-                                         "token_classification", "seq2seq", "embedding", "image_classification",
-                                         "grpo")
+                                         "distill", "token_classification", "seq2seq", "embedding",
+                                         "image_classification", "grpo")
     with pytest.raises(ConfigError, match="task"):
         from_dict({"task": "summarisation"})
 

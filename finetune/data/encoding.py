@@ -267,7 +267,8 @@ def encode(table: Any, cols: Columns, c: Config, tokenizer: Any, label_names: li
                     "label_index": settings["label_index"]}
     if cols.messages:
         # The template is part of the key: the tokenizer's fingerprint covers its vocabulary, not its template.
-        settings |= {"eos": [], "chat": {"train_on": c.train_on, "template": require_template(tokenizer, c.model)}}
+        template = require_template(tokenizer, c.model, tools=bool(cols.tools))  # refused here: before training
+        settings |= {"eos": [], "chat": {"train_on": c.train_on, "template": template}}
     # The cache key: the rows (datasets' fingerprint of the table: its files and every select/split applied) and
     # everything that changes their encoding. Computed here rather than by hashing the map function, whose
     # tokenizer argument hashes differently once it has been called.

@@ -36,7 +36,7 @@ from finetune.kinds.base import (
 from finetune.kinds.chunked import chunk_positions, chunked_loss_sum, unsupported
 from finetune.registry import entry
 from finetune.rows.arrow import numpy_of
-from finetune.rows.chat import MESSAGES_NAMES, check_conversations, encode_conversations
+from finetune.rows.chat import MESSAGES_NAMES, check_conversations, check_tool_calls, encode_conversations
 from finetune.rows.segments import split_documents
 
 
@@ -57,8 +57,12 @@ class CausalLM(TaskKind):
         """Conversations, prompt/completion pairs or plain text: as set, else guessed in that order."""
         if c.messages_column or (c.text_column is None and c.prompt_column is None
                                  and any(n in columns for n in MESSAGES_NAMES)):
+            tools = pick_column(columns, c.tools_column, ("tools",), "Tools", "tools_column") \
+                if c.tools_column or "tools" in columns else None
             return Columns(messages=pick_column(columns, c.messages_column, MESSAGES_NAMES, "Messages",
-                                                "messages_column"))
+                                                "messages_column"), tools=tools)
+        if c.tools_column:
+            raise DataError("`tools_column` gives conversations the tools they call: set `messages_column` too.")
         if c.prompt_column or (c.text_column is None and {"prompt", "completion"} <= set(columns)):
             prompt = pick_column(columns, c.prompt_column, ("prompt",), "Prompt", "prompt_column")
             completion = pick_column(columns, c.completion_column, ("completion",), "Completion", "completion_column")
@@ -70,9 +74,12 @@ class CausalLM(TaskKind):
         return None
 
     def check_rows(self, table: Any, cols: Columns, label_names: list[str] | None, source: str) -> None:
-        """Conversations must be lists of turns with a role and a content."""
+        """Conversations must be lists of turns with a role and a content, and their tool calls must call the row's
+        tools with JSON arguments that hold the required ones."""
         if cols.messages:
             check_conversations(table.data.column(cols.messages), cols.messages, source)
+        if cols.tools:
+            check_tool_calls(table.data.column(cols.messages), table.data.column(cols.tools), cols.tools, source)
 
     def end_of_document(self, tokenizer: Any) -> list[int]:
         """The end-of-sequence token a document ends with, so that the model learns where texts end."""
@@ -85,7 +92,7 @@ class CausalLM(TaskKind):
         tokenizer, cols, max_length = e.tokenizer, e.cols, e.max_length
         if cols["messages"]:
             out = encode_conversations(batch[cols["messages"]], tokenizer=tokenizer, train_on=e.chat["train_on"],
-                                       max_length=max_length)
+                                       max_length=max_length, tools=batch[cols["tools"]] if cols.get("tools") else None)
             return {**out, "prompt_length": [0] * len(indices), "document": indices, "segment": [0] * len(indices)}
         # Whole documents first (no truncation; `verbose=False`: a text longer than the model's limit is expected).
         whole = {"add_special_tokens": True, "verbose": False}

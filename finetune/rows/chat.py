@@ -94,16 +94,106 @@ def read_template(path: str) -> str:
     return text
 
 
-def require_template(tokenizer: Any, model: str) -> str:
-    """The tokenizer's chat template, or a `ModelError` saying how to give one."""
+def require_template(tokenizer: Any, model: str, tools: bool = False) -> str:
+    """The tokenizer's chat template, or a `ModelError` saying how to give one (`tools`: one that renders a
+    conversation's tools, which a template that never reads `tools` would silently leave out)."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one renders conversations
-        template = template.get("default")
+        template = template.get("tool_use") if tools and template.get("tool_use") else template.get("default")
     if not template:
         raise ModelError(f"The tokenizer of {model!r} has no chat template to render conversations: set "
                          "`chat_template` to a Jinja file (assets/chatml.jinja is a ChatML one), or pick a chat "
                          "model.")
+    if tools and "tools" not in template:
+        raise ModelError(f"The chat template of {model!r} does not render tools (it never reads `tools`), so "
+                         "`tools_column` would be left out of every conversation: set `chat_template` to a template "
+                         "with tools support, or pick a model whose template has it.")
     return template
+
+
+def _without_nulls(value: Any) -> Any:
+    """`value` with its None members dropped, at every depth: Arrow gives every struct every key any row has."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value if v is not None]
+    return value
+
+
+def tools_of(value: Any) -> list[dict[str, Any]] | None:
+    """A row's tools (JSON schemas, as `apply_chat_template(tools=...)` takes them: `{type: function, function:
+    {name, parameters}}` or the function itself), from a list or JSON text; [] for none, None when malformed."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        return None
+    return [_without_nulls(t) for t in value]
+
+
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool.get("function", tool) if isinstance(tool.get("function", tool), dict) else {}
+
+
+def _templated(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Turns as chat templates read them: a tool call's arguments a mapping (templates write them with `tojson`),
+    however the data stored them (JSON text, or an Arrow struct with nulls for other rows' keys)."""
+    out = []
+    for turn in turns:
+        if turn.get("tool_calls"):
+            calls = []
+            for call in _without_nulls(turn["tool_calls"]):
+                function = dict(call.get("function", call))
+                if isinstance(function.get("arguments"), str):
+                    function["arguments"] = json.loads(function["arguments"])
+                calls.append({**call, "function": function} if "function" in call else function)
+            turn = {**turn, "tool_calls": calls}
+        out.append(turn)
+    return out
+
+
+def _call_problem(call: Any, tools: dict[str, dict[str, Any]]) -> str | None:
+    """What is wrong with one tool call against the row's tools, in words, or None."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return "has a tool call without a function name"
+    name, arguments = function["name"], function.get("arguments", {})
+    if name not in tools:
+        known = ", ".join(tools) or "none"
+        return f"calls the unknown tool {name!r} (the row's tools: {known})"
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            return f"calls {name!r} with arguments that are not valid JSON ({e.msg} at character {e.pos})"
+    if not isinstance(arguments, dict):
+        return f"calls {name!r} with arguments that are not a JSON object"
+    given = {k for k, v in arguments.items() if v is not None}
+    required = (tools[name].get("parameters") or {}).get("required") or []
+    if missing := [r for r in required if r not in given]:
+        return f"calls {name!r} without its required argument(s) {', '.join(map(repr, missing))}"
+    return None
+
+
+def check_tool_calls(messages: pa.ChunkedArray, tools: pa.ChunkedArray, name: str, source: str) -> None:
+    """A `DataError` naming the first row (the file's own) whose tools are not a list of JSON schemas, or one of
+    whose assistant turns calls a tool badly: arguments that are not JSON, a tool the row does not offer, or a
+    required argument missing."""
+    for row, (value, offered) in enumerate(zip(messages.to_pylist(), tools.to_pylist(), strict=True)):
+        schemas = tools_of(offered)
+        if schemas is None:
+            raise DataError(f"Row {row + 1} of {source!r}, column {name!r}, is not a list of tools (JSON schemas "
+                            "of functions, as a list or JSON text): fix or remove it.")
+        by_name = {_function(t).get("name"): _function(t) for t in schemas}
+        for turn in turns_of(value) or []:
+            for call in turn.get("tool_calls") or []:
+                if problem := _call_problem(call, by_name):
+                    raise DataError(f"Row {row + 1} of {source!r}: an assistant turn {problem}: fix or remove "
+                                    "that row.")
 
 
 def special_ids(tokenizer: Any) -> set[int]:
@@ -113,34 +203,40 @@ def special_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-def _render(tokenizer: Any, turns: list[dict[str, Any]], generation: bool) -> str:
-    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation)
+def _render(tokenizer: Any, turns: list[dict[str, Any]], generation: bool,
+            tools: list[dict[str, Any]] | None = None) -> str:
+    return tokenizer.apply_chat_template(turns, tools=tools or None, tokenize=False, add_generation_prompt=generation)
 
 
-def _learned_spans(tokenizer: Any, turns: list[dict[str, Any]], train_on: str) -> tuple[list[str], list[int]]:
+def _learned_spans(tokenizer: Any, turns: list[dict[str, Any]], train_on: str,
+                   tools: list[dict[str, Any]] | None = None) -> tuple[list[str], list[int]]:
     """The texts to tokenise (the whole conversation first, then for each learned assistant turn the render up to
-    its generation prompt and up to its end) and the indices of those turns."""
-    texts = [_render(tokenizer, turns, False)]
+    its generation prompt and up to its end) and the indices of those turns. An assistant turn is learned whole,
+    its tool calls included; a tool's result (a `tool` turn) is the prompt of the turn after it."""
+    turns = _templated(turns)
+    texts = [_render(tokenizer, turns, False, tools)]
     if train_on == "all":
         return texts, []
     learned = [i for i, t in enumerate(turns) if t["role"] == "assistant"]
     if train_on == "last_assistant":
         learned = learned[-1:]
     for i in learned:
-        texts += [_render(tokenizer, turns[:i], True), _render(tokenizer, turns[: i + 1], False)]
+        texts += [_render(tokenizer, turns[:i], True, tools), _render(tokenizer, turns[: i + 1], False, tools)]
     return texts, learned
 
 
-def encode_conversations(values: list[Any], *, tokenizer: Any, train_on: str, max_length: int) -> dict[str, list]:
-    """Conversations → `input_ids`, `loss_mask` (1 on learned tokens), `num_targets` (learned next-token targets)
-    `dropped` (0, or the reason the row is left out: see DROPPED) and `dropped_tokens` (cut by `max_length`)."""
+def encode_conversations(values: list[Any], *, tokenizer: Any, train_on: str, max_length: int,
+                         tools: list[Any] | None = None) -> dict[str, list]:
+    """Conversations (with each row's `tools`, rendered by the template's own tools support) → `input_ids`,
+    `loss_mask` (1 on learned tokens), `num_targets` (learned next-token targets), `dropped` (0, or the reason the
+    row is left out: see DROPPED) and `dropped_tokens` (cut by `max_length`)."""
     from jinja2 import TemplateError
 
     specials = special_ids(tokenizer)
     rows: list[tuple[list[str], list[int]] | int] = []
-    for value in values:
+    for value, offered in zip(values, tools or [None] * len(values), strict=True):
         try:
-            rows.append(_learned_spans(tokenizer, turns_of(value), train_on))
+            rows.append(_learned_spans(tokenizer, turns_of(value), train_on, tools_of(offered)))
         except (TemplateError, TypeError, ValueError, KeyError, IndexError):
             rows.append(1)
     # One tokenizer call for every render of the batch: the fast tokenizer works through them in Rust.

@@ -44,3 +44,5 @@ class Case:
     # Step metrics that count a margin's sign where every margin is exactly zero at the first step (DPO's policy is
     # its reference then): float rounding picks the sign there, so the contract compares them from the second step.
     tied_at_start: tuple[str, ...] = ()
+    # Config keys whose values are fixtures besides the model and the data (distillation's `teacher_model`), by key.
+    fixtures: dict[str, str] = field(default_factory=dict)
