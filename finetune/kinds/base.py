@@ -188,6 +188,11 @@ class Objective(Protocol):
         whole model."""
         return model
 
+    def frozen_modules(self, model: Any, c: Config) -> list[str]:
+        """Names of the model's modules that stay frozen with run config `c` and that LoRA leaves alone (a
+        vision-language model's vision tower); default: none."""
+        return []
+
 
 def _needs(hook: str, why: str) -> NotImplementedError:
     """The error of a hook a kind must implement when its entry asks for it."""
