@@ -365,9 +365,9 @@ def _expanded(ids: list[int], mask: list[int], blocks: list[list[int]], image_to
 
 
 def vision_tower(model: Any) -> list[str]:
-    """The names of the model's vision tower modules (`VISION_TOWERS`), outermost only."""
-    names = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in VISION_TOWERS]
-    return [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+    """The names of the model's vision tower modules (`VISION_TOWERS`) and of every module inside them (peft's
+    `exclude_modules` matches a name, not what it holds)."""
+    return [n for n, _ in model.named_modules() if any(part in VISION_TOWERS for part in n.split("."))]
 
 
 @functools.cache

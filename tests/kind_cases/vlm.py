@@ -2,8 +2,8 @@
 vision tower on 16×16 tiles, a pixel-shuffle connector, a two-layer Llama of width 32) with a processor made here (a
 byte-level BPE trained on the test words, SmolVLM's chat template, Idefics3's image processor splitting an image
 into 16×16 tiles), on 23 conversations of one or two images of three sizes (2×1, 1×2 and 2×2 tiles besides the
-global image: 12 or 20 image tokens each), counted per learned token. Windows of 8: two and a short last one of 7 (of 1 with
-25% held out)."""
+global image: 12 or 20 image tokens each), counted per learned token. Windows of 8: two and a short last one
+of 7 (of 1 with 25% held out)."""
 
 from __future__ import annotations
 
