@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
+import torch
 from kind_cases.vlm import write_images
 
 from finetune.config.schema import from_dict
@@ -121,3 +123,104 @@ def test_gguf_export_is_refused_in_one_sentence(tmp_path, tiny_idefics3, vlm_jso
     err = capsys.readouterr().err.strip()
     assert "mmproj" in err and len(err.splitlines()) == 1
 
+
+
+# Qwen2-VL's chat template (its image parts as <|vision_start|><|image_pad|><|vision_end|>).
+QWEN2_VL_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a "
+    "helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string "
+    "%}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == "
+    "'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ "
+    "content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+
+
+class Qwen2VLStandIn:
+    """Qwen2-VL's processor where transformers' cannot be built: `Qwen2VLProcessor` holds a video processor, whose
+    class needs torchvision, which this environment lacks (pyproject.toml says why). Its image processor is
+    transformers' own (the PIL one); it expands each `<|image_pad|>` as `Qwen2VLProcessor.replace_image_token`
+    does, to the image's grid of patches over merge_size², and marks image tokens in `mm_token_type_ids`."""
+
+    image_token = "<|image_pad|>"
+    model_input_names = ["input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"]
+
+    def __init__(self) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                    "<|image_pad|>", "<|video_pad|>"]
+        backend = Tokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        words = "what is in this picture red blue green cat dog bird tree sky sea a the colour of user assistant"
+        backend.train_from_iterator([words + " system You are a helpful assistant."] * 20, trainer=trainers.BpeTrainer(
+            vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        self.tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+                                                 pad_token="<|endoftext|>")
+        self.chat_template = QWEN2_VL_TEMPLATE
+        # Patches of 4 merged 2×2: a 16×32 image is 4×8 patches, 8 image tokens; 32×32, 16.
+        self.image_processor = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                                                        min_pixels=64, max_pixels=48 * 48, image_mean=[0.5] * 3,
+                                                        image_std=[0.5] * 3)
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+
+    def __call__(self, text: list[str], images: list[list], add_special_tokens: bool = False, **kwargs) -> dict:
+        grids = iter(self.image_processor(images=images)["image_grid_thw"])
+        expanded = []
+        for t in text:
+            pieces = t.split(self.image_token)
+            expanded.append(pieces[0] + "".join(
+                self.image_token * int(next(grids).prod() // 4) + rest for rest in pieces[1:]))
+        return self.tokenizer(expanded, add_special_tokens=add_special_tokens)
+
+
+def test_qwen2_vl_accumulates_exactly_with_images_of_different_sizes(vlm_jsonl):
+    """Qwen2-VL's multimodal RoPE over right-padded micro-batches: the window's loss and gradient in micro-batches of
+    1 and 2 are the whole window's, its samples holding 8 to 32 image tokens."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from finetune.kinds.base import Encoding
+    from finetune.kinds.vlm import ChatInputs, VisionChat
+
+    inputs = ChatInputs(Qwen2VLStandIn())
+    tok = inputs.tokenizer
+    kind = VisionChat(inputs)
+    raw = [json.loads(line) for line in Path(vlm_jsonl).read_text().splitlines()][:6]
+    batch = {"messages": [r["messages"] for r in raw], "images": [r["images"] for r in raw]}
+    e = Encoding(inputs, {"messages": "messages", "images": "images"}, 128, None, [], "truncate", 0,
+                 chat={"train_on": "assistant"}, options={"root": str(Path(vlm_jsonl).parent)})
+    rows = pa.Table.from_pydict(kind.encode_rows(batch, list(range(6)), e))
+    assert set(rows.column("dropped").to_pylist()) == {0}
+    image_tokens = {ids.count(inputs.image_token_id) for ids in rows.column("input_ids").to_pylist()}
+    assert len(image_tokens) > 2, image_tokens
+
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(
+        text_config={"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
+                     "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2,
+                       "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3},
+        image_token_id=inputs.image_token_id, video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>")))
+
+    def window(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        count = int(sum(rows.column("num_targets").to_pylist()))
+        total = torch.zeros(())
+        for start in range(0, 6, micro):
+            b = kind.collate_rows(rows.slice(start, micro), tok.pad_token_id)
+            labels = b.pop("labels")
+            loss, _ = kind.loss_sum(model, b, labels)
+            (loss / count).backward()
+            total += loss.detach() / count
+        return total, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    whole_loss, whole_grad = window(6)
+    for micro in (1, 2):
+        loss, grad = window(micro)
+        torch.testing.assert_close(loss, whole_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad, whole_grad, rtol=1e-4, atol=1e-6)
