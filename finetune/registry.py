@@ -162,8 +162,8 @@ class Entry:
     # chooses its views here and the app compares no kind's name:
     # Try it's view of a prediction: "probabilities" (of each label), "entities" (the words with their entities
     # highlighted), "value" (a number), "score" (a reward), "text" (a generated continuation), "vector" (an
-    # embedding), "generated_text" (a seq2seq model's target text) or "image" (an uploaded image in, each label's
-    # probability out).
+    # embedding), "generated_text" (a seq2seq model's target text), "image" (an uploaded image in, each label's
+    # probability out) or "image_chat" (an uploaded image and a question in, the model's reply out).
     try_view: str = "probabilities"
     # When Try it chats with the model instead: "messages" (the run trained on conversations: its config names
     # `messages_column`), "template" (its saved model has a chat template), or "" (never).
@@ -315,7 +315,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                                        "long_documents=truncate (or auto)",
                     "gguf": "a vision-language model's GGUF needs llama.cpp's projector file (mmproj) beside it, "
                             "which this export does not write yet; export format=merged"},
-          try_view="text"),
+          try_view="image_chat"),
     # Before embedding: Marian's "MarianMTModel" ends in "Model" too, like the bare encoders embedding reads.
     Entry(name="seq2seq", module="finetune.kinds.seq2seq",
           summary="sequence-to-sequence (summarisation, translation: a target text per source text)",
@@ -440,6 +440,9 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                   ("completions/mean_length", "", "Completion length (tokens)")),
           try_view="text", chat_when="template"),
 )}
+# How a prediction's input names an image and asks about it (`finetune predict RUN "photo.png::What is this?"`; Try
+# it builds it from the uploaded file): the image's path, this, the question.
+IMAGE_QUESTION = "::"
 OPTION_KEYS = tuple(dict.fromkeys(key for e in ENTRIES.values() for key in e.options))  # every kind's own options
 DEFAULT = "classification"
 

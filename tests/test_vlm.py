@@ -112,17 +112,44 @@ def test_bad_rows_are_refused_in_a_sentence(tmp_path, tiny_idefics3, row, messag
         load_data(c, load_tokenizer(c))
 
 
-def test_gguf_export_is_refused_in_one_sentence(tmp_path, tiny_idefics3, vlm_jsonl, capsys):
-    from conftest import run_train
-
+def test_try_it_answers_about_an_uploaded_image_as_predict_does_and_gguf_is_refused(tmp_path, tiny_idefics3, vlm_jsonl,
+                                                                                      capsys, monkeypatch):
+    from app.jobs.training import JobStatus
+    from app.policy import RequestPolicy
+    from app.results import Unanswered
+    from app.tabs import handlers
+    from app.tryit import panel
     from finetune.cli import main
 
-    run_train(tmp_path / "run", model=tiny_idefics3, dataset=vlm_jsonl, task="vlm", max_length=80, max_steps=1,
-              effective_batch_size=2)
-    assert main(["export", str(tmp_path / "run"), "--format", "gguf"]) == 2
+    run = tmp_path / "run"
+    assert main(["train", "task=vlm", f"model={tiny_idefics3}", f"dataset={vlm_jsonl}", "max_length=80",
+                 f"output_dir={run}", "max_steps=1", "effective_batch_size=2", "-q"]) == 0
+    done = JobStatus(state="done", run_dir=run)
+    # The registry's view: the image box and the text box for the question, the generation settings.
+    assert panel.try_view(done) == "image_chat"
+    shown = panel.panel(done, new_model=True)
+    assert shown.image["visible"] is True and shown.text["visible"] is True and shown.settings["visible"] is True
+    controller = handlers(tmp_path / "runs", jobs=type("Jobs", (), {"status": lambda self: done})())
+    monkeypatch.setattr(RequestPolicy, "is_mine", lambda self, status, user: True)
+    image = Path(vlm_jsonl).parent / "im0.png"
+    out = controller.tryit.try_it("what is in this picture", [], str(image), 4)
+    assert out.generated["visible"] is True and out.generated["label"] == "Reply"
+    capsys.readouterr()
+    assert main(["predict", str(run), f"{image}::what is in this picture", "--max-new-tokens", "4"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["generated"] == out.generated["value"]
+    # No image, no question, an image that is not one: a sentence each; a text alone would name a file on the server.
+    assert controller.tryit.try_it("what is in this picture", [], None).message == "Upload an image first."
+    assert controller.tryit.try_it("", [], str(image)).message == "Type a question about the image."
+    bad = tmp_path / "broken.png"
+    bad.write_text("not a picture")
+    assert "is not a readable image" in controller.tryit.try_it("what", [], str(bad)).message
+    with pytest.raises(Unanswered, match="answers questions about images: upload an image"):
+        controller.tryit.predict(f"{image}::what is in this picture")
+    # Export: merged only; a GGUF is refused in one sentence.
+    capsys.readouterr()
+    assert main(["export", str(run), "--format", "gguf"]) == 2
     err = capsys.readouterr().err.strip()
     assert "mmproj" in err and len(err.splitlines()) == 1
-
 
 
 # Qwen2-VL's chat template (its image parts as <|vision_start|><|image_pad|><|vision_end|>).

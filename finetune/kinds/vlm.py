@@ -34,7 +34,7 @@ from finetune.errors import DataError, ModelError
 from finetune.kinds.base import GREEDY, Columns, Encoding, Metrics, TaskKind, padded_batch, pick_column
 from finetune.kinds.causal_lm import KIND as CAUSAL
 from finetune.kinds.image_classification import check_image, image_source, open_image
-from finetune.registry import entry
+from finetune.registry import IMAGE_QUESTION, entry
 from finetune.rows.chat import MESSAGES_NAMES, encode_conversations, turns_of
 
 IMAGES_NAMES = ("images", "image")
@@ -42,7 +42,6 @@ IMAGES_NAMES = ("images", "image")
 # `visual`, with its merger; Idefics3's and SmolVLM's `vision_model`; LLaVA's `vision_tower`).
 VISION_TOWERS = ("visual", "vision_model", "vision_tower")
 UNLIMITED = 1 << 30  # the render's length before the images are expanded: the cut comes after
-PROMPT_SEPARATOR = "::"  # `finetune predict run "cat.png::What is this?"`: an image and its question
 
 
 class ChatInputs:
@@ -317,7 +316,7 @@ class VisionChat(TaskKind):
         """A reply to each `image path::question` (or a question alone), greedy unless `sampling` says otherwise."""
         out = []
         for text in texts:
-            path, question = text.split(PROMPT_SEPARATOR, 1) if PROMPT_SEPARATOR in text else ("", text)
+            path, question = text.split(IMAGE_QUESTION, 1) if IMAGE_QUESTION in text else ("", text)
             images = [open_image(path.strip(), None)] if path.strip() else []
             reply = chat_reply(model, tokenizer, question.strip(), images, max_new_tokens=max_new_tokens,
                                sampling=sampling)
