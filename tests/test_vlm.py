@@ -251,3 +251,25 @@ def test_qwen2_vl_accumulates_exactly_with_images_of_different_sizes(vlm_jsonl):
         loss, grad = window(micro)
         torch.testing.assert_close(loss, whole_loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad, whole_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_plan_counts_the_vision_towers_activations(tmp_path, tiny_idefics3, vlm_jsonl):
+    from transformers import Qwen2VLConfig
+
+    from finetune.cli import main
+    from finetune.kinds.vlm import vision_estimate
+
+    # Qwen2-VL: each image token is 2×2 patches; a layer keeps (4·16 + 2·32) values per patch, 4 bytes each.
+    config = Qwen2VLConfig(vision_config={"depth": 3, "embed_dim": 16, "mlp_ratio": 2, "spatial_merge_size": 2})
+    patches = 2 * 80 * 4
+    layer, features = patches * (4 * 16 + 2 * 32) * 4, patches * 16 * 4
+    assert vision_estimate(config, 2, 80, "fp32", trained=False) == layer + features
+    assert vision_estimate(config, 2, 80, "fp32", trained=True) == 3 * layer + features
+    assert vision_estimate(config, 2, 80, "bf16", trained=True) == (3 * layer + features) // 2
+    # In the plan's terms, for the run's micro-batch and longest sample (image tokens included).
+    assert main(["plan", "task=vlm", f"model={tiny_idefics3}", f"dataset={vlm_jsonl}", "max_length=80",
+                 "effective_batch_size=8", "micro_batch_size=4", "--json", str(tmp_path / "plan.json")]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    scale = 2  # Idefics3's scale_factor: 2×2 patches of 16 values per image token, one layer of 32 in its MLP
+    patches = 4 * plan["worst_case_tokens"] * scale * scale
+    assert plan["breakdown"]["vision_tower"] == patches * (4 * 16 + 2 * 32) * 4 + patches * 16 * 4

@@ -278,6 +278,11 @@ class PlanTerms(Protocol):
         (default): no reference."""
         return None
 
+    def plan_inputs(self, model_config: Any, micro: int, tokens: int, precision: str) -> dict[str, int]:
+        """Terms of a micro-batch's inputs that the dry run's random tokens leave out (a vision tower's activations on
+        its images); default: none."""
+        return {}
+
     def plan_window(self, window: int, hidden: int) -> dict[str, int]:
         """Terms a loss over the whole window of `window` samples keeps resident; default: none."""
         return {}

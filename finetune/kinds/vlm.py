@@ -162,12 +162,13 @@ class VisionChat(TaskKind):
     """The `TaskKind` of vision-language SFT; `configured` gives it the model's processor, which collation needs."""
 
     inputs: ChatInputs | None = None
+    train_vision_tower: bool = False  # what the planner counts of the vision tower (training freezes it by `c`)
     entry = entry("vlm")
 
     def configured(self, c: Config) -> VisionChat:
         """This kind with the processor of the run's model (a folder or a hub id)."""
         path = Path(c.model).expanduser()
-        return _configured(str(path) if path.exists() else c.model, c.trust_remote_code)
+        return _configured(str(path) if path.exists() else c.model, c.trust_remote_code, c.train_vision_tower)
 
     def load_preprocessor(self, path: str, trust_remote_code: bool = False) -> ChatInputs:
         """What the loop keeps as its tokenizer: the model's processor."""
@@ -310,6 +311,12 @@ class VisionChat(TaskKind):
         """Causal LM's: the float32 logits over the vocabulary and their gradient."""
         return CAUSAL.logits_bytes(micro, tokens, vocab, num_labels)
 
+    def plan_inputs(self, model_config: Any, micro: int, tokens: int, precision: str) -> dict[str, int]:
+        """The vision tower's activations, which the dry run's random tokens (image tokens among the `tokens` it
+        counts) never reach: `vision_estimate`."""
+        return {"vision_tower": vision_estimate(model_config, micro, tokens, precision,
+                                                      self.train_vision_tower)}
+
     # --- use after training
     def predict(self, model: Any, tokenizer: Any, texts: list[str], *, prefix: str = "", max_new_tokens: int = 40,
                 sampling: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -363,6 +370,25 @@ def _expanded(ids: list[int], mask: list[int], blocks: list[list[int]], image_to
     return new_ids[:max_length], new_mask[:max_length], kept, whole
 
 
+def vision_estimate(model_config: Any, micro: int, tokens: int, precision: str, trained: bool) -> int:
+    """Bytes of the vision tower's activations for a micro-batch of `micro` samples of `tokens` tokens, at worst all
+    image tokens: each stands for m² patches (m: Qwen2-VL's `spatial_merge_size`, Idefics3's `scale_factor`), and a
+    layer keeps, per patch, its attention's inputs and outputs and its MLP's (4·hidden + 2·intermediate values). A
+    frozen tower keeps nothing for the backward: one layer's working set and its output features; a trained one
+    keeps every layer's."""
+    vision = getattr(model_config, "vision_config", None)
+    if vision is None:
+        return 0
+    merge = getattr(vision, "spatial_merge_size", None) or getattr(model_config, "scale_factor", None) or 1
+    hidden = getattr(vision, "embed_dim", None) or getattr(vision, "hidden_size", 0)  # Qwen2-VL's width: embed_dim
+    intermediate = getattr(vision, "intermediate_size", None) or int(hidden * getattr(vision, "mlp_ratio", 4))
+    layers = getattr(vision, "depth", None) or getattr(vision, "num_hidden_layers", 1)
+    size = 2 if precision in ("bf16", "fp16") else 4
+    patches = micro * tokens * merge * merge
+    per_layer = patches * (4 * hidden + 2 * intermediate) * size
+    return (layers if trained else 1) * per_layer + patches * hidden * size
+
+
 def vision_tower(model: Any) -> list[str]:
     """The names of the model's vision tower modules (`VISION_TOWERS`) and of every module inside them (peft's
     `exclude_modules` matches a name, not what it holds)."""
@@ -370,8 +396,8 @@ def vision_tower(model: Any) -> list[str]:
 
 
 @functools.cache
-def _configured(path: str, trust_remote_code: bool) -> VisionChat:
-    return VisionChat(load_processor(path, trust_remote_code))
+def _configured(path: str, trust_remote_code: bool, train_vision_tower: bool) -> VisionChat:
+    return VisionChat(load_processor(path, trust_remote_code), train_vision_tower)
 
 
 KIND = VisionChat()
