@@ -273,3 +273,16 @@ def test_the_plan_counts_the_vision_towers_activations(tmp_path, tiny_idefics3, 
     scale = 2  # Idefics3's scale_factor: 2×2 patches of 16 values per image token, one layer of 32 in its MLP
     patches = 4 * plan["worst_case_tokens"] * scale * scale
     assert plan["breakdown"]["vision_tower"] == patches * (4 * 16 + 2 * 32) * 4 + patches * 16 * 4
+
+
+def test_the_encoding_key_follows_the_image_processor(tiny_idefics3):
+    from kind_cases.vlm import tiny_processor
+
+    from finetune.data.encoding import tokenizer_fingerprint
+    from finetune.kinds.vlm import ChatInputs, load_processor
+
+    saved = tokenizer_fingerprint(load_processor(tiny_idefics3))
+    assert tokenizer_fingerprint(ChatInputs(tiny_processor())) == saved
+    smaller = tiny_processor()
+    smaller.image_processor.size = {"longest_edge": 16}  # fewer tiles per image: other tokens
+    assert tokenizer_fingerprint(ChatInputs(smaller)) != saved

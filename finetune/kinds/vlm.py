@@ -63,10 +63,9 @@ class ChatInputs:
         self.pad_token_id = self.tokenizer.pad_token_id
         self.eos_token_id = self.tokenizer.eos_token_id
 
-    @property
-    def backend_tokenizer(self) -> Any:
-        """The tokenizer's own (the encoding cache's fingerprint)."""
-        return self.tokenizer.backend_tokenizer
+    def fingerprint_parts(self) -> tuple[Any, str]:
+        """What the encoding cache's key reads: the tokenizer, and the settings that decide an image's tokens."""
+        return self.tokenizer, self.processor.image_processor.to_json_string()
 
     def save_pretrained(self, folder: Any) -> None:
         """The processor (tokenizer, image processor, chat template), in `folder`."""
