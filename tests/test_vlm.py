@@ -286,3 +286,13 @@ def test_the_encoding_key_follows_the_image_processor(tiny_idefics3):
     smaller = tiny_processor()
     smaller.image_processor.size = {"longest_edge": 16}  # fewer tiles per image: other tokens
     assert tokenizer_fingerprint(ChatInputs(smaller)) != saved
+
+
+@pytest.mark.parametrize(("architecture", "kind"), [
+    ("Qwen2VLForConditionalGeneration", "vlm"), ("Qwen2_5_VLForConditionalGeneration", "vlm"),
+    ("Idefics3ForConditionalGeneration", "vlm"), ("SmolVLMForConditionalGeneration", "vlm"),
+    ("T5ForConditionalGeneration", "seq2seq"), ("BartForConditionalGeneration", "seq2seq")])
+def test_a_saved_model_is_told_by_its_architecture(architecture, kind):
+    from finetune.registry import kind_of_model_config
+
+    assert kind_of_model_config({"architectures": [architecture]}) == kind
