@@ -183,8 +183,8 @@ class Entry:
     # chooses its views here and the app compares no kind's name:
     # Try it's view of a prediction: "probabilities" (of each label), "entities" (the words with their entities
     # highlighted), "value" (a number), "score" (a reward), "text" (a generated continuation), "vector" (an
-    # embedding), "generated_text" (a seq2seq model's target text) or "image" (an uploaded image in, each label's
-    # probability out).
+    # embedding), "generated_text" (a seq2seq model's target text), "image" (an uploaded image in, each label's
+    # probability out) or "image_chat" (an uploaded image and a question in, the model's reply out).
     try_view: str = "probabilities"
     # When Try it chats with the model instead: "messages" (the run trained on conversations: its config names
     # `messages_column`), "template" (its saved model has a chat template), or "" (never).
@@ -333,6 +333,34 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                     "split_documents": "a row's words and tags are cut at `max_length` together, not split; use "
                                        "long_documents=truncate (or auto)"},
           try_view="entities"),
+    # Before seq2seq, whose architectures end in "ForConditionalGeneration" too: these are the vision-language ones.
+    Entry(name="vlm", module="finetune.kinds.vlm",
+          summary="vision-language chat (conversations with images)",
+          columns=("messages_column", "images_column"), own_columns=(("images_column",),),
+          uses="`messages_column` (and `images_column`)",
+          column_reasons={"images_column": "it holds a vision-language conversation's images"},
+          # peft's CAUSAL_LM task type would read a saved adapter as a causal LM's: without one, its base config's
+          # architectures tell the kind (as image classification's).
+          auto_model="AutoModelForImageTextToText", peft_auto_model="AutoPeftModel",
+          pipeline_tag="image-text-to-text",
+          architectures=("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                         "Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
+          example="cat.png::What is in this picture?", metrics=("perplexity",),
+          settings=("train_vision_tower",),
+          declares=(Option("images_column", str, None, "Vision-language: the column of each conversation's images "
+                           "(a list of images or image paths relative to the dataset, which must stay beside it; "
+                           "default 'images' or 'image' when present), taken in order by the {\"type\": \"image\"} "
+                           "parts of its messages. Unset: each image part names its own image."),
+                    Option("train_vision_tower", bool, False, "Vision-language: train the vision tower too (with "
+                           "LoRA: adapters on it too); by default it stays frozen and only the language model and "
+                           "its projector train.", group="advanced")),
+          refusals={"packing": "a vision-language conversation is trained with its images, not packed",
+                    "segment_recurrence": "a vision-language conversation is read whole; turn it off",
+                    "split_documents": "a conversation is kept whole, cut only between images at max_length; use "
+                                       "long_documents=truncate (or auto)",
+                    "gguf": "a vision-language model's GGUF needs llama.cpp's projector file (mmproj) beside it, "
+                            "which this export does not write yet; export format=merged"},
+          try_view="image_chat"),
     # Before embedding: Marian's "MarianMTModel" ends in "Model" too, like the bare encoders embedding reads.
     Entry(name="seq2seq", module="finetune.kinds.seq2seq",
           summary="sequence-to-sequence (summarisation, translation: a target text per source text)",
@@ -457,6 +485,9 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
                   ("completions/mean_length", "", "Completion length (tokens)")),
           try_view="text", chat_when="template"),
 )}
+# How a prediction's input names an image and asks about it (`finetune predict RUN "photo.png::What is this?"`; Try
+# it builds it from the uploaded file): the image's path, this, the question.
+IMAGE_QUESTION = "::"
 OPTION_KEYS = tuple(dict.fromkeys(key for e in ENTRIES.values() for key in e.options))  # every kind's own options
 DEFAULT = "classification"
 

@@ -54,6 +54,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     **{key: {"task": "embedding"} for key in ("anchor_column", "positive_column", "negative_column", "score_column")},
     **{key: {"task": "seq2seq"} for key in ("source_column", "target_column", "source_prefix")},
     "image_column": {"task": "image_classification"},
+    "images_column": {"task": "vlm"},
     "answer_column": {"task": "grpo", "rewards": ["exact_match"]},
     "rewards": {"task": "grpo"},
     "reward_weights": {"task": "grpo", "rewards": ["exact_match", "length:10"]},

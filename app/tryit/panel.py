@@ -125,7 +125,7 @@ def panel(status: JobStatus, *, new_model: bool) -> TryPanel:
     message; without one, a sentence says why."""
     view = try_view(status)
     chat = view == "chat"
-    pictured = view == "image"
+    pictured = view in IMAGE_REFUSALS
     ready = view is not None
     cleared = {"label": gr.update(value=None, visible=False), "generated": gr.update(value="", visible=False),
                "entities": gr.update(value=None, visible=False), "message": ""} if new_model else {}
@@ -140,13 +140,18 @@ def panel(status: JobStatus, *, new_model: bool) -> TryPanel:
                     new_chat=gr.update(visible=chat), push=gr.update(interactive=ready),
                     button=gr.update(interactive=ready, value="Send" if chat else "Predict"),
                     image=gr.update(visible=pictured, **({"value": None} if new_model else {})),
-                    text=gr.update(visible=not pictured, label="Your message" if chat else "Try it",
+                    text=gr.update(visible=view != "image", label="Your message" if chat else "Try it",
                                    placeholder=PLACEHOLDERS.get(view or "", "Type a text for the trained model")),
                     settings=gr.update(visible=generates), system_prompt=gr.update(visible=chat), **cleared)
 
 
 # The views of a model that generates text: Try it shows the generation settings for them.
-GENERATING_VIEWS = ("chat", "text", "generated_text")
+GENERATING_VIEWS = ("chat", "text", "generated_text", "image_chat")
+# The views of a model that reads an uploaded image, and why a text alone is refused for them (it would name a file
+# on the server).
+IMAGE_REFUSALS = {"image": "This run classifies images: upload an image in Try it.",
+                  "image_chat": "This run answers questions about images: upload an image and type a question in "
+                                "Try it."}
 
 
 def generation_defaults(model_dir: Any) -> Generation:
@@ -155,7 +160,7 @@ def generation_defaults(model_dir: Any) -> Generation:
     return dataclasses.replace(gen, max_new_tokens=min(gen.max_new_tokens, limits.MAX_NEW_TOKENS))
 
 
-PLACEHOLDERS = {"chat": "Write to the trained model",
+PLACEHOLDERS = {"chat": "Write to the trained model", "image_chat": "A question about the uploaded image",
                 "vector": "A text (its embedding), or a text and then candidates, one a line (each candidate's "
                           "similarity to it, the nearest first)"}
 
@@ -217,8 +222,8 @@ class TryItHandlers:
         text, and `finetune.errors.ConfigError` for generation settings out of range (`finetune.use.generation`)."""
         text, status = self._finished_run(text, request)
         settings = self._settings(status, max_new_tokens, temperature, top_p, system_prompt)
-        if try_view(status) == "image":
-            raise Unanswered("This run classifies images: upload an image in Try it.")
+        if (view := try_view(status)) in IMAGE_REFUSALS:
+            raise Unanswered(IMAGE_REFUSALS[view])
         from finetune.use.predict import predict
 
         lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -231,24 +236,37 @@ class TryItHandlers:
         out = predict(str(status.run_dir), [text], **settings)[0]
         return {k: v for k, v in out.items() if k != "text"}  # the kind's record, less the text it was given
 
-    def predict_image(self, image: str | None, *, request: Any = None) -> dict[str, Any]:
+    def predict_image(self, image: str | None, question: str = "", *, request: Any = None, **generation: Any
+                      ) -> dict[str, Any]:
         """The finished image classifier on one uploaded image (a file in Gradio's upload cache): {label,
-        probabilities}.
+        probabilities}; a vision-language model's reply to `question` about it: {generated}, generated with the
+        `generation` settings (`predict`'s).
 
-        Raises `Unanswered` without an image, a finished model, or for a run that does not classify images, and
-        `finetune.errors.InputError` when the model cannot be loaded or the file is not a readable image."""
+        Raises `Unanswered` without an image (or a question, for a model that answers them), a finished model, or for
+        a run that does not read images, and `finetune.errors.InputError` when the model cannot be loaded or the file
+        is not a readable image."""
         user, refusal = self.state.policy.who(request)
         if refusal:
             raise Unanswered(refusal)
         if not image:
             raise Unanswered("Upload an image first.")
         status = self._loadable(user)
-        if try_view(status) != "image":
+        if (view := try_view(status)) not in IMAGE_REFUSALS:
             raise Unanswered("This run's model reads text, not images: type a text in Try it.")
         if too_big := limits.image_size_problem(image):
             raise Unanswered(f"⚠️ {too_big}")
         from finetune.use.predict import predict
 
+        if view == "image_chat":  # the uploaded file (in Gradio's cache, never a path a visitor typed), the question
+            question = limits.truncate_try_text(question or "")[0]
+            if not question:
+                raise Unanswered("Type a question about the image.")
+            if kinds.IMAGE_QUESTION in str(image):
+                raise Unanswered(f"Rename the image: its name may not hold {kinds.IMAGE_QUESTION!r}.")
+            settings = self._settings(status, generation.get("max_new_tokens"), generation.get("temperature"),
+                                      generation.get("top_p"), "")
+            out = predict(str(status.run_dir), [f"{image}{kinds.IMAGE_QUESTION}{question}"], **settings)[0]
+            return {k: v for k, v in out.items() if k != "text"}
         out = predict(str(status.run_dir), [str(image)])[0]
         return {k: v for k, v in out.items() if k != "text"}  # the label and probabilities, less the file's path
 
@@ -263,8 +281,10 @@ class TryItHandlers:
 
         try:
             view = try_view(self.state.jobs.status())
-            if view == "image":
-                return renderers.RENDERERS[view](self.predict_image(image, request=request), "")
+            if view in IMAGE_REFUSALS:
+                out = self.predict_image(image, text, request=request, max_new_tokens=max_new_tokens,
+                                         temperature=temperature, top_p=top_p)
+                return renderers.RENDERERS[view](out, limits.truncate_try_text(text or "")[1])
             if history or view == "chat":  # the model answers the whole conversation
                 text, status = self._finished_run(text, request)
                 turns = [*history_turns(history), {"role": "user", "content": text}]

@@ -116,9 +116,14 @@ def image(out: dict[str, Any], note: str) -> PredictionShown:
     return probabilities(out, note)
 
 
+def image_chat(out: dict[str, Any], note: str) -> PredictionShown:
+    """A vision-language model's reply to the question about the uploaded image."""
+    return _generated(out["generated"], "Reply", note)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], PredictionShown]] = {
     "probabilities": probabilities, "entities": entities, "score": score, "value": value, "text": text,
-    "vector": vector, "generated_text": generated_text, "image": image}
+    "vector": vector, "generated_text": generated_text, "image": image, "image_chat": image_chat}
 
 
 def chat(turns: list[dict[str, str]], reply: str, note: str) -> PredictionShown:

@@ -26,7 +26,7 @@ class TryItTab:
     label: Any
     generated: Any
     entities: Any
-    image: Any  # an image classifier's input, in place of the text box
+    image: Any  # an image classifier's input, in place of the text box (a vision-language model's, beside it)
     settings: Any  # the accordion of generation settings (a model that generates text)
     max_new_tokens: Any
     temperature: Any

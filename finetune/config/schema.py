@@ -125,9 +125,9 @@ class Config:
     stride: int | None = _opt(None, "long_documents=sliding_window: tokens of context each block repeats from the one "
                               "before (default max_length // 4; below max_length).", min=1, max=131072, group="data")
     # --- chat data
-    messages_column: str | None = _opt(None, "Causal LM: column of conversations, each a list of {role, content} "
-                                       "(or ShareGPT {from, value}) turns rendered with the chat template (default: "
-                                       "'messages' or 'conversations').", group="data")
+    messages_column: str | None = _opt(None, "Causal LM and vision-language: column of conversations, each a "
+                                       "list of {role, content} (or ShareGPT {from, value}) turns rendered with the "
+                                       "chat template (default: 'messages' or 'conversations').", group="data")
     chat_template: str | None = _opt(None, "Jinja file with a chat template that replaces the tokenizer's own (saved "
                                      "with the model, so that chatting with it uses the same one).", group="data",
                                      source="file")

@@ -145,7 +145,11 @@ class Encoded:
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """What identifies a tokenizer's encoding: its vocabulary, normaliser, pre- and post-processing rules."""
+    """What identifies a tokenizer's encoding: its vocabulary, normaliser, pre- and post-processing rules; for a
+    processor that expands images into tokens, its tokenizer's and its image processor's settings."""
+    if (parts := getattr(tokenizer, "fingerprint_parts", None)) is not None:
+        inner, settings = parts()
+        return hashlib.sha256(f"{tokenizer_fingerprint(inner)}\n{settings}".encode()).hexdigest()
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         from datasets.fingerprint import Hasher

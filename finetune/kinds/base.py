@@ -188,6 +188,11 @@ class Objective(Protocol):
         whole model."""
         return model
 
+    def frozen_modules(self, model: Any, c: Config) -> list[str]:
+        """Names of the model's modules that stay frozen with run config `c` and that LoRA leaves alone (a
+        vision-language model's vision tower); default: none."""
+        return []
+
 
 def _needs(hook: str, why: str) -> NotImplementedError:
     """The error of a hook a kind must implement when its entry asks for it."""
@@ -287,6 +292,11 @@ class PlanTerms(Protocol):
         """What a reference model costs the plan (its peak terms, the record plan.json keeps, the plan's note); None
         (default): no reference."""
         return None
+
+    def plan_inputs(self, model_config: Any, micro: int, tokens: int, precision: str) -> dict[str, int]:
+        """Terms of a micro-batch's inputs that the dry run's random tokens leave out (a vision tower's activations on
+        its images); default: none."""
+        return {}
 
     def plan_window(self, window: int, hidden: int) -> dict[str, int]:
         """Terms a loss over the whole window of `window` samples keeps resident; default: none."""

@@ -97,7 +97,10 @@ def load_model(c: Config, label_names: list[str] | None = None) -> Any:
                          "pick a model trained for it, or set quantization=none.")
     if getattr(model.config, "pad_token_id", 0) is None:  # an image model's config has no token ids at all
         model.config.pad_token_id = model.config.eos_token_id
-    # A kind that trains part of the model (an embedding model's encoder, not its pooler) says which.
+    # A kind that trains part of the model (an embedding model's encoder, not its pooler) says which; the modules its
+    # configured kind keeps frozen (a vision tower) get no gradient.
+    for name in kind.frozen_modules(model, c):
+        model.get_submodule(name).requires_grad_(False)
     return kind.trained_model(model)
 
 
@@ -118,10 +121,12 @@ def prepare_for_training(model: Any, c: Config, *, checkpointing: bool, lora: bo
         # keep it out for every kind whose head peft trains whole (TOKEN_CLS too), or both would wrap it.
         heads = [n for n in ("classifier", "score") if getattr(model, n, None) is not None] \
             if task_type != "CAUSAL_LM" else []
-        # A kind peft has no task type for (images) names its new head to train whole, as peft's own do.
+        # A kind peft has no task type for (images) names its new head to train whole, as peft's own do; the
+        # modules the kind keeps frozen (a vision tower) get no adapters.
+        excluded = (heads if modules == "all-linear" else []) + kind_named(c.task).frozen_modules(model, c)
         model = get_peft_model(model, LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
                                                  target_modules=modules, task_type=task_type or None,
-                                                 exclude_modules=(heads if modules == "all-linear" else []) or None,
+                                                 exclude_modules=excluded or None,
                                                  modules_to_save=(heads if not task_type else []) or None))
         quantize.upcast_trainable(model)
     if offload and checkpointing:

@@ -184,10 +184,12 @@ def kind_terms(kind: TaskKind, skeleton: Skeleton, *, cuda: bool, micro: int, to
     """What a kind's plan hooks add to the dry run's terms, for every question the planner answers (a plan, the
     longest context, the smallest budget): a reference model's weights when one sits beside the model
     (`plan_reference`), a loss over the whole window of `window` samples, its embeddings and scores, resident
-    (`plan_window`)."""
+    (`plan_window`), and what the micro-batch's inputs cost that random tokens do not (`plan_inputs`: a vision
+    tower's activations on its images)."""
     terms: dict[str, int] = {}
     if (reference := kind.plan_reference(**reference_inputs(skeleton, cuda, micro, tokens, precision))) is not None:
         terms |= reference[0]
+    terms |= kind.plan_inputs(getattr(skeleton.model, "config", None), micro, tokens, precision)
     terms |= kind.plan_window(window, getattr(getattr(skeleton.model, "config", None), "hidden_size", 0) or 0)
     return terms
 

@@ -18,7 +18,7 @@ from finetune.rows.chat import MESSAGES_NAMES, prompt_of, reply, require_templat
 from finetune.use.generation import settings
 
 # The Try it views of the kinds whose `predict` generates text, and so takes `sampling`.
-GENERATED_VIEWS = ("text", "generated_text")
+GENERATED_VIEWS = ("text", "generated_text", "image_chat")
 
 
 def conversation_of(text: str) -> list[dict[str, Any]]:
