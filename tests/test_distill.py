@@ -86,8 +86,9 @@ def test_the_plan_counts_the_teacher_and_predicts_the_measured_peak(word_student
     graph) within the planner's usual error of the CPU heap measured with the real teacher."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.plan.memory import measure_window, model_skeleton
-    from finetune.plan.planner import estimate, kind_terms
+    from finetune.plan.estimate import estimate, kind_terms
+    from finetune.plan.memory import measure_window
+    from finetune.plan.skeleton import model_skeleton
 
     c = from_dict({"model": word_student, "task": "distill", "dataset": "x.csv", "teacher_model": word_teacher})
     k = configured(c)

@@ -118,6 +118,10 @@ class Distill(CausalLM):
 
         return SumMetrics(3, device, update, finish)
 
+    def chunked_variant(self) -> None:
+        """None: causal LM's chunked loss computes the cross-entropy alone, not the divergence from the teacher."""
+        return None
+
     def logits_bytes(self, micro: int, tokens: int, vocab: int, num_labels: int) -> int:
         """The student's float32 logits and their gradient, the teacher's logits, and the divergence's log-softmaxes
         and products over every position (the generalized JSD's mixture about doubles them: measured on CPU)."""
