@@ -341,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Benchmarks: the harness's batch size, or auto (default: 8).")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("predict", help="Run a trained model on texts.")
-    p.add_argument("model", help="A run directory or a model folder.")
+    p.add_argument("model", help="A run directory, one of its checkpoints (RUN/checkpoints/step-0000040) or a model "
+                   "folder.")
     p.add_argument("texts", nargs="*", help="Texts to classify or continue.")
     p.add_argument("--file", help="A file with one text (or JSON conversation) per line.")
     p.add_argument("--max-new-tokens", type=int, help="Generating models: the most tokens to generate (default: the "
@@ -361,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Upload RUN_DIR's model/ (or LoRA adapter) and a generated README.md model card "
                        "to the Hub repository REPO (created if needed); the token comes from HF_TOKEN or `hf auth "
                        "login`. Exit 3 when the upload fails.")
-    p.add_argument("run_dir", help="A finished run's directory.")
+    p.add_argument("run_dir", help="A finished run's directory, or one of a stopped run's checkpoints "
+                   "(RUN/checkpoints/step-0000040, exported to its own export/ folder).")
     p.add_argument("repo", help="Hub repository id, e.g. your-name/my-model.")
     p.add_argument("--public", action="store_true", help="Create the repository as public (default: private).")
     p.add_argument("--export", nargs="?", const="", default=None, metavar="DIR",
@@ -373,12 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "(--format merged), or as a GGUF for llama.cpp and Ollama made by llama.cpp's own converter "
                        "and quantizer (--format gguf), with the chat template and end-of-turn token it trained "
                        "with; a GGUF is then checked against transformers (greedy tokens, stopping).")
-    p.add_argument("run_dir", help="A finished run's directory.")
+    p.add_argument("run_dir", help="A finished run's directory, or one of a stopped run's checkpoints "
+                   "(RUN/checkpoints/step-0000040, exported to its own export/ folder).")
     p.add_argument("--format", choices=["merged", "gguf"], default="merged", help="What to write (default: merged).")
     p.add_argument("--quant", choices=["f16", "q8_0", "q4_k_m"], default=None,
                    help="GGUF: the number format (default: f16; q8_0 and q4_k_m are quantized from it).")
     p.add_argument("--ollama", action="store_true", help="GGUF: also write an Ollama Modelfile beside it.")
-    p.add_argument("--out", help="Where to write (default: RUN/export/).")
+    p.add_argument("--out", help="Where to write (default: RUN/export/, a checkpoint's CHECKPOINT/export/).")
     p.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"], default="auto",
                    help="The merged weights' dtype (default: the base model's half dtype, else float16).")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
