@@ -19,7 +19,6 @@ from app.access import AccessError, resolve_output_dir
 from app.jobs.training import JobStatus
 from app.runs.listing import headline, list_runs, run_info
 from finetune.run.rundir import MARKER, checkpoints, is_finished
-from finetune.use.checkpoint import checkpoint_model, checkpoint_step
 
 
 class PickRefused(ValueError):
@@ -42,7 +41,9 @@ class Picked:
     @property
     def model_dir(self) -> Path | None:
         """The model folder (a checkpoint's is written on first use, `finetune.use.checkpoint`)."""
-        if self.checkpoint:
+        if self.checkpoint:  # imported here: the app starts without transformers and datasets
+            from finetune.use.checkpoint import checkpoint_model
+
             return checkpoint_model(self.target)
         return JobStatus(state="done", run_dir=self.run_dir).model_dir
 
@@ -66,7 +67,7 @@ def pick_choices(home: Path | None, current: JobStatus | None = None) -> list[tu
             out.append((f"{run.name} · {about}" + (f" · {metric}" if metric else ""), run.name))
         elif run.state in ("stopped", "failed"):
             for path in reversed(checkpoints(run.path)):
-                out.append((f"{run.name} · step {checkpoint_step(path)} checkpoint · {about}",
+                out.append((f"{run.name} · step {int(path.name.removeprefix('step-'))} checkpoint · {about}",
                              f"{run.name}/checkpoints/{path.name}"))
     return out
 

@@ -188,6 +188,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   f"({rung})")
         plan, _ = plan_run(cfg, train_data.widths, label_names, num_processes=args.num_processes, device=device,
                            distributed=distributed, planned_device=planned)
+        plan = dataclasses.replace(plan, time=_predicted_time(cfg, plan, train_data, eval_data, device, args.gpu))
     print(render(plan))
     # What long_documents does to the data, beside the plan (the GUI shows it before a run starts).
     data = {"segmentation": getattr(train_data, "segmentation", None),
@@ -199,6 +200,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_json(Path(args.json), {**plan.to_dict(),
                                      **{k: dataclasses.asdict(v) for k, v in data.items() if v is not None}})
     return EXIT_OK
+
+
+def _predicted_time(cfg: Any, plan: Any, train_data: Any, eval_data: Any, device: Any, gpu: str | None
+                    ) -> dict[str, Any]:
+    """The plan's predicted time (`finetune.plan.timing`): on this machine, or on `gpu` (a GPU model of
+    `finetune.plan.timing.PEAK_TFLOPS`, a Jobs flavor's); {} where the data's lengths are not known (a stream)."""
+    import torch
+    from transformers import AutoConfig
+
+    from finetune.data.load import Encoded
+    from finetune.models.pretrained import auto_class, resolve_model_path
+    from finetune.plan import timing
+    from finetune.train.loop import run_length
+
+    if not isinstance(train_data, Encoded) or not len(train_data) or (device is None and not gpu):
+        return {}  # a stream, or a GPU elsewhere whose model is not named (`--device cuda` without `--gpu`)
+    _, steps = run_length(cfg, plan.batch, len(train_data))
+    config = AutoConfig.from_pretrained(resolve_model_path(cfg.model), trust_remote_code=cfg.trust_remote_code)
+    with torch.device("meta"):  # its size, not its weights
+        params, width = timing.model_size(auto_class(cfg.task).from_config(config,
+                                                                           trust_remote_code=cfg.trust_remote_code))
+    return timing.for_run(plan, lengths=train_data.lengths, steps=steps, eval_every=cfg.eval_every,
+                          eval_lengths=eval_data.lengths if isinstance(eval_data, Encoded) else None, params=params,
+                          width=width, device=str(device or "cpu"),
+                          gpu=(gpu, plan.batch.num_processes) if gpu else None).to_dict()
 
 
 def _planned_device(device: str, cfg: Any) -> tuple[str, int] | None:
@@ -325,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["here", "cuda"], default="here",
                    help="Plan for this machine (default) or for a CUDA GPU of memory_budget_gb GiB, from any machine "
                    "(its bf16 precision, CUDA context and allocator overhead counted).")
+    p.add_argument("--gpu", metavar="MODEL", help="Predict the run's time on this GPU model (T4, L4, A10G, A100, "
+                   "H100, …: finetune/plan/timing.py's PEAK_TFLOPS) instead of measuring this machine.")
     p.add_argument("--longest", action="store_true",
                    help="Also print the largest max_length whose sample fits memory_budget_gb at micro-batch 1, on "
                    "the cheapest rung of the ladder the config allows.")

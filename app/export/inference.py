@@ -33,7 +33,6 @@ from finetune.config.schema import ConfigError, read_yaml
 from finetune.registry import ENTRIES
 from finetune.run.rundir import is_finished
 from finetune.use import llamacpp
-from finetune.use.checkpoint import run_of_checkpoint
 from finetune.use.export import EXPORT_DIR, FORMATS, MERGED_DIR, QUANTS, RECORD, describe_check
 
 
@@ -85,6 +84,8 @@ class InferenceExport:
             path = resolve_output_dir(str(run), home)
         except AccessError as e:
             raise Refused(str(e).replace("output_dir", "The run")) from None
+        from finetune.use.checkpoint import run_of_checkpoint  # here: the app starts without transformers
+
         if path is not None and run_of_checkpoint(path) is not None:  # a stopped run's checkpoint (`app.picks`)
             try:
                 return resolve_pick(str(run), home, state.jobs.status()).target

@@ -32,7 +32,7 @@ from finetune.kinds.base import TaskKind
 from finetune.kinds.causal_lm import CHUNKED
 from finetune.models import quantize
 from finetune.models.pretrained import load_model, prepare_for_training, resolve_model_path
-from finetune.plan import plancache
+from finetune.plan import plancache, timing
 from finetune.plan.memory import Skeleton, dry_run, dry_run_segments, measure_window, model_skeleton
 from finetune.registry import configured, entry
 from finetune.registry import kind as kind_named
@@ -95,6 +95,7 @@ class Plan:
     # takes: not part of the device peak, checked against the machine's RAM (`host_memory`).
     activation_offload: bool = False
     host_bytes: int = 0
+    time: dict[str, Any] = field(default_factory=dict)  # the predicted step and wall time (finetune.plan.timing)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -970,6 +971,7 @@ def render(plan: Plan) -> str:
         ("device", plan.device),
         ("budget", budget),
         ("predicted peak", f"{_gib(plan.predicted_peak_bytes)} ({plan.method})"),
+        *([("predicted time", timing.describe(plan.time))] if plan.time else []),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
