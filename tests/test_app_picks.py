@@ -127,3 +127,17 @@ def test_a_checkpoint_is_tried_and_compared_with_the_base_model(stopped_lora, ti
     assert not ctl.tryit.try_it("the cat", None, None, 4, 0, 1.0, "", "full", False).base["visible"]
     # Export takes the same values: the checkpoint (exported beside it by `finetune export CHECKPOINT`).
     assert ctl.inference.run_of(None, values[1]) == (stopped_lora / "checkpoints" / "step-0000004").resolve()
+
+
+def test_a_classifier_compares_its_evaluation_with_the_majority_class(tmp_path, tiny_bert, cls_csv):
+    held_out = tmp_path / "eval.csv"
+    held_out.write_text("sentence,label\na bad film,neg\nbad again,neg\nso bad,neg\ngood fun,pos\n")
+    runs = tmp_path / "runs"
+    run_train(runs / "cls", model=tiny_bert, dataset=cls_csv, eval_dataset=str(held_out), max_steps=1,
+              effective_batch_size=8)
+    ctl = handlers(runs, SimpleNamespace(status=lambda: JobStatus(state="idle")))
+    shown = ctl.tryit.try_it("a good film", None, None, None, None, None, "", "cls", True)
+    accuracy = json.loads((runs / "cls" / "metrics.json").read_text())["accuracy"]
+    assert shown.label["visible"] and shown.base["value"] == (
+        f"Fine-tuned: accuracy {accuracy:.3f} · majority-class baseline (always “neg”): accuracy 0.750 on 4 "
+        "evaluation rows")

@@ -22,9 +22,9 @@ def majority_baseline(run_dir: Path) -> dict[str, Any] | None:
     as training read it, from the data cache); None for a run with no evaluation rows or not one label a row."""
     c = from_dict(read_yaml(Path(run_dir) / "config.yaml"))
     _, eval_data, names = load_data(c, load_tokenizer(c))
-    if eval_data is None or not names or "labels" not in eval_data.table.column_names:
+    if eval_data is None or not names or "label" not in eval_data.table.column_names:
         return None
-    column = eval_data.table["labels"]
+    column = eval_data.table["label"]
     if not pa.types.is_integer(column.type) or len(column) == 0:
         return None
     counts = Counter(column.to_pylist())
