@@ -86,7 +86,11 @@ def test_the_picker_lists_the_callers_runs_and_checkpoints_and_refuses_anything_
 @pytest.fixture(scope="module")
 def stopped_lora(tmp_path_factory, tiny_gpt2, lm_csv) -> Path:
     """A causal LoRA run of the tiny GPT-2 stopped after step 4, with checkpoints at steps 2 and 4."""
-    out = tmp_path_factory.mktemp("picks") / "runs" / "lora"
+    return train_stopped(tmp_path_factory.mktemp("picks") / "runs" / "lora", tiny_gpt2, lm_csv)
+
+
+def train_stopped(out: Path, tiny_gpt2: str, lm_csv: str) -> Path:
+    """A causal LoRA run of `tiny_gpt2` in `out` stopped after step 4, with checkpoints at steps 2 and 4."""
     flag = StopFlag()
 
     def stop_at_4(event):

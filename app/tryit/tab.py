@@ -61,7 +61,7 @@ def create_tryit_tab() -> TryItTab:
     """The Try it tab's widgets, inside the open `gr.Tab`: a chat box for a run trained to chat, an image box for an
     image classifier, a text box for the others; a label's probabilities, generated text (or a value, a score) and
     highlighted entities below."""
-    pick = gr.Dropdown([], value=None, label="Model", elem_id="try-run", allow_custom_value=False,
+    pick = gr.Dropdown([], value=None, label="Run or checkpoint", elem_id="try-run", allow_custom_value=False,
                        info="Your finished runs (newest first) and the checkpoints of stopped ones")
     chat = gr.Chatbot(label="Chat with the trained model (through its chat template)", visible=False, height=280,
                       elem_id="try-chat")

@@ -9,7 +9,9 @@ checkpoints only while it is stopped or failed: a finished run removes them (`fi
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import tempfile
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -74,9 +76,13 @@ def checkpoint_model(path: Path) -> Path:
         raise ModelError(f"Checkpoint {str(path)!r} does not match the model of the run's config.yaml "
                          f"({len(unexpected)} unexpected, {len(untied)} missing tensors): resume the run to the "
                          "end, then use it.")
-    staging = path / ".model.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    save_model(model.eval(), tokenizer, staging)
-    (staging / MODEL_DIR).rename(out)
-    shutil.rmtree(staging, ignore_errors=True)
+    # A staging folder of its own: two uses at once (Try it's pick and its Predict) each write theirs, and the first
+    # rename wins.
+    staging = Path(tempfile.mkdtemp(prefix=".model-", dir=path))
+    try:
+        save_model(model.eval(), tokenizer, staging)
+        with contextlib.suppress(OSError):  # already there: the other use's
+            (staging / MODEL_DIR).rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
