@@ -17,6 +17,7 @@ from app import charts
 from app.downloads import zip_model
 from app.export import publish
 from app.jobs.training import JobStatus
+from app.picks import picker_update
 from app.report import final_metrics, reproduce_command, shown_path, waits_for
 from app.results import keep
 from app.state import AppState
@@ -54,6 +55,9 @@ class RunShown:
     note: Any = keep()  # the last action's message (Start, Stop, Resume), cleared when the run ends
     scatter: Any = keep()  # a finished run whose kind plots it: predicted against true values (app.train.scatter)
     completions: Any = keep()  # a GRPO run's latest sample completions with their rewards (hidden for the others)
+    # The run pickers of Try it and Export (`app.picks`): the newest picked once the current run changes.
+    try_pick: Any = keep()
+    export_pick: Any = keep()
 
 
 class Follow:
@@ -140,7 +144,16 @@ class Follow:
                         try_panel=panel(status, new_model=new_model) if changed_run else None,
                         # "Started…", "Stopping…" and the like answered an action on this run: its end replaces them.
                         note="" if changed_run and status.state in TERMINAL and known else gr.skip(),
-                        scatter=scatter.scatter_update(status), completions=completions_update(status))
+                        scatter=scatter.scatter_update(status), completions=completions_update(status),
+                        **self._picks(request, changed_run))
+
+    def _picks(self, request: Any, changed_run: bool) -> dict[str, Any]:
+        """After the current run changed, the pickers' runs and checkpoints, the newest picked (`app.picks`)."""
+        if not changed_run:
+            return {}
+        user, refusal = self.state.policy.who(request)
+        update = picker_update(self.state.policy.runs_home(user, refusal), self.state.jobs.status())
+        return {"try_pick": update, "export_pick": update}
 
 
 def completions_update(status: JobStatus) -> Any:

@@ -221,11 +221,11 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                 # The models on this machine as the page is built (a shared server: only hub ids, from the cache).
                 models = model_choices(runs_dir=runs_dir, shared=access.shared)
                 train = create_train_tab(Form(initial, memory, data, models), h.state.remote.choices())
-            with gr.Tab("Try it", id="try", elem_id="tab-try"):
+            with gr.Tab("Try it", id="try", elem_id="tab-try") as try_tab:
                 tryit = create_tryit_tab()
             with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
                 runs = RunsTab(h.runs)
-            with gr.Tab("Export", id="export", elem_id="tab-export"):
+            with gr.Tab("Export", id="export", elem_id="tab-export") as export_tab:
                 export = create_export_tab(on, h)
         with gr.Accordion("This machine", open=False, elem_id="this-machine") as machine_panel:
             machine_text = gr.Markdown("Checking this machine…")
@@ -237,7 +237,10 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                                                               "data": train.data_targets},
                     gate="public", show_progress="hidden", **PRIVATE)
         filled.then(None, js=FILLED_JS)  # answered or not, the form is the user's from now on
-        wire_tryit_tab(on, h.tryit, tryit)
+        wire_tryit_tab(on, h.tryit, tryit, [try_tab.select, demo.load])
+        for event in (export_tab.select, demo.load):  # the list read again, the pick kept
+            on(event, h.inference.choices, export.export_pick, {}, outputs=export.export_pick, gate="quiet",
+               show_progress="hidden", **PRIVATE)
         wire_export_tab(on, h, export, train, form_note)
         # The list is read again when the tab is opened and when a run's state changes (a run finished, say).
         runs.wire(on, [runs_tab.select, train.run.status.change, demo.load])
@@ -267,8 +270,9 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
                              "text": tryit.text, "message": tryit.message, "image": tryit.image,
                              "push": export.push, "settings": tryit.settings,
                              "max_new_tokens": tryit.max_new_tokens, "temperature": tryit.temperature,
-                             "top_p": tryit.top_p, "system_prompt": tryit.system_prompt},
-               "note": run.message, "scatter": run.scatter, "completions": run.completions}
+                             "top_p": tryit.top_p, "system_prompt": tryit.system_prompt, "base": tryit.base},
+               "note": run.message, "scatter": run.scatter, "completions": run.completions,
+               "try_pick": tryit.pick, "export_pick": export.export_pick}
     on(timer.tick, follow.poll, seen, targets, gate="public", concurrency_limit=None, show_progress="hidden",
        **PRIVATE)
     # A reload (or a second tab) shows the running job at once rather than at the next tick.

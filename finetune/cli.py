@@ -230,6 +230,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 print(explain_longest(cfg, len(label_names or []), tokens, terms, device=planned))
         plan, _ = plan_run(cfg, train_data.widths, label_names, num_processes=args.num_processes, device=device,
                            distributed=distributed, planned_device=planned)
+        plan = dataclasses.replace(plan, time=_predicted_time(cfg, plan, train_data, eval_data, device, args.gpu))
     print(render(plan))
     # What long_documents does to the data, beside the plan (the GUI shows it before a run starts).
     data = {"segmentation": getattr(train_data, "segmentation", None),
@@ -241,6 +242,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_json(Path(args.json), {**plan.to_dict(),
                                      **{k: dataclasses.asdict(v) for k, v in data.items() if v is not None}})
     return EXIT_OK
+
+
+def _predicted_time(cfg: Any, plan: Any, train_data: Any, eval_data: Any, device: Any, gpu: str | None
+                    ) -> dict[str, Any]:
+    """The plan's predicted time (`finetune.plan.timing`): on this machine, or on `gpu` (a GPU model of
+    `finetune.plan.timing.PEAK_TFLOPS`, a Jobs flavor's); {} where the data's lengths are not known (a stream)."""
+    import torch
+    from transformers import AutoConfig
+
+    from finetune.data.load import Encoded
+    from finetune.models.pretrained import auto_class, resolve_model_path
+    from finetune.plan import timing
+    from finetune.train.loop import run_length
+
+    if not isinstance(train_data, Encoded) or not len(train_data) or (device is None and not gpu):
+        return {}  # a stream, or a GPU elsewhere whose model is not named (`--device cuda` without `--gpu`)
+    _, steps = run_length(cfg, plan.batch, len(train_data))
+    config = AutoConfig.from_pretrained(resolve_model_path(cfg.model), trust_remote_code=cfg.trust_remote_code)
+    with torch.device("meta"):  # its size, not its weights
+        params, width = timing.model_size(auto_class(cfg.task).from_config(config,
+                                                                           trust_remote_code=cfg.trust_remote_code))
+    return timing.for_run(plan, lengths=train_data.lengths, steps=steps, eval_every=cfg.eval_every,
+                          eval_lengths=eval_data.lengths if isinstance(eval_data, Encoded) else None, params=params,
+                          width=width, device=str(device or "cpu"),
+                          gpu=(gpu, plan.batch.num_processes) if gpu else None).to_dict()
 
 
 def _planned_device(device: str, cfg: Any) -> tuple[str, int] | None:
@@ -376,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["here", "cuda"], default="here",
                    help="Plan for this machine (default) or for a CUDA GPU of memory_budget_gb GiB, from any machine "
                    "(its bf16 precision, CUDA context and allocator overhead counted).")
+    p.add_argument("--gpu", metavar="MODEL", help="Predict the run's time on this GPU model (T4, L4, A10G, A100, "
+                   "H100, …: finetune/plan/timing.py's PEAK_TFLOPS) instead of measuring this machine.")
     p.add_argument("--longest", action="store_true",
                    help="Also print the largest max_length whose sample fits memory_budget_gb at micro-batch 1, on "
                    "the cheapest rung of the ladder the config allows.")
@@ -395,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Benchmarks: the harness's batch size, or auto (default: 8).")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("predict", help="Run a trained model on texts.")
-    p.add_argument("model", help="A run directory or a model folder.")
+    p.add_argument("model", help="A run directory, one of its checkpoints (RUN/checkpoints/step-0000040) or a model "
+                   "folder.")
     p.add_argument("texts", nargs="*", help="Texts to classify or continue.")
     p.add_argument("--file", help="A file with one text (or JSON conversation) per line.")
     p.add_argument("--max-new-tokens", type=int, help="Generating models: the most tokens to generate (default: the "
@@ -415,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Upload RUN_DIR's model/ (or LoRA adapter) and a generated README.md model card "
                        "to the Hub repository REPO (created if needed); the token comes from HF_TOKEN or `hf auth "
                        "login`. Exit 3 when the upload fails.")
-    p.add_argument("run_dir", help="A finished run's directory.")
+    p.add_argument("run_dir", help="A finished run's directory, or one of a stopped run's checkpoints "
+                   "(RUN/checkpoints/step-0000040, exported to its own export/ folder).")
     p.add_argument("repo", help="Hub repository id, e.g. your-name/my-model.")
     p.add_argument("--public", action="store_true", help="Create the repository as public (default: private).")
     p.add_argument("--export", nargs="?", const="", default=None, metavar="DIR",
@@ -427,12 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "(--format merged), or as a GGUF for llama.cpp and Ollama made by llama.cpp's own converter "
                        "and quantizer (--format gguf), with the chat template and end-of-turn token it trained "
                        "with; a GGUF is then checked against transformers (greedy tokens, stopping).")
-    p.add_argument("run_dir", help="A finished run's directory.")
+    p.add_argument("run_dir", help="A finished run's directory, or one of a stopped run's checkpoints "
+                   "(RUN/checkpoints/step-0000040, exported to its own export/ folder).")
     p.add_argument("--format", choices=["merged", "gguf"], default="merged", help="What to write (default: merged).")
     p.add_argument("--quant", choices=["f16", "q8_0", "q4_k_m"], default=None,
                    help="GGUF: the number format (default: f16; q8_0 and q4_k_m are quantized from it).")
     p.add_argument("--ollama", action="store_true", help="GGUF: also write an Ollama Modelfile beside it.")
-    p.add_argument("--out", help="Where to write (default: RUN/export/).")
+    p.add_argument("--out", help="Where to write (default: RUN/export/, a checkpoint's CHECKPOINT/export/).")
     p.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"], default="auto",
                    help="The merged weights' dtype (default: the base model's half dtype, else float16).")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,

@@ -133,7 +133,8 @@ def test_a_resumed_run_stopped_while_it_starts_keeps_its_checkpoint_and_says_so(
 
 def test_the_runs_table_is_one_table_whose_header_and_body_share_their_columns():
     frame = pd.DataFrame([["20260101-000000", "Done", "classification", "bundled:all-MiniLM-L6-v2", "20/20",
-                           "accuracy 0.7500", "2026-01-01 10:00", "<b>x</b>"]], columns=TABLE_COLUMNS)
+                           "accuracy 0.7500", "2026-01-01 10:00", "<b>x</b>", "predicted 30 s"]],
+                         columns=TABLE_COLUMNS)
     html = runs_html(frame)
     assert html.count("<table>") == 1 and html.count("<th ") == len(TABLE_COLUMNS) == html.count("<td")
     # A region a keyboard can reach and scroll sideways (axe-core: scrollable-region-focusable), named.

@@ -27,6 +27,7 @@ from app.access import AccessError, resolve_output_dir
 from app.downloads import zip_model
 from app.export.publish import PushHandlers, PushOutcome
 from app.jobs.training import JobBusy
+from app.picks import PickRefused, picker_update, resolve_pick
 from app.state import AppState
 from finetune.config.schema import ConfigError, read_yaml
 from finetune.registry import ENTRIES
@@ -83,6 +84,13 @@ class InferenceExport:
             path = resolve_output_dir(str(run), home)
         except AccessError as e:
             raise Refused(str(e).replace("output_dir", "The run")) from None
+        from finetune.use.checkpoint import run_of_checkpoint  # here: the app starts without transformers
+
+        if path is not None and run_of_checkpoint(path) is not None:  # a stopped run's checkpoint (`app.picks`)
+            try:
+                return resolve_pick(str(run), home, state.jobs.status()).target
+            except PickRefused as e:
+                raise Refused(str(e)) from None
         if path is None or not (path / "config.yaml").is_file():
             raise Refused(f"There is no run {str(run)!r} in your runs folder: give the name of one of your runs.")
         status = state.jobs.status()
@@ -187,9 +195,20 @@ class InferenceExport:
                 "files": gr.update(value=self.files(shown) or None, visible=shown["state"] == "done"),
                 "button": gr.update(interactive=ready), "push": gr.update(interactive=shown["state"] == "done")}
 
-    def export(self, fmt: str, quant: str, ollama: bool, *, request: Any = None) -> dict[str, Any]:
-        """The Export model button."""
-        return {"status": self.start(fmt, quant, bool(ollama), request=request)["message"]}
+    def export(self, fmt: str, quant: str, ollama: bool, run: str | None = None, *, request: Any = None
+               ) -> dict[str, Any]:
+        """The Export model button: the run or checkpoint picked (none: the current run)."""
+        return {"status": self.start(fmt, quant, bool(ollama), run or None, request=request)["message"]}
+
+    def picked(self, run: str | None, *, request: Any = None) -> dict[str, Any]:
+        """A run or checkpoint picked: Export model can act on it (an export in progress aside)."""
+        child = self.state.jobs.exports.child
+        return {"button": gr.update(interactive=bool(run) and (child is None or child.proc.poll() is not None))}
+
+    def choices(self, value: str | None = None, *, request: Any = None) -> Any:
+        """The picker's runs and checkpoints (`app.picks`), keeping `value` when it is still one of them."""
+        user, refusal = self.state.policy.who(request)
+        return picker_update(self.state.policy.runs_home(user, refusal), self.state.jobs.status(), value)
 
     def push(self, repo: str, private: bool, *, request: Any = None) -> dict[str, Any]:
         """The Push the export button: the current run's export to `repo`, as Push to the Hub pushes the model."""
@@ -233,8 +252,8 @@ def _finished(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     return _shown("done", run_dir, message="\n\n".join(lines), check=check, files=files)
 
 
-def place_export_block(on: Callable[..., Any], exporter: InferenceExport) -> None:
-    """The Export block, inside the Export tab being built, wired to its handlers."""
+def place_export_block(on: Callable[..., Any], exporter: InferenceExport) -> Any:
+    """The Export block, inside the Export tab being built, wired to its handlers; returns its run picker."""
     with gr.Column(variant="panel", elem_id="export-block"):
         gr.Markdown("## Export for local inference\n\nMerged weights (a plain transformers folder), or a GGUF for "
                     "llama.cpp and Ollama with the chat template and end-of-turn token the run trained with, "
@@ -243,6 +262,8 @@ def place_export_block(on: Callable[..., Any], exporter: InferenceExport) -> Non
             fmt = gr.Radio(list(FORMATS), value="merged", label="Format", elem_id="export-format")
             quant = gr.Radio(list(QUANTS), value="q4_k_m", label="GGUF quantization", elem_id="export-quant")
             ollama = gr.Checkbox(label="Ollama Modelfile (GGUF)", value=True, elem_id="export-ollama")
+        pick = gr.Dropdown([], value=None, label="Model to export", elem_id="export-run",
+                           info="Your finished runs (newest first) and the checkpoints of stopped ones")
         button = gr.Button("Export model", interactive=False, elem_id="export-model")
         status = gr.Markdown(elem_id="export-status")
         files = gr.File(label="Exported files", file_count="multiple", interactive=False, visible=False,
@@ -258,5 +279,8 @@ def place_export_block(on: Callable[..., Any], exporter: InferenceExport) -> Non
     private = {"api_visibility": "private"}
     out = {"signature": seen, "status": status, "files": files, "button": button, "push": push}
     on(timer.tick, exporter.poll, seen, out, gate="public", concurrency_limit=None, show_progress="hidden", **private)
-    on(button.click, exporter.export, [fmt, quant, ollama], {"status": status}, concurrency_id="export", **private)
+    on(button.click, exporter.export, [fmt, quant, ollama, pick], {"status": status}, concurrency_id="export",
+       **private)
     on(push.click, exporter.push, [repo, private_repo], {"message": push_msg}, concurrency_id="push", **private)
+    on(pick.input, exporter.picked, pick, {"button": button}, show_progress="hidden", **private)
+    return pick

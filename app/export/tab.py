@@ -34,6 +34,7 @@ class ExportTab:
     command: Any
     yaml: Any
     config_file: Any
+    export_pick: Any  # the run or checkpoint Export model exports (`app.picks`)
 
 
 def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
@@ -47,7 +48,7 @@ def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
         push_private = gr.Checkbox(label="Private", value=True, scale=1)
         push = gr.Button("Push to the Hub", scale=1, interactive=False)
     push_message = gr.Markdown(elem_id="push-message")
-    place_export_block(on, h.inference)
+    export_pick = place_export_block(on, h.inference)
     with gr.Column(variant="panel"):
         gr.Markdown("## Reproduce")
         with gr.Row():
@@ -57,7 +58,8 @@ def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
         command = gr.Textbox(label="Command", interactive=False, buttons=["copy"], elem_id="repro-command")
         yaml_code = gr.Code(language="yaml", label="Config (YAML)", interactive=False)
         config_file = gr.File(label="Config file", interactive=False)
-    return ExportTab(download=download, hub_note=hub_note, push_repo=push_repo, push_private=push_private, push=push,
+    return ExportTab(export_pick=export_pick,
+                     download=download, hub_note=hub_note, push_repo=push_repo, push_private=push_private, push=push,
                      push_message=push_message, export_config=export_config, import_config=import_config,
                      message=message, command=command, yaml=yaml_code, config_file=config_file)
 

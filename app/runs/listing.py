@@ -25,7 +25,7 @@ from finetune.remote import backend
 from finetune.run.events import read_events
 from finetune.run.rundir import LAUNCH_FILES, MARKER, checkpoints, clear_run_dir, is_finished
 
-TABLE_COLUMNS = ["Run", "Status", "Task", "Model", "Steps", "Metrics", "Started", "Finished"]
+TABLE_COLUMNS = ["Run", "Status", "Task", "Model", "Steps", "Metrics", "Started", "Finished", "Time"]
 NOWRAP = {"Run", "Status", "Steps", "Started", "Finished"}  # short cells kept on one line (the others wrap)
 NOT_DIFFED = ("output_dir", "resume", "overwrite")  # where a run went, not how it trained
 MAX_RUNS = 200  # the newest shown (a runs folder kept for months would make a table nobody reads)
@@ -51,6 +51,8 @@ class RunInfo:
     resumable: bool
     position: int | None = None  # its place in the queue, while it waits there (state "queued")
     ran_on: str = ""  # the backend its job.json names, in words ("Slurm"); "" for this machine
+    predicted_s: float | None = None  # the plan's predicted wall time, start to Done (plan.json's `time`)
+    took_s: float | None = None  # the actual one, for a run that finished in one session
     events: list[dict[str, Any]] = field(repr=False, default_factory=list)
     sweep: dict[str, Any] | None = None  # a sweep's trial: its sweep.json (sweep, trial, state, value, direction)
     best: bool = False  # the best complete trial of its sweep
@@ -136,7 +138,8 @@ def run_info(path: Path, current: Any = None, position: int | None = None) -> Ru
                    started=stamp, finished=final.get("time") if final and state in ("done", "stopped", "failed")
                    else None, resumable=state in ("stopped", "failed") and not finished and bool(checkpoints(path)),
                    position=position if state == "queued" else None, ran_on=ran_on(path), events=events,
-                   sweep=sweep)
+                   sweep=sweep, predicted_s=_predicted_s(path),
+                   took_s=_took_s(starts, final) if state == "done" else None)
 
 
 def _json_of(path: Path) -> dict[str, Any]:
@@ -146,6 +149,35 @@ def _json_of(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+
+def _predicted_s(path: Path) -> float | None:
+    """The plan's predicted wall time of the run (plan.json's `time`, finetune.plan.timing), if it has one."""
+    try:
+        predicted = json.loads((path / "plan.json").read_text(encoding="utf-8")).get("time") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    return predicted.get("total_s") if isinstance(predicted.get("total_s"), (int, float)) else None
+
+
+def _took_s(starts: list[dict[str, Any]], final: dict[str, Any] | None) -> float | None:
+    """Start to Done of a run that finished in one session: its process's start (its start event less the
+    `startup_s` it took to get there) to its done event; None for a resumed run (its sessions' times differ)."""
+    if len(starts) != 1 or final is None or not isinstance(starts[0].get("time"), (int, float)):
+        return None
+    return final["time"] - starts[0]["time"] + float(starts[0].get("startup_s") or 0)
+
+
+def time_cell(run: RunInfo) -> str:
+    """The Time column: the predicted wall time, beside the actual one once the run is done."""
+    predicted = f"predicted {_minutes(run.predicted_s)}" if run.predicted_s is not None else ""
+    took = f"took {_minutes(run.took_s)}" if run.took_s is not None else ""
+    return " · ".join(p for p in (predicted, took) if p)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def list_runs(home: Path, current: Any = None, queued: dict[Path, int] | None = None) -> list[RunInfo]:
@@ -189,7 +221,7 @@ def runs_frame(runs: list[RunInfo]) -> pd.DataFrame:
     """The runs as the tab's table."""
     rows = [[r.name, status_title(r), r.task,
              r.model, f"{r.step}/{r.total}" if r.total else "", headline(r.metrics), clock(r.started),
-             clock(r.finished)] for r in runs]
+             clock(r.finished), time_cell(r)] for r in runs]
     return pd.DataFrame(rows, columns=TABLE_COLUMNS)
 
 

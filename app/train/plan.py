@@ -95,7 +95,7 @@ class PlanHandlers:
             return PlanShown(error=f"⚠️ {in_form_words(str(e))}",
                              fields=self.notes.notes(field_problems(ConfigError([str(e)]))))
         where = (f"Planned for one GPU of Hugging Face Jobs' {flavor.describe()} ({config.memory_budget_gb:g} GiB), "
-                 "the Run on choice.\n\n") if flavor is not None else ""
+                 f"the Run on choice.\n\n{flavor_cost(config, plan, flavor)}\n\n") if flavor is not None else ""
         return PlanShown(text=where + plan_report.plan_markdown(plan),
                          chart=gr.update(value=plan_report.plan_chart_html(plan), visible=True, elem_classes=[]),
                          fields=self.notes.notes({}))
@@ -119,6 +119,22 @@ class PlanHandlers:
                         f"{in_form_words(str(e))}")
             return ""
         return ""
+
+
+def flavor_cost(config: Config, plan: dict[str, Any], flavor: Any) -> str:
+    """What a run on a Jobs flavor may cost: the time limit the job gets (`finetune.remote.timelimit`, as Start sets
+    it) at the flavor's price, the most it is billed."""
+    from finetune.plan.planner import Plan
+    from finetune.remote.timelimit import estimate, format_duration, parameter_count, training_rows
+
+    try:
+        limit = estimate(config, Plan.from_dict(plan), gpus=flavor.gpus, gpu_model=flavor.gpu_model or "",
+                         rows=None if config.max_steps else training_rows(config), params=parameter_count(config))
+    except ConfigError as e:
+        return f"Cost: not known before the run ({e.problems[0]})"
+    return (f"**Cost: at most ${flavor.usd_per_hour * limit.seconds / 3600:,.2f}**: the job's time limit "
+            f"{format_duration(limit.seconds)} at ${flavor.usd_per_hour:.2f}/h (billed by the minute it runs; the "
+            f"limit is {limit.reason}).")
 
 
 def _plan_key(config: Config, user: str | None) -> tuple:

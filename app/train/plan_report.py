@@ -10,6 +10,7 @@ import pandas as pd
 
 from app.mapping import in_form_words
 from app.report import data_lines
+from finetune.plan import timing
 
 GIB = 1024**3
 
@@ -79,6 +80,8 @@ def plan_markdown(plan: dict[str, Any]) -> str:
     if breakdown:
         lines.append(" · ".join(f"{term_label(term, plan)} {_size(b)}" for term, b in breakdown.items()
                                 if isinstance(b, (int, float)) and b > 0))
+    if plan.get("time"):  # finetune.plan.timing: the step time and the wall time, start to Done
+        lines.append(f"predicted time **{timing.describe(plan['time'])}**")
     lines += data_lines(plan)  # `finetune plan --json` adds what long_documents does to the data
     notes = [f"- {note}" for note in plan_notes(plan)]
     return "\n\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "")

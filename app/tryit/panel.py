@@ -16,6 +16,7 @@ import gradio as gr
 from app import limits
 from app.jobs import bounded
 from app.jobs.training import JobStatus
+from app.picks import Picked, PickRefused, final_metrics_of, picker_update, resolve_pick
 from app.report import waiting_note
 from app.results import Unanswered, keep
 from app.state import AppState
@@ -67,7 +68,7 @@ CHATS: dict[str, Callable[[dict[str, Any], Path], bool]] = {
 }
 
 
-def try_view(status: JobStatus) -> str | None:
+def try_view(status: JobStatus | Picked) -> str | None:
     """What Try it offers for the finished run: "chat" when its kind chats with such a run (its entry's
     `chat_when`), else the view its entry names (`try_view`: probabilities, entities, value, score, text, image, …);
     None before a finished model."""
@@ -117,9 +118,10 @@ class TryPanel:
     temperature: Any = keep()
     top_p: Any = keep()
     system_prompt: Any = keep()  # a chat's system turn
+    base: Any = keep()  # Compare's answer, cleared with a new model
 
 
-def panel(status: JobStatus, *, new_model: bool) -> TryPanel:
+def panel(status: JobStatus | Picked, *, new_model: bool) -> TryPanel:
     """Try it for `status`: the chat box (a run its kind chats with), the image box (an image classifier) or the text
     box, Predict enabled once the model is finished; a new model clears the last one's chat, image, prediction and
     message; without one, a sentence says why."""
@@ -128,7 +130,8 @@ def panel(status: JobStatus, *, new_model: bool) -> TryPanel:
     pictured = view in IMAGE_REFUSALS
     ready = view is not None
     cleared = {"label": gr.update(value=None, visible=False), "generated": gr.update(value="", visible=False),
-               "entities": gr.update(value=None, visible=False), "message": ""} if new_model else {}
+               "entities": gr.update(value=None, visible=False), "message": "",
+               "base": gr.update(value="", visible=False)} if new_model else {}
     if not ready:
         cleared["message"] = waiting_note(status)
     generates = view in GENERATING_VIEWS
@@ -182,26 +185,53 @@ class TryItHandlers:
     def __init__(self, state: AppState):
         self.state = state
 
-    def _finished_run(self, text: str, request: Any) -> tuple[str, JobStatus]:
-        """The text cut to the Try it limit and the finished run of the user who asks, or `Unanswered`."""
+    def _finished_run(self, text: str, request: Any, run: str | None = None) -> tuple[str, Picked]:
+        """The text cut to the Try it limit and the finished run (or picked checkpoint) of the user who asks, or
+        `Unanswered`."""
         user, refusal = self.state.policy.who(request)
         if refusal:
             raise Unanswered(refusal)
         text, _ = limits.truncate_try_text(text)
         if not text:
             raise Unanswered("Type a text first.")
-        return text, self._loadable(user)
+        return text, self._loadable(user, run)
 
-    def _loadable(self, user: str | None) -> JobStatus:
-        """The caller's finished run, once its files pass the policy (`RequestPolicy.run_refusal`), or `Unanswered`."""
+    def _loadable(self, user: str | None, run: str | None = None) -> Picked:
+        """The caller's current finished run, or the run or checkpoint `run` picked among theirs (`app.picks`), once
+        its files pass the policy (`RequestPolicy.run_refusal`), or `Unanswered`."""
         status = self.state.jobs.status()
-        if status.model_dir is None or status.run_dir is None or not self.state.policy.is_mine(status, user):
+        if run:
+            try:
+                picked = resolve_pick(run, self.state.policy.runs_home(user), status)
+            except PickRefused as e:
+                raise Unanswered(str(e)) from None
+        elif status.model_dir is None or status.run_dir is None or not self.state.policy.is_mine(status, user):
             raise Unanswered("No trained model yet: train (or resume) a run to the end first.")
-        if refused := self.state.policy.run_refusal(status.run_dir, user):
+        else:
+            picked = Picked(run_dir=status.run_dir, target=status.run_dir)
+        if refused := self.state.policy.run_refusal(picked.run_dir, user):
             raise Unanswered(f"⚠️ {refused}")
-        return status
+        return picked
 
-    def _settings(self, status: JobStatus, max_new_tokens: int | None, temperature: float | None,
+    def view_of(self, run: str | None, *, request: Any = None) -> TryPanel:
+        """Try it for the run or checkpoint picked (its view: chat, text box, image box; its generation defaults)."""
+        user, _ = self.state.policy.who(request)
+        from finetune.errors import InputError
+
+        try:
+            picked = self._loadable(user, run)
+            return panel(picked, new_model=True)
+        except Unanswered as e:
+            return TryPanel(message=str(e))
+        except InputError as e:  # a checkpoint that cannot become a model
+            return TryPanel(message=f"⚠️ {e}")
+
+    def choices(self, value: str | None = None, *, request: Any = None) -> Any:
+        """The picker's runs and checkpoints (`app.picks`), keeping `value` when it is still one of them."""
+        user, refusal = self.state.policy.who(request)
+        return picker_update(self.state.policy.runs_home(user, refusal), self.state.jobs.status(), value)
+
+    def _settings(self, status: Picked, max_new_tokens: int | None, temperature: float | None,
                   top_p: float | None, system_prompt: str | None) -> dict[str, Any]:
         """`predict`'s generation keywords from a visitor's settings: unset ones from the model's generation_config,
         new tokens at most `limits.MAX_NEW_TOKENS`, the system prompt cut to the Try it limit."""
@@ -211,16 +241,18 @@ class TryItHandlers:
                 "system_prompt": limits.truncate_try_text(system_prompt or "")[0], "prompt": bounded_prompt}
 
     def predict(self, text: str, *, request: Any = None, max_new_tokens: int | None = None,
-                temperature: float | None = None, top_p: float | None = None, system_prompt: str = ""
-                ) -> dict[str, Any]:
+                temperature: float | None = None, top_p: float | None = None, system_prompt: str = "",
+                run: str | None = None, with_base: bool = False) -> dict[str, Any]:
         """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
         text is the user's turn), {generated}, {value}, {score} or {words, tags, entities} (the kind's record).
 
         Raises `Unanswered` without a text or a finished model, or for an image classifier (a text would name a
         file on the server: its images come as uploads, `predict_image`), `finetune.models.pretrained.ModelError`
         when the model cannot be loaded, `finetune.errors.DataError` when its chat template cannot render the
-        text, and `finetune.errors.ConfigError` for generation settings out of range (`finetune.use.generation`)."""
-        text, status = self._finished_run(text, request)
+        text, and `finetune.errors.ConfigError` for generation settings out of range (`finetune.use.generation`).
+        `run`: a run or checkpoint of the caller's (`app.picks`) instead of the current run; `with_base`: a model
+        that generates text answers beside the base model, under "base" (`finetune.use.predict.base_of`)."""
+        text, status = self._finished_run(text, request, run)
         settings = self._settings(status, max_new_tokens, temperature, top_p, system_prompt)
         if (view := try_view(status)) in IMAGE_REFUSALS:
             raise Unanswered(IMAGE_REFUSALS[view])
@@ -229,15 +261,16 @@ class TryItHandlers:
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         if try_view(status) == "vector" and len(lines) > 1:  # a text, then candidates: the nearest first
             query, candidates = lines[0], lines[1:limits.MAX_TRY_CANDIDATES + 1]
-            records = predict(str(status.run_dir), [query, *candidates])
+            records = predict(str(status.target), [query, *candidates])
             vectors = [next(v for v in r.values() if isinstance(v, list)) for r in records]  # each one's vector
             return {"query": query, "similarities": nearest(vectors[0], candidates, vectors[1:]),
                     "candidates_dropped": max(0, len(lines) - 1 - limits.MAX_TRY_CANDIDATES)}
-        out = predict(str(status.run_dir), [text], **settings)[0]
+        based = with_base and try_view(status) in GENERATING_VIEWS
+        out = predict(str(status.target), [text], **settings, with_base=based)[0]
         return {k: v for k, v in out.items() if k != "text"}  # the kind's record, less the text it was given
 
-    def predict_image(self, image: str | None, question: str = "", *, request: Any = None, **generation: Any
-                      ) -> dict[str, Any]:
+    def predict_image(self, image: str | None, question: str = "", *, request: Any = None, run: str | None = None,
+                      **generation: Any) -> dict[str, Any]:
         """The finished image classifier on one uploaded image (a file in Gradio's upload cache): {label,
         probabilities}; a vision-language model's reply to `question` about it: {generated}, generated with the
         `generation` settings (`predict`'s).
@@ -250,7 +283,7 @@ class TryItHandlers:
             raise Unanswered(refusal)
         if not image:
             raise Unanswered("Upload an image first.")
-        status = self._loadable(user)
+        status = self._loadable(user, run)
         if (view := try_view(status)) not in IMAGE_REFUSALS:
             raise Unanswered("This run's model reads text, not images: type a text in Try it.")
         if too_big := limits.image_size_problem(image):
@@ -265,39 +298,68 @@ class TryItHandlers:
                 raise Unanswered(f"Rename the image: its name may not hold {kinds.IMAGE_QUESTION!r}.")
             settings = self._settings(status, generation.get("max_new_tokens"), generation.get("temperature"),
                                       generation.get("top_p"), "")
-            out = predict(str(status.run_dir), [f"{image}{kinds.IMAGE_QUESTION}{question}"], **settings)[0]
+            out = predict(str(status.target), [f"{image}{kinds.IMAGE_QUESTION}{question}"], **settings)[0]
             return {k: v for k, v in out.items() if k != "text"}
-        out = predict(str(status.run_dir), [str(image)])[0]
+        out = predict(str(status.target), [str(image)])[0]
         return {k: v for k, v in out.items() if k != "text"}  # the label and probabilities, less the file's path
 
     def try_it(self, text: str, history: list[dict[str, Any]] | None = None, image: str | None = None,
                max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-               system_prompt: str = "", *, request: Any = None) -> renderers.PredictionShown:
+               system_prompt: str = "", run: str | None = None, compare: bool = False, *, request: Any = None
+               ) -> renderers.PredictionShown:
         """Try it: the finished model's prediction shown by its kind's view (an image classifier's of the uploaded
         `image`), or (a run its kind chats with) the next turn of a chat with it, through the template it was
-        trained with; a model that generates text generates with the settings given (unset: its own)."""
+        trained with; a model that generates text generates with the settings given (unset: its own). `run`: the
+        run or checkpoint picked (`app.picks`); `compare`: the base model's answer beside it (a classifier: its
+        evaluation beside the majority-class baseline, `compared`)."""
         from finetune.errors import InputError
-        from finetune.use.predict import chat
+        from finetune.use.predict import replies
 
         try:
-            view = try_view(self.state.jobs.status())
+            user, _ = self.state.policy.who(request)
+            view = try_view(self._loadable(user, run) if run else self.state.jobs.status())
             if view in IMAGE_REFUSALS:
-                out = self.predict_image(image, text, request=request, max_new_tokens=max_new_tokens,
+                out = self.predict_image(image, text, request=request, run=run, max_new_tokens=max_new_tokens,
                                          temperature=temperature, top_p=top_p)
                 return renderers.RENDERERS[view](out, limits.truncate_try_text(text or "")[1])
             if history or view == "chat":  # the model answers the whole conversation
-                text, status = self._finished_run(text, request)
+                text, status = self._finished_run(text, request, run)
                 turns = [*history_turns(history), {"role": "user", "content": text}]
-                reply = chat(str(status.run_dir), turns,
-                             **self._settings(status, max_new_tokens, temperature, top_p, system_prompt))
+                answers = replies(str(status.target), turns, with_base=bool(compare),
+                                  **self._settings(status, max_new_tokens, temperature, top_p, system_prompt))
+                base = ("Base model (before fine-tuning)", answers[1]) if compare else None
             else:
                 out = self.predict(text, request=request, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_p=top_p, system_prompt=system_prompt)
+                                   top_p=top_p, system_prompt=system_prompt, run=run, with_base=bool(compare))
+                base = self.compared(out, view, run, request) if compare else None
         except Unanswered as e:
             return renderers.PredictionShown(message=str(e))
         except InputError as e:  # the model cannot be loaded, or its template cannot render the chat
             return renderers.PredictionShown(message=f"⚠️ {e}")
         shown_text, note = limits.truncate_try_text(text)
         if history or view == "chat":
-            return renderers.chat([*history_turns(history), {"role": "user", "content": shown_text}], reply, note)
-        return renderers.RENDERERS[view or kinds.entry(kinds.DEFAULT).try_view](out, note)
+            shown = renderers.chat([*history_turns(history), {"role": "user", "content": shown_text}], answers[0],
+                                   note)
+        else:
+            shown = renderers.RENDERERS[view or kinds.entry(kinds.DEFAULT).try_view](out, note)
+        return dataclasses.replace(shown, base=renderers.base_box(*base)) if base else shown
+
+    def compared(self, out: dict[str, Any], view: str | None, run: str | None, request: Any) -> tuple[str, str]:
+        """What Compare shows beside the answer: (label, text) of the base model's answer (a model that generates
+        text), or a classifier's final evaluation beside the majority-class baseline of its evaluation rows."""
+        if "base" in out:
+            return "Base model (before fine-tuning)", next(str(v) for v in out["base"].values())
+        if view != "probabilities":
+            return "Base model", "This kind of model has no comparison with its base model yet."
+        from finetune.use.baseline import majority_baseline
+
+        user, _ = self.state.policy.who(request)
+        run_dir = self._loadable(user, run).run_dir
+        accuracy = final_metrics_of(run_dir).get("accuracy")
+        baseline = majority_baseline(run_dir)
+        tuned = f"Fine-tuned: accuracy {accuracy:.3f}" if isinstance(accuracy, (int, float)) else \
+            "Fine-tuned: no evaluation (the run had no evaluation rows)"
+        base = (f"majority-class baseline (always “{baseline['label']}”): accuracy {baseline['accuracy']:.3f} on "
+                f"{baseline['rows']} evaluation rows") if baseline else "no majority-class baseline (no evaluation "\
+            "rows)"
+        return "Evaluation beside the baseline (the base model's head is untrained)", f"{tuned} · {base}"

@@ -25,6 +25,12 @@ class PredictionShown:
     message: str = ""
     entities: Any = hidden()  # token classification: the words, each entity highlighted with its type
     image: Any = keep()  # the uploaded image stays as it was given
+    base: Any = hidden()  # Compare: the base model's answer, or a classifier's evaluation beside its baseline
+
+
+def base_box(label: str, value: str) -> Any:
+    """The Compare box: the base model's answer (or a classifier's evaluation beside its baseline)."""
+    return gr.update(value=value, label=label, visible=True)
 
 
 def entity_pieces(out: dict[str, Any]) -> list[tuple[str, str | None]]:

@@ -32,6 +32,9 @@ class TryItTab:
     temperature: Any
     top_p: Any
     system_prompt: Any
+    pick: Any  # which run or checkpoint (`app.picks`)
+    compare: Any  # answer with the base model too
+    base: Any  # the base model's answer (a classifier: its evaluation beside the majority-class baseline)
 
     @property
     def generation(self) -> list[Any]:
@@ -39,16 +42,27 @@ class TryItTab:
         return [self.max_new_tokens, self.temperature, self.top_p, self.system_prompt]
 
     @property
+    def view(self) -> dict[str, Any]:
+        """Where a `TryPanel` goes (Export's Push aside)."""
+        return {"chat": self.chat, "label": self.label, "generated": self.generated, "button": self.button,
+                "entities": self.entities, "new_chat": self.new_chat, "text": self.text, "message": self.message,
+                "image": self.image, "settings": self.settings, "max_new_tokens": self.max_new_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "system_prompt": self.system_prompt,
+                "base": self.base}
+
+    @property
     def shown(self) -> dict[str, Any]:
         """Where a `PredictionShown` goes."""
         return {"label": self.label, "generated": self.generated, "chat": self.chat, "text": self.text,
-                "message": self.message, "entities": self.entities, "image": self.image}
+                "message": self.message, "entities": self.entities, "image": self.image, "base": self.base}
 
 
 def create_tryit_tab() -> TryItTab:
     """The Try it tab's widgets, inside the open `gr.Tab`: a chat box for a run trained to chat, an image box for an
     image classifier, a text box for the others; a label's probabilities, generated text (or a value, a score) and
     highlighted entities below."""
+    pick = gr.Dropdown([], value=None, label="Run or checkpoint", elem_id="try-run", allow_custom_value=False,
+                       info="Your finished runs (newest first) and the checkpoints of stopped ones")
     chat = gr.Chatbot(label="Chat with the trained model (through its chat template)", visible=False, height=280,
                       elem_id="try-chat")
     with gr.Row():
@@ -59,6 +73,9 @@ def create_tryit_tab() -> TryItTab:
         image = gr.Image(label="Image for the trained model", type="filepath", image_mode=None, height=240,
                          sources=["upload", "clipboard"], visible=False, scale=4, elem_id="try-image")
         button = gr.Button("Predict", scale=1, interactive=False, elem_id="try-button")
+    compare = gr.Checkbox(label="Compare with the base model", value=False, elem_id="try-compare",
+                          info="The same text, the same settings, answered by the model the run started from too "
+                               "(a classifier: its evaluation beside the majority-class baseline)")
     new_chat = gr.ClearButton([chat], value="New chat", size="sm", visible=False)
     # Set to the model's generation_config when a run finishes (`panel.panel`); hidden for a model that does not
     # generate text.
@@ -78,14 +95,22 @@ def create_tryit_tab() -> TryItTab:
     label = gr.Label(label="Prediction", num_top_classes=5, visible=False, elem_id="prediction")
     generated = gr.Textbox(label="Generated continuation", visible=False, interactive=False)
     entities = gr.HighlightedText(label="Entities", visible=False, show_legend=True, elem_id="try-entities")
+    base = gr.Textbox(label="Base model (before fine-tuning)", visible=False, interactive=False, elem_id="try-base")
     return TryItTab(chat=chat, text=text, button=button, new_chat=new_chat, message=message, label=label,
                     generated=generated, entities=entities, image=image, settings=settings,
-                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, system_prompt=system_prompt)
+                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, system_prompt=system_prompt,
+                    pick=pick, compare=compare, base=base)
 
 
-def wire_tryit_tab(on: Callable[..., Any], handlers: TryItHandlers, tab: TryItTab) -> None:
-    """Predict (or Send) and Enter in the box ask the model (an image classifier: about the uploaded image), with the
-    generation settings."""
+def wire_tryit_tab(on: Callable[..., Any], handlers: TryItHandlers, tab: TryItTab, refresh: list[Any]) -> None:
+    """Predict (or Send) and Enter in the box ask the picked model (an image classifier: about the uploaded image),
+    with the generation settings; picking another run shows its view; the picker's list is read again on the
+    `refresh` events, the pick kept (the poll, `app.follow`, picks the newest when the current run changes)."""
     for event in (tab.button.click, tab.text.submit):
-        on(event, handlers.try_it, [tab.text, tab.chat, tab.image, *tab.generation], tab.shown,
+        on(event, handlers.try_it, [tab.text, tab.chat, tab.image, *tab.generation, tab.pick, tab.compare], tab.shown,
            api_visibility="private")
+    on(tab.pick.input, handlers.view_of, tab.pick, tab.view, api_visibility="private")
+    for event in refresh:
+        on(event, handlers.choices, tab.pick, {}, outputs=tab.pick, gate="quiet", show_progress="hidden",
+           api_visibility="private")
+

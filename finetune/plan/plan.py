@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from finetune.config.batch import BatchSplit
 from finetune.config.schema import Config
 from finetune.engine.runtime import host_memory
+from finetune.plan import timing
 
 GIB = 2**30
 HOST_SHARE = 0.8  # activation offload may take this much of the machine's RAM (the process needs the rest)
@@ -63,6 +64,7 @@ class Plan:
     host_bytes: int = 0
     tiled_mlp: bool = False  # the MLPs a tile of positions at a time (finetune.models.tiled_mlp)
     tiled_mlp_tile: int | None = None  # its positions per tile
+    time: dict[str, Any] = field(default_factory=dict)  # the predicted step and wall time (finetune.plan.timing)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -136,6 +138,7 @@ def render(plan: Plan) -> str:
         ("device", plan.device),
         ("budget", budget),
         ("predicted peak", f"{gib(plan.predicted_peak_bytes)} ({plan.method})"),
+        *([("predicted time", timing.describe(plan.time))] if plan.time else []),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]

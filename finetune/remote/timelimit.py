@@ -23,12 +23,9 @@ from finetune.config.tasks import single_task_values
 from finetune.data.load import is_local, load_table
 from finetune.errors import ConfigError
 from finetune.models.pretrained import quiet_transformers, resolve_model_path
+from finetune.plan.timing import PEAK_TFLOPS, UTILISATION  # the plan's time prediction's own figures
 from finetune.registry import entry
 
-# Dense bf16 (fp16 on a T4) tensor-core TFLOPS per GPU, from NVIDIA's datasheets; the A10G is AWS's cut of the
-# A10, counted at about half the A10's 125 to stay on the safe side.
-PEAK_TFLOPS = {"T4": 65, "L4": 121, "L40S": 362, "A10G": 70, "A100": 312, "H200": 989, "RTX PRO 6000": 400}
-UTILISATION = 0.2  # of the peak that a fine-tuning run keeps busy (large models reach 0.3–0.5; small ones less)
 STARTUP_S = 600
 MARGIN = 2.0
 MINIMUM_S = 30 * 60

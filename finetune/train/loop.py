@@ -44,6 +44,7 @@ from finetune.kinds.base import TaskKind
 from finetune.models import kernels as hub_kernels
 from finetune.models import tiled_mlp
 from finetune.models.pretrained import load_tokenizer
+from finetune.plan import timing
 from finetune.registry import configured
 from finetune.run import rundir, tracking
 from finetune.run.events import (
@@ -295,9 +296,9 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
         plan = dataclasses.replace(plan, notes=(note, *plan.notes))
     c = plan.apply(c)
     kind = configured(c)
-    steps_per_epoch = windows_per_epoch(len(train_data), samples_of(plan.batch.effective_batch_size, kind)) \
-        * steps_per_window(kind)
-    total_steps = c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
+    steps_per_epoch, total_steps = run_length(c, plan.batch, len(train_data))
+    plan = dataclasses.replace(plan, time=predicted_time(c, plan, train_data, eval_data, total_steps, model,
+                                                         accelerator.device.type))
     optimizer = make_optimizer(c, model)
     scheduler = make_scheduler(c, optimizer, total_steps)
     # The scheduler stays out of prepare(): a prepared scheduler steps once per process per optimizer step.
@@ -316,6 +317,26 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
                  train_data=train_data, eval_data=eval_data, label_names=label_names, model=model,
                  optimizer=optimizer, scheduler=scheduler, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
                  progress=progress, log=log, variant=variant, distributed=mode, note=note)
+
+
+def run_length(c: Config, batch: BatchSplit, rows: int) -> tuple[int, int]:
+    """(optimizer steps per epoch, total steps) of a run of `rows` training samples with `batch`."""
+    kind = configured(c)
+    steps_per_epoch = windows_per_epoch(rows, samples_of(batch.effective_batch_size, kind)) * steps_per_window(kind)
+    return steps_per_epoch, c.max_steps or max(1, math.ceil(steps_per_epoch * c.epochs))
+
+
+def predicted_time(c: Config, plan: Any, train_data: Any, eval_data: Any, steps: int, model: Any, device: str
+                   ) -> dict[str, Any]:
+    """What plan.json keeps of the run's predicted time (`finetune.plan.timing`); {} for data whose lengths are not
+    known before it is read (a stream)."""
+    lengths = train_data.lengths if isinstance(train_data, Encoded) else None
+    if lengths is None or not len(lengths):
+        return {}
+    params, width = timing.model_size(model)
+    return timing.for_run(plan, lengths=lengths, eval_lengths=eval_data.lengths if isinstance(eval_data, Encoded)
+                          else None, steps=steps, eval_every=c.eval_every, params=params, width=width,
+                          device=device).to_dict()
 
 
 def _open_run_dir(c: Config, run_dir: Path, accelerator: Any, plan: Any, scheduler: Any, progress: Progress) -> None:

@@ -34,7 +34,6 @@ from finetune.models.pretrained import (
     is_adapter,
     load_trained,
     quiet_transformers,
-    resolve_model_dir,
     resolve_model_path,
     task_of,
 )
@@ -42,7 +41,7 @@ from finetune.registry import ENTRIES, a_model, entry
 from finetune.rows.chat import end_of_turn_ids, turns_of
 from finetune.run.events import EventLog, Exported
 from finetune.run.rundir import is_finished, write_json
-from finetune.use import llamacpp, ollama
+from finetune.use import checkpoint, llamacpp, ollama
 
 FORMATS = ("merged", "gguf")
 QUANTS = ("f16", "q8_0", "q4_k_m")
@@ -117,7 +116,7 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
     if (path / "config.yaml").is_file() and not is_finished(path):
         raise ExportError(f"The run in {target!r} has not finished (it is still training, or stopped before the "
                           "end): resume it to the end, then export it.")
-    model_dir, run_dir = resolve_model_dir(target)
+    model_dir, run_dir = checkpoint.resolve(target)
     if run_dir is None:
         raise ExportError(f"{target!r} is a model folder, not a run directory: export the run that trained it (its "
                           "config.yaml says which template and end-of-turn token it learned).")
@@ -136,7 +135,8 @@ def prepare(target: str, *, fmt: str = "merged", quant: str | None = None, out: 
                           "transformers folder) instead." if reason else
                           f"GGUF is for models that generate text, and this run trained {a_model(kind)}: export "
                           "it with --format merged (a transformers folder) instead.")
-    out_dir = Path(out).expanduser() if out else run_dir / EXPORT_DIR
+    # A checkpoint's export goes beside it, not over the run's own.
+    out_dir = Path(out).expanduser() if out else (path if checkpoint.run_of_checkpoint(path) else run_dir) / EXPORT_DIR
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"--out {str(out_dir)!r} is a file: give a directory.")
     base_dtype = _base_dtype(model_dir)
