@@ -127,6 +127,8 @@ def flavor_cost(config: Config, plan: dict[str, Any], flavor: Any) -> str:
     from finetune.plan.planner import Plan
     from finetune.remote.timelimit import estimate, format_duration, parameter_count, training_rows
 
+    if "micro_batch_size" not in plan:  # no batch split planned (an error's answer): nothing to price
+        return "Cost: not known before the plan has a batch split."
     try:
         limit = estimate(config, Plan.from_dict(plan), gpus=flavor.gpus, gpu_model=flavor.gpu_model or "",
                          rows=None if config.max_steps else training_rows(config), params=parameter_count(config))
