@@ -347,3 +347,14 @@ def tokenize_calls(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(encoding, "_tokenize", counting)
     return calls
+
+
+@pytest.fixture
+def slurm(tmp_path, monkeypatch) -> dict[str, str]:
+    """The stand-in Slurm first on the PATH (of this process and its children); the environment it needs."""
+    from fakeslurm import install
+
+    env = install(tmp_path / "slurm-bin", tmp_path / "slurm-state")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env

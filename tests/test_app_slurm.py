@@ -46,15 +46,6 @@ time.sleep(120)
 """
 
 
-@pytest.fixture
-def slurm(tmp_path, monkeypatch) -> dict[str, str]:
-    """The stand-in Slurm first on the PATH (of this process and its children)."""
-    env = install(tmp_path / "slurm-bin", tmp_path / "slurm-state")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return env
-
-
 def _wait_for(predicate, seconds: float = 120):
     deadline = time.time() + seconds
     while not (found := predicate()):

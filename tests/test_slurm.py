@@ -16,22 +16,12 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, assert_same_weights, load_weights, run_train, step_losses
-from fakeslurm import install
 
 from finetune.remote.slurm import cluster
 from finetune.run.events import read_events
 
 COMMON = {"optimizer": "sgd", "learning_rate": 0.5, "warmup_ratio": 0.0, "weight_decay": 0.0, "eval_fraction": 0.0,
           "precision": "fp32", "epochs": 2, "logging_every": 1, "max_grad_norm": 1.0}
-
-
-@pytest.fixture
-def slurm(tmp_path, monkeypatch) -> dict[str, str]:
-    """The stand-in Slurm first on the PATH (of this process and its children); the environment it needs."""
-    env = install(tmp_path / "slurm-bin", tmp_path / "slurm-state")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return env
 
 
 def _jobs(state_dir: Path) -> list[dict]:
