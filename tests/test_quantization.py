@@ -4,6 +4,7 @@ accumulation, stops and resumes exactly, and its merged model loads in plain tra
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import random
 import subprocess
@@ -23,7 +24,11 @@ from finetune.train.loop import StopFlag, train
 from finetune.use.evaluate import evaluate_target
 from finetune.use.predict import predict
 
-pytest.importorskip("bitsandbytes")
+# Asked without importing it: bitsandbytes takes 2 to 3 s of CPU to import, which every xdist worker would pay at
+# collection; the tests that quantize import it when they run.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                                reason="bitsandbytes is not installed")
+
 QUANTIZATIONS = ["4bit", "8bit"]
 
 
