@@ -136,3 +136,152 @@ def test_the_form_shows_the_teacher_and_the_divergence_for_distill_alone():
     assert all(shown_fields("distill")[name] for name in own)
     assert not any(shown_fields(task)[name] for task in ("causal_lm", "preference") for name in own)
     assert shown_fields("distill")["tools_column"] and not shown_fields("distill")["packing"]
+
+
+# --- the teacher cached before training (`distill_teacher: cache`)
+
+
+class _OneProcess:
+    """As much of an accelerator as `precompute` reads."""
+
+    device = torch.device("cpu")
+    is_main_process = True
+
+    def main_process_first(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def _cached(word_student, word_teacher, data_file, **values):
+    """The configured kind, the training data with the teacher's columns joined, how they were obtained, and the
+    student."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.data.load import load_data
+    from finetune.models.pretrained import load_tokenizer
+    from finetune.train.precompute import precompute
+
+    c = from_dict({"task": "distill", "model": word_student, "teacher_model": word_teacher, "dataset": data_file,
+                   "eval_fraction": 0, "distill_teacher": "cache", "precision": "fp32", **values})
+    tokenizer = load_tokenizer(c)
+    data = load_data(c, tokenizer)[0]
+    k = configured(c)
+    student = AutoModelForCausalLM.from_pretrained(word_student)
+    how = precompute(c, k, student, tokenizer, _OneProcess(), {"train": data, "eval": None}, batch_size=4)
+    return k, data, how, student
+
+
+@pytest.mark.parametrize(("loss", "beta"), [("forward_kl", 0.0), ("jsd", 0.3), ("reverse_kl", 1.0)])
+def test_a_cached_teacher_of_the_whole_vocabulary_is_the_teacher_on_the_device(word_student, word_teacher, pairs,
+                                                                                loss, beta):
+    """top_k=0 keeps every token: the loss and its gradient are device mode's to float32 rounding, over padded
+    micro-batches (the columns are stored per sample, unpadded, and padded again by the collation)."""
+    k, data, how, student = _cached(word_student, word_teacher, pairs, distill_top_k=0, distill_loss=loss,
+                                    distill_beta=beta, distill_temperature=2.0)
+    assert how == {"train": "computed"}
+    device = _batch(word_student, word_teacher, pairs, distill_loss=loss, distill_beta=beta,
+                    distill_temperature=2.0)[0]
+    batch = k.collate_rows(data.table.take(list(range(len(data)))), 0)
+    labels = batch.pop("labels")
+    assert batch["teacher_topk_logps"].shape == (*batch["input_ids"].shape, student.config.vocab_size)
+    assert batch["teacher_topk_logps"].dtype == torch.float32  # fp32 training keeps fp32 values
+    grads = []
+    for kind_object in (k, device):
+        total = kind_object.loss_sum(student, batch, labels)[0]
+        total.backward()
+        grads.append((total.item(), student.lm_head.weight.grad.clone()))
+        student.zero_grad()
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6) and grads[0][0] > 0
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-7)
+
+
+def test_a_cached_top_k_is_trls_top_k_support_with_its_tail(word_student, word_teacher, pairs):
+    """The top 5 of 24: the divergence over the teacher's 5 tokens and one bucket for the rest of each distribution,
+    as TRL's server distillation computes it from a teacher's top-k log-probabilities (`loss_add_tail`)."""
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.server_distillation.server_distillation_trainer import _add_tail_bucket, _jsd_divergence
+
+    k, data, _, student = _cached(word_student, word_teacher, pairs, distill_top_k=5, distill_loss="jsd",
+                                  distill_beta=0.3, distill_temperature=2.0)
+    batch = k.collate_rows(data.table.take(list(range(len(data)))), 0)
+    labels = batch.pop("labels")
+    values, ids = batch["teacher_topk_logps"], batch["teacher_topk_ids"]
+    assert values.shape[-1] == 5
+    teacher = AutoModelForCausalLM.from_pretrained(word_teacher).eval()
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        expected = torch.log_softmax(teacher(**inputs).logits / 2.0, -1).topk(5, -1)
+    present = batch["attention_mask"].bool()
+    torch.testing.assert_close(values[present], expected.values[present])
+    assert torch.equal(ids[present].long(), expected.indices[present])
+    student_logps = torch.log_softmax(student(**inputs).logits / 2.0, -1).gather(-1, ids.long())
+    mask = torch.ones_like(values, dtype=torch.bool)
+    s_tail, tail_mask = _add_tail_bucket(student_logps, mask)
+    t_tail, _ = _add_tail_bucket(values, mask)
+    theirs = _jsd_divergence(s_tail, t_tail, 0.3, tail_mask).sum(-1)
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100) != -100
+    ours = k.loss_sum(student, batch, labels)[0]
+    # (TRL's masked path forms the mixture in probabilities, ours in log-probabilities: float32 rounding apart.)
+    assert ours.item() == pytest.approx(theirs[targets].sum().item(), rel=1e-4)
+    full = _batch(word_student, word_teacher, pairs, distill_loss="jsd", distill_beta=0.3,
+                  distill_temperature=2.0)[0].loss_sum(student, batch, labels)[0]
+    assert abs(ours.item() - full.item()) > 1e-3  # five tokens and a tail are not the whole distribution
+
+
+def test_the_cache_is_keyed_by_the_teacher_the_data_and_k(word_student, word_teacher, pairs, tmp_path):
+    """Computed once, then read back; a changed k, temperature or teacher file computes it again."""
+    import shutil
+
+    assert _cached(word_student, word_teacher, pairs, distill_top_k=4)[2] == {"train": "computed"}
+    assert _cached(word_student, word_teacher, pairs, distill_top_k=4)[2] == {"train": "cached"}
+    assert _cached(word_student, word_teacher, pairs, distill_top_k=3)[2] == {"train": "computed"}
+    assert _cached(word_student, word_teacher, pairs, distill_top_k=4, distill_temperature=2.0)[2] == \
+        {"train": "computed"}
+    copy = shutil.copytree(word_teacher, tmp_path / "teacher")
+    assert _cached(word_student, word_teacher, pairs, distill_top_k=4)[2] == {"train": "cached"}
+    assert _cached(word_student, str(copy), pairs, distill_top_k=4)[2] == {"train": "computed"}
+    data = _cached(word_student, word_teacher, pairs, distill_top_k=4)[1]
+    assert data.table.column("teacher_topk_logps").type.value_type == pa_float32()
+    assert sum(len(v) for v in data.table.column("teacher_topk_ids").to_pylist()) == 4 * int(data.lengths.sum())
+
+
+def pa_float32():
+    import pyarrow as pa
+
+    return pa.float32()
+
+
+@pytest.mark.slow
+def test_slow_resume_reads_the_cached_teacher_and_trains_as_uninterrupted(tmp_path, monkeypatch, word_student,
+                                                                          word_teacher, lm_csv):
+    """The teacher is loaded once for the pass of each fresh start and not at all by the resumed run (its values
+    come back from the data cache), which ends with the uninterrupted run's weights."""
+    from conftest import assert_same_weights, load_weights
+
+    from finetune.kinds import distill
+    from finetune.run.events import Step
+    from finetune.train.loop import StopFlag, train
+
+    loads = []
+    real = distill.frozen_model.__wrapped__
+
+    def counting(name, device):
+        loads.append(name)
+        return real(name, device)
+
+    counting.__wrapped__ = counting
+    monkeypatch.setattr(distill, "frozen_model", counting)
+    values = {"task": "distill", "model": word_student, "teacher_model": word_teacher, "dataset": lm_csv,
+              "distill_teacher": "cache", "distill_top_k": 6, "max_length": 128, "effective_batch_size": 8,
+              "micro_batch_size": 2, "epochs": 2, "eval_fraction": 0.0, "precision": "fp32", "optimizer": "adamw",
+              "learning_rate": 1e-3, "logging_every": 1}
+    full = train(from_dict({**values, "output_dir": str(tmp_path / "full")}))
+    assert loads == [word_teacher]
+    stop = StopFlag()
+    stopped = train(from_dict({**values, "output_dir": str(tmp_path / "cut")}), stop=stop,
+                    callbacks=[lambda e: stop.request() if isinstance(e, Step) and e.step == 2 else None])
+    resumed = train(from_dict({**values, "output_dir": str(tmp_path / "cut"), "resume": True}))
+    assert (full.status, stopped.status, resumed.status, resumed.step) == ("done", "stopped", "done", full.step)
+    assert loads == [word_teacher]  # both later starts read the first one's values
+    assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)

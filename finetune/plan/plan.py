@@ -65,6 +65,8 @@ class Plan:
     tiled_mlp: bool = False  # the MLPs a tile of positions at a time (finetune.models.tiled_mlp)
     tiled_mlp_tile: int | None = None  # its positions per tile
     time: dict[str, Any] = field(default_factory=dict)  # the predicted step and wall time (finetune.plan.timing)
+    # Options the planner chose among a kind's choices (`plan_choices`: distillation's `distill_teacher`).
+    options: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -86,7 +88,8 @@ class Plan:
                          lora=str(self.lora).lower(), optimizer=self.optimizer, quantization=self.quantization,
                          chunked_loss=str(self.chunked_loss).lower(),
                          activation_offload=str(self.activation_offload).lower(),
-                         tiled_mlp=str(self.tiled_mlp).lower(), tiled_mlp_tile=self.tiled_mlp_tile or c.tiled_mlp_tile)
+                         tiled_mlp=str(self.tiled_mlp).lower(), tiled_mlp_tile=self.tiled_mlp_tile or c.tiled_mlp_tile,
+                         **self.options)
 
 
 def _base_words(plan: Plan) -> str:
