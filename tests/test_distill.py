@@ -285,3 +285,61 @@ def test_slow_resume_reads_the_cached_teacher_and_trains_as_uninterrupted(tmp_pa
     assert (full.status, stopped.status, resumed.status, resumed.step) == ("done", "stopped", "done", full.step)
     assert loads == [word_teacher]  # both later starts read the first one's values
     assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
+
+
+def test_auto_puts_the_teacher_on_the_device_unless_only_the_cache_fits(word_student, word_teacher, lm_csv):
+    """distill_teacher=auto plans both: the device when it fits on the same rung, the cache when the teacher beside
+    the student would need a later rung (or no rung fits it); the plan says which, and applying it sets it."""
+    from finetune.plan.plan import GIB, render
+    from finetune.plan.search import make_plan
+
+    values = {"task": "distill", "model": word_student, "teacher_model": word_teacher, "dataset": lm_csv,
+              "precision": "fp32", "effective_batch_size": 8, "max_length": 128}
+    lengths = [40] * 20
+
+    def plan(**more):
+        return make_plan(from_dict({**values, **more}), lengths, 0, device=("cpu", 64 * GIB))
+
+    device, cache, free = plan(distill_teacher="device"), plan(distill_teacher="cache"), plan()
+    assert device.reference["strategy"] == "teacher" and cache.reference["strategy"] == "cache"
+    assert cache.predicted_peak_bytes < device.predicted_peak_bytes
+    assert cache.reference["cache_bytes"] == 800 * cache.reference["bytes_per_token"] == 800 * 24 * 8
+    assert free.options == {"distill_teacher": "device"} and free.predicted_peak_bytes == device.predicted_peak_bytes
+    assert free.notes[0].startswith("Chose distill_teacher=device")
+    between = (device.predicted_peak_bytes + cache.predicted_peak_bytes) / 2 / 0.95 / GIB
+    smaller = plan(memory_budget_gb=between)  # a smaller micro-batch (exact, by accumulation) holds the teacher
+    assert smaller.options == {"distill_teacher": "device"} and smaller.batch.micro_batch_size < 8
+    tight = plan(memory_budget_gb=between, micro_batch_size=8, gradient_checkpointing="false", lora="false")
+    assert tight.options == {"distill_teacher": "cache"} and "does not fit" in tight.notes[0]
+    assert tight.apply(from_dict(values)).distill_teacher == "cache"
+    assert configured(tight.apply(from_dict(values))).precomputes == ("teacher_topk_logps", "teacher_topk_ids")
+    assert "cached: top 24 per token in the data cache (150 KiB)" in render(tight), render(tight)
+    escalating = plan(memory_budget_gb=between, micro_batch_size=8)  # the device's fits only on a later rung
+    assert escalating.options == {"distill_teacher": "cache"} and "later rung" in escalating.notes[0]
+    assert not escalating.gradient_checkpointing and not escalating.lora
+    with pytest.raises(ConfigError, match="distill_teacher=cache needs the training rows"):
+        configured(from_dict({**values, "distill_teacher": "cache", "streaming": True, "max_steps": 4,
+                              "eval_fraction": 0}))
+
+
+def test_the_plan_of_a_cached_teacher_predicts_the_measured_peak(word_student, word_teacher):
+    """Cached, no teacher beside the student: the window's peak (the top-k inputs, the sparse divergence) within the
+    planner's usual error of the CPU heap measured."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.plan.estimate import estimate, kind_terms
+    from finetune.plan.memory import measure_window
+    from finetune.plan.skeleton import model_skeleton
+
+    for top_k in (8, 0):
+        c = from_dict({"model": word_student, "task": "distill", "dataset": "x.csv", "teacher_model": word_teacher,
+                       "distill_teacher": "cache", "distill_top_k": top_k})
+        k = configured(c)
+        skeleton = model_skeleton(c, 0, checkpointing=False, lora=False)
+        terms = estimate(skeleton, c, kind=k, micro=4, tokens=96, accum=1, precision="fp32", optimizer="adamw",
+                         device="cpu")
+        assert kind_terms(k, skeleton, cuda=False, micro=4, tokens=96, precision="fp32", window=4) == {}
+        measured = measure_window(AutoModelForCausalLM.from_pretrained(word_student), c, micro=4, tokens=96,
+                                  accum=1, precision="fp32")
+        predicted = sum(terms.values())
+        assert -0.05 <= (predicted - measured) / measured <= 0.10, (top_k, predicted, measured, terms)

@@ -297,7 +297,7 @@ class Distill(CausalLM):
             peak = weights + params * size + 2 * working + 2 * 2 * micro * tokens * vocab * 4
             record = {"strategy": "cache", "teacher_model": self.teacher, "top_k": k, "bytes_per_token": per_token,
                       "cache_bytes": per_token * data_tokens, "precompute_peak_bytes": peak}
-            size_words = f"{per_token * data_tokens / 2**20:.0f} MiB for the training data's {data_tokens} tokens" \
+            size_words = f"{per_token * data_tokens / 2**20:.1f} MiB for the training data's {data_tokens} tokens" \
                 if data_tokens else f"{per_token} bytes per token"
             return {}, record, (f"Teacher: {self.teacher}'s top {k} log-probabilities per token computed once "
                                 f"before training into the data cache ({size_words}, on disk and in RAM while "
