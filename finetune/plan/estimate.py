@@ -139,7 +139,7 @@ def reused_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bo
     key = None if model_config is None else (
         hashlib.sha256(model_config).hexdigest(), c.model, c.task, num_labels, checkpointing, lora, precision,
         offload, tiled, c.tiled_mlp_tile, c.segment_recurrence, c.lora_r,
-        c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules))
+        c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules), c.train_vision_tower)
     if key in _reused:
         _reused.move_to_end(key)
         return _reused[key]
