@@ -132,7 +132,8 @@ def test_the_model_card_names_the_teacher(word_student, word_teacher):
 def test_the_form_shows_the_teacher_and_the_divergence_for_distill_alone():
     from app.mapping import shown_fields
 
-    own = ("teacher_model", "distill_loss", "distill_beta", "distill_temperature", "distill_alpha")
+    own = ("teacher_model", "distill_loss", "distill_beta", "distill_temperature", "distill_alpha", "distill_teacher",
+           "distill_top_k")
     assert all(shown_fields("distill")[name] for name in own)
     assert not any(shown_fields(task)[name] for task in ("causal_lm", "preference") for name in own)
     assert shown_fields("distill")["tools_column"] and not shown_fields("distill")["packing"]
@@ -343,3 +344,31 @@ def test_the_plan_of_a_cached_teacher_predicts_the_measured_peak(word_student, w
                                   accum=1, precision="fp32")
         predicted = sum(terms.values())
         assert -0.05 <= (predicted - measured) / measured <= 0.10, (top_k, predicted, measured, terms)
+
+
+def test_a_half_precision_teacher_stores_float16_values(monkeypatch, word_student, word_teacher, pairs):
+    """As on a GPU, where the teacher computes in bf16: the cache holds float16 values (two bytes each; exact for a
+    bf16 logit's log-probabilities down to 6e-8) and int32 ids, collated as float16, and the loss is the float32
+    cache's to bf16 rounding."""
+    import pyarrow as pa
+    from transformers import AutoModelForCausalLM
+
+    from finetune.kinds import distill
+
+    def bf16(name, device):
+        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16).eval()
+
+    bf16.__wrapped__ = bf16
+    exact = _cached(word_student, word_teacher, pairs, distill_top_k=5)
+    monkeypatch.setattr(distill, "frozen_model", bf16)
+    k, data, how, student = _cached(word_student, word_teacher, pairs, distill_top_k=5, precision="bf16")
+    assert how == {"train": "computed"}
+    assert data.table.column("teacher_topk_logps").type.value_type == pa.float16()
+    assert data.table.column("teacher_topk_ids").type.value_type == pa.int32()
+    batch = k.collate_rows(data.table.take(list(range(len(data)))), 0)
+    assert batch["teacher_topk_logps"].dtype == torch.float16
+    labels = batch.pop("labels")
+    reference = exact[0].collate_rows(exact[1].table.take(list(range(len(data)))), 0)
+    reference.pop("labels")
+    half = k.loss_sum(student, batch, labels)[0].item()
+    assert half == pytest.approx(exact[0].loss_sum(student, reference, labels)[0].item(), rel=2e-2) and half > 0
