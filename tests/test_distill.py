@@ -261,7 +261,7 @@ def test_slow_resume_reads_the_cached_teacher_and_trains_as_uninterrupted(tmp_pa
     from conftest import assert_same_weights, load_weights
 
     from finetune.kinds import distill
-    from finetune.run.events import Step
+    from finetune.run.events import Step, read_events
     from finetune.train.loop import StopFlag, train
 
     loads = []
@@ -279,12 +279,15 @@ def test_slow_resume_reads_the_cached_teacher_and_trains_as_uninterrupted(tmp_pa
               "learning_rate": 1e-3, "logging_every": 1}
     full = train(from_dict({**values, "output_dir": str(tmp_path / "full")}))
     assert loads == [word_teacher]
+    assert read_events(tmp_path / "full" / "events.jsonl")[0]["precomputed"] == {"train": "computed"}
     stop = StopFlag()
     stopped = train(from_dict({**values, "output_dir": str(tmp_path / "cut")}), stop=stop,
                     callbacks=[lambda e: stop.request() if isinstance(e, Step) and e.step == 2 else None])
     resumed = train(from_dict({**values, "output_dir": str(tmp_path / "cut"), "resume": True}))
     assert (full.status, stopped.status, resumed.status, resumed.step) == ("done", "stopped", "done", full.step)
     assert loads == [word_teacher]  # both later starts read the first one's values
+    assert [e["precomputed"] for e in read_events(tmp_path / "cut" / "events.jsonl") if e["event"] == "start"] == \
+        [{"train": "cached"}, {"train": "cached"}]
     assert_same_weights(load_weights(tmp_path / "cut"), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
 
 
