@@ -110,10 +110,12 @@ GRPO_OPTIONS = (
 
 
 # Distillation's options: the teacher and the divergence (TRL's DistillationTrainer's `beta` and `temperature`).
-DISTILL_SETTINGS = ("distill_loss", "distill_beta", "distill_temperature", "distill_alpha")
+DISTILL_SETTINGS = ("distill_loss", "distill_beta", "distill_temperature", "distill_alpha", "distill_teacher",
+                    "distill_top_k")
 DISTILL_OPTIONS = (
     Option("teacher_model", str, None, "Distill: Hub id or local folder of the teacher, a causal LM whose tokenizer "
-           "is the student's; frozen, beside the student on its device.", group="main", source="model"),
+           "is the student's; frozen, beside the student on its device or its top-k log-probabilities cached "
+           "(`distill_teacher`).", group="main", source="model"),
     Option("distill_loss", str, "forward_kl", "Distill: the divergence per token between the teacher's and the "
            "student's next-token distributions: forward_kl (KL(teacher‖student), mass-covering), reverse_kl "
            "(KL(student‖teacher), mode-seeking) or jsd (the generalized Jensen–Shannon divergence weighted by "
@@ -126,6 +128,15 @@ DISTILL_OPTIONS = (
     Option("distill_alpha", float, 0.0, "Distill: the weight of the plain next-token loss on the data's own "
            "tokens; the divergence gets 1 − alpha (0: the teacher's distribution alone, as TRL's).", min=0.0,
            max=1.0, group="advanced"),
+    Option("distill_teacher", str, "auto", "Distill: where the teacher's distributions come from: device (the "
+           "teacher frozen beside the student, a forward per micro-batch, the whole vocabulary), cache (its top "
+           "`distill_top_k` log-probabilities per token computed once before training into the data cache, no "
+           "teacher in memory while training) or auto (device when the teacher fits beside the student without a "
+           "costlier plan, else cache; the plan says which).", choices=("auto", "device", "cache"),
+           group="advanced"),
+    Option("distill_top_k", int, 64, "Distill, cached teacher: the teacher's most likely tokens kept per position "
+           "(values and ids); the rest of its mass is one tail bucket (TRL's `loss_add_tail`). 0: the whole "
+           "vocabulary.", min=0, max=1_000_000, group="advanced"),
 )
 
 

@@ -13,9 +13,10 @@ naming the Arrow files, their row counts, the class names and the counts above; 
 safe, and an entry whose files are gone is ignored.
 
 Columns a task kind computes once from a model before training (a preference run's precomputed reference
-log-probabilities) are stored beside the entry, one Arrow file per part (`<key>-train.arrow`, `<key>-eval.arrow`),
-under a key of their own (`columns_key`): the data's key and what the model's values depend on (its identity, the
-precision, how it is stored), so that a changed reference computes them again and the encoding is reused.
+log-probabilities, distillation's top-k teacher log-probabilities per token) are stored beside the entry, one Arrow
+file per part (`<key>-train.arrow`, `<key>-eval.arrow`), under a key of their own (`columns_key`): the data's key and
+what the model's values depend on (its identity, the precision, how it is stored, the kind's own settings), so that a
+changed reference or teacher computes them again and the encoding is reused.
 """
 
 from __future__ import annotations
@@ -169,10 +170,12 @@ def load_columns(key: str | None, part: str, rows: int) -> dict[str, np.ndarray]
         return None
     if table.num_rows != rows:
         return None
-    return {name: table.column(name).to_numpy() for name in table.column_names}
+    # A list per sample (values per token) stays Arrow, memory-mapped; one value per sample is a numpy array.
+    return {name: table.column(name).combine_chunks() if pa.types.is_large_list(table.column(name).type)
+            else table.column(name).to_numpy() for name in table.column_names}
 
 
-def save_columns(key: str | None, part: str, columns: dict[str, np.ndarray]) -> None:
+def save_columns(key: str | None, part: str, columns: dict[str, np.ndarray | pa.Array]) -> None:
     """Store computed columns under `key` (written under a temporary name and renamed, as entries are)."""
     if key is None:
         return

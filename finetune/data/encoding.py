@@ -85,9 +85,9 @@ class Encoded:
     def __len__(self) -> int:
         return self.table.num_rows
 
-    def add_columns(self, columns: dict[str, np.ndarray]) -> None:
-        """Join columns computed after encoding (one value per sample, in order), replacing any of the same name:
-        `columns` and `collate` then read them like the encoded ones."""
+    def add_columns(self, columns: dict[str, np.ndarray | pa.Array]) -> None:
+        """Join columns computed after encoding (one value, or one list, per sample, in order), replacing any of the
+        same name: `columns` and `collate` then read them like the encoded ones."""
         for name, values in columns.items():
             if name in self.table.column_names:
                 self.table = self.table.drop_columns([name])

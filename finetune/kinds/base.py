@@ -249,8 +249,13 @@ class Precomputed(Protocol):
         raise _needs("precompute_model", "`precomputes`")
 
     def precompute_batch(self, reference: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The precomputed columns of one collated micro-batch."""
+        """The precomputed columns of one collated micro-batch: a value per sample (B,), or per token (B, T, width)."""
         raise _needs("precompute_batch", "`precomputes`")
+
+    def precompute_settings(self) -> dict[str, Any]:
+        """What the values depend on besides the model, the data and the precision (part of their key: distillation's
+        temperature and top-k); default: nothing."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -287,11 +292,17 @@ class PlanTerms(Protocol):
         return {}
 
     def plan_reference(self, *, weights: int, cuda: bool, micro: int, tokens: int, vocab: int,
-                       model_config: Any = None, layers: int = 0, precision: str = "fp32"
+                       model_config: Any = None, layers: int = 0, precision: str = "fp32", data_tokens: int = 0
                        ) -> tuple[dict[str, int], dict[str, Any], str | None] | None:
-        """What a reference model costs the plan (its peak terms, the record plan.json keeps, the plan's note); None
-        (default): no reference."""
+        """What a reference model costs the plan (its peak terms, the record plan.json keeps, the plan's note;
+        `data_tokens`: the training data's tokens when the plan knows them, else 0); None (default): no reference."""
         return None
+
+    def plan_choices(self, c: Config) -> tuple[Config, ...]:
+        """The configs the planner may plan this run as, preferred first (distillation's `distill_teacher=auto`: the
+        teacher on the device, or cached); it keeps the first whose plan needs no later rung than another's and
+        records the options it chose (`Plan.options`). Default: the run's own config."""
+        return (c,)
 
     def plan_inputs(self, model_config: Any, micro: int, tokens: int, precision: str) -> dict[str, int]:
         """Terms of a micro-batch's inputs that the dry run's random tokens leave out (a vision tower's activations on

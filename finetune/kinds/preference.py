@@ -329,7 +329,7 @@ class Preference(PairCodec, TaskKind):
         return (3 if live else 2) * 2 * micro * tokens * vocab * 4
 
     def plan_reference(self, *, weights: int, cuda: bool, micro: int, tokens: int, vocab: int,
-                       model_config: Any = None, layers: int = 0, precision: str = "fp32"
+                       model_config: Any = None, layers: int = 0, precision: str = "fp32", data_tokens: int = 0
                        ) -> tuple[dict[str, int], dict[str, Any], str | None]:
         """What the reference costs the plan: its peak terms while training, the record plan.json keeps, and the
         plan's note. `weights`: the model's parameter bytes as trained (a frozen copy of the same size is assumed

@@ -139,7 +139,7 @@ def reused_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bo
     key = None if model_config is None else (
         hashlib.sha256(model_config).hexdigest(), c.model, c.task, num_labels, checkpointing, lora, precision,
         offload, tiled, c.tiled_mlp_tile, c.segment_recurrence, c.lora_r,
-        c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules))
+        c.lora_alpha, c.lora_dropout, repr(c.lora_target_modules), c.train_vision_tower)
     if key in _reused:
         _reused.move_to_end(key)
         return _reused[key]
@@ -152,16 +152,18 @@ def reused_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: bo
     return built
 
 
-def reference_inputs(skeleton: Skeleton, cuda: bool, micro: int, tokens: int, precision: str) -> dict[str, Any]:
+def reference_inputs(skeleton: Skeleton, cuda: bool, micro: int, tokens: int, precision: str,
+                     data_tokens: int = 0) -> dict[str, Any]:
     """What a kind's `plan_reference` reads: the model's parameter bytes (fp32: the reference is a whole model,
     whatever rung stores the trained one), the device, the worst-case micro-batch, and the model's config with its
-    real number of layers (`layers`; 0 when the skeleton was built whole), and the plan's resolved precision."""
+    real number of layers (`layers`; 0 when the skeleton was built whole), the plan's resolved precision, and the
+    training data's tokens (`data_tokens`; 0 where not known)."""
     model = skeleton.model
     weights = skeleton.count(lambda m: sum(p.numel() for p in m.parameters()) * 4)
     config = getattr(model, "config", None)
     return {"weights": weights, "cuda": cuda, "micro": micro, "tokens": tokens,
             "vocab": getattr(config, "vocab_size", 0) or 0, "model_config": config, "layers": skeleton.layers,
-            "precision": precision}
+            "precision": precision, "data_tokens": data_tokens}
 
 
 def kind_for(c: Config, lora: bool) -> TaskKind:

@@ -229,10 +229,12 @@ def _cache_tensors(cache: Any) -> list[torch.Tensor]:
 
 
 def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int, precision: str,
-                   memory: int | None = None, padded: bool = False) -> int:
+                   memory: int | None = None, padded: bool = False,
+                   batch: dict[str, torch.Tensor] | None = None) -> int:
     """Measured peak bytes of one real window (forward, backward, optimizer step) at the worst-case length
     (`padded`: see `synthetic_batch`); with `memory`, of segment recurrence's segments of `tokens` carrying
-    `memory` tokens (`accum` micro steps).
+    `memory` tokens (`accum` micro steps); with `batch`, of that collated micro-batch in every micro step instead
+    of the synthetic one (inputs random tokens leave out: a vision-language model's images).
 
     The weights do not change (the probe's own optimizer runs at learning rate 0 and is thrown away) and the
     random state is restored, so training afterwards is exactly what it would have been."""
@@ -248,10 +250,12 @@ def measure_window(model: Any, c: Config, *, micro: int, tokens: int, accum: int
             segment_steps(model, lambda n: torch.randint(3, vocab, (micro, n), device=device), tokens, memory,
                            accum, precision, device.type)
         else:
-            def batch() -> dict[str, Any]:
+            def next_batch() -> dict[str, Any]:
+                if batch is not None:
+                    return {k: v.to(device) for k, v in batch.items()}
                 return synthetic_batch(model, micro, tokens, kind, device, packed=c.packing, padded=padded)
 
-            micro_steps(model, batch, kind, accum, precision, device.type)
+            micro_steps(model, next_batch, kind, accum, precision, device.type)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -65,6 +65,8 @@ class Plan:
     tiled_mlp: bool = False  # the MLPs a tile of positions at a time (finetune.models.tiled_mlp)
     tiled_mlp_tile: int | None = None  # its positions per tile
     time: dict[str, Any] = field(default_factory=dict)  # the predicted step and wall time (finetune.plan.timing)
+    # Options the planner chose among a kind's choices (`plan_choices`: distillation's `distill_teacher`).
+    options: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plan.json holds it: the batch split's numbers flat beside the rest."""
@@ -86,7 +88,8 @@ class Plan:
                          lora=str(self.lora).lower(), optimizer=self.optimizer, quantization=self.quantization,
                          chunked_loss=str(self.chunked_loss).lower(),
                          activation_offload=str(self.activation_offload).lower(),
-                         tiled_mlp=str(self.tiled_mlp).lower(), tiled_mlp_tile=self.tiled_mlp_tile or c.tiled_mlp_tile)
+                         tiled_mlp=str(self.tiled_mlp).lower(), tiled_mlp_tile=self.tiled_mlp_tile or c.tiled_mlp_tile,
+                         **self.options)
 
 
 def _base_words(plan: Plan) -> str:
@@ -98,6 +101,22 @@ def _base_words(plan: Plan) -> str:
     if plan.quantization == "8bit":
         return "8-bit LLM.int8"
     return plan.base_dtype
+
+
+def _reference_row(record: dict[str, Any]) -> tuple[str, str]:
+    """The plan table's row of a reference model (preference) or a teacher (distillation): where it is, its size."""
+    if "teacher_model" in record:
+        if record["strategy"] == "cache":
+            return "teacher", (f"cached: top {record['top_k']} per token in the data cache "
+                               f"({_size(record['cache_bytes']) if record['cache_bytes'] else 'size unknown'})")
+        return "teacher", f"on the device ({gib(record['teacher_weights_bytes'])})"
+    return "reference", record["strategy"].replace("_", " ") + (
+        f" ({gib(record['reference_weights_bytes'])})" if record.get("reference_weights_bytes") else "")
+
+
+def _size(n: float) -> str:
+    """`human_size`, and KiB below a MiB (a tiny model's cache)."""
+    return human_size(n) if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
 def gib(n: float) -> str:
@@ -125,9 +144,7 @@ def render(plan: Plan) -> str:
         ("gradient checkpointing", "on" if plan.gradient_checkpointing else "off"),
         ("LoRA", "on" if plan.lora else "off"),
         ("frozen base", _base_words(plan)),
-        *([("reference", plan.reference["strategy"].replace("_", " ") + (
-            f" ({gib(plan.reference['reference_weights_bytes'])})"
-            if plan.reference.get("reference_weights_bytes") else ""))] if plan.reference else []),
+        *([_reference_row(plan.reference)] if plan.reference else []),
         ("optimizer", plan.optimizer),
         *([("loss", "chunked (chunked_loss): a chunk of positions' logits at a time")] if plan.chunked_loss else []),
         *([("activation offload", f"on: checkpointed inputs in CPU memory ({human_size(plan.host_bytes)})")]

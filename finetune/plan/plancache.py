@@ -29,13 +29,15 @@ PLAN_OPTIONS = ("task", "max_length", "effective_batch_size", "micro_batch_size"
                 "lora_target_modules", "optimizer", "precision", "packing", "segment_recurrence", "memory_length",
                 "quantization", "preference_loss", "reference_model", "precompute_reference", "streaming",
                 "chunked_loss", "num_generations", "max_completion_length", "beta", "activation_offload",
-                "tiled_mlp", "tiled_mlp_tile",
+                "tiled_mlp", "tiled_mlp_tile", "train_vision_tower",
+                # Distillation: the teacher's size and where it runs, the divergence's (logits_bytes) form.
+                "teacher_model", "distill_teacher", "distill_top_k", "distill_loss", "distill_beta",
                 "num_iterations")  # num_iterations: the GRPO note says how often a window generates
 # Paths under finetune/: every module of the planner, and those it dry-runs.
 PLANNING_CODE = (*sorted(f"plan/{p.name}" for p in Path(__file__).parent.glob("*.py")), "models/pretrained.py",
                  "engine/losses.py", "config/batch.py", "engine/recurrence.py", "data/packing.py",
                  "models/quantize.py", "kinds/chunked.py", "kinds/causal_lm.py", "kinds/grpo/plan.py",
-                 "kinds/grpo/loss.py", "engine/offload.py", "models/tiled_mlp.py")
+                 "kinds/grpo/loss.py", "kinds/distill.py", "kinds/vlm.py", "engine/offload.py", "models/tiled_mlp.py")
 LIBRARIES = ("torch", "transformers", "peft")
 
 

@@ -3,6 +3,7 @@ on each, and the plan of the first rung where one does (or the refusal that name
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -61,12 +62,43 @@ def make_plan(c: Config, lengths: list[int], num_labels: int, *, num_processes: 
     `distributed` is how the run will distribute (fsdp shards weights, gradients and optimizer state). A `device`
     named cuda… is planned for as a CUDA GPU (its precision and overhead) whether or not this machine has one;
     `host` is the RAM activation offload may use there (default: this machine's)."""
+    choices = configured(c).plan_choices(c)
+    if len(choices) == 1:
+        return _climb(c, lengths, num_labels, num_processes=num_processes, device=device, distributed=distributed,
+                      host=host)[1]
+    # The kind's choices (distillation's teacher on the device or cached), each planned: the first whose plan is on
+    # the lowest rung, so that a choice which only fits by escalating (checkpointing, LoRA) gives way to one that
+    # does not; the refusal of the last when none fits.
+    found, refusal = [], None
+    for choice in choices:
+        try:
+            found.append((*_climb(choice, lengths, num_labels, num_processes=num_processes, device=device,
+                                  distributed=distributed, host=host), choice))
+        except PlanError as e:
+            refusal = e
+    if not found:
+        raise refusal
+    rung, plan, choice = min(found, key=lambda f: f[0])
+    asked = c.to_dict()
+    chosen = {name: value for name, value in choice.to_dict().items() if asked[name] != value}
+    words = ", ".join(f"{name}={value}" for name, value in chosen.items())
+    why = "the preferred choice, on the lowest rung" if choice is choices[0] else (
+        "the preferred choice does not fit the budget" if len(found) == 1 else
+        "the preferred choice fits only on a later rung")
+    return dataclasses.replace(plan, options={**plan.options, **chosen},
+                               notes=(f"Chose {words} ({why}).", *plan.notes))
+
+
+def _climb(c: Config, lengths: list[int], num_labels: int, *, num_processes: int,
+           device: tuple[str, int] | None, distributed: str, host: HostMemory | None) -> tuple[int, Plan]:
+    """The plan of the first rung where a micro-batch fits, and that rung's place on the ladder."""
     search = _Search.start(c, lengths, num_labels, num_processes=num_processes, device=device,
                            distributed=distributed, host=host)
-    for step in rungs(c, search.notes, cuda=search.cuda, precision=search.precision, shards=search.shards):
+    for place, step in enumerate(rungs(c, search.notes, cuda=search.cuda, precision=search.precision,
+                                       shards=search.shards)):
         plan = search.rung(step)
         if plan is not None:
-            return plan
+            return place, plan
     raise search.nothing_fits()
 
 
@@ -135,6 +167,7 @@ class _Search:
     memory: int | None = None  # segment recurrence: the carried cache's tokens
     segments: int = 1
     longest_prompt: int | None = None  # a generating kind (GRPO): its longest prompt, when the data is known
+    data_tokens: int = 0  # the training data's tokens, when known (a cached teacher's size)
     notes: list[str] = field(default_factory=list)
     tried: list[Attempt] = field(default_factory=list)
     exact: dict[tuple[str, int], Any] = field(default_factory=dict)  # a bounded attempt's dry run, when needed
@@ -160,6 +193,7 @@ class _Search:
                      candidates=micro_candidates(c, batch), distributed=distributed, shards=shards,
                      host=host or HostMemory.here())
         search.longest_prompt = int(np.max(lengths)) if len(lengths) else None
+        search.data_tokens = int(np.sum(lengths)) if len(lengths) else 0
         recurrence = Recurrence.of(c)
         if recurrence:  # activations are one segment's; the cache carries up to memory_length earlier tokens
             # A stream's documents are not known yet: plan for the full memory (or max_document_length's).
@@ -285,7 +319,8 @@ class _Search:
             notes.append(f"The frozen base is stored in {precision} (LoRA trains fp32 adapters on it).")
         reference: dict[str, Any] = {}
         if (found := self.kind_for(step.lora).plan_reference(
-                **reference_inputs(skeleton, self.cuda, chosen, self.tokens, self.precision))) is not None:
+                **reference_inputs(skeleton, self.cuda, chosen, self.tokens, self.precision,
+                                   self.data_tokens))) is not None:
             _, reference, note = found
             notes += [note] if note else []
         if step.chunked:

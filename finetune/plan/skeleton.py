@@ -89,6 +89,9 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
                                          dtype=quantize.base_dtype(precision, lora))
             except ValueError as e:  # no such head for this architecture (seq2seq on BERT): as loading it says
                 raise ModelError(load_failure(c.model, e, c.task)) from None
+            # As `load_model` freezes them (a vision tower, unless trained): no gradients, no optimizer state.
+            for name in kind.frozen_modules(model, c):
+                model.get_submodule(name).requires_grad_(False)
             return prepare_for_training(model, c, checkpointing=checkpointing, lora=lora, offload=offload,
                                         tiled=tiled)
 

@@ -54,6 +54,9 @@ class Start:
     segmentation: Segmentation | None = None
     eval_segmentation: Segmentation | None = None
     tasks: dict[str, float] | None = None  # multi-task runs: each task's expected share of a window
+    # Columns a kind computed from a model before training (a preference reference, a cached teacher), per part
+    # (train, eval): "computed" by this start, or "cached" (read back from the data cache); None if none.
+    precomputed: dict[str, str] | None = None
     # What the model's load did with Hugging Face Hub kernels (finetune.models.kernels.KernelUse.to_dict): the
     # option, whether they were asked for, the kernel repositories its layers run, why `auto` went without them.
     kernels: dict[str, Any] | None = None

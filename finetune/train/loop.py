@@ -139,6 +139,7 @@ class Setup:
     variant: Variant  # one task, segment recurrence or multi-task (finetune.train.variants)
     distributed: str = "single"  # how the run really distributes: single, ddp, fsdp or deepspeed
     note: str | None = None  # when that is not what the launcher asked for
+    precomputed: dict[str, str] | None = None  # how a kind's precomputed columns were obtained, per part
 
     @property
     def kind(self) -> TaskKind:
@@ -175,7 +176,7 @@ def train(config: Config, *, stop: StopFlag | None = None, callbacks: list[Calla
                      segmentation=getattr(s.train_data, "segmentation", None),
                      eval_segmentation=getattr(s.eval_data, "segmentation", None),
                      tasks=s.variant.shares(s), kernels=hub_kernels.record(accelerator.unwrap_model(model)),
-                     tiled_mlp=tiled_mlp.tile_of(accelerator.unwrap_model(model))))
+                     tiled_mlp=tiled_mlp.tile_of(accelerator.unwrap_model(model)), precomputed=s.precomputed))
     model.train()
     clock, clock_samples = time.perf_counter(), p.samples
     train_start = clock
@@ -306,8 +307,8 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     mode = distributed_mode(accelerator, model)  # what prepare() really did: fsdp only if parameters are sharded
     # Before a resumed run's checkpoint is loaded: a precomputed reference is the model as the run started (or
     # the values the first start stored in the data cache).
-    precompute(c, kind, model, tokenizer, accelerator, {"train": train_data, "eval": eval_data},
-               batch_size=EVAL_BATCHES * plan.batch.micro_batch_size)
+    precomputed = precompute(c, kind, model, tokenizer, accelerator, {"train": train_data, "eval": eval_data},
+                             batch_size=EVAL_BATCHES * plan.batch.micro_batch_size)
     progress = Progress()
     trackers = tracking.sinks(accelerator, c, run_dir)  # the trackers get the records events.jsonl gets
     log = EventLog(run_dir / "events.jsonl" if accelerator.is_main_process else None,
@@ -316,7 +317,8 @@ def setup(c: Config, callbacks: list[Callable[[Event], None]]) -> Setup:
     return Setup(config=c, accelerator=accelerator, batch=plan.batch, run_dir=run_dir, tokenizer=tokenizer,
                  train_data=train_data, eval_data=eval_data, label_names=label_names, model=model,
                  optimizer=optimizer, scheduler=scheduler, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                 progress=progress, log=log, variant=variant, distributed=mode, note=note)
+                 progress=progress, log=log, variant=variant, distributed=mode, note=note,
+                 precomputed=precomputed or None)
 
 
 def run_length(c: Config, batch: BatchSplit, rows: int) -> tuple[int, int]:

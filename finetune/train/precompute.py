@@ -5,7 +5,11 @@ micro-batch collates them.
 
 A kind opts in with `precomputes` (the column names; empty: nothing to compute), `precompute_source()` (the model
 the values come from, part of their key), `precompute_model(model)` (a context giving the model for the pass, and
-freeing it after) and `precompute_batch(model, batch)` (one collated micro-batch's columns).
+freeing it after) and `precompute_batch(model, batch)` (one collated micro-batch's columns). A column is one value
+per sample (a tensor of the micro-batch's size) or values per token (a tensor of (samples, tokens, width):
+distillation's top-k teacher log-probabilities), stored as a list per sample of its own tokens' values, flattened,
+in the tensor's dtype; `depends_on` adds what the kind says its values depend on besides the model
+(`precompute_settings`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 from huggingface_hub import try_to_load_from_cache
 
@@ -40,7 +45,7 @@ def depends_on(c: Config, kind: Any) -> dict[str, Any]:
     the model computes (precision; with LoRA, how its frozen base is stored)."""
     return {"source": model_identity(kind.precompute_source()), "columns": list(kind.precomputes),
             "precision": c.precision, "lora": c.lora, "quantization": c.quantization,
-            "trust_remote_code": c.trust_remote_code}
+            "trust_remote_code": c.trust_remote_code, **kind.precompute_settings()}
 
 
 def precompute(c: Config, kind: TaskKind, model: Any, tokenizer: Any, accelerator: Any,
@@ -77,14 +82,25 @@ def precompute(c: Config, kind: TaskKind, model: Any, tokenizer: Any, accelerato
 
 
 def _pass(kind: Any, reference: Any, data: Encoded, pad_id: int, device: Any, batch_size: int,
-          columns: tuple[str, ...]) -> dict[str, np.ndarray]:
+          columns: tuple[str, ...]) -> dict[str, np.ndarray | pa.Array]:
     """One inference pass over `data`, longest samples first (as evaluation reads them)."""
     order = np.argsort(-data.lengths, kind="stable")
-    out = {name: np.zeros(len(data), dtype=np.float32) for name in columns}
+    out: dict[str, Any] = {}
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             idx = order[start: start + batch_size].tolist()
             batch = {k: v.to(device) for k, v in collate(data, idx, pad_id, kind).items()}
             for name, values in kind.precompute_batch(reference, batch).items():
-                out[name][idx] = values.float().cpu().numpy()
-    return out
+                if values.dim() == 1:  # one value per sample
+                    out.setdefault(name, np.zeros(len(data), dtype=np.float32))[idx] = values.float().cpu().numpy()
+                    continue
+                rows = out.setdefault(name, [None] * len(data))  # per token: each sample's own tokens
+                for i, row in zip(idx, values.cpu().numpy(), strict=True):
+                    rows[i] = row[:data.lengths[i]].reshape(-1)
+    return {name: values if isinstance(values, np.ndarray) else _lists(values) for name, values in out.items()}
+
+
+def _lists(rows: list[np.ndarray]) -> pa.Array:
+    """Per-sample arrays as one Arrow list column (in their dtype: half precision stays two bytes a value)."""
+    offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(rows)))

@@ -43,7 +43,7 @@ class GroupPlan(GroupSettings):
         return 3 * micro * min(tokens, self.completion_length + 1) * vocab * 4
 
     def plan_reference(self, *, weights: int, cuda: bool, micro: int, tokens: int, vocab: int,
-                       model_config: Any = None, layers: int = 0, precision: str = "fp32"
+                       model_config: Any = None, layers: int = 0, precision: str = "fp32", data_tokens: int = 0
                        ) -> tuple[dict[str, int], dict[str, Any], str | None]:
         """What generation and the reference cost the plan beside one micro-batch's graph (which the dry run
         counts): the peak terms, the record plan.json keeps and the plan's note. `tokens` is the longest prompt and
