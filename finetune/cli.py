@@ -160,7 +160,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise ConfigError([f"{args.overrides[0]!r}: key=value options choose the data of the run's own metrics; "
                                "--benchmarks takes none."])
         record = run_benchmarks(args.target, args.benchmarks, base=args.base, limit=args.limit,
-                                batch_size=args.batch_size, progress=lambda s: print(s, file=sys.stderr, flush=True))
+                                batch_size=args.batch_size, memory_budget_gb=args.memory_budget_gb,
+                                progress=lambda s: print(s, file=sys.stderr, flush=True))
         print(table(record), file=sys.stderr)
         print(json.dumps(record, indent=2))
         return EXIT_OK
@@ -419,8 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "go to RUN/benchmarks.json (docs/evaluations.md).")
     p.add_argument("--base", action="store_true", help="Benchmarks: also score the model the run started from.")
     p.add_argument("--limit", type=int, metavar="N", help="Benchmarks: score only the first N examples of each task.")
-    p.add_argument("--batch-size", default="8", type=lambda v: v if v == "auto" else int(v), metavar="N|auto",
-                   help="Benchmarks: the harness's batch size, or auto (default: 8).")
+    p.add_argument("--batch-size", type=lambda v: v if v == "auto" else int(v), metavar="N|auto",
+                   help="Benchmarks: the harness's batch size, or auto for the harness's own search (default: the "
+                   "largest, up to 64, that the planner fits in the memory budget at the longest request).")
+    p.add_argument("--memory-budget-gb", type=float, metavar="GIB", help="Benchmarks: the device memory the "
+                   "evaluation's batch must fit (default: the run's memory_budget_gb, else the whole device).")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("predict", help="Run a trained model on texts.")
     p.add_argument("model", help="A run directory, one of its checkpoints (RUN/checkpoints/step-0000040) or a model "
