@@ -9,13 +9,14 @@ longest, so its first batch is the worst case: `batch_size` requests of the long
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.plan.estimate import SAFETY, estimate_forward
-from finetune.plan.plan import GIB, gib
+from finetune.plan.plan import GIB, human_size
 from finetune.plan.skeleton import model_skeleton
 
 MOST_REQUESTS = 64  # a larger batch gains little on a GPU that 64 requests already fill
@@ -59,14 +60,15 @@ def eval_batch_size(c: Config, *, tokens: int, budget: int, device: str, lora: b
     if given is not None:
         chosen = given
         if not fits(given):
-            notes = (f"--batch-size {given} is predicted to peak at {gib(sum(terms(given).values()))}, over "
-                     f"{SAFETY:.0%} of the budget ({gib(budget)}): a smaller one would fit.",)
+            notes = (f"--batch-size {given} is predicted to peak at {human_size(sum(terms(given).values()))}, over "
+                     f"{SAFETY:.0%} of the budget ({human_size(budget)}): a smaller one would fit.",)
     elif not fits(1):
-        peak = sum(terms(1).values())
-        raise PlanError([f"Evaluating {c.model!r} does not fit the memory budget of {gib(budget)}: one request of "
-                         f"{tokens} tokens is predicted to peak at {gib(peak)} (weights {gib(terms(1)['weights'])}); "
-                         f"give --memory-budget-gb of at least {peak / SAFETY / GIB:.2f}, or use a device with more "
-                         "memory."])
+        peak, weights = sum(terms(1).values()), terms(1)["weights"]
+        least = math.ceil(peak / SAFETY / GIB * 1000) / 1000
+        raise PlanError([f"Evaluating {c.model!r} does not fit the memory budget of {human_size(budget)}: one "
+                         f"request of {tokens} tokens is predicted to peak at {human_size(peak)} (weights "
+                         f"{human_size(weights)}); give --memory-budget-gb of at least {least:g}, or use a device "
+                         "with more memory."])
     else:  # the peak grows with the batch: the largest that fits, by bisection
         low, high = 1, MOST_REQUESTS
         while low < high:
@@ -81,6 +83,6 @@ def eval_batch_size(c: Config, *, tokens: int, budget: int, device: str, lora: b
 def render_eval(plan: EvalPlan) -> str:
     """The evaluation's plan in one line: the batch, the longest request and the predicted peak within the budget."""
     return (f"batch {plan.batch_size} × {plan.tokens} tokens (the longest request): predicted peak "
-            f"{gib(plan.predicted_peak_bytes)} of {gib(plan.budget_bytes)} on {plan.device} ("
-            + ", ".join(f"{term} {gib(value)}" for term, value in plan.breakdown.items()) + ")"
+            f"{human_size(plan.predicted_peak_bytes)} of {human_size(plan.budget_bytes)} on {plan.device} ("
+            + ", ".join(f"{term} {human_size(value)}" for term, value in plan.breakdown.items()) + ")"
             + "".join(f"; {note}" for note in plan.notes))

@@ -28,7 +28,7 @@ from finetune.errors import DataError, ModelError, PackageError
 from finetune.models.pretrained import is_adapter, load_failure, resolve_model_dir, resolve_model_path, task_of
 from finetune.plan.evaluation import EvalPlan, eval_batch_size, render_eval
 from finetune.plan.plan import GIB
-from finetune.registry import entry
+from finetune.registry import entry, kind_of_model_config
 from finetune.run.rundir import write_json
 
 RESULTS = "benchmarks.json"  # in the run directory, beside metrics.json
@@ -297,8 +297,7 @@ def planned_batch(model: Scored, tasks: list[Any], *, limit: int | None, budget:
                        "lora_target_modules": ",".join(sorted(targets)) if isinstance(targets, list) else
                        str(targets or "all-linear")})
         return eval_batch_size(c, tokens=tokens, budget=budget, device=device, lora=True, given=given)
-    c = from_dict({"model": args["pretrained"], "task": task_of(Path(args["pretrained"]))
-                   if Path(args["pretrained"]).is_dir() else "causal_lm"})
+    c = from_dict({"model": args["pretrained"], "task": kind_of_model_config(model_config.to_dict())})
     return eval_batch_size(c, tokens=tokens, budget=budget, device=device, given=given)
 
 
