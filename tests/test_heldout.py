@@ -92,6 +92,43 @@ def test_slow_a_classifier_beside_its_base_with_a_random_head(tmp_path, capsys):
                        f"{base['metrics']['accuracy']['value']:.4f}"]
 
 
+TAGS = ["O", "B-PER", "I-PER", "B-LOC"]
+TAGGED = [{"tokens": ["Clara", "lives", "in", "Berlin"], "ner_tags": ["B-PER", "O", "O", "B-LOC"]},
+          {"tokens": ["Anna", "Maria", "visited", "Paris"], "ner_tags": ["B-PER", "I-PER", "O", "B-LOC"]},
+          {"tokens": ["the", "film", "was", "long"], "ner_tags": ["O", "O", "O", "O"]},
+          {"tokens": ["Tom", "flew", "to", "Rome"], "ner_tags": ["B-PER", "O", "O", "B-LOC"]}]
+
+
+@pytest.mark.parametrize("task", ["regression", "token_classification"])
+def test_slow_a_regressor_and_a_tagger_have_a_random_head_from_the_runs_seed(tmp_path, capsys, task):
+    """A run whose model is its base with the head the run's seed draws scores exactly as its base does: the base's
+    new head is that one, and the kind's own metrics are computed on both sides."""
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    from finetune.registry import entry
+
+    torch.manual_seed(SEED)
+    base = resolve_model_path(BUNDLED)
+    if task == "regression":
+        model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, problem_type="regression")
+        extra = tmp_path / "scores.csv"
+        extra.write_text("sentence,label\na fine film,0.9\ndull and long,0.1\nquite good,0.7\nnot for me,0.3\n")
+    else:
+        model = AutoModelForTokenClassification.from_pretrained(
+            base, num_labels=len(TAGS), id2label=dict(enumerate(TAGS)), label2id={t: i for i, t in enumerate(TAGS)})
+        extra = tmp_path / "tags.jsonl"
+        extra.write_text("".join(json.dumps(row) + "\n" for row in TAGGED))
+    run = _run(tmp_path / "run", task, model)
+    assert main(["eval", str(run), "--data", str(extra), "--base"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["base"]["head"] == "random (untrained)"
+    ours, theirs = (record[side]["tasks"][extra.stem] for side in ("model", "base"))
+    assert ours["samples"] == theirs["samples"] == 4
+    assert set(entry(task).metrics) <= set(ours["metrics"])  # the kind's own metrics
+    assert {k: v["value"] for k, v in ours["metrics"].items()} == \
+        pytest.approx({k: v["value"] for k, v in theirs["metrics"].items()}, rel=1e-5, abs=1e-6)
+
+
 SCORED = [("A man is playing a guitar.", "A person plays an instrument.", 0.8),
           ("A man is playing a guitar.", "The stock market fell today.", 0.0),
           ("The cat sleeps on the sofa.", "A cat is napping on a couch.", 0.95),
