@@ -100,7 +100,7 @@ TAGGED = [{"tokens": ["Clara", "lives", "in", "Berlin"], "ner_tags": ["B-PER", "
 
 
 @pytest.mark.parametrize("task", ["regression", "token_classification"])
-def test_slow_a_regressor_and_a_tagger_have_a_random_head_from_the_runs_seed(tmp_path, capsys, task):
+def test_a_regressor_and_a_tagger_have_a_random_head_from_the_runs_seed(tmp_path, capsys, task):
     """A run whose model is its base with the head the run's seed draws scores exactly as its base does: the base's
     new head is that one, and the kind's own metrics are computed on both sides."""
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification

@@ -252,10 +252,12 @@ def run_benchmarks(target: str, benchmarks: str, *, base: bool = False, limit: i
     tasks = load_tasks(check_names(names, manager), manager)
     device_name, budget = _budget(memory_budget_gb, run_dir)
     device = "cuda" if device_name.startswith("cuda") else "cpu"
+    # Every model planned before the first is scored: a base that cannot fit is said before any work.
+    plans = {model.name: None if batch_size == "auto" else planned_batch(
+        model, tasks, limit=limit, budget=budget, device=device_name, given=batch_size) for model in models}
     scored = {}
     for model in models:
-        plan = None if batch_size == "auto" else planned_batch(model, tasks, limit=limit, budget=budget,
-                                                               device=device_name, given=batch_size)
+        plan = plans[model.name]
         if progress:
             progress(f"scoring the {'fine-tuned model' if model.name == 'model' else 'base model'} "
                      f"({model.model_args['pretrained']})" + (f": {render_eval(plan)}" if plan else ""))
