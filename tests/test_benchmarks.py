@@ -91,6 +91,8 @@ def test_slow_a_fine_tune_scores_better_than_its_base_with_the_harness_numbers(t
 
 
 def test_slow_a_lora_run_is_scored_on_its_base_without_merging(tmp_path, capsys, monkeypatch, tiny_causal):
+    from finetune.use.benchmarks import Scored, planned_batch
+
     run = fine_tune(tmp_path / "lora", tiny_causal, lora=True, lora_r=8, epochs=2)
     # loss.png comes from a process of its own that may finish later.
     files = {p.relative_to(run) for p in run.rglob("*")} - {Path("loss.png"), Path("loss.png.tmp")}
@@ -99,6 +101,10 @@ def test_slow_a_lora_run_is_scored_on_its_base_without_merging(tmp_path, capsys,
     record = json.loads(capsys.readouterr().out)
     scored = record["model"]
     assert scored["model_args"]["peft"] == str((run / "model").resolve()) and scored["limit"] == 10
+    # Planned as the base with the adapter: the adapter's weights beside the base's.
+    plain = planned_batch(Scored("model", {"pretrained": tiny_causal}), [], limit=None, budget=64 * GIB,
+                          device="cpu", given=scored["batch_size"])
+    assert scored["plan"]["breakdown"]["weights"] > plain.breakdown["weights"]
     assert scored["tasks"]["tiny_sentiment"]["samples"] == 10
     # Nothing merged or written beside the adapter: only the scores.
     after = {p.relative_to(run) for p in run.rglob("*")} - {Path("loss.png"), Path("loss.png.tmp")}
