@@ -152,20 +152,41 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Run `finetune eval RUN_OR_MODEL [key=value …]`, or `--benchmarks TASK[,TASK…]` through lm-evaluation-harness."""
+    """Run `finetune eval RUN_OR_MODEL [key=value …]`, `--benchmarks TASK[,TASK…]` through lm-evaluation-harness, or
+    `--data FILE`: an encoder's own metrics on an extra evaluation set."""
     if args.benchmarks is not None:
         from finetune.use.benchmarks import run_benchmarks, table
+
+        if args.data is not None:
+            raise ConfigError(["--benchmarks scores a language model with lm-evaluation-harness, --data an "
+                               "encoder's own metrics: give one of them."])
 
         if args.overrides:
             raise ConfigError([f"{args.overrides[0]!r}: key=value options choose the data of the run's own metrics; "
                                "--benchmarks takes none."])
         record = run_benchmarks(args.target, args.benchmarks, base=args.base, limit=args.limit,
-                                batch_size=args.batch_size, progress=lambda s: print(s, file=sys.stderr, flush=True))
+                                batch_size=args.batch_size, memory_budget_gb=args.memory_budget_gb,
+                                progress=lambda s: print(s, file=sys.stderr, flush=True))
+        print(table(record), file=sys.stderr)
+        print(json.dumps(record, indent=2))
+        return EXIT_OK
+    if args.data is not None:
+        from finetune.use.benchmarks import table
+        from finetune.use.heldout import run_heldout
+
+        if args.limit is not None or args.batch_size is not None or args.memory_budget_gb is not None:
+            raise ConfigError(["--limit, --batch-size and --memory-budget-gb go with --benchmarks; --data scores "
+                               "the whole evaluation set."])
+        if any(o.split("=", 1)[0] == "dataset" for o in args.overrides):
+            raise ConfigError(["--data names the evaluation set: give it once, without dataset=…."])
+        record = run_heldout(args.target, args.data, base=args.base, overrides=args.overrides,
+                             progress=lambda s: print(s, file=sys.stderr, flush=True))
         print(table(record), file=sys.stderr)
         print(json.dumps(record, indent=2))
         return EXIT_OK
     if args.base or args.limit is not None:
-        raise ConfigError([f"{'--base' if args.base else '--limit'} goes with --benchmarks TASK[,TASK…]."])
+        raise ConfigError([f"{'--base' if args.base else '--limit'} goes with --benchmarks TASK[,TASK…]"
+                           + (" or --data FILE." if args.base else ".")])
     from finetune.use.evaluate import evaluate_target
 
     print(json.dumps(evaluate_target(args.target, args.overrides), indent=2))
@@ -417,10 +438,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--benchmarks", metavar="TASK[,TASK…]", help="Score the model with EleutherAI's "
                    "lm-evaluation-harness instead: registry tasks (hellaswag, mmlu, …) or task YAML files; the scores "
                    "go to RUN/benchmarks.json (docs/evaluations.md).")
-    p.add_argument("--base", action="store_true", help="Benchmarks: also score the model the run started from.")
+    p.add_argument("--data", metavar="FILE", help="An encoder run (classification, regression, token "
+                   "classification, embedding): its own metrics on this extra evaluation set, read with the run's "
+                   "columns; the scores go to RUN/benchmarks.json (docs/evaluations.md).")
+    p.add_argument("--base", action="store_true", help="Benchmarks or --data: also score the model the run started "
+                   "from (a classifier's with a random, untrained head).")
     p.add_argument("--limit", type=int, metavar="N", help="Benchmarks: score only the first N examples of each task.")
-    p.add_argument("--batch-size", default="8", type=lambda v: v if v == "auto" else int(v), metavar="N|auto",
-                   help="Benchmarks: the harness's batch size, or auto (default: 8).")
+    p.add_argument("--batch-size", type=lambda v: v if v == "auto" else int(v), metavar="N|auto",
+                   help="Benchmarks: the harness's batch size, or auto for the harness's own search (default: the "
+                   "largest, up to 64, that the planner fits in the memory budget at the longest request).")
+    p.add_argument("--memory-budget-gb", type=float, metavar="GIB", help="Benchmarks: the device memory the "
+                   "evaluation's batch must fit (default: the run's memory_budget_gb, else the whole device).")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("predict", help="Run a trained model on texts.")
     p.add_argument("model", help="A run directory, one of its checkpoints (RUN/checkpoints/step-0000040) or a model "

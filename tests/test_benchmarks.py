@@ -91,6 +91,8 @@ def test_slow_a_fine_tune_scores_better_than_its_base_with_the_harness_numbers(t
 
 
 def test_slow_a_lora_run_is_scored_on_its_base_without_merging(tmp_path, capsys, monkeypatch, tiny_causal):
+    from finetune.use.benchmarks import Scored, planned_batch
+
     run = fine_tune(tmp_path / "lora", tiny_causal, lora=True, lora_r=8, epochs=2)
     # loss.png comes from a process of its own that may finish later.
     files = {p.relative_to(run) for p in run.rglob("*")} - {Path("loss.png"), Path("loss.png.tmp")}
@@ -99,6 +101,10 @@ def test_slow_a_lora_run_is_scored_on_its_base_without_merging(tmp_path, capsys,
     record = json.loads(capsys.readouterr().out)
     scored = record["model"]
     assert scored["model_args"]["peft"] == str((run / "model").resolve()) and scored["limit"] == 10
+    # Planned as the base with the adapter: the adapter's weights beside the base's.
+    plain = planned_batch(Scored("model", {"pretrained": tiny_causal}), [], limit=None, budget=64 * GIB,
+                          device="cpu", given=scored["batch_size"])
+    assert scored["plan"]["breakdown"]["weights"] > plain.breakdown["weights"]
     assert scored["tasks"]["tiny_sentiment"]["samples"] == 10
     # Nothing merged or written beside the adapter: only the scores.
     after = {p.relative_to(run) for p in run.rglob("*")} - {Path("loss.png"), Path("loss.png.tmp")}
@@ -174,3 +180,94 @@ def test_slow_an_unknown_task_and_a_hub_task_offline_are_one_sentence(tmp_path, 
     said = ("Benchmark 'hellaswag' needs the dataset 'Rowan/hellaswag' from the Hugging Face Hub, which could not be "
             "downloaded")
     assert said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def _a_run_of(model: str, folder: Path, **config) -> Path:
+    """A run directory holding `model` as its final model, untrained (what the evaluation's plan reads)."""
+    import shutil
+
+    shutil.copytree(model, folder / "model")
+    (folder / "config.yaml").write_text("".join(f"{k}: {v}\n" for k, v in
+                                                {"model": model, "task": "causal_lm", **config}.items()))
+    return folder
+
+
+def test_the_planned_forward_peak_is_the_harness_measured_peak(tiny_causal):
+    """The plan's forward at the longest request against what lm-eval's own `hf` model holds while it scores the
+    task's requests at that batch size (live tensors on this CPU, its weights added)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from finetune.plan.evaluation import eval_batch_size
+    from finetune.plan.memory import LiveTensorTracker, measure_forward, tensor_bytes
+    from finetune.use.benchmarks import Scored, load_tasks, longest_request, planned_batch, task_file_config
+
+    manager = TaskManager(include_defaults=False)
+    tasks = load_tasks([task_file_config(TASK)], manager)
+    lm = HFLM(pretrained=tiny_causal, batch_size=8, device="cpu")
+    tokens = longest_request(tasks, lm.tokenizer, lm.model.config, limit=None)
+    assert 10 < tokens < 40  # a review and its answer, in the bundled WordPiece tokens
+    plan = planned_batch(Scored("model", {"pretrained": tiny_causal}), tasks, limit=None, budget=64 * GIB,
+                         device="cpu", given=8)
+    assert plan.batch_size == 8 and plan.tokens == tokens and plan.notes == ()
+    requests = [instance for task in tasks for instance in task.instances]  # built by `longest_request`
+    weights = tensor_bytes(lm.model.parameters())
+    with LiveTensorTracker() as tracker:
+        lm.loglikelihood(requests)
+    measured = weights + tracker.peak
+    # The plan is the worst case: its two batches both of the longest requests, where the harness's second batch
+    # here is a token shorter than its first (measured: 5.7 % over).
+    assert 0 <= (plan.predicted_peak_bytes - measured) / measured <= 0.10, (plan.breakdown, measured)
+    assert plan.breakdown["weights"] == weights
+    # Two batches of the longest requests on the real model: the skeleton's prediction to a fraction of a per cent.
+    exact = measure_forward(lm.model, micro=8, tokens=tokens)
+    assert abs(plan.predicted_peak_bytes - exact) / exact <= 0.005, (plan.breakdown, exact)
+    unbounded = eval_batch_size(from_dict({"model": tiny_causal, "task": "causal_lm"}), tokens=tokens,
+                                budget=64 * GIB, device="cpu")
+    assert unbounded.batch_size == 64  # the most the planner gives
+
+
+GIB = 2**30
+
+
+def test_a_budget_forces_a_smaller_batch(tmp_path, capsys, tiny_causal):
+    from finetune.plan.evaluation import eval_batch_size
+
+    c = from_dict({"model": tiny_causal, "task": "causal_lm"})
+    assert eval_batch_size(c, tokens=30, budget=64 * GIB, device="cpu").batch_size == 64  # the most it gives
+    # A budget between the peaks of 5 and 6 requests: 5 fit (with the estimate's 5 % margin), 6 do not.
+    five, six = (eval_batch_size(c, tokens=30, budget=64 * GIB, device="cpu", given=b) for b in (5, 6))
+    budget = int((five.predicted_peak_bytes + six.predicted_peak_bytes) / 2 / 0.95)
+    plan = eval_batch_size(c, tokens=30, budget=budget, device="cpu")
+    assert (plan.batch_size, plan.tokens, plan.budget_bytes) == (5, 30, budget)
+    assert plan.breakdown == five.breakdown and plan.predicted_peak_bytes <= 0.95 * budget
+    # A batch size given that does not fit is planned as given, with a note.
+    given = eval_batch_size(c, tokens=30, budget=budget, device="cpu", given=6)
+    assert given.batch_size == 6 and "--batch-size 6 is predicted to peak" in given.notes[0]
+    # A budget that not one request fits: one sentence, before a model loads.
+    run = _a_run_of(tiny_causal, tmp_path / "run")
+    assert main(["eval", str(run), "--benchmarks", str(TASK), "--memory-budget-gb", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit the memory budget" in err and "--memory-budget-gb of at least" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (run / "benchmarks.json").exists()
+
+
+def test_slow_the_planned_batch_size_is_kept_and_shown(tmp_path, capsys, tiny_causal):
+    """`--memory-budget-gb` through the command: the chosen batch size and its plan in benchmarks.json and on
+    stderr as it scores."""
+    from finetune.plan.evaluation import eval_batch_size
+
+    run = _a_run_of(tiny_causal, tmp_path / "run", memory_budget_gb=0.04)
+    assert main(["eval", str(run), "--benchmarks", str(TASK), "--limit", "4"]) == 0  # the run's own budget
+    out = capsys.readouterr()
+    scored = json.loads(out.out)["model"]
+    kept = json.loads((run / "benchmarks.json").read_text())["model"]
+    assert kept["batch_size"] == scored["batch_size"] and kept["plan"] == scored["plan"]
+    plan, b = scored["plan"], scored["batch_size"]
+    assert plan["budget_bytes"] == int(0.04 * GIB) and plan["batch_size"] == b
+    c = from_dict({"model": tiny_causal, "task": "causal_lm"})
+    peak = {n: eval_batch_size(c, tokens=plan["tokens"], budget=GIB, device="cpu", given=n).predicted_peak_bytes
+            for n in (b, b + 1)}
+    assert 1 < b < 64 and peak[b] == plan["predicted_peak_bytes"] <= 0.95 * 0.04 * GIB < peak[b + 1]
+    assert f"batch {b} × {plan['tokens']} tokens (the longest request)" in out.err
+    assert scored["tasks"]["tiny_sentiment"]["samples"] == 4

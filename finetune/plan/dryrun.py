@@ -1,5 +1,6 @@
 """The *dry run*: one training window's forward and backward on a model skeleton of fake tensors under the
-live-tensor tracker (the planner's estimate of a window's peak, no weights read)."""
+live-tensor tracker (the planner's estimate of a window's peak, no weights read); and an evaluation's forward
+without gradients (`dry_run_forward`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from finetune.kinds.base import TaskKind
-from finetune.plan.memory import LayerPhases, LiveTensorTracker, micro_steps, segment_steps, synthetic_batch
+from finetune.plan.memory import (
+    LayerPhases,
+    LiveTensorTracker,
+    forward_only,
+    micro_steps,
+    segment_steps,
+    synthetic_batch,
+)
 from finetune.plan.skeleton import SCALED_FROM, Skeleton, repeated_layers, scaled
 
 
@@ -107,4 +115,34 @@ def _window(model: Any, fake_mode: FakeTensorMode, kind: TaskKind, micro: int, t
             phases.remove()
         for p in model.parameters():
             p.grad = None
+    return tracker.peak, tracker.by_phase
+
+
+def dry_run_forward(skeleton: Skeleton, micro: int, tokens: int) -> int:
+    """Peak bytes that one evaluation forward adds on top of the weights: lm-evaluation-harness's call of a batch
+    of `micro` requests of `tokens` tokens, without gradients (`forward_only`); for a deep model, scaled from its
+    parts with two and three layers, as `dry_run` is."""
+    if skeleton.wider is None:
+        return _forward(skeleton.model, skeleton.fake_mode, micro, tokens)[0]
+    small, wider = (_forward(m, skeleton.fake_mode, micro, tokens, True)[1] for m in skeleton.models)
+    parts = {label for label in small if label[2] != "middle"}
+    if parts != {label for label in wider if label[2] != "middle"}:
+        raise RuntimeError(f"the forward's parts differ between {SCALED_FROM} and {SCALED_FROM + 1} layers")
+    return max(scaled(small[label], wider[label], skeleton.layers) for label in parts)
+
+
+def _forward(model: Any, fake_mode: FakeTensorMode, micro: int, tokens: int, by_phase: bool = False
+             ) -> tuple[int, dict[tuple, int]]:
+    """One fake model's evaluation forward: its peak, and (`by_phase`) the peak of each of its parts."""
+    model.eval()
+    vocab = max(getattr(model.config, "vocab_size", 0) or 0, 4)
+    with fake_mode:
+        ids = torch.randint(3, vocab, (micro, tokens))
+    phases = LayerPhases(repeated_layers(model) or []) if by_phase else None
+    try:
+        with fake_mode, LiveTensorTracker(phases) as tracker, _one_sequence_per_row():
+            forward_only(model, ids)
+    finally:
+        if phases is not None:
+            phases.remove()
     return tracker.peak, tracker.by_phase

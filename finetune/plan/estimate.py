@@ -26,7 +26,7 @@ from finetune.kinds.base import TaskKind
 from finetune.models import quantize
 from finetune.models.pretrained import resolve_model_path
 from finetune.plan import plancache
-from finetune.plan.dryrun import dry_run, dry_run_segments
+from finetune.plan.dryrun import dry_run, dry_run_forward, dry_run_segments
 from finetune.plan.skeleton import Skeleton, model_skeleton
 from finetune.registry import configured
 from finetune.registry import kind as kind_named
@@ -96,6 +96,22 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
     for term in SHARDED_TERMS:
         if term in terms:
             terms[term] = math.ceil(terms[term] / shards)
+    terms["overhead"] = overhead(sum(terms.values()), device)
+    return terms
+
+
+def estimate_forward(skeleton: Skeleton, *, micro: int, tokens: int, device: str) -> dict[str, int]:
+    """Peak memory by term of an evaluation's forward without gradients (bytes): lm-evaluation-harness scoring a
+    batch of `micro` requests of `tokens` tokens (`forward_only`). No gradients and no optimizer state; the
+    activations are the few layers' transients alive at once (and a key/value cache where the model keeps one);
+    the logits, their log-softmax and the previous batch's log-softmax are alive at once at the end."""
+    terms = {"weights": skeleton.count(lambda m: _bytes(m.parameters()))}
+    window = dry_run_forward(skeleton, micro, tokens)
+    head = skeleton.model.get_output_embeddings()
+    vocab = getattr(skeleton.model.config, "vocab_size", 0) or 0
+    itemsize = head.weight.element_size() if head is not None else 4
+    terms["logits"] = min(3 * micro * tokens * vocab * itemsize, window)
+    terms["activations"] = window - terms["logits"]
     terms["overhead"] = overhead(sum(terms.values()), device)
     return terms
 

@@ -196,6 +196,43 @@ def micro_steps(model: Any, next_batch: Callable[[], dict[str, Any]], kind: Task
         del loss
 
 
+def forward_only(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """What lm-evaluation-harness does with its batches of requests (its `hf` model's `_model_call`, then the
+    log-probabilities it reads the answers from): forwards without gradients, each batch's logits beside their
+    log-softmax, while the previous batch's log-probabilities are still held (the harness's loop variable keeps
+    them until the next batch's are made). Two batches stand for any number. An encoder-decoder model is given as
+    many decoder tokens as encoder tokens (the harness gives it the continuations: this is their worst case)."""
+    extra = {"labels": ids} if getattr(model.config, "is_encoder_decoder", False) else {}
+    held = None
+    with torch.no_grad():
+        for _ in range(2):
+            held = torch.nn.functional.log_softmax(model(ids, **extra).logits, dim=-1)
+    return held
+
+
+def measure_forward(model: Any, *, micro: int, tokens: int) -> int:
+    """Measured peak bytes of one evaluation forward (`forward_only`) of `micro` random requests of `tokens`
+    tokens, the weights included: allocator peaks on CUDA, live tensors on a CPU."""
+    device = next(model.parameters()).device
+    vocab = max(getattr(model.config, "vocab_size", 0) or 0, 4)
+    ids = torch.randint(3, vocab, (micro, tokens), device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            forward_only(model, ids)
+            return int(torch.cuda.max_memory_allocated(device))
+        static = tensor_bytes([*model.parameters(), *model.buffers(), ids])
+        with LiveTensorTracker() as tracker:
+            forward_only(model, ids)
+        return static + tracker.peak
+    finally:
+        model.train(was_training)
+
+
 def segment_steps(model: Any, ids_of: Callable[[int], torch.Tensor], segment: int, memory: int, steps: int,
                    precision: str, device_type: str) -> int:
     """Segment recurrence's micro steps at their worst: the cache filled with `memory` tokens by earlier segments

@@ -9,11 +9,13 @@ device can keep different tensors (GPU attention kernels, allocator slack), whic
 
 The planner, by the question each part answers:
 - plan.py: the plan, how plan.json holds it, and its table (`Plan`, `render`);
-- estimate.py: the peak of one configuration, term by term (`estimate`), and the skeletons it is dry-run on;
+- estimate.py: the peak of one configuration, term by term (`estimate`; an evaluation's forward: `estimate_forward`),
+  and the skeletons it is dry-run on;
 - ladder.py: the rungs climbed when a plan does not fit, and the savings laid over them (`rungs`, `LAYERS`);
 - search.py: the plan of the first rung where a micro-batch fits (`make_plan`);
 - longest.py: the reverse questions, the longest context and the smallest budget;
 - probe.py: the plan corrected by measured windows (`refine_with_probe`);
+- evaluation.py: an evaluation's batch size, from a forward without gradients (`eval_batch_size`);
 - this module: the plan a run trains with (`plan_run`), read back from the plan cache when nothing changed;
 - skeleton.py, dryrun.py, memory.py: the fake model, its dry run, and the live-tensor measurements under both.
 """

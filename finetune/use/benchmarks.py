@@ -11,7 +11,9 @@ failure is one sentence (a hub task offline names the dataset it needs).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import io
 import json
 import logging
 import re
@@ -19,17 +21,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.config.schema import ConfigError, read_yaml
+from finetune.config.schema import ConfigError, from_dict, read_yaml
 from finetune.config.versions import require
+from finetune.engine.runtime import device_memory
 from finetune.errors import DataError, ModelError, PackageError
 from finetune.models.pretrained import is_adapter, load_failure, resolve_model_dir, resolve_model_path, task_of
-from finetune.registry import entry
+from finetune.plan.evaluation import EvalPlan, eval_batch_size, render_eval
+from finetune.plan.plan import GIB
+from finetune.registry import entry, kind_of_model_config
 from finetune.run.rundir import write_json
 
 RESULTS = "benchmarks.json"  # in the run directory, beside metrics.json
 # The harness's model classes: a kind whose model is neither is not a language model it can score.
 SCORED_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM")
 TASK_FILE_SUFFIXES = (".yaml", ".yml")
+GENERATED_TOKENS = 256  # the harness's `max_gen_toks` when a task sets none
 
 
 @dataclass(frozen=True)
@@ -228,32 +234,98 @@ def scores(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def run_benchmarks(target: str, benchmarks: str, *, base: bool = False, limit: int | None = None,
-                   batch_size: int | str = 8, progress: Any = None) -> dict[str, Any]:
-    """Score a run's model (and with `base` its base model) on the benchmarks; kept in RUN/benchmarks.json (merged
-    with the tasks scored before) and returned."""
+                   batch_size: int | str | None = None, memory_budget_gb: float | None = None,
+                   progress: Any = None) -> dict[str, Any]:
+    """Score a run's model (and with `base` its base model) on the benchmarks, each model at the batch size the
+    planner chooses within the budget (`planned_batch`) unless `batch_size` is given; kept in RUN/benchmarks.json
+    (merged with the tasks scored before) and returned."""
     lm_eval = harness()
     if limit is not None and limit < 1:
         raise ConfigError([f"--limit {limit}: give a number of examples per task of at least 1."])
+    if memory_budget_gb is not None and memory_budget_gb <= 0:
+        raise ConfigError([f"--memory-budget-gb {memory_budget_gb:g}: give a positive number of GiB."])
     names = parse_names(benchmarks)
     model_dir, run_dir = resolve_model_dir(target)
     models = scored_models(target, model_dir, run_dir, base=base)  # before the registry is indexed (seconds)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its INFO lines would bury the result
     manager = task_manager(names)
     tasks = load_tasks(check_names(names, manager), manager)
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device_name, budget = _budget(memory_budget_gb, run_dir)
+    device = "cuda" if device_name.startswith("cuda") else "cpu"
+    # Every model planned before the first is scored: a base that cannot fit is said before any work.
+    plans = {model.name: None if batch_size == "auto" else planned_batch(
+        model, tasks, limit=limit, budget=budget, device=device_name, given=batch_size) for model in models}
     scored = {}
     for model in models:
+        plan = plans[model.name]
         if progress:
             progress(f"scoring the {'fine-tuned model' if model.name == 'model' else 'base model'} "
-                     f"({model.model_args['pretrained']})")
-        results = evaluate(model, tasks, manager, limit=limit, batch_size=batch_size, device=device)
-        scored[model.name] = {"model_args": model.model_args, "limit": limit, "tasks": scores(results)}
+                     f"({model.model_args['pretrained']})" + (f": {render_eval(plan)}" if plan else ""))
+        results = evaluate(model, tasks, manager, limit=limit, device=device,
+                           batch_size=plan.batch_size if plan else "auto")
+        scored[model.name] = {"model_args": model.model_args, "limit": limit,
+                              "batch_size": plan.batch_size if plan else "auto",
+                              **({"plan": plan.to_dict()} if plan else {}), "tasks": scores(results)}
     record = {"harness": f"lm-eval {lm_eval.__version__}", **scored}
     if run_dir is not None:
         write_json(run_dir / RESULTS, merged(run_dir / RESULTS, record))
     return record
+
+
+def _budget(memory_budget_gb: float | None, run_dir: Path | None) -> tuple[str, int]:
+    """(device, bytes) the evaluation plans for: `--memory-budget-gb`, else the run's `memory_budget_gb`, else
+    the whole device (the first GPU, or this machine's RAM)."""
+    device_name, total = device_memory()
+    if memory_budget_gb is None and run_dir is not None:
+        memory_budget_gb = read_yaml(run_dir / "config.yaml").get("memory_budget_gb")
+    return device_name, int(float(memory_budget_gb) * GIB) if memory_budget_gb else total
+
+
+def planned_batch(model: Scored, tasks: list[Any], *, limit: int | None, budget: int, device: str,
+                  given: int | None = None) -> EvalPlan:
+    """The harness's batch size for one model: the largest that fits the budget at its longest request
+    (`eval_batch_size`), or the plan of the one `given`."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    args = model.model_args
+    tokenizer = AutoTokenizer.from_pretrained(args.get("tokenizer", args["pretrained"]))
+    model_config = AutoConfig.from_pretrained(args["pretrained"])
+    tokens = longest_request(tasks, tokenizer, model_config, limit=limit)
+    if "peft" in args:  # the adapter on its base, shaped as it was trained
+        adapter = json.loads((Path(args["peft"]) / "adapter_config.json").read_text(encoding="utf-8"))
+        targets = adapter.get("target_modules")
+        c = from_dict({"model": args["pretrained"], "task": task_of(Path(args["peft"])), "lora": "true",
+                       "lora_r": adapter["r"], "lora_alpha": adapter["lora_alpha"],
+                       "lora_target_modules": ",".join(sorted(targets)) if isinstance(targets, list) else
+                       str(targets or "all-linear")})
+        return eval_batch_size(c, tokens=tokens, budget=budget, device=device, lora=True, given=given)
+    c = from_dict({"model": args["pretrained"], "task": kind_of_model_config(model_config.to_dict())})
+    return eval_batch_size(c, tokens=tokens, budget=budget, device=device, given=given)
+
+
+def longest_request(tasks: list[Any], tokenizer: Any, model_config: Any, *, limit: int | None) -> int:
+    """The tokens of the longest request the harness will give the model for these tasks: a context with its
+    continuation, a context with the tokens it may generate, or a rolling window, cut to the model's context
+    (the harness's `max_length`) as the harness cuts it."""
+    from lm_eval.evaluator_utils import get_sample_size
+    from lm_eval.models.utils import resolve_max_length
+
+    most = resolve_max_length(model_config, tokenizer)
+    scored, prompts, generated = [], [], 0
+    for task in tasks:
+        with contextlib.redirect_stderr(io.StringIO()):  # its progress bar: the harness shows it again as it scores
+            task.build_all_requests(limit=get_sample_size(task, limit), rank=0, world_size=1)
+        for instance in task.instances:
+            context, second = (instance.args + ("",))[:2]
+            if instance.request_type == "generate_until":
+                prompts.append(context)
+                generated = max(generated, int((second or {}).get("max_gen_toks", GENERATED_TOKENS)))
+            else:  # loglikelihood (multiple choice too): the context and its continuation in one forward
+                scored.append(context + (second if isinstance(second, str) else ""))
+    # A scored request's last token is only predicted, never fed (the harness's `[:-1]`).
+    longest = max([len(ids) - 1 for ids in (tokenizer(scored)["input_ids"] if scored else [])]
+                  + [len(ids) + generated for ids in (tokenizer(prompts)["input_ids"] if prompts else [])], default=1)
+    return max(1, min(longest, most))
 
 
 def merged(path: Path, record: dict[str, Any]) -> dict[str, Any]:

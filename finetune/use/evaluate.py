@@ -23,7 +23,15 @@ from finetune.data.mixing import load_task, with_prefix
 from finetune.engine.metrics import evaluate
 from finetune.engine.recurrence import Recurrence
 from finetune.models.heads import read_tasks_file, task_model_dir
-from finetune.models.pretrained import load_tokenizer, load_trained, resolve_model_dir, saved_label_names, task_of
+from finetune.models.pretrained import (
+    load_model,
+    load_tokenizer,
+    load_trained,
+    resolve_model_dir,
+    resolve_model_path,
+    saved_label_names,
+    task_of,
+)
 from finetune.registry import configured, entry
 
 
@@ -47,12 +55,36 @@ def evaluate_target(target: str, overrides: list[str]) -> dict[str, Any]:
     extra = parse_overrides(overrides)
     t = _task_target(model_dir, run_dir, extra) if read_tasks_file(model_dir) is not None else \
         _model_target(model_dir, run_dir, extra)
+    return measure(t, lambda: load_trained(t.folder, t.config.task), given="dataset" in extra)
+
+
+def evaluate_base(run_dir: Path, overrides: list[str], *, seed: int | None = None) -> dict[str, Any]:
+    """The same metrics of the model a run started from (its config's `model`), on `dataset=…`, with the run's
+    labels: a classifier's or a regressor's head is then new, random from `seed` (the run's by default), the
+    untrained baseline; an embedding model is the base encoder with its pooling."""
+    model_dir = run_dir / "model"
+    extra = parse_overrides(overrides)
+    values = read_yaml(run_dir / "config.yaml")
+    # The base as it is, in full: not the run's adapter, not quantized.
+    values.update(extra, resume=False, overwrite=False, lora="false", quantization="none")
+    c = from_dict(_whole(values, extra))
+    labels = saved_label_names(model_dir) if entry(c.task).has_labels else None
+
+    def load() -> Any:
+        torch.manual_seed(c.seed if seed is None else seed)  # the new head's weights
+        return load_model(c, labels)
+
+    return measure(Target(Path(resolve_model_path(c.model)), c, labels), load, given=True)
+
+
+def measure(t: Target, load: Any, *, given: bool) -> dict[str, Any]:
+    """The kind's metrics of the model `load()` returns on the target's data (read, and checked, before it loads)."""
     c = t.config
     tokenizer = load_tokenizer(c)
-    data = _data(t, tokenizer, given="dataset" in extra)
+    data = _data(t, tokenizer, given=given)
     from accelerate import Accelerator
 
-    model = load_trained(t.folder, c.task)
+    model = load()
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model = accelerator.prepare(model)
     metrics = evaluate(model, data, kind=configured(c), label_names=t.labels, batch_size=64,
