@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from app.limits import config_size_problem, mapping_size_problem, short_problems
+from app.door.limits import config_size_problem, mapping_size_problem, short_problems
 from finetune import registry as kinds
 from finetune.config.schema import (
     FIELDS,

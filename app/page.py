@@ -12,10 +12,10 @@ from typing import Any
 
 import gradio as gr
 
-from app import limits
-from app.access import Access
 from app.api import ScriptApi
 from app.device import DeviceMemory
+from app.door import limits
+from app.door.access import Access
 from app.export.tab import ExportTab, create_export_tab, wire_export_tab
 from app.follow import Follow
 from app.jobs.training import JobManager

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from app import limits
-from app.access import Access
+from app.door import limits
+from app.door.access import Access
 from app.export.inference import InferenceExport
 from app.export.publish import PushHandlers
 from app.export.reproduce import ReproduceHandlers

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
-from app.access import ANYONE, NO_REMOTE_CODE, Access, AccessError, resolve_output_dir
 from app.api import ScriptApi
+from app.door.access import ANYONE, NO_REMOTE_CODE, Access, AccessError, resolve_output_dir
 from app.jobs.training import JobManager
 from app.mapping import COLUMN_FIELDS
 from app.tabs import handlers
@@ -311,9 +311,9 @@ def test_the_run_panel_shows_a_run_folder_by_its_place_in_the_runs_folder(tmp_pa
     server keeps it (an absolute --runs-dir)."""
     from types import SimpleNamespace
 
+    from app.door.policy import RequestPolicy
     from app.follow import Follow
     from app.jobs.training import JobStatus
-    from app.policy import RequestPolicy
 
     runs = tmp_path / "srv" / "runs"
     run_dir = runs / "alice" / "20261201-120000-978a2325"

@@ -12,12 +12,12 @@ import pytest
 import test_app_access
 from test_app_access import ALICE, ANON, BOB, _config, _signed_in, _space
 
-from app.access import AccessError, resolve_output_dir
 from app.api import ScriptApi
+from app.door.access import AccessError, resolve_output_dir
+from app.door.policy import GATES
 from app.jobs.training import JobBusy, JobManager
 from app.mapping import COLUMN_FIELDS, in_form_words, parse_config
 from app.page import build
-from app.policy import GATES
 from app.tabs import Handlers, handlers
 from app.train import preview
 from finetune.config.schema import ConfigError, from_dict, sources
@@ -510,7 +510,7 @@ def test_no_run_resumes_while_an_export_runs_and_no_export_starts_while_a_start_
 
 
 def test_messages_name_a_folder_by_its_place_in_the_runs_folder_never_by_the_servers_path(tmp_path):
-    from app import cleanup
+    from app.door import cleanup
     from app.report import shown_path
 
     home = tmp_path / "srv" / "runs" / "bob"
@@ -534,7 +534,7 @@ def test_refused_inputs_are_answered_without_a_traceback_in_the_servers_log(spac
     with gr.Blocks() as demo:
         choice, radio, boxes = gr.Dropdown(["a", "b"]), gr.Radio(["x", "y"]), gr.CheckboxGroup(["p", "q"])
         out = gr.Textbox()
-        from app.policy import RequestPolicy
+        from app.door.policy import RequestPolicy
 
         RequestPolicy(_space()).on(gr.Button().click, lambda *a, request: "ran", [choice, radio, boxes], {},
                                    outputs=[out])

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import run_train
 
-from app.access import Access
 from app.api import ScriptApi
+from app.door.access import Access
 from app.export.inference import InferenceExport
 from app.jobs.queue import RunQueue
 from app.jobs.training import JobStatus

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 from conftest import served_app
 
-from app.guard import (
+from app.door.guard import (
     FORGET_S,
     FREE_FAILURES,
     MAX_DELAY_S,

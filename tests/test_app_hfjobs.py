@@ -1,4 +1,4 @@
-"""The app's runs on Hugging Face Jobs (app/remote/) and its runs folder on a Space (app/persist.py).
+"""The app's runs on Hugging Face Jobs (app/remote/) and its runs folder on a Space (app/door/persist.py).
 
 Through the handlers and the API, with fake requests: the form's "Run on" choice reaches the training child as
 `--backend hf-jobs --flavor F`; on a Space the signed-in user's OAuth token reaches it in its environment only, and
@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 from huggingface_hub import constants as hf_constants
 
-from app import persist
-from app.access import Access
 from app.api import ScriptApi
+from app.door import persist
+from app.door.access import Access
 from app.jobs.training import JobManager
 from app.mapping import COLUMN_FIELDS, config_to_values
 from app.remote import jobs as remote

@@ -280,7 +280,7 @@ def test_a_handler_without_request_cannot_be_wired_to_the_page():
     is built (Export and Import config once failed only in the browser, as a red Error badge)."""
     import gradio as gr
 
-    from app.policy import RequestPolicy
+    from app.door.policy import RequestPolicy
 
     _on = RequestPolicy().on
 

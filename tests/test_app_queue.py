@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.access import Access
 from app.api import ScriptApi
+from app.door.access import Access
+from app.door.limits import Limits
 from app.jobs.training import JobManager
-from app.limits import Limits
 from app.mapping import COLUMN_FIELDS
 from app.tabs import Handlers, handlers
 

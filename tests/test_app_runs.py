@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import run_train
 
-from app.access import Access
+from app.door.access import Access
 from app.jobs import training as jobs
 from app.jobs.training import JobManager
 from app.runs.listing import config_diff, list_runs

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from fakeslurm import install
 
-from app.access import Access, AccessError
+from app.door.access import Access, AccessError
 from app.jobs.training import JobManager
 from app.mapping import config_to_values
 from app.remote import jobs as remote

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from app.access import Access
+from app.door.access import Access
 from app.jobs.training import JobManager
 from app.runs.listing import benchmarks_frame, list_runs
 from app.tabs import handlers

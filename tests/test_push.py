@@ -20,7 +20,7 @@ import yaml
 from conftest import run_train
 from fakehub import fake_hub
 
-from app.access import Access, AccessError
+from app.door.access import Access, AccessError
 from app.export import publish
 from app.jobs.training import JobStatus
 from app.tabs import handlers

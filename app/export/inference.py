@@ -22,8 +22,8 @@ from typing import Any
 
 import gradio as gr
 
-from app import cleanup
-from app.access import AccessError, resolve_output_dir
+from app.door import cleanup
+from app.door.access import AccessError, resolve_output_dir
 from app.downloads import zip_model
 from app.export.publish import PushHandlers, PushOutcome
 from app.jobs.training import JobBusy

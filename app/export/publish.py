@@ -3,7 +3,7 @@ shows; and what the page says of a run's last push.
 
 The push runs in the app's own process with the token of whoever runs the app (`HF_TOKEN`, or their stored login),
 which never leaves that process: the training child of a shared server does not get it, and no answer contains it
-(`finetune.use.hub.describe_failure` masks it in error text). Who may push is `Access.may_push` (see `app.access`).
+(`finetune.use.hub.describe_failure` masks it in error text). Who may push is `Access.may_push` (see `app.door.access`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.access import Access
+from app.door.access import Access
 from app.jobs.training import JobStatus
 from app.report import waiting_note
 from app.state import AppState

@@ -20,8 +20,8 @@ from collections.abc import Hashable, Iterator
 from pathlib import Path
 from typing import Any
 
-from app import cleanup, limits
-from app.access import Access
+from app.door import cleanup, limits
+from app.door.access import Access
 from app.jobs.export import EVAL_LOG, ExportChild, ExportJobs
 from app.jobs.planner import Planner
 from app.jobs.queue import Queued, remove_unstarted

@@ -12,9 +12,9 @@ from typing import Any
 
 import gradio as gr
 
-from app import limits
-from app.access import AccessError
 from app.device import DeviceMemory
+from app.door import limits
+from app.door.access import AccessError
 from app.jobs.training import JobStatus
 from app.mapping import (
     COLUMN_FIELDS,

@@ -9,8 +9,8 @@ from typing import Any
 
 import gradio as gr
 
-from app import limits
-from app.access import AccessError
+from app.door import limits
+from app.door.access import AccessError
 from app.hubcheck import hub_problem
 from app.mapping import changed_options, config_yaml, field_problems, in_form_words, problems_markdown, values_to_config
 from app.remote.choice import LOCAL, flavor_of

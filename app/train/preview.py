@@ -22,8 +22,8 @@ from typing import Any
 
 import pandas as pd
 
+from app.door.limits import short_text
 from app.jobs import bounded
-from app.limits import short_text
 from app.mapping import COLUMN_FIELDS, task_label
 from finetune import registry as kinds
 from finetune.config.schema import Config

@@ -12,7 +12,7 @@ from typing import Any
 
 import gradio as gr
 
-from app.access import AccessError, new_run_name, resolve_output_dir
+from app.door.access import AccessError, new_run_name, resolve_output_dir
 from app.hubcheck import hub_problem
 from app.jobs.planner import PLANNER_SLOW
 from app.jobs.training import JobBusy, JobStatus

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
-from app import limits
+from app.door import limits
 from app.mapping import COLUMN_FIELDS
 from app.train.dataset import EXAMPLE_INPUTS, TASK_FIELDS, DatasetPanel, build_dataset_panel
 from app.train.form import SUGGESTIONS, Form

@@ -13,7 +13,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import limits
+from app.door import limits
 from app.jobs import bounded
 from app.jobs.training import JobStatus
 from app.picks import Picked, PickRefused, final_metrics_of, picker_update, resolve_pick

@@ -9,7 +9,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import limits
+from app.door import limits
 from app.tryit.panel import TryItHandlers
 from finetune.use.generation import Generation
 
