@@ -16,7 +16,7 @@ import gradio as gr
 from app import charts
 from app.downloads import zip_model
 from app.export import publish
-from app.jobs.training import JobStatus
+from app.local.training import JobStatus
 from app.picks import picker_update
 from app.report import final_metrics, reproduce_command, shown_path, waits_for
 from app.results import keep

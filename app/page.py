@@ -18,7 +18,7 @@ from app.door import limits
 from app.door.access import Access
 from app.export.tab import ExportTab, create_export_tab, wire_export_tab
 from app.follow import Follow
-from app.jobs.training import JobManager
+from app.local.training import JobManager
 from app.machine import MachineReport
 from app.mapping import COLUMN_FIELDS, FIELD_NAMES, changed_options, model_choices, preset_config
 from app.runs.tab import RunsTab

@@ -16,7 +16,7 @@ from typing import Any
 import gradio as gr
 
 from app.door.access import AccessError, resolve_output_dir
-from app.jobs.training import JobStatus
+from app.local.training import JobStatus
 from app.runs.listing import headline, list_runs, run_info
 from finetune.run.rundir import MARKER, checkpoints, is_finished
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.jobs.training import JobStatus
+from app.local.training import JobStatus
 from app.mapping import in_form_words, plain_words
 from finetune import registry as kinds
 from finetune.rows.chat import describe_dropped

@@ -12,8 +12,8 @@ from app.door.access import Access
 from app.door.limits import LOCAL, Limits
 from app.door.policy import RequestPolicy
 from app.downloads import Downloads
-from app.jobs.client import JobClient
-from app.jobs.training import JobManager
+from app.local.client import JobClient
+from app.local.training import JobManager
 from app.remote.jobs import RemoteRuns
 
 

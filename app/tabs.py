@@ -12,7 +12,7 @@ from app.export.inference import InferenceExport
 from app.export.publish import PushHandlers
 from app.export.reproduce import ReproduceHandlers
 from app.follow import Follow
-from app.jobs.training import JobManager
+from app.local.training import JobManager
 from app.runs.tab import RunsHandlers
 from app.state import AppState
 from app.train.dataset import DatasetHandlers

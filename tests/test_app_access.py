@@ -19,7 +19,7 @@ import pytest
 
 from app.api import ScriptApi
 from app.door.access import ANYONE, NO_REMOTE_CODE, Access, AccessError, resolve_output_dir
-from app.jobs.training import JobManager
+from app.local.training import JobManager
 from app.mapping import COLUMN_FIELDS
 from app.tabs import handlers
 from finetune.config.schema import from_dict
@@ -313,7 +313,7 @@ def test_the_run_panel_shows_a_run_folder_by_its_place_in_the_runs_folder(tmp_pa
 
     from app.door.policy import RequestPolicy
     from app.follow import Follow
-    from app.jobs.training import JobStatus
+    from app.local.training import JobStatus
 
     runs = tmp_path / "srv" / "runs"
     run_dir = runs / "alice" / "20261201-120000-978a2325"

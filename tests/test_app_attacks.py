@@ -15,7 +15,7 @@ from test_app_access import ALICE, ANON, BOB, _config, _signed_in, _space
 from app.api import ScriptApi
 from app.door.access import AccessError, resolve_output_dir
 from app.door.policy import GATES
-from app.jobs.training import JobBusy, JobManager
+from app.local.training import JobBusy, JobManager
 from app.mapping import COLUMN_FIELDS, in_form_words, parse_config
 from app.page import build
 from app.tabs import Handlers, handlers
@@ -412,7 +412,7 @@ def test_a_runs_looping_or_memory_eating_chat_template_is_cut_in_try_it_and_pred
     from conftest import run_train
     from test_chat import _chatml_tokenizer, _conversations, _tiny_chat_llama, _write_jsonl
 
-    from app.jobs import training as jobs
+    from app.local import training as jobs
 
     model = _tiny_chat_llama(_chatml_tokenizer(), tmp_path / "chat_model")
     run = tmp_path / "runs" / "r"

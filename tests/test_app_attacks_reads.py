@@ -20,7 +20,7 @@ from test_app_access import ALICE, BOB, PASSWORDS, shared  # noqa: F401 (the fix
 
 from app.door import cleanup
 from app.door.limits import Limits
-from app.jobs.training import JobManager
+from app.local.training import JobManager
 from app.mapping import COLUMN_FIELDS
 from app.tabs import handlers
 from app.train import images, preview

@@ -15,8 +15,8 @@ from conftest import ROOT, run_train
 from test_chat import _chatml_tokenizer, _conversations, _tiny_chat_llama, _write_jsonl
 
 from app.door.access import Access, AccessError
-from app.jobs import training as jobs
-from app.jobs.training import JobManager
+from app.local import training as jobs
+from app.local.training import JobManager
 from app.mapping import COLUMN_FIELDS, SPECS
 from app.tabs import Handlers, handlers
 from app.train import run_report

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from app.api import ScriptApi
 from app.door import limits
-from app.jobs import training as jobs
-from app.jobs.training import JobManager
+from app.local import training as jobs
+from app.local.training import JobManager
 from app.tabs import Handlers, handlers
 
 

@@ -18,7 +18,7 @@ from test_chat import _chatml_tokenizer, _tiny_chat_llama
 from app import charts
 from app.door.access import Access, AccessError
 from app.follow import completions_update
-from app.jobs.training import JobManager, JobStatus
+from app.local.training import JobManager, JobStatus
 from app.mapping import FIELD_NAMES, SPECS, field_problems, shown_fields, task_choices, to_widget, values_to_config
 from app.report import display_path
 from app.tabs import handlers

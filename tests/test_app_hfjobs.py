@@ -24,7 +24,7 @@ from huggingface_hub import constants as hf_constants
 from app.api import ScriptApi
 from app.door import persist
 from app.door.access import Access
-from app.jobs.training import JobManager
+from app.local.training import JobManager
 from app.mapping import COLUMN_FIELDS, config_to_values
 from app.remote import jobs as remote
 from app.remote.choice import LOCAL, flavor_of, run_on_choices

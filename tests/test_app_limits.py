@@ -20,9 +20,9 @@ import pytest
 from app.api import ScriptApi
 from app.door import cleanup, limits
 from app.downloads import zip_model
-from app.jobs import current
-from app.jobs import training as jobs
-from app.jobs.training import KILLED, JobManager
+from app.local import current
+from app.local import training as jobs
+from app.local.training import KILLED, JobManager
 from app.mapping import FIELD_NAMES, config_to_values, problems_text
 from app.tabs import Handlers, handlers
 from app.train import preview

@@ -13,7 +13,7 @@ import yaml
 from conftest import ROOT
 
 from app.device import DeviceMemory
-from app.jobs.training import JobManager
+from app.local.training import JobManager
 from app.mapping import (
     BOUND_WORDS,
     FIELD_NAMES,
@@ -314,7 +314,7 @@ def test_messages_on_the_page_use_the_forms_labels_not_config_keys():
 def test_a_reload_shows_the_runs_settings_without_its_folder_and_old_notes_go_when_it_ends(tmp_path, monkeypatch):
     import time
 
-    from app.jobs import training as jobs
+    from app.local import training as jobs
 
     monkeypatch.chdir(tmp_path)
     runs = Path("runs")

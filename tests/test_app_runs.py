@@ -16,8 +16,8 @@ import pytest
 from conftest import run_train
 
 from app.door.access import Access
-from app.jobs import training as jobs
-from app.jobs.training import JobManager
+from app.local import training as jobs
+from app.local.training import JobManager
 from app.runs.listing import config_diff, list_runs
 from app.tabs import Handlers, handlers
 from app.tryit.renderers import entity_pieces

@@ -20,7 +20,7 @@ import pytest
 from fakeslurm import install
 
 from app.door.access import Access, AccessError
-from app.jobs.training import JobManager
+from app.local.training import JobManager
 from app.mapping import config_to_values
 from app.remote import jobs as remote
 from app.remote.choice import LOCAL, backend_fields, backend_of, launch_arguments, run_on_choices

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from app.door.access import Access
-from app.jobs.training import JobManager
+from app.local.training import JobManager
 from app.runs.listing import benchmarks_frame, list_runs
 from app.tabs import handlers
 from finetune.run.rundir import MARKER

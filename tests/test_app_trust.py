@@ -23,8 +23,8 @@ from app.api import ScriptApi
 from app.door.access import Access
 from app.door.guard import FREE_FAILURES, Guard, client_address, forwarded_header, trusted_networks
 from app.door.limits import MAX_TRY_IMAGE_PIXELS, Limits
-from app.jobs.current import OTHER_APP
-from app.jobs.training import JobBusy, JobManager, JobStatus
+from app.local.current import OTHER_APP
+from app.local.training import JobBusy, JobManager, JobStatus
 from app.mapping import COLUMN_FIELDS, config_to_values, in_form_words, plain_words
 from app.remote.choice import LOCAL
 from app.tabs import handlers

@@ -393,7 +393,7 @@ def test_try_it_shows_a_texts_embedding_or_its_nearest_candidates(tmp_path, monk
                                                                   embedding_pairs_csv):
     from app.door.limits import MAX_TRY_CANDIDATES
     from app.door.policy import RequestPolicy
-    from app.jobs.training import JobStatus
+    from app.local.training import JobStatus
     from app.tabs import handlers
     from app.tryit import panel
     from finetune.train.loop import train

@@ -144,7 +144,7 @@ MAX_METHODS, MAX_LINES = 20, 80
 
 def test_the_app_graph_sees_the_imports_it_should():
     assert "app.page" in APP_GRAPH["app.door.server"]  # function-local
-    assert {"app.door.policy", "app.jobs.client", "app.jobs.training"} <= APP_GRAPH["app.state"]
+    assert {"app.door.policy", "app.local.client", "app.local.training"} <= APP_GRAPH["app.state"]
     assert "app.tabs" in APP_GRAPH["app.export.tab"]  # for type checkers only
     assert {"app.train.tab", "app.tryit.tab", "app.runs.tab", "app.export.tab", "app.api"} <= APP_GRAPH["app.page"]
 
@@ -174,7 +174,7 @@ def _defs(kind: type) -> list[tuple[str, ast.AST]]:
 def test_no_class_of_the_app_has_more_than_20_methods():
     methods = {name: sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
                for name, node in _defs(ast.ClassDef)}
-    assert len(methods) > 20 and "app.jobs.training.JobManager" in methods
+    assert len(methods) > 20 and "app.local.training.JobManager" in methods
     assert {name: n for name, n in methods.items() if n > MAX_METHODS} == {}
 
 

@@ -18,7 +18,7 @@ import gradio as gr
 
 from app.door import limits
 from app.door.access import Access, AccessError
-from app.jobs.training import JobStatus
+from app.local.training import JobStatus
 from app.mapping import parse_config_yaml
 from app.results import Targets, components, updates
 from finetune.config.schema import ConfigError

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from app.door.access import Access
-from app.jobs.training import JobStatus
+from app.local.training import JobStatus
 from app.report import waiting_note
 from app.state import AppState
 from finetune.config.schema import read_yaml, repo_id_problem

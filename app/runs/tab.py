@@ -18,7 +18,7 @@ from typing import Any
 import gradio as gr
 
 from app import charts, report
-from app.jobs.training import JobBusy
+from app.local.training import JobBusy
 from app.runs.listing import (
     RunInfo,
     benchmarks_frame,

@@ -15,7 +15,7 @@ import gradio as gr
 from app.device import DeviceMemory
 from app.door import limits
 from app.door.access import AccessError
-from app.jobs.training import JobStatus
+from app.local.training import JobStatus
 from app.mapping import (
     COLUMN_FIELDS,
     FIELD_NAMES,

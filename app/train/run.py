@@ -14,8 +14,8 @@ import gradio as gr
 
 from app.door.access import AccessError, new_run_name, resolve_output_dir
 from app.hubcheck import hub_problem
-from app.jobs.planner import PLANNER_SLOW
-from app.jobs.training import JobBusy, JobStatus
+from app.local.planner import PLANNER_SLOW
+from app.local.training import JobBusy, JobStatus
 from app.mapping import (
     COLUMN_FIELDS,
     FIELD_NAMES,
