@@ -255,24 +255,12 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
                 export: ExportTab, form_note: Any) -> None:
     """The poll (`app.follow`) on a timer and on each page load, to the components of every tab it refreshes
     (`form_note`: the note over the form, naming the run its settings came from)."""
-    run = train.run
     seen = gr.State(None)
     timer = gr.Timer(1.0)
-    targets = {"signature": seen, "status": run.status, "progress": run.progress, "stats": run.stats,
-               "loss_curve": run.loss, "log": run.log, "metrics": run.metrics, "run_dir": run.run_dir,
-               "download": export.download, "start_button": run.start, "stop_button": run.stop,
-               "resume_button": run.resume, "cancel_button": run.cancel, "command": export.command,
-               "config_yaml": export.yaml, "config_file": export.config_file, "form_note": form_note,
-               "trackers": run.trackers,
-               "hub_note": export.hub_note, "push_repo": export.push_repo,
-               "try_panel": {"chat": tryit.chat, "label": tryit.label, "generated": tryit.generated,
-                             "button": tryit.button, "entities": tryit.entities, "new_chat": tryit.new_chat,
-                             "text": tryit.text, "message": tryit.message, "image": tryit.image,
-                             "push": export.push, "settings": tryit.settings,
-                             "max_new_tokens": tryit.max_new_tokens, "temperature": tryit.temperature,
-                             "top_p": tryit.top_p, "system_prompt": tryit.system_prompt, "base": tryit.base},
-               "note": run.message, "scatter": run.scatter, "completions": run.completions,
-               "try_pick": tryit.pick, "export_pick": export.export_pick}
+    # Each tab names where its views go; Try it's panel enables Export's Push too (both act on a finished model).
+    try_it = tryit.polled
+    try_it["try_panel"]["push"] = export.push
+    targets = {"signature": seen, **train.polled, "form_note": form_note, **try_it, **export.polled}
     on(timer.tick, follow.poll, seen, targets, gate="public", concurrency_limit=None, show_progress="hidden",
        **PRIVATE)
     # A reload (or a second tab) shows the running job at once rather than at the next tick.

@@ -11,6 +11,8 @@ from typing import Any
 from app.local.training import JobStatus
 from app.mapping import in_form_words, plain_words
 from finetune import registry as kinds
+from finetune.config.schema import read_yaml
+from finetune.errors import ConfigError
 from finetune.rows.chat import describe_dropped
 from finetune.rows.segments import Segmentation
 
@@ -122,3 +124,17 @@ def reproduce_command(status: JobStatus) -> str:
         return ""
     extra = ["resume=true"] if "resume=true" in status.command.split() else []
     return shlex.join(["finetune", "train", display_path(status.config_path), *extra])
+
+
+def run_options(status: JobStatus) -> dict[str, Any]:
+    """The run's own `report_to` and `push_to_hub` (from its resolved config.yaml, else the launched one)."""
+    for path in (status.run_dir / "config.yaml" if status.run_dir else None, status.config_path):
+        if path is not None and Path(path).is_file():
+            try:
+                values = read_yaml(path)
+            except ConfigError:
+                continue
+            report_to = values.get("report_to") or []
+            return {"report_to": report_to.split(",") if isinstance(report_to, str) else list(report_to),
+                    "push_to_hub": values.get("push_to_hub")}
+    return {"report_to": [], "push_to_hub": None}

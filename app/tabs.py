@@ -8,18 +8,24 @@ from pathlib import Path
 
 from app.door import limits
 from app.door.access import Access
+from app.export import tab as export_tab
 from app.export.inference import InferenceExport
 from app.export.publish import PushHandlers
 from app.export.reproduce import ReproduceHandlers
-from app.follow import Follow
+from app.follow import Follow, Refresh
 from app.local.training import JobManager
 from app.runs.tab import RunsHandlers
 from app.state import AppState
+from app.train import tab as train_tab
 from app.train.dataset import DatasetHandlers
 from app.train.form import FieldNotes, FormHandlers
 from app.train.plan import PlanHandlers
 from app.train.run import RunHandlers
+from app.tryit import tab as tryit_tab
 from app.tryit.panel import TryItHandlers
+
+# What the poll (`app.follow`) refreshes, tab by tab, in this order: each tab's `refresh` of the current run.
+REFRESHES: tuple[Refresh, ...] = (train_tab.refresh, tryit_tab.refresh, export_tab.refresh)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,6 @@ def handlers(runs_dir: Path, jobs: JobManager, *, access: Access | None = None, 
     plan = PlanHandlers(state, notes)
     publish = PushHandlers(state)
     return Handlers(state=state, notes=notes, form=FormHandlers(state, dataset.refresh_dataset), dataset=dataset,
-                    plan=plan, run=RunHandlers(state, notes, plan), follow=Follow(state),
+                    plan=plan, run=RunHandlers(state, notes, plan), follow=Follow(state, REFRESHES),
                     tryit=TryItHandlers(state), runs=RunsHandlers(state), publish=publish,
                     inference=InferenceExport(state, publish), reproduce=ReproduceHandlers())

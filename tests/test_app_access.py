@@ -314,6 +314,7 @@ def test_the_run_panel_shows_a_run_folder_by_its_place_in_the_runs_folder(tmp_pa
     from app.door.policy import RequestPolicy
     from app.follow import Follow
     from app.local.training import JobStatus
+    from app.tabs import REFRESHES
 
     runs = tmp_path / "srv" / "runs"
     run_dir = runs / "alice" / "20261201-120000-978a2325"
@@ -323,6 +324,6 @@ def test_the_run_panel_shows_a_run_folder_by_its_place_in_the_runs_folder(tmp_pa
     state = SimpleNamespace(policy=policy, access=policy.access, runs_dir=runs, restart_notice="",
                             remote=SimpleNamespace(reattach=lambda *args: False),
                             jobs=SimpleNamespace(status=lambda: status, queued=lambda user: [], training=None))
-    shown = Follow(state).poll(None, request=_signed_in("alice"))
+    shown = Follow(state, REFRESHES).poll(None, request=_signed_in("alice"))
     assert shown.run_dir == "runs/alice/20261201-120000-978a2325"
     assert str(tmp_path) not in shown.run_dir

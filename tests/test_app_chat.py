@@ -100,7 +100,8 @@ def test_try_it_chats_with_the_trained_model(tmp_path, chat_model):
     panel = ctl.follow.poll(None).try_panel
     assert panel.chat == gr.update(visible=True, value=[]) and panel.new_chat["visible"]
     assert panel.button == gr.update(interactive=True, value="Send") and panel.push["interactive"]
-    assert ctl.follow.poll(ctl.follow.poll(None).signature).try_panel is None  # the same run: the chat going on is kept
+    # The same run: the chat going on is kept.
+    assert ctl.follow.poll(ctl.follow.poll(None).signature).try_panel == gr.skip()
     first = ctl.tryit.try_it("good movie")
     assert first.message == "" and first.chat["visible"] and first.text == ""
     assert not first.generated["visible"] and not first.label["visible"]

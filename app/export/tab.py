@@ -9,9 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
+from app.downloads import zip_model
+from app.export import publish
 from app.export.inference import place_export_block
+from app.local.training import JobStatus
 
 if TYPE_CHECKING:
+    from app.follow import Seen
     from app.tabs import Handlers
     from app.train.tab import TrainTab
 
@@ -35,6 +39,42 @@ class ExportTab:
     yaml: Any
     config_file: Any
     export_pick: Any  # the run or checkpoint Export model exports (`app.picks`)
+
+    @property
+    def polled(self) -> dict[str, Any]:
+        """Where the views of `refresh` go."""
+        return {"download": self.download, "command": self.command, "config_yaml": self.yaml,
+                "config_file": self.config_file, "hub_note": self.hub_note, "push_repo": self.push_repo,
+                "export_pick": self.export_pick}
+
+
+def refresh(seen: Seen) -> dict[str, Any]:
+    """The Export tab's view of the run, for the poll (`app.follow`): Download once the model is finished, how its
+    last push went, the Reproduce box when the run's command changed, and the picker after the run changed."""
+    status, new_command = seen.status, seen.new_command
+    return {"download": download(seen), "command": seen.command if new_command else gr.skip(),
+            "config_yaml": config_text(status) if new_command else gr.skip(),
+            "config_file": None if new_command else gr.skip(),
+            "hub_note": publish.hub_markdown(status, on_space=bool(seen.state.restart_notice)),
+            "push_repo": seen.options["push_to_hub"] or gr.skip(),
+            **({"export_pick": seen.picks} if seen.changed_run else {})}
+
+
+def download(seen: Seen) -> Any:
+    """Download model: the finished run's model zipped (once), named after the run."""
+    status = seen.status
+    if status.state != "done" or status.model_dir is None:
+        return gr.update(value=None, interactive=False)
+    zipped = zip_model(status.model_dir, status.run_dir / "model.zip")
+    return gr.update(value=seen.state.downloads.handout(zipped, f"{status.run_dir.name}.zip"), interactive=True)
+
+
+def config_text(status: JobStatus) -> str:
+    """The config the run's command runs, as the Reproduce box shows it."""
+    try:
+        return status.config_path.read_text(encoding="utf-8", errors="replace") if status.config_path else ""
+    except OSError:  # deleted meanwhile: the command alone
+        return ""
 
 
 def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:

@@ -10,14 +10,19 @@ from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
+from app import charts
 from app.door import limits
+from app.local.training import JobStatus
 from app.mapping import COLUMN_FIELDS
+from app.report import final_metrics
+from app.train import run_report, scatter
 from app.train.dataset import EXAMPLE_INPUTS, TASK_FIELDS, DatasetPanel, build_dataset_panel
 from app.train.form import SUGGESTIONS, Form
 from app.train.plan import Planning, PlanPanel, build_plan_panel
 from app.train.run import RUN_PARTS, Checking, RunPanel, build_run_panel
 
 if TYPE_CHECKING:
+    from app.follow import Seen
     from app.tabs import Handlers
 
 PRIVATE = {"api_visibility": "private"}  # the page's own events: scripts get the named API of `app.api` instead
@@ -73,6 +78,44 @@ class TrainTab:
     def data_targets(self) -> dict[str, Any]:
         """Where a `DatasetShown` goes."""
         return {**self.dataset.shown, "columns": self.form.columns}
+
+    @property
+    def polled(self) -> dict[str, Any]:
+        """Where the views of `refresh` go (the note over the form, which the page places, aside)."""
+        run = self.run
+        return {"status": run.status, "progress": run.progress, "stats": run.stats, "loss_curve": run.loss,
+                "log": run.log, "metrics": run.metrics, "run_dir": run.run_dir, "start_button": run.start,
+                "stop_button": run.stop, "resume_button": run.resume, "cancel_button": run.cancel,
+                "trackers": run.trackers, "note": run.message, "scatter": run.scatter,
+                "completions": run.completions}
+
+
+TERMINAL = ("stopped", "done", "failed")
+
+
+def refresh(seen: Seen) -> dict[str, Any]:
+    """The Train tab's view of the run, for the poll (`app.follow`): the Run panel (its state line with the caller's
+    queued runs, progress, log, buttons), Results, and the note over the form, emptied once a newer run is the
+    current one."""
+    status = seen.status
+    text = "\n\n".join([run_report.status_markdown(status), *seen.lines]) if seen.mine else \
+        "\n\n".join(seen.lines) or run_report.status_markdown(status)
+    return {"status": text, "progress": run_report.progress_html(status), "stats": run_report.stats_markdown(status),
+            "loss_curve": charts.curves_html(status.events), "log": run_report.log_text(status),
+            "metrics": final_metrics(status) or None, "run_dir": seen.shown_path(status.run_dir),
+            "start_button": gr.update(interactive=True), "stop_button": gr.update(interactive=status.active),
+            "resume_button": gr.update(visible=status.resumable), "cancel_button": gr.update(visible=seen.queued),
+            "form_note": "" if seen.newer_run else gr.skip(),
+            "trackers": run_report.trackers_markdown(seen.options["report_to"], status.run_dir),
+            # "Started…", "Stopping…" and the like answered an action on this run: its end replaces them.
+            "note": "" if seen.changed_run and status.state in TERMINAL and seen.known else gr.skip(),
+            "scatter": scatter.scatter_update(status), "completions": completions_update(status)}
+
+
+def completions_update(status: JobStatus) -> Any:
+    """The sample completions table of the run's latest evaluation, shown only when the run wrote one."""
+    table = run_report.samples_html(status.events)
+    return gr.update(value=table, visible=bool(table))
 
 
 def create_train_tab(form: Form, run_on: list[tuple[str, str]] | None = None) -> TrainTab:

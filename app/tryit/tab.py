@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
 from app.door import limits
-from app.tryit.panel import TryItHandlers
+from app.tryit.panel import TryItHandlers, panel
 from finetune.use.generation import Generation
+
+if TYPE_CHECKING:
+    from app.follow import Seen
 
 
 @dataclass
@@ -51,10 +54,23 @@ class TryItTab:
                 "base": self.base}
 
     @property
+    def polled(self) -> dict[str, Any]:
+        """Where the views of `refresh` go (the panel's Push is Export's button: the page adds it)."""
+        return {"try_panel": dict(self.view), "try_pick": self.pick}
+
+    @property
     def shown(self) -> dict[str, Any]:
         """Where a `PredictionShown` goes."""
         return {"label": self.label, "generated": self.generated, "chat": self.chat, "text": self.text,
                 "message": self.message, "entities": self.entities, "image": self.image, "base": self.base}
+
+
+def refresh(seen: Seen) -> dict[str, Any]:
+    """Try it's view of the run, for the poll (`app.follow`), once the run or its state changed: the chat, image or
+    text box its kind is tried with (a new model starts a new chat), and the picker with the newest run picked."""
+    if not seen.changed_run:
+        return {}
+    return {"try_panel": panel(seen.status, new_model=seen.new_model), "try_pick": seen.picks}
 
 
 def create_tryit_tab() -> TryItTab:
