@@ -62,11 +62,11 @@ def _controller(runs: Path, python: str):
     ctl = handlers(runs, JobManager(runs, python=python), access=Access())
     ctl.plan.plans = []  # what Start planned here: (budget, device)
 
-    def make_plan(config, *, device="here", request=None):  # the planner child is tested elsewhere
+    def planned(config, user, device="here"):  # the planner child is tested elsewhere
         ctl.plan.plans.append((config.memory_budget_gb, device))
         return {}
 
-    ctl.plan.make_plan = make_plan
+    ctl.plan.planned = planned
     return ctl
 
 
