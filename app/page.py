@@ -16,17 +16,16 @@ from app.api import ScriptApi
 from app.device import DeviceMemory
 from app.door import limits
 from app.door.access import Access
-from app.export.tab import ExportTab, create_export_tab, wire_export_tab
+from app.export.tab import ExportTab
 from app.follow import Follow
 from app.local.training import JobManager
 from app.machine import MachineReport
 from app.mapping import COLUMN_FIELDS, FIELD_NAMES, changed_options, model_choices, preset_config
-from app.runs.tab import RunsTab
-from app.tabs import Handlers, handlers
+from app.tabs import TABS, Handlers, Page, handlers
 from app.train import preview
 from app.train.form import Form
-from app.train.tab import PRIVATE, TrainTab, create_train_tab, pressed_css, wire_train_tab
-from app.tryit.tab import TryItTab, create_tryit_tab, wire_tryit_tab
+from app.train.tab import PRIVATE, TrainTab, pressed_css
+from app.tryit.tab import TryItTab
 from finetune.config.schema import Config, from_dict
 
 CSS = """
@@ -216,34 +215,27 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         # The page's own events are private: scripts get the named API of `app.api` instead. It is registered first,
         # so that its names are free (a private event still takes its function's name).
         ScriptApi(h).register()
+        # The models on this machine as the page is built (a shared server: only hub ids, from the cache).
+        models = model_choices(runs_dir=runs_dir, shared=access.shared)
+        page = Page(on=on, h=h, load=demo.load, form=Form(initial, memory, data, models), form_note=form_note,
+                    run_on=h.state.remote.choices())
         with gr.Tabs(elem_id="steps"):
-            with gr.Tab("Train", id="train", elem_id="tab-train"):
-                # The models on this machine as the page is built (a shared server: only hub ids, from the cache).
-                models = model_choices(runs_dir=runs_dir, shared=access.shared)
-                train = create_train_tab(Form(initial, memory, data, models), h.state.remote.choices())
-            with gr.Tab("Try it", id="try", elem_id="tab-try") as try_tab:
-                tryit = create_tryit_tab()
-            with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
-                runs = RunsTab(h.runs)
-            with gr.Tab("Export", id="export", elem_id="tab-export") as export_tab:
-                export = create_export_tab(on, h)
+            for tab in TABS:
+                with gr.Tab(tab.title, id=tab.id, elem_id=f"tab-{tab.id}") as shown:
+                    page.built[tab.id] = tab.build(page)
+                page.selected[tab.id] = shown.select
         with gr.Accordion("This machine", open=False, elem_id="this-machine") as machine_panel:
             machine_text = gr.Markdown("Checking this machine…")
+        train = page.built["train"]
         fields = train.form.fields
         h.notes.infos = {name: fields[name].info or "" for name in FIELD_NAMES}
-        wire_train_tab(on, h, train, demo.load)
-        wire_follow(on, h.follow, demo.load, train, tryit, export, form_note)
+        for tab in TABS:
+            tab.wire(page, page.built[tab.id])
+        wire_follow(on, h.follow, demo.load, train, page.built["try"], page.built["export"], form_note)
         filled = on(demo.load, h.form.running_config, None, {"values": train.form.by_name, "note": form_note,
                                                               "data": train.data_targets},
                     gate="public", show_progress="hidden", **PRIVATE)
         filled.then(None, js=FILLED_JS)  # answered or not, the form is the user's from now on
-        wire_tryit_tab(on, h.tryit, tryit, [try_tab.select, demo.load])
-        for event in (export_tab.select, demo.load):  # the list read again, the pick kept
-            on(event, h.inference.choices, export.export_pick, {}, outputs=export.export_pick, gate="quiet",
-               show_progress="hidden", **PRIVATE)
-        wire_export_tab(on, h, export, train, form_note)
-        # The list is read again when the tab is opened and when a run's state changes (a run finished, say).
-        runs.wire(on, [runs_tab.select, train.run.status.change, demo.load])
         # Versions and devices are the server's business: shown only to those who may train on it (quietly).
         for event in (demo.load, machine_panel.expand):
             on(event, machine.markdown, None, {}, outputs=machine_text, gate="quiet", show_progress="hidden",

@@ -3,7 +3,6 @@ reproduces the run; its widgets and events (the poll, `app.follow`, enables Down
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +15,7 @@ from app.local.training import JobStatus
 
 if TYPE_CHECKING:
     from app.follow import Seen
-    from app.tabs import Handlers
-    from app.train.tab import TrainTab
+    from app.tabs import Page
 
 PRIVATE = {"api_visibility": "private"}
 
@@ -77,8 +75,9 @@ def config_text(status: JobStatus) -> str:
         return ""
 
 
-def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
+def build(page: Page) -> ExportTab:
     """The Export tab's widgets, inside the open `gr.Tab` (the inference block wired as it is made)."""
+    on, h = page.on, page.h
     gr.Markdown("## Download or push the model")
     download = gr.DownloadButton("Download model", interactive=False)
     hub_note = gr.Markdown(elem_id="hub-note")
@@ -104,9 +103,14 @@ def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
                      message=message, command=command, yaml=yaml_code, config_file=config_file)
 
 
-def wire_export_tab(on: Callable[..., Any], h: Handlers, tab: ExportTab, train: TrainTab, form_note: Any) -> None:
-    """Push, Export config and Import config (which fills the Train tab's form, then reads its data again;
-    `form_note` is the note over the form, which then names the file)."""
+def wire(page: Page, tab: ExportTab) -> None:
+    """The picker's list read again when the tab is opened and the page loads (the pick kept); Push, Export config
+    and Import config (which fills the Train tab's form, then reads its data again, and names the file in the note
+    over the form)."""
+    on, h, train, form_note = page.on, page.h, page.built["train"], page.form_note
+    for event in (page.selected["export"], page.load):
+        on(event, h.inference.choices, tab.export_pick, {}, outputs=tab.export_pick, gate="quiet",
+           show_progress="hidden", **PRIVATE)
     on(tab.push.click, h.publish.push, [tab.push_repo, tab.push_private], {"message": tab.push_message},
        concurrency_id="push", **PRIVATE)
     on(tab.export_config.click, h.reproduce.export, train.form.values,

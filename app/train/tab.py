@@ -4,7 +4,6 @@ the right; at 400 px the Run panel comes first) and its events."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ from app.train.run import RUN_PARTS, Checking, RunPanel, build_run_panel
 
 if TYPE_CHECKING:
     from app.follow import Seen
-    from app.tabs import Handlers
+    from app.tabs import Page
 
 PRIVATE = {"api_visibility": "private"}  # the page's own events: scripts get the named API of `app.api` instead
 
@@ -118,9 +117,10 @@ def completions_update(status: JobStatus) -> Any:
     return gr.update(value=table, visible=bool(table))
 
 
-def create_train_tab(form: Form, run_on: list[tuple[str, str]] | None = None) -> TrainTab:
-    """The Train tab's widgets, inside the open `gr.Tab`: the config form, panel by panel, and the Run panel
-    (`run_on`: the places to run this app offers)."""
+def build(page: Page) -> TrainTab:
+    """The Train tab's widgets, inside the open `gr.Tab`: the page's config form, panel by panel, and the Run panel
+    (with the places to run this app offers)."""
+    form = page.form
     with gr.Row(equal_height=False, elem_id="train-row"):
         with gr.Column(scale=5):
             with gr.Column(variant="panel"):
@@ -139,12 +139,13 @@ def create_train_tab(form: Form, run_on: list[tuple[str, str]] | None = None) ->
                 with gr.Accordion("Advanced", open=False):
                     form.place("advanced")
         with gr.Column(scale=4):
-            run = build_run_panel(run_on)
+            run = build_run_panel(page.run_on)
     return TrainTab(form=form, model_note=model_note, model_fit=model_fit, dataset=dataset, plan=plan, run=run)
 
 
-def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any) -> None:
-    """The Train tab's events, to its handlers in `h`; `load` is the page's load event."""
+def wire(page: Page, tab: TrainTab) -> None:
+    """The Train tab's events, to its handlers (the page's load event among them)."""
+    on, h, load = page.on, page.h, page.load
     fields, values, by_name = tab.form.fields, tab.form.values, tab.form.by_name
     data_in, data_out = tab.data_inputs, tab.data_targets
     # .input, not .change: an imported config keeps its own task.
