@@ -14,14 +14,13 @@ positions (with Cancel), and nobody else's show at all.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import gradio as gr
 
 from app.local.training import JobStatus
-from app.picks import picker_update
 from app.report import reproduce_command, run_options, shown_path, waits_for
 from app.results import keep
 from app.state import AppState
@@ -60,6 +59,7 @@ class Seen:
     changed_run: bool = True  # another run, or the run's state changed
     newer_run: bool = False  # the current run is not the one the page showed
     new_command: bool = True  # the Reproduce box's command changed (a new run, a resume)
+    answers: dict[str, Any] = field(default_factory=dict)  # what the tabs asked for once (`once`)
 
     @property
     def new_model(self) -> bool:
@@ -95,10 +95,12 @@ class Seen:
         """The run's own `report_to` and `push_to_hub` (`app.report.run_options`)."""
         return run_options(self.status) if self.status.run_dir else {"report_to": [], "push_to_hub": None}
 
-    @cached_property
-    def picks(self) -> Any:
-        """After the current run changed, the run pickers' update (`app.picks`): the newest run picked."""
-        return picker_update(self.state.policy.runs_home(self.user, self.refusal), self.state.jobs.status())
+    def once(self, name: str, compute: Callable[[], Any]) -> Any:
+        """What `compute` answers, worked out once in this tick however many tabs ask for it by `name` (the run
+        pickers of Try it and Export: `app.picks.newest_pick`)."""
+        if name not in self.answers:
+            self.answers[name] = compute()
+        return self.answers[name]
 
 
 # A tab's refresh: its views of the run by name (the names its components are wired under), from one tick's `Seen`.

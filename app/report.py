@@ -6,15 +6,17 @@ from __future__ import annotations
 import shlex
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.local.training import JobStatus
 from app.mapping import in_form_words, plain_words
 from finetune import registry as kinds
 from finetune.config.schema import read_yaml
 from finetune.errors import ConfigError
 from finetune.rows.chat import describe_dropped
 from finetune.rows.segments import Segmentation
+
+if TYPE_CHECKING:
+    from app.local.training import JobStatus
 
 # A finished run's headline metrics, every kind's (its registry entry), then the loss: a run has only its own kind's.
 HEADLINE_METRICS = (*dict.fromkeys(m for n in kinds.names() for m in kinds.entry(n).metrics), "loss")

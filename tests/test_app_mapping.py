@@ -13,6 +13,7 @@ import yaml
 from conftest import ROOT
 
 from app.device import DeviceMemory
+from app.door.limits import parse_config_yaml
 from app.local.training import JobManager
 from app.mapping import (
     BOUND_WORDS,
@@ -23,7 +24,6 @@ from app.mapping import (
     config_yaml,
     from_widget,
     infer_task,
-    parse_config_yaml,
     to_widget,
     values_to_config,
     values_to_dict,

@@ -12,17 +12,19 @@ import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
 from app.door import limits
 from app.door.access import Access, AccessError
-from app.local.training import JobStatus
-from app.mapping import parse_config_yaml
+from app.door.limits import parse_config_yaml
 from app.results import Targets, components, updates
 from finetune.config.schema import ConfigError
 from finetune.remote.jobfile import is_remote_run
+
+if TYPE_CHECKING:
+    from app.local.training import JobStatus
 
 # The components whose own preprocessing refuses a value a caller chose (one not among their choices), before the door.
 CHOICES = (gr.Dropdown, gr.Radio, gr.CheckboxGroup)

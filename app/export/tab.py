@@ -12,6 +12,7 @@ from app.downloads import zip_model
 from app.export import publish
 from app.export.inference import place_export_block
 from app.local.training import JobStatus
+from app.picks import newest_pick
 
 if TYPE_CHECKING:
     from app.follow import Seen
@@ -55,7 +56,7 @@ def refresh(seen: Seen) -> dict[str, Any]:
             "config_file": None if new_command else gr.skip(),
             "hub_note": publish.hub_markdown(status, on_space=bool(seen.state.restart_notice)),
             "push_repo": seen.options["push_to_hub"] or gr.skip(),
-            **({"export_pick": seen.picks} if seen.changed_run else {})}
+            **({"export_pick": newest_pick(seen)} if seen.changed_run else {})}
 
 
 def download(seen: Seen) -> Any:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import gradio as gr
 
 from app.door import limits
+from app.picks import newest_pick
 from app.tryit.panel import panel
 from finetune.use.generation import Generation
 
@@ -70,7 +71,7 @@ def refresh(seen: Seen) -> dict[str, Any]:
     text box its kind is tried with (a new model starts a new chat), and the picker with the newest run picked."""
     if not seen.changed_run:
         return {}
-    return {"try_panel": panel(seen.status, new_model=seen.new_model), "try_pick": seen.picks}
+    return {"try_panel": panel(seen.status, new_model=seen.new_model), "try_pick": newest_pick(seen)}
 
 
 def build(page: Page) -> TryItTab:
