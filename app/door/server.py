@@ -59,7 +59,7 @@ def _preset(arg: str | None) -> tuple[Path | None, Path]:
         return Path(arg), Path.cwd()
     # From the repository (or the Docker image's /app) the sample data is in assets/; an editable install run from
     # elsewhere still finds it beside the package.
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):  # app/door/server.py → the repository
         if (root / PRESET).is_file():
             return root / PRESET, root
     return None, Path.cwd()
