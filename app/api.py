@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import gradio as gr
 
-from app import limits
+from app.door import limits
 from app.mapping import parse_config, problems_text
 from app.report import display_path, final_metrics, reproduce_command, waits_for
 from app.results import Unanswered

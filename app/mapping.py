@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from app.limits import config_size_problem, mapping_size_problem, short_problems
+from app.door.limits import mapping_size_problem, parse_config_yaml, short_problems
 from finetune import registry as kinds
 from finetune.config.schema import (
     FIELDS,
@@ -261,23 +261,6 @@ def config_yaml(config: Config, header: str | None = None) -> str:
     text = yaml.safe_dump(changed_options(config), sort_keys=False, allow_unicode=True)
     lines = [f"# {line}" for line in (header or "").splitlines()]
     return "\n".join([*lines, text if text.strip() != "{}" else ""]).lstrip("\n")
-
-
-def parse_config_yaml(text: str) -> Config:
-    """A config from YAML text, with the config's own error messages."""
-    if too_big := config_size_problem(text):
-        raise ConfigError([too_big])
-    try:
-        data = load_yaml(text)
-    except YamlRefused as e:  # too big, too deep, a number too long: its own sentence
-        raise ConfigError([str(e)]) from None
-    except yaml.YAMLError:
-        raise ConfigError(["The config is not valid YAML: fix its syntax."]) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(["The config must be a mapping of option: value lines."])
-    return from_dict(data)
 
 
 def parse_config(config: str | Mapping[str, Any]) -> Config:

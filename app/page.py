@@ -12,21 +12,20 @@ from typing import Any
 
 import gradio as gr
 
-from app import limits
-from app.access import Access
 from app.api import ScriptApi
 from app.device import DeviceMemory
-from app.export.tab import ExportTab, create_export_tab, wire_export_tab
+from app.door import limits
+from app.door.access import Access
+from app.export.tab import ExportTab
 from app.follow import Follow
-from app.jobs.training import JobManager
+from app.local.training import JobManager
 from app.machine import MachineReport
 from app.mapping import COLUMN_FIELDS, FIELD_NAMES, changed_options, model_choices, preset_config
-from app.runs.tab import RunsTab
-from app.tabs import Handlers, handlers
+from app.tabs import TABS, Handlers, Page, handlers
 from app.train import preview
 from app.train.form import Form
-from app.train.tab import PRIVATE, TrainTab, create_train_tab, pressed_css, wire_train_tab
-from app.tryit.tab import TryItTab, create_tryit_tab, wire_tryit_tab
+from app.train.tab import PRIVATE, TrainTab, pressed_css
+from app.tryit.tab import TryItTab
 from finetune.config.schema import Config, from_dict
 
 CSS = """
@@ -216,34 +215,27 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         # The page's own events are private: scripts get the named API of `app.api` instead. It is registered first,
         # so that its names are free (a private event still takes its function's name).
         ScriptApi(h).register()
+        # The models on this machine as the page is built (a shared server: only hub ids, from the cache).
+        models = model_choices(runs_dir=runs_dir, shared=access.shared)
+        page = Page(on=on, h=h, load=demo.load, form=Form(initial, memory, data, models), form_note=form_note,
+                    run_on=h.state.remote.choices())
         with gr.Tabs(elem_id="steps"):
-            with gr.Tab("Train", id="train", elem_id="tab-train"):
-                # The models on this machine as the page is built (a shared server: only hub ids, from the cache).
-                models = model_choices(runs_dir=runs_dir, shared=access.shared)
-                train = create_train_tab(Form(initial, memory, data, models), h.state.remote.choices())
-            with gr.Tab("Try it", id="try", elem_id="tab-try") as try_tab:
-                tryit = create_tryit_tab()
-            with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
-                runs = RunsTab(h.runs)
-            with gr.Tab("Export", id="export", elem_id="tab-export") as export_tab:
-                export = create_export_tab(on, h)
+            for tab in TABS:
+                with gr.Tab(tab.title, id=tab.id, elem_id=f"tab-{tab.id}") as shown:
+                    page.built[tab.id] = tab.build(page)
+                page.selected[tab.id] = shown.select
         with gr.Accordion("This machine", open=False, elem_id="this-machine") as machine_panel:
             machine_text = gr.Markdown("Checking this machine…")
+        train = page.built["train"]
         fields = train.form.fields
         h.notes.infos = {name: fields[name].info or "" for name in FIELD_NAMES}
-        wire_train_tab(on, h, train, demo.load)
-        wire_follow(on, h.follow, demo.load, train, tryit, export, form_note)
+        for tab in TABS:
+            tab.wire(page, page.built[tab.id])
+        wire_follow(on, h.follow, demo.load, train, page.built["try"], page.built["export"], form_note)
         filled = on(demo.load, h.form.running_config, None, {"values": train.form.by_name, "note": form_note,
                                                               "data": train.data_targets},
                     gate="public", show_progress="hidden", **PRIVATE)
         filled.then(None, js=FILLED_JS)  # answered or not, the form is the user's from now on
-        wire_tryit_tab(on, h.tryit, tryit, [try_tab.select, demo.load])
-        for event in (export_tab.select, demo.load):  # the list read again, the pick kept
-            on(event, h.inference.choices, export.export_pick, {}, outputs=export.export_pick, gate="quiet",
-               show_progress="hidden", **PRIVATE)
-        wire_export_tab(on, h, export, train, form_note)
-        # The list is read again when the tab is opened and when a run's state changes (a run finished, say).
-        runs.wire(on, [runs_tab.select, train.run.status.change, demo.load])
         # Versions and devices are the server's business: shown only to those who may train on it (quietly).
         for event in (demo.load, machine_panel.expand):
             on(event, machine.markdown, None, {}, outputs=machine_text, gate="quiet", show_progress="hidden",
@@ -255,24 +247,12 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
                 export: ExportTab, form_note: Any) -> None:
     """The poll (`app.follow`) on a timer and on each page load, to the components of every tab it refreshes
     (`form_note`: the note over the form, naming the run its settings came from)."""
-    run = train.run
     seen = gr.State(None)
     timer = gr.Timer(1.0)
-    targets = {"signature": seen, "status": run.status, "progress": run.progress, "stats": run.stats,
-               "loss_curve": run.loss, "log": run.log, "metrics": run.metrics, "run_dir": run.run_dir,
-               "download": export.download, "start_button": run.start, "stop_button": run.stop,
-               "resume_button": run.resume, "cancel_button": run.cancel, "command": export.command,
-               "config_yaml": export.yaml, "config_file": export.config_file, "form_note": form_note,
-               "trackers": run.trackers,
-               "hub_note": export.hub_note, "push_repo": export.push_repo,
-               "try_panel": {"chat": tryit.chat, "label": tryit.label, "generated": tryit.generated,
-                             "button": tryit.button, "entities": tryit.entities, "new_chat": tryit.new_chat,
-                             "text": tryit.text, "message": tryit.message, "image": tryit.image,
-                             "push": export.push, "settings": tryit.settings,
-                             "max_new_tokens": tryit.max_new_tokens, "temperature": tryit.temperature,
-                             "top_p": tryit.top_p, "system_prompt": tryit.system_prompt, "base": tryit.base},
-               "note": run.message, "scatter": run.scatter, "completions": run.completions,
-               "try_pick": tryit.pick, "export_pick": export.export_pick}
+    # Each tab names where its views go; Try it's panel enables Export's Push too (both act on a finished model).
+    try_it = tryit.polled
+    try_it["try_panel"]["push"] = export.push
+    targets = {"signature": seen, **train.polled, "form_note": form_note, **try_it, **export.polled}
     on(timer.tick, follow.poll, seen, targets, gate="public", concurrency_limit=None, show_progress="hidden",
        **PRIVATE)
     # A reload (or a second tab) shows the running job at once rather than at the next tick.

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
-from app.access import AccessError, resolve_output_dir
-from app.jobs.training import JobStatus
+from app.door.access import AccessError, resolve_output_dir
+from app.local.training import JobStatus
 from app.runs.listing import headline, list_runs, run_info
 from finetune.run.rundir import MARKER, checkpoints, is_finished
+
+if TYPE_CHECKING:
+    from app.follow import Seen
 
 
 class PickRefused(ValueError):
@@ -111,3 +114,11 @@ def picker_update(home: Path | None, current: JobStatus | None, value: Any = Non
     choices = pick_choices(home, current)
     values = [v for _, v in choices]
     return gr.update(choices=choices, value=value if value in values else (values[0] if values else None))
+
+
+def newest_pick(seen: Seen) -> Any:
+    """After the current run changed, the run pickers' update for the poll's tick `seen` (Try it's and Export's):
+    the caller's runs and checkpoints, the newest picked; worked out once for both."""
+    def update() -> Any:
+        return picker_update(seen.state.policy.runs_home(seen.user, seen.refusal), seen.state.jobs.status())
+    return seen.once("picks", update)

@@ -6,13 +6,17 @@ from __future__ import annotations
 import shlex
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.jobs.training import JobStatus
 from app.mapping import in_form_words, plain_words
 from finetune import registry as kinds
+from finetune.config.schema import read_yaml
+from finetune.errors import ConfigError
 from finetune.rows.chat import describe_dropped
 from finetune.rows.segments import Segmentation
+
+if TYPE_CHECKING:
+    from app.local.training import JobStatus
 
 # A finished run's headline metrics, every kind's (its registry entry), then the loss: a run has only its own kind's.
 HEADLINE_METRICS = (*dict.fromkeys(m for n in kinds.names() for m in kinds.entry(n).metrics), "loss")
@@ -122,3 +126,17 @@ def reproduce_command(status: JobStatus) -> str:
         return ""
     extra = ["resume=true"] if "resume=true" in status.command.split() else []
     return shlex.join(["finetune", "train", display_path(status.config_path), *extra])
+
+
+def run_options(status: JobStatus) -> dict[str, Any]:
+    """The run's own `report_to` and `push_to_hub` (from its resolved config.yaml, else the launched one)."""
+    for path in (status.run_dir / "config.yaml" if status.run_dir else None, status.config_path):
+        if path is not None and Path(path).is_file():
+            try:
+                values = read_yaml(path)
+            except ConfigError:
+                continue
+            report_to = values.get("report_to") or []
+            return {"report_to": report_to.split(",") if isinstance(report_to, str) else list(report_to),
+                    "push_to_hub": values.get("push_to_hub")}
+    return {"report_to": [], "push_to_hub": None}

@@ -7,13 +7,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app import persist
-from app.access import Access
+from app.door import persist
+from app.door.access import Access
+from app.door.limits import LOCAL, Limits
+from app.door.policy import RequestPolicy
 from app.downloads import Downloads
-from app.jobs.client import JobClient
-from app.jobs.training import JobManager
-from app.limits import LOCAL, Limits
-from app.policy import RequestPolicy
+from app.local.client import JobClient
+from app.local.training import JobManager
 from app.remote.jobs import RemoteRuns
 
 
@@ -27,7 +27,7 @@ class AppState:
     limits: Limits = LOCAL
     downloads: Downloads = field(default_factory=Downloads)
     remote: RemoteRuns = field(default_factory=lambda: RemoteRuns(Access()))
-    restart_notice: str = ""  # on a Space whose runs a restart would lose: the page says so (app.persist)
+    restart_notice: str = ""  # on a Space whose runs a restart would lose: the page says so (app.door.persist)
 
     @classmethod
     def create(cls, runs_dir: Path, training: JobManager, *, access: Access | None = None,

@@ -368,7 +368,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     """Run `finetune ui`: serve the GUI (the `app` package, a thin client of this CLI)."""
-    from app.server import serve
+    from app.door.server import serve
 
     return serve(args)
 
@@ -507,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_jobs_parser(sub, cmd_jobs)
     add_doctor_parser(sub)
     try:
-        from app.server import build_parser as ui_parser  # argparse only: gradio is imported when `ui` runs
+        from app.door.server import build_parser as ui_parser  # argparse only: gradio is imported when `ui` runs
     except ImportError:  # installed without the GUI package: every other command still works
         return parser
     p = sub.add_parser("ui", parents=[ui_parser()], add_help=False, help="Open the GUI (the same as `python -m app`).",

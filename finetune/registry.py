@@ -80,8 +80,8 @@ GRPO_OPTIONS = (
            "N tokens is better), reward_model:PATH (a task=reward run or a one-output classifier), or, on the CLI "
            "and a local app only, file.py:function (TRL's signature).", group="main",
            # Marked as naming files; a list, which the schema's walk of sources passes over: a shared server's
-           # `app.access.Access.check_config` parses each reward (a Python file refused, a reward model checked as a
-           # model).
+           # `app.door.access.Access.check_config` parses each reward (a Python file refused, a reward model checked
+           # as a model).
            source="file"),
     Option("reward_weights", tuple, (), "GRPO: one weight per reward (default: all 1).", group="advanced"),
     Option("num_generations", int, 8, "GRPO: completions generated per prompt (G, a group); `micro_batch_size` and "

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
-from app.access import ANYONE, NO_REMOTE_CODE, Access, AccessError, resolve_output_dir
 from app.api import ScriptApi
-from app.jobs.training import JobManager
+from app.door.access import ANYONE, NO_REMOTE_CODE, Access, AccessError, resolve_output_dir
+from app.local.training import JobManager
 from app.mapping import COLUMN_FIELDS
 from app.tabs import handlers
 from finetune.config.schema import from_dict
@@ -311,9 +311,10 @@ def test_the_run_panel_shows_a_run_folder_by_its_place_in_the_runs_folder(tmp_pa
     server keeps it (an absolute --runs-dir)."""
     from types import SimpleNamespace
 
+    from app.door.policy import RequestPolicy
     from app.follow import Follow
-    from app.jobs.training import JobStatus
-    from app.policy import RequestPolicy
+    from app.local.training import JobStatus
+    from app.tabs import REFRESHES
 
     runs = tmp_path / "srv" / "runs"
     run_dir = runs / "alice" / "20261201-120000-978a2325"
@@ -323,6 +324,6 @@ def test_the_run_panel_shows_a_run_folder_by_its_place_in_the_runs_folder(tmp_pa
     state = SimpleNamespace(policy=policy, access=policy.access, runs_dir=runs, restart_notice="",
                             remote=SimpleNamespace(reattach=lambda *args: False),
                             jobs=SimpleNamespace(status=lambda: status, queued=lambda user: [], training=None))
-    shown = Follow(state).poll(None, request=_signed_in("alice"))
+    shown = Follow(state, REFRESHES).poll(None, request=_signed_in("alice"))
     assert shown.run_dir == "runs/alice/20261201-120000-978a2325"
     assert str(tmp_path) not in shown.run_dir

@@ -12,12 +12,12 @@ import pytest
 import test_app_access
 from test_app_access import ALICE, ANON, BOB, _config, _signed_in, _space
 
-from app.access import AccessError, resolve_output_dir
 from app.api import ScriptApi
-from app.jobs.training import JobBusy, JobManager
+from app.door.access import AccessError, resolve_output_dir
+from app.door.policy import GATES
+from app.local.training import JobBusy, JobManager
 from app.mapping import COLUMN_FIELDS, in_form_words, parse_config
 from app.page import build
-from app.policy import GATES
 from app.tabs import Handlers, handlers
 from app.train import preview
 from finetune.config.schema import ConfigError, from_dict, sources
@@ -412,7 +412,7 @@ def test_a_runs_looping_or_memory_eating_chat_template_is_cut_in_try_it_and_pred
     from conftest import run_train
     from test_chat import _chatml_tokenizer, _conversations, _tiny_chat_llama, _write_jsonl
 
-    from app.jobs import training as jobs
+    from app.local import training as jobs
 
     model = _tiny_chat_llama(_chatml_tokenizer(), tmp_path / "chat_model")
     run = tmp_path / "runs" / "r"
@@ -510,7 +510,7 @@ def test_no_run_resumes_while_an_export_runs_and_no_export_starts_while_a_start_
 
 
 def test_messages_name_a_folder_by_its_place_in_the_runs_folder_never_by_the_servers_path(tmp_path):
-    from app import cleanup
+    from app.door import cleanup
     from app.report import shown_path
 
     home = tmp_path / "srv" / "runs" / "bob"
@@ -534,7 +534,7 @@ def test_refused_inputs_are_answered_without_a_traceback_in_the_servers_log(spac
     with gr.Blocks() as demo:
         choice, radio, boxes = gr.Dropdown(["a", "b"]), gr.Radio(["x", "y"]), gr.CheckboxGroup(["p", "q"])
         out = gr.Textbox()
-        from app.policy import RequestPolicy
+        from app.door.policy import RequestPolicy
 
         RequestPolicy(_space()).on(gr.Button().click, lambda *a, request: "ran", [choice, radio, boxes], {},
                                    outputs=[out])

@@ -21,7 +21,7 @@ from conftest import served_app
 from test_app_attacks_reads import SIDE, _png
 from test_app_guard import _join, _post, _Recorder, _session_cookie
 
-from app.guard import NOT_YOUR_FILE
+from app.door.guard import NOT_YOUR_FILE
 
 SECRET = "oauth-secret"
 SPACE = {"SPACE_ID": "owner/finetune", "SYSTEM": "spaces", "SPACE_AUTHOR_NAME": "owner",

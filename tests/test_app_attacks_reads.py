@@ -18,9 +18,9 @@ import pytest
 from kind_cases.image_classification import DIGITS
 from test_app_access import ALICE, BOB, PASSWORDS, shared  # noqa: F401 (the fixture)
 
-from app import cleanup
-from app.jobs.training import JobManager
-from app.limits import Limits
+from app.door import cleanup
+from app.door.limits import Limits
+from app.local.training import JobManager
 from app.mapping import COLUMN_FIELDS
 from app.tabs import handlers
 from app.train import images, preview

@@ -14,9 +14,9 @@ import pytest
 from conftest import ROOT, run_train
 from test_chat import _chatml_tokenizer, _conversations, _tiny_chat_llama, _write_jsonl
 
-from app.access import Access, AccessError
-from app.jobs import training as jobs
-from app.jobs.training import JobManager
+from app.door.access import Access, AccessError
+from app.local import training as jobs
+from app.local.training import JobManager
 from app.mapping import COLUMN_FIELDS, SPECS
 from app.tabs import Handlers, handlers
 from app.train import run_report
@@ -100,7 +100,8 @@ def test_try_it_chats_with_the_trained_model(tmp_path, chat_model):
     panel = ctl.follow.poll(None).try_panel
     assert panel.chat == gr.update(visible=True, value=[]) and panel.new_chat["visible"]
     assert panel.button == gr.update(interactive=True, value="Send") and panel.push["interactive"]
-    assert ctl.follow.poll(ctl.follow.poll(None).signature).try_panel is None  # the same run: the chat going on is kept
+    # The same run: the chat going on is kept.
+    assert ctl.follow.poll(ctl.follow.poll(None).signature).try_panel == gr.skip()
     first = ctl.tryit.try_it("good movie")
     assert first.message == "" and first.chat["visible"] and first.text == ""
     assert not first.generated["visible"] and not first.label["visible"]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import served_app
 
-from app.jobs.training import KILLED, JobManager
+from app.local.training import KILLED, JobManager
 from app.tabs import handlers
 from finetune.run.events import read_events
 from finetune.run.rundir import checkpoints

@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 from conftest import run_train
 
-from app.access import Access
 from app.api import ScriptApi
+from app.door.access import Access
 from app.export.inference import InferenceExport
-from app.jobs.queue import RunQueue
-from app.jobs.training import JobStatus
+from app.local.queue import RunQueue
+from app.local.training import JobStatus
 from app.tabs import handlers
 from finetune.config.schema import from_dict
 from finetune.run.events import read_events

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from conftest import ROOT, wait_for_run
 
-from app.jobs import training
-from app.jobs.training import JobManager, JobStatus
+from app.local import training
+from app.local.training import JobManager, JobStatus
 from app.mapping import config_yaml, in_form_words, shown_fields
 from app.runs.listing import list_runs
 from app.tabs import handlers

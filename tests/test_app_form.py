@@ -15,7 +15,7 @@ from conftest import wait_for_run
 from test_chat import _chatml_tokenizer, _tiny_chat_llama
 
 from app import charts
-from app.jobs.training import JobManager
+from app.local.training import JobManager
 from app.mapping import (
     CHAT_FIELDS,
     COLUMN_FIELDS,
@@ -238,7 +238,7 @@ def test_the_model_picker_warns_when_nothing_fits_and_the_plan_is_for_a_cuda_gpu
 def test_try_it_scores_a_text_with_a_reward_run(tmp_path, pairs_csv, tiny_gpt2):
     from conftest import run_train
 
-    from app.jobs import training as jobs
+    from app.local import training as jobs
 
     run = tmp_path / "runs" / "r"
     run_train(run, model=tiny_gpt2, dataset=pairs_csv, task="reward", max_steps=1, effective_batch_size=2)

@@ -11,10 +11,10 @@ from pathlib import Path
 import yaml
 from transformers import AutoTokenizer
 
-from app import limits
 from app.api import ScriptApi
-from app.jobs import training as jobs
-from app.jobs.training import JobManager
+from app.door import limits
+from app.local import training as jobs
+from app.local.training import JobManager
 from app.tabs import Handlers, handlers
 
 

@@ -16,9 +16,8 @@ from conftest import wait_for_run
 from test_chat import _chatml_tokenizer, _tiny_chat_llama
 
 from app import charts
-from app.access import Access, AccessError
-from app.follow import completions_update
-from app.jobs.training import JobManager, JobStatus
+from app.door.access import Access, AccessError
+from app.local.training import JobManager, JobStatus
 from app.mapping import FIELD_NAMES, SPECS, field_problems, shown_fields, task_choices, to_widget, values_to_config
 from app.report import display_path
 from app.tabs import handlers
@@ -26,6 +25,7 @@ from app.train import run_report
 from app.train.form import widget
 from app.train.preview import DatasetView
 from app.train.rewards import reward_choices
+from app.train.tab import completions_update
 from app.tryit import panel
 from finetune.config.schema import FIELDS, ConfigError, from_dict
 from finetune.kinds import rewards

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 from conftest import served_app
 
-from app.guard import (
+from app.door.guard import (
     FORGET_S,
     FREE_FAILURES,
     MAX_DELAY_S,
@@ -255,3 +255,14 @@ def test_a_file_input_takes_only_the_callers_own_uploads_never_a_url_or_a_server
             assert status == 403 and NOT_YOUR_FILE in text
     finally:
         server.shutdown()
+
+
+def test_the_server_finds_the_bundled_preset_from_any_folder(tmp_path, monkeypatch):
+    """Run from elsewhere (an editable install), `python -m app` still opens on the sample data beside the package:
+    the path is counted from the server's own file, which moved into app/door/."""
+    from conftest import ROOT
+
+    from app.door.server import PRESET, _preset
+
+    monkeypatch.chdir(tmp_path)
+    assert _preset(None) == (ROOT / PRESET, ROOT)

@@ -1,4 +1,4 @@
-"""The app's runs on Hugging Face Jobs (app/remote/) and its runs folder on a Space (app/persist.py).
+"""The app's runs on Hugging Face Jobs (app/remote/) and its runs folder on a Space (app/door/persist.py).
 
 Through the handlers and the API, with fake requests: the form's "Run on" choice reaches the training child as
 `--backend hf-jobs --flavor F`; on a Space the signed-in user's OAuth token reaches it in its environment only, and
@@ -21,10 +21,10 @@ from types import SimpleNamespace
 import pytest
 from huggingface_hub import constants as hf_constants
 
-from app import persist
-from app.access import Access
 from app.api import ScriptApi
-from app.jobs.training import JobManager
+from app.door import persist
+from app.door.access import Access
+from app.local.training import JobManager
 from app.mapping import COLUMN_FIELDS, config_to_values
 from app.remote import jobs as remote
 from app.remote.choice import LOCAL, flavor_of, run_on_choices
@@ -92,11 +92,11 @@ def _controller(runs: Path, python: str, access: Access):
     ctl = handlers(runs, jobs, access=access)
     plans = []
 
-    def make_plan(config, *, device="here", request=None):  # the planner child is tested elsewhere
+    def planned(config, user, device="here"):  # the planner child is tested elsewhere
         plans.append((config.memory_budget_gb, device))
         return {}
 
-    ctl.plan.make_plan = make_plan
+    ctl.plan.planned = planned
     return ctl, plans
 
 
@@ -379,7 +379,7 @@ def test_stop_cancels_the_signed_in_users_job_which_ran_with_their_token_only(tm
     access = Access.from_env(os.environ, "0.0.0.0")
     runs = Path("runs")
     ctl = handlers(runs, JobManager(runs, env=access.child_env(os.environ)), access=access)
-    ctl.plan.make_plan = lambda config, **_: {}  # the launcher plans for the flavor itself, before it sends
+    ctl.plan.planned = lambda config, user, device="here": {}  # the launcher plans for the flavor itself
     alice = _signed_in("alice", token=user_token)
     gradio_copy = tmp_path / "gradio" / "cls.csv"
     gradio_copy.parent.mkdir()

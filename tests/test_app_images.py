@@ -13,7 +13,7 @@ import pytest
 from kind_cases.image_classification import DIGITS
 from test_app_access import ALICE, BOB, PASSWORDS
 
-from app.jobs.training import JobManager
+from app.local.training import JobManager
 from app.mapping import COLUMN_FIELDS
 from app.tabs import handlers
 from app.train import images

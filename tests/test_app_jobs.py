@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from app.downloads import zip_model
-from app.jobs.training import JobBusy, JobManager, JobStatus
+from app.local.training import JobBusy, JobManager, JobStatus
 from app.tabs import handlers
 
 pytestmark = pytest.mark.slow

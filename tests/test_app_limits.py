@@ -17,12 +17,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from app import cleanup, limits
 from app.api import ScriptApi
+from app.door import cleanup, limits
 from app.downloads import zip_model
-from app.jobs import current
-from app.jobs import training as jobs
-from app.jobs.training import KILLED, JobManager
+from app.local import current
+from app.local import training as jobs
+from app.local.training import KILLED, JobManager
 from app.mapping import FIELD_NAMES, config_to_values, problems_text
 from app.tabs import Handlers, handlers
 from app.train import preview
@@ -91,7 +91,7 @@ def test_server_limits_check_is_pure_and_quiet_within_them():
 
 
 def test_limit_flags_fall_back_to_variables_and_space_defaults(monkeypatch):
-    from app.server import build_parser
+    from app.door.server import build_parser
 
     for key in ("SPACE_ID", "FINETUNE_MAX_EPOCHS", "FINETUNE_MAX_RUN_MINUTES", "FINETUNE_KEEP_DAYS"):
         monkeypatch.delenv(key, raising=False)

@@ -13,7 +13,8 @@ import yaml
 from conftest import ROOT
 
 from app.device import DeviceMemory
-from app.jobs.training import JobManager
+from app.door.limits import parse_config_yaml
+from app.local.training import JobManager
 from app.mapping import (
     BOUND_WORDS,
     FIELD_NAMES,
@@ -23,7 +24,6 @@ from app.mapping import (
     config_yaml,
     from_widget,
     infer_task,
-    parse_config_yaml,
     to_widget,
     values_to_config,
     values_to_dict,
@@ -280,7 +280,7 @@ def test_a_handler_without_request_cannot_be_wired_to_the_page():
     is built (Export and Import config once failed only in the browser, as a red Error badge)."""
     import gradio as gr
 
-    from app.policy import RequestPolicy
+    from app.door.policy import RequestPolicy
 
     _on = RequestPolicy().on
 
@@ -314,7 +314,7 @@ def test_messages_on_the_page_use_the_forms_labels_not_config_keys():
 def test_a_reload_shows_the_runs_settings_without_its_folder_and_old_notes_go_when_it_ends(tmp_path, monkeypatch):
     import time
 
-    from app.jobs import training as jobs
+    from app.local import training as jobs
 
     monkeypatch.chdir(tmp_path)
     runs = Path("runs")

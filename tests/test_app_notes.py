@@ -13,9 +13,9 @@ import gradio as gr
 import pandas as pd
 from conftest import ROOT
 
-from app.jobs import training
-from app.jobs.export import ExportChild
-from app.jobs.training import JobManager
+from app.local import training
+from app.local.export import ExportChild
+from app.local.training import JobManager
 from app.mapping import config_yaml, load_config_file
 from app.runs.listing import TABLE_COLUMNS, runs_html
 from app.tabs import handlers

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from conftest import run_train
 
-from app.access import Access
-from app.jobs.training import JobStatus
+from app.door.access import Access
+from app.local.training import JobStatus
 from app.picks import Picked, PickRefused, pick_choices, resolve_pick
 from app.tabs import handlers
 from finetune.run.rundir import MARKER

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.access import Access
 from app.api import ScriptApi
-from app.jobs.training import JobManager
-from app.limits import Limits
+from app.door.access import Access
+from app.door.limits import Limits
+from app.local.training import JobManager
 from app.mapping import COLUMN_FIELDS
 from app.tabs import Handlers, handlers
 
@@ -205,7 +205,7 @@ def test_the_queue_survives_a_new_app_process(tmp_path):
     fake = _fake_python(tmp_path)
     configs = {name: _launch(runs / name) for name in ("r1", "r2", "r3")}
     # The first app process: r1 starts, r2 and r3 wait; then the app is gone (its child trains on).
-    script = ("import sys; from pathlib import Path; from app.jobs.training import JobManager\n"
+    script = ("import sys; from pathlib import Path; from app.local.training import JobManager\n"
               f"jobs = JobManager(Path({str(runs)!r}), python={fake!r})\n"
               "print([jobs.submit(Path(c), Path(c).parent) for c in sys.argv[1:]])\n")
     first = subprocess.run([sys.executable, "-c", script, *map(str, configs.values())], capture_output=True,

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 from conftest import run_train
 
-from app.access import Access
-from app.jobs import training as jobs
-from app.jobs.training import JobManager
+from app.door.access import Access
+from app.local import training as jobs
+from app.local.training import JobManager
 from app.runs.listing import config_diff, list_runs
 from app.tabs import Handlers, handlers
 from app.tryit.renderers import entity_pieces

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from fakeslurm import install
 
-from app.access import Access, AccessError
-from app.jobs.training import JobManager
+from app.door.access import Access, AccessError
+from app.local.training import JobManager
 from app.mapping import config_to_values
 from app.remote import jobs as remote
 from app.remote.choice import LOCAL, backend_fields, backend_of, launch_arguments, run_on_choices
@@ -62,11 +62,11 @@ def _controller(runs: Path, python: str):
     ctl = handlers(runs, JobManager(runs, python=python), access=Access())
     ctl.plan.plans = []  # what Start planned here: (budget, device)
 
-    def make_plan(config, *, device="here", request=None):  # the planner child is tested elsewhere
+    def planned(config, user, device="here"):  # the planner child is tested elsewhere
         ctl.plan.plans.append((config.memory_budget_gb, device))
         return {}
 
-    ctl.plan.make_plan = make_plan
+    ctl.plan.planned = planned
     return ctl
 
 

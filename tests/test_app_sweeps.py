@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from app.access import Access
-from app.jobs.training import JobManager
+from app.door.access import Access
+from app.local.training import JobManager
 from app.runs.listing import benchmarks_frame, list_runs
 from app.tabs import handlers
 from finetune.run.rundir import MARKER

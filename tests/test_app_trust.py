@@ -19,12 +19,12 @@ import yaml
 from test_app_access import ALICE
 from test_app_queue import BOB, PASSWORDS, _config, _fake_python, _training
 
-from app.access import Access
 from app.api import ScriptApi
-from app.guard import FREE_FAILURES, Guard, client_address, forwarded_header, trusted_networks
-from app.jobs.current import OTHER_APP
-from app.jobs.training import JobBusy, JobManager, JobStatus
-from app.limits import MAX_TRY_IMAGE_PIXELS, Limits
+from app.door.access import Access
+from app.door.guard import FREE_FAILURES, Guard, client_address, forwarded_header, trusted_networks
+from app.door.limits import MAX_TRY_IMAGE_PIXELS, Limits
+from app.local.current import OTHER_APP
+from app.local.training import JobBusy, JobManager, JobStatus
 from app.mapping import COLUMN_FIELDS, config_to_values, in_form_words, plain_words
 from app.remote.choice import LOCAL
 from app.tabs import handlers
@@ -251,7 +251,7 @@ def test_a_huge_image_in_try_it_is_refused_with_a_sentence_from_its_header(tmp_p
     import gradio as gr
     from gradio.data_classes import FileData
 
-    from app.policy import quiet_images
+    from app.door.policy import quiet_images
 
     huge, big = _png_header(tmp_path / "huge.png", 14_000, 14_000), _png_header(tmp_path / "big.png", 9_000, 9_000)
     # Gradio's image input opens the file's header before any handler: past Pillow's limit, a sentence.

@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 
 from app import charts, report
-from app.jobs.tail import EventTail, error_from_output, session_output
-from app.jobs.training import JobStatus
+from app.local.tail import EventTail, error_from_output, session_output
+from app.local.training import JobStatus
 from app.train import plan_report, preview, run_report
 from app.tryit import panel, renderers
 

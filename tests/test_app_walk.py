@@ -50,7 +50,7 @@ def _routes() -> list[tuple[str, str]]:
     """(method, path) of every route of the app's FastAPI application, as Gradio builds it for this page."""
     import gradio as gr
 
-    from app.access import Access
+    from app.door.access import Access
     from app.page import build
 
     app = build(Path("runs"), access=Access("password", accounts=(("alice", "a"), ("bob", "b"))))

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from app.server import build_parser
+from app.door.server import build_parser
 
 
 def instructions() -> list[tuple[str, str]]:

@@ -196,7 +196,7 @@ def test_the_gpu_check_says_in_one_line_what_an_image_lacks():
 
 
 def test_the_app_checks_the_ranges_before_it_serves(monkeypatch, capsys, tmp_path):
-    from app import server
+    from app.door import server
 
     monkeypatch.setattr(versions, "PYPROJECT", _pyproject(tmp_path, ["gradio>=99"]))
     monkeypatch.setattr(server, "launch", lambda *a, **k: pytest.fail("served with a too-old gradio"))

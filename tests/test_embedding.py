@@ -391,9 +391,9 @@ def test_the_model_card_says_sentence_transformers():
 
 def test_try_it_shows_a_texts_embedding_or_its_nearest_candidates(tmp_path, monkeypatch, tiny_encoder,
                                                                   embedding_pairs_csv):
-    from app.jobs.training import JobStatus
-    from app.limits import MAX_TRY_CANDIDATES
-    from app.policy import RequestPolicy
+    from app.door.limits import MAX_TRY_CANDIDATES
+    from app.door.policy import RequestPolicy
+    from app.local.training import JobStatus
     from app.tabs import handlers
     from app.tryit import panel
     from finetune.train.loop import train

@@ -254,7 +254,7 @@ def test_refusals_are_one_sentence_each(tmp_path, capsys, tiny_gpt2):
 
 
 def test_a_shared_server_refuses_a_python_reward(tmp_path):
-    from app.access import Access, AccessError
+    from app.door.access import Access, AccessError
 
     shared = Access.from_env({}, "0.0.0.0", no_auth=True)
     assert shared.shared

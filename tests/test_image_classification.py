@@ -274,8 +274,8 @@ def test_try_it_takes_an_image_and_shows_each_labels_probability(tmp_path, capsy
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-    from app.jobs.training import JobStatus
-    from app.policy import RequestPolicy
+    from app.door.policy import RequestPolicy
+    from app.local.training import JobStatus
     from app.results import Unanswered
     from app.tabs import handlers
     from app.tryit import panel

@@ -8,7 +8,7 @@ import pytest
 import transformers.modeling_utils
 from conftest import run_train
 
-from app.access import NO_HUB_KERNELS, Access, AccessError
+from app.door.access import NO_HUB_KERNELS, Access, AccessError
 from finetune.cli import main
 from finetune.config.schema import from_dict
 from finetune.errors import ModelError

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import _causal_tokenizer, assert_same_weights, bundled_tokenizer, run_train, step_losses
 
-from app.jobs.training import JobStatus
+from app.local.training import JobStatus
 from app.mapping import in_form_words
 from app.train import plan_report, run_report
 from finetune.cli import main

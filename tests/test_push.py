@@ -20,9 +20,9 @@ import yaml
 from conftest import run_train
 from fakehub import fake_hub
 
-from app.access import Access, AccessError
+from app.door.access import Access, AccessError
 from app.export import publish
-from app.jobs.training import JobStatus
+from app.local.training import JobStatus
 from app.tabs import handlers
 from app.train import run_report
 from finetune.config.schema import ConfigError, from_dict

@@ -205,8 +205,8 @@ def test_the_gui_maps_the_columns_and_previews_the_numbers(tmp_path, reg_csv):
 
 
 def test_the_scatter_and_try_it_after_a_regression_run(tmp_path, tiny_bert, reg_csv, monkeypatch):
-    from app.jobs.training import JobStatus
-    from app.policy import RequestPolicy
+    from app.door.policy import RequestPolicy
+    from app.local.training import JobStatus
     from app.tabs import handlers
     from app.train import scatter
 

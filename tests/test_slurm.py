@@ -212,7 +212,7 @@ def test_the_signal_before_the_time_limit_saves_a_checkpoint_and_the_requeued_jo
 
 def test_the_run_panel_says_where_each_backend_runs(tmp_path):
     """An active run's status names its backend's place, read from job.json's `backend`."""
-    from app.jobs.training import JobStatus
+    from app.local.training import JobStatus
     from app.remote.jobs import job_status
 
     run = tmp_path / "run"

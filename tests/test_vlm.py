@@ -114,8 +114,8 @@ def test_bad_rows_are_refused_in_a_sentence(tmp_path, tiny_idefics3, row, messag
 
 def test_try_it_answers_about_an_uploaded_image_as_predict_does_and_gguf_is_refused(tmp_path, tiny_idefics3, vlm_jsonl,
                                                                                       capsys, monkeypatch):
-    from app.jobs.training import JobStatus
-    from app.policy import RequestPolicy
+    from app.door.policy import RequestPolicy
+    from app.local.training import JobStatus
     from app.results import Unanswered
     from app.tabs import handlers
     from app.tryit import panel

@@ -6,7 +6,7 @@ On a shared server a visitor cannot point it anywhere or exhaust the machine: th
 or a run folder that must resolve inside their own runs folder (`access.resolve_output_dir`) and have finished; the
 export always goes to RUN/export/ (inside the runs folder); one export runs at a time on the server and none while
 a run trains; it needs the free disk a run needs (`min_free_gb`), and is killed (its whole process group) past the
-server's run-time limit, else `app.jobs.export.EXPORT_LIMIT_S`.
+server's run-time limit, else `app.local.export.EXPORT_LIMIT_S`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 
 import gradio as gr
 
-from app import cleanup
-from app.access import AccessError, resolve_output_dir
+from app.door import cleanup
+from app.door.access import AccessError, resolve_output_dir
 from app.downloads import zip_model
 from app.export.publish import PushHandlers, PushOutcome
-from app.jobs.training import JobBusy
+from app.local.training import JobBusy
 from app.picks import PickRefused, picker_update, resolve_pick
 from app.state import AppState
 from finetune.config.schema import ConfigError, read_yaml

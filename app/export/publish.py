@@ -3,20 +3,19 @@ shows; and what the page says of a run's last push.
 
 The push runs in the app's own process with the token of whoever runs the app (`HF_TOKEN`, or their stored login),
 which never leaves that process: the training child of a shared server does not get it, and no answer contains it
-(`finetune.use.hub.describe_failure` masks it in error text). Who may push is `Access.may_push` (see `app.access`).
+(`finetune.use.hub.describe_failure` masks it in error text). Who may push is `Access.may_push` (see `app.door.access`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from app.access import Access
-from app.jobs.training import JobStatus
+from app.door.access import Access
+from app.local.training import JobStatus
 from app.report import waiting_note
 from app.state import AppState
-from finetune.config.schema import read_yaml, repo_id_problem
+from finetune.config.schema import repo_id_problem
 from finetune.errors import ConfigError, InputError
 from finetune.run.events import EventLog, Pushed
 from finetune.use import hub
@@ -70,20 +69,6 @@ def push_finished_run(access: Access, status: JobStatus, user: str | None, repo:
     log.emit(Pushed(repo_id=result.repo_id, model_dir=model_dir, url=result.url, commit=result.commit))
     return PushOutcome(f"Pushed to [{result.repo_id}]({result.url}) (commit `{result.commit[:7]}`).", result.url,
                        result.commit)
-
-
-def run_options(status: JobStatus) -> dict[str, Any]:
-    """The run's own `report_to` and `push_to_hub` (from its resolved config.yaml, else the launched one)."""
-    for path in (status.run_dir / "config.yaml" if status.run_dir else None, status.config_path):
-        if path is not None and Path(path).is_file():
-            try:
-                values = read_yaml(path)
-            except ConfigError:
-                continue
-            report_to = values.get("report_to") or []
-            return {"report_to": report_to.split(",") if isinstance(report_to, str) else list(report_to),
-                    "push_to_hub": values.get("push_to_hub")}
-    return {"report_to": [], "push_to_hub": None}
 
 
 def hub_markdown(status: JobStatus, on_space: bool) -> str:

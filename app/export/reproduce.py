@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app import limits
+from app.door import limits
 from app.mapping import (
     FIELD_NAMES,
     config_to_values,

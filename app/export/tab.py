@@ -3,17 +3,20 @@ reproduces the run; its widgets and events (the poll, `app.follow`, enables Down
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
+from app.downloads import zip_model
+from app.export import publish
 from app.export.inference import place_export_block
+from app.local.training import JobStatus
+from app.picks import newest_pick
 
 if TYPE_CHECKING:
-    from app.tabs import Handlers
-    from app.train.tab import TrainTab
+    from app.follow import Seen
+    from app.tabs import Page
 
 PRIVATE = {"api_visibility": "private"}
 
@@ -36,9 +39,46 @@ class ExportTab:
     config_file: Any
     export_pick: Any  # the run or checkpoint Export model exports (`app.picks`)
 
+    @property
+    def polled(self) -> dict[str, Any]:
+        """Where the views of `refresh` go."""
+        return {"download": self.download, "command": self.command, "config_yaml": self.yaml,
+                "config_file": self.config_file, "hub_note": self.hub_note, "push_repo": self.push_repo,
+                "export_pick": self.export_pick}
 
-def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
+
+def refresh(seen: Seen) -> dict[str, Any]:
+    """The Export tab's view of the run, for the poll (`app.follow`): Download once the model is finished, how its
+    last push went, the Reproduce box when the run's command changed, and the picker after the run changed."""
+    status, new_command = seen.status, seen.new_command
+    return {"download": download(seen), "command": seen.command if new_command else gr.skip(),
+            "config_yaml": config_text(status) if new_command else gr.skip(),
+            "config_file": None if new_command else gr.skip(),
+            "hub_note": publish.hub_markdown(status, on_space=bool(seen.state.restart_notice)),
+            "push_repo": seen.options["push_to_hub"] or gr.skip(),
+            **({"export_pick": newest_pick(seen)} if seen.changed_run else {})}
+
+
+def download(seen: Seen) -> Any:
+    """Download model: the finished run's model zipped (once), named after the run."""
+    status = seen.status
+    if status.state != "done" or status.model_dir is None:
+        return gr.update(value=None, interactive=False)
+    zipped = zip_model(status.model_dir, status.run_dir / "model.zip")
+    return gr.update(value=seen.state.downloads.handout(zipped, f"{status.run_dir.name}.zip"), interactive=True)
+
+
+def config_text(status: JobStatus) -> str:
+    """The config the run's command runs, as the Reproduce box shows it."""
+    try:
+        return status.config_path.read_text(encoding="utf-8", errors="replace") if status.config_path else ""
+    except OSError:  # deleted meanwhile: the command alone
+        return ""
+
+
+def build(page: Page) -> ExportTab:
     """The Export tab's widgets, inside the open `gr.Tab` (the inference block wired as it is made)."""
+    on, h = page.on, page.h
     gr.Markdown("## Download or push the model")
     download = gr.DownloadButton("Download model", interactive=False)
     hub_note = gr.Markdown(elem_id="hub-note")
@@ -64,9 +104,14 @@ def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
                      message=message, command=command, yaml=yaml_code, config_file=config_file)
 
 
-def wire_export_tab(on: Callable[..., Any], h: Handlers, tab: ExportTab, train: TrainTab, form_note: Any) -> None:
-    """Push, Export config and Import config (which fills the Train tab's form, then reads its data again;
-    `form_note` is the note over the form, which then names the file)."""
+def wire(page: Page, tab: ExportTab) -> None:
+    """The picker's list read again when the tab is opened and the page loads (the pick kept); Push, Export config
+    and Import config (which fills the Train tab's form, then reads its data again, and names the file in the note
+    over the form)."""
+    on, h, train, form_note = page.on, page.h, page.built["train"], page.form_note
+    for event in (page.selected["export"], page.load):
+        on(event, h.inference.choices, tab.export_pick, {}, outputs=tab.export_pick, gate="quiet",
+           show_progress="hidden", **PRIVATE)
     on(tab.push.click, h.publish.push, [tab.push_repo, tab.push_private], {"message": tab.push_message},
        concurrency_id="push", **PRIVATE)
     on(tab.export_config.click, h.reproduce.export, train.form.values,

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.access import Access, AccessError
-from app.jobs.training import JobBusy, JobManager, JobStatus
+from app.door.access import Access, AccessError
+from app.local.training import JobBusy, JobManager, JobStatus
 from app.remote.choice import backend_of, flavor_of, launch_arguments, run_on_choices
 from finetune.errors import FinetuneError
 from finetune.remote import backend

@@ -18,7 +18,7 @@ import pandas as pd
 import yaml
 
 from app import charts, report
-from app.jobs.training import ENDED
+from app.local.training import ENDED
 from finetune.config.schema import ConfigError, from_dict, read_yaml
 from finetune.errors import FinetuneError
 from finetune.remote import backend

@@ -13,12 +13,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
 from app import charts, report
-from app.jobs.training import JobBusy
+from app.local.training import JobBusy
 from app.runs.listing import (
     RunInfo,
     benchmarks_frame,
@@ -35,6 +35,9 @@ from app.runs.listing import (
     status_title,
 )
 from app.state import AppState
+
+if TYPE_CHECKING:
+    from app.tabs import Page
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,3 +316,14 @@ class RunsTab:
         on(self.cancel_queued_btn.click, runs.cancel, chosen, self.listing, **private)
         on(self.bench_btn.click, runs.evaluate, [chosen, self.bench_names, self.bench_base, self.bench_limit], {},
            outputs=self.message, **private)
+
+
+def build(page: Page) -> RunsTab:
+    """The Runs tab's blocks, inside the open `gr.Tab`."""
+    return RunsTab(page.h.runs)
+
+
+def wire(page: Page, tab: RunsTab) -> None:
+    """The Runs tab's events; the list is read again when the tab is opened, when the current run's state changes
+    (a run finished, say: the Train tab's status line) and when the page loads."""
+    tab.wire(page.on, [page.selected["runs"], page.built["train"].run.status.change, page.load])

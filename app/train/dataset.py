@@ -10,8 +10,8 @@ from typing import Any
 
 import gradio as gr
 
-from app import cleanup
-from app.access import AccessError
+from app.door import cleanup
+from app.door.access import AccessError
 from app.mapping import COLUMN_FIELDS, field_problems, in_form_words, plain_words, to_widget
 from app.report import display_path
 from app.results import DatasetShown, hidden, keep

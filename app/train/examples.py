@@ -12,7 +12,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from app.jobs import bounded
+from app.local import bounded
 from app.train import preview
 from finetune import registry as kinds
 from finetune.config.schema import Config

@@ -12,10 +12,10 @@ from typing import Any
 
 import gradio as gr
 
-from app import limits
-from app.access import AccessError
 from app.device import DeviceMemory
-from app.jobs.training import JobStatus
+from app.door import limits
+from app.door.access import AccessError
+from app.local.training import JobStatus
 from app.mapping import (
     COLUMN_FIELDS,
     FIELD_NAMES,

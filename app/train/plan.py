@@ -9,8 +9,8 @@ from typing import Any
 
 import gradio as gr
 
-from app import limits
-from app.access import AccessError
+from app.door import limits
+from app.door.access import AccessError
 from app.hubcheck import hub_problem
 from app.mapping import changed_options, config_yaml, field_problems, in_form_words, problems_markdown, values_to_config
 from app.remote.choice import LOCAL, flavor_of
@@ -55,18 +55,28 @@ class PlanHandlers:
     def make_plan(self, config: Config, *, device: str = "here", request: Any = None) -> dict[str, Any]:
         """`finetune plan` on `config` (for this machine, or with `device` "cuda" for a CUDA GPU of the budget's
         memory): the plan.json mapping; raises `Unanswered` with the planner's message."""
-        policy = self.state.policy
-        user, refusal = policy.who(request)
+        user, refusal = self.state.policy.who(request)
+        self.admit(config, user, refusal)
+        return self.planned(config, user, device)
+
+    def admit(self, config: Config, user: str | None, refusal: str) -> None:
+        """Whether `user` (refused for `refusal`, "" when not) may plan `config`: the access policy, the server's
+        limits, a hub model in reach; raises `Unanswered` saying why not. Start checks all of these itself, once,
+        before it plans (`planned`)."""
         try:
             if refusal:
                 raise AccessError(refusal)
-            self.state.access.check_config(config, policy.readable(user), policy.own_runs(user))
+            self.state.access.check_config(config, self.state.policy.readable(user), self.state.policy.own_runs(user))
         except AccessError as e:
             raise Unanswered(str(e)) from None
         if over := limits.check(config, self.state.limits):
             raise Unanswered(" ".join(over))
         if unreachable := hub_problem(config.model):  # at once, not after the planner's minute of retries
             raise Unanswered(unreachable)
+
+    def planned(self, config: Config, user: str | None, device: str = "here") -> dict[str, Any]:
+        """The plan of `config`, already admitted for `user` (`admit`), by the job client's planner (remembered per
+        user and config: Plan then Start plans once); raises `Unanswered` with the planner's message."""
         device = device if device in PLAN_DEVICES else "here"
         return self.state.jobs.plan(config, (*_plan_key(config, user), device), device)
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import pandas as pd
 
-from app.jobs import bounded
-from app.limits import short_text
+from app.door.limits import short_text
+from app.local import bounded
 from app.mapping import COLUMN_FIELDS, task_label
 from finetune import registry as kinds
 from finetune.config.schema import Config
@@ -199,7 +199,7 @@ def _hub_sample(source: str, config_name: str | None, split: str) -> Any:
 
 
 def _within(timeout_s: float, what: str, work: Callable[[], Any]) -> Any:
-    """`work()` in a forked child (`app.jobs.bounded`); a `DataError` when it has not answered within `timeout_s`, and
+    """`work()` in a forked child (`app.local.bounded`); a `DataError` when it has not answered within `timeout_s`, and
     the child is killed then: a hub search that hangs does not go on holding a core after its answer."""
     try:
         return bounded.bounded(work, timeout_s, f"Dataset {what!r}")

@@ -3,7 +3,7 @@ of each built-in reward, then the caller's own finished reward runs as `reward_m
 
 Any other name is typed in (the field takes custom values): a pattern or a length of one's own, a hub reward model,
 and, on a local app only, a Python function `file.py:function`. None is offered as a choice: a shared server refuses
-a function (`app.access.Access.check_config`, as the engine's docs say), and a local app has no file to offer.
+a function (`app.door.access.Access.check_config`, as the engine's docs say), and a local app has no file to offer.
 """
 
 from __future__ import annotations

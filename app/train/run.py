@@ -12,10 +12,10 @@ from typing import Any
 
 import gradio as gr
 
-from app.access import AccessError, new_run_name, resolve_output_dir
+from app.door.access import AccessError, new_run_name, resolve_output_dir
 from app.hubcheck import hub_problem
-from app.jobs.planner import PLANNER_SLOW
-from app.jobs.training import JobBusy, JobStatus
+from app.local.planner import PLANNER_SLOW
+from app.local.training import JobBusy, JobStatus
 from app.mapping import (
     COLUMN_FIELDS,
     FIELD_NAMES,
@@ -193,7 +193,7 @@ class RunHandlers:
         return (f"Runs on Hugging Face Jobs' {flavor.describe()}, billed to your account: Plan and Start plan for "
                 f"one of its GPUs ({flavor.budget_gib:g} GiB).")
 
-    def _refused(self, config: Config, user: str | None, request: Any, flavor: Flavor | None,
+    def _refused(self, config: Config, user: str | None, flavor: Flavor | None,
                  launch: JobLaunch | None = None) -> Started | Path:
         """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder. A run
         on another backend than Jobs is planned by its launcher, for that backend's GPU (not this machine's)."""
@@ -222,8 +222,8 @@ class RunHandlers:
         if planned.memory_budget_gb is not None and (launch is None or flavor is not None):
             # The plan's checks before any folder is made: an impossible budget is refused here, in the form,
             # rather than by the run a few seconds after it started.
-            try:
-                self.plans.make_plan(planned, device=device, request=request)
+            try:  # admitted above: who, the access policy, the limits and the Hub, each checked once per Start
+                self.plans.planned(planned, user, device)
             except Unanswered as e:
                 if not str(e).startswith(PLANNER_SLOW):  # a slow planner is no reason to refuse: the run plans too
                     return Started(started=False, message=str(e),
@@ -247,13 +247,13 @@ class RunHandlers:
             # The server's one job is held from the first check to the start: an export asked for while this
             # Start plans (a minute, for a big model) is refused, not run beside it.
             with self.state.jobs.preparing(user):
-                return self._start_checked(config, user, request, flavor, launch)
+                return self._start_checked(config, user, flavor, launch)
         except JobBusy as e:
             return Started(started=False, message=str(e))
 
-    def _start_checked(self, config: Config, user: str | None, request: Any, flavor: Flavor | None,
+    def _start_checked(self, config: Config, user: str | None, flavor: Flavor | None,
                        launch: JobLaunch | None) -> Started:
-        run_dir = self._refused(config, user, request, flavor, launch)
+        run_dir = self._refused(config, user, flavor, launch)
         if isinstance(run_dir, Started):
             return run_dir
         if taken := self.state.jobs.taken(run_dir):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from app.jobs.training import JobStatus
+from app.local.training import JobStatus
 from app.mapping import in_form_words
 from app.report import HEADLINE_METRICS, STATE_TITLES, data_lines, event_line, final_metrics
 from finetune.kinds.rewards import SAMPLE_FIELDS

@@ -4,21 +4,25 @@ the right; at 400 px the Run panel comes first) and its events."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
-from app import limits
+from app import charts
+from app.door import limits
+from app.local.training import JobStatus
 from app.mapping import COLUMN_FIELDS
+from app.report import final_metrics
+from app.train import run_report, scatter
 from app.train.dataset import EXAMPLE_INPUTS, TASK_FIELDS, DatasetPanel, build_dataset_panel
 from app.train.form import SUGGESTIONS, Form
 from app.train.plan import Planning, PlanPanel, build_plan_panel
 from app.train.run import RUN_PARTS, Checking, RunPanel, build_run_panel
 
 if TYPE_CHECKING:
-    from app.tabs import Handlers
+    from app.follow import Seen
+    from app.tabs import Page
 
 PRIVATE = {"api_visibility": "private"}  # the page's own events: scripts get the named API of `app.api` instead
 
@@ -74,10 +78,49 @@ class TrainTab:
         """Where a `DatasetShown` goes."""
         return {**self.dataset.shown, "columns": self.form.columns}
 
+    @property
+    def polled(self) -> dict[str, Any]:
+        """Where the views of `refresh` go (the note over the form, which the page places, aside)."""
+        run = self.run
+        return {"status": run.status, "progress": run.progress, "stats": run.stats, "loss_curve": run.loss,
+                "log": run.log, "metrics": run.metrics, "run_dir": run.run_dir, "start_button": run.start,
+                "stop_button": run.stop, "resume_button": run.resume, "cancel_button": run.cancel,
+                "trackers": run.trackers, "note": run.message, "scatter": run.scatter,
+                "completions": run.completions}
 
-def create_train_tab(form: Form, run_on: list[tuple[str, str]] | None = None) -> TrainTab:
-    """The Train tab's widgets, inside the open `gr.Tab`: the config form, panel by panel, and the Run panel
-    (`run_on`: the places to run this app offers)."""
+
+TERMINAL = ("stopped", "done", "failed")
+
+
+def refresh(seen: Seen) -> dict[str, Any]:
+    """The Train tab's view of the run, for the poll (`app.follow`): the Run panel (its state line with the caller's
+    queued runs, progress, log, buttons), Results, and the note over the form, emptied once a newer run is the
+    current one."""
+    status = seen.status
+    text = "\n\n".join([run_report.status_markdown(status), *seen.lines]) if seen.mine else \
+        "\n\n".join(seen.lines) or run_report.status_markdown(status)
+    return {"status": text, "progress": run_report.progress_html(status), "stats": run_report.stats_markdown(status),
+            "loss_curve": charts.curves_html(status.events), "log": run_report.log_text(status),
+            "metrics": final_metrics(status) or None, "run_dir": seen.shown_path(status.run_dir),
+            "start_button": gr.update(interactive=True), "stop_button": gr.update(interactive=status.active),
+            "resume_button": gr.update(visible=status.resumable), "cancel_button": gr.update(visible=seen.queued),
+            "form_note": "" if seen.newer_run else gr.skip(),
+            "trackers": run_report.trackers_markdown(seen.options["report_to"], status.run_dir),
+            # "Started…", "Stopping…" and the like answered an action on this run: its end replaces them.
+            "note": "" if seen.changed_run and status.state in TERMINAL and seen.known else gr.skip(),
+            "scatter": scatter.scatter_update(status), "completions": completions_update(status)}
+
+
+def completions_update(status: JobStatus) -> Any:
+    """The sample completions table of the run's latest evaluation, shown only when the run wrote one."""
+    table = run_report.samples_html(status.events)
+    return gr.update(value=table, visible=bool(table))
+
+
+def build(page: Page) -> TrainTab:
+    """The Train tab's widgets, inside the open `gr.Tab`: the page's config form, panel by panel, and the Run panel
+    (with the places to run this app offers)."""
+    form = page.form
     with gr.Row(equal_height=False, elem_id="train-row"):
         with gr.Column(scale=5):
             with gr.Column(variant="panel"):
@@ -96,12 +139,13 @@ def create_train_tab(form: Form, run_on: list[tuple[str, str]] | None = None) ->
                 with gr.Accordion("Advanced", open=False):
                     form.place("advanced")
         with gr.Column(scale=4):
-            run = build_run_panel(run_on)
+            run = build_run_panel(page.run_on)
     return TrainTab(form=form, model_note=model_note, model_fit=model_fit, dataset=dataset, plan=plan, run=run)
 
 
-def wire_train_tab(on: Callable[..., Any], h: Handlers, tab: TrainTab, load: Any) -> None:
-    """The Train tab's events, to its handlers in `h`; `load` is the page's load event."""
+def wire(page: Page, tab: TrainTab) -> None:
+    """The Train tab's events, to its handlers (the page's load event among them)."""
+    on, h, load = page.on, page.h, page.load
     fields, values, by_name = tab.form.fields, tab.form.values, tab.form.by_name
     data_in, data_out = tab.data_inputs, tab.data_targets
     # .input, not .change: an imported config keeps its own task.

@@ -13,9 +13,9 @@ from typing import Any
 
 import gradio as gr
 
-from app import limits
-from app.jobs import bounded
-from app.jobs.training import JobStatus
+from app.door import limits
+from app.local import bounded
+from app.local.training import JobStatus
 from app.picks import Picked, PickRefused, final_metrics_of, picker_update, resolve_pick
 from app.report import waiting_note
 from app.results import Unanswered, keep
@@ -32,7 +32,7 @@ MAX_PROMPT_CHARS = 4 * limits.MAX_INPUTS_CHARS
 
 
 def bounded_prompt(tokenizer: Any, turns: list[dict[str, Any]]) -> tuple[str, list[int]]:
-    """`finetune.rows.chat.prompt_of` in a bounded child (`app.jobs.bounded`): the chat's prompt and its stop tokens,
+    """`finetune.rows.chat.prompt_of` in a bounded child (`app.local.bounded`): the chat's prompt and its stop tokens,
     or `DataError` with a sentence when the template loops, eats memory or writes too much."""
     from finetune.errors import DataError
     from finetune.rows.chat import prompt_of

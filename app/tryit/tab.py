@@ -3,15 +3,19 @@ events. The poll (`app.follow`) switches between chat and text when a run finish
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
-from app import limits
-from app.tryit.panel import TryItHandlers
+from app.door import limits
+from app.picks import newest_pick
+from app.tryit.panel import panel
 from finetune.use.generation import Generation
+
+if TYPE_CHECKING:
+    from app.follow import Seen
+    from app.tabs import Page
 
 
 @dataclass
@@ -51,13 +55,26 @@ class TryItTab:
                 "base": self.base}
 
     @property
+    def polled(self) -> dict[str, Any]:
+        """Where the views of `refresh` go (the panel's Push is Export's button: the page adds it)."""
+        return {"try_panel": dict(self.view), "try_pick": self.pick}
+
+    @property
     def shown(self) -> dict[str, Any]:
         """Where a `PredictionShown` goes."""
         return {"label": self.label, "generated": self.generated, "chat": self.chat, "text": self.text,
                 "message": self.message, "entities": self.entities, "image": self.image, "base": self.base}
 
 
-def create_tryit_tab() -> TryItTab:
+def refresh(seen: Seen) -> dict[str, Any]:
+    """Try it's view of the run, for the poll (`app.follow`), once the run or its state changed: the chat, image or
+    text box its kind is tried with (a new model starts a new chat), and the picker with the newest run picked."""
+    if not seen.changed_run:
+        return {}
+    return {"try_panel": panel(seen.status, new_model=seen.new_model), "try_pick": newest_pick(seen)}
+
+
+def build(page: Page) -> TryItTab:
     """The Try it tab's widgets, inside the open `gr.Tab`: a chat box for a run trained to chat, an image box for an
     image classifier, a text box for the others; a label's probabilities, generated text (or a value, a score) and
     highlighted entities below."""
@@ -102,10 +119,12 @@ def create_tryit_tab() -> TryItTab:
                     pick=pick, compare=compare, base=base)
 
 
-def wire_tryit_tab(on: Callable[..., Any], handlers: TryItHandlers, tab: TryItTab, refresh: list[Any]) -> None:
+def wire(page: Page, tab: TryItTab) -> None:
     """Predict (or Send) and Enter in the box ask the picked model (an image classifier: about the uploaded image),
-    with the generation settings; picking another run shows its view; the picker's list is read again on the
-    `refresh` events, the pick kept (the poll, `app.follow`, picks the newest when the current run changes)."""
+    with the generation settings; picking another run shows its view; the picker's list is read again when the tab
+    is opened and the page loads, the pick kept (the poll, `app.follow`, picks the newest when the current run
+    changes)."""
+    on, handlers, refresh = page.on, page.h.tryit, [page.selected["try"], page.load]
     for event in (tab.button.click, tab.text.submit):
         on(event, handlers.try_it, [tab.text, tab.chat, tab.image, *tab.generation, tab.pick, tab.compare], tab.shown,
            api_visibility="private")

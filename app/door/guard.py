@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from app.access import Access
-from app.cleanup import GRADIO_KEEP_S
+from app.door.access import Access
+from app.door.cleanup import GRADIO_KEEP_S
 
 FREE_FAILURES = 3  # failed sign-ins of one account from one address answered without delay (a typo or two)
 ACCOUNT_FREE_FAILURES = 10  # failures of one account, from any addresses, before its own delay starts

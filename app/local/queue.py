@@ -1,7 +1,7 @@
 """The run queue: the runs waiting for the run in progress to end, first to start first, kept in
 `<runs_dir>/queue.json` (written atomically, like current.json, so that the queue survives an app restart) and
 changed under a file lock (`queue.lock`), so that an app process that is still ending and the one that replaces it
-never both take the same run off the queue. The job manager (`app.jobs.training.JobManager`) puts runs in and starts
+never both take the same run off the queue. The job manager (`app.local.training.JobManager`) puts runs in and starts
 them; this module only keeps the list.
 """
 

@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from app import cleanup, limits
-from app.access import Access, AccessError
+from app.door import cleanup, limits
+from app.door.access import Access, AccessError
 
 DEFAULT_PORT = 7860
 SHARED_HELP = (
@@ -59,7 +59,7 @@ def _preset(arg: str | None) -> tuple[Path | None, Path]:
         return Path(arg), Path.cwd()
     # From the repository (or the Docker image's /app) the sample data is in assets/; an editable install run from
     # elsewhere still finds it beside the package.
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):  # app/door/server.py → the repository
         if (root / PRESET).is_file():
             return root / PRESET, root
     return None, Path.cwd()
@@ -70,7 +70,7 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
     once with `prevent_thread_lock=True`. A training run outlives the server: the next start re-attaches to it.
     SIGTERM closes the server like Ctrl-C and sets `terminated`."""
     access = Access.from_env(os.environ, args.host, args.no_auth)
-    from app.guard import PROXY_HEADER_VAR, TRUSTED_PROXIES_VAR, forwarded_header, trusted_networks
+    from app.door.guard import PROXY_HEADER_VAR, TRUSTED_PROXIES_VAR, forwarded_header, trusted_networks
 
     trusted = os.environ.get(TRUSTED_PROXIES_VAR, "")
     proxy_header = os.environ.get(PROXY_HEADER_VAR, "")
@@ -79,7 +79,7 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
         forwarded_header(proxy_header)
     except ValueError as e:
         raise AccessError(str(e)) from None
-    from app import persist
+    from app.door import persist
 
     runs_dir = persist.runs_folder(Path(args.runs_dir), os.environ)
     if runs_dir != Path(args.runs_dir):
@@ -114,7 +114,7 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
     # Inside Gradio's own middleware: a Space's upload route needs a signed-in user, and the login form slows down.
     from starlette.middleware import Middleware
 
-    from app.guard import Guard
+    from app.door.guard import Guard
 
     # uvicorn (which Gradio starts without saying) would take X-Forwarded-For from any client on 127.0.0.1 as the
     # client's address: the sign-in throttle's key would be whatever a client sends. The guard reads the forwarded

@@ -4,7 +4,7 @@ The child runs in its own session (process group), so Stop can signal it and eve
 trains in its own process. What a page needs to re-attach after a reload, or after the app itself restarts, is
 written to `<runs_dir>/current.json`.
 
-A Start while a run is in progress (`submit`) puts the run in the queue instead (`app.jobs.queue`: queue.json in the
+A Start while a run is in progress (`submit`) puts the run in the queue instead (`app.local.queue`: queue.json in the
 runs folder, so it survives an app restart): when the run in progress ends (done, stopped or failed) the first queued
 run starts by itself, from the thread that follows each run to its end. An app shutting down starts nothing: the next
 app process starts the queue's first run at once, or once the run it re-attached to ends.
@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.jobs.children import signal_group, spawn
-from app.jobs.current import CurrentRun, alive, is_finetune
-from app.jobs.queue import Queued, RunQueue
-from app.jobs.tail import EventTail, error_from_output, session_output
+from app.local.children import signal_group, spawn
+from app.local.current import CurrentRun, alive, is_finetune
+from app.local.queue import Queued, RunQueue
+from app.local.tail import EventTail, error_from_output, session_output
 from finetune.config.schema import ConfigError, read_yaml
 from finetune.run.rundir import checkpoints
 

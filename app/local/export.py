@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.jobs.children import signal_group, spawn
-from app.jobs.training import JobBusy
+from app.local.children import signal_group, spawn
+from app.local.training import JobBusy
 
 EXPORT_LIMIT_S = 3600.0  # without a server run-time limit (locally): an export is minutes even for a 7B model
 LOG = "export.log"  # in the run directory, beside export/ (which the child creates)

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.config.schema import Config
+import yaml
+
+from finetune.config.schema import Config, ConfigError, YamlRefused, from_dict, load_yaml
 
 MAX_PROBLEMS = 5  # problems shown of a config error; the rest are counted
 MAX_PROBLEM_CHARS = 200
@@ -245,3 +247,21 @@ def image_size_problem(path: str | Path, limit: int = MAX_TRY_IMAGE_PIXELS) -> s
 def image_too_big(size: str = "has more pixels than Pillow reads safely", limit: int = MAX_TRY_IMAGE_PIXELS) -> str:
     """The sentence for an image that `size` ("is 9,000 × 9,000 pixels") past `limit` pixels."""
     return f"The image {size}; an image has at most {limit:,} pixels here: upload a smaller one."
+
+
+def parse_config_yaml(text: str) -> Config:
+    """A config from YAML text, refused first when it is too big to read (`config_size_problem`), with the
+    config's own error messages."""
+    if too_big := config_size_problem(text):
+        raise ConfigError([too_big])
+    try:
+        data = load_yaml(text)
+    except YamlRefused as e:  # too big, too deep, a number too long: its own sentence
+        raise ConfigError([str(e)]) from None
+    except yaml.YAMLError:
+        raise ConfigError(["The config is not valid YAML: fix its syntax."]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(["The config must be a mapping of option: value lines."])
+    return from_dict(data)

@@ -20,12 +20,12 @@ from collections.abc import Hashable, Iterator
 from pathlib import Path
 from typing import Any
 
-from app import cleanup, limits
-from app.access import Access
-from app.jobs.export import EVAL_LOG, ExportChild, ExportJobs
-from app.jobs.planner import Planner
-from app.jobs.queue import Queued, remove_unstarted
-from app.jobs.training import JobBusy, JobManager, JobStatus
+from app.door import cleanup, limits
+from app.door.access import Access
+from app.local.export import EVAL_LOG, ExportChild, ExportJobs
+from app.local.planner import Planner
+from app.local.queue import Queued, remove_unstarted
+from app.local.training import JobBusy, JobManager, JobStatus
 from app.remote.jobs import JobLaunch, job_status
 from app.report import shown_path
 from finetune.config.schema import Config

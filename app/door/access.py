@@ -212,7 +212,7 @@ class Access:
         user's uploads, the sample data), or a `datasets` builder name (`csv`, `text`, …, which reads files from the
         server's folders); any file but those for a `file` (a chat template). `kind` defaults to `what`'s own."""
         # Here, not at the top: finetune.data.load imports torch, and `finetune --help` builds the `ui` parser from
-        # app.server, which imports this module (3 s of torch for a help text).
+        # app.door.server, which imports this module (3 s of torch for a help text).
         from finetune.data.load import builder_names, is_local
 
         kind = kind or ("model" if what == "model" else "file" if what == "chat_template" else "data")

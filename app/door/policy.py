@@ -3,7 +3,7 @@
 Every page event is wired through `RequestPolicy.on`, which refuses inputs too large for anyone and (unless the
 event is "public") a caller who may not train, before the handler runs; every handler, and the scripting API's
 routes, then ask `who(request)` and `is_mine(status, user)`. What a user may read and where their runs go is the
-access policy's (`app.access`); the HTTP routes Gradio serves itself are guarded by `app.guard`.
+access policy's (`app.door.access`); the HTTP routes Gradio serves itself are guarded by `app.door.guard`.
 """
 
 from __future__ import annotations
@@ -12,17 +12,19 @@ import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
-from app import limits
-from app.access import Access, AccessError
-from app.jobs.training import JobStatus
-from app.mapping import parse_config_yaml
+from app.door import limits
+from app.door.access import Access, AccessError
+from app.door.limits import parse_config_yaml
 from app.results import Targets, components, updates
 from finetune.config.schema import ConfigError
 from finetune.remote.jobfile import is_remote_run
+
+if TYPE_CHECKING:
+    from app.local.training import JobStatus
 
 # The components whose own preprocessing refuses a value a caller chose (one not among their choices), before the door.
 CHOICES = (gr.Dropdown, gr.Radio, gr.CheckboxGroup)
@@ -166,7 +168,7 @@ def quiet_choices() -> None:
     """Make Gradio's own check of a choice (a Dropdown's, a Radio's or a CheckboxGroup's value that is not one of its
     choices, refused while Gradio prepares an event's inputs, before the door) a quiet refusal (`refused`).
 
-    On the classes, once for the process, as `app.server` turns off Gradio's reloader: a session's copy of a
+    On the classes, once for the process, as `app.door.server` turns off Gradio's reloader: a session's copy of a
     component, which Gradio makes anew from its class when a handler updates it, checks its choices the same way.
     (A subclass would not do: Gradio writes a .pyi file beside the module of every component class defined.)"""
     for cls in CHOICES:

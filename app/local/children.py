@@ -2,7 +2,7 @@
 signal it and everything it started, and closing the page (or the app) does not take it down; its output goes to a
 log, and it gets the environment it is given (on a shared server, one without the app's secrets:
 `Access.child_env`). The training run, the export and the planner all start here; the previews of a visitor's input
-run in forked children instead (`app.jobs.bounded`).
+run in forked children instead (`app.local.bounded`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from pathlib import Path
 from subprocess import TimeoutExpired
 from typing import Any
 
-from app import limits
-from app.jobs import children
+from app.door import limits
+from app.local import children
 from app.mapping import config_yaml
 from app.results import Unanswered
 from finetune.config.schema import FIELDS, Config

@@ -144,7 +144,7 @@ def upload_quota_problem(runs_dir: Path, folder: Path, new: Path, quota: str | N
     for the file `new` (or the `unpacked` bytes of a zip's images) under `quota` (a size such as "1gb"): delete
     that user's oldest uploads that no kept run's config names; why `new` cannot be kept when that is not enough
     (None when it fits, or there is no quota)."""
-    from app.limits import size_bytes
+    from app.door.limits import size_bytes
 
     limit = size_bytes(quota)
     if limit is None:

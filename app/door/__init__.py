@@ -1,0 +1,5 @@
+"""The door: what every request passes before it reaches a tab — the server and its arguments (`server`), who asks
+and what they may do (`access`, `policy`), the routes Gradio serves itself (`guard`), the server's limits (`limits`),
+deleting old runs and uploads (`cleanup`) and where runs are kept across restarts (`persist`).
+
+It sits below the tabs: nothing here imports a tab, except the server building the page when it starts."""

@@ -1,3 +1,0 @@
-"""The app's child processes: the training run, the export and the planner (each a `finetune` command in a child of
-its own, started in `children`; the runs waiting for the one in progress in `queue`), bounded previews of a
-visitor's input (`bounded`), and `client.JobClient`, the one client the tabs ask for all of them."""
