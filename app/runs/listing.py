@@ -56,6 +56,7 @@ class RunInfo:
     events: list[dict[str, Any]] = field(repr=False, default_factory=list)
     sweep: dict[str, Any] | None = None  # a sweep's trial: its sweep.json (sweep, trial, state, value, direction)
     best: bool = False  # the best complete trial of its sweep
+    search: dict[str, Any] | None = None  # a sweep's own folder: its summary.json (counts, best), once it has one
 
     @property
     def active(self) -> bool:
@@ -68,7 +69,9 @@ def _config_of(path: Path) -> dict[str, Any]:
     for name in ("config.yaml", "launch.yaml"):
         try:
             if (path / name).is_file():
-                return from_dict(read_yaml(path / name)).to_dict()
+                values = read_yaml(path / name)
+                values.pop("sweep", None)  # a sweep's folder: its launch.yaml is the trials' base config and the search
+                return from_dict(values).to_dict()
         except (ConfigError, OSError, ValueError, yaml.YAMLError):
             continue
     return {}
@@ -138,7 +141,7 @@ def run_info(path: Path, current: Any = None, position: int | None = None) -> Ru
                    started=stamp, finished=final.get("time") if final and state in ("done", "stopped", "failed")
                    else None, resumable=state in ("stopped", "failed") and not finished and bool(checkpoints(path)),
                    position=position if state == "queued" else None, ran_on=ran_on(path), events=events,
-                   sweep=sweep, predicted_s=_predicted_s(path),
+                   sweep=sweep, search=_json_of(path / "summary.json") or None, predicted_s=_predicted_s(path),
                    took_s=_took_s(starts, final) if state == "done" else None)
 
 
@@ -249,7 +252,17 @@ def status_title(run: RunInfo) -> str:
         return f"{title} (position {run.position})"
     trial = f" · sweep {run.sweep['sweep']} #{run.sweep['trial']}" + (" ★ best" if run.best else "") \
         if run.sweep else ""
-    return title + (" (resumable)" if run.resumable else "") + trial
+    return title + (" (resumable)" if run.resumable else "") + trial + _search_words(run.search)
+
+
+def _search_words(search: dict[str, Any] | None) -> str:
+    """A sweep's folder in the Runs table: " · sweep of 6 trials (2 pruned) · best #3" ("" for any other run)."""
+    if not search or not isinstance(search.get("trials"), list):
+        return ""
+    counts = search.get("counts") if isinstance(search.get("counts"), dict) else {}
+    pruned = f" ({counts['pruned']} pruned)" if counts.get("pruned") else ""
+    best = search.get("best") if isinstance(search.get("best"), dict) else None
+    return f" · sweep of {len(search['trials'])} trials{pruned}" + (f" · best #{best.get('number')}" if best else "")
 
 
 def compare_frame(runs: list[RunInfo]) -> pd.DataFrame:
