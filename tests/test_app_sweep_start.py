@@ -7,6 +7,7 @@ trial it finished, and the Runs tab listing the sweep's folder and its trials wi
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -125,41 +126,89 @@ def _wait_for(check, seconds: float = 240.0, every: float = 0.1):
     return found
 
 
-@pytest.mark.slow
-def test_a_two_trial_sweep_runs_through_the_queue_stops_goes_on_and_marks_its_best(app):
-    ctl, runs = app
-    t0 = time.time()
+# A stand-in for `python -m finetune sweep CONFIG -q`, as the study leaves its folders: trial 0 complete (in the
+# summary and the study's journal), trial 1 training until SIGINT stops the sweep (exit 130, as the CLI's Stop).
+FAKE_SWEEP = """
+import json, os, signal, sys, time, yaml
+folder = yaml.safe_load(open(sys.argv[4]))["output_dir"]
+def write(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f)
+best = {"number": 0, "state": "complete", "value": 0.75, "run": "lr-trial-000", "params": {}}
+open(os.path.join(folder, "study.journal"), "a").close()
+write(os.path.join(folder, "summary.json"), {"objective": "accuracy", "trials_wanted": 2, "best": best,
+      "counts": {"complete": 1}, "trials": [best]})
+trial = folder + "-trial-001"
+write(os.path.join(trial, "sweep.json"), {"sweep": "lr", "sweep_dir": folder, "trial": 1, "state": "running"})
+with open(os.path.join(trial, "events.jsonl"), "w") as f:
+    f.write(json.dumps({"event": "start", "time": time.time(), "step": 0, "total_steps": 4}) + "\\n")
+def stop(*_):
+    write(os.path.join(trial, "sweep.json"), {"sweep": "lr", "sweep_dir": folder, "trial": 1, "state": "stopped"})
+    sys.exit(130)
+signal.signal(signal.SIGINT, stop)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_stop_stops_the_sweep_and_the_same_sweep_started_again_goes_on(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fake = tmp_path / "fake-python"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SWEEP}")
+    fake.chmod(0o755)
+    runs = Path("runs")
+    jobs = JobManager(runs, python=str(fake))
+    ctl = handlers(runs, jobs)
     started = ctl.sweep.start(*_values())
-    assert started.started, started.message
-    assert started.command == "finetune sweep runs/lr/launch.yaml" and started.run_dir == "runs/lr"
-    jobs = ctl.state.jobs
-    # One child runs the whole sweep; the Run panel counts its trials.
+    assert started.started and started.command == "finetune sweep runs/lr/launch.yaml", started.message
+    # One child runs the whole sweep; the Run panel counts its trials and shows the trial in progress.
+    running = _wait_for(lambda: (s := ctl.state.jobs.status()).sweep and s.sweep.running == 1 and s)
+    assert running.state == "running" and running.message == "Trial 2 of 2 · best so far accuracy=0.75 (trial 0)"
+    assert "Trial 2 of 2" in run_report.progress_html(running) and running.progress == (0, 4)
     assert jobs.status().command.split()[2:4] == ["sweep", str(runs / "lr" / "launch.yaml")]
-    first = _wait_for(lambda: (s := jobs.status()).sweep and s.sweep.running == 0 and s.progress and s)
-    assert "Trial 1 of 2" in run_report.progress_html(first)
-    # Stop once trial 0 has ended: the sweep stops in (or before) trial 1.
-    _wait_for(lambda: (s := jobs.status()).sweep and s.sweep.finished == 1)
+    # A second sweep while it runs is queued behind it, as a second Start is.
+    queued = ctl.sweep.start(*_values({"name": "other"}))
+    assert queued.queued and queued.position == 1, queued.message
+    assert "Cancelled" in ctl.run.cancel()
     assert "Stopping" in ctl.run.stop()
-    stopped = wait_for_run(jobs, 120)
-    assert stopped.state == "stopped" and "Start sweep again with the name lr" in stopped.message, stopped.message
-    # Another sweep under the same name is refused; the same one goes on after its finished trial.
+    stopped = wait_for_run(jobs, 30)
+    assert stopped.state == "stopped", stopped.message
+    assert stopped.message == ("Sweep stopped after 1 of 2 trials. Start sweep again with the name lr and the same "
+                               "settings to continue: its finished trials are kept.")
+    # Another search under the same name is refused; the same one goes on (its study keeps the finished trial).
     other = ctl.sweep.start(*_values({"trials": 3}))
     assert not other.started and "was started with other settings" in other.message, other.message
     again = ctl.sweep.start(*_values())
     assert again.started and "going on after the 1 trial(s) it finished" in again.message, again.message
+    ctl.run.stop()
+    wait_for_run(jobs, 30)
+    # A run's own folder is no sweep's.
+    (runs / "plain").mkdir()
+    refused = ctl.sweep.start(*_values({"name": "plain"}))
+    assert "a folder the app did not make for a sweep" in refused.message, refused.message
+
+
+@pytest.mark.slow
+def test_a_two_trial_minilm_sweep_runs_through_the_queue_and_marks_its_best(app):
+    ctl, runs = app
+    t0 = time.time()
+    started = ctl.sweep.start(*_values())
+    assert started.started, started.message
+    jobs = ctl.state.jobs
+    seen = _wait_for(lambda: (s := jobs.status()).sweep and s.progress and s, 120)
+    assert "Trial 1 of 2" in run_report.progress_html(seen) or "Trial 2 of 2" in run_report.progress_html(seen)
     done = wait_for_run(jobs, 240)
     took = time.time() - t0
     assert done.state == "done", (done.message, done.output_tail)
-    assert done.sweep.finished == 2 and done.message.startswith("Sweep done: 2 trial(s); best: trial "), done.message
     summary = json.loads((runs / "lr" / "summary.json").read_text())
-    assert summary["best"] is not None and (runs / "lr" / "sweep.png").is_file()
-    # Trial 0 trained once: the second start did not run it again.
-    events = [json.loads(line) for line in (runs / "lr-trial-000" / "events.jsonl").read_text().splitlines()]
-    assert sum(e["event"] == "start" for e in events) == 1
+    best = summary["best"]
+    assert done.message == (f"Sweep done: 2 trial(s); best: trial {best['number']} ({best['run']}), accuracy "
+                            f"{best['value']:.4g}.")
+    assert (runs / "lr" / "sweep.png").is_file() and done.events  # the best trial's curve stays on the panel
     listed = {r.name: r for r in list_runs(runs)}
-    assert "lr" in listed and listed["lr"].task == "classification"
-    best = [name for name, r in listed.items() if r.best]
-    assert best == [summary["best"]["run"]]
-    assert status_title(listed[best[0]]).endswith("★ best")
+    assert {"lr", "lr-trial-000", "lr-trial-001"} <= set(listed) and listed["lr"].task == "classification"
+    assert [name for name, r in listed.items() if r.best] == [best["run"]]
+    assert status_title(listed[best["run"]]).endswith("★ best")
     assert status_title(listed["lr"]).startswith("Done · sweep of 2 trials")
-    print(f"2-trial MiniLM sweep through the app, with a stop and a second start: {took:.1f} s")
+    print(f"2-trial MiniLM sweep through the app: {took:.1f} s")

@@ -117,7 +117,7 @@ def sweep_state(progress: SweepProgress, *, name: str, rc: int | None, running: 
     if running:
         return ("stopping", "Stopping the sweep after the trial's current optimizer step…") if stop_requested \
             else ("running", progress.line)
-    if rc == 0:
+    if rc == 0 or rc is None and progress.finished >= progress.total:  # None: an earlier app's child, gone
         best = progress.best
         said = f"best: trial {best['number']} ({best['run']}), {progress.objective} {best['value']:.4g}" if best \
             else "no trial completed"
