@@ -6,6 +6,7 @@ trial it finished, and the Runs tab listing the sweep's folder and its trials wi
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -17,9 +18,9 @@ from conftest import ROOT, wait_for_run
 
 from app.access import Access
 from app.jobs.training import JobManager
-from app.limits import Limits
+from app.limits import Limits, add_arguments, defaults, from_args
 from app.mapping import FIELD_NAMES, config_to_values
-from app.runs.listing import list_runs, status_title
+from app.runs.listing import delete_run, list_runs, status_title
 from app.tabs import handlers
 from app.train import run_report
 from app.train.sweep_form import SWEEP_INPUTS, direction_for, objectives, sweep_section
@@ -70,6 +71,15 @@ def test_the_objectives_offered_are_the_ones_the_task_logs_and_the_direction_fol
     assert section["trials"] == 2 and section["objective"] == "accuracy"
     with pytest.raises(ConfigError, match="LoRA rank choices '8, x' is not a list of whole numbers"):
         sweep_section({**SWEEP, "lora_r": "8, x"})
+    # The section's choices follow the form's task; a Space caps a sweep at 50 trials unless its operator says.
+    ctl = handlers(Path("runs-unused"), SimpleNamespace(status=lambda: None))
+    shown = ctl.sweep.objective_choices("regression")
+    assert shown["objective"]["choices"][0] == "mse" and shown["objective"]["value"] == "mse" and shown["direction"] == "minimize"
+    assert defaults({"SPACE_ID": "owner/app"}).max_trials == 50 and defaults({}).max_trials is None
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert from_args(parser.parse_args(["--max-trials", "0"])).max_trials is None
+    assert from_args(parser.parse_args(["--max-trials", "8"])).max_trials == 8
 
 
 @pytest.mark.parametrize(("sweep", "form", "said"), [
@@ -183,6 +193,11 @@ def test_stop_stops_the_sweep_and_the_same_sweep_started_again_goes_on(tmp_path,
     assert again.started and "going on after the 1 trial(s) it finished" in again.message, again.message
     ctl.run.stop()
     wait_for_run(jobs, 30)
+    # Deleted in the Runs tab, the sweep's folder goes whole; its trials' folders left behind keep its name taken.
+    assert delete_run(runs / "lr") == [] and not (runs / "lr").exists()
+    refused = ctl.sweep.start(*_values({"trials": 3}))
+    assert refused.message == ("Trials of an earlier sweep named lr are still in your runs (lr-trial-001, …): choose "
+                               "another sweep name, or delete them in the Runs tab."), refused.message
     # A run's own folder is no sweep's.
     (runs / "plain").mkdir()
     refused = ctl.sweep.start(*_values({"name": "plain"}))

@@ -141,6 +141,9 @@ def _folder_refusal(folder: Path, shown: str, config: Config, spec: SweepSpec) -
     """Why the sweep cannot go into `folder`: it is a run's folder (or another program's), or a sweep of other
     settings ("" for a new folder, or this same sweep to go on with)."""
     if not folder.exists():
+        if earlier := sorted(folder.parent.glob(f"{folder.name}-trial-*")):
+            return (f"Trials of an earlier sweep named {folder.name} are still in your runs ({earlier[0].name}, …): "
+                    "choose another sweep name, or delete them in the Runs tab.")
         return ""
     if not (folder / MARKER).is_file() or not (folder / LAUNCH).is_file():
         return f"`{shown}` is a folder the app did not make for a sweep: choose another sweep name."
