@@ -74,7 +74,8 @@ def test_the_objectives_offered_are_the_ones_the_task_logs_and_the_direction_fol
     # The section's choices follow the form's task; a Space caps a sweep at 50 trials unless its operator says.
     ctl = handlers(Path("runs-unused"), SimpleNamespace(status=lambda: None))
     shown = ctl.sweep.objective_choices("regression")
-    assert shown["objective"]["choices"][0] == "mse" and shown["objective"]["value"] == "mse" and shown["direction"] == "minimize"
+    assert shown["objective"]["choices"][0] == shown["objective"]["value"] == "mse"
+    assert shown["direction"] == "minimize"
     assert defaults({"SPACE_ID": "owner/app"}).max_trials == 50 and defaults({}).max_trials is None
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -117,7 +118,8 @@ def test_a_bad_field_is_one_sentence_and_nothing_starts(app, sweep, form, said):
 def test_a_sweep_follows_starts_rules_of_who_may_train_and_where(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     runs = Path("runs")
-    ctl = handlers(runs, JobManager(runs, python=str(tmp_path / "no-python")), access=PASSWORDS)
+    jobs = JobManager(runs, python=_fake_sweep(tmp_path))
+    ctl = handlers(runs, jobs, access=PASSWORDS, samples=(Path(SAMPLE),))
     refused = ctl.sweep.start(*_values(), request=None)  # not signed in
     assert not refused.started and "sign" in refused.message.lower(), refused.message
     # A file outside the app's readable places is refused as Start refuses it.
@@ -126,6 +128,15 @@ def test_a_sweep_follows_starts_rules_of_who_may_train_and_where(tmp_path, monke
     refused = ctl.sweep.start(*_values(dataset=str(outside)), request=ALICE)
     assert not refused.started and "`dataset`" in refused.message, refused.message
     assert not (runs / "alice").exists() or not any((runs / "alice").iterdir())
+    # A signed-in user's sweep goes into their own runs folder, named there; only they may stop it.
+    started = ctl.sweep.start(*_values(), request=ALICE)
+    assert started.started and started.run_dir == "runs/alice/lr", started.message
+    assert (runs / "alice" / "lr" / "launch.yaml").is_file()
+    escape = ctl.sweep.start(*_values({"name": "/tmp/elsewhere"}), request=ALICE)
+    assert not escape.started and "Sweep name '/tmp/elsewhere' must be a folder name" in escape.message
+    assert ctl.run.stop(request=SimpleNamespace(username="bob")).startswith("⚠️")
+    assert "Stopping" in ctl.run.stop(request=ALICE)
+    wait_for_run(jobs, 30)
 
 
 def _wait_for(check, seconds: float = 240.0, every: float = 0.1):
@@ -162,13 +173,17 @@ while True:
 """
 
 
-def test_stop_stops_the_sweep_and_the_same_sweep_started_again_goes_on(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    fake = tmp_path / "fake-python"
+def _fake_sweep(folder: Path) -> str:
+    fake = folder / "fake-python"
     fake.write_text(f"#!{sys.executable}\n{FAKE_SWEEP}")
     fake.chmod(0o755)
+    return str(fake)
+
+
+def test_stop_stops_the_sweep_and_the_same_sweep_started_again_goes_on(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     runs = Path("runs")
-    jobs = JobManager(runs, python=str(fake))
+    jobs = JobManager(runs, python=_fake_sweep(tmp_path))
     ctl = handlers(runs, jobs)
     started = ctl.sweep.start(*_values())
     assert started.started and started.command == "finetune sweep runs/lr/launch.yaml", started.message

@@ -194,6 +194,11 @@ class RunHandlers:
         return (f"Runs on Hugging Face Jobs' {flavor.describe()}, billed to your account: Plan and Start plan for "
                 f"one of its GPUs ({flavor.budget_gib:g} GiB).")
 
+    def checks(self, config: Config, user: str | None, request: Any) -> Started | Path:
+        """Start's checks of `config` for `user` on this machine (access, the server's limits and disk, the data,
+        the plan), nothing written: the refusal, or the run folder it goes to (what Start sweep checks too)."""
+        return self._refused(config, user, request, None)
+
     def _refused(self, config: Config, user: str | None, request: Any, flavor: Flavor | None,
                  launch: JobLaunch | None = None) -> Started | Path:
         """Why `config` may not start for `user` (checked in this order, nothing written), or its run folder. A run

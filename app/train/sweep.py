@@ -107,7 +107,7 @@ class SweepHandlers:
         return ""
 
     def _start_checked(self, config: Config, spec: SweepSpec, user: str | None, request: Any) -> Started:
-        folder = self.run._refused(config, user, request, None)  # Start's checks: access, limits, data, plan
+        folder = self.run.checks(config, user, request)
         if isinstance(folder, Started):
             return folder
         if taken := self.state.jobs.taken(folder):

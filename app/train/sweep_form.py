@@ -57,7 +57,7 @@ def direction_for(objective: str | None) -> str:
     return "minimize" if str(objective or "").removeprefix("eval/") in SMALLER_IS_BETTER else "maximize"
 
 
-def _choices(text: Any, name: str, label: str, problems: list[str]) -> list[int] | None:
+def _choices(text: Any, label: str, problems: list[str]) -> list[int] | None:
     """A list of whole numbers typed as "8, 16, 32" (None when the box is empty: the option is not searched)."""
     if text is None or not str(text).strip():
         return None
@@ -89,7 +89,6 @@ def sweep_section(values: dict[str, Any]) -> dict[str, Any]:
     one sentence per box that reads as nothing (text that is no list of numbers, a ticked range with no bound). What
     the section then asks for is checked by `parse_spec`, as the CLI checks it."""
     problems: list[str] = []
-    space: dict[str, Any] = {}
     searched = {
         "learning_rate": _range(values.get("lr_on"), values.get("lr_low"), values.get("lr_high"), "Learning rate",
                                 problems, values.get("lr_log")),
@@ -97,8 +96,8 @@ def sweep_section(values: dict[str, Any]) -> dict[str, Any]:
                          problems),
         "warmup_ratio": _range(values.get("warmup_on"), values.get("warmup_low"), values.get("warmup_high"),
                                "Warm-up", problems),
-        "lora_r": _choices(values.get("lora_r"), "lora_r", "LoRA rank choices", problems),
-        "effective_batch_size": _choices(values.get("batch"), "effective_batch_size", "Effective batch choices",
+        "lora_r": _choices(values.get("lora_r"), "LoRA rank choices", problems),
+        "effective_batch_size": _choices(values.get("batch"), "Effective batch choices",
                                          problems),
     }
     space = {name: spec for name, spec in searched.items() if spec is not None}
