@@ -59,7 +59,7 @@ def app(tmp_path, monkeypatch):
         jobs.stop()
 
 
-def test_the_objectives_offered_are_the_ones_the_task_logs_and_the_direction_follows():
+def test_the_objectives_offered_are_the_ones_the_task_logs_and_the_direction_follows(tmp_path):
     assert objectives("classification") == ["accuracy", "macro_f1", "loss", "train_seconds", "train_samples_per_s"]
     assert objectives("regression")[:2] == ["mse", "rmse"]
     assert direction_for("accuracy") == "maximize" and direction_for("eval/loss") == "minimize"
@@ -72,7 +72,7 @@ def test_the_objectives_offered_are_the_ones_the_task_logs_and_the_direction_fol
     with pytest.raises(ConfigError, match="LoRA rank choices '8, x' is not a list of whole numbers"):
         sweep_section({**SWEEP, "lora_r": "8, x"})
     # The section's choices follow the form's task; a Space caps a sweep at 50 trials unless its operator says.
-    ctl = handlers(Path("runs-unused"), SimpleNamespace(status=lambda: None))
+    ctl = handlers(tmp_path / "runs", SimpleNamespace(status=lambda: None))
     shown = ctl.sweep.objective_choices("regression")
     assert shown["objective"]["choices"][0] == shown["objective"]["value"] == "mse"
     assert shown["direction"] == "minimize"
