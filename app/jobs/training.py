@@ -356,7 +356,7 @@ class JobManager:
             if job is None:
                 return JobStatus(state="idle")
             if is_sweep(job.command):
-                return self._sweep_status(job)
+                return _sweep_status(job, running=self._running(job))
             events = job.events()
             mine = [e for e in events if e.get("time", 0) >= job.launched]
             output = session_output(job.log_path)
@@ -371,19 +371,6 @@ class JobManager:
             return JobStatus(state=state, run_dir=job.run_dir, events=events, returncode=rc, message=message,
                              output_tail=tail, command=" ".join(job.command[1:]), config_path=job.config_path,
                              owner=job.owner, latest_checkpoint=latest)
-
-    def _sweep_status(self, job: _Job) -> JobStatus:
-        """A sweep's status: its trials' progress, the events of the trial it shows (`app.jobs.sweeps`)."""
-        output = session_output(job.log_path)
-        rc = job.proc.poll() if job.proc is not None else None
-        progress = read_progress(job.run_dir, job.config_path)
-        state, message = sweep_state(progress, name=job.run_dir.name, rc=rc, running=rc is None and self._running(job),
-                                     stop_requested=job.stop_requested_at is not None, killed=job.killed,
-                                     error=error_from_output(output))
-        return JobStatus(state=state, run_dir=job.run_dir, events=shown_events(job.run_dir, progress), returncode=rc,
-                         message=message, output_tail="\n".join(output.splitlines()[-12:]),
-                         command=" ".join(job.command[1:]), config_path=job.config_path, owner=job.owner,
-                         sweep=progress)
 
     def _state(self, job: _Job, mine: list[dict[str, Any]], rc: int | None, running: bool,
                output: str) -> tuple[str, str]:
@@ -449,6 +436,19 @@ class JobManager:
         if self._running(job):
             # the time limit counts from the launch, across app restarts
             threading.Thread(target=self._follow, args=(job,), daemon=True).start()
+
+
+def _sweep_status(job: _Job, running: bool) -> JobStatus:
+    """A sweep's status: its trials' progress, the events of the trial it shows (`app.jobs.sweeps`)."""
+    output = session_output(job.log_path)
+    rc = job.proc.poll() if job.proc is not None else None
+    progress = read_progress(job.run_dir, job.config_path)
+    state, message = sweep_state(progress, name=job.run_dir.name, rc=rc, running=rc is None and running,
+                                 stop_requested=job.stop_requested_at is not None, killed=job.killed,
+                                 error=error_from_output(output))
+    return JobStatus(state=state, run_dir=job.run_dir, events=shown_events(job.run_dir, progress), returncode=rc,
+                     message=message, output_tail="\n".join(output.splitlines()[-12:]),
+                     command=" ".join(job.command[1:]), config_path=job.config_path, owner=job.owner, sweep=progress)
 
 
 def _interrupted(output: str) -> bool:

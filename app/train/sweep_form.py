@@ -15,7 +15,7 @@ from typing import Any
 import gradio as gr
 
 from finetune import registry
-from finetune.config.schema import ConfigError
+from finetune.config.schema import FIELDS, ConfigError
 from finetune.errors import summary
 from finetune.sweep.space import DIRECTIONS, RUN_FIGURES, SAMPLERS
 
@@ -46,7 +46,7 @@ def objectives(task: str | None) -> list[str]:
     """The objectives a run of `task` logs: its evaluation's loss and metrics, then its training figures (as
     `finetune.sweep.space.logged_metrics` names them for a one-task config)."""
     try:
-        metrics = registry.entry(task or "classification").metrics
+        metrics = registry.entry(task or FIELDS["task"].default).metrics  # none yet: the schema's default kind
     except (KeyError, ValueError, ConfigError):
         metrics = ()
     return [*metrics, "loss", *RUN_FIGURES]
@@ -110,7 +110,7 @@ def sweep_section(values: dict[str, Any]) -> dict[str, Any]:
             "sampler": values.get("sampler") or "tpe", "space": space}
 
 
-def build_sweep_panel(task: str = "classification") -> SweepPanel:
+def build_sweep_panel(task: str | None = None) -> SweepPanel:
     """The Sweep section, closed, under Start: what to optimise, how many trials, the ranges, and its button."""
     w: dict[str, Any] = {}
     with gr.Accordion("Sweep: search hyper-parameters instead of one run", open=False, elem_id="sweep-section"):
