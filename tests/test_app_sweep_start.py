@@ -134,9 +134,11 @@ def test_a_sweep_follows_starts_rules_of_who_may_train_and_where(tmp_path, monke
     assert (runs / "alice" / "lr" / "launch.yaml").is_file()
     escape = ctl.sweep.start(*_values({"name": "/tmp/elsewhere"}), request=ALICE)
     assert not escape.started and "Sweep name '/tmp/elsewhere' must be a folder name" in escape.message
+    # (Stop once the child runs: a signal sent between its fork and its exec would be lost.)
+    _wait_for(lambda: (s := jobs.status()).sweep and s.sweep.running == 1)
     assert ctl.run.stop(request=SimpleNamespace(username="bob")).startswith("⚠️")
     assert "Stopping" in ctl.run.stop(request=ALICE)
-    wait_for_run(jobs, 30)
+    wait_for_run(jobs, 90)
 
 
 def _wait_for(check, seconds: float = 240.0, every: float = 0.1):
@@ -161,9 +163,12 @@ open(os.path.join(folder, "study.journal"), "a").close()
 write(os.path.join(folder, "summary.json"), {"objective": "accuracy", "trials_wanted": 2, "best": best,
       "counts": {"complete": 1}, "trials": [best]})
 trial = folder + "-trial-001"
-write(os.path.join(trial, "sweep.json"), {"sweep": "lr", "sweep_dir": folder, "trial": 1, "state": "running"})
+write(os.path.join(trial, "sweep.json"), {"sweep": "lr", "sweep_dir": folder, "trial": 1, "state": "running",
+      "params": {"learning_rate": 0.000312}})
 with open(os.path.join(trial, "events.jsonl"), "w") as f:
-    f.write(json.dumps({"event": "start", "time": time.time(), "step": 0, "total_steps": 4}) + "\\n")
+    f.write(json.dumps({"event": "start", "time": time.time(), "step": 0, "total_steps": 4, "micro_batch_size": 8,
+                        "grad_accum_steps": 1, "num_processes": 1, "effective_batch_size": 8, "precision": "fp32",
+                        "device": "cpu", "resumed": False}) + "\\n")
 def stop(*_):
     write(os.path.join(trial, "sweep.json"), {"sweep": "lr", "sweep_dir": folder, "trial": 1, "state": "stopped"})
     sys.exit(130)
@@ -189,15 +194,19 @@ def test_stop_stops_the_sweep_and_the_same_sweep_started_again_goes_on(tmp_path,
     assert started.started and started.command == "finetune sweep runs/lr/launch.yaml", started.message
     # One child runs the whole sweep; the Run panel counts its trials and shows the trial in progress.
     running = _wait_for(lambda: (s := ctl.state.jobs.status()).sweep and s.sweep.running == 1 and s)
-    assert running.state == "running" and running.message == "Trial 2 of 2 · best so far accuracy=0.75 (trial 0)"
+    assert running.state == "running" and running.message == ("Trial 2 of 2 (learning_rate=0.000312) · best so far "
+                                                       "accuracy=0.75 (trial 0)")
     assert "Trial 2 of 2" in run_report.progress_html(running) and running.progress == (0, 4)
     assert jobs.status().command.split()[2:4] == ["sweep", str(runs / "lr" / "launch.yaml")]
+    # Run on elsewhere is refused: the app runs a sweep's trials here.
+    elsewhere = ctl.sweep.start_on("t4-small", *_values({"name": "other"}))
+    assert not elsewhere.started and elsewhere.message.startswith("A sweep runs its trials on this machine")
     # A second sweep while it runs is queued behind it, as a second Start is.
     queued = ctl.sweep.start(*_values({"name": "other"}))
     assert queued.queued and queued.position == 1, queued.message
     assert "Cancelled" in ctl.run.cancel()
     assert "Stopping" in ctl.run.stop()
-    stopped = wait_for_run(jobs, 30)
+    stopped = wait_for_run(jobs, 90)
     assert stopped.state == "stopped", stopped.message
     assert stopped.message == ("Sweep stopped after 1 of 2 trials. Start sweep again with the name lr and the same "
                                "settings to continue: its finished trials are kept.")
@@ -206,8 +215,9 @@ def test_stop_stops_the_sweep_and_the_same_sweep_started_again_goes_on(tmp_path,
     assert not other.started and "was started with other settings" in other.message, other.message
     again = ctl.sweep.start(*_values())
     assert again.started and "going on after the 1 trial(s) it finished" in again.message, again.message
+    _wait_for(lambda: (s := jobs.status()).sweep and s.sweep.running == 1)
     ctl.run.stop()
-    wait_for_run(jobs, 30)
+    wait_for_run(jobs, 90)
     # Deleted in the Runs tab, the sweep's folder goes whole; its trials' folders left behind keep its name taken.
     assert delete_run(runs / "lr") == [] and not (runs / "lr").exists()
     refused = ctl.sweep.start(*_values({"trials": 3}))

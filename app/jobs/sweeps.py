@@ -32,6 +32,7 @@ class SweepProgress:
     finished: int
     objective: str
     running: int | None = None  # the study's number of the trial training now
+    params: dict[str, Any] | None = None  # the options the search picked for it
     best: dict[str, Any] | None = None  # summary.json's best trial: number, value, run, params
     counts: dict[str, int] | None = None  # trials by how they ended: complete, pruned, failed
 
@@ -40,6 +41,9 @@ class SweepProgress:
         """"Trial 2 of 6 · best so far accuracy=0.8125 (trial 0)", as the Run panel shows it."""
         at = min(self.finished + (1 if self.running is not None else 0), self.total) or 1
         parts = [f"Trial {at} of {self.total}" if self.finished < self.total else f"{self.total} trials"]
+        if self.running is not None and self.params:
+            parts[0] += " (" + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in self.params.items()) + ")"
         if pruned := (self.counts or {}).get("pruned"):
             parts.append(f"{pruned} pruned")
         if self.best is not None:
@@ -79,20 +83,22 @@ def read_progress(folder: Path, config_path: Path) -> SweepProgress:
     total = summary.get("trials_wanted") or section.get("trials") or 10
     objective = summary.get("objective") or str(section.get("objective") or "").removeprefix("eval/")
     best = summary.get("best") if isinstance(summary.get("best"), dict) else None
+    running = _running_trial(folder)
     return SweepProgress(total=int(total), finished=sum(t.get("state") in ENDED for t in trials),
-                         objective=objective, running=_running_trial(folder), best=best,
+                         objective=objective, running=None if running is None else running.get("trial"),
+                         params=None if running is None else running.get("params"), best=best,
                          counts=summary.get("counts") if isinstance(summary.get("counts"), dict) else None)
 
 
-def _running_trial(folder: Path) -> int | None:
-    """The number of the trial whose sweep.json says it trains now (the newest such, after a killed sweep)."""
-    numbers = []
+def _running_trial(folder: Path) -> dict[str, Any] | None:
+    """The sweep.json of the trial that says it trains now (the newest such, after a killed sweep), or None."""
+    running = []
     for record in folder.parent.glob(f"{folder.name}-trial-*/{TRIAL_FILE}"):
         trial = _json(record)
         if trial.get("sweep_dir") and Path(trial["sweep_dir"]).name == folder.name and \
                 trial.get("state") == "running" and isinstance(trial.get("trial"), int):
-            numbers.append(trial["trial"])
-    return max(numbers, default=None)
+            running.append(trial)
+    return max(running, key=lambda t: t["trial"], default=None)
 
 
 def shown_events(folder: Path, progress: SweepProgress) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from app.access import new_run_name
 from app.jobs.sweeps import VERB
 from app.jobs.training import JobBusy
 from app.mapping import FIELD_NAMES, changed_options, config_yaml, problems_text, values_to_config
+from app.remote.choice import LOCAL
 from app.report import display_path, queued_words, shown_path
 from app.state import AppState
 from app.train.run import RunHandlers, Started
@@ -54,6 +55,13 @@ class SweepHandlers:
     def direction(self, objective: str, *, request: Any = None) -> str:
         """The direction that suits the picked objective (minimize a loss, maximize an accuracy)."""
         return direction_for(objective)
+
+    def start_on(self, run_on: str, *values: Any, request: Any = None) -> Started:
+        """Start sweep as the page presses it, with the Run panel's "Run on": this machine only, for now."""
+        if run_on != LOCAL:
+            return Started(started=False, message="A sweep runs its trials on this machine: set Run on to This "
+                                                  "machine (the app does not send a sweep to another backend yet).")
+        return self.start(*values, request=request)
 
     def start(self, *values: Any, request: Any = None) -> Started:
         """Start a sweep: `values` are the Sweep section's (`SWEEP_INPUTS`' order), then the form's (`FIELD_NAMES`').

@@ -182,5 +182,5 @@ def wire_sweep(on: Callable[..., Any], h: Handlers, tab: TrainTab, panel: dict[s
        {"objective": objective, "direction": direction}, gate="quiet", show_progress="hidden", **PRIVATE)
     on(objective.input, h.sweep.direction, objective, {}, outputs=direction, gate="quiet", show_progress="hidden",
        **PRIVATE)
-    on(sweep.button.click, h.sweep.start, [*sweep.inputs, *tab.form.values],
+    on(sweep.button.click, h.sweep.start_on, [tab.run.run_on, *sweep.inputs, *tab.form.values],
        {"note": sweep.message, "fields": tab.form.by_name, "panel": panel}, show_progress="minimal", **PRIVATE)
