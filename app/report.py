@@ -125,7 +125,8 @@ def reproduce_command(status: JobStatus) -> str:
     if status.config_path is None:
         return ""
     extra = ["resume=true"] if "resume=true" in status.command.split() else []
-    return shlex.join(["finetune", "train", display_path(status.config_path), *extra])
+    verb = "sweep" if status.sweep is not None else "train"  # a sweep started again goes on where it was
+    return shlex.join(["finetune", verb, display_path(status.config_path), *extra])
 
 
 def run_options(status: JobStatus) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from app.train.dataset import DatasetHandlers
 from app.train.form import FieldNotes, Form, FormHandlers
 from app.train.plan import PlanHandlers
 from app.train.run import RunHandlers
+from app.train.sweep import SweepHandlers
 from app.tryit import tab as tryit_tab
 from app.tryit.panel import TryItHandlers
 
@@ -43,6 +44,7 @@ class Handlers:
     dataset: DatasetHandlers  # Train: the preview, the upload, the first example, the Tasks table
     plan: PlanHandlers  # Train: Plan and the model's fit
     run: RunHandlers  # Train: Start, Stop, Resume
+    sweep: SweepHandlers  # Train: Start sweep (its choices follow the task)
     follow: Follow  # the poll: every tab's view of the current run
     tryit: TryItHandlers  # Try it
     runs: RunsHandlers  # Runs
@@ -60,8 +62,9 @@ def handlers(runs_dir: Path, jobs: JobManager, *, access: Access | None = None, 
     dataset = DatasetHandlers(state, notes)
     plan = PlanHandlers(state, notes)
     publish = PushHandlers(state)
+    run = RunHandlers(state, notes, plan)
     return Handlers(state=state, notes=notes, form=FormHandlers(state, dataset.refresh_dataset), dataset=dataset,
-                    plan=plan, run=RunHandlers(state, notes, plan), follow=Follow(state, REFRESHES),
+                    plan=plan, run=run, sweep=SweepHandlers(state, run), follow=Follow(state, REFRESHES),
                     tryit=TryItHandlers(state), runs=RunsHandlers(state), publish=publish,
                     inference=InferenceExport(state, publish), reproduce=ReproduceHandlers())
 

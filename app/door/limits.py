@@ -45,6 +45,7 @@ class Limits:
     stop_grace_s: float = 60.0  # on SIGTERM, how long the run gets to checkpoint before the app exits
     upload_quota: str = "0"  # the uploads one user may keep (Gradio's size syntax; 0: no quota)
     max_queued: int | None = None  # runs one user may have waiting in the queue while another trains
+    max_trials: int | None = None  # trials one sweep of the app may ask for (each trial is a run)
 
     @property
     def max_run_s(self) -> float | None:
@@ -54,7 +55,8 @@ class Limits:
 
 LOCAL = Limits()
 SPACE = Limits(max_epochs=20, max_steps=20_000, max_effective_batch=1024, max_run_minutes=120,
-               max_file_size="200mb", min_free_gb=5.0, keep_days=7, upload_quota="1gb", max_queued=2)
+               max_file_size="200mb", min_free_gb=5.0, keep_days=7, upload_quota="1gb", max_queued=2,
+               max_trials=50)
 
 # flag → (field, type, help); the environment variable is FINETUNE_ + the flag in capitals.
 FLAGS = {
@@ -73,6 +75,7 @@ FLAGS = {
                        "quota)."),
     "--max-queued": ("max_queued", int, "Runs one user may have waiting in the queue while another run trains "
                      "(0: no limit)."),
+    "--max-trials": ("max_trials", int, "Trials one sweep (the Train tab's Sweep) may ask for (0: no limit)."),
     "--stop-grace": ("stop_grace_s", float, "Seconds a run gets to save its checkpoint when the app receives SIGTERM "
                      "(docker stop) before the app exits."),
 }

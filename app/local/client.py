@@ -52,7 +52,8 @@ class JobClient:
         """The current (or last) run's state, events and messages (a run on Hugging Face Jobs told as one)."""
         return job_status(self.training.status())
 
-    def start(self, config_path: Path, run_dir: Path, owner: str | None, launch: JobLaunch | None = None) -> int:
+    def start(self, config_path: Path, run_dir: Path, owner: str | None, launch: JobLaunch | None = None,
+              verb: str = "train") -> int:
         """Start `finetune train CONFIG` now (0) or queue it behind the run in progress (its position, 1: next);
         `JobBusy` (with `run_refusal`'s sentence) while another job is in the way, or the owner's queue is full. A
         run on Hugging Face Jobs (`launch`'s options and environment) starts now or not at all: its token lives
@@ -66,7 +67,7 @@ class JobClient:
                                   "(a Hugging Face Jobs token is kept nowhere): start it when the queue is empty.")
                 self.training.start(config_path, run_dir, launch.args, owner=owner, env=launch.env)
                 return 0
-            return self.training.submit(config_path, run_dir, owner=owner)
+            return self.training.submit(config_path, run_dir, owner=owner, verb=verb)  # "sweep": `finetune sweep`
 
     def taken(self, run_dir: Path) -> str:
         """Why no Start may write into `run_dir` now (it trains, or waits in the queue); "" when it may."""

@@ -27,18 +27,24 @@ class Queued:
     overrides: tuple[str, ...] = ()  # ("resume=true",) for a queued Resume
     owner: str | None = None
     queued_at: float = 0.0  # Unix time
+    verb: str = "train"  # the command it runs: `finetune train`, or `finetune sweep` (the Train tab's Sweep)
 
     def record(self) -> dict[str, Any]:
         """The entry as queue.json keeps it."""
         return {"run_dir": str(self.run_dir), "config_path": str(self.config_path), "overrides": list(self.overrides),
-                "owner": self.owner, "queued_at": self.queued_at}
+                "owner": self.owner, "queued_at": self.queued_at, "verb": self.verb}
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Queued:
         """An entry of queue.json (`KeyError`, `TypeError` or `ValueError` for one that is not)."""
         return cls(run_dir=Path(record["run_dir"]), config_path=Path(record["config_path"]),
                    overrides=tuple(str(o) for o in record.get("overrides") or ()), owner=record.get("owner"),
-                   queued_at=float(record.get("queued_at") or 0.0))
+                   queued_at=float(record.get("queued_at") or 0.0), verb=_verb(record.get("verb")))
+
+
+def _verb(value: Any) -> str:
+    """The queued command's verb; anything but `sweep` (an older queue.json has none) trains."""
+    return "sweep" if value == "sweep" else "train"
 
 
 class RunQueue:

@@ -28,6 +28,7 @@ from typing import Any
 from app.local.children import signal_group, spawn
 from app.local.current import CurrentRun, alive, is_finetune
 from app.local.queue import Queued, RunQueue
+from app.local.sweeps import SweepProgress, is_sweep, read_progress, shown_events, sweep_state
 from app.local.tail import EventTail, error_from_output, session_output
 from finetune.config.schema import ConfigError, read_yaml
 from finetune.run.rundir import checkpoints
@@ -60,6 +61,7 @@ class JobStatus:
     config_path: Path | None = None
     owner: str | None = None  # who started it, on a shared server
     latest_checkpoint: Path | None = None  # the newest complete checkpoint on disk
+    sweep: SweepProgress | None = None  # a sweep's job: its trials (its events are the trial shown's)
 
     @property
     def active(self) -> bool:
@@ -164,10 +166,10 @@ class JobManager:
 
     # --- starting
     def start(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None,
-              owner: str | None = None, env: dict[str, str] | None = None) -> JobStatus:
-        """Run `finetune train CONFIG [overrides] -q` (in `env`, default the manager's); raises JobBusy while
-        another run is in progress."""
-        command = [self.python, "-m", "finetune", "train", str(config_path), *(overrides or []), "-q"]
+              owner: str | None = None, env: dict[str, str] | None = None, verb: str = "train") -> JobStatus:
+        """Run `finetune train CONFIG [overrides] -q` (in `env`, default the manager's; `verb` "sweep": `finetune
+        sweep`, its trials one after another in that child); raises JobBusy while another run is in progress."""
+        command = [self.python, "-m", "finetune", verb, str(config_path), *(overrides or []), "-q"]
         return self._launch(command, config_path, run_dir, owner, env)
 
     def follow_job(self, run_dir: Path, owner: str | None = None, env: dict[str, str] | None = None,
@@ -202,7 +204,7 @@ class JobManager:
             return self.status()
 
     def submit(self, config_path: Path, run_dir: Path, overrides: list[str] | None = None,
-               owner: str | None = None) -> int:
+               owner: str | None = None, verb: str = "train") -> int:
         """Start the run now (0), or while another run is in progress (or others wait) put it at the end of the
         queue: its position then (1: it starts next). `JobBusy` when that run folder is already training or queued."""
         with self._lock, self.queue.locked():
@@ -211,10 +213,11 @@ class JobManager:
             queue = self.queue.entries()
             current = self.status()
             if not current.active and not queue:
-                self.start(config_path, run_dir, overrides, owner)
+                self.start(config_path, run_dir, overrides, owner, verb=verb)
                 return 0
             self.queue.write([*queue, Queued(run_dir=run_dir, config_path=config_path,
-                                             overrides=tuple(overrides or ()), owner=owner, queued_at=time.time())])
+                                             overrides=tuple(overrides or ()), owner=owner, queued_at=time.time(),
+                                             verb=verb)])
         self._advance()  # the run in progress may have ended while this one was queued
         return self.queue.position(run_dir) or 0
 
@@ -260,7 +263,8 @@ class JobManager:
                 first = queue.pop(0)
                 self.queue.write(queue)
                 if first.run_dir.is_dir():
-                    self.start(first.config_path, first.run_dir, list(first.overrides), first.owner)
+                    self.start(first.config_path, first.run_dir, list(first.overrides), first.owner,
+                               verb=first.verb)
                     return
 
     def _record_end(self, ended: JobStatus) -> None:
@@ -351,6 +355,8 @@ class JobManager:
             job = self._job
             if job is None:
                 return JobStatus(state="idle")
+            if is_sweep(job.command):
+                return _sweep_status(job, running=self._running(job))
             events = job.events()
             mine = [e for e in events if e.get("time", 0) >= job.launched]
             output = session_output(job.log_path)
@@ -430,6 +436,19 @@ class JobManager:
         if self._running(job):
             # the time limit counts from the launch, across app restarts
             threading.Thread(target=self._follow, args=(job,), daemon=True).start()
+
+
+def _sweep_status(job: _Job, running: bool) -> JobStatus:
+    """A sweep's status: its trials' progress, the events of the trial it shows (`app.local.sweeps`)."""
+    output = session_output(job.log_path)
+    rc = job.proc.poll() if job.proc is not None else None
+    progress = read_progress(job.run_dir, job.config_path)
+    state, message = sweep_state(progress, name=job.run_dir.name, rc=rc, running=rc is None and running,
+                                 stop_requested=job.stop_requested_at is not None, killed=job.killed,
+                                 error=error_from_output(output))
+    return JobStatus(state=state, run_dir=job.run_dir, events=shown_events(job.run_dir, progress), returncode=rc,
+                     message=message, output_tail="\n".join(output.splitlines()[-12:]),
+                     command=" ".join(job.command[1:]), config_path=job.config_path, owner=job.owner, sweep=progress)
 
 
 def _interrupted(output: str) -> bool:

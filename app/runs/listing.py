@@ -18,6 +18,7 @@ import pandas as pd
 import yaml
 
 from app import charts, report
+from app.local.sweeps import read_progress
 from app.local.training import ENDED
 from finetune.config.schema import ConfigError, from_dict, read_yaml
 from finetune.errors import FinetuneError
@@ -29,6 +30,7 @@ TABLE_COLUMNS = ["Run", "Status", "Task", "Model", "Steps", "Metrics", "Started"
 NOWRAP = {"Run", "Status", "Steps", "Started", "Finished"}  # short cells kept on one line (the others wrap)
 NOT_DIFFED = ("output_dir", "resume", "overwrite")  # where a run went, not how it trained
 MAX_RUNS = 200  # the newest shown (a runs folder kept for months would make a table nobody reads)
+SEARCH_FILE = "summary.json"  # a sweep's own folder: its trials and the best (finetune.sweep.summary)
 SWEEP_FILE = "sweep.json"  # a sweep's trial: its sweep, trial number, options and end (finetune.sweep.study)
 BENCHMARKS_FILE = "benchmarks.json"  # `finetune eval RUN --benchmarks` (finetune.use.benchmarks.RESULTS)
 BENCHMARK_COLUMNS = ["Run", "Task", "Metric", "Fine-tuned", "Base"]
@@ -56,6 +58,7 @@ class RunInfo:
     events: list[dict[str, Any]] = field(repr=False, default_factory=list)
     sweep: dict[str, Any] | None = None  # a sweep's trial: its sweep.json (sweep, trial, state, value, direction)
     best: bool = False  # the best complete trial of its sweep
+    search: dict[str, Any] | None = None  # a sweep's own folder: its summary.json (counts, best), once it has one
 
     @property
     def active(self) -> bool:
@@ -68,7 +71,9 @@ def _config_of(path: Path) -> dict[str, Any]:
     for name in ("config.yaml", "launch.yaml"):
         try:
             if (path / name).is_file():
-                return from_dict(read_yaml(path / name)).to_dict()
+                values = read_yaml(path / name)
+                values.pop("sweep", None)  # a sweep's folder: its launch.yaml is the trials' base config and the search
+                return from_dict(values).to_dict()
         except (ConfigError, OSError, ValueError, yaml.YAMLError):
             continue
     return {}
@@ -129,6 +134,11 @@ def run_info(path: Path, current: Any = None, position: int | None = None) -> Ru
     stamp = starts[0].get("time") if starts else None
     if stamp is None and (path / MARKER).is_file():
         stamp = (path / MARKER).stat().st_mtime
+    search = _json_of(path / SEARCH_FILE) or None
+    if search and not events and state == "failed" and ended_as(path) is None:
+        # A sweep's folder has no events of its own: it is done when its trials are (else it was cut short).
+        state = "done" if read_progress(path, path / "launch.yaml").finished >= (search.get("trials_wanted") or 0) \
+            else "stopped"
     sweep = _json_of(path / SWEEP_FILE)
     sweep = sweep if isinstance(sweep.get("sweep"), str) and isinstance(sweep.get("trial"), int) else None
     if sweep is not None and state == "stopped" and sweep.get("state") == "pruned":
@@ -138,7 +148,7 @@ def run_info(path: Path, current: Any = None, position: int | None = None) -> Ru
                    started=stamp, finished=final.get("time") if final and state in ("done", "stopped", "failed")
                    else None, resumable=state in ("stopped", "failed") and not finished and bool(checkpoints(path)),
                    position=position if state == "queued" else None, ran_on=ran_on(path), events=events,
-                   sweep=sweep, predicted_s=_predicted_s(path),
+                   sweep=sweep, search=search, predicted_s=_predicted_s(path),
                    took_s=_took_s(starts, final) if state == "done" else None)
 
 
@@ -205,7 +215,9 @@ def _mark_best(runs: list[RunInfo]) -> list[RunInfo]:
             continue
         sign = -1 if r.sweep.get("direction") == "minimize" else 1
         held = best.get(r.sweep["sweep"])
-        if held is None or sign * r.sweep["value"] > sign * held.sweep["value"]:
+        # A tie goes to the earlier trial, as the sweep's summary.json picks it (the first of the best).
+        if held is None or (sign * r.sweep["value"], -r.sweep["trial"]) > \
+                (sign * held.sweep["value"], -held.sweep["trial"]):
             best[r.sweep["sweep"]] = r
     chosen = {id(r) for r in best.values()}
     return [dataclasses.replace(r, best=True) if id(r) in chosen else r for r in runs]
@@ -249,7 +261,17 @@ def status_title(run: RunInfo) -> str:
         return f"{title} (position {run.position})"
     trial = f" · sweep {run.sweep['sweep']} #{run.sweep['trial']}" + (" ★ best" if run.best else "") \
         if run.sweep else ""
-    return title + (" (resumable)" if run.resumable else "") + trial
+    return title + (" (resumable)" if run.resumable else "") + trial + _search_words(run.search)
+
+
+def _search_words(search: dict[str, Any] | None) -> str:
+    """A sweep's folder in the Runs table: " · sweep of 6 trials (2 pruned) · best #3" ("" for any other run)."""
+    if not search or not isinstance(search.get("trials"), list):
+        return ""
+    counts = search.get("counts") if isinstance(search.get("counts"), dict) else {}
+    pruned = f" ({counts['pruned']} pruned)" if counts.get("pruned") else ""
+    best = search.get("best") if isinstance(search.get("best"), dict) else None
+    return f" · sweep of {len(search['trials'])} trials{pruned}" + (f" · best #{best.get('number')}" if best else "")
 
 
 def compare_frame(runs: list[RunInfo]) -> pd.DataFrame:

@@ -35,6 +35,7 @@ from app.train import preview
 from app.train.form import FieldNotes
 from app.train.plan import PlanHandlers
 from app.train.run_report import progress_html
+from app.train.sweep_form import SweepPanel, build_sweep_panel
 from finetune import registry as kinds
 from finetune.config.schema import Config, ConfigError, from_dict
 from finetune.config.tasks import single_task_values
@@ -192,6 +193,11 @@ class RunHandlers:
             return f"⚠️ {e}"
         return (f"Runs on Hugging Face Jobs' {flavor.describe()}, billed to your account: Plan and Start plan for "
                 f"one of its GPUs ({flavor.budget_gib:g} GiB).")
+
+    def checks(self, config: Config, user: str | None) -> Started | Path:
+        """Start's checks of `config` for `user` on this machine (access, the server's limits and disk, the data,
+        the plan), nothing written: the refusal, or the run folder it goes to (what Start sweep checks too)."""
+        return self._refused(config, user, None)
 
     def _refused(self, config: Config, user: str | None, flavor: Flavor | None,
                  launch: JobLaunch | None = None) -> Started | Path:
@@ -361,6 +367,7 @@ class RunPanel:
     scatter: Any
     completions: Any
     run_dir: Any
+    sweep: SweepPanel  # under Start: a search of several trials instead of one run (app.train.sweep)
 
 
 def _backend_form() -> tuple[dict[str, Any], list[Any]]:
@@ -405,6 +412,7 @@ def build_run_panel(choices: list[tuple[str, str]] | None = None) -> RunPanel:
             resume = gr.Button("Resume", visible=False)
             cancel = gr.Button("Cancel queued run", visible=False, elem_id="cancel-queued")
         message = gr.Markdown(elem_id="run-message")
+        sweep = build_sweep_panel()
         status = gr.Markdown(elem_id="run-status")
         progress = gr.HTML(elem_id="run-progress")
         stats = gr.Markdown(elem_id="run-stats")
@@ -424,4 +432,4 @@ def build_run_panel(choices: list[tuple[str, str]] | None = None) -> RunPanel:
     return RunPanel(run_on=run_on, backend_groups=backend_groups, backend_inputs=backend_inputs, start=start,
                     stop=stop, resume=resume, cancel=cancel, message=message, status=status,
                     progress=progress, stats=stats, trackers=trackers, loss=loss, log=log, metrics=metrics,
-                    scatter=scatter, completions=completions, run_dir=run_dir)
+                    scatter=scatter, completions=completions, run_dir=run_dir, sweep=sweep)

@@ -41,7 +41,14 @@ def _duration(seconds: float) -> str:
 
 
 def progress_html(status: JobStatus) -> str:
-    """A progress bar with step/total, percentage and ETA."""
+    """A progress bar with step/total, percentage and ETA; a sweep's line of trials above it."""
+    if status.sweep is not None:
+        line = html.escape(status.sweep.line)
+        return f'<div class="ft-sweep-progress" id="sweep-progress">{line}</div>' + _bar(status)
+    return _bar(status)
+
+
+def _bar(status: JobStatus) -> str:
     if status.progress is None:
         label = {"idle": "No run yet.", "starting": "Starting: loading the data and the model…"}.get(
             status.state, STATE_TITLES.get(status.state, status.state))

@@ -21,8 +21,10 @@ from app.train.plan import Planning, PlanPanel, build_plan_panel
 from app.train.run import RUN_PARTS, Checking, RunPanel, build_run_panel
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from app.follow import Seen
-    from app.tabs import Page
+    from app.tabs import Handlers, Page
 
 PRIVATE = {"api_visibility": "private"}  # the page's own events: scripts get the named API of `app.api` instead
 
@@ -200,6 +202,7 @@ def wire(page: Page, tab: TrainTab) -> None:
     on(checking.success, h.run.start_on, [run.run_on, *values, *run.backend_inputs],
        {"note": run.message, "dataset_note": tab.dataset.error, "fields": by_name, "start_button": run.start,
         "panel": panel}, show_progress="hidden", **PRIVATE)
+    wire_sweep(on, h, tab, panel)
     on(run.run_on.change, h.run.run_on_note, run.run_on, {}, outputs=run.message, gate="quiet",
        show_progress="hidden", **PRIVATE)
     on(run.run_on.change, h.run.backend_form, run.run_on, run.backend_groups, gate="quiet", show_progress="hidden",
@@ -215,3 +218,15 @@ def wire(page: Page, tab: TrainTab) -> None:
                   fields["chat_template"].submit, fields["chat_template"].blur, fields["train_on"].change,
                   fields["max_length"].blur, load):
         on(event, h.dataset.chat_example, example_in, example_out, gate="quiet", show_progress="hidden", **PRIVATE)
+
+
+def wire_sweep(on: Callable[..., Any], h: Handlers, tab: TrainTab, panel: dict[str, Any]) -> None:
+    """The Sweep section's events: its objectives follow the task, Start sweep starts (into the Run panel)."""
+    sweep, fields = tab.run.sweep, tab.form.fields
+    objective, direction = sweep.widgets["objective"], sweep.widgets["direction"]
+    on(fields["task"].change, h.sweep.objective_choices, fields["task"],
+       {"objective": objective, "direction": direction}, gate="quiet", show_progress="hidden", **PRIVATE)
+    on(objective.input, h.sweep.direction, objective, {}, outputs=direction, gate="quiet", show_progress="hidden",
+       **PRIVATE)
+    on(sweep.button.click, h.sweep.start_on, [tab.run.run_on, *sweep.inputs, *tab.form.values],
+       {"note": sweep.message, "fields": tab.form.by_name, "panel": panel}, show_progress="minimal", **PRIVATE)

@@ -59,7 +59,9 @@ RUN_FILES = (MARKER, MANIFEST, "config.yaml", "plan.json", "events.jsonl", "chec
              "export.log",  # the app's log of `finetune export`, beside export/
              "benchmarks.log",  # the app's log of `finetune eval --benchmarks`, beside benchmarks.json
              "wandb", "mlruns", *LAUNCH_FILES,
-             "job.json", ".fetch.partial")  # a run on Hugging Face Jobs (finetune.remote): its job, a fetch under way
+             "job.json", ".fetch.partial",  # a run on Hugging Face Jobs (finetune.remote): its job, a fetch under way
+             # a sweep's own folder (finetune.sweep.study: its study, summary, plot, and the lock of its process)
+             "study.journal", "summary.json", "sweep.png", "sweep.png.tmp", "sweep.pid")
 # Options that may differ when resuming: they change reporting, not the numbers.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "logging_every", "report_to",
                      "push_to_hub", "hub_private"}
