@@ -270,7 +270,8 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
                              "text": tryit.text, "message": tryit.message, "image": tryit.image,
                              "push": export.push, "settings": tryit.settings,
                              "max_new_tokens": tryit.max_new_tokens, "temperature": tryit.temperature,
-                             "top_p": tryit.top_p, "system_prompt": tryit.system_prompt, "base": tryit.base},
+                             "top_p": tryit.top_p, "system_prompt": tryit.system_prompt, "base": tryit.base,
+                             "tools": tryit.tools, "calls": tryit.calls},
                "note": run.message, "scatter": run.scatter, "completions": run.completions,
                "try_pick": tryit.pick, "export_pick": export.export_pick}
     on(timer.tick, follow.poll, seen, targets, gate="public", concurrency_limit=None, show_progress="hidden",

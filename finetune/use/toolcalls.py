@@ -71,6 +71,32 @@ def read_tools(path: str) -> list[dict[str, Any]]:
     return parse_tools(file.read_text(encoding="utf-8"), f"the tools in {path!r}")
 
 
+def trained_tools(run_dir: Path) -> list[dict[str, Any]] | None:
+    """The tools of the first row of a run's training data (its config's `tools_column`), to offer the model as it
+    learned them; [] for a run trained with tools whose first row offers none or whose local data file is gone or
+    unreadable (a hub dataset is not fetched for this); None for a run trained without tools."""
+    from finetune.config.schema import read_yaml
+    from finetune.data.load import is_local, load_table
+    from finetune.errors import FinetuneError
+    from finetune.rows.chat import tools_of
+
+    config = Path(run_dir) / "config.yaml"
+    try:
+        options = read_yaml(config) if config.is_file() else {}
+    except FinetuneError:  # a config.yaml that cannot be read: Predict says why
+        return None
+    column, dataset = options.get("tools_column"), options.get("dataset")
+    if not column:
+        return None
+    if not isinstance(dataset, str) or not is_local(dataset) or not Path(dataset).expanduser().is_file():
+        return []
+    try:
+        first = next(iter(load_table(dataset, streaming=True)), {})
+    except (FinetuneError, OSError, ValueError):
+        return []
+    return tools_of(first.get(column)) or []
+
+
 def _is_tool(value: Any) -> bool:
     function = value.get("function", value) if isinstance(value, dict) else None
     return isinstance(function, dict) and isinstance(function.get("name"), str)
