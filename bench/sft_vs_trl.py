@@ -68,13 +68,13 @@ TOOLS_TEMPLATE = (REPO_ROOT / "assets" / "chatml_tools.jinja").read_text().repla
 {{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}""")
 # SmolVLM's template (as tests/kind_cases/vlm.py builds it) with the markers around the assistant's reply.
 VLM_TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]['type'] == "
-    "'image' %}{{':'}}{% else %}{% if message['role'] != 'assistant' %}{{': '}}{% endif %}{% endif %}"
-    "{% if message['role'] == 'assistant' %}{% generation %}{{' '}}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}{% elif line['type'] == "
-    "'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>"
-    "{% if message['role'] == 'assistant' %}{% endgeneration %}{% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+    "<|im_start|>{% for message in messages %}{% if message['role'] == 'assistant' %}{{ 'Assistant:' }}"
+    "{% generation %}{{ ' ' }}{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% endif %}{% endfor %}{{ '<end_of_utterance>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ message['role'] | capitalize }}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}"
+    "{{ ': ' }}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{{ '<end_of_utterance>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 VLM_WORDS = "red blue green cat dog bird tree sky sea what is in this picture a the colour of".split()
 VLM_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
                 "<global-img>", *(f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2))]
