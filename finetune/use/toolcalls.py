@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.errors import InputError
+from finetune.config.schema import read_yaml
+from finetune.data.load import is_local, load_table
+from finetune.errors import FinetuneError, InputError
+from finetune.rows.chat import tools_of
 
 # Tools are schemas of a few functions; a file or box far larger than this is not tools (and on a public app, a
 # visitor's text that is parsed only once it is known to be small).
@@ -75,11 +78,6 @@ def trained_tools(run_dir: Path) -> list[dict[str, Any]] | None:
     """The tools of the first row of a run's training data (its config's `tools_column`), to offer the model as it
     learned them; [] for a run trained with tools whose first row offers none or whose local data file is gone or
     unreadable (a hub dataset is not fetched for this); None for a run trained without tools."""
-    from finetune.config.schema import read_yaml
-    from finetune.data.load import is_local, load_table
-    from finetune.errors import FinetuneError
-    from finetune.rows.chat import tools_of
-
     config = Path(run_dir) / "config.yaml"
     try:
         options = read_yaml(config) if config.is_file() else {}
