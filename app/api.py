@@ -183,18 +183,19 @@ class ScriptApi:
 
     def predict(self, text: str, request: gr.Request = None, max_new_tokens: int | None = None,
                 temperature: float | None = None, top_p: float | None = None, system_prompt: str = "",
-                run: str | None = None, with_base: bool = False) -> dict[str, Any]:
+                run: str | None = None, with_base: bool = False, tools: str = "") -> dict[str, Any]:
         """The finished run's model on `text`: {label, probabilities}, {generated}, {reply}, {words, tags,
         entities}, or {"error": message}; a model that generates text does so with the settings given (unset: its
         generation_config's; at most Try it's new tokens). `run`: one of the caller's runs or checkpoints instead
         of the current run (a value of Try it's picker, `app.picks`); `with_base`: the base model's answer too,
-        under "base" (a model that generates text)."""
+        under "base" (a model that generates text); `tools`: a chat's tools, a JSON list of function schemas, offered
+        through the run's chat template, the reply's parsed calls under "tool_calls" (Try it's Tools box)."""
         from finetune.errors import InputError
 
         try:
             return self.handlers.tryit.predict(text, request=request, max_new_tokens=max_new_tokens,
                                                temperature=temperature, top_p=top_p, system_prompt=system_prompt,
-                                               run=run, with_base=bool(with_base))
+                                               run=run, with_base=bool(with_base), tools=tools or "")
         except (Unanswered, InputError) as e:  # InputError: the model cannot be loaded, or its template fails
             return {"error": str(e)}
 

@@ -208,9 +208,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
         task_name, texts = texts[0].removeprefix("task="), texts[1:]
     if not texts:
         raise ConfigError(["Nothing to predict: give texts as arguments or --file with one text per line."])
+    tools = None
+    if args.tools:
+        from finetune.use.toolcalls import read_tools
+
+        tools = read_tools(args.tools)
     for result in predict(args.model, texts, max_new_tokens=args.max_new_tokens, chat=args.chat,
                           task_name=task_name, temperature=args.temperature, top_p=args.top_p,
-                          system_prompt=args.system_prompt):
+                          system_prompt=args.system_prompt, tools=tools):
         print(json.dumps(result, ensure_ascii=False))
     return EXIT_OK
 
@@ -467,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "chat template, or continue it as plain text (--no-chat). Default: chat with a run that trained "
                    "on conversations, or with a model folder that has a chat template.")
     p.add_argument("--task", help="Multi-task model: the task to use (also given as task=<name> before the texts).")
+    p.add_argument("--tools", metavar="FILE", help="Chat: a JSON file with a list of tools (function schemas) "
+                   "offered to the model through its chat template's tools support; each record then holds the raw "
+                   "reply and the tool calls parsed from it (Qwen/Hermes, Mistral and Llama 3.1 formats).")
     p.set_defaults(func=cmd_predict)
     p = sub.add_parser("push", help="Push a run's model, with a generated model card, to the Hugging Face Hub.",
                        description="Upload RUN_DIR's model/ (or LoRA adapter) and a generated README.md model card "

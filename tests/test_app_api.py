@@ -11,7 +11,8 @@ from conftest import served_app
 
 pytestmark = pytest.mark.slow
 ENDPOINTS = {"/start": ["config", "run_on"], "/plan": ["config"], "/status": [], "/stop": [], "/cancel": ["run"],
-             "/predict": ["text", "max_new_tokens", "temperature", "top_p", "system_prompt", "run", "with_base"],
+             "/predict": ["text", "max_new_tokens", "temperature", "top_p", "system_prompt", "run", "with_base",
+                          "tools"],
              "/push": ["repo", "private"], "/export": ["format", "quant", "ollama", "run"], "/export_status": []}
 
 

@@ -21,6 +21,7 @@ from app.report import waiting_note
 from app.results import Unanswered, keep
 from app.state import AppState
 from app.tryit import renderers
+from app.tryit.tools import calls_box, offered, tools_box
 from finetune import registry as kinds
 from finetune.config.schema import ConfigError, read_yaml
 from finetune.use.generation import Generation, model_defaults
@@ -31,14 +32,15 @@ RENDER_TIMEOUT_S = 2.0
 MAX_PROMPT_CHARS = 4 * limits.MAX_INPUTS_CHARS
 
 
-def bounded_prompt(tokenizer: Any, turns: list[dict[str, Any]]) -> tuple[str, list[int]]:
-    """`finetune.rows.chat.prompt_of` in a bounded child (`app.local.bounded`): the chat's prompt and its stop tokens,
-    or `DataError` with a sentence when the template loops, eats memory or writes too much."""
+def bounded_prompt(tokenizer: Any, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                   ) -> tuple[str, list[int]]:
+    """`finetune.rows.chat.prompt_of` in a bounded child (`app.local.bounded`): the chat's prompt (offered `tools`)
+    and its stop tokens, or `DataError` with a sentence when the template loops, eats memory or writes too much."""
     from finetune.errors import DataError
     from finetune.rows.chat import prompt_of
 
     def render() -> tuple[str, list[int]]:
-        text, stop = prompt_of(tokenizer, turns)
+        text, stop = prompt_of(tokenizer, turns, tools)
         if len(text) > MAX_PROMPT_CHARS:
             raise DataError(f"The run's chat template turned this chat into {len(text):,} characters (at most "
                             f"{MAX_PROMPT_CHARS:,} are read): start a new chat, or fix the template.")
@@ -119,6 +121,8 @@ class TryPanel:
     top_p: Any = keep()
     system_prompt: Any = keep()  # a chat's system turn
     base: Any = keep()  # Compare's answer, cleared with a new model
+    tools: Any = keep()  # a chat run trained with tools: the Tools (JSON) box (`app.tryit.tools`)
+    calls: Any = keep()  # the tool calls parsed from the last reply
 
 
 def panel(status: JobStatus | Picked, *, new_model: bool) -> TryPanel:
@@ -131,7 +135,8 @@ def panel(status: JobStatus | Picked, *, new_model: bool) -> TryPanel:
     ready = view is not None
     cleared = {"label": gr.update(value=None, visible=False), "generated": gr.update(value="", visible=False),
                "entities": gr.update(value=None, visible=False), "message": "",
-               "base": gr.update(value="", visible=False)} if new_model else {}
+               "base": gr.update(value="", visible=False),
+               "calls": gr.update(value=None, visible=False)} if new_model else {}
     if not ready:
         cleared["message"] = waiting_note(status)
     generates = view in GENERATING_VIEWS
@@ -145,7 +150,8 @@ def panel(status: JobStatus | Picked, *, new_model: bool) -> TryPanel:
                     image=gr.update(visible=pictured, **({"value": None} if new_model else {})),
                     text=gr.update(visible=view != "image", label="Your message" if chat else "Try it",
                                    placeholder=PLACEHOLDERS.get(view or "", "Type a text for the trained model")),
-                    settings=gr.update(visible=generates), system_prompt=gr.update(visible=chat), **cleared)
+                    settings=gr.update(visible=generates), system_prompt=gr.update(visible=chat),
+                    tools=tools_box(status.run_dir, chat, new_model), **cleared)
 
 
 # The views of a model that generates text: Try it shows the generation settings for them.
@@ -242,7 +248,7 @@ class TryItHandlers:
 
     def predict(self, text: str, *, request: Any = None, max_new_tokens: int | None = None,
                 temperature: float | None = None, top_p: float | None = None, system_prompt: str = "",
-                run: str | None = None, with_base: bool = False) -> dict[str, Any]:
+                run: str | None = None, with_base: bool = False, tools: str = "") -> dict[str, Any]:
         """The finished model on one text: {label, probabilities}, {reply} (a causal LM with a chat template: the
         text is the user's turn), {generated}, {value}, {score} or {words, tags, entities} (the kind's record).
 
@@ -251,8 +257,10 @@ class TryItHandlers:
         when the model cannot be loaded, `finetune.errors.DataError` when its chat template cannot render the
         text, and `finetune.errors.ConfigError` for generation settings out of range (`finetune.use.generation`).
         `run`: a run or checkpoint of the caller's (`app.picks`) instead of the current run; `with_base`: a model
-        that generates text answers beside the base model, under "base" (`finetune.use.predict.base_of`)."""
+        that generates text answers beside the base model, under "base" (`finetune.use.predict.base_of`); `tools`:
+        a chat's tools as JSON text (`app.tryit.tools.offered`), the reply's parsed calls under "tool_calls"."""
         text, status = self._finished_run(text, request, run)
+        offer = offered(tools)
         settings = self._settings(status, max_new_tokens, temperature, top_p, system_prompt)
         if (view := try_view(status)) in IMAGE_REFUSALS:
             raise Unanswered(IMAGE_REFUSALS[view])
@@ -266,7 +274,7 @@ class TryItHandlers:
             return {"query": query, "similarities": nearest(vectors[0], candidates, vectors[1:]),
                     "candidates_dropped": max(0, len(lines) - 1 - limits.MAX_TRY_CANDIDATES)}
         based = with_base and try_view(status) in GENERATING_VIEWS
-        out = predict(str(status.target), [text], **settings, with_base=based)[0]
+        out = predict(str(status.target), [text], **settings, with_base=based, tools=offer)[0]
         return {k: v for k, v in out.items() if k != "text"}  # the kind's record, less the text it was given
 
     def predict_image(self, image: str | None, question: str = "", *, request: Any = None, run: str | None = None,
@@ -305,13 +313,14 @@ class TryItHandlers:
 
     def try_it(self, text: str, history: list[dict[str, Any]] | None = None, image: str | None = None,
                max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-               system_prompt: str = "", run: str | None = None, compare: bool = False, *, request: Any = None
-               ) -> renderers.PredictionShown:
+               system_prompt: str = "", run: str | None = None, compare: bool = False, tools: str = "", *,
+               request: Any = None) -> renderers.PredictionShown:
         """Try it: the finished model's prediction shown by its kind's view (an image classifier's of the uploaded
         `image`), or (a run its kind chats with) the next turn of a chat with it, through the template it was
         trained with; a model that generates text generates with the settings given (unset: its own). `run`: the
         run or checkpoint picked (`app.picks`); `compare`: the base model's answer beside it (a classifier: its
-        evaluation beside the majority-class baseline, `compared`)."""
+        evaluation beside the majority-class baseline, `compared`); `tools`: a chat's Tools (JSON) box, offered to
+        the model, its reply's tool calls shown parsed beside it (`app.tryit.tools`)."""
         from finetune.errors import InputError
         from finetune.use.predict import replies
 
@@ -324,8 +333,9 @@ class TryItHandlers:
                 return renderers.RENDERERS[view](out, limits.truncate_try_text(text or "")[1])
             if history or view == "chat":  # the model answers the whole conversation
                 text, status = self._finished_run(text, request, run)
+                offer = offered(tools)
                 turns = [*history_turns(history), {"role": "user", "content": text}]
-                answers = replies(str(status.target), turns, with_base=bool(compare),
+                answers = replies(str(status.target), turns, with_base=bool(compare), tools=offer,
                                   **self._settings(status, max_new_tokens, temperature, top_p, system_prompt))
                 base = ("Base model (before fine-tuning)", answers[1]) if compare else None
             else:
@@ -340,6 +350,7 @@ class TryItHandlers:
         if history or view == "chat":
             shown = renderers.chat([*history_turns(history), {"role": "user", "content": shown_text}], answers[0],
                                    note)
+            shown = dataclasses.replace(shown, calls=calls_box(answers[0], offer))
         else:
             shown = renderers.RENDERERS[view or kinds.entry(kinds.DEFAULT).try_view](out, note)
         return dataclasses.replace(shown, base=renderers.base_box(*base)) if base else shown

@@ -26,6 +26,7 @@ class PredictionShown:
     entities: Any = hidden()  # token classification: the words, each entity highlighted with its type
     image: Any = keep()  # the uploaded image stays as it was given
     base: Any = hidden()  # Compare: the base model's answer, or a classifier's evaluation beside its baseline
+    calls: Any = hidden()  # a chat offered tools: the tool calls parsed from the reply (`app.tryit.tools`)
 
 
 def base_box(label: str, value: str) -> Any:

@@ -10,8 +10,10 @@ import gradio as gr
 
 from app.door import limits
 from app.picks import newest_pick
+from app.tryit import tools as tools_ui
 from app.tryit.panel import panel
 from finetune.use.generation import Generation
+from finetune.use.toolcalls import MAX_TOOLS_CHARS
 
 if TYPE_CHECKING:
     from app.follow import Seen
@@ -39,6 +41,8 @@ class TryItTab:
     pick: Any  # which run or checkpoint (`app.picks`)
     compare: Any  # answer with the base model too
     base: Any  # the base model's answer (a classifier: its evaluation beside the majority-class baseline)
+    tools: Any  # a chat run trained with tools: the tools offered to the model (`app.tryit.tools`)
+    calls: Any  # the tool calls parsed from the model's reply
 
     @property
     def generation(self) -> list[Any]:
@@ -52,7 +56,7 @@ class TryItTab:
                 "entities": self.entities, "new_chat": self.new_chat, "text": self.text, "message": self.message,
                 "image": self.image, "settings": self.settings, "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "system_prompt": self.system_prompt,
-                "base": self.base}
+                "base": self.base, "tools": self.tools, "calls": self.calls}
 
     @property
     def polled(self) -> dict[str, Any]:
@@ -63,7 +67,8 @@ class TryItTab:
     def shown(self) -> dict[str, Any]:
         """Where a `PredictionShown` goes."""
         return {"label": self.label, "generated": self.generated, "chat": self.chat, "text": self.text,
-                "message": self.message, "entities": self.entities, "image": self.image, "base": self.base}
+                "message": self.message, "entities": self.entities, "image": self.image, "base": self.base,
+                "calls": self.calls}
 
 
 def refresh(seen: Seen) -> dict[str, Any]:
@@ -94,6 +99,10 @@ def build(page: Page) -> TryItTab:
                           info="The same text, the same settings, answered by the model the run started from too "
                                "(a classifier: its evaluation beside the majority-class baseline)")
     new_chat = gr.ClearButton([chat], value="New chat", size="sm", visible=False)
+    tools = gr.Textbox(label=tools_ui.LABEL, info=tools_ui.INFO, lines=4, max_lines=12, visible=False,
+                       max_length=MAX_TOOLS_CHARS, placeholder='[{"type": "function", "function": {"name": …}}]',
+                       elem_id="try-tools")
+    calls = gr.JSON(label="Tool calls (parsed from the reply)", visible=False, elem_id="try-calls")
     # Set to the model's generation_config when a run finishes (`panel.panel`); hidden for a model that does not
     # generate text.
     defaults = Generation()
@@ -116,7 +125,7 @@ def build(page: Page) -> TryItTab:
     return TryItTab(chat=chat, text=text, button=button, new_chat=new_chat, message=message, label=label,
                     generated=generated, entities=entities, image=image, settings=settings,
                     max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, system_prompt=system_prompt,
-                    pick=pick, compare=compare, base=base)
+                    pick=pick, compare=compare, base=base, tools=tools, calls=calls)
 
 
 def wire(page: Page, tab: TryItTab) -> None:
@@ -126,7 +135,8 @@ def wire(page: Page, tab: TryItTab) -> None:
     changes)."""
     on, handlers, refresh = page.on, page.h.tryit, [page.selected["try"], page.load]
     for event in (tab.button.click, tab.text.submit):
-        on(event, handlers.try_it, [tab.text, tab.chat, tab.image, *tab.generation, tab.pick, tab.compare], tab.shown,
+        on(event, handlers.try_it, [tab.text, tab.chat, tab.image, *tab.generation, tab.pick, tab.compare, tab.tools],
+           tab.shown,
            api_visibility="private")
     on(tab.pick.input, handlers.view_of, tab.pick, tab.view, api_visibility="private")
     for event in refresh:

@@ -315,12 +315,14 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def prompt_of(tokenizer: Any, turns: list[dict[str, Any]]) -> tuple[str, list[int]]:
-    """The text the model continues after `turns`, through its chat template, and the tokens that end its turn."""
+def prompt_of(tokenizer: Any, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+              ) -> tuple[str, list[int]]:
+    """The text the model continues after `turns` (offered `tools`, through the template's tools support), through
+    its chat template, and the tokens that end its turn."""
     from jinja2 import TemplateError
 
     try:
-        text = _render(tokenizer, turns, True)
+        text = _render(tokenizer, turns, True, tools)
     except (TemplateError, TypeError, ValueError) as e:
         raise DataError(f"The chat template cannot render this conversation ({str(e)[:200]}): check its roles and "
                         "their order.") from None
@@ -328,18 +330,23 @@ def prompt_of(tokenizer: Any, turns: list[dict[str, Any]]) -> tuple[str, list[in
 
 
 def reply(model: Any, tokenizer: Any, turns: list[dict[str, Any]], max_new_tokens: int,
-          prompt: Callable[[Any, list[dict[str, Any]]], tuple[str, list[int]]] = prompt_of,
-          sampling: dict[str, Any] | None = None) -> str:
+          prompt: Callable[..., tuple[str, list[int]]] = prompt_of,
+          sampling: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
     """The model's next assistant turn after `turns`, generated through the chat template (greedily, unless
     `sampling` gives `model.generate` other keywords); `prompt` renders it (`prompt_of`: a server passes one that runs
-    the template in a bounded child process)."""
+    the template in a bounded child process). Offered `tools`, the turn comes raw, its special tokens kept but the
+    end of turn: some families mark a call with one (Mistral's [TOOL_CALLS]), and `finetune.use.toolcalls` reads it."""
     import torch
 
-    text, stop = prompt(tokenizer, turns)
+    text, stop = prompt(tokenizer, turns, tools) if tools else prompt(tokenizer, turns)
     enc = tokenizer(text, add_special_tokens=False, return_tensors="pt")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0] if stop else None
     with torch.inference_mode():
         ids = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
                              max_new_tokens=max_new_tokens, eos_token_id=stop or None, pad_token_id=pad,
                              **(sampling or {"do_sample": False}))
-    return tokenizer.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    new = ids[0, enc["input_ids"].shape[1]:].tolist()
+    if tools:
+        ended = {*stop, pad} - {None}
+        return tokenizer.decode([t for t in new if t not in ended], skip_special_tokens=False).strip()
+    return tokenizer.decode(new, skip_special_tokens=True).strip()
