@@ -9,6 +9,7 @@ appends the records to the shared run folder's events.jsonl."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,8 +34,10 @@ def records(config: dict, out: str) -> tuple[list[dict], list[dict]]:
 
 
 def holds(config: dict) -> bool:
-    """Whether the run waits after step 1 until it is cancelled (the worst rate)."""
-    return float(config["learning_rate"]) <= WORST
+    """Whether the run waits after step 1 until it is cancelled: the worst rate's, or as the environment variable
+    FAKE_SWEEP_HOLD says, every run's (`all`) or none (`none`); a Slurm job inherits the sweep's environment."""
+    chosen = os.environ.get("FAKE_SWEEP_HOLD")
+    return chosen == "all" if chosen in ("all", "none") else float(config["learning_rate"]) <= WORST
 
 
 def main(run_dir: str) -> int:

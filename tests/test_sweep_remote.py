@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from huggingface_hub import constants as hf_constants
 
 from finetune.cli import main
 from finetune.remote import backend
-from finetune.run.events import LOG_PREFIX
+from finetune.run.events import LOG_PREFIX, read_events
 from finetune.sweep.study import trial_folder
 
 pytest.importorskip("optuna")
@@ -97,11 +98,16 @@ def _wait_for(predicate, seconds: float = 120) -> None:
 
 
 @pytest.mark.slow
-def test_four_trials_two_at_a_time_on_hugging_face_jobs(tmp_path, hub, tiny_bert, cls_csv):
-    proc = _sweep(_config(tmp_path, tiny_bert, cls_csv), _env(hub, tmp_path), "--parallel", "2")
-    out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err
-    summary = json.loads(out)
+def test_four_trials_two_at_a_time_on_hugging_face_jobs(tmp_path, hub, tiny_bert, cls_csv, capsys, monkeypatch):
+    monkeypatch.setattr(hf_constants, "ENDPOINT", hub.url)  # `finetune.cli.main` here, talking to the stand-in
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-stored-token"))
+    monkeypatch.delenv("SPACE_ID", raising=False)
+    path = _config(tmp_path, tiny_bert, cls_csv)
+    assert main(["sweep", str(path), "--backend", "hf-jobs", "--flavor", "t4-small", "--image", IMAGE,
+                 "--parallel", "2"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
     folder = Path(summary["sweep_dir"])
     _check_outcome(summary, folder)
     # The Hub saw four jobs, two of them at once at most (and at some moment two).
@@ -111,8 +117,9 @@ def test_four_trials_two_at_a_time_on_hugging_face_jobs(tmp_path, hub, tiny_bert
     for t in summary["trials"]:
         run = trial_folder(folder, t["number"])
         assert json.loads((run / "job.json").read_text())["backend"] == "hf-jobs"
+        assert [r["event"] for r in read_events(run / "events.jsonl")][:2] == ["start", "eval"]
         assert (run / "model" / "config.json").is_file() == (t["state"] == "complete")
-    assert "cancelling its job" in err
+    assert "cancelling its job" in captured.err
 
 
 @pytest.mark.slow
@@ -165,6 +172,7 @@ def _stand_in_script(checked, *, run_dir: Path, name: str, workdir: Path, python
                       f'exec "{python}" "{TESTS / "fakesweepjob.py"}" "{run_dir}"', ""])
 
 
+@pytest.mark.slow
 def test_four_trials_two_at_a_time_on_slurm(slurm, tmp_path, tiny_bert, cls_csv, capsys, monkeypatch):
     from fakeslurm import most_at_once
 
@@ -210,3 +218,40 @@ def test_bad_input_is_one_sentence_and_exit_2_before_anything_runs(slurm, tmp_pa
     err = capsys.readouterr().err
     assert said in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "runs").exists() and not (Path(slurm["FAKE_SLURM_DIR"]) / "jobs").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_cancels_the_trials_in_flight_and_a_resumed_sweep_runs_their_parameters_again(
+        slurm, tmp_path, tiny_bert, cls_csv, capsys, monkeypatch):
+    from finetune.remote.slurm import cluster
+
+    monkeypatch.setattr(cluster, "script", _stand_in_script)
+    monkeypatch.setenv("FAKE_SWEEP_HOLD", "all")  # every job waits after its first evaluation
+    state = Path(slurm["FAKE_SLURM_DIR"]) / "jobs"
+    folder = tmp_path / "runs" / "s"
+
+    def interrupt_when_both_wait() -> None:
+        _wait_for(lambda: all('"eval"' in _text(trial_folder(folder, n) / "events.jsonl") for n in (0, 1)))
+        os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: the sweep's stop handler in the main thread
+
+    path = _config(tmp_path, tiny_bert, cls_csv, pruning="none")
+    command = ["sweep", str(path), "--backend", "slurm", "--gpus-per-node", "0", "--parallel", "2"]
+    waiter = threading.Thread(target=interrupt_when_both_wait, daemon=True)
+    waiter.start()
+    assert main(command) == 130
+    waiter.join()
+    err = capsys.readouterr().err
+    jobs = [json.loads(p.read_text()) for p in state.glob("*.json")]
+    assert sorted(j["state"] for j in jobs) == ["CANCELLED", "CANCELLED"]
+    assert err.count("cancelling its job on Slurm") == 2 and "stopped; continue with: finetune sweep" in err
+    stopped = [json.loads((trial_folder(folder, n) / "sweep.json").read_text()) for n in (0, 1)]
+    assert [r["state"] for r in stopped] == ["stopped", "stopped"]
+
+    monkeypatch.setenv("FAKE_SWEEP_HOLD", "none")  # this search does not prune: no job may wait for it
+    assert main(command) == 0
+    summary = json.loads(capsys.readouterr().out)
+    ran = [t for t in summary["trials"] if t["state"] != "retried"]
+    # The two stopped trials' rates were tried again as new trials, beside the two not tried yet: six jobs in all.
+    assert {t["params"]["learning_rate"] for t in ran} == set(RATES) and len(ran) == 4
+    assert {r["params"]["learning_rate"] for r in stopped} <= {t["params"]["learning_rate"] for t in ran}
+    assert len(list(state.glob("*.json"))) == 6
