@@ -84,10 +84,15 @@ def _env(hub, tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _sweep(path: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "finetune", "sweep", str(path), "--backend", "hf-jobs",
-                             "--flavor", "t4-small", "--image", IMAGE, *extra], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+HF_OPTIONS = ("--backend", "hf-jobs", "--flavor", "t4-small", "--image", IMAGE)
+
+
+def _here(hub, tmp_path: Path, monkeypatch) -> None:
+    """`finetune.cli.main` in this process, talking to the stand-in."""
+    monkeypatch.setattr(hf_constants, "ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-stored-token"))
+    monkeypatch.delenv("SPACE_ID", raising=False)
 
 
 def _wait_for(predicate, seconds: float = 120) -> None:
@@ -99,13 +104,9 @@ def _wait_for(predicate, seconds: float = 120) -> None:
 
 @pytest.mark.slow
 def test_four_trials_two_at_a_time_on_hugging_face_jobs(tmp_path, hub, tiny_bert, cls_csv, capsys, monkeypatch):
-    monkeypatch.setattr(hf_constants, "ENDPOINT", hub.url)  # `finetune.cli.main` here, talking to the stand-in
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
-    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-stored-token"))
-    monkeypatch.delenv("SPACE_ID", raising=False)
+    _here(hub, tmp_path, monkeypatch)
     path = _config(tmp_path, tiny_bert, cls_csv)
-    assert main(["sweep", str(path), "--backend", "hf-jobs", "--flavor", "t4-small", "--image", IMAGE,
-                 "--parallel", "2"]) == 0
+    assert main(["sweep", str(path), *HF_OPTIONS, "--parallel", "2"]) == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out)
     folder = Path(summary["sweep_dir"])
@@ -123,14 +124,15 @@ def test_four_trials_two_at_a_time_on_hugging_face_jobs(tmp_path, hub, tiny_bert
 
 
 @pytest.mark.slow
-def test_a_killed_sweep_re_attaches_to_its_running_trials_instead_of_starting_them_again(tmp_path, hub, tiny_bert,
-                                                                                       cls_csv):
-    """Every job waits after step 1 until the test lets it go; the sweep is killed (SIGKILL) with one trial
-    finished and two in flight, one of which ends while no sweep runs."""
+def test_a_killed_sweep_re_attaches_to_its_running_trials_instead_of_starting_them_again(
+        tmp_path, hub, tiny_bert, cls_csv, capsys, monkeypatch):
+    """Every job waits after step 1 until the test lets it go; the sweep's process is killed (SIGKILL) with one
+    trial finished and two in flight, one of which ends while no sweep runs; the sweep again (here, in this
+    process) follows both to their end and starts only the fourth trial."""
     hub.jobs.script = lambda job, config: JobScript(**{**trial_script(job, config).__dict__, "hold_after": 2})
     path = _config(tmp_path, tiny_bert, cls_csv, pruning="none")
-    env = _env(hub, tmp_path)
-    proc = _sweep(path, env, "--parallel", "2")
+    proc = subprocess.Popen([sys.executable, "-m", "finetune", "sweep", str(path), *HF_OPTIONS, "--parallel", "2"],
+                            env=_env(hub, tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     jobs = hub.jobs.jobs
     _wait_for(lambda: len(jobs) == 2 and all(len(j.lines) == 2 for j in jobs.values()))
     first = next(iter(jobs.values()))
@@ -138,24 +140,24 @@ def test_a_killed_sweep_re_attaches_to_its_running_trials_instead_of_starting_th
     folder = tmp_path / "runs" / "s"
     _wait_for(lambda: '"complete"' in _text(folder / "summary.json"))
     _wait_for(lambda: len(jobs) == 3 and all(len(j.lines) >= 2 for j in jobs.values()))
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=30)
-    second = list(jobs.values())[1]
+    proc.kill()
+    proc.wait(timeout=30)
+    second, third = list(jobs.values())[1:]
     second.script.release.set()  # it finishes while no sweep follows it
     _wait_for(lambda: second.stage == "COMPLETED")
 
     hub.jobs.script = lambda job, config: trial_script(job, config, hold=False)  # the last trial's job runs through
-    resumed = _sweep(path, env, "--parallel", "2")
-    _wait_for(lambda: len(jobs) == 4)
-    for job in jobs.values():
-        job.script.release.set()
-    out, err = resumed.communicate(timeout=240)
-    assert resumed.returncode == 0, err
-    summary = json.loads(out)
+    releaser = threading.Thread(target=lambda: (_wait_for(lambda: len(jobs) == 4), third.script.release.set()),
+                                daemon=True)
+    releaser.start()
+    _here(hub, tmp_path, monkeypatch)
+    assert main(["sweep", str(path), *HF_OPTIONS, "--parallel", "2"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
     # Four jobs in all: the two the killed sweep left were followed again, not started again.
     assert len(jobs) == 4 and all(j.stage == "COMPLETED" for j in jobs.values())
-    assert err.count("re-attached to its job on Hugging Face Jobs") == 2
-    assert "resuming: 1 of 4 trial(s) already finished" in err
+    assert captured.err.count("re-attached to its job on Hugging Face Jobs") == 2
+    assert "resuming: 1 of 4 trial(s) already finished" in captured.err
     assert [t["state"] for t in summary["trials"]] == ["complete"] * 4
     assert summary["best"]["params"] == {"learning_rate": 4e-4}
 
