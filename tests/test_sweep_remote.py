@@ -257,3 +257,20 @@ def test_ctrl_c_cancels_the_trials_in_flight_and_a_resumed_sweep_runs_their_para
     assert {t["params"]["learning_rate"] for t in ran} == set(RATES) and len(ran) == 4
     assert {r["params"]["learning_rate"] for r in stopped} <= {t["params"]["learning_rate"] for t in ran}
     assert len(list(state.glob("*.json"))) == 6
+
+
+@pytest.mark.slow
+def test_a_trial_that_cannot_fit_the_backends_gpu_is_pruned_before_its_job_starts(slurm, tmp_path, tiny_bert,
+                                                                                  cls_csv, capsys):
+    """The launcher plans each trial for one GPU of the partition (`--gpu-memory 0.1`: nothing fits): the trial is
+    pruned with the planner's sentence and nothing is submitted. (One trial: the planner's search for a plan that
+    fits takes seconds each time it finds none.)"""
+    path = _config(tmp_path, tiny_bert, cls_csv, trials=1)
+    assert main(["sweep", str(path), "--backend", "slurm", "--partition", "gpu", "--gpu-memory", "0.1",
+                 "--parallel", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["counts"] == {"pruned": 1} and summary["best"] is None
+    for t in summary["trials"]:
+        assert t["reason"].startswith("Not sent to Slurm: on partition gpu (1 × H100, 0.09 GiB per GPU) nothing fits")
+        assert not trial_folder(Path(summary["sweep_dir"]), t["number"]).exists()
+    assert not (Path(slurm["FAKE_SLURM_DIR"]) / "jobs").exists()
