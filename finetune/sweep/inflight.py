@@ -128,6 +128,11 @@ def run_sweep_in_flight(config: Config, spec: SweepSpec, folder: Path, *, launch
                         _write_summary(optuna, study, spec, folder)
             if flights:
                 _cancel_all(optuna, study, spec, flights, launcher, say)
+        except FinetuneError:
+            if flights:  # left running, not cancelled: what they trained is kept, and a resumed sweep uses it
+                say(f"{len(flights)} trial(s) still run on {launcher.title}: `finetune sweep` again re-attaches to "
+                    "them (`finetune jobs cancel RUN` stops one)")
+            raise
         finally:
             summary = _write_summary(optuna, study, spec, folder)
     return SweepResult(status="stopped" if stop.requested else "done", folder=folder, summary=summary)
