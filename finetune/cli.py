@@ -128,6 +128,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from finetune.sweep.space import load_sweep
 
     cfg, spec = load_sweep(args.config, args.overrides)  # every problem of the search before anything is imported
+    trials = _sweep_trials(args)
     from finetune.run.events import ProgressBar
     from finetune.sweep.study import optuna_module, run_sweep, sweep_folder
     from finetune.train.loop import StopFlag, train
@@ -136,8 +137,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     stop = StopFlag()
     previous = _install_stop_handlers(stop)
     try:
-        result = run_sweep(cfg, spec, sweep_folder(cfg, args.config), train=train, stop=stop, say=_say,
-                           callbacks=[ProgressBar(disable=args.quiet)])
+        if trials is None:
+            result = run_sweep(cfg, spec, sweep_folder(cfg, args.config), train=train, stop=stop, say=_say,
+                               callbacks=[ProgressBar(disable=args.quiet)])
+        else:
+            from finetune.sweep.inflight import run_sweep_in_flight
+
+            result = run_sweep_in_flight(cfg, spec, sweep_folder(cfg, args.config), launcher=trials,
+                                         parallel=args.parallel, stop=stop, say=_say)
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -149,6 +156,30 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return EXIT_STOPPED
     print(json.dumps({"sweep_dir": str(result.folder), **result.summary}, indent=2))
     return EXIT_OK
+
+
+def _sweep_trials(args: argparse.Namespace) -> backend.Trials | None:
+    """Where `finetune sweep` runs its trials: None for here, one at a time; else the backend `--backend` names,
+    with its options, checked before anything runs."""
+    backend.refuse_foreign_options(args)
+    if args.parallel < 1:
+        raise ConfigError([f"--parallel is how many trials run at once, at least 1, not {args.parallel}."])
+    if args.backend == backend.LOCAL:
+        if args.parallel > 1:
+            raise ConfigError([f"--parallel {args.parallel} runs trials at once on another backend, but here they "
+                               "train one at a time in this process: add --backend "
+                               f"{' or --backend '.join(backend.REGISTRY)}, or drop --parallel."])
+        return None
+    runner = backend.get(args.backend)
+    if not runner.sweeps:
+        able = [b.name for b in backend.every() if b.sweeps]
+        raise ConfigError([f"{runner.title} (--backend {runner.name}) cannot run a sweep's trials: use --backend "
+                           f"{' or --backend '.join(able) or backend.LOCAL}, or leave --backend out."])
+    if args.detach:
+        raise ConfigError(["--detach starts one job and returns, but a sweep follows its trials to tell Optuna how "
+                           "each ended: leave it out (after a stop, `finetune sweep` again re-attaches)."])
+    runner.hardware(args)  # the flavor, the partition: one sentence before a trial is asked for
+    return backend.Trials(runner, args)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -408,11 +439,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="Search hyper-parameters: one run per trial (the config's `sweep:` section).",
                        description="Run the trials the config's `sweep:` section asks for (objective, direction, "
                        "trials, sampler, space), one after another, each planned into memory_budget_gb and trained "
-                       "as a run beside the sweep's folder; again after a stop or crash, it runs only what is left "
-                       "(docs/sweeps.md).")
+                       "as a run beside the sweep's folder; with --backend hf-jobs|slurm, --parallel N of them at "
+                       "once as remote runs, each planned for the backend's GPUs. Again after a stop or crash, it "
+                       "runs only what is left and re-attaches to trials still running (docs/sweeps.md).")
     p.add_argument("config", help="YAML config file with a `sweep:` section.")
     p.add_argument("overrides", nargs="*", help="key=value options of the runs, e.g. max_steps=20")
     p.add_argument("-q", "--quiet", action="store_true", help="No progress bar.")
+    p.add_argument("--parallel", type=int, default=1, help="Trials in flight at once, each a run on --backend "
+                   "hf-jobs or slurm (default 1; here, trials train one at a time).")
+    add_backend_arguments(p)
     p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("plan", help="Show how a config would train within its memory budget.",
                        description="Predict peak memory and choose micro-batch, accumulation, checkpointing and "

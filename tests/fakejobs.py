@@ -71,6 +71,8 @@ class FakeJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     changed: threading.Condition = field(default_factory=threading.Condition)
     script: JobScript | None = None  # what it plays, once it started
+    created: float = field(default_factory=time.monotonic)  # when run_job made it
+    ended: float | None = None  # when it reached its final stage
 
     def info(self, endpoint: str) -> dict[str, Any]:
         """The JobInfo the API answers (secrets by name only)."""
@@ -95,6 +97,17 @@ class FakeJobs:
     counter: itertools.count = field(default_factory=lambda: itertools.count(1))
     refuse_runs: int | None = None  # answer run_job with this status (402: no credits)
 
+    def most_at_once(self) -> int:
+        """The most jobs that were ever between their creation and their end at the same moment."""
+        edges = sorted([(j.created, 1) for j in self.jobs.values()] +
+                       [(j.ended if j.ended is not None else float("inf"), -1) for j in self.jobs.values()],
+                       key=lambda e: (e[0], e[1]))  # an end before a start at the same instant
+        most = now = 0
+        for _, change in edges:
+            now += change
+            most = max(most, now)
+        return most
+
     def only(self) -> FakeJob:
         """The one job started."""
         assert len(self.jobs) == 1, list(self.jobs)
@@ -116,6 +129,7 @@ def _play(hub: Any, job: FakeJob) -> None:
     except Exception as e:
         with job.changed:
             job.stage, job.message = "ERROR", f"stand-in job failed: {type(e).__name__}: {e}"
+            job.ended = time.monotonic()
             job.changed.notify_all()
         raise
 
@@ -154,6 +168,7 @@ def _play_script(hub: Any, job: FakeJob) -> None:
         else:
             job.stage, job.message = script.stage, script.message
             job.running_s = script.running_s or job.running_s
+        job.ended = time.monotonic()
         job.changed.notify_all()
 
 

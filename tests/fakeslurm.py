@@ -72,7 +72,7 @@ def sbatch(argv: list[str]) -> int:
         return 1
     job_id = str(len(list(_jobs().glob("*.json"))) + 1000)
     _save({"id": job_id, "state": "PENDING", "script": str(script_path.resolve()), "options": options,
-           "restarts": 0, "runner": None})
+           "restarts": 0, "runner": None, "submitted": time.time(), "ended": None})
     subprocess.Popen([sys.executable, __file__, "_run", job_id], start_new_session=True,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print(job_id)
@@ -141,8 +141,19 @@ def _run(job_id: str) -> int:
             _save({**job, "state": "PENDING", "restarts": job["restarts"] + 1})
             continue
         state = "CANCELLED" if asked else "COMPLETED" if child.returncode == 0 else "FAILED"
-        _save({**job, "state": state, "exit_code": child.returncode})
+        _save({**job, "state": state, "exit_code": child.returncode, "ended": time.time()})
         return 0
+
+
+def most_at_once(jobs: list[dict]) -> int:
+    """The most jobs that were ever between their submission and their end at the same moment (jobs as
+    `$FAKE_SLURM_DIR/jobs/*.json` record them)."""
+    edges = sorted([(j["submitted"], 1) for j in jobs] + [(j["ended"] or float("inf"), -1) for j in jobs])
+    most = now = 0
+    for _, change in edges:
+        now += change
+        most = max(most, now)
+    return most
 
 
 def srun(argv: list[str]) -> int:

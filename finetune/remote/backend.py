@@ -13,6 +13,10 @@ The app offers the same backends (its "Run on" choice): each says which entries 
 the options of `finetune train` an entry and those fields give (`arguments`). Who may use it on a shared app is the
 app's: `on_host` says whether a run spends this machine's own account.
 
+`finetune sweep --backend NAME --parallel N` runs a sweep's trials there, several at once: a backend that can
+(`sweeps`) starts a run without following it (`launch`) and follows one quietly to its end (`wait`), from any
+process, so that a restarted sweep re-attaches to the trials still running (docs/sweeps.md).
+
 Adding a backend: a package with a class that implements `Backend`, and one line in `REGISTRY`. This module and
 each backend's class stay light (argparse only): `finetune --help` builds every backend's options, so the heavy
 modules are imported inside the methods.
@@ -25,9 +29,12 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from finetune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from finetune.remote.mirror import Outcome
 
 LOCAL = "local"
 # name → "module:attribute" of its Backend object; the order is `--backend`'s.
@@ -90,6 +97,7 @@ class Backend(Protocol):
     # Whether a run spends this machine's own account (a cluster it logs in to), not the user's: an app on a
     # public Space never offers it, a shared server only when its owner lists it (the app's FINETUNE_BACKENDS).
     on_host: bool
+    sweeps: bool  # whether `finetune sweep --backend NAME` may run its trials here (`launch` and `wait`)
 
     def add_arguments(self, group: argparse._ArgumentGroup) -> None:
         """Its options of `finetune train`."""
@@ -99,6 +107,14 @@ class Backend(Protocol):
 
     def train(self, args: argparse.Namespace, config: Any) -> int:
         """`finetune train CONFIG --backend NAME …`: check, launch, follow to the end (Ctrl-C cancels); exit code."""
+
+    def launch(self, args: argparse.Namespace, config: Any) -> Path:
+        """Check and start a run of `config` without following it (a sweep's trial); its run folder. A plan that
+        does not fit the backend's hardware is refused with a `PlanError`, before anything is started."""
+
+    def wait(self, run_dir: Path, *, fetch: bool) -> Outcome:
+        """Follow a run's job to its end without printing (its events mirrored into the run folder's
+        events.jsonl as it trains), then fetch a finished run's model when `fetch`; how it ended."""
 
     def follow(self, run_dir: Path, *, quiet: bool, fetch: bool) -> int:
         """Re-attach to a run's job and follow it to its end; the run's exit code."""
@@ -167,6 +183,37 @@ def read_job(run_dir: Path) -> dict[str, Any]:
         raise ConfigError([f"{path} names no known backend ({name!r}): it was written by another version of "
                            "finetune."])
     return values
+
+
+@dataclass(frozen=True)
+class Trials:
+    """A backend as a sweep's launcher (`finetune.sweep.inflight.Launcher`): each trial a run started with the
+    options of `args` (the flavor, the nodes, …), followed, cancelled and re-attached to through its job.json."""
+
+    backend: Backend
+    args: argparse.Namespace
+
+    @property
+    def title(self) -> str:
+        """Where the trials run, in words."""
+        return self.backend.title
+
+    def launch(self, config: Any) -> None:
+        """Start the trial's run (its `output_dir`) without following it."""
+        self.backend.launch(self.args, config)
+
+    def launched(self, run_dir: Path) -> bool:
+        """Whether the trial's run folder records a job (one to re-attach to, not to start again)."""
+        return (Path(run_dir) / "job.json").is_file()
+
+    def wait(self, run_dir: Path) -> tuple[str, str]:
+        """Follow the trial's job to its end: how it ended (done, stopped or failed) and a sentence."""
+        result = self.backend.wait(run_dir, fetch=not getattr(self.args, "no_fetch", False))
+        return result.status, result.message
+
+    def cancel(self, run_dir: Path) -> None:
+        """Cancel the trial's job."""
+        self.backend.cancel(run_dir)
 
 
 def refuse_foreign_options(args: argparse.Namespace) -> None:

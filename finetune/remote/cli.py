@@ -34,14 +34,20 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def train_remote(args: argparse.Namespace, c: Config) -> int:
-    """`finetune train CONFIG --backend hf-jobs --flavor F …`: check, launch, then follow to the end."""
+def launch_remote(args: argparse.Namespace, c: Config) -> JobHandle:
+    """Check `c` for the options' flavor, upload its inputs and start the job; say where it runs."""
     options = hfjobs.JobOptions(flavor=args.flavor, image=args.image, namespace=args.namespace, bucket=args.bucket,
                                 inputs_repo=args.inputs_repo,
                                 timeout_s=parse_duration(args.timeout) if args.timeout else None)
     handle = hfjobs.launch(c, options, space_id=os.environ.get("SPACE_ID"), say=_say)
     _say(f"job {handle.job_id} started: {handle.url}")
     _say(f"run folder: {handle.run_dir} (re-attach with `finetune jobs follow {handle.run_dir}`)")
+    return handle
+
+
+def train_remote(args: argparse.Namespace, c: Config) -> int:
+    """`finetune train CONFIG --backend hf-jobs --flavor F …`: check, launch, then follow to the end."""
+    handle = launch_remote(args, c)
     if args.detach:
         print(json.dumps({"run_dir": str(handle.run_dir), "job_id": handle.job_id, "url": handle.url}, indent=2))
         return 0

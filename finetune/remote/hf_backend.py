@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune.remote.backend import FormField, Hardware
+
+if TYPE_CHECKING:
+    from finetune.remote.mirror import Outcome
 
 
 class HFJobs:
@@ -18,6 +21,7 @@ class HFJobs:
     options = ("flavor", "image", "timeout", "namespace", "bucket", "inputs_repo")
     form: tuple[FormField, ...] = ()  # the flavor is the Run on entry itself; the app adds whose job it is
     on_host = False  # billed to the user's own Hugging Face account
+    sweeps = True
 
     def add_arguments(self, g: argparse._ArgumentGroup) -> None:
         """`--flavor`, `--image`, `--timeout`, `--namespace`, `--bucket`, `--inputs-repo`."""
@@ -36,8 +40,12 @@ class HFJobs:
 
     def hardware(self, args: argparse.Namespace) -> Hardware:
         """The flavor's GPUs on one machine (the built-in table; the Hub's own for a flavor it does not know)."""
+        from finetune.errors import ConfigError
         from finetune.remote import flavors
 
+        if not args.flavor:
+            raise ConfigError(["--backend hf-jobs needs --flavor: the GPU to train on (`finetune jobs flavors` lists "
+                               "them with their memory and price)."])
         flavor = flavors.find(args.flavor, flavors.BUILT_IN)
         ram = flavor.ram_bytes
         return Hardware(1, flavor.gpus, flavor.budget_gib or None, ram / 1e9 if ram else None)
@@ -47,6 +55,31 @@ class HFJobs:
         from finetune.remote.cli import train_remote
 
         return train_remote(args, config)
+
+    def launch(self, args: argparse.Namespace, config: Any) -> Path:
+        """Check, upload and start the job; its run folder (`finetune.remote.cli.launch_remote`)."""
+        from finetune.remote.cli import launch_remote
+
+        return launch_remote(args, config).run_dir
+
+    def wait(self, run_dir: Path, *, fetch: bool) -> Outcome:
+        """Follow the job quietly to its end (its events mirrored), then fetch a finished run's model; a failed
+        fetch is said in the outcome's sentence (the model stays in the bucket)."""
+        import dataclasses
+
+        from finetune.errors import describe
+        from finetune.remote import fetch as fetching
+        from finetune.remote import hfjobs
+        from finetune.remote.follow import follow
+
+        handle = hfjobs.attach(run_dir)
+        result = follow(handle)
+        if result.status == "done" and fetch:
+            try:
+                fetching.fetch(handle)
+            except fetching.FetchError as e:
+                return dataclasses.replace(result, message=f"{result.message} {describe(e)}")
+        return result
 
     def follow(self, run_dir: Path, *, quiet: bool, fetch: bool) -> int:
         """Stream the job's logs, mirror its events; fetch the model when it is done."""

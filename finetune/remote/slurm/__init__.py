@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune.remote.backend import FormField, Hardware
+
+if TYPE_CHECKING:
+    from finetune.remote.mirror import Outcome
 
 
 class Slurm:
@@ -28,6 +31,7 @@ class Slurm:
             FormField("time", "Time limit", str, "As Slurm writes it (4:00:00, 90): a checkpoint is saved before "
                       "it and the requeued job resumes from it."))
     on_host = True  # the jobs run on this machine's Slurm account
+    sweeps = True
 
     def add_arguments(self, g: argparse._ArgumentGroup) -> None:
         """`--nodes`, `--gpus-per-node`, `--partition`, `--time`, `--gpu-memory`."""
@@ -55,6 +59,19 @@ class Slurm:
         from finetune.remote.slurm import run
 
         return run.train(args, config)
+
+    def launch(self, args: argparse.Namespace, config: Any) -> Path:
+        """Check, write the batch script and submit it; the run folder."""
+        from finetune.remote.slurm import run
+
+        return Path(run.submit(args, config)["run_dir"])
+
+    def wait(self, run_dir: Path, *, fetch: bool) -> Outcome:
+        """Follow the job quietly until Slurm reports its end (the run writes its events into the shared folder
+        itself: nothing to fetch)."""
+        from finetune.remote.slurm import run
+
+        return run.Follower(run.read_job(run_dir), lambda record: None, lambda line: None).run()
 
     def follow(self, run_dir: Path, *, quiet: bool, fetch: bool) -> int:
         """Follow the run's job until it ends (the run folder is shared: nothing to fetch)."""

@@ -60,6 +60,16 @@ def resume_command(job: dict[str, Any]) -> str:
 
 def train(args: argparse.Namespace, c: Config) -> int:
     """`finetune train CONFIG --backend slurm …`: check, write the batch script, submit, follow."""
+    job = submit(args, c)
+    if args.detach:
+        print(json.dumps({"run_dir": job["run_dir"], "job_id": job["job_id"]}, indent=2))
+        return 0
+    return follow_to_end(job, quiet=args.quiet)
+
+
+def submit(args: argparse.Namespace, c: Config) -> dict[str, Any]:
+    """Check the request and the plan for its GPUs, prepare the run folder, submit the batch script and record
+    the job in job.json; the job, as job.json holds it (with its run folder)."""
     checked = cluster.check_request(cluster.Request.from_args(args))
     run_dir = Path(c.output_dir or default_output_dir()).resolve()
     job_config = c.replace(output_dir=str(run_dir))
@@ -81,10 +91,7 @@ def train(args: argparse.Namespace, c: Config) -> int:
     _say(f"Slurm job {job_id} submitted to {checked.partition.name}: {r.nodes} node(s) × "
          f"{max(r.gpus_per_node, 1)} process(es)")
     _say(f"run folder: {run_dir} (re-attach with `finetune jobs follow {run_dir}`)")
-    if args.detach:
-        print(json.dumps({"run_dir": str(run_dir), "job_id": job_id}, indent=2))
-        return 0
-    return follow_to_end(job, quiet=args.quiet)
+    return job
 
 
 def _planned(c: Config, checked: cluster.Checked) -> Config:
