@@ -42,22 +42,23 @@ def mlps(model: Any) -> list[Any]:
     return [m for m in model.modules() if is_gated_mlp(m)]
 
 
-MIN_TILE = 512  # the shortest tile the default cuts a short sample into: its matmuls are still wide enough
+MIN_TILE = 512  # the shortest tile the default cuts a sample into: its matmuls are still wide enough
+MIN_TILES = 4  # the fewest tiles the default cuts a sample of more than MIN_TILE positions into
 
 
 def default_tile(model_config: Any, tokens: int | None = None) -> int:
     """Tokens per tile when `tiled_mlp_tile` is not set: the hidden size (ALST's choice), so that one tile's
     intermediate (`tile × intermediate_size`) is the size of one projection's weight, and a tile's matmuls are still
-    large enough to run at full speed (4,096 positions for Llama 3 8B). A sample of `tokens` shorter than two such
-    tiles is still cut in two or more: half its length rounded down to a power of two, at least MIN_TILE. Where the
-    fixed terms leave little room (an 8 B model in 8 GiB: a few thousand tokens), the one untiled intermediate is
-    the largest activation, and the tile's work is the same however it is cut (each position recomputed once).
-    The tile grows with the length, so the peak still grows with it (`longest_within` needs that)."""
+    large enough to run at full speed (4,096 positions for Llama 3 8B). A sample of `tokens` shorter than MIN_TILES
+    such tiles is still cut in MIN_TILES (tiles of at least MIN_TILE): where the fixed terms leave little room (an
+    8 B model in 8 GiB: a few thousand tokens), the one untiled intermediate would be the largest activation, and a
+    tile's work is the same however the sample is cut (each position recomputed once). The tile grows with the
+    length and without jumps, so the peak does too (`longest_within` steps along it)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     hidden = int(getattr(text, "hidden_size", 0) or 1024)
-    if tokens is None or tokens >= 2 * hidden:
+    if tokens is None:
         return hidden
-    return min(hidden, max(MIN_TILE, 1 << (max(tokens // 2, 1).bit_length() - 1)))
+    return min(hidden, max(MIN_TILE, -(-tokens // MIN_TILES)))
 
 
 def resolved_tile(c: Any, model_config: Any, tokens: int | None = None) -> int:
