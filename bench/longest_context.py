@@ -6,8 +6,9 @@
 
 Each answer is `finetune plan --longest` in a fresh process (its skeleton built, nothing reused), timed;
 `quantization=4bit optimizer=adamw`, so the rung is the 4-bit base with 8-bit AdamW, checkpointing, the chunked
-loss and activation offload, and with `tiled_mlp=auto` the tiled MLP at the top. The offloaded inputs are checked
-against this machine's RAM unless `--host-gib` says another's."""
+loss and activation offload, and with `tiled_mlp=auto` the tiled MLP at the top (`--modes auto`: that column
+alone). The offloaded inputs are checked against this machine's RAM unless `--host-gib` states another's (what
+`finetune plan --host-memory-gb` does); the first line says which."""
 
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def main() -> None:
     LlamaConfig(**LLAMA3_8B).save_pretrained(folder)
     from finetune.plan.planner import HostMemory
 
-    host = f"a stated {args.host_gib:g} GiB" if args.host_gib else HostMemory.here().words
-    print(f"offloaded activations checked against {host} of host RAM (80 % usable)")
+    host = HostMemory.stated(args.host_gib).words if args.host_gib else HostMemory.here().words
+    print(f"offloaded activations checked against {host} (80 % usable)")
     modes = args.modes.split(",")
     print("| budget | before: without tiled MLP (tokens) | s | after: with tiled MLP (tokens) | s | Unsloth | "
           "after / Unsloth |")
