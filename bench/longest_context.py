@@ -88,7 +88,8 @@ def main() -> None:
         unsloth = UNSLOTH.get(int(gib))
         ratio = f"{row['auto']['tokens'] / unsloth:.2f}×" if unsloth else ""
         seconds = {mode: f"{r['seconds']:.0f} (CPU {r.get('cpu_seconds', 0):.0f})" for mode, r in row.items()}
-        print(f"| {gib:g} GiB | {row['false']['tokens']:,} | {seconds['false']} | "
+        untiled = f"{row['false']['tokens']:,}" if "false" in modes else "not run"
+        print(f"| {gib:g} GiB | {untiled} | {seconds['false'] if 'false' in modes else ''} | "
               f"{row['auto']['tokens']:,} | {seconds['auto']} | {unsloth or 0:,} | {ratio} |", flush=True)
     if explained:
         print(f"\n{explained}")
