@@ -6,8 +6,9 @@
 
 Each answer is `finetune plan --longest` in a fresh process (its skeleton built, nothing reused), timed;
 `quantization=4bit optimizer=adamw`, so the rung is the 4-bit base with 8-bit AdamW, checkpointing, the chunked
-loss and activation offload, and with `tiled_mlp=auto` the tiled MLP at the top. The offloaded inputs are checked
-against this machine's RAM unless `--host-gib` says another's."""
+loss and activation offload, and with `tiled_mlp=auto` the tiled MLP at the top (`--modes auto`: that column
+alone). The offloaded inputs are checked against this machine's RAM unless `--host-gib` states another's (what
+`finetune plan --host-memory-gb` does); the first line says which."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ LLAMA3_8B = {"vocab_size": 128256, "max_position_embeddings": 131072, "rope_thet
 
 
 def answer(folder: str, gib: float, tiled: str, host_gib: float | None, explain: bool) -> dict:
-    """One `--longest` answer (in this process): tokens, rung, seconds, and the breakdown when asked."""
+    """One `--longest` answer (in this process): tokens, rung, wall and CPU seconds (the CPU's less sensitive to
+    a shared machine's load), and the breakdown when asked."""
     from finetune.config.schema import from_dict
     from finetune.plan.planner import HostMemory, explain_longest, longest_context
 
@@ -39,11 +41,11 @@ def answer(folder: str, gib: float, tiled: str, host_gib: float | None, explain:
     device = (f"cuda (planned for a {gib:g} GiB GPU)", int(gib * GIB))
     host = HostMemory(int(host_gib * GIB), f"{host_gib:g} GiB") if host_gib else None
     terms: dict[str, int] = {}
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     tokens, rung = longest_context(c, 0, device=device, host=host, explain=terms)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     text = explain_longest(c, 0, tokens, terms, device=device) if explain else ""
-    return {"tokens": tokens, "rung": rung, "seconds": seconds, "explain": text}
+    return {"tokens": tokens, "rung": rung, "seconds": seconds, "cpu_seconds": cpu, "explain": text}
 
 
 def main() -> None:
@@ -53,6 +55,8 @@ def main() -> None:
     p.add_argument("--explain", type=float, default=None, help="Also print the breakdown at this budget.")
     p.add_argument("--host-gib", type=float, default=None, help="The RAM the offloaded inputs must fit (default: "
                    "this machine's).")
+    p.add_argument("--modes", default="false,auto", help="tiled_mlp values to answer with (default: without and with "
+                   "the tiled rung; `auto` alone skips the column that this issue's work does not change).")
     p.add_argument("--one", nargs=3, metavar=("FOLDER", "GIB", "TILED"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -63,13 +67,18 @@ def main() -> None:
 
     folder = str(Path(tempfile.mkdtemp()) / "llama3_8b")
     LlamaConfig(**LLAMA3_8B).save_pretrained(folder)
-    print("| budget | before: without tiled MLP (tokens) | s | after: with tiled MLP (tokens) | s | Unsloth | "
-          "after / Unsloth |")
+    from finetune.plan.planner import HostMemory
+
+    host = HostMemory.stated(args.host_gib).words if args.host_gib else HostMemory.here().words
+    print(f"offloaded activations checked against {host} (80 % usable)")
+    modes = args.modes.split(",")
+    print("| budget | before: without tiled MLP (tokens) | wall s (CPU s) | after: with tiled MLP (tokens) | "
+          "wall s (CPU s) | Unsloth | after / Unsloth |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     explained = ""
     for gib in (float(b) for b in args.budgets.split(",")):
-        row = {}
-        for tiled in ("false", "auto"):
+        row = {"false": {"tokens": 0, "seconds": 0.0}}
+        for tiled in modes:
             extra = [f"--explain={args.explain}"] if args.explain and tiled == "auto" else []
             extra += [f"--host-gib={args.host_gib}"] if args.host_gib else []
             out = subprocess.run([sys.executable, __file__, "--one", folder, str(gib), tiled, *extra],
@@ -78,8 +87,10 @@ def main() -> None:
             explained += row[tiled]["explain"]
         unsloth = UNSLOTH.get(int(gib))
         ratio = f"{row['auto']['tokens'] / unsloth:.2f}×" if unsloth else ""
-        print(f"| {gib:g} GiB | {row['false']['tokens']:,} | {row['false']['seconds']:.0f} | "
-              f"{row['auto']['tokens']:,} | {row['auto']['seconds']:.0f} | {unsloth or 0:,} | {ratio} |", flush=True)
+        seconds = {mode: f"{r['seconds']:.0f} (CPU {r.get('cpu_seconds', 0):.0f})" for mode, r in row.items()}
+        untiled = f"{row['false']['tokens']:,}" if "false" in modes else "not run"
+        print(f"| {gib:g} GiB | {untiled} | {seconds['false'] if 'false' in modes else ''} | "
+              f"{row['auto']['tokens']:,} | {seconds['auto']} | {unsloth or 0:,} | {ratio} |", flush=True)
     if explained:
         print(f"\n{explained}")
 

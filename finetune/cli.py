@@ -272,21 +272,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         train_data = eval_data = None
     else:
         planned = _planned_device(args.device, cfg)
+        host = _stated_host(args.host_memory_gb)
         train_data, eval_data, label_names = load_data(cfg, load_tokenizer(cfg), num_processes=args.num_processes)
         # Where `finetune train` would probe (not for a device elsewhere: the dry run alone plans for it).
         device = None if planned else make_accelerator(resolve_precision(cfg.precision)).device
         if args.longest:  # before the plan, so that a refusal still answers it
-            from finetune.plan.planner import explain_longest, longest_context
+            from finetune.plan.planner import HostMemory, explain_longest, longest_context
 
             terms: dict[str, int] = {}
-            tokens, rung = longest_context(cfg, len(label_names or []), device=planned,
+            tokens, rung = longest_context(cfg, len(label_names or []), device=planned, host=host,
                                            explain=terms if args.explain else None)
             print(f"longest context: fits {cfg.memory_budget_gb:g} GiB up to {tokens} tokens at micro-batch 1 "
                   f"({rung})")
+            if "activation offload" in rung or cfg.activation_offload == "true":  # the RAM they were checked against
+                print(f"offloaded activations checked against {(host or HostMemory.here()).words}")
             if args.explain and tokens:
                 print(explain_longest(cfg, len(label_names or []), tokens, terms, device=planned))
         plan, _ = plan_run(cfg, train_data.widths, label_names, num_processes=args.num_processes, device=device,
-                           distributed=distributed, planned_device=planned)
+                           distributed=distributed, planned_device=planned, host=host)
         plan = dataclasses.replace(plan, time=_predicted_time(cfg, plan, train_data, eval_data, device, args.gpu))
     print(render(plan))
     # What long_documents does to the data, beside the plan (the GUI shows it before a run starts).
@@ -324,6 +327,18 @@ def _predicted_time(cfg: Any, plan: Any, train_data: Any, eval_data: Any, device
                           eval_lengths=eval_data.lengths if isinstance(eval_data, Encoded) else None, params=params,
                           width=width, device=str(device or "cpu"),
                           gpu=(gpu, plan.batch.num_processes) if gpu else None).to_dict()
+
+
+def _stated_host(gib: float | None) -> Any:
+    """`--host-memory-gb`: the RAM of the machine the plan is for (a `HostMemory`), or None for this machine's."""
+    if gib is None:
+        return None
+    if not gib > 0:
+        raise ConfigError([f"--host-memory-gb must be a positive number of GiB (the RAM of the machine the plan is "
+                           f"for), not {gib:g}."])
+    from finetune.plan.planner import HostMemory
+
+    return HostMemory.stated(gib)
 
 
 def _planned_device(device: str, cfg: Any) -> tuple[str, int] | None:
@@ -465,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(its bf16 precision, CUDA context and allocator overhead counted).")
     p.add_argument("--gpu", metavar="MODEL", help="Predict the run's time on this GPU model (T4, L4, A10G, A100, "
                    "H100, …: finetune/plan/timing.py's PEAK_TFLOPS) instead of measuring this machine.")
+    p.add_argument("--host-memory-gb", type=float, default=None, metavar="GIB",
+                   help="The RAM of the machine the plan is for, which activation offload's host copies must fit "
+                   "(80 %% of it; default: this machine's). Plans for another machine from this one.")
     p.add_argument("--longest", action="store_true",
                    help="Also print the largest max_length whose sample fits memory_budget_gb at micro-batch 1, on "
                    "the cheapest rung of the ladder the config allows.")

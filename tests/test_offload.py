@@ -184,3 +184,29 @@ def test_a_cached_plan_is_rechecked_against_this_machine_s_ram(wide, monkeypatch
     with pytest.raises(PlanError, match="more than 80% of this machine's 9 MiB of RAM") as e:
         planner.plan_run(c, [2048], None, num_processes=1, device=None, planned_device=CUDA)
     assert str(e.value).count(". ") == 0
+
+
+@pytest.mark.slow  # two `finetune plan --longest` of a tiny model: 12 s on 2 quiet cores, 30 s at load 15
+def test_plan_checks_the_host_copies_against_the_stated_hosts_ram(tiny_llama, lm_csv, capsys, monkeypatch):
+    """Planned for another machine, `--host-memory-gb` is its RAM, and `--longest` says which RAM it used."""
+    from finetune.cli import main
+
+    monkeypatch.setattr(plan_module, "host_memory", lambda: 4096)  # this machine's 4 KiB: 25 tokens' copies
+    args = ["plan", f"model={tiny_llama}", "task=causal_lm", f"dataset={lm_csv}", "max_length=16",
+            "memory_budget_gb=1", "effective_batch_size=1", "eval_fraction=0", "activation_offload=true",
+            "quantization=none", "--device", "cuda", "--longest"]
+    assert main(args) == 0
+    here = capsys.readouterr().out
+    assert "offloaded activations checked against this machine's " in here
+    assert main([*args, "--host-memory-gb", "64"]) == 0
+    stated = capsys.readouterr().out
+    assert "offloaded activations checked against the stated host's 64 GiB of RAM (--host-memory-gb)" in stated
+    assert _longest(stated) > _longest(here)  # this machine's RAM no longer stops the search
+    assert main([*args, "--host-memory-gb", "0"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--host-memory-gb must be a positive number of GiB (the RAM of "
+                                                     "the machine the plan is for), not 0.")
+
+
+def _longest(out: str) -> int:
+    line = next(x for x in out.splitlines() if x.startswith("longest context: "))
+    return int(line.split(" up to ")[1].split()[0])

@@ -68,6 +68,9 @@ def test_tiled_mlp_gives_the_same_losses_and_gradients(arch, checkpointing, lora
         model = prepare_for_training(_tiny(arch), _config(), checkpointing=checkpointing, lora=lora,
                                      offload=offload, tiled=tiled)
         assert tiled_mlp.tile_of(model) == (TILE if tiled else None)
+        # The RMSNorms over the hidden size are tiled with the MLPs: two a layer and the final one.
+        wrapped = [getattr(n.forward, "tiled", None) for n in tiled_mlp.norms(model)]
+        assert wrapped == [TILE if tiled else None] * 5
         results.append(_losses_and_grads(model, ids))
     # fp32 rounding: each weight's gradient is a sum over six tiles instead of one matmul's.
     assert _max_diff(*results) < 1e-6
@@ -192,3 +195,61 @@ def test_longest_explain_shows_the_terms_and_that_tiling_was_needed(mlp_heavy):
     assert lines[0].startswith(f"at {tokens} tokens, predicted peak ")
     assert lines[1].split()[0] == max(terms, key=terms.get)  # the largest term first
     assert lines[-1].startswith("tiled MLP: needed (without it: ")
+
+
+def test_the_default_tile_cuts_a_short_sample_and_grows_with_the_length():
+    """The hidden size from four of them on; below, a quarter of the sample (at least 512 positions), so that an
+    8 GiB budget's few thousand tokens are still tiled; growing with the length and without jumps."""
+    from transformers import LlamaConfig
+
+    big, tiny = LlamaConfig(hidden_size=4096), LlamaConfig(hidden_size=32)
+    assert tiled_mlp.default_tile(big) == 4096
+    lengths = (600, 2048, 2972, 5000, 16384, 16385, 83895)
+    assert [tiled_mlp.default_tile(big, n) for n in lengths] == [512, 512, 743, 1250, 4096, 4096, 4096]
+    tiles = [tiled_mlp.default_tile(big, n) for n in range(1, 20000, 7)]
+    assert tiles == sorted(tiles) and max(b - a for a, b in zip(tiles, tiles[1:], strict=False)) <= 2
+    assert {tiled_mlp.default_tile(tiny, n) for n in (10, 40, 64, 1000)} == {32}
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory) -> str:
+    """One layer of hidden 1,024 (MLP 4,096): wide enough for the default tile to follow the length."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("wide_llama")
+    LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=8,
+                num_key_value_heads=2, max_position_embeddings=16384).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow  # a `--longest` search and three plans: 12 s at load 15, 60 s at load 20
+def test_the_plan_records_the_tile_of_its_length_and_the_longest_answer_fits_it(wide_llama):
+    from finetune.plan.planner import longest_context
+
+    c = from_dict({"model": wide_llama, "task": "causal_lm", "dataset": "x.csv", "effective_batch_size": 1,
+                   "memory_budget_gb": 0.3, "gradient_checkpointing": "true", "lora": "false",
+                   "quantization": "none", "optimizer": "sgd", "chunked_loss": "false", "tiled_mlp": "true"})
+    cpu = ("cpu", 64 * GIB)
+    assert make_plan(c, [1500], 0, device=cpu).tiled_mlp_tile == 512  # at least 512 positions
+    # The reverse question dry-runs each length with its own tile: its answer is a plan, and one more is not.
+    tokens, _ = longest_context(c, 0, device=cpu)
+    assert tokens > 2048
+    edge = make_plan(c, [tokens], 0, device=cpu)
+    tile = -(-tokens // 4)  # a quarter of the sample, under four hidden sizes
+    assert edge.tiled_mlp_tile == tile and edge.apply(c).tiled_mlp_tile == tile  # what the run tiles by
+    with pytest.raises(PlanError):
+        make_plan(c, [tokens + 1], 0, device=cpu)
+
+
+@pytest.mark.slow  # two skeletons' dry runs: 10 s on 2 quiet cores, 29 s at load 15
+def test_tiling_the_norms_lowers_the_dry_runs_peak(mlp_heavy, monkeypatch):
+    """A norm's float32 upcast and its backward's temporaries are one tile's, not the sample's."""
+    c = from_dict({"model": mlp_heavy, "task": "causal_lm", "dataset": "x.csv", "tiled_mlp_tile": 32})
+    args = dict(kind=kind("causal_lm"), micro=1, tokens=512, accum=2, precision="fp32", optimizer="adamw",
+                device="cpu")
+    with_norms = sum(estimate(model_skeleton(c, 0, checkpointing=True, lora=False, tiled=True), c,
+                              **args).values())
+    monkeypatch.setattr(tiled_mlp, "norms", lambda model: [])
+    without = sum(estimate(model_skeleton(c, 0, checkpointing=True, lora=False, tiled=True), c, **args).values())
+    # At the peak (a layer's backward), one norm's float32 tensor of the sample less: 512 tokens × 32 × 4 bytes.
+    assert without - with_norms >= 512 * 32 * 4, (without, with_norms)

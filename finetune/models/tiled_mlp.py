@@ -42,21 +42,41 @@ def mlps(model: Any) -> list[Any]:
     return [m for m in model.modules() if is_gated_mlp(m)]
 
 
-def default_tile(model_config: Any) -> int:
+MIN_TILE = 512  # the shortest tile the default cuts a sample into: its matmuls are still wide enough
+MIN_TILES = 4  # the fewest tiles the default cuts a sample of more than MIN_TILE positions into
+
+
+def default_tile(model_config: Any, tokens: int | None = None) -> int:
     """Tokens per tile when `tiled_mlp_tile` is not set: the hidden size (ALST's choice), so that one tile's
     intermediate (`tile × intermediate_size`) is the size of one projection's weight, and a tile's matmuls are still
-    large enough to run at full speed (4,096 positions for Llama 3 8B)."""
+    large enough to run at full speed (4,096 positions for Llama 3 8B). A sample of `tokens` shorter than MIN_TILES
+    such tiles is still cut in MIN_TILES (tiles of at least MIN_TILE): where the fixed terms leave little room (an
+    8 B model in 8 GiB: a few thousand tokens), the one untiled intermediate would be the largest activation, and a
+    tile's work is the same however the sample is cut (each position recomputed once). The tile grows with the
+    length and without jumps, so the peak does too (`longest_within` steps along it)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    return int(getattr(text, "hidden_size", 0) or 1024)
+    hidden = int(getattr(text, "hidden_size", 0) or 1024)
+    if tokens is None:
+        return hidden
+    return min(hidden, max(MIN_TILE, -(-tokens // MIN_TILES)))
 
 
-def resolved_tile(c: Any, model_config: Any) -> int:
-    """The run's tile: `tiled_mlp_tile`, or `default_tile`."""
-    return c.tiled_mlp_tile or default_tile(model_config)
+def resolved_tile(c: Any, model_config: Any, tokens: int | None = None) -> int:
+    """The run's tile for samples of up to `tokens`: `tiled_mlp_tile`, or `default_tile`."""
+    return c.tiled_mlp_tile or default_tile(model_config, tokens)
+
+
+def fit_tile(model: Any, c: Any, tokens: int) -> None:
+    """Re-tile a tiled `model` (a dry run's skeleton) for samples of `tokens`, where the tile is the default's: the
+    tile the plan records for that length (`resolved_tile`)."""
+    if c.tiled_mlp_tile is None and (tile := tile_of(model)) is not None:
+        wanted = default_tile(model.config, tokens)
+        if wanted != tile:
+            enable(model, wanted)
 
 
 def _tiled(forward: Callable[[torch.Tensor], torch.Tensor], tile: int) -> Callable[..., torch.Tensor]:
-    """`forward` of a gated MLP, a tile of `tile` positions (the second-to-last dimension) at a time."""
+    """`forward` of a gated MLP or a norm, a tile of `tile` positions (the second-to-last dimension) at a time."""
 
     @functools.wraps(forward)
     def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -98,17 +118,32 @@ def _tiles(x: torch.Tensor, tile: int) -> list[tuple[torch.Tensor, bool]]:
     return [(part, k == COUNTED_TILES) for k, part in enumerate(x.split(sizes, dim=-2))]
 
 
+def norms(model: Any) -> list[Any]:
+    """The model's RMSNorms over the hidden size (each decoder layer's input and post-attention norms, the final
+    one), not a per-head norm (Qwen3's `q_norm` over the head dimension)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")
+            and getattr(getattr(m, "weight", None), "shape", None) == (hidden,)]
+
+
 def enable(model: Any, tile: int) -> int:
-    """Tile every gated MLP of `model` by `tile` positions (enabled twice, the last tile size holds); returns how
-    many MLPs were tiled (0: the model has none of this shape, and runs as before)."""
+    """Tile every gated MLP of `model` by `tile` positions, and its RMSNorms over the hidden size with them
+    (enabled twice, the last tile size holds); returns how many MLPs were tiled (0: the model has none of this
+    shape, and runs as before).
+
+    A norm is position by position too, and upcasts its input to float32 (`tokens × hidden × 4` bytes, kept for
+    its backward, which makes as many float32 temporaries again): with the MLP's intermediate cut down, those are
+    the largest tensors left of a layer's recomputation at a long context. Tiled, one tile's exist at a time."""
     if tile < 1:
         raise ValueError(f"a tile needs at least one position, not {tile}")
     found = mlps(model)
-    for mlp in found:
-        forward = mlp.forward
+    for module in (*found, *(norms(model) if found else ())):
+        forward = module.forward
         if getattr(forward, "tiled", None) is not None:
             forward = forward.__wrapped__
-        mlp.forward = _tiled(forward, tile)
+        module.forward = _tiled(forward, tile)
     if found:
         setattr(model, ATTRIBUTE, tile)
     return len(found)

@@ -23,7 +23,7 @@ from finetune.engine import offload as offloading
 from finetune.engine.recurrence import absolute_position_limit
 from finetune.errors import PlanError
 from finetune.kinds.base import TaskKind
-from finetune.models import quantize
+from finetune.models import quantize, tiled_mlp
 from finetune.models.pretrained import resolve_model_path
 from finetune.plan import plancache
 from finetune.plan.dryrun import dry_run, dry_run_forward, dry_run_segments
@@ -70,6 +70,8 @@ def estimate(skeleton: Skeleton, c: Config, *, kind: TaskKind, micro: int, token
     else:
         for counts in filter(None, offloads):
             counts.reset()
+        for model in skeleton.models:  # a tiled MLP's default tile follows the length (`default_tile`)
+            tiled_mlp.fit_tile(model, c, tokens)
         if memory is None:
             window, carried = dry_run(skeleton, kind, micro, tokens, accum, precision, packed=c.packing,
                                       padded=padded, cuda=cuda), 0

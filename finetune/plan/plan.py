@@ -30,6 +30,12 @@ class HostMemory(NamedTuple):
         total = host_memory()
         return cls(total, f"this machine's {human_size(total)} of RAM")
 
+    @classmethod
+    def stated(cls, gib: float) -> HostMemory:
+        """The RAM of the machine the plan is for, as the user states it (`finetune plan --host-memory-gb`)."""
+        return cls(int(gib * GIB), f"the stated host's {gib:g} GiB of RAM (--host-memory-gb)",
+                   "a host with more RAM (--host-memory-gb)")
+
     def fits(self, offloaded: int) -> bool:
         """Whether `offloaded` bytes of host copies fit HOST_SHARE of it."""
         return offloaded <= HOST_SHARE * self.bytes

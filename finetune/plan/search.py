@@ -330,8 +330,9 @@ class _Search:
             notes.append(f"The loss is computed {chunks.chunk_positions(vocab)} positions at a time (chunked_loss), "
                          f"each chunk's logits recomputed in the backward: {mib(terms['logits'])} of logits and "
                          f"their gradient at the peak instead of {gib(full)}.")
+        tile = tiled_mlp.resolved_tile(self.c, skeleton.model.config, self.tokens) if step.tiled else None
         if step.tiled:
-            notes.append(f"Tiled MLP: each layer's MLP runs {tiled_mlp.tile_of(skeleton.model)} positions at a time, "
+            notes.append(f"Tiled MLP: each layer's MLP runs {tile} positions at a time, "
                          "each tile recomputed in the backward, so one tile's intermediate is on the device.")
         if step.offload:
             notes.append(f"Activation offload: the checkpointed layers' inputs wait in CPU memory ({human_size(host)} "
@@ -343,7 +344,7 @@ class _Search:
                     distributed=self.distributed, padded=self.uneven, quantization=step.quantization,
                     base_dtype={torch.float32: "fp32"}.get(dtype, precision), reference=reference,
                     chunked_loss=step.chunked, activation_offload=step.offload, host_bytes=host,
-                    tiled_mlp=step.tiled, tiled_mlp_tile=tiled_mlp.tile_of(skeleton.model) if step.tiled else None)
+                    tiled_mlp=step.tiled, tiled_mlp_tile=tile)
 
     def nothing_fits(self) -> PlanError:
         """The refusal when no rung fits: the smallest plan tried, and the budget it would need."""
