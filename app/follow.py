@@ -14,7 +14,6 @@ from typing import Any
 import gradio as gr
 
 from app import charts
-from app.downloads import zip_model
 from app.export import publish
 from app.jobs.training import JobStatus
 from app.picks import picker_update
@@ -39,7 +38,6 @@ class RunShown:
     log: Any = keep()
     metrics: Any = keep()
     run_dir: Any = keep()
-    download: Any = keep()
     start_button: Any = keep()  # enabled: a Start while a run trains is queued
     stop_button: Any = keep()
     resume_button: Any = keep()
@@ -94,14 +92,6 @@ class Follow:
         (`runs/<user>/<run>`), as every message does, never by where the server keeps it."""
         return shown_path(run_dir, self.state.runs_dir, self.state.access.shared) if run_dir else ""
 
-    def _download(self, status: JobStatus) -> Any:
-        """Download model: the finished run's model zipped (once), named after the run."""
-        model_dir = status.model_dir
-        if status.state != "done" or model_dir is None:
-            return gr.update(value=None, interactive=False)
-        zipped = zip_model(model_dir, status.run_dir / "model.zip")
-        return gr.update(value=self.state.downloads.handout(zipped, f"{status.run_dir.name}.zip"), interactive=True)
-
     @staticmethod
     def _config_text(status: JobStatus) -> str:
         """The config the run's command runs, as the Reproduce box shows it."""
@@ -131,7 +121,7 @@ class Follow:
                         progress=run_report.progress_html(status), stats=run_report.stats_markdown(status),
                         loss_curve=charts.curves_html(status.events), log=run_report.log_text(status),
                         metrics=final_metrics(status) or None, run_dir=self._shown(status.run_dir),
-                        download=self._download(status), start_button=gr.update(interactive=True),
+                        start_button=gr.update(interactive=True),
                         stop_button=gr.update(interactive=status.active),
                         resume_button=gr.update(visible=status.resumable), cancel_button=gr.update(visible=queued),
                         command=command if new_command else gr.skip(),

@@ -260,7 +260,7 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
     timer = gr.Timer(1.0)
     targets = {"signature": seen, "status": run.status, "progress": run.progress, "stats": run.stats,
                "loss_curve": run.loss, "log": run.log, "metrics": run.metrics, "run_dir": run.run_dir,
-               "download": export.download, "start_button": run.start, "stop_button": run.stop,
+               "start_button": run.start, "stop_button": run.stop,
                "resume_button": run.resume, "cancel_button": run.cancel, "command": export.command,
                "config_yaml": export.yaml, "config_file": export.config_file, "form_note": form_note,
                "trackers": run.trackers,
@@ -268,7 +268,7 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
                "try_panel": {"chat": tryit.chat, "label": tryit.label, "generated": tryit.generated,
                              "button": tryit.button, "entities": tryit.entities, "new_chat": tryit.new_chat,
                              "text": tryit.text, "message": tryit.message, "image": tryit.image,
-                             "push": export.push, "settings": tryit.settings,
+                             "settings": tryit.settings,
                              "max_new_tokens": tryit.max_new_tokens, "temperature": tryit.temperature,
                              "top_p": tryit.top_p, "system_prompt": tryit.system_prompt, "base": tryit.base},
                "note": run.message, "scatter": run.scatter, "completions": run.completions,

@@ -12,7 +12,7 @@ from conftest import served_app
 pytestmark = pytest.mark.slow
 ENDPOINTS = {"/start": ["config", "run_on"], "/plan": ["config"], "/status": [], "/stop": [], "/cancel": ["run"],
              "/predict": ["text", "max_new_tokens", "temperature", "top_p", "system_prompt", "run", "with_base"],
-             "/push": ["repo", "private"], "/export": ["format", "quant", "ollama", "run"], "/export_status": []}
+             "/push": ["repo", "private", "run"], "/export": ["format", "quant", "ollama", "run"], "/export_status": []}
 
 
 @pytest.fixture

@@ -34,13 +34,16 @@ class ExportTab:
     command: Any
     yaml: Any
     config_file: Any
-    export_pick: Any  # the run or checkpoint Export model exports (`app.picks`)
+    export_pick: Any  # the run or checkpoint every button of the tab acts on (`app.picks`, `app.export.picked`)
 
 
 def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
     """The Export tab's widgets, inside the open `gr.Tab` (the inference block wired as it is made)."""
+    # One pick for the whole tab: Download, Push, Export model and Push the export act on the same model.
+    export_pick = gr.Dropdown([], value=None, label="Model", elem_id="export-run",
+                              info="Your finished runs (newest first) and the checkpoints of stopped ones")
     gr.Markdown("## Download or push the model")
-    download = gr.DownloadButton("Download model", interactive=False)
+    download = gr.DownloadButton("Download model", interactive=False, elem_id="download-model")
     hub_note = gr.Markdown(elem_id="hub-note")
     with gr.Row():
         push_repo = gr.Textbox(label="Hub repository", placeholder="your-name/my-model", scale=3, max_length=200,
@@ -48,7 +51,7 @@ def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
         push_private = gr.Checkbox(label="Private", value=True, scale=1)
         push = gr.Button("Push to the Hub", scale=1, interactive=False)
     push_message = gr.Markdown(elem_id="push-message")
-    export_pick = place_export_block(on, h.inference)
+    place_export_block(on, h.inference, export_pick)
     with gr.Column(variant="panel"):
         gr.Markdown("## Reproduce")
         with gr.Row():
@@ -67,8 +70,11 @@ def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
 def wire_export_tab(on: Callable[..., Any], h: Handlers, tab: ExportTab, train: TrainTab, form_note: Any) -> None:
     """Push, Export config and Import config (which fills the Train tab's form, then reads its data again;
     `form_note` is the note over the form, which then names the file)."""
-    on(tab.push.click, h.publish.push, [tab.push_repo, tab.push_private], {"message": tab.push_message},
-       concurrency_id="push", **PRIVATE)
+    on(tab.push.click, h.publish.push, [tab.push_repo, tab.push_private, tab.export_pick],
+       {"message": tab.push_message}, concurrency_id="push", **PRIVATE)
+    # A pick by hand, or the newest after a run finished (the poll, `app.follow`): the buttons act on it.
+    on(tab.export_pick.change, h.publish.model, tab.export_pick, {"download": tab.download, "push": tab.push},
+       show_progress="hidden", **PRIVATE)
     on(tab.export_config.click, h.reproduce.export, train.form.values,
        {"yaml": tab.yaml, "file": tab.config_file, "command": tab.command, "message": tab.message}, **PRIVATE)
     imported = on(tab.import_config.upload, h.reproduce.import_config, tab.import_config,
