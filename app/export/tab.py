@@ -40,7 +40,7 @@ class ExportTab:
 def create_export_tab(on: Callable[..., Any], h: Handlers) -> ExportTab:
     """The Export tab's widgets, inside the open `gr.Tab` (the inference block wired as it is made)."""
     # One pick for the whole tab: Download, Push, Export model and Push the export act on the same model.
-    export_pick = gr.Dropdown([], value=None, label="Model", elem_id="export-run",
+    export_pick = gr.Dropdown([], value=None, label="Model to download, push or export", elem_id="export-run",
                               info="Your finished runs (newest first) and the checkpoints of stopped ones")
     gr.Markdown("## Download or push the model")
     download = gr.DownloadButton("Download model", interactive=False, elem_id="download-model")
