@@ -51,7 +51,7 @@ def push_finished_run(access: Access, status: JobStatus, user: str | None, repo:
         return PushOutcome(f"⚠️ {problem.replace('`push_to_hub` must be', 'The repository must be')}")
     if export:
         try:
-            hub.export_uploads(picked.target)  # a checkpoint's export is beside it
+            hub.export_uploads(picked.target)  # a run's export, or a checkpoint's (beside it)
         except InputError:
             return PushOutcome("Nothing to push yet: export the run first (Export model).")
     token = hub.token()
@@ -65,8 +65,12 @@ def push_finished_run(access: Access, status: JobStatus, user: str | None, repo:
     log = EventLog(picked.run_dir / "events.jsonl")
     model_dir = str(picked.target / "model")
     try:
+        # A checkpoint: its model folder (written on first use), carded from its run; its export is beside it.
+        where = {"model_dir": picked.model_dir} if picked.checkpoint else {}
+        if export and picked.checkpoint:
+            where["export_dir"] = picked.target / "export"
         push = hub.push_export if export else hub.push_run
-        result = push(picked.target, repo, private=private, hub_token=token)
+        result = push(picked.run_dir, repo, private=private, hub_token=token, **where)
     except InputError as e:  # a checkpoint whose model folder cannot be written
         return PushOutcome(f"⚠️ {e}")
     except hub.UPLOAD_ERRORS as e:

@@ -23,6 +23,7 @@ from huggingface_hub.errors import HTTPError as HubNetworkError
 
 from finetune.config.schema import Config, read_yaml
 from finetune.errors import ConfigError, FinetuneError, InputError, PushError
+from finetune.models.pretrained import resolve_model_dir
 from finetune.run import modelcard
 from finetune.run.events import EventLog, Pushed
 from finetune.run.rundir import plot_loss
@@ -83,12 +84,13 @@ def check_can_push(repo_id: str, hub_token: str | None) -> None:
                            "organisation you belong to."])
 
 
-def push_run(run_dir: Path, repo_id: str, *, private: bool = True, hub_token: str | None = None) -> PushResult:
-    """Write the model card into the run's model folder and upload the folder to `repo_id` (created if needed);
-    `run_dir` may be one of a run's checkpoints (`finetune.use.checkpoint`: its model folder, carded from its run).
+def push_run(run_dir: Path, repo_id: str, *, private: bool = True, hub_token: str | None = None,
+             model_dir: Path | None = None) -> PushResult:
+    """Write the model card into the run's model folder (or `model_dir`: one of its checkpoints' model folders,
+    `finetune.use.checkpoint`, carded from the run) and upload the folder to `repo_id` (created if needed).
 
     Raises `ModelError` when the run has no final model, and huggingface_hub's errors (HTTP, network) as they are."""
-    model_dir, run = _resolve(run_dir)
+    model_dir, run = (Path(model_dir), Path(run_dir)) if model_dir else resolve_model_dir(str(run_dir))
     run_dir = run or model_dir.parent
     if (run_dir / "events.jsonl").is_file():
         plot_loss(run_dir / "events.jsonl", model_dir / LOSS_PLOT)
@@ -131,13 +133,12 @@ def export_uploads(run_dir: Path, export_dir: Path | None = None) -> tuple[dict[
 
 
 def push_export(run_dir: Path, repo_id: str, *, export_dir: Path | None = None, private: bool = True,
-                hub_token: str | None = None) -> PushResult:
+                hub_token: str | None = None, model_dir: Path | None = None) -> PushResult:
     """Upload a run's export (see `export_uploads`) to `repo_id` with a model card whose usage section says how to
     run it (`ollama run hf.co/…`, `llama-cli -hf …`, or transformers for a merged folder)."""
-    model_dir, run = _resolve(run_dir)
-    # A checkpoint's export is beside it (`finetune.use.export`), not the run's.
-    export_dir = export_dir or (Path(run_dir) if run is not None else model_dir.parent) / "export"
+    model_dir, run = (Path(model_dir), Path(run_dir)) if model_dir else resolve_model_dir(str(run_dir))
     run_dir = run or model_dir.parent
+    export_dir = export_dir or run_dir / "export"
     record, files = export_uploads(run_dir, export_dir)
     api = hf.HfApi(token=hub_token)
     extra: dict[str, bytes] = {}
@@ -161,13 +162,6 @@ def push_export(run_dir: Path, repo_id: str, *, export_dir: Path | None = None, 
     info = api.create_commit(repo.repo_id, operations, commit_message=f"Upload the {record.get('format')} export "
                              f"of a model trained with finetune ({run_dir.name})")
     return PushResult(repo_id=repo.repo_id, url=str(repo), commit=info.oid)
-
-
-def _resolve(target: Path) -> tuple[Path, Path | None]:
-    """(model folder, run folder or None) of a run, one of its checkpoints or a model folder."""
-    from finetune.use import checkpoint  # here: it loads the data and model stack, which a push needs only now
-
-    return checkpoint.resolve(str(target))
 
 
 def _config_model(run_dir: Path) -> str:
