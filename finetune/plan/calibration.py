@@ -118,9 +118,13 @@ def from_run(run_dir: Path, *, kind: str, model: str) -> Record | None:
         predicted = json.loads((run_dir / "plan.json").read_text(encoding="utf-8")).get("time") or {}
     except (OSError, ValueError, AttributeError):
         return None
+    if not isinstance(predicted, dict):
+        return None
     events = _events(run_dir / "events.jsonl")
     starts = [e for e in events if e.get("event") == "start"]
-    if not predicted.get("arithmetic_step_s") or len(starts) != 1 or starts[0].get("resumed"):
+    numbers = [predicted.get(k) for k in ("arithmetic_step_s", "total_s")]
+    if not all(isinstance(n, (int, float)) and n > 0 for n in numbers) or len(starts) != 1 \
+            or starts[0].get("resumed"):
         return None
     # Each span between two records is what the later one ends: a step, an evaluation (and the samples it
     # generates), or a save (checkpoints, the model, Done).
@@ -146,7 +150,7 @@ def from_run(run_dir: Path, *, kind: str, model: str) -> Record | None:
     return Record(kind=kind, device=predicted.get("device_key") or "", model=model, steps=steps,
                   predicted_s=predicted["total_s"], actual_s=round(startup + done["time"] - starts[0]["time"], 3),
                   arithmetic_step_s=predicted["arithmetic_step_s"], step_s=round(spent["step"] / steps, 5),
-                  arithmetic_eval_s=predicted.get("arithmetic_eval_s") or 0.0, eval_s=round(spent["eval"], 3),
+                  arithmetic_eval_s=float(predicted.get("arithmetic_eval_s") or 0.0), eval_s=round(spent["eval"], 3),
                   startup_s=startup, finish_s=round(spent["finish"], 3), time=done["time"])
 
 
