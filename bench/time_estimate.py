@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,17 +115,25 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     print(f"{'round':5} {'run':15} {'steps':>5} {'predicted':>10} {'actual':>8} {'ratio':>6}  calibrated by  "
-          "step: arithmetic / predicted / actual (incl. evaluations)  start-up: predicted / actual", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
+          "step: arithmetic / predicted / actual (incl. evaluations)  start-up: predicted / actual  "
+          "earlier actual (median, for comparison)", flush=True)
+    # ignore_cleanup_errors: a finished run's loss plot is drawn by a process of its own, which may still be writing.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         cases = _cases(Path(tmp), args.steps)
         for round_ in range(1, args.rounds + 1):
             for name, case in cases.items():
                 r = run(name, case, Path(tmp) / f"{name.replace(' ', '_')}_{round_}", Path(tmp) / "cache")
+                # What the simplest calibration, the median of this run's own earlier actual times (no probe),
+                # would have said: the same runs, compared.
+                earlier = [e["actual_s"] for e in results if e["run"] == name]
+                r["earlier_s"] = statistics.median(earlier) if earlier else None
                 results.append({"round": round_, "run": name, **r, "load": os.getloadavg()[0]})
                 print(f"{round_:5d} {name:15} {r['steps']:5d} {r['predicted_s']:9.1f}s {r['actual_s']:7.1f}s "
                       f"{r['predicted_s'] / r['actual_s']:6.2f}  {r['calibrated_runs']:2d} run(s)      "
                       f"{r['arithmetic_step_s']:.3f} / {r['predicted_step_s']:.3f} / {r['actual_step_s']:.3f} s"
-                      f"{'':22}{r['predicted_startup_s']:.1f} / {r['startup_s']:.1f} s   ({load()})", flush=True)
+                      f"{'':22}{r['predicted_startup_s']:.1f} / {r['startup_s']:.1f} s   "
+                      + (f"{r['earlier_s']:.1f} s ({r['earlier_s'] / r['actual_s']:.2f})  " if earlier else "")
+                      + f"({load()})", flush=True)
     calibrated = [r for r in results if r["calibrated_runs"]]
     within = [r for r in calibrated if abs(r["predicted_s"] / r["actual_s"] - 1) <= 0.35]
     first = [r for r in results if not r["calibrated_runs"]]
