@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -153,11 +154,14 @@ def test_the_next_prediction_of_the_same_kind_here_is_corrected_by_the_finished_
 def test_a_corrupt_calibration_file_is_ignored_with_one_line_and_replaced(tmp_path, caplog):
     file = calibration.path()
     file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text('{"kind": "classification"}\nnot json\n')
-    with caplog.at_level(logging.WARNING):
-        assert calibration.for_prediction("classification", "cpu", "m") is None
-    assert [r.getMessage() for r in caplog.records] == [
-        f"The time calibration {file} is not what finetune writes; it is ignored (delete it to start a new one)."]
+    for text in ('{"kind": "classification"}\nnot json\n',  # a field missing, a line that is not JSON
+                 json.dumps(asdict(_record(step_s="1.0"))) + "\n"):  # a number that is not one
+        caplog.clear()
+        file.write_text(text)
+        with caplog.at_level(logging.WARNING):
+            assert calibration.for_prediction("classification", "cpu", "m") is None
+        assert [r.getMessage() for r in caplog.records] == [
+            f"The time calibration {file} is not what finetune writes; it is ignored (delete it to start a new one)."]
     run = _finished_run(tmp_path / "run", [{"event": "start", "time": 1.0, "startup_s": 2.0},
                                            {"event": "step", "time": 2.0}, {"event": "done", "time": 3.0}])
     record = calibration.record_run(run, kind="classification", model="m")

@@ -91,9 +91,14 @@ def _parse(lines: list[str]) -> list[Record] | None:
     """The records of the file's lines; None if any line is not one."""
     names = {f.name for f in fields(Record)}
     try:
-        return [Record(**{k: v for k, v in json.loads(line).items() if k in names}) for line in lines if line.strip()]
+        records = [Record(**{k: v for k, v in json.loads(line).items() if k in names})
+                   for line in lines if line.strip()]
     except (ValueError, TypeError, AttributeError):
         return None
+    # The types too: a prediction divides by these numbers.
+    wrong = any(not isinstance(getattr(r, f.name), str if f.type == "str" else (int, float)) or
+                isinstance(getattr(r, f.name), bool) for r in records for f in fields(Record))
+    return None if wrong else records
 
 
 def for_prediction(kind: str, device: str, model: str, records: list[Record] | None = None) -> Calibration | None:
