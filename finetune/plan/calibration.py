@@ -8,11 +8,13 @@ what they really took, and its fixed costs: start-up (process start to the start
 and finishing (checkpoints, the saved model, to Done).
 
 The next prediction of the same kind and device (`for_prediction`) takes the `RECENT` newest records, those of the
-same model if there are any: its step time is the arithmetic's × the median of their actual ÷ predicted step
-times (the arithmetic divides by this moment's probe, so a machine busier now than then predicts slower: the probe
-ratio), the same for the evaluations, and its start-up and finishing are their medians. A median, not a mean: one
-run slowed by other work on the machine moves it little. The file is small (`KEPT` lines at most) and always safe
-to delete; one that cannot be read is ignored, with one line saying so.
+same model if there are any: its step time is its FLOPs × the median of their actual seconds per FLOP of a step,
+the same for the evaluations, and its start-up and finishing are their medians. A median, not a mean: one run
+slowed by other work on the machine moves it little. This moment's probe is not used once there are records: a
+0.3 s probe samples one moment, a record a whole run, and on a shared machine scaling the records by the probe's
+ratio made the prediction worse, not better (bench/time_estimate.py, docs/planning.md "Time and cost"). The file
+is small (`KEPT` lines at most) and always safe to delete; one that cannot be read is ignored, with one line saying
+so.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class Record:
     step_s: float  # an optimizer step's actual mean time, evaluations and saves left out
     arithmetic_eval_s: float  # all evaluations from the arithmetic, before calibration
     eval_s: float  # all evaluations' actual time
+    flops_per_step: float  # the arithmetic's FLOPs of one optimizer step
+    eval_flops: float  # and of all evaluations together
     startup_s: float  # process start to the start event
     finish_s: float  # checkpoints, the saved model, to Done
     time: float  # when the run finished (Unix seconds)
@@ -52,10 +56,10 @@ class Record:
 
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
-    """What the records of a kind and device say: factors on the arithmetic, and fixed costs."""
+    """What the records of a kind and device say: seconds per FLOP of a step and of an evaluation, and fixed costs."""
 
-    step_factor: float
-    eval_factor: float
+    step_s_per_flop: float
+    eval_s_per_flop: float
     startup_s: float
     finish_s: float
     runs: int
@@ -64,7 +68,7 @@ class Calibration:
     def words(self) -> str:
         """The basis of a calibrated prediction, in words."""
         of = "this model's" if self.same_model else "this kind's"
-        return f"× {self.step_factor:.2f} from {of} last {self.runs} finished run{'s' * (self.runs != 1)} here"
+        return f"{of} last {self.runs} finished run{'s' * (self.runs != 1)} here"
 
 
 def path() -> Path:
@@ -104,14 +108,15 @@ def _parse(lines: list[str]) -> list[Record] | None:
 def for_prediction(kind: str, device: str, model: str, records: list[Record] | None = None) -> Calibration | None:
     """The calibration of a run of `kind` on `device` from the newest records (see the module); None without any."""
     records = [r for r in (read() if records is None else records)
-               if r.kind == kind and r.device == device and r.arithmetic_step_s > 0]
+               if r.kind == kind and r.device == device and r.flops_per_step > 0]
     same = [r for r in records if r.model == model]
     recent = (same or records)[-RECENT:]
     if not recent:
         return None
-    evaluated = [r.eval_s / r.arithmetic_eval_s for r in recent if r.arithmetic_eval_s > 0 and r.eval_s > 0]
-    step_factor = statistics.median(r.step_s / r.arithmetic_step_s for r in recent)
-    return Calibration(step_factor=step_factor, eval_factor=statistics.median(evaluated) if evaluated else step_factor,
+    evaluated = [r.eval_s / r.eval_flops for r in recent if r.eval_flops > 0 and r.eval_s > 0]
+    per_flop = statistics.median(r.step_s / r.flops_per_step for r in recent)
+    return Calibration(step_s_per_flop=per_flop,
+                       eval_s_per_flop=statistics.median(evaluated) if evaluated else per_flop,
                        startup_s=statistics.median(r.startup_s for r in recent),
                        finish_s=statistics.median(r.finish_s for r in recent), runs=len(recent), same_model=bool(same))
 
@@ -127,7 +132,7 @@ def from_run(run_dir: Path, *, kind: str, model: str) -> Record | None:
         return None
     events = _events(run_dir / "events.jsonl")
     starts = [e for e in events if e.get("event") == "start"]
-    numbers = [predicted.get(k) for k in ("arithmetic_step_s", "total_s")]
+    numbers = [predicted.get(k) for k in ("arithmetic_step_s", "total_s", "flops_per_step", "rate_flops")]
     if not all(isinstance(n, (int, float)) and n > 0 for n in numbers) or len(starts) != 1 \
             or starts[0].get("resumed"):
         return None
@@ -156,6 +161,8 @@ def from_run(run_dir: Path, *, kind: str, model: str) -> Record | None:
                   predicted_s=predicted["total_s"], actual_s=round(startup + done["time"] - starts[0]["time"], 3),
                   arithmetic_step_s=predicted["arithmetic_step_s"], step_s=round(spent["step"] / steps, 5),
                   arithmetic_eval_s=float(predicted.get("arithmetic_eval_s") or 0.0), eval_s=round(spent["eval"], 3),
+                  flops_per_step=predicted["flops_per_step"],
+                  eval_flops=float(predicted.get("arithmetic_eval_s") or 0.0) * predicted["rate_flops"],
                   startup_s=startup, finish_s=round(spent["finish"], 3), time=done["time"])
 
 

@@ -14,8 +14,8 @@ The arithmetic (docs/planning.md, "Time and cost"):
   fixed costs, predicted apart from the steps: `STARTUP_S` (starting Python, importing torch and transformers,
   reading the data and the model, the plan) and `FINISH_S` (checkpoints, saving the model).
 - Where runs of the same kind on the same device have finished before, their records (`finetune.plan.calibration`)
-  correct all of it: the step and evaluation times by the median of their actual ÷ predicted, the fixed costs by
-  the medians of what they took.
+  replace the rate and the fixed costs: the step and evaluation times are the FLOPs × the median of their actual
+  seconds per FLOP, the fixed costs the medians of what they took.
 """
 
 from __future__ import annotations
@@ -127,10 +127,11 @@ def estimate(*, params: int, lora: bool, checkpointing: bool, steps: int, sample
     arithmetic_step_s = per_step / rate + STEP_OVERHEAD_S
     arithmetic_eval_s = evaluations * 2 * params * eval_tokens / rate
     step_s, eval_s = arithmetic_step_s, arithmetic_eval_s
-    if calibrated is not None:
-        step_s, eval_s = step_s * calibrated.step_factor, eval_s * calibrated.eval_factor
+    if calibrated is not None:  # what the same kind's finished runs took here (their steps' overhead included)
+        step_s = per_step * calibrated.step_s_per_flop
+        eval_s = evaluations * 2 * params * eval_tokens * calibrated.eval_s_per_flop
         startup_s, finish_s = calibrated.startup_s, calibrated.finish_s
-        basis = f"{basis} {calibrated.words()}"
+        basis = f"the seconds per FLOP of {calibrated.words()}; uncalibrated, {basis}"
     return TimeEstimate(step_s=step_s, steps=steps, eval_s=eval_s, startup_s=startup_s, finish_s=finish_s,
                         total_s=startup_s + steps * step_s + eval_s + finish_s, flops_per_step=per_step,
                         rate_flops=rate, basis=basis, arithmetic_step_s=arithmetic_step_s,
