@@ -112,7 +112,10 @@ def test_the_settings_change_the_reply_max_new_tokens_4_gives_at_most_4_tokens(p
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url)
         page.get_by_role("tab", name="Try it", exact=True).click()
-        _pick(page, "newer · causal_lm · " + Path(tiny_gpt2).name)
+        newer = "newer · causal_lm · " + Path(tiny_gpt2).name
+        _pick(page, newer)
+        # The pick has landed before Predict (else the default, the stopped run's newest checkpoint, would answer).
+        expect(page.get_by_label("Run or checkpoint", exact=True)).to_have_value(newer, timeout=30_000)
         generated = page.get_by_label("Generated continuation")
         page.locator("#try-box textarea").fill("the cat")
         page.locator("#try-settings").get_by_text("Generation settings").click()
@@ -121,7 +124,8 @@ def test_the_settings_change_the_reply_max_new_tokens_4_gives_at_most_4_tokens(p
         temperature.press("Enter")
         expect(page.locator("#try-button")).to_be_enabled(timeout=30_000)
         page.locator("#try-button").click()
-        expect(generated).not_to_have_value("", timeout=60_000)
+        expect(generated).to_be_visible(timeout=90_000)  # the first answer loads the model
+        expect(generated).not_to_have_value("", timeout=30_000)
         default = generated.input_value()
         assert len(tokens(default, add_special_tokens=False).input_ids) > 4, default  # the model's default length
         new_tokens = page.locator("#try-max-new-tokens input[type=number]")
