@@ -199,10 +199,11 @@ class ScriptApi:
         except (Unanswered, InputError) as e:  # InputError: the model cannot be loaded, or its template fails
             return {"error": str(e)}
 
-    def push(self, repo: str, private: bool, request: gr.Request) -> PushResult:
+    def push(self, repo: str, private: bool, request: gr.Request = None, run: str = "") -> PushResult:
         """Push the finished run's model and its model card to the Hub repository `repo` (created private when
-        `private`), with the token of whoever runs the app, as the Push button does."""
-        outcome = self.handlers.publish.push_run(repo, private, request=request)
+        `private`), with the token of whoever runs the app, as the Push button does; `run`: one of the caller's runs
+        or checkpoints instead of the current run (a value of the Export tab's picker, `app.picks`)."""
+        outcome = self.handlers.publish.push_run(repo, private, run or None, request=request)
         message = outcome.message.removeprefix("⚠️ ")
         return PushResult(pushed=outcome.url is not None, url=outcome.url, commit=outcome.commit, message=message)
 

@@ -249,10 +249,8 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
     (`form_note`: the note over the form, naming the run its settings came from)."""
     seen = gr.State(None)
     timer = gr.Timer(1.0)
-    # Each tab names where its views go; Try it's panel enables Export's Push too (both act on a finished model).
-    try_it = tryit.polled
-    try_it["try_panel"]["push"] = export.push
-    targets = {"signature": seen, **train.polled, "form_note": form_note, **try_it, **export.polled}
+    # Each tab names where its views go (Export's Download and Push follow its picker, not the poll).
+    targets = {"signature": seen, **train.polled, "form_note": form_note, **tryit.polled, **export.polled}
     on(timer.tick, follow.poll, seen, targets, gate="public", concurrency_limit=None, show_progress="hidden",
        **PRIVATE)
     # A reload (or a second tab) shows the running job at once rather than at the next tick.

@@ -10,8 +10,13 @@ start to Done, for a classification, a causal LoRA and a seq2seq run of 30-200 s
 Each run is `python -m finetune train …` in a fresh process; the actual time is from just before the process is
 started to its `done` event. The predicted time is what the plan wrote before the first step.
 
-    python bench/time_estimate.py              # 40, 60 and 60 steps
-    python bench/time_estimate.py --steps 100
+The three kinds run `--rounds` times, one after the other, with their own cache folder (XDG_CACHE_HOME): the first
+round is predicted by the arithmetic alone, each later one also by the time calibration the earlier rounds left
+(finetune/plan/calibration.py), as a user's second run of a kind on a machine is. The table ends with how many of
+the calibrated rows are within ±35 % of the actual time.
+
+    python bench/time_estimate.py                          # 3 rounds of 40, 60 and 60 steps
+    python bench/time_estimate.py --steps 100 --rounds 4
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,9 +83,9 @@ def _cases(folder: Path, steps: int) -> dict[str, list[str]]:
     }
 
 
-def run(name: str, args: list[str], out: Path) -> dict[str, float]:
+def run(name: str, args: list[str], out: Path, cache: Path) -> dict[str, float]:
     """One run in a fresh process: predicted and actual seconds, start to Done."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "XDG_CACHE_HOME": str(cache)}
     started = time.time()
     proc = subprocess.run([sys.executable, "-m", "finetune", "train", f"output_dir={out}", *args], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True)
@@ -87,30 +93,52 @@ def run(name: str, args: list[str], out: Path) -> dict[str, float]:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     done = next(e for e in events if e["event"] == "done")
+    start = next(e for e in events if e["event"] == "start")
     predicted = json.loads((out / "plan.json").read_text())["time"]
-    return {"steps": predicted["steps"], "predicted_step_s": predicted["step_s"], "predicted_s": predicted["total_s"],
-            "actual_s": done["time"] - started,
-            "flops_per_step": predicted["flops_per_step"], "rate_flops": predicted["rate_flops"],
-            "startup_s": next(e for e in events if e["event"] == "start").get("startup_s") or 0.0,
-            "actual_step_s": (done["time"] - next(e for e in events if e["event"] == "start")["time"])
-            / predicted["steps"]}
+    return {"steps": predicted["steps"], "predicted_s": predicted["total_s"], "actual_s": done["time"] - started,
+            "predicted_step_s": predicted["step_s"], "arithmetic_step_s": predicted["arithmetic_step_s"],
+            "actual_step_s": (done["time"] - start["time"]) / predicted["steps"],
+            "predicted_startup_s": predicted["startup_s"], "startup_s": start.get("startup_s") or 0.0,
+            "rate_flops": predicted["rate_flops"], "calibrated_runs": predicted["calibrated_runs"]}
+
+
+def load() -> str:
+    """The machine's load average over the last minute, and its cores."""
+    return f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="Steps of the classification run (the others 1.5×).")
+    parser.add_argument("--rounds", type=int, default=3, help="Times each kind runs (the first uncalibrated).")
     parser.add_argument("--json", help="Also write the results here.")
     args = parser.parse_args()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, case in _cases(Path(tmp), args.steps).items():
-            results[name] = run(name, case, Path(tmp) / name.replace(" ", "_"))
-            r = results[name]
-            print(f"{name:15} {r['steps']:4d} steps  predicted {r['predicted_s']:6.1f} s  actual {r['actual_s']:6.1f} s"
-                  f"  ratio {r['predicted_s'] / r['actual_s']:.2f}  (step: predicted {r['predicted_step_s']:.3f} s, "
-                  f"measured {r['actual_step_s']:.3f} s incl. evaluations; "
-                  f"{r['flops_per_step'] / 1e9:.1f} GFLOP a step, "
-                  f"rate {r['rate_flops'] / 1e9:.1f} GFLOP/s, startup {r['startup_s']:.1f} s)", flush=True)
+    results = []
+    print(f"{'round':5} {'run':15} {'steps':>5} {'predicted':>10} {'actual':>8} {'ratio':>6}  calibrated by  "
+          "step: arithmetic / predicted / actual (incl. evaluations)  start-up: predicted / actual  "
+          "earlier actual (median, for comparison)", flush=True)
+    # ignore_cleanup_errors: a finished run's loss plot is drawn by a process of its own, which may still be writing.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+        cases = _cases(Path(tmp), args.steps)
+        for round_ in range(1, args.rounds + 1):
+            for name, case in cases.items():
+                r = run(name, case, Path(tmp) / f"{name.replace(' ', '_')}_{round_}", Path(tmp) / "cache")
+                # What the simplest calibration, the median of this run's own earlier actual times (no probe),
+                # would have said: the same runs, compared.
+                earlier = [e["actual_s"] for e in results if e["run"] == name]
+                r["earlier_s"] = statistics.median(earlier) if earlier else None
+                results.append({"round": round_, "run": name, **r, "load": os.getloadavg()[0]})
+                print(f"{round_:5d} {name:15} {r['steps']:5d} {r['predicted_s']:9.1f}s {r['actual_s']:7.1f}s "
+                      f"{r['predicted_s'] / r['actual_s']:6.2f}  {r['calibrated_runs']:2d} run(s)      "
+                      f"{r['arithmetic_step_s']:.3f} / {r['predicted_step_s']:.3f} / {r['actual_step_s']:.3f} s"
+                      f"{'':22}{r['predicted_startup_s']:.1f} / {r['startup_s']:.1f} s   "
+                      + (f"{r['earlier_s']:.1f} s ({r['earlier_s'] / r['actual_s']:.2f})  " if earlier else "")
+                      + f"({load()})", flush=True)
+    calibrated = [r for r in results if r["calibrated_runs"]]
+    within = [r for r in calibrated if abs(r["predicted_s"] / r["actual_s"] - 1) <= 0.35]
+    first = [r for r in results if not r["calibrated_runs"]]
+    print(f"within ±35 %: {len(within)} of {len(calibrated)} calibrated runs; "
+          f"{sum(abs(r['predicted_s'] / r['actual_s'] - 1) <= 0.35 for r in first)} of {len(first)} uncalibrated")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

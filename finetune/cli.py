@@ -326,7 +326,8 @@ def _predicted_time(cfg: Any, plan: Any, train_data: Any, eval_data: Any, device
     return timing.for_run(plan, lengths=train_data.lengths, steps=steps, eval_every=cfg.eval_every,
                           eval_lengths=eval_data.lengths if isinstance(eval_data, Encoded) else None, params=params,
                           width=width, device=str(device or "cpu"),
-                          gpu=(gpu, plan.batch.num_processes) if gpu else None).to_dict()
+                          gpu=(gpu, plan.batch.num_processes) if gpu else None, kind=cfg.task,
+                          model=cfg.model).to_dict()
 
 
 def _stated_host(gib: float | None) -> Any:

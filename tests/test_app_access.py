@@ -208,7 +208,7 @@ def test_a_run_belongs_to_the_one_who_started_it(shared):
     assert shown.status == "**A run is in progress (step 120/400).**"
     assert shown.log == "" and shown.run_dir == "" and shown.metrics is None and shown.loss_curve is None
     assert "120" not in shown.progress and shown.stats == "" and shown.command == gr.skip()
-    assert shown.download["value"] is None and not shown.stop_button["interactive"]
+    assert ctl.publish.model(None, request=BOB)["download"]["value"] is None and not shown.stop_button["interactive"]
     assert ctl.form.running_config(request=BOB).values == {}
     assert ctl.run.stop(request=BOB) == "⚠️ Only the one who started the run in progress can stop it."
     assert ctl.run.resume(request=BOB).startswith("Nothing to resume")

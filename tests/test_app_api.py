@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 ENDPOINTS = {"/start": ["config", "run_on"], "/plan": ["config"], "/status": [], "/stop": [], "/cancel": ["run"],
              "/predict": ["text", "max_new_tokens", "temperature", "top_p", "system_prompt", "run", "with_base",
                           "tools"],
-             "/push": ["repo", "private"], "/export": ["format", "quant", "ollama", "run"], "/export_status": []}
+             "/push": ["repo", "private", "run"], "/export": ["format", "quant", "ollama", "run"], "/export_status": []}
 
 
 @pytest.fixture

@@ -77,12 +77,13 @@ def test_one_job_then_stop_then_resume_to_done(tmp_path, tiny_bert, cls_csv):
     assert _steps(done)[-1] == 200 and sorted(set(_steps(done))) == _steps(done)  # no step twice, none lost
     assert done.model_dir == run_dir / "model"
 
-    # What the page shows of it: the poll's status and download, and Try it on the finished model.
+    # What the page shows of it: the poll's status, Download model (the current run: nothing picked), and Try it.
     ctl = handlers(tmp_path / "runs", jobs)
     shown = ctl.follow.poll(None)
     assert shown.status.startswith("Last run: **Done**") and "step 200 / 200" in shown.progress
     # The zip of its model, named after the run (handed out from a folder of its own).
-    assert Path(shown.download["value"]).name == f"{run_dir.name}.zip" and shown.download["interactive"]
+    download = ctl.publish.model(None)["download"]
+    assert Path(download["value"]).name == f"{run_dir.name}.zip" and download["interactive"]
     assert not shown.stop_button["interactive"] and not shown.resume_button["visible"]
     assert shown.command == f"finetune train {run_dir / 'config.yaml'} resume=true"
     # Nothing new: nothing re-sent (a nested result of None leaves all of its widgets alone).

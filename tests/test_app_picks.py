@@ -6,10 +6,13 @@ checkpoint becomes a model folder on first use (finetune/use/checkpoint.py); Com
 from __future__ import annotations
 
 import json
+import shutil
 import time
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import gradio as gr
 import pytest
 import yaml
 from conftest import run_train
@@ -18,6 +21,7 @@ from app.door.access import Access
 from app.local.training import JobStatus
 from app.picks import Picked, PickRefused, pick_choices, resolve_pick
 from app.tabs import handlers
+from finetune.run.events import read_events
 from finetune.run.rundir import MARKER
 from finetune.train.loop import StopFlag
 
@@ -145,3 +149,46 @@ def test_a_classifier_compares_its_evaluation_with_the_majority_class(tmp_path, 
     assert shown.label["visible"] and shown.base["value"] == (
         f"Fine-tuned: accuracy {accuracy:.3f} · majority-class baseline (always “neg”): accuracy 0.750 on 4 "
         "evaluation rows")
+
+
+def test_download_and_push_act_on_the_picked_run_or_checkpoint(stopped_lora, tiny_gpt2, lm_csv, tmp_path,
+                                                                 monkeypatch):
+    import huggingface_hub
+    from fakehub import fake_hub
+
+    runs = tmp_path / "runs"
+    shutil.copytree(stopped_lora, runs / "lora")
+    run_train(runs / "older", model=tiny_gpt2, dataset=lm_csv, task="causal_lm", max_steps=1,
+              effective_batch_size=4, micro_batch_size=4)
+    ctl = handlers(runs, SimpleNamespace(status=lambda: JobStatus(state="idle")))
+    checkpoint = "lora/checkpoints/step-0000002"
+
+    # Download model: the zip of whatever is picked, named after the run (and the checkpoint's step).
+    for value, name, weights in (("older", "older.zip", "model.safetensors"),
+                                 (checkpoint, "lora-step-0000002.zip", "adapter_model.safetensors")):
+        shown = ctl.publish.model(value)
+        assert shown["download"]["interactive"] and shown["push"]["interactive"]
+        assert Path(shown["download"]["value"]).name == name
+        with zipfile.ZipFile(shown["download"]["value"]) as z:
+            assert any(n.endswith("/" + weights) for n in z.namelist()), z.namelist()
+    # Nothing picked and no current run, or a value that is not one of the caller's: nothing to hand out.
+    for value in (None, "../elsewhere", "lora"):
+        assert ctl.publish.model(value) == {"download": gr.update(value=None, interactive=False),
+                                            "push": gr.update(interactive=False)}
+
+    # Push to the Hub: the picked run's model, or the checkpoint's (its card from its run), and its push event.
+    with fake_hub() as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_TOKEN", "hf_write")
+        assert ctl.publish.push("alice/m", True).message == "Nothing to push yet: train a run to the end first."
+        assert ctl.publish.push("alice/older", True, "older").message.startswith("Pushed to [alice/older](")
+        assert ctl.publish.push("alice/step2", True, checkpoint).message.startswith("Pushed to [alice/step2](")
+        assert "There is no finished run or checkpoint" in ctl.publish.push("alice/x", True, "../x").message
+        # Push the export: a checkpoint's export is beside it, and there is none yet.
+        assert ctl.inference.push("alice/e", True, checkpoint)["message"] == \
+            "Nothing to push yet: export the run first (Export model)."
+    assert {"model.safetensors", "README.md"} <= set(hub.repos["alice/older"]["files"])
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= set(hub.repos["alice/step2"]["files"])
+    pushed = [e for e in read_events(runs / "lora" / "events.jsonl") if e["event"] == "push"]
+    assert [(e["repo_id"], Path(e["model_dir"]).parent.name) for e in pushed] == [("alice/step2", "step-0000002")]

@@ -148,7 +148,7 @@ def test_try_it_shows_the_runs_label_names_and_the_download_is_named_after_the_r
     shown = ctl.tryit.try_it("a good great film")
     assert shown.label["visible"] and set(shown.label["value"]) == {"pos", "neg"}  # the data's names, not 0/1
     assert not shown.entities["visible"]
-    download = ctl.follow.poll(None).download
+    download = ctl.publish.model("run-a")["download"]  # picked in the Export tab
     assert Path(download["value"]).name == "run-a.zip" and download["interactive"]
 
 

@@ -276,7 +276,7 @@ def test_try_it_offers_a_chat_only_for_a_finished_run_trained_on_conversations(t
     (run / "model" / "chat_template.jinja").write_text("{{ messages }}")  # a tuned model with a template: a chat
     assert panel.try_view(done) == "chat"
     before = panel.panel(JobStatus(state="idle"), new_model=True)
-    assert before.button["interactive"] is False and before.push["interactive"] is False
+    assert before.button["interactive"] is False
     assert before.chat["visible"] is False and before.new_chat["visible"] is False
 
 

@@ -210,13 +210,14 @@ class InferenceExport:
         user, refusal = self.state.policy.who(request)
         return picker_update(self.state.policy.runs_home(user, refusal), self.state.jobs.status(), value)
 
-    def push(self, repo: str, private: bool, *, request: Any = None) -> dict[str, Any]:
-        """The Push the export button: the current run's export to `repo`, as Push to the Hub pushes the model."""
-        return {"message": self.push_run(repo, private, request=request).message}
+    def push(self, repo: str, private: bool, run: str | None = None, *, request: Any = None) -> dict[str, Any]:
+        """The Push the export button: the picked (or current) run's export to `repo`, as Push to the Hub pushes
+        the model."""
+        return {"message": self.push_run(repo, private, run, request=request).message}
 
-    def push_run(self, repo: str, private: bool, *, request: Any = None) -> PushOutcome:
-        """Push the caller's finished run's export (see `app.export.publish.push_finished_run`)."""
-        return self.pushes.push_run(repo, private, request=request, export=True)
+    def push_run(self, repo: str, private: bool, run: str | None = None, *, request: Any = None) -> PushOutcome:
+        """Push the export of the caller's finished run or of `run` (see `app.export.publish.push_finished_run`)."""
+        return self.pushes.push_run(repo, private, run, request=request, export=True)
 
 
 def in_page_words(text: str) -> str:
@@ -252,8 +253,9 @@ def _finished(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     return _shown("done", run_dir, message="\n\n".join(lines), check=check, files=files)
 
 
-def place_export_block(on: Callable[..., Any], exporter: InferenceExport) -> Any:
-    """The Export block, inside the Export tab being built, wired to its handlers; returns its run picker."""
+def place_export_block(on: Callable[..., Any], exporter: InferenceExport, pick: Any) -> None:
+    """The Export block, inside the Export tab being built, wired to its handlers; it exports the run or checkpoint
+    `pick` (the tab's picker) names."""
     with gr.Column(variant="panel", elem_id="export-block"):
         gr.Markdown("## Export for local inference\n\nMerged weights (a plain transformers folder), or a GGUF for "
                     "llama.cpp and Ollama with the chat template and end-of-turn token the run trained with, "
@@ -262,8 +264,6 @@ def place_export_block(on: Callable[..., Any], exporter: InferenceExport) -> Any
             fmt = gr.Radio(list(FORMATS), value="merged", label="Format", elem_id="export-format")
             quant = gr.Radio(list(QUANTS), value="q4_k_m", label="GGUF quantization", elem_id="export-quant")
             ollama = gr.Checkbox(label="Ollama Modelfile (GGUF)", value=True, elem_id="export-ollama")
-        pick = gr.Dropdown([], value=None, label="Model to export", elem_id="export-run",
-                           info="Your finished runs (newest first) and the checkpoints of stopped ones")
         button = gr.Button("Export model", interactive=False, elem_id="export-model")
         status = gr.Markdown(elem_id="export-status")
         files = gr.File(label="Exported files", file_count="multiple", interactive=False, visible=False,
@@ -281,6 +281,6 @@ def place_export_block(on: Callable[..., Any], exporter: InferenceExport) -> Any
     on(timer.tick, exporter.poll, seen, out, gate="public", concurrency_limit=None, show_progress="hidden", **private)
     on(button.click, exporter.export, [fmt, quant, ollama, pick], {"status": status}, concurrency_id="export",
        **private)
-    on(push.click, exporter.push, [repo, private_repo], {"message": push_msg}, concurrency_id="push", **private)
+    on(push.click, exporter.push, [repo, private_repo, pick], {"message": push_msg}, concurrency_id="push",
+       **private)
     on(pick.input, exporter.picked, pick, {"button": button}, show_progress="hidden", **private)
-    return pick

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.door.access import Access
+from app.export.picked import NOTHING_YET, model_buttons, picked_model
 from app.local.training import JobStatus
+from app.picks import Picked, PickRefused
 from app.report import waiting_note
 from app.state import AppState
 from finetune.config.schema import repo_id_problem
@@ -31,13 +33,16 @@ class PushOutcome:
 
 
 def push_finished_run(access: Access, status: JobStatus, user: str | None, repo: str, private: bool,
-                      export: bool = False) -> PushOutcome:
-    """Push the finished run of `status` to `repo` as `user`: its model, or with `export` its export
-    (`hub.push_export`: the merged folder, or the GGUFs and Modelfile)."""
+                      export: bool = False, picked: Picked | None = None) -> PushOutcome:
+    """Push the finished run of `status` (or the run or checkpoint `picked`, `app.export.picked`) to `repo` as
+    `user`: its model, or with `export` its export (`hub.push_export`: the merged folder, or the GGUFs and
+    Modelfile)."""
     if refusal := access.refusal(user) or access.push_refusal(user):
         return PushOutcome(f"⚠️ {refusal}")
-    if status.state != "done" or status.run_dir is None:
-        return PushOutcome("Nothing to push yet: train a run to the end first.")
+    if picked is None:
+        if status.state != "done" or status.run_dir is None:
+            return PushOutcome(NOTHING_YET)
+        picked = Picked(run_dir=status.run_dir, target=status.run_dir)
     repo = (repo or "").strip()
     if not repo:
         return PushOutcome("⚠️ Give the repository to push to, such as your-name/my-model.")
@@ -45,7 +50,7 @@ def push_finished_run(access: Access, status: JobStatus, user: str | None, repo:
         return PushOutcome(f"⚠️ {problem.replace('`push_to_hub` must be', 'The repository must be')}")
     if export:
         try:
-            hub.export_uploads(status.run_dir)
+            hub.export_uploads(picked.target)  # a run's export, or a checkpoint's (beside it)
         except InputError:
             return PushOutcome("Nothing to push yet: export the run first (Export model).")
     token = hub.token()
@@ -56,11 +61,17 @@ def push_finished_run(access: Access, status: JobStatus, user: str | None, repo:
         hub.check_can_push(repo, token)
     except ConfigError as e:
         return PushOutcome(f"⚠️ {e.problems[0]}")
-    log = EventLog(status.run_dir / "events.jsonl")
-    model_dir = str(status.run_dir / "model")
+    log = EventLog(picked.run_dir / "events.jsonl")
+    model_dir = str(picked.target / "model")
     try:
+        # A checkpoint: its model folder (written on first use), carded from its run; its export is beside it.
+        where = {"model_dir": picked.model_dir} if picked.checkpoint else {}
+        if export and picked.checkpoint:
+            where["export_dir"] = picked.target / "export"
         push = hub.push_export if export else hub.push_run
-        result = push(status.run_dir, repo, private=private, hub_token=token)
+        result = push(picked.run_dir, repo, private=private, hub_token=token, **where)
+    except InputError as e:  # a checkpoint whose model folder cannot be written
+        return PushOutcome(f"⚠️ {e}")
     except hub.UPLOAD_ERRORS as e:
         reason = hub.describe_failure(e, token)
         log.emit(Pushed(repo_id=repo, model_dir=model_dir, error=reason))
@@ -94,20 +105,37 @@ class PushShown:
 
 
 class PushHandlers:
-    """The Push to the Hub button and the API's `/push`, for the caller's finished run."""
+    """Download model, the Push to the Hub button and the API's `/push`, for the caller's finished run or the run or
+    checkpoint picked in the Export tab (`app.export.picked`)."""
 
     def __init__(self, state: AppState):
         self.state = state
 
-    def push(self, repo: str, private: bool, *, request: Any = None) -> PushShown:
-        """Push the finished run's model and its model card to `repo` (the Push button)."""
-        return PushShown(message=self.push_run(repo, private, request=request).message)
+    def push(self, repo: str, private: bool, run: str | None = None, *, request: Any = None) -> PushShown:
+        """Push the picked (or finished) run's model and its model card to `repo` (the Push button)."""
+        return PushShown(message=self.push_run(repo, private, run, request=request).message)
 
-    def push_run(self, repo: str, private: bool, *, request: Any = None, export: bool = False) -> PushOutcome:
-        """Push the finished run's model (or with `export` its export) and its model card to `repo`, with the token
-        of whoever runs the app (only for those `Access.may_push` allows)."""
-        user, _ = self.state.policy.who(request)
+    def push_run(self, repo: str, private: bool, run: str | None = None, *, request: Any = None,
+                 export: bool = False) -> PushOutcome:
+        """Push the finished run's model, or the run or checkpoint `run` picked among the caller's (or with `export`
+        its export), and its model card to `repo`, with the token of whoever runs the app (only for those
+        `Access.may_push` allows)."""
+        user, refusal = self.state.policy.who(request)
         status = self.state.jobs.status()
+        if run and str(run).strip():
+            if refused := self.state.access.refusal(user) or self.state.access.push_refusal(user):
+                return PushOutcome(f"⚠️ {refused}")
+            try:
+                picked = picked_model(self.state, user, refusal, run)
+            except PickRefused as e:
+                return PushOutcome(f"⚠️ {e}")
+            return push_finished_run(self.state.access, status, user, repo, bool(private), export=export,
+                                     picked=picked)
         if status.state != "idle" and not self.state.policy.is_mine(status, user):
             return PushOutcome("⚠️ Only the one who started the run can push it.")
         return push_finished_run(self.state.access, status, user, repo, bool(private), export=export)
+
+    def model(self, run: str | None, *, request: Any = None) -> dict[str, Any]:
+        """The pick changed: Download model hands out its zip, Push to the Hub acts on it."""
+        user, refusal = self.state.policy.who(request)
+        return model_buttons(self.state, user, refusal, run)

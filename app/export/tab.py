@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
-from app.downloads import zip_model
 from app.export import publish
 from app.export.inference import place_export_block
 from app.local.training import JobStatus
@@ -37,35 +36,27 @@ class ExportTab:
     command: Any
     yaml: Any
     config_file: Any
-    export_pick: Any  # the run or checkpoint Export model exports (`app.picks`)
+    export_pick: Any  # the run or checkpoint every button of the tab acts on (`app.picks`, `app.export.picked`)
 
     @property
     def polled(self) -> dict[str, Any]:
         """Where the views of `refresh` go."""
-        return {"download": self.download, "command": self.command, "config_yaml": self.yaml,
-                "config_file": self.config_file, "hub_note": self.hub_note, "push_repo": self.push_repo,
+        return {"command": self.command, "config_yaml": self.yaml, "config_file": self.config_file,
+                "hub_note": self.hub_note, "push_repo": self.push_repo,
                 "export_pick": self.export_pick}
 
 
 def refresh(seen: Seen) -> dict[str, Any]:
-    """The Export tab's view of the run, for the poll (`app.follow`): Download once the model is finished, how its
-    last push went, the Reproduce box when the run's command changed, and the picker after the run changed."""
+    """The Export tab's view of the run, for the poll (`app.follow`): how its last push went, the Reproduce box
+    when the run's command changed, and the picker (the newest run picked: its change enables Download and Push)
+    after the run changed."""
     status, new_command = seen.status, seen.new_command
-    return {"download": download(seen), "command": seen.command if new_command else gr.skip(),
+    return {"command": seen.command if new_command else gr.skip(),
             "config_yaml": config_text(status) if new_command else gr.skip(),
             "config_file": None if new_command else gr.skip(),
             "hub_note": publish.hub_markdown(status, on_space=bool(seen.state.restart_notice)),
             "push_repo": seen.options["push_to_hub"] or gr.skip(),
             **({"export_pick": newest_pick(seen)} if seen.changed_run else {})}
-
-
-def download(seen: Seen) -> Any:
-    """Download model: the finished run's model zipped (once), named after the run."""
-    status = seen.status
-    if status.state != "done" or status.model_dir is None:
-        return gr.update(value=None, interactive=False)
-    zipped = zip_model(status.model_dir, status.run_dir / "model.zip")
-    return gr.update(value=seen.state.downloads.handout(zipped, f"{status.run_dir.name}.zip"), interactive=True)
 
 
 def config_text(status: JobStatus) -> str:
@@ -79,8 +70,11 @@ def config_text(status: JobStatus) -> str:
 def build(page: Page) -> ExportTab:
     """The Export tab's widgets, inside the open `gr.Tab` (the inference block wired as it is made)."""
     on, h = page.on, page.h
+    # One pick for the whole tab: Download, Push, Export model and Push the export act on the same model.
+    export_pick = gr.Dropdown([], value=None, label="Model to download, push or export", elem_id="export-run",
+                              info="Your finished runs (newest first) and the checkpoints of stopped ones")
     gr.Markdown("## Download or push the model")
-    download = gr.DownloadButton("Download model", interactive=False)
+    download = gr.DownloadButton("Download model", interactive=False, elem_id="download-model")
     hub_note = gr.Markdown(elem_id="hub-note")
     with gr.Row():
         push_repo = gr.Textbox(label="Hub repository", placeholder="your-name/my-model", scale=3, max_length=200,
@@ -88,7 +82,7 @@ def build(page: Page) -> ExportTab:
         push_private = gr.Checkbox(label="Private", value=True, scale=1)
         push = gr.Button("Push to the Hub", scale=1, interactive=False)
     push_message = gr.Markdown(elem_id="push-message")
-    export_pick = place_export_block(on, h.inference)
+    place_export_block(on, h.inference, export_pick)
     with gr.Column(variant="panel"):
         gr.Markdown("## Reproduce")
         with gr.Row():
@@ -112,8 +106,11 @@ def wire(page: Page, tab: ExportTab) -> None:
     for event in (page.selected["export"], page.load):
         on(event, h.inference.choices, tab.export_pick, {}, outputs=tab.export_pick, gate="quiet",
            show_progress="hidden", **PRIVATE)
-    on(tab.push.click, h.publish.push, [tab.push_repo, tab.push_private], {"message": tab.push_message},
-       concurrency_id="push", **PRIVATE)
+    on(tab.push.click, h.publish.push, [tab.push_repo, tab.push_private, tab.export_pick],
+       {"message": tab.push_message}, concurrency_id="push", **PRIVATE)
+    # A pick by hand, or the newest after a run finished (the poll, `app.follow`): the buttons act on it.
+    on(tab.export_pick.change, h.publish.model, tab.export_pick, {"download": tab.download, "push": tab.push},
+       show_progress="hidden", **PRIVATE)
     on(tab.export_config.click, h.reproduce.export, train.form.values,
        {"yaml": tab.yaml, "file": tab.config_file, "command": tab.command, "message": tab.message}, **PRIVATE)
     imported = on(tab.import_config.upload, h.reproduce.import_config, tab.import_config,

@@ -112,7 +112,6 @@ class TryPanel:
     new_chat: Any = keep()
     text: Any = keep()
     message: Any = keep()
-    push: Any = keep()  # Push, like Predict, acts only on a finished model
     entities: Any = keep()  # token classification: the words with their entities highlighted
     image: Any = keep()  # an image classifier's input, shown in place of the text box
     settings: Any = keep()  # the generation settings, shown for a model that generates text
@@ -145,7 +144,7 @@ def panel(status: JobStatus | Picked, *, new_model: bool) -> TryPanel:
         cleared |= {"max_new_tokens": gr.update(value=gen.max_new_tokens),
                     "temperature": gr.update(value=gen.temperature), "top_p": gr.update(value=gen.top_p)}
     return TryPanel(chat=gr.update(visible=chat, **({"value": []} if new_model else {})),
-                    new_chat=gr.update(visible=chat), push=gr.update(interactive=ready),
+                    new_chat=gr.update(visible=chat),
                     button=gr.update(interactive=ready, value="Send" if chat else "Predict"),
                     image=gr.update(visible=pictured, **({"value": None} if new_model else {})),
                     text=gr.update(visible=view != "image", label="Your message" if chat else "Try it",

@@ -10,19 +10,26 @@ The arithmetic (docs/planning.md, "Time and cost"):
   model's width over a micro-batch of its tokens, the shape that dominates a step), times `PROBE_SHARE` for what a
   step spends besides them; on a GPU elsewhere (`finetune plan --device cuda`, a Jobs flavor) `UTILISATION` of the
   GPU's dense peak (`PEAK_TFLOPS`).
-- The wall time adds the evaluations (a forward pass, 2·P per token, over the evaluation rows each time) and
-  `STARTUP_S`: starting Python, importing torch and transformers, reading the data and the model, the plan, saving.
+- The wall time adds the evaluations (a forward pass, 2·P per token, over the evaluation rows each time) and the
+  fixed costs, predicted apart from the steps: `STARTUP_S` (starting Python, importing torch and transformers,
+  reading the data and the model, the plan) and `FINISH_S` (checkpoints, saving the model).
+- Where runs of the same kind on the same device have finished before, their records (`finetune.plan.calibration`)
+  replace the rate and the fixed costs: the step and evaluation times are the FLOPs × the median of their actual
+  seconds per FLOP, the fixed costs the medians of what they took.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from finetune.plan import calibration
 
 # Dense bf16 (fp16 on a T4) tensor-core TFLOPS per GPU, from NVIDIA's datasheets; the A10G is AWS's cut of the
 # A10, counted at about half the A10's 125 to stay on the safe side.
@@ -38,8 +45,12 @@ UTILISATION = 0.2
 # CPU (classification, causal LoRA and seq2seq runs) measured 0.3-0.55; 0.4 is taken.
 PROBE_SHARE = 0.4
 STEP_OVERHEAD_S = 0.02  # per optimizer step: the loop's Python, the events, the scheduler
-STARTUP_S = 6.0  # process start to the first step and the last step to Done (imports, data, model, plan, save)
+# Without a calibration: process start to the first step (imports, data, model, plan), and the last step to Done
+# (the final checkpoint and the saved model).
+STARTUP_S = 5.0
+FINISH_S = 1.0
 PROBE_SECONDS = 0.3  # how long the probe multiplies
+PROBE_TIMINGS = 5  # timed repetitions after the warm-up; their median is the rate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,11 +60,18 @@ class TimeEstimate:
     step_s: float
     steps: int
     eval_s: float  # all its evaluations together
-    startup_s: float
+    startup_s: float  # process start to the first step
+    finish_s: float  # the last step to Done: the final checkpoint and the saved model
     total_s: float
     flops_per_step: float
-    rate_flops: float  # operations per second a step sustains
+    rate_flops: float  # operations per second a step sustains (before any calibration)
     basis: str  # where the rate comes from, in words
+    # The arithmetic alone (FLOPs ÷ rate), before the calibration corrected it: what a finished run's record
+    # compares its actual times with.
+    arithmetic_step_s: float = 0.0
+    arithmetic_eval_s: float = 0.0
+    device_key: str = ""  # the device the calibration files it under ("cpu", a GPU's name); "" for a GPU elsewhere
+    calibrated_runs: int = 0  # finished runs whose records corrected it (0: the arithmetic alone)
 
     def to_dict(self) -> dict[str, Any]:
         """As plan.json keeps it."""
@@ -73,8 +91,9 @@ def gpu_rate(gpu_model: str, gpus: int = 1) -> tuple[float, str]:
 
 @functools.cache
 def probe_rate(width: int, rows: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
-    """Operations per second of (rows × width) @ (width × 4·width) matmuls on `device`, timed for `PROBE_SECONDS`
-    (after one warm-up): the shape of a transformer layer's largest products for a micro-batch of `rows` tokens."""
+    """Operations per second of (rows × width) @ (width × 4·width) matmuls on `device`: after one warm-up, the
+    median of `PROBE_TIMINGS` timings over `PROBE_SECONDS` in all; the shape of a transformer layer's largest
+    products for a micro-batch of `rows` tokens."""
     # At least 512 rows: a smaller product times the call's overhead, not the arithmetic (a step's overhead is
     # `STEP_OVERHEAD_S`).
     rows, width = max(512, min(rows, 8192)), max(64, min(width, 8192))
@@ -84,28 +103,40 @@ def probe_rate(width: int, rows: int, device: str = "cpu", dtype: torch.dtype = 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     a @ b  # warm-up: threads, kernels, caches
     sync()
-    best = 0.0
-    for _ in range(3):  # the best of three: another process on the machine slows some of them
+    rates = []
+    # The median of several short timings, not the best: on a machine shared with other work the run will see the
+    # load of a typical moment, not of the quietest one.
+    for _ in range(PROBE_TIMINGS):
         done, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < PROBE_SECONDS / 3:
+        while (elapsed := time.perf_counter() - start) < PROBE_SECONDS / PROBE_TIMINGS:
             a @ b
             sync()
             done += 1
-        best = max(best, 2 * rows * width * 4 * width * done / max(elapsed, 1e-9))
-    return best
+        rates.append(2 * rows * width * 4 * width * done / max(elapsed, 1e-9))
+    return statistics.median(rates)
 
 
 def estimate(*, params: int, lora: bool, checkpointing: bool, steps: int, samples_per_step: int,
              mean_tokens: float, eval_tokens: float, evaluations: int, rate: float, basis: str,
-             startup_s: float = STARTUP_S) -> TimeEstimate:
+             startup_s: float = STARTUP_S, finish_s: float = FINISH_S,
+             calibrated: calibration.Calibration | None = None, device_key: str = "") -> TimeEstimate:
     """The run's time from its numbers (see the module): `steps` optimizer steps of `samples_per_step` samples of
-    `mean_tokens`, `evaluations` passes over `eval_tokens`, at `rate` operations per second."""
+    `mean_tokens`, `evaluations` passes over `eval_tokens`, at `rate` operations per second; corrected by
+    `calibrated` (finished runs' records) where given."""
     per_step = flops_per_token(params, lora=lora, checkpointing=checkpointing) * samples_per_step * mean_tokens
-    step_s = per_step / rate + STEP_OVERHEAD_S
-    eval_s = evaluations * 2 * params * eval_tokens / rate
-    return TimeEstimate(step_s=step_s, steps=steps, eval_s=eval_s, startup_s=startup_s,
-                        total_s=startup_s + steps * step_s + eval_s, flops_per_step=per_step, rate_flops=rate,
-                        basis=basis)
+    arithmetic_step_s = per_step / rate + STEP_OVERHEAD_S
+    arithmetic_eval_s = evaluations * 2 * params * eval_tokens / rate
+    step_s, eval_s = arithmetic_step_s, arithmetic_eval_s
+    if calibrated is not None:  # what the same kind's finished runs took here (their steps' overhead included)
+        step_s = per_step * calibrated.step_s_per_flop
+        eval_s = evaluations * 2 * params * eval_tokens * calibrated.eval_s_per_flop
+        startup_s, finish_s = calibrated.startup_s, calibrated.finish_s
+        basis = f"the seconds per FLOP of {calibrated.words()}; uncalibrated, {basis}"
+    return TimeEstimate(step_s=step_s, steps=steps, eval_s=eval_s, startup_s=startup_s, finish_s=finish_s,
+                        total_s=startup_s + steps * step_s + eval_s + finish_s, flops_per_step=per_step,
+                        rate_flops=rate, basis=basis, arithmetic_step_s=arithmetic_step_s,
+                        arithmetic_eval_s=arithmetic_eval_s, device_key=device_key,
+                        calibrated_runs=calibrated.runs if calibrated is not None else 0)
 
 
 def evaluations(steps: int, eval_every: int, has_eval: bool) -> int:
@@ -145,12 +176,19 @@ def model_size(model: Any) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()) - lookups, width
 
 
+def device_key(device: str, processes: int = 1) -> str:
+    """The device a calibration record is filed under: "cpu", or the GPU's name (and how many take part)."""
+    name = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else device
+    return name if processes == 1 else f"{processes} × {name}"
+
+
 def for_run(plan: Any, *, lengths: Any, eval_lengths: Any, steps: int, eval_every: int, params: int, width: int,
-            device: str, gpu: tuple[str, int] | None = None) -> TimeEstimate:
-    """The estimate of a planned run: its data's lengths, its steps, its model's size, on `device` here (probed) or
-    on `gpu` (model, count) elsewhere."""
+            device: str, gpu: tuple[str, int] | None = None, kind: str = "", model: str = "") -> TimeEstimate:
+    """The estimate of a planned run: its data's lengths, its steps, its model's size, on `device` here (probed and
+    calibrated by the finished runs of `kind` here, `model`'s first) or on `gpu` (model, count) elsewhere."""
     mean = float(sum(lengths) / max(len(lengths), 1))
     batch = plan.batch
+    calibrated, key = None, ""
     if gpu is not None:
         rate, basis = gpu_rate(*gpu)
     else:
@@ -159,8 +197,10 @@ def for_run(plan: Any, *, lengths: Any, eval_lengths: Any, steps: int, eval_ever
                               torch.bfloat16 if cuda else torch.float32)
         rate = measured * PROBE_SHARE
         basis = f"this {'GPU' if cuda else 'CPU'}'s measured {measured / 1e9:,.0f} GFLOP/s × {PROBE_SHARE:g}"
+        key = device_key("cuda" if cuda else "cpu", batch.num_processes)
+        calibrated = calibration.for_prediction(kind, key, model) if kind else None
     return estimate(params=params, lora=plan.lora, checkpointing=plan.gradient_checkpointing, steps=steps,
                     samples_per_step=batch.effective_batch_size, mean_tokens=mean,
                     eval_tokens=float(sum(eval_lengths)) if eval_lengths is not None else 0.0,
                     evaluations=evaluations(steps, eval_every, eval_lengths is not None and len(eval_lengths) > 0),
-                    rate=rate, basis=basis)
+                    rate=rate, basis=basis, calibrated=calibrated, device_key=key)

@@ -44,7 +44,7 @@ from finetune.kinds.base import TaskKind
 from finetune.models import kernels as hub_kernels
 from finetune.models import tiled_mlp
 from finetune.models.pretrained import load_tokenizer
-from finetune.plan import timing
+from finetune.plan import calibration, timing
 from finetune.registry import configured
 from finetune.run import rundir, tracking
 from finetune.run.events import (
@@ -338,7 +338,7 @@ def predicted_time(c: Config, plan: Any, train_data: Any, eval_data: Any, steps:
     params, width = timing.model_size(model)
     return timing.for_run(plan, lengths=lengths, eval_lengths=eval_data.lengths if isinstance(eval_data, Encoded)
                           else None, steps=steps, eval_every=c.eval_every, params=params, width=width,
-                          device=device).to_dict()
+                          device=device, kind=c.task, model=c.model).to_dict()
 
 
 def _open_run_dir(c: Config, run_dir: Path, accelerator: Any, plan: Any, scheduler: Any, progress: Progress) -> None:
@@ -445,6 +445,8 @@ def _finish(s: Setup, seconds: float) -> RunResult:
         # only so that a failure while saving the model could be resumed.
         rundir.prune_checkpoints(s.run_dir, keep=0)
         s.log.emit(Done(step=p.step, metrics=summary, model_dir=str(model_dir)))
+        # What this run took corrects the next prediction of its kind here (finetune.plan.calibration).
+        calibration.record_run(s.run_dir, kind=s.config.task, model=s.config.model)
         rundir.plot_loss_in_background(s.run_dir)
         metrics = summary
     accelerator.wait_for_everyone()

@@ -84,11 +84,13 @@ def check_can_push(repo_id: str, hub_token: str | None) -> None:
                            "organisation you belong to."])
 
 
-def push_run(run_dir: Path, repo_id: str, *, private: bool = True, hub_token: str | None = None) -> PushResult:
-    """Write the model card into the run's model folder and upload the folder to `repo_id` (created if needed).
+def push_run(run_dir: Path, repo_id: str, *, private: bool = True, hub_token: str | None = None,
+             model_dir: Path | None = None) -> PushResult:
+    """Write the model card into the run's model folder (or `model_dir`: one of its checkpoints' model folders,
+    `finetune.use.checkpoint`, carded from the run) and upload the folder to `repo_id` (created if needed).
 
     Raises `ModelError` when the run has no final model, and huggingface_hub's errors (HTTP, network) as they are."""
-    model_dir, run = resolve_model_dir(str(run_dir))
+    model_dir, run = (Path(model_dir), Path(run_dir)) if model_dir else resolve_model_dir(str(run_dir))
     run_dir = run or model_dir.parent
     if (run_dir / "events.jsonl").is_file():
         plot_loss(run_dir / "events.jsonl", model_dir / LOSS_PLOT)
@@ -131,10 +133,10 @@ def export_uploads(run_dir: Path, export_dir: Path | None = None) -> tuple[dict[
 
 
 def push_export(run_dir: Path, repo_id: str, *, export_dir: Path | None = None, private: bool = True,
-                hub_token: str | None = None) -> PushResult:
+                hub_token: str | None = None, model_dir: Path | None = None) -> PushResult:
     """Upload a run's export (see `export_uploads`) to `repo_id` with a model card whose usage section says how to
     run it (`ollama run hf.co/…`, `llama-cli -hf …`, or transformers for a merged folder)."""
-    model_dir, run = resolve_model_dir(str(run_dir))
+    model_dir, run = (Path(model_dir), Path(run_dir)) if model_dir else resolve_model_dir(str(run_dir))
     run_dir = run or model_dir.parent
     export_dir = export_dir or run_dir / "export"
     record, files = export_uploads(run_dir, export_dir)
