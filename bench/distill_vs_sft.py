@@ -11,6 +11,7 @@ held-out rows (perplexity on the data's own tokens).
     python bench/distill_vs_sft.py              # about 1 minute on 2 cores
     python bench/distill_vs_sft.py --out DIR    # keep the runs
     python bench/distill_vs_sft.py --trl        # the same teacher, then each divergence here and through TRL
+    python bench/distill_vs_sft.py --trl --out DIR --reuse-teacher --trl-padding left   # again, on DIR's teacher
 
 `--trl`: after the teacher, per `distill_loss` (forward_kl, reverse_kl, jsd at the default β 0.5, temperature 1),
 `task: distill` and TRL's `GKDTrainer` (trl.experimental.gkd) train the same student (`student0`) from the same
@@ -327,6 +328,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="--trl: optimizer steps (default 8 epochs: 104)")
     parser.add_argument("--trl-padding", choices=("right", "left"), default="right",
                         help="--trl: TRL's rows padded on the right like ours (default), or left as its collator does")
+    parser.add_argument("--reuse-teacher", action="store_true",
+                        help="with --out: keep the teacher a previous run trained there (the same seeded rows)")
     parser.add_argument("--child", choices=("finetune", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--loss", choices=LOSSES, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -354,7 +357,10 @@ def main() -> None:
                          "seconds": round(time.time() - start, 1)}
         print(name, results[name], flush=True)
 
-    run("teacher", task="causal_lm", model=teacher0, dataset=teacher_rows, epochs=3)
+    if args.reuse_teacher and args.out and (out / "teacher" / "model").is_dir():
+        print("teacher: reused", out / "teacher" / "model", flush=True)
+    else:
+        run("teacher", task="causal_lm", model=teacher0, dataset=teacher_rows, epochs=3)
     if args.trl:
         steps = args.steps or 8 * math.ceil(200 / 16)
         compare_with_trl(out, steps, args.trl_padding)
