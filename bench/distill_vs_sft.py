@@ -37,8 +37,10 @@ row's padding to the right after TRL's collator, so that both see the same tenso
 Printed per divergence: step 1's loss of each, the largest difference of their per-step losses (ours from
 events.jsonl, TRL's as `compute_loss` returns it), the held-out perplexity of each final student by the same code
 (`held_out_perplexity`: the mean next-token NLL over the 500 held-out rows' tokens, our encoding, exp), each tool's
-own count of its training seconds (our `train_seconds`, TRL's `train_runtime`) and each child's peak RSS
-(`ru_maxrss`: torch, transformers and the tool's imports included).
+own count of its training seconds (our `train_seconds`, TRL's `train_runtime`: wall time, which a busy machine
+stretches), each child's CPU seconds from after its imports to the saved model (loading both models and training;
+ours also plans and evaluates the held-out rows) and each child's peak RSS (`ru_maxrss`: torch, transformers and the
+tool's imports included).
 """
 
 from __future__ import annotations
@@ -136,12 +138,13 @@ def child_finetune(folder: Path, loss: str, steps: int) -> dict[str, Any]:
     from finetune.run.events import read_events
     from finetune.train.loop import train
 
+    cpu = time.process_time()
     out = folder / f"ours_{loss}"
     train(from_dict(our_values(folder, loss, steps)))
     metrics = json.loads((out / "metrics.json").read_text())
     losses = [e["loss"] for e in read_events(out / "events.jsonl") if e["event"] == "step"]
     return {"losses": losses, "seconds": metrics["train_seconds"], "own_perplexity": metrics["perplexity"],
-            "model": str(out / "model")}
+            "model": str(out / "model"), "cpu_s": time.process_time() - cpu}
 
 
 def trl_rows(path: Path) -> list[dict[str, Any]]:
@@ -190,6 +193,7 @@ def child_trl(folder: Path, loss: str, steps: int, padding: str) -> dict[str, An
     from finetune.config.schema import from_dict
     from finetune.registry import configured
 
+    cpu = time.process_time()
     losses: list[float] = []
 
     class Recorded(GKDTrainer):
@@ -218,7 +222,8 @@ def child_trl(folder: Path, loss: str, steps: int, padding: str) -> dict[str, An
                        data_collator=trl_collator(tokenizer, padding))
     output = trainer.train()
     trainer.save_model(str(out / "model"))
-    return {"losses": losses, "seconds": output.metrics["train_runtime"], "model": str(out / "model"), "beta": beta}
+    return {"losses": losses, "seconds": output.metrics["train_runtime"], "model": str(out / "model"), "beta": beta,
+            "cpu_s": time.process_time() - cpu}
 
 
 def run_child(folder: Path, tool: str, loss: str, steps: int, padding: str) -> dict[str, Any]:
@@ -297,8 +302,8 @@ def compare_with_trl(out: Path, steps: int, padding: str) -> dict[str, Any]:
             print(tool, loss, {k: v for k, v in r.items() if k != "losses"}, flush=True)
     print(f"\nOurs / TRL's. Loss gaps: |ours − TRL's| at step 1, and the largest over the {steps} steps.")
     print("\n| divergence | loss, step 1 | gap, step 1 | largest gap | loss, last step | held-out perplexity | "
-          "train s | peak RSS MiB |")
-    print("|---|---|---:|---:|---|---|---|---|")
+          "train s | CPU s | peak RSS MiB |")
+    print("|---|---|---:|---:|---|---|---|---|---|")
     for loss in LOSSES:
         ours, theirs = results[f"finetune_{loss}"], results[f"trl_{loss}"]
         gaps = [abs(x - y) for x, y in zip(ours["losses"], theirs["losses"], strict=True)]
@@ -306,7 +311,7 @@ def compare_with_trl(out: Path, steps: int, padding: str) -> dict[str, Any]:
         both = (ours, theirs)
         print(f"| {loss} (β {theirs['beta']:g}) | {_pair(both, 'losses', '.7f', 0)} | {gaps[0]:.1e} | "
               f"{max(gaps):.1e} (step {gaps.index(max(gaps)) + 1}) | {_pair(both, 'losses', '.5f', -1)} | "
-              f"{_pair(both, 'perplexity', '.3f')} | {_pair(both, 'seconds', '.1f')} | "
+              f"{_pair(both, 'perplexity', '.3f')} | {_pair(both, 'seconds', '.1f')} | {_pair(both, 'cpu_s', '.1f')} | "
               f"{_pair(both, 'peak_rss_mib', '.0f')} |")
     return results
 
