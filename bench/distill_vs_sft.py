@@ -17,10 +17,11 @@ held-out rows (perplexity on the data's own tokens).
 `task: distill` and TRL's `GKDTrainer` (trl.experimental.gkd) train the same student (`student0`) from the same
 teacher folder (`teacher/model`) on the same 200 rows for the same `--steps` (default 8 epochs, 104 steps), each in a
 child process of its own. Both: batches of 16 (no accumulation), fp32 on the CPU, AdamW (β 0.9/0.999, ε 1e-8, fused)
-at 3e-3 with weight decay 0.01 on the 2-D weights only, no warm-up then linear decay to 0 over the steps (the
-project's defaults), clipping at 1.0, the rows in file order every epoch (our `shuffle: false` and
-`group_by_length: false`; TRL's `train_sampling_strategy="sequential"`), the teacher on the device over the whole
-vocabulary (`distill_teacher: device`). GKD is run off-policy: `lmbda=0` (never the student's own completions),
+at 3e-3 with weight decay 0.01 on the 2-D weights only (the project's default), no warm-up, then linear decay to 0
+over the steps (the project's default schedule), clipping at 1.0, the rows in file order every epoch (our
+`shuffle: false` and `group_by_length: false`; TRL's `train_sampling_strategy="sequential"`; ours orders a batch's
+rows by length, which changes only the order of a sum), the teacher on the device over the whole vocabulary
+(`distill_teacher: device`). GKD is run off-policy: `lmbda=0` (never the student's own completions),
 `seq_kd=False` (never the teacher's), `beta` the kind's own (`configured(c).beta`: TRL's 0 is forward KL, 1 reverse
 KL). GKD's loss ignores `GKDConfig.temperature` (a sampling temperature; its `compute_loss` calls
 `generalized_jsd_loss` at 1.0), which is our default `distill_temperature`.
