@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import registry as kinds
+from finetune.building import BUILDS
 from finetune.config.schema import Config, ConfigError, load
 from finetune.errors import EXIT_STOPPED, FinetuneError, describe
 from finetune.remote import backend
@@ -320,7 +321,7 @@ def _predicted_time(cfg: Any, plan: Any, train_data: Any, eval_data: Any, device
         return {}  # a stream, or a GPU elsewhere whose model is not named (`--device cuda` without `--gpu`)
     _, steps = run_length(cfg, plan.batch, len(train_data))
     config = AutoConfig.from_pretrained(resolve_model_path(cfg.model), trust_remote_code=cfg.trust_remote_code)
-    with torch.device("meta"):  # its size, not its weights
+    with BUILDS, torch.device("meta"):  # its size, not its weights
         params, width = timing.model_size(auto_class(cfg.task).from_config(config,
                                                                            trust_remote_code=cfg.trust_remote_code))
     return timing.for_run(plan, lengths=train_data.lengths, steps=steps, eval_every=cfg.eval_every,

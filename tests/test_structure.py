@@ -109,10 +109,10 @@ def test_the_errors_module_imports_nothing():
 
 
 # The task-kind layer (finetune.kinds) sits below the data, the engine, the planner, the models and the loop, which
-# call it: it may import the errors, the registry, the configuration, and the row helpers that import nothing but
-# those (the floors below it: FLOORS).
-KIND_LAYER_MAY_IMPORT = ("finetune.errors", "finetune.registry", "finetune.config.", "finetune.kinds.",
-                         "finetune.rows.arrow", "finetune.rows.chat", "finetune.rows.segments")
+# call it: it may import the errors, the registry, the one-build-at-a-time lock, the configuration, and the row
+# helpers that import nothing but those (the floors below it: FLOORS).
+KIND_LAYER_MAY_IMPORT = ("finetune.errors", "finetune.registry", "finetune.building", "finetune.config.",
+                         "finetune.kinds.", "finetune.rows.arrow", "finetune.rows.chat", "finetune.rows.segments")
 
 
 def test_the_task_kind_layer_imports_nothing_above_it():
@@ -335,7 +335,8 @@ def test_the_engine_calls_a_kinds_hooks_and_never_probes_for_them():
 # --- packages as floors: each of finetune's packages imports only those below it (function-local and type-only
 # imports included), so the package graph has no cycle, not only the file graph.
 FLOORS = (
-    ("errors", "registry"),  # the error classes; the task kinds by name (torch-free, importing no kind)
+    ("errors", "registry", "building"),  # the error classes; the task kinds by name (torch-free, importing no kind);
+    # one model built at a time in a process
     ("config",),  # the typed config, its checks and the batch arithmetic
     ("rows",),  # Arrow columns, chat templates, document segments: what the kinds read rows with
     ("kinds",),  # the task kinds' implementations (finetune.kinds.base.TaskKind)

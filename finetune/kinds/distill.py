@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from finetune.building import BUILDS
 from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
 from finetune.errors import ConfigError, ModelError
@@ -340,7 +341,7 @@ def teacher_shape(teacher: str) -> tuple[int, int, int, int]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(teacher)
-    with torch.device("meta"):
+    with BUILDS, torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     text = config.get_text_config()
     hidden = getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 0

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from finetune.building import BUILDS
 from finetune.config.schema import Config
 from finetune.errors import DataError, ModelError
 from finetune.kinds.base import Columns, Encoding, Metrics, SumMetrics, pick_column
@@ -192,7 +193,7 @@ def has_batch_norm(c: Config) -> bool:
 
     config = AutoConfig.from_pretrained(str(Path(c.model).expanduser()) if Path(c.model).expanduser().exists()
                                         else c.model, trust_remote_code=c.trust_remote_code)
-    with torch.device("meta"):
+    with BUILDS, torch.device("meta"):
         model = transformers.AutoModelForImageClassification.from_config(config)
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 

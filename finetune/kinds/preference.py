@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from finetune.building import BUILDS
 from finetune.config.schema import Config
 from finetune.errors import DataError
 from finetune.kinds.base import IGNORE_INDEX, Columns, Encoding, Metrics, SumMetrics, TaskKind, pick_column, texts_of
@@ -494,7 +495,8 @@ def _frozen(name: str, device: str) -> Any:
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     # use_kernels=False: a frozen scorer needs no Hub kernel code (transformers 5.25 would fetch it by default).
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, use_kernels=False).to(device).eval()
+    with BUILDS:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, use_kernels=False).to(device).eval()
     model.requires_grad_(False)
     return model
 

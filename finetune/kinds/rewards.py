@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune.building import BUILDS
 from finetune.errors import ConfigError
 
 BUILT_INS = ("exact_match", "regex:PATTERN", "format:PATTERN", "length:N", "reward_model:PATH", "file.py:function")
@@ -298,7 +299,8 @@ def _reward_model(path: str) -> tuple[Any, Any]:
     name = str(folder) if folder.exists() else path
     try:
         # use_kernels=False: a frozen scorer needs no Hub kernel code (transformers 5.25 would fetch it by default).
-        model = AutoModelForSequenceClassification.from_pretrained(name, use_kernels=False).eval()
+        with BUILDS:
+            model = AutoModelForSequenceClassification.from_pretrained(name, use_kernels=False).eval()
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
         raise ConfigError([f"Reward model {path!r} could not be loaded ({str(e).splitlines()[0][:160]}): give a "

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetune.building import one_at_a_time
 from finetune.errors import ModelError
 
 ATTRIBUTE = "_finetune_kernels"  # where a loaded model keeps its `KernelUse`
@@ -57,12 +58,13 @@ def is_kernel_failure(error: BaseException) -> bool:
     return "kernel" in str(error).lower()
 
 
+@one_at_a_time
 def load(loader: Callable[..., Any], mode: str, name: str) -> Any:
     """`loader(use_kernels=…)` as `mode` says, the model marked with its `KernelUse`.
 
     `off`: never kernelized. `hub`: kernelized, and a kernel failure is a `ModelError` in one sentence. `auto`:
     kernelized when the package is there and the environment allows it; a kernel failure then loads again without
-    them and the note says why."""
+    them and the note says why. One build at a time in the process (`finetune.building`)."""
     if mode == "off":
         return _mark(loader(use_kernels=False), KernelUse(mode, False))
     if disabled_by_environment():

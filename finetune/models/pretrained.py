@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from finetune.building import one_at_a_time
 from finetune.config.modelpath import resolve_model_path
 from finetune.config.schema import Config
 from finetune.engine import offload as offloading
@@ -195,6 +196,7 @@ def is_adapter(model_dir: Path) -> bool:
     return (Path(model_dir) / "adapter_config.json").is_file()
 
 
+@one_at_a_time
 def load_trained(model_dir: Path, task: str, kernels_mode: str = "auto") -> Any:
     """A model saved by a run: full weights, or a LoRA adapter on its base model (with the run's labels); hub
     kernels as `kernels_mode` says (the `kernels` option)."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from finetune.building import BUILDS
 from finetune.engine.runtime import quiet_bitsandbytes
 
 QUANTIZATIONS = ("auto", "none", "8bit", "4bit")
@@ -181,7 +182,8 @@ def merged_model(peft_model: Any) -> Any:
         else AutoModelForSequenceClassification
     config = plain_config(base.config)
     dtype = _unquantized_dtype(base)
-    plain = auto.from_config(config, dtype=dtype)
+    with BUILDS:
+        plain = auto.from_config(config, dtype=dtype)
     modules = dict(base.named_modules())
     state: dict[str, torch.Tensor] = {}
     for name, param in base.named_parameters():

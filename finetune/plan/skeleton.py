@@ -13,6 +13,7 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from finetune.building import BUILDS
 from finetune.config.schema import Config
 from finetune.errors import ModelError
 from finetune.models import quantize
@@ -83,7 +84,7 @@ def model_skeleton(c: Config, num_labels: int, *, checkpointing: bool, lora: boo
         # values, which fake tensors have none of.
         # (only for image models: elsewhere it leaves GPT-2's tied head untied in the count, 14 % over.)
         init = no_init_weights() if kind.entry.inputs == "images" else contextlib.nullcontext()
-        with fake, _adapters_stay_where_made(), init:
+        with BUILDS, fake, _adapters_stay_where_made(), init:
             try:
                 model = auto.from_config(config, trust_remote_code=c.trust_remote_code,
                                          dtype=quantize.base_dtype(precision, lora))

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.building import BUILDS
 from finetune.config.schema import Config, from_dict
 from finetune.config.tasks import single_task_values
 from finetune.data.load import is_local, load_table
@@ -80,7 +81,7 @@ def parameter_count(c: Config) -> int:
 
     quiet_transformers()
     config = AutoConfig.from_pretrained(resolve_model_path(c.model), trust_remote_code=c.trust_remote_code)
-    with torch.device("meta"):
+    with BUILDS, torch.device("meta"):
         model = getattr(transformers, entry(c.task).auto_model).from_config(config,
                                                                            trust_remote_code=c.trust_remote_code)
     return sum(p.numel() for p in model.parameters())

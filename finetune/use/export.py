@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune.building import BUILDS
 from finetune.config.schema import read_yaml
 from finetune.errors import ConfigError, InputError, ModelError
 from finetune.models import quantize
@@ -331,7 +332,7 @@ def parameter_count(model_dir: Path) -> int:
     quiet_transformers()
     config = AutoConfig.from_pretrained(model_dir)
     auto = auto_class(task_of(model_dir))
-    with torch.device("meta"):
+    with BUILDS, torch.device("meta"):
         model = auto.from_config(config)
     return sum(p.numel() for p in model.parameters())
 
@@ -351,7 +352,8 @@ def behaviour_check(merged: Path, gguf: Path, turns: list[dict[str, Any]] | None
     prompt = tokenizer(text, add_special_tokens=turns is None)["input_ids"]
     stops = stop_ids(merged)
     # The reference the GGUF is checked against: transformers' own layers, no Hub kernels (5.25 loads them by default).
-    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, use_kernels=False).eval()
+    with BUILDS:
+        model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, use_kernels=False).eval()
     with torch.inference_mode():
         ids = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
                              dtype=torch.long), max_new_tokens=n_tokens, do_sample=False, eos_token_id=stops,
