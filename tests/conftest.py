@@ -23,6 +23,10 @@ import pytest
 # nothing from more, and two test workers on two cores would otherwise each start a thread per core.
 for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
+# The processes a test starts (`python -m finetune`, `python -m app`) import this checkout, whatever an installed copy
+# of the package points at (an editable install of another clone ran another tree's code in every child).
+os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                            *filter(None, [os.environ.get("PYTHONPATH")])])
 import torch  # noqa: E402 (after the thread settings, which torch reads when it is imported)
 
 torch.set_num_threads(1)
