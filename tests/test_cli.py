@@ -4,6 +4,7 @@ docs/configuration.md."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -12,8 +13,9 @@ import pytest
 from conftest import ROOT, run_train
 from transformers import AutoModelForSequenceClassification
 
+from finetune import registry
 from finetune.cli import main
-from finetune.config.schema import load, markdown_table
+from finetune.config.schema import load, markdown_table, regenerated
 
 
 def test_init_writes_a_config_that_trains(tmp_path, capsys):
@@ -65,6 +67,12 @@ def test_the_configuration_reference_matches_the_schema():
     page = (ROOT / "docs" / "configuration.md").read_text()
     table = page.split("<!-- options -->\n", 1)[1].split("\n<!-- /options -->", 1)[0]
     assert table == markdown_table(), "regenerate docs/configuration.md's table: python -m finetune.config.schema"
+    assert page == regenerated(page), ("regenerate docs/configuration.md's tables: python -m finetune.config.schema "
+                                       "docs/configuration.md")
+    # The table of kinds names each kind's declaration and implementation, which exist.
+    kinds = page.split("<!-- kinds -->\n", 1)[1].split("\n<!-- /kinds -->", 1)[0]
+    links = re.findall(r"\]\(\.\./([^)]+)\)", kinds)
+    assert len(links) == 2 * len(registry.names()) and all((ROOT / link).exists() for link in links)
 
 
 def test_readme_commands_are_real():

@@ -1,7 +1,7 @@
-"""A kind carries its options: each option a registry entry declares (`registry.Option`) is a field of the schema
-with exactly its declaration, is named for what the kind does with it, and shows in `finetune train --help`; and a
-kind added through the registry alone, with a column and a setting of its own, gets both in the schema, the
-refusals, `finetune init`, the reference table, the CLI's help, `base.Columns` and the form."""
+"""A kind carries its options: each option a kind's entry declares (`registry.Option`) is a field of the schema with
+exactly its declaration, is named for what the kind does with it, and shows in `finetune train --help`; and a kind
+added by its spec module alone (finetune/specs/<kind>.py), with a column and a setting of its own, gets both in the
+schema, the refusals, `finetune init`, the reference table, the CLI's help, `base.Columns` and the form."""
 
 from __future__ import annotations
 
@@ -47,20 +47,29 @@ def test_a_declared_option_is_named_for_what_its_kind_does_with_it(e, o):
     assert o.name in kind_options_help()
 
 
-SCRIPT = """
-import json, sys
-sys.path.insert(0, 'tests')
-from finetune import registry
-# A kind with a column of its own and a setting of its own, declared in its entry: the one change outside its module.
-registry.ENTRIES['word_parity'] = registry.Entry(
-    name='word_parity', module='toykind', summary='word-count parity', columns=('words_column',),
+# A kind with a column of its own and a setting of its own, declared in its spec module: the one file of the package
+# that names it besides its implementation (toykind, in tests/).
+SPEC = """
+from finetune.specs import Entry, Option
+
+ENTRY = Entry(
+    name='word_parity', order=1000, module='toykind', summary='word-count parity', columns=('words_column',),
     own_columns=(('words_column',),), uses='`words_column`', settings=('parity_weight',),
-    declares=(registry.Option('words_column', str, None, "Word parity: column of the texts whose words are counted."),
-              registry.Option('parity_weight', float, 1.0, "Word parity: weight of the loss.", min=0.0, max=10.0,
-                              group='advanced')),
+    declares=(Option('words_column', str, None, "Word parity: column of the texts whose words are counted."),
+              Option('parity_weight', float, 1.0, "Word parity: weight of the loss.", min=0.0, max=10.0,
+                     group='advanced')),
     auto_model='AutoModelForSequenceClassification', peft_task_type='SEQ_CLS',
     peft_auto_model='AutoPeftModelForSequenceClassification', pipeline_tag='text-classification',
     architectures=('ForSequenceClassification',), example='one two three', has_labels=True)
+"""
+
+SCRIPT = """
+import json, sys
+sys.path.insert(0, 'tests')
+import finetune.specs
+finetune.specs.__path__.append(sys.argv[1])  # where word_parity.py is: the registry finds it there by looking
+from finetune import registry
+assert registry.names()[-1] == 'word_parity'
 
 from finetune.cli import build_parser
 from finetune.config.schema import ConfigError, from_dict, markdown_table, template
@@ -91,9 +100,12 @@ print(json.dumps({
 """
 
 
-def test_a_kind_with_options_of_its_own_is_added_through_the_registry_only(tmp_path):
+def test_a_kind_with_options_of_its_own_is_added_by_its_spec_module_only(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True)
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "word_parity.py").write_text(SPEC)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "specs")], cwd=REPO, env=env,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["values"] == ["w", 2.0, 1.0]

@@ -130,7 +130,24 @@ def test_the_task_kind_layer_imports_nothing_above_it():
 
 
 def test_the_kind_registry_imports_no_kind():
-    assert GRAPH["finetune.registry"] == set()
+    """The registry imports the kinds' declarations (finetune/specs/, which import nothing of the package but each
+    other), and no kind's implementation."""
+    assert {target for target, _, _ in _imports(MODULES["finetune.registry"], packages=set())} == {"finetune.specs"}
+    specs = {name: GRAPH[name] for name in GRAPH if name.startswith("finetune.specs")}
+    assert set().union(*specs.values()) <= set(specs) and len(specs) > 12
+
+
+def test_a_kind_is_its_declaration_and_its_implementation_and_no_other_file_of_the_package():
+    """Each kind's declaration is finetune/specs/<kind>.py, the registry collects it by looking, and nothing else of
+    the package names the kind's implementation module: adding a kind touches no file of the package but its two."""
+    from finetune import registry
+
+    assert {p.stem for p in (PACKAGE / "specs").glob("*.py")} - {"__init__"} == set(registry.names())
+    for name in registry.names():
+        module = registry.entry(name).module
+        outside = sorted(other for other, targets in GRAPH.items() if not other.startswith(module)
+                         and not other.startswith("finetune.kinds.") and module in targets)
+        assert outside == [], f"{module} is imported by {outside}"
 
 
 # --- the app
@@ -282,7 +299,8 @@ def test_the_engine_writes_no_kinds_name_outside_the_kinds():
 
     counts: dict[tuple[str, str], int] = {}
     for name, path in MODULES.items():
-        if name.startswith("finetune.kinds.") or name == "finetune.registry":  # where the kinds are named
+        # Where the kinds are named: their implementations, their declarations, the registry.
+        if name.startswith(("finetune.kinds.", "finetune.specs")) or name == "finetune.registry":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and node.value in registry.names():
@@ -335,8 +353,9 @@ def test_the_engine_calls_a_kinds_hooks_and_never_probes_for_them():
 # --- packages as floors: each of finetune's packages imports only those below it (function-local and type-only
 # imports included), so the package graph has no cycle, not only the file graph.
 FLOORS = (
-    ("errors", "registry", "building"),  # the error classes; the task kinds by name (torch-free, importing no kind);
-    # one model built at a time in a process
+    ("errors", "specs"),  # the error classes; what each task kind declares (torch-free)
+    ("registry", "building"),  # the task kinds by name (importing no kind's implementation); one model built at a
+    # time in a process
     ("config",),  # the typed config, its checks and the batch arithmetic
     ("rows",),  # Arrow columns, chat templates, document segments: what the kinds read rows with
     ("kinds",),  # the task kinds' implementations (finetune.kinds.base.TaskKind)

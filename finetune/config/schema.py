@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import importlib.util
 import math
 import types
 import typing
@@ -695,5 +696,40 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # `python -m finetune.config.schema` prints docs/configuration.md's option table
-    print(markdown_table())
+def kinds_table() -> str:
+    """The table of task kinds of docs/configuration.md, generated from their declarations (finetune/specs/)."""
+    rows = ["| `task` | declared in | implemented in | what it trains | columns | its own options |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for name in kinds.names():
+        e = kinds.entry(name)
+        spec = f"finetune/specs/{name}.py"
+        found = importlib.util.find_spec(e.module)
+        module = e.module.replace(".", "/") + ("/" if found and found.submodule_search_locations else ".py")
+        guide = f" ([guide]({e.guide}))" if e.guide else ""
+        columns = ", ".join(f"`{c}`" for c in e.columns)
+        own = ", ".join(f"`{o.name}`" for o in e.declares if o.name not in e.columns) or "—"
+        rows.append(f"| `{name}` | [`{spec}`](../{spec}) | [`{module}`](../{module}) | {e.summary}{guide} | "
+                    f"{columns} | {own} |")
+    return "\n".join(rows)
+
+
+GENERATED = {"options": markdown_table, "kinds": kinds_table}  # docs/configuration.md's sections, by their marker
+
+
+def regenerated(page: str) -> str:
+    """`page` (docs/configuration.md's text) with each generated section made again from the code."""
+    for marker, make in GENERATED.items():
+        start, end = f"<!-- {marker} -->\n", f"\n<!-- /{marker} -->"
+        head, rest = page.split(start, 1)
+        page = head + start + make() + end + rest.split(end, 1)[1]
+    return page
+
+
+if __name__ == "__main__":  # `python -m finetune.config.schema [docs/configuration.md]`: the page's tables, made again
+    import sys
+
+    if len(sys.argv) > 1:
+        reference = Path(sys.argv[1])
+        reference.write_text(regenerated(reference.read_text(encoding="utf-8")), encoding="utf-8")
+    else:
+        print(markdown_table())

@@ -61,10 +61,10 @@ def _code_files(module: str) -> list[str]:
 # The modules whose code decides what load_data returns: a change to any of them never reuses an old entry.
 # Paths under finetune/.
 DATA_CODE = ("data/load.py", "data/encoding.py", "data/datacache.py", "rows/segments.py", "rows/chat.py",
-             "data/packing.py", "rows/arrow.py", "kinds/base.py", "registry.py",
+             "data/packing.py", "rows/arrow.py", "kinds/base.py", "registry.py", "specs/__init__.py",
              "kinds/labelled.py",  # what the kinds with one label per sample share: their columns, their collation
              *(name for e in kinds.ENTRIES.values() if e.module.startswith("finetune.")
-               for name in _code_files(e.module)))  # the kinds' modules encode the rows
+               for name in (*_code_files(e.module), f"specs/{e.name}.py")))  # the kinds' modules encode the rows
 
 
 def cache_dir() -> Path:
