@@ -1,6 +1,7 @@
-"""The task-kind seam, proven with a kind that lives outside the package (tests/toykind.py) and is added through
-the registry only: the config accepts it, the GUI's column table shows its column, and it trains exactly ((B, k) ≡
-(k·B, 1)) through the CLI, evaluates and predicts, with no other file touched."""
+"""The task-kind seam, proven with a kind that lives outside the package (tests/toykind.py) and is added by its
+declaration alone (a spec module the registry finds): the config accepts it, the GUI's column table shows its
+column, and it trains exactly ((B, k) ≡ (k·B, 1)) through the CLI, evaluates and predicts, with no other file
+touched."""
 
 from __future__ import annotations
 
@@ -14,16 +15,23 @@ from conftest import assert_same_weights, load_weights
 
 REPO = Path(__file__).resolve().parent.parent
 
-SCRIPT = """
-import json, sys
-sys.path.insert(0, 'tests')
-from finetune import registry
-# The one change a new kind makes outside its module (here, before the config reads the registry).
-registry.ENTRIES['word_parity'] = registry.Entry(
-    name='word_parity', module='toykind', summary='word-count parity', columns=('text_column',),
+# The one file a new kind adds to the package besides its implementation: its declaration, finetune/specs/<kind>.py
+# (here in a folder the test adds to finetune.specs' path, as the package's own folder would hold it).
+SPEC = """
+from finetune.specs import Entry
+
+ENTRY = Entry(
+    name='word_parity', order=1000, module='toykind', summary='word-count parity', columns=('text_column',),
     uses='`text_column`', auto_model='AutoModelForSequenceClassification', peft_task_type='SEQ_CLS',
     peft_auto_model='AutoPeftModelForSequenceClassification', pipeline_tag='text-classification',
     architectures=('ForSequenceClassification',), example='one two three', has_labels=True)
+"""
+
+SCRIPT = """
+import json, sys
+sys.path.insert(0, 'tests')
+import finetune.specs
+finetune.specs.__path__.append(sys.argv[4])  # before the registry looks
 
 from finetune.cli import main
 from finetune.config.schema import TASKS, ConfigError, from_dict
@@ -45,10 +53,12 @@ print(json.dumps({'refusal': refusal, 'predicted': predict(f'{out}/big', ['one t
 """
 
 
-def test_a_kind_added_through_the_registry_only_trains_exactly_and_is_used(tmp_path, tiny_bert, cls_csv):
+def test_a_kind_added_by_its_spec_module_only_trains_exactly_and_is_used(tmp_path, tiny_bert, cls_csv):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, tiny_bert, cls_csv, str(tmp_path)], cwd=REPO, env=env,
-                          capture_output=True, text=True)
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "word_parity.py").write_text(SPEC)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, tiny_bert, cls_csv, str(tmp_path), str(tmp_path / "specs")],
+                          cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
     refusal = printed["refusal"]
