@@ -441,6 +441,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune Transformers models within a memory "
                                      "budget, with exact gradient accumulation.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_sweep(sub)
+    _add_plan(sub)
+    _add_eval(sub)
+    _add_predict(sub)
+    _add_push(sub)
+    _add_export(sub)
+    _add_init(sub)
+    add_jobs_parser(sub, cmd_jobs)
+    add_doctor_parser(sub)
+    try:
+        from app.door.server import build_parser as ui_parser  # argparse only: gradio is imported when `ui` runs
+    except ImportError:  # installed without the GUI package: every other command still works
+        return parser
+    p = sub.add_parser("ui", parents=[ui_parser()], add_help=False, help="Open the GUI (the same as `python -m app`).",
+                       description="Serve the fine-tuning GUI; every run it starts is a `finetune train` command.")
+    p.set_defaults(func=cmd_ui)
+    return parser
+
+
+def _add_train(sub: Any) -> None:
+    """`finetune train`: fine-tune as a config says."""
     p = sub.add_parser("train", help="Fine-tune a model.", description="Fine-tune as CONFIG says; key=value "
                        "arguments override its options (CONFIG may be left out).", epilog=kind_options_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -453,6 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(versions, devices, memory) on stderr: how a Hugging Face Job's log starts.")
     add_backend_arguments(p)
     p.set_defaults(func=cmd_train)
+
+
+def _add_sweep(sub: Any) -> None:
+    """`finetune sweep`: one run per trial of the config's `sweep:` section."""
     p = sub.add_parser("sweep", help="Search hyper-parameters: one run per trial (the config's `sweep:` section).",
                        description="Run the trials the config's `sweep:` section asks for (objective, direction, "
                        "trials, sampler, space), one after another, each planned into memory_budget_gb and trained "
@@ -466,6 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "hf-jobs or slurm (default 1; here, trials train one at a time).")
     add_backend_arguments(p)
     p.set_defaults(func=cmd_sweep)
+
+
+def _add_plan(sub: Any) -> None:
+    """`finetune plan`: how a config would train within its memory budget."""
     p = sub.add_parser("plan", help="Show how a config would train within its memory budget.",
                        description="Predict peak memory and choose micro-batch, accumulation, checkpointing and "
                        "LoRA for memory_budget_gb; exit 2 when nothing fits.")
@@ -492,6 +522,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="With --longest: the predicted memory terms at that length, largest first, and which of "
                    "the ladder's last steps (tiled MLP, activation offload) it needed.")
     p.set_defaults(func=cmd_plan)
+
+
+def _add_eval(sub: Any) -> None:
+    """`finetune eval`: a run's or a saved model's evaluation, or benchmarks."""
     p = sub.add_parser("eval", help="Evaluate a run's model or a saved model.")
     p.add_argument("target", help="A run directory or a model folder.")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. dataset=val.csv eval_split=validation")
@@ -510,6 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-gb", type=float, metavar="GIB", help="Benchmarks: the device memory the "
                    "evaluation's batch must fit (default: the run's memory_budget_gb, else the whole device).")
     p.set_defaults(func=cmd_eval)
+
+
+def _add_predict(sub: Any) -> None:
+    """`finetune predict`: a trained model on texts."""
     p = sub.add_parser("predict", help="Run a trained model on texts.")
     p.add_argument("model", help="A run directory, one of its checkpoints (RUN/checkpoints/step-0000040) or a model "
                    "folder.")
@@ -531,6 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "offered to the model through its chat template's tools support; each record then holds the raw "
                    "reply and the tool calls parsed from it (Qwen/Hermes, Mistral and Llama 3.1 formats).")
     p.set_defaults(func=cmd_predict)
+
+
+def _add_push(sub: Any) -> None:
+    """`finetune push`: a run's model and its card to the Hub."""
     p = sub.add_parser("push", help="Push a run's model, with a generated model card, to the Hugging Face Hub.",
                        description="Upload RUN_DIR's model/ (or LoRA adapter) and a generated README.md model card "
                        "to the Hub repository REPO (created if needed); the token comes from HF_TOKEN or `hf auth "
@@ -543,6 +585,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Push the run's export instead (`finetune export`; default RUN/export/): the merged folder, "
                    "or the GGUF(s) and Modelfile, with a card that says how to run them in Ollama and llama.cpp.")
     p.set_defaults(func=cmd_push)
+
+
+def _add_export(sub: Any) -> None:
+    """`finetune export`: merged weights or a GGUF for local inference."""
     p = sub.add_parser("export", help="Export a finished run for local inference: merged weights or a GGUF.",
                        description="Write RUN's model as a plain transformers folder with the adapter merged in "
                        "(--format merged), or as a GGUF for llama.cpp and Ollama made by llama.cpp's own converter "
@@ -563,20 +609,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-cpp", help="A llama.cpp checkout whose convert_hf_to_gguf.py to use (default: the one "
                    "of the installed llama-cpp-python release).")
     p.set_defaults(func=cmd_export)
+
+
+def _add_init(sub: Any) -> None:
+    """`finetune init`: a commented example config."""
     p = sub.add_parser("init", help="Write a commented example config.")
     p.add_argument("path", nargs="?", default="finetune.yaml")
     p.add_argument("--force", action="store_true", help="Replace an existing file.")
     p.set_defaults(func=cmd_init)
-    add_jobs_parser(sub, cmd_jobs)
-    add_doctor_parser(sub)
-    try:
-        from app.door.server import build_parser as ui_parser  # argparse only: gradio is imported when `ui` runs
-    except ImportError:  # installed without the GUI package: every other command still works
-        return parser
-    p = sub.add_parser("ui", parents=[ui_parser()], add_help=False, help="Open the GUI (the same as `python -m app`).",
-                       description="Serve the fine-tuning GUI; every run it starts is a `finetune train` command.")
-    p.set_defaults(func=cmd_ui)
-    return parser
 
 
 def add_doctor_parser(sub: Any) -> None:

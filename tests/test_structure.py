@@ -429,3 +429,16 @@ def test_the_planner_imports_no_kind_only_the_kinds_protocols():
     kinds = sorted(f"{name} imports {target}" for name in MODULES if name.startswith(PLANNER) for target in GRAPH[name]
                    if target.startswith("finetune.kinds.") and target != "finetune.kinds.base")
     assert kinds == []
+
+
+MAX_PACKAGE_LINES = 100  # a function of finetune/ (the loop's `train()` is the longest, 80)
+
+
+def test_no_function_of_the_package_is_longer_than_100_lines():
+    """A function that grows past a screenful splits by what its parts do (the CLI's parser: one function per
+    command)."""
+    lengths = {f"{name}.{node.name}": node.end_lineno - node.lineno + 1 for name, path in MODULES.items()
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assert lengths["finetune.train.loop.train"] > 40 and lengths["finetune.cli.build_parser"] > 10
+    assert {name: n for name, n in lengths.items() if n > MAX_PACKAGE_LINES} == {}
