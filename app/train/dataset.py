@@ -100,7 +100,10 @@ class DatasetHandlers:
             choices = [NONE_CHOICE, *[(c, c) for c in view.columns]] if view.columns else [NONE_CHOICE]
             if value and value not in view.columns:
                 choices.append((value, value))  # an imported mapping stays visible until the data is there
-            updates[name] = gr.update(choices=choices, value=value or "", visible=name in shown,
+            # Without columns read there is nothing new to say of a value: it is left as the page has it, not set
+            # back to what it was when the event fired (a "—" picked just after clearing the dataset stays picked).
+            chosen = {"value": value or ""} if view.columns else {}
+            updates[name] = gr.update(choices=choices, visible=name in shown, **chosen,
                                       **self.notes.column(name, about))
         return DatasetShown(preview=view.preview, columns=updates, labels=preview.labels_markdown(view),
                             error=f"⚠️ {in_form_words(view.error)}" if view.error else "",
