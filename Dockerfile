@@ -19,7 +19,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 
-# torch first, in its own layer: `pip install .` below then finds `torch>=2.4` satisfied and keeps this build.
+# torch first, in its own layer: `pip install .` below then finds `torch>=2.6` satisfied and keeps this build.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 # Hugging Face Spaces runs the container as uid 1000; everything it writes goes under that user's home. Gradio's
