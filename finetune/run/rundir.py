@@ -304,33 +304,20 @@ def write_json(path: Path, data: Any) -> None:
 
 def plot_loss(events_path: Path, out: Path) -> None:
     """loss.png: the training loss per optimizer step and the evaluation loss, from events.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from finetune.run.chart import Series, line_chart
 
     records = read_events(events_path)
     train = [(r["step"], r["loss"]) for r in records if r["event"] == "step"]
     evals = [(r["step"], r["metrics"]["loss"]) for r in records if r["event"] == "eval" and "loss" in r["metrics"]]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    if train:
-        ax.plot(*zip(*train, strict=False), label="train", linewidth=1)
-    if evals:
-        ax.plot(*zip(*evals, strict=False), "o-", label="eval")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp")  # renamed when complete: a reader never sees half a picture
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    tmp.replace(out)
+    series = [Series("train", train)] if train else []
+    series += [Series("eval", evals, markers=True)] if evals else []
+    line_chart(series, out, x_label="optimizer step", y_label="loss")
 
 
 def plot_loss_in_background(run_dir: Path) -> subprocess.Popen:
-    """Draw run_dir/loss.png in a separate process that outlives this one: matplotlib's import and drawing take
-    about 1.6 s, which a finished run should not wait for. Returns the process (tests wait for it)."""
+    """Draw run_dir/loss.png in a separate process that outlives this one: reading the events and drawing take a
+    moment (more for a long run's events) that a finished run should not wait for. Returns the process (tests wait
+    for it)."""
     # The child runs this same copy of finetune, whichever one is installed.
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
