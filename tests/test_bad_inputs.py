@@ -79,6 +79,11 @@ def _digest(folder: Path) -> dict[str, str]:
 
 def test_a_finished_run_is_never_overwritten(capsys, tmp_path, base):
     assert _run(capsys, *base)[0] == 0
+    # loss.png comes from a process of its own: the folder is complete once it is there (it is renamed into place).
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "loss.png").exists():
+        assert time.monotonic() < deadline, "loss.png was not drawn within 120 s"
+        time.sleep(0.1)
     before = _digest(tmp_path / "run")
     code, err = _run(capsys, *base)
     assert code == 2 and "holds a finished run" in err and "overwrite=true" in err

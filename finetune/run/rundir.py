@@ -36,6 +36,7 @@ from typing import Any
 
 from finetune.config.schema import Config, from_dict, read_yaml
 from finetune.errors import RunDirError, TrainingError
+from finetune.run.chart import Series, line_chart
 from finetune.run.events import read_events
 from finetune.run.storage import NO_RENAME
 
@@ -304,8 +305,6 @@ def write_json(path: Path, data: Any) -> None:
 
 def plot_loss(events_path: Path, out: Path) -> None:
     """loss.png: the training loss per optimizer step and the evaluation loss, from events.jsonl."""
-    from finetune.run.chart import Series, line_chart
-
     records = read_events(events_path)
     train = [(r["step"], r["loss"]) for r in records if r["event"] == "step"]
     evals = [(r["step"], r["metrics"]["loss"]) for r in records if r["event"] == "eval" and "loss" in r["metrics"]]
