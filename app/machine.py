@@ -1,6 +1,7 @@
 """The page's collapsed "This machine" panel: what `finetune doctor --no-self-test` finds here (versions against
-their ranges, the devices, bitsandbytes, hub kernels, RAM and disk), asked once in a child process when the page is
-first opened, so that the app itself never creates a CUDA context on the GPU its runs need."""
+their ranges, the devices, bitsandbytes, hub kernels, RAM and disk), asked in a child process when the panel is first
+opened, so that the app itself never creates a CUDA context on the GPU its runs need, and an app whose panel stays
+closed never spends the doctor's 5 s of CPU (its imports of torch, transformers and bitsandbytes)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,12 @@ class MachineReport:
         if self.found is None:
             return "Checking this machine…"
         return describe(self.found)
+
+    def opened(self, request: Any = None) -> str:
+        """The panel's text once the doctor has answered (the panel was opened: its reader waits for it), or what
+        stopped it."""
+        self.start()._thread.join(timeout=DOCTOR_TIMEOUT_S + 10)
+        return self.markdown()
 
 
 def describe(found: dict[str, Any]) -> str:

@@ -191,7 +191,7 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
     jobs = jobs or JobManager(runs_dir, env=access.child_env(os.environ) if access.shared else None,
                               max_run_s=server_limits.max_run_s)
     initial = initial_config(preset, memory, preset_base)
-    machine = MachineReport(runs_dir, jobs.env)  # `finetune doctor` in a child process, from the first page load
+    machine = MachineReport(runs_dir, jobs.env)  # `finetune doctor` in a child process, when the panel is opened
     # The sample data the preset points at stays readable on a shared server, and so does the shipped ChatML
     # template (for conversation data on a model that has none).
     shipped = [Path(preset_base or Path.cwd()) / "assets" / "chatml.jinja"]
@@ -237,9 +237,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
                     gate="public", show_progress="hidden", **PRIVATE)
         filled.then(None, js=FILLED_JS)  # answered or not, the form is the user's from now on
         # Versions and devices are the server's business: shown only to those who may train on it (quietly).
-        for event in (demo.load, machine_panel.expand):
-            on(event, machine.markdown, None, {}, outputs=machine_text, gate="quiet", show_progress="hidden",
-               **PRIVATE)
+        on(machine_panel.expand, machine.opened, None, {}, outputs=machine_text, gate="quiet",
+           show_progress="hidden", **PRIVATE)
     return App(demo, fields, jobs, h)
 
 

@@ -71,17 +71,17 @@ def own_plan_cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def converters(tmp_path_factory) -> Path:
-    """One folder of fetched llama.cpp converters for the whole test session: each test has a cache folder of its
-    own (own_plan_cache), and fetching the converter downloads llama-cpp-python's source package (40 s here, minutes
-    under load), so the tests' caches all point here and it is fetched once: by a GGUF export, or by an app that
-    fetches it ahead once a run could become a GGUF (app/export/inference.py). Under xdist the workers' temporary
-    folders share a parent, and the folder lives there: the fetch takes a lock in it (llamacpp.converter), so the
-    second worker waits for the first one's fetch instead of downloading its own."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    folder = root / "converters" / "finetune" / "llama.cpp"  # as llamacpp.cache_dir() under XDG_CACHE_HOME
+def converters() -> Path:
+    """The fetched llama.cpp converters, kept between test sessions in this machine's own cache (where `finetune
+    export` keeps them: $XDG_CACHE_HOME or ~/.cache, read before any test points XDG_CACHE_HOME at its own folder):
+    fetching one builds llama-cpp-python's source package's metadata with pip (96 s of CPU, minutes under load), so
+    each test's cache points here (shared_converters) and a machine fetches each release once: in a GGUF export, in
+    an app that fetches it ahead once a run could become a GGUF (app/export/inference.py), or in `.ci/run` before
+    the tests. Two workers that both need it wait for one fetch: it takes a lock in this folder
+    (llamacpp.converter)."""
+    from finetune.use import llamacpp
+
+    folder = llamacpp.cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

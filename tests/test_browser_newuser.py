@@ -147,6 +147,10 @@ def test_every_tab_passes_axe_and_says_what_to_do_before_a_model(app, browser):
     _tab(page, "Export")
     expect(page.locator("#hub-note")).to_contain_text("No trained model yet")
     expect(page.locator("#export-status")).to_contain_text("Nothing to export yet")
+    # The "This machine" panel asks `finetune doctor` when it is opened, and shows its answer in place.
+    page.get_by_role("button", name="This machine").click()
+    expect(page.locator("#this-machine")).to_contain_text("Device: CPU", timeout=180_000)
+    expect(page.locator("#this-machine")).to_contain_text("transformers")
     page.close()
 
 
