@@ -91,6 +91,11 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
         os.environ["USE_HUB_KERNELS"] = "NO"
     # Gradio keeps uploads and served files here; it must be writable (the Docker image points it at $HOME).
     os.environ.setdefault("GRADIO_TEMP_DIR", str((runs_dir / ".gradio").resolve()))
+    # Gradio's queue recomputes its event statistics (a pandas table of its last 10,000 events, for a monitoring
+    # page this app does not offer) after every event: 3-9 ms each, and every open page polls once a second. Once
+    # per 1,000 events, over the last 1,000, instead (read when the page's queue is made, in `build`).
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
+    os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", "1000")
     from app.device import detect
     from app.page import build
 
