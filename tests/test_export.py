@@ -570,6 +570,9 @@ def test_the_converter_is_fetched_once_across_concurrent_asks_and_says_so(tmp_pa
 
     from finetune.use import llamacpp
 
+    # A cache of its own, not the machine's kept converters (tests/conftest.py's `converters`), which this test's
+    # made-up release would be left in.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "own-cache"))
     monkeypatch.setattr(llamacpp, "runtime_version", lambda: "9.9.9")
     monkeypatch.setattr(llamacpp, "_require_gguf", lambda: None)
     fetches: list[str] = []

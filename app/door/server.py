@@ -65,6 +65,17 @@ def _preset(arg: str | None) -> tuple[Path | None, Path]:
     return None, Path.cwd()
 
 
+def _gradio_settings(runs_dir: Path) -> None:
+    """Gradio's settings from the environment, where the user has not set them, read once the page is built."""
+    # Gradio keeps uploads and served files here; it must be writable (the Docker image points it at $HOME).
+    os.environ.setdefault("GRADIO_TEMP_DIR", str((runs_dir / ".gradio").resolve()))
+    # Gradio's queue recomputes its event statistics (a pandas table of its last 10,000 events, for a monitoring
+    # page this app does not offer) after every event: 3-9 ms each, and every open page polls once a second. Once
+    # per 1,000 events, over the last 1,000, instead (read when the page's queue is made, in `build`).
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
+    os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", "1000")
+
+
 def launch(args: argparse.Namespace, terminated: threading.Event | None = None, **kwargs: Any) -> Any:
     """Build and serve the app (kwargs go to `Blocks.launch`); returns the `App` once the server has stopped, or at
     once with `prevent_thread_lock=True`. A training run outlives the server: the next start re-attaches to it.
@@ -89,13 +100,7 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
     if access.shared and not access.hub_kernels:
         # The app's own loads (Try it, exports) too: transformers 5.25 kernelizes every load from the Hub by default.
         os.environ["USE_HUB_KERNELS"] = "NO"
-    # Gradio keeps uploads and served files here; it must be writable (the Docker image points it at $HOME).
-    os.environ.setdefault("GRADIO_TEMP_DIR", str((runs_dir / ".gradio").resolve()))
-    # Gradio's queue recomputes its event statistics (a pandas table of its last 10,000 events, for a monitoring
-    # page this app does not offer) after every event: 3-9 ms each, and every open page polls once a second. Once
-    # per 1,000 events, over the last 1,000, instead (read when the page's queue is made, in `build`).
-    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
-    os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", "1000")
+    _gradio_settings(runs_dir)
     from app.device import detect
     from app.page import build
 
