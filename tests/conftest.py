@@ -71,17 +71,26 @@ def own_plan_cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def converters() -> Path:
+def converters(tmp_path_factory) -> Path:
     """The fetched llama.cpp converters, kept between test sessions in this machine's own cache (where `finetune
     export` keeps them: $XDG_CACHE_HOME or ~/.cache, read before any test points XDG_CACHE_HOME at its own folder):
     fetching one builds llama-cpp-python's source package's metadata with pip (96 s of CPU, minutes under load), so
     each test's cache points here (shared_converters) and a machine fetches each release once: in a GGUF export, in
     an app that fetches it ahead once a run could become a GGUF (app/export/inference.py), or in `.ci/run` before
     the tests. Two workers that both need it wait for one fetch: it takes a lock in this folder
-    (llamacpp.converter)."""
+    (llamacpp.converter). Where that cache cannot be written, the session's temporary folders' common parent holds
+    them for this session."""
     from finetune.use import llamacpp
 
     folder = llamacpp.cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    root = tmp_path_factory.getbasetemp()
+    folder = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "converters" / "finetune" / "llama.cpp"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
