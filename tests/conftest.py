@@ -98,6 +98,11 @@ def converters(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def shared_converters(own_plan_cache, converters) -> None:
     """Each test's cache (and the apps and CLIs it starts) finds the session's converters."""
+    link_converters(converters)
+
+
+def link_converters(converters: Path) -> None:
+    """Point the converter cache of the current XDG_CACHE_HOME at the session's converters."""
     from finetune.use import llamacpp
 
     llamacpp.cache_dir().parent.mkdir(parents=True, exist_ok=True)

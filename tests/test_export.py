@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, WORDS, run_train
+from conftest import ROOT, WORDS, link_converters, run_train
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.cli import main
@@ -331,11 +331,9 @@ def f16_export(chat_run, converters, tmp_path_factory):
     and the tests below copy this folder so that their other quants start from it (as a second export does)."""
     if find_spec("llama_cpp") is None or find_spec("gguf") is None:
         pytest.skip("llama-cpp-python and gguf are not installed (pip install '.[export]')")
-    cache = tmp_path_factory.mktemp("f16_cache")  # set up before any test's own cache folder: one of its own
-    (cache / "finetune").mkdir()
-    (cache / "finetune" / "llama.cpp").symlink_to(converters, target_is_directory=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(cache))
+    with pytest.MonkeyPatch.context() as mp:  # set up before any test's own cache folder: one of its own
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("f16_cache")))
+        link_converters(converters)
         return export(str(chat_run), fmt="gguf", out=str(tmp_path_factory.mktemp("f16") / "g"), ollama_file=True,
                       check=False)
 

@@ -41,7 +41,7 @@ def nice_ticks(low: float, high: float, most: int = 7, integer: bool = False) ->
     power = 10 ** math.floor(math.log10((high - low) / max(most - 1, 1)))
     for multiple in (1, 2, 2.5, 5, 10, 20, 25, 50):
         step = multiple * power
-        if integer and step < 1 or integer and step % 1:
+        if integer and (step < 1 or step % 1):
             continue
         first, last = math.floor(low / step + 1e-9), math.ceil(high / step - 1e-9)
         if last - first + 1 <= most:
@@ -67,7 +67,8 @@ def line_chart(series: Sequence[Series], out: Path, *, x_label: str, y_label: st
     font = ImageFont.load_default(size=FONT_SIZE * s)
     image = Image.new("RGB", (WIDTH * s, HEIGHT * s), "white")
     draw = ImageDraw.Draw(image)
-    finite = [point for one in series for run in _finite_runs(one.points) for point in run]
+    runs = [_finite_runs(one.points) for one in series]  # a NaN or infinite loss breaks its line, as in matplotlib
+    finite = [point for lines in runs for line in lines for point in line]
     xs = [x for x, _ in finite] or [0.0, 1.0]
     ys = [y for _, y in finite] or [0.0, 1.0]
     x_ticks = nice_ticks(min(xs), max(xs), integer=integer_x)
@@ -75,8 +76,9 @@ def line_chart(series: Sequence[Series], out: Path, *, x_label: str, y_label: st
     # The axes span the data and a little room (as matplotlib's 5 % margins), not the outer ticks.
     x_low, x_high = _span(min(xs), max(xs), x_ticks)
     y_low, y_high = _span(min(ys), max(ys), y_ticks)
-    y_labels = [tick_label(v, _step(y_ticks)) for v in y_ticks if y_low <= v <= y_high]
-    left = (MARGIN["left"] + max(0, max((len(t) for t in y_labels), default=0) - 6) * 7) * s
+    x_labels = {v: tick_label(v, _step(x_ticks)) for v in x_ticks if x_low <= v <= x_high}
+    y_labels = {v: tick_label(v, _step(y_ticks)) for v in y_ticks if y_low <= v <= y_high}
+    left = (MARGIN["left"] + max(0, max((len(t) for t in y_labels.values()), default=0) - 6) * 7) * s
     box = (left, MARGIN["top"] * s, (WIDTH - MARGIN["right"]) * s, (HEIGHT - MARGIN["bottom"]) * s)
 
     def at(x: float, y: float) -> tuple[float, float]:
@@ -84,24 +86,20 @@ def line_chart(series: Sequence[Series], out: Path, *, x_label: str, y_label: st
                 box[3] - (y - y_low) / (y_high - y_low) * (box[3] - box[1]))
 
     tick = 4 * s
-    for value in x_ticks:
-        if not x_low <= value <= x_high:
-            continue
+    for value, text in x_labels.items():
         px = at(value, y_low)[0]
         draw.line([(px, box[1]), (px, box[3])], fill=GRID, width=s)
         draw.line([(px, box[3]), (px, box[3] + tick)], fill=AXES, width=s)
-        draw.text((px, box[3] + tick + 2 * s), tick_label(value, _step(x_ticks)), fill=TEXT, font=font, anchor="ma")
-    for value in y_ticks:
-        if not y_low <= value <= y_high:
-            continue
+        draw.text((px, box[3] + tick + 2 * s), text, fill=TEXT, font=font, anchor="ma")
+    for value, text in y_labels.items():
         py = at(x_low, value)[1]
         draw.line([(box[0], py), (box[2], py)], fill=GRID, width=s)
         draw.line([(box[0] - tick, py), (box[0], py)], fill=AXES, width=s)
-        draw.text((box[0] - tick - 3 * s, py), tick_label(value, _step(y_ticks)), fill=TEXT, font=font, anchor="rm")
-    for number, one in enumerate(series):
+        draw.text((box[0] - tick - 3 * s, py), text, fill=TEXT, font=font, anchor="rm")
+    for number, (one, lines) in enumerate(zip(series, runs, strict=True)):
         colour = COLOURS[number % len(COLOURS)]
-        for run in _finite_runs(one.points):  # a NaN or infinite loss breaks the line, as matplotlib breaks it
-            pixels = [at(x, y) for x, y in run]
+        for line in lines:
+            pixels = [at(x, y) for x, y in line]
             if len(pixels) > 1:
                 draw.line(pixels, fill=colour, width=(2 if one.markers else 1) * s + s // 2, joint="curve")
             if one.markers or len(pixels) == 1:
@@ -146,18 +144,18 @@ def _span(low: float, high: float, ticks: list[float]) -> tuple[float, float]:
 
 def _legend(draw: object, font: object, series: list[Series], box: tuple[float, float, float, float]) -> None:
     """The labels with a stroke of their colour, in a framed box at the plot's upper right."""
-    labelled = [one for one in series if one.label]
+    labelled = [(number, one) for number, one in enumerate(series) if one.label]
     if not labelled:
         return
     s = SCALE
     row, sample = (FONT_SIZE + 6) * s, 24 * s
-    width = sample + 8 * s + max(int(draw.textlength(one.label, font=font)) for one in labelled) + 12 * s
+    width = sample + 8 * s + max(int(draw.textlength(one.label, font=font)) for _, one in labelled) + 12 * s
     right, top = box[2] - 8 * s, box[1] + 8 * s
     frame = (right - width, top, right, top + row * len(labelled) + 8 * s)
     draw.rounded_rectangle(frame, radius=3 * s, fill="white", outline=(204, 204, 204), width=s)
-    for number, one in enumerate(labelled):
-        colour = COLOURS[series.index(one) % len(COLOURS)]
-        y = top + 4 * s + row * number + row / 2
+    for row_number, (number, one) in enumerate(labelled):
+        colour = COLOURS[number % len(COLOURS)]
+        y = top + 4 * s + row * row_number + row / 2
         x = frame[0] + 6 * s
         draw.line([(x, y), (x + sample, y)], fill=colour, width=2 * s)
         if one.markers:
