@@ -4,10 +4,16 @@ Gradio copies a file a handler returns into its cache (under a path nobody can g
 temporary directory, and nothing under the runs folder is served by URL; so a file from elsewhere is handed out from
 a temporary folder of this app's, one folder per run folder (two users' runs of the same name never share a file),
 under the name the browser saves it as.
+
+That folder is in Gradio's own (GRADIO_TEMP_DIR, which the server puts beside the runs: one disk, so a hand-out is a
+link, not a copy): the server's sweep deletes what is a day old there (`cleanup.tidy`), the folder of an app killed
+before it could tidy up included, and an app that exits deletes its own. A hard link keeps a deleted run's bytes on
+the disk, so it must not outlive the hand-out by long.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import shutil
@@ -15,6 +21,8 @@ import tempfile
 import threading
 import zipfile
 from pathlib import Path
+
+from app.door.cleanup import DOWNLOADS_PREFIX, gradio_temp_dir
 
 
 class Downloads:
@@ -25,7 +33,12 @@ class Downloads:
 
     def _root(self) -> Path:
         if self._folder is None:
-            self._folder = Path(tempfile.mkdtemp(prefix="finetune-downloads-"))
+            parent = gradio_temp_dir() or Path(tempfile.gettempdir())
+            parent.mkdir(parents=True, exist_ok=True)
+            self._folder = Path(tempfile.mkdtemp(prefix=DOWNLOADS_PREFIX, dir=parent))
+            atexit.register(shutil.rmtree, self._folder, ignore_errors=True)
+        else:
+            self._folder.mkdir(exist_ok=True)  # the sweep deletes it once its files are a day old and it is empty
         return self._folder
 
     def _named(self, source_folder: Path, name: str) -> Path:

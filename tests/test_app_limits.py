@@ -291,6 +291,47 @@ def test_cleanup_deletes_only_old_marked_runs_other_than_the_current_and_unused_
     assert new_cached.is_file() and other.is_file() and not stale.parent.exists()
 
 
+
+def test_handed_out_files_go_beside_gradios_cache_and_are_swept_with_it(tmp_path, monkeypatch):
+    """A hand-out is a hard link to a run's file: it would keep a deleted run's bytes on the disk for as long as the
+    server lives (and, before, in /tmp for good). It goes under GRADIO_TEMP_DIR, where the sweep deletes it once
+    a day old, with the folders it leaves empty; the next hand-out makes them again."""
+    from app.downloads import Downloads
+
+    gradio = tmp_path / "gradio"
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(gradio))
+    log = tmp_path / "runs" / "r1" / "train.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("step 1")
+    downloads = Downloads()
+    handed = Path(downloads.handout(log, "r1.log"))
+    assert handed.read_text() == "step 1" and handed.name == "r1.log"
+    folder = handed.parent.parent
+    assert folder.parent == gradio and folder.name.startswith(cleanup.DOWNLOADS_PREFIX)
+    assert cleanup.tidy(tmp_path / "runs", None, gradio_dir=gradio) == []  # not yet a day old
+    _aged(handed, 2)
+    assert cleanup.tidy(tmp_path / "runs", None, gradio_dir=gradio) == [handed]
+    assert not folder.exists() and log.read_text() == "step 1"
+    again = Path(downloads.handout(log, "r1.log"))
+    assert again == handed and again.read_text() == "step 1"
+
+
+def test_an_app_that_exits_deletes_its_handed_out_files(tmp_path):
+    import subprocess
+
+    gradio = tmp_path / "gradio"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "model.zip").write_bytes(b"PK")
+    script = ("import sys; from pathlib import Path; from app.downloads import Downloads; "
+              "print(Downloads().handout(Path(sys.argv[1]), 'run-model.zip'))")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run" / "model.zip")], capture_output=True,
+                          text=True, env={**os.environ, "GRADIO_TEMP_DIR": str(gradio)}, check=True)
+    handed = Path(done.stdout.strip())
+    assert handed.is_relative_to(gradio) and handed.name == "run-model.zip"
+    assert not handed.exists() and list(gradio.iterdir()) == []
+    assert (tmp_path / "run" / "model.zip").read_bytes() == b"PK"
+
+
 # --- crash-safe runs (stand-in children)
 
 FAKE_CHILD = """#!{python}

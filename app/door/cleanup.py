@@ -22,6 +22,7 @@ GRADIO_KEEP_S = DAY_S  # Gradio's copies of uploads and served files
 # What the app writes beside a run folder `<name>/` (until the launch files move into the folder itself).
 SIBLINGS = ("{}.yaml", "{}.log", "{}-model.zip")
 GRADIO_CACHE_DIR = re.compile(r"[0-9a-f]{32,64}")  # Gradio names each cached file's folder by a hash
+DOWNLOADS_PREFIX = "finetune-downloads-"  # the app's own hand-outs, beside Gradio's cache (app/downloads.py)
 
 
 def free_bytes(path: Path) -> int:
@@ -101,12 +102,18 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _temporary(folder: Path) -> bool:
+    """Whether `folder` of Gradio's holds temporary files: its cache's hash-named folders, the app's hand-outs."""
+    return folder.is_dir() and (GRADIO_CACHE_DIR.fullmatch(folder.name) is not None
+                                or folder.name.startswith(DOWNLOADS_PREFIX))
+
+
 def old_gradio_files(gradio_dir: Path, now: float | None = None) -> list[Path]:
-    """Gradio's cached files older than a day (only inside its hash-named folders)."""
+    """Gradio's cached files and the app's handed-out files older than a day (only inside their folders)."""
     now = time.time() if now is None else now
     if not gradio_dir.is_dir():
         return []
-    return sorted(p for d in gradio_dir.iterdir() if d.is_dir() and GRADIO_CACHE_DIR.fullmatch(d.name)
+    return sorted(p for d in gradio_dir.iterdir() if _temporary(d)
                   for p in d.rglob("*") if p.is_file() and _age_s(p, now) > GRADIO_KEEP_S)
 
 
@@ -131,10 +138,13 @@ def tidy(runs_dir: Path, keep_days: float | None, *, keep: Path | None = None, g
         for cached in old_gradio_files(gradio_dir, now):
             cached.unlink(missing_ok=True)
             deleted.append(cached)
-            try:
-                cached.parent.rmdir()  # its hash folder, once empty
-            except OSError:
-                pass
+            for folder in (cached.parent, cached.parent.parent):  # its hash folder (and a hand-outs folder), empty
+                if folder == gradio_dir or not folder.is_relative_to(gradio_dir):
+                    break
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
     return deleted
 
 
