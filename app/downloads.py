@@ -63,6 +63,16 @@ class Downloads:
                 shutil.copyfile(path, out)
         return str(out)
 
+    def content(self, name: str, text: str) -> str:
+        """`text` as a file named `name`, in a folder named by its content (two pages that export at once never
+        share a file, and exporting the same text again writes nothing new)."""
+        folder = self._root() / hashlib.sha256(text.encode()).hexdigest()[:16]
+        folder.mkdir(exist_ok=True)
+        out = folder / name
+        if not out.is_file():
+            out.write_text(text, encoding="utf-8")
+        return str(out)
+
     def text(self, run_dir: Path, name: str, text: str) -> str:
         """`text` as a file named `name` of run folder `run_dir` (a run's whole log, written afresh each time)."""
         out = self._named(run_dir, name)

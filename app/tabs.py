@@ -66,7 +66,7 @@ def handlers(runs_dir: Path, jobs: JobManager, *, access: Access | None = None, 
     return Handlers(state=state, notes=notes, form=FormHandlers(state, dataset.refresh_dataset), dataset=dataset,
                     plan=plan, run=run, sweep=SweepHandlers(state, run), follow=Follow(state, REFRESHES),
                     tryit=TryItHandlers(state), runs=RunsHandlers(state), publish=publish,
-                    inference=InferenceExport(state, publish), reproduce=ReproduceHandlers())
+                    inference=InferenceExport(state, publish), reproduce=ReproduceHandlers(state.downloads))
 
 
 @dataclass

@@ -214,7 +214,8 @@ def test_page_opens_with_the_bundled_model_on_the_sample_data(built):
     assert "Detected: 12.5 GiB of test memory" in built.fields["memory_budget_gb"].info
 
 
-def test_export_then_import_through_the_handlers(tmp_path):
+def test_export_then_import_through_the_handlers(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio"))
     ctl = handlers(tmp_path, JobManager(tmp_path / "runs"))
     # Every field changed at once, but for those the cross-checks forbid together with the others.
     clash = {*COMPANIONS, "resume", "task", "eval_fraction", "tasks"}  # tasks: each names its own data
@@ -222,6 +223,9 @@ def test_export_then_import_through_the_handlers(tmp_path):
     exported = ctl.reproduce.export(*config_to_values(config))
     assert Path(exported.file).read_text() == exported.yaml
     assert exported.command == "finetune train finetune-config.yaml"
+    # With the page's other hand-outs, which the sweep deletes (not a folder of its own in /tmp per click).
+    assert Path(exported.file).parent.parent.parent == tmp_path / "gradio"
+    assert ctl.reproduce.export(*config_to_values(config)).file == exported.file
     imported = ctl.reproduce.import_config(exported.file)
     assert imported.values == dict(zip(FIELD_NAMES, config_to_values(config), strict=True))
     assert "Imported" in imported.note and imported.yaml == config_yaml(config)

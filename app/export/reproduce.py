@@ -4,12 +4,12 @@ runs it), and a YAML config imported into the form."""
 from __future__ import annotations
 
 import shlex
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from app.door import limits
+from app.downloads import Downloads
 from app.mapping import (
     FIELD_NAMES,
     config_to_values,
@@ -44,7 +44,11 @@ class ImportShown(FormShown):
 
 
 class ReproduceHandlers:
-    """Export and Import config: pure functions of the form and of a file (no state of the app's)."""
+    """Export and Import config: functions of the form and of a file; an exported file is handed out with the app's
+    downloads (swept with them, not left in the system's temporary folder for good)."""
+
+    def __init__(self, downloads: Downloads) -> None:
+        self.downloads = downloads
 
     def export(self, *values: Any, request: Any = None) -> ExportShown:
         """The form as the YAML a CLI user would write, a file to download and the command that runs it."""
@@ -52,10 +56,8 @@ class ReproduceHandlers:
             config = values_to_config(values)
         except ConfigError as e:
             return ExportShown(message=problems_markdown(e))
-        path = Path(tempfile.mkdtemp(prefix="finetune-export-")) / "finetune-config.yaml"
-        path.write_text(config_yaml(config, "finetune config, exported from the app.\nRun: finetune train "
-                                    "finetune-config.yaml"), encoding="utf-8")
-        return ExportShown(yaml=path.read_text(encoding="utf-8"), file=str(path),
+        text = config_yaml(config, "finetune config, exported from the app.\nRun: finetune train finetune-config.yaml")
+        return ExportShown(yaml=text, file=self.downloads.content("finetune-config.yaml", text),
                            command="finetune train finetune-config.yaml",
                            message="Exported: download the file, or copy the YAML.")
 
