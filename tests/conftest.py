@@ -46,11 +46,42 @@ WORDS = ("good bad great awful fine movie plot actor scene story music dull brig
          "cold").split()
 
 
+# Test files whose tests mostly wait (on Chromium, a served app and its training child: one core's worth of work for
+# two workers): spread among the others, not run back to back, so that the other worker has work for the other core.
+WAITING_FILES = "test_browser"
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test whose name starts with `test_slow_` is slow: `-m "not slow"` (the fast lane) leaves it out."""
+    """A test whose name starts with `test_slow_` is slow: `-m "not slow"` (the fast lane) leaves it out. The waiting
+    files are spread evenly through the run (each file's tests stay together: they share module fixtures)."""
     for item in items:
         if getattr(item, "originalname", item.name).startswith("test_slow_"):
             item.add_marker(pytest.mark.slow)
+    items[:] = spread_out(items, lambda item: item.path.name.startswith(WAITING_FILES))
+
+
+def spread_out(items: list, waits) -> list:
+    """`items` with the files whose items `waits` evenly among the other files' items, in their own order."""
+    files: dict[object, list] = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+    waiting = [group for group in files.values() if waits(group[0])]
+    others = [group for group in files.values() if not waits(group[0])]
+    if not waiting or not others:
+        return items
+    total = sum(len(group) for group in others)
+    targets = [(i + 0.5) * total / len(waiting) for i in range(len(waiting))]
+    out: list = []
+    done = 0
+    for group in others:
+        while targets and done >= targets[0]:
+            out += waiting.pop(0)
+            targets.pop(0)
+        out += group
+        done += len(group)
+    for group in waiting:
+        out += group
+    return out
 
 
 @pytest.fixture(autouse=True)
@@ -63,11 +94,29 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
+@pytest.fixture(scope="session")
+def session_plans(tmp_path_factory) -> Path:
+    """The plans made in this test session (finetune/plan/plancache.py), shared by its tests, both workers and the
+    processes they start. A plan's key is everything it depends on (the model's config.json, every option the
+    planner reads, the data's worst case, the processes, the device, the planning code), so a test reads back only
+    a plan that planning afresh would make; the dry run was a third of a contract test's time, and every training
+    child planned again what a test before it had planned."""
+    root = tmp_path_factory.getbasetemp()
+    folder = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "plans"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @pytest.fixture(autouse=True)
-def own_plan_cache(tmp_path, monkeypatch):
-    """Each test plans afresh: reused plans (finetune/plan/plancache.py) go to a cache folder of its own, here and in
-    the processes it starts."""
+def own_plan_cache(tmp_path, monkeypatch, request, session_plans):
+    """Each test's cache folder is its own (XDG_CACHE_HOME, here and in the processes it starts); its plans are the
+    session's. A test marked `fresh_plans` plans afresh: one that changes what the planner sees without changing
+    its inputs (this machine's memory, the estimate's stand-in), or that is about reading a plan back."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    if request.node.get_closest_marker("fresh_plans") is None:
+        plans = tmp_path / "cache" / "finetune" / "plans"
+        plans.parent.mkdir(parents=True, exist_ok=True)
+        plans.symlink_to(session_plans, target_is_directory=True)
 
 
 @pytest.fixture(scope="session")

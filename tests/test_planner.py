@@ -198,6 +198,7 @@ def test_train_writes_plan_json_and_uses_it(tmp_path, tiny_bert, cls_csv):
     assert plan["budget_bytes"] == 8 * GIB and plan["predicted_peak_bytes"] <= 0.95 * 8 * GIB
 
 
+@pytest.mark.fresh_plans  # the plain run's plan is the dry run's own, not one read back
 def test_probe_measures_without_changing_training(tmp_path, tiny_bert_dropout, cls_csv):
     common = {"model": tiny_bert_dropout, "dataset": cls_csv, "effective_batch_size": 16, "micro_batch_size": 4,
               "optimizer": "adamw", "learning_rate": 1e-3, "memory_budget_gb": 4}

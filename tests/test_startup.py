@@ -16,6 +16,9 @@ from finetune.run.rundir import plot_loss_in_background
 
 CPU = ("cpu", 64 * 2**30)
 
+# These tests are about a plan read back: each starts from an empty plan cache of its own.
+pytestmark = pytest.mark.fresh_plans
+
 
 def _no_dry_run(*args, **kwargs):
     raise AssertionError("the dry run ran although an identical plan was cached")
