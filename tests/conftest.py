@@ -46,42 +46,11 @@ WORDS = ("good bad great awful fine movie plot actor scene story music dull brig
          "cold").split()
 
 
-# Test files whose tests mostly wait (on Chromium, a served app and its training child: one core's worth of work for
-# two workers): spread among the others, not run back to back, so that the other worker has work for the other core.
-WAITING_FILES = "test_browser"
-
-
 def pytest_collection_modifyitems(config, items):
-    """A test whose name starts with `test_slow_` is slow: `-m "not slow"` (the fast lane) leaves it out. The waiting
-    files are spread evenly through the run (each file's tests stay together: they share module fixtures)."""
+    """A test whose name starts with `test_slow_` is slow: `-m "not slow"` (the fast lane) leaves it out."""
     for item in items:
         if getattr(item, "originalname", item.name).startswith("test_slow_"):
             item.add_marker(pytest.mark.slow)
-    items[:] = spread_out(items, lambda item: item.path.name.startswith(WAITING_FILES))
-
-
-def spread_out(items: list, waits) -> list:
-    """`items` with the files whose items `waits` evenly among the other files' items, in their own order."""
-    files: dict[object, list] = {}
-    for item in items:
-        files.setdefault(item.path, []).append(item)
-    waiting = [group for group in files.values() if waits(group[0])]
-    others = [group for group in files.values() if not waits(group[0])]
-    if not waiting or not others:
-        return items
-    total = sum(len(group) for group in others)
-    targets = [(i + 0.5) * total / len(waiting) for i in range(len(waiting))]
-    out: list = []
-    done = 0
-    for group in others:
-        while targets and done >= targets[0]:
-            out += waiting.pop(0)
-            targets.pop(0)
-        out += group
-        done += len(group)
-    for group in waiting:
-        out += group
-    return out
 
 
 @pytest.fixture(autouse=True)
