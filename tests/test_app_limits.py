@@ -271,24 +271,38 @@ def test_cleanup_deletes_only_old_marked_runs_other_than_the_current_and_unused_
     current = _run(runs, "current", 30)
     kept_ref = _run(runs, "recent", 1, dataset=str(used))
     foreign = _run(runs, "notmine", 30, marked=False)
-    gradio = tmp_path / "gradio"
-    stale = gradio / ("a" * 64) / "upload.csv"
-    stale.parent.mkdir(parents=True)
-    stale.write_text("x")
-    _aged(stale, 2)
-    new_cached = gradio / ("b" * 64) / "upload.csv"
-    new_cached.parent.mkdir(parents=True)
-    new_cached.write_text("y")
+
+    assert cleanup.tidy(runs, None, keep=current) == []  # locally: runs are kept
+    deleted = cleanup.tidy(runs, 7, keep=current)
+    assert set(deleted) == {old, runs / "old.yaml", runs / "old.log", unused_old}
+    assert current.is_dir() and kept_ref.is_dir() and foreign.is_dir() and used.is_file() and fresh_upload.is_file()
+
+
+def test_gradios_copies_go_a_day_after_they_were_made_not_a_day_after_their_source_changed(tmp_path):
+    """Gradio copies a file it serves with its modification time (`shutil.copy2`), and a hand-out is a hard link:
+    a copy of a week-old model zip made a minute ago must last the day, or the Download button's link breaks at the
+    next sweep, ten minutes later."""
+    import shutil
+
+    gradio, runs = tmp_path / "gradio", tmp_path / "runs"
+    source = tmp_path / "week-old-model.zip"
+    source.write_text("PK")
+    _aged(source, 7)
+    copy = gradio / ("a" * 64) / "model.zip"
+    copy.parent.mkdir(parents=True)
+    shutil.copy2(source, copy)
+    linked = gradio / f"{cleanup.DOWNLOADS_PREFIX}x" / ("b" * 16) / "model.zip"
+    linked.parent.mkdir(parents=True)
+    os.link(source, linked)
     other = gradio / "not-a-hash" / "keep.txt"
     other.parent.mkdir(parents=True)
     other.write_text("z")
-    _aged(other, 2)
-
-    assert cleanup.tidy(runs, None, keep=current, gradio_dir=gradio) == [stale]  # locally: runs are kept
-    deleted = cleanup.tidy(runs, 7, keep=current, gradio_dir=gradio)
-    assert set(deleted) == {old, runs / "old.yaml", runs / "old.log", unused_old}
-    assert current.is_dir() and kept_ref.is_dir() and foreign.is_dir() and used.is_file() and fresh_upload.is_file()
-    assert new_cached.is_file() and other.is_file() and not stale.parent.exists()
+    assert copy.stat().st_mtime == source.stat().st_mtime  # as old as its source, by its modification time
+    assert cleanup.tidy(runs, None, gradio_dir=gradio) == []
+    assert cleanup.tidy(runs, None, gradio_dir=gradio, now=time.time() + 0.9 * cleanup.DAY_S) == []
+    later = time.time() + 1.1 * cleanup.DAY_S
+    assert cleanup.tidy(runs, None, gradio_dir=gradio, now=later) == sorted([copy, linked])
+    assert not copy.parent.exists() and not linked.parent.parent.exists() and other.is_file() and source.is_file()
 
 
 
@@ -309,8 +323,8 @@ def test_handed_out_files_go_beside_gradios_cache_and_are_swept_with_it(tmp_path
     folder = handed.parent.parent
     assert folder.parent == gradio and folder.name.startswith(cleanup.DOWNLOADS_PREFIX)
     assert cleanup.tidy(tmp_path / "runs", None, gradio_dir=gradio) == []  # not yet a day old
-    _aged(handed, 2)
-    assert cleanup.tidy(tmp_path / "runs", None, gradio_dir=gradio) == [handed]
+    later = time.time() + 2 * cleanup.DAY_S
+    assert cleanup.tidy(tmp_path / "runs", None, gradio_dir=gradio, now=later) == [handed]
     assert not folder.exists() and log.read_text() == "step 1"
     again = Path(downloads.handout(log, "r1.log"))
     assert again == handed and again.read_text() == "step 1"

@@ -108,13 +108,23 @@ def _temporary(folder: Path) -> bool:
                                 or folder.name.startswith(DOWNLOADS_PREFIX))
 
 
+def _copy_age_s(path: Path, now: float) -> float:
+    """Seconds since the temporary file `path` was made or last handed out again. Its modification time is its
+    source's (Gradio copies with `shutil.copy2`; a hand-out is a hard link), so a copy of a week-old model zip made a
+    minute ago would read as a week old; the change time is when the copy or link was made (and Gradio touches a
+    copy it hands out again)."""
+    stat = path.stat()
+    return now - max(stat.st_mtime, stat.st_ctime)
+
+
 def old_gradio_files(gradio_dir: Path, now: float | None = None) -> list[Path]:
-    """Gradio's cached files and the app's handed-out files older than a day (only inside their folders)."""
+    """Gradio's cached files and the app's handed-out files made (or handed out again) more than a day ago (only
+    inside their folders)."""
     now = time.time() if now is None else now
     if not gradio_dir.is_dir():
         return []
     return sorted(p for d in gradio_dir.iterdir() if _temporary(d)
-                  for p in d.rglob("*") if p.is_file() and _age_s(p, now) > GRADIO_KEEP_S)
+                  for p in d.rglob("*") if p.is_file() and _copy_age_s(p, now) > GRADIO_KEEP_S)
 
 
 def tidy(runs_dir: Path, keep_days: float | None, *, keep: Path | None = None, gradio_dir: Path | None = None,
