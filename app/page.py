@@ -250,7 +250,10 @@ def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainT
     timer = gr.Timer(1.0)
     # Each tab names where its views go (Export's Download and Push follow its picker, not the poll).
     targets = {"signature": seen, **train.polled, "form_note": form_note, **tryit.polled, **export.polled}
-    on(timer.tick, follow.poll, seen, targets, gate="public", concurrency_limit=None, show_progress="hidden",
+    # Off Gradio's queue: a queued event sends the page several status messages, and Gradio 6's page updates the
+    # loading status of every component any event has touched on each one (a tree search apiece, 451 components): an
+    # idle page's poll kept a third of a core busy in the browser, 11 CPU-s in 30 s, and 8 CPU-s off the queue.
+    on(timer.tick, follow.poll, seen, targets, gate="public", queue=False, show_progress="hidden",
        **PRIVATE)
     # A reload (or a second tab) shows the running job at once rather than at the next tick.
     on(load, follow.poll, seen, targets, gate="public", show_progress="hidden", **PRIVATE)
