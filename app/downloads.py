@@ -41,9 +41,9 @@ class Downloads:
             self._folder.mkdir(exist_ok=True)  # the sweep deletes it once its files are a day old and it is empty
         return self._folder
 
-    def _named(self, source_folder: Path, name: str) -> Path:
-        """Where a file of `source_folder` is handed out as `name`."""
-        folder = self._root() / hashlib.sha256(str(source_folder.resolve()).encode()).hexdigest()[:16]
+    def _named(self, key: str, name: str) -> Path:
+        """Where a file is handed out as `name`, in a folder of its own for `key` (a source folder, a content)."""
+        folder = self._root() / hashlib.sha256(key.encode()).hexdigest()[:16]
         folder.mkdir(exist_ok=True)
         return folder / name
 
@@ -54,7 +54,7 @@ class Downloads:
         if name in (None, path.name) and any(resolved.is_relative_to(Path(d).resolve())
                                              for d in (Path.cwd(), tempfile.gettempdir())):
             return str(path)
-        out = self._named(resolved.parent, name) if name else self._root() / f"{path.parent.name}-{path.name}"
+        out = self._named(str(resolved.parent), name) if name else self._root() / f"{path.parent.name}-{path.name}"
         if not out.is_file() or out.stat().st_mtime < path.stat().st_mtime:
             out.unlink(missing_ok=True)
             try:
@@ -66,16 +66,14 @@ class Downloads:
     def content(self, name: str, text: str) -> str:
         """`text` as a file named `name`, in a folder named by its content (two pages that export at once never
         share a file, and exporting the same text again writes nothing new)."""
-        folder = self._root() / hashlib.sha256(text.encode()).hexdigest()[:16]
-        folder.mkdir(exist_ok=True)
-        out = folder / name
+        out = self._named(text, name)
         if not out.is_file():
             out.write_text(text, encoding="utf-8")
         return str(out)
 
     def text(self, run_dir: Path, name: str, text: str) -> str:
         """`text` as a file named `name` of run folder `run_dir` (a run's whole log, written afresh each time)."""
-        out = self._named(run_dir, name)
+        out = self._named(str(run_dir.resolve()), name)
         out.write_text(text, encoding="utf-8")
         return str(out)
 

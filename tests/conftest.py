@@ -70,8 +70,13 @@ def session_plans(tmp_path_factory) -> Path:
     planner reads, the data's worst case, the processes, the device, the planning code), so a test reads back only
     a plan that planning afresh would make; the dry run was a third of a contract test's time, and every training
     child planned again what a test before it had planned."""
+    return _session_folder(tmp_path_factory, "plans")
+
+
+def _session_folder(tmp_path_factory, *parts: str) -> Path:
+    """A folder of this test session that its workers share: under their temporary folders' common parent."""
     root = tmp_path_factory.getbasetemp()
-    folder = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "plans"
+    folder = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root).joinpath(*parts)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
@@ -107,10 +112,7 @@ def converters(tmp_path_factory) -> Path:
             return folder
     except OSError:
         pass
-    root = tmp_path_factory.getbasetemp()
-    folder = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "converters" / "finetune" / "llama.cpp"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    return _session_folder(tmp_path_factory, "converters", "finetune", "llama.cpp")
 
 
 @pytest.fixture(autouse=True)
