@@ -17,7 +17,7 @@ from app.device import DeviceMemory
 from app.door import limits
 from app.door.access import Access
 from app.export.tab import ExportTab
-from app.follow import Follow
+from app.follow import IDLE_POLL_S, Follow
 from app.local.training import JobManager
 from app.machine import MachineReport
 from app.mapping import COLUMN_FIELDS, FIELD_NAMES, changed_options, model_choices, preset_config
@@ -231,7 +231,8 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
         h.notes.infos = {name: fields[name].info or "" for name in FIELD_NAMES}
         for tab in TABS:
             tab.wire(page, page.built[tab.id])
-        wire_follow(on, h.follow, demo.load, train, page.built["try"], page.built["export"], form_note)
+        wire_follow(on, h.follow, [demo.load, *page.run_moves], train, page.built["try"], page.built["export"],
+                    form_note)
         filled = on(demo.load, h.form.running_config, None, {"values": train.form.by_name, "note": form_note,
                                                               "data": train.data_targets},
                     gate="public", show_progress="hidden", **PRIVATE)
@@ -242,18 +243,21 @@ def build(runs_dir: Path, *, jobs: JobManager | None = None, memory: DeviceMemor
     return App(demo, fields, jobs, h)
 
 
-def wire_follow(on: Callable[..., Any], follow: Follow, load: Any, train: TrainTab, tryit: TryItTab,
+def wire_follow(on: Callable[..., Any], follow: Follow, at_once: list[Any], train: TrainTab, tryit: TryItTab,
                 export: ExportTab, form_note: Any) -> None:
-    """The poll (`app.follow`) on a timer and on each page load, to the components of every tab it refreshes
-    (`form_note`: the note over the form, naming the run its settings came from)."""
+    """The poll (`app.follow`) on a timer and after each of `at_once` (the page's load, the presses that may start a
+    run), to the components of every tab it refreshes (`form_note`: the note over the form, naming the run its
+    settings came from) and to the timer itself (each second while the caller's run trains, every five otherwise)."""
     seen = gr.State(None)
-    timer = gr.Timer(1.0)
+    timer = gr.Timer(IDLE_POLL_S)
     # Each tab names where its views go (Export's Download and Push follow its picker, not the poll).
-    targets = {"signature": seen, **train.polled, "form_note": form_note, **tryit.polled, **export.polled}
+    targets = {"signature": seen, "timer": timer, **train.polled, "form_note": form_note, **tryit.polled,
+               **export.polled}
     # Off Gradio's queue: a queued event sends the page several status messages, and Gradio 6's page updates the
     # loading status of every component any event has touched on each one (a tree search apiece, 451 components): an
     # idle page's poll kept a third of a core busy in the browser, 11 CPU-s in 30 s, and 8 CPU-s off the queue.
-    on(timer.tick, follow.poll, seen, targets, gate="public", queue=False, show_progress="hidden",
-       **PRIVATE)
-    # A reload (or a second tab) shows the running job at once rather than at the next tick.
-    on(load, follow.poll, seen, targets, gate="public", show_progress="hidden", **PRIVATE)
+    on(timer.tick, follow.poll, seen, targets, gate="public", queue=False, show_progress="hidden", **PRIVATE)
+    # A reload (or a second tab) shows the running job at once rather than at the next tick, and so does a press that
+    # started one (its tick may be five seconds away).
+    for event in at_once:
+        on(event, follow.poll, seen, targets, gate="public", queue=False, show_progress="hidden", **PRIVATE)

@@ -83,6 +83,9 @@ class Page:
     run_on: list[tuple[str, str]] | None = None  # the places to run this app offers (the Train tab's Run on)
     built: dict[str, Any] = field(default_factory=dict)  # tab id → what its `build` returned
     selected: dict[str, Any] = field(default_factory=dict)  # tab id → its `gr.Tab`'s select event
+    # The presses after which the caller's run may have started, resumed or left the queue, as each tab wires them:
+    # the poll follows each at once (an idle page ticks every five seconds, `app.follow`).
+    run_moves: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def _gradio_settings(runs_dir: Path) -> None:
     # Gradio keeps uploads and served files here; it must be writable (the Docker image points it at $HOME).
     os.environ.setdefault("GRADIO_TEMP_DIR", str((runs_dir / ".gradio").resolve()))
     # Gradio's queue recomputes its event statistics (a pandas table of its last 10,000 events, for a monitoring
-    # page this app does not offer) after every event: 3-9 ms each, and every open page polls once a second. Once
+    # page this app does not offer) after every queued event: 3-9 ms each, many times a minute on a busy page. Once
     # per 1,000 events, over the last 1,000, instead (read when the page's queue is made, in `build`).
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
     os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", "1000")

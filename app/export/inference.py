@@ -26,6 +26,7 @@ from app.door import cleanup
 from app.door.access import AccessError, resolve_output_dir
 from app.downloads import zip_model
 from app.export.publish import PushHandlers, PushOutcome
+from app.follow import IDLE_POLL_S, POLL_S
 from app.local.training import JobBusy
 from app.picks import PickRefused, picker_update, resolve_pick
 from app.state import AppState
@@ -183,15 +184,18 @@ class InferenceExport:
         return out
 
     # --- the page
-    def poll(self, seen: Any, *, request: Any = None) -> dict[str, Any]:
-        """Refresh the Export block: progress, the check, the files and which buttons can act."""
+    def poll(self, seen: Any, run: str | None = None, *, request: Any = None) -> dict[str, Any]:
+        """Refresh the Export block: progress, the check, the files and which buttons can act (Export model: on the
+        run or checkpoint picked, `run`, or else the current run, once no export is in progress)."""
         shown = self.status(request=request)
-        ready = shown["state"] in ("idle", "done", "failed") and shown["run_dir"] is not None
-        signature = [shown["state"], shown["run_dir"], shown["message"], ready]
+        ready = shown["state"] in ("idle", "done", "failed") and (shown["run_dir"] is not None or bool(run))
+        interval = POLL_S if shown["state"] == "running" else IDLE_POLL_S  # as the run's poll (`app.follow`)
+        signature = [shown["state"], shown["run_dir"], shown["message"], ready, interval]
         if seen == signature:
             return {}
+        timer = {"timer": gr.Timer(interval)} if not isinstance(seen, list) or seen[4:] != [interval] else {}
         failed = "⚠️ " if shown["state"] == "failed" else ""  # the export's own sentence, marked as a failure
-        return {"signature": signature, "status": failed + shown["message"],
+        return {**timer, "signature": signature, "status": failed + shown["message"],
                 "files": gr.update(value=self.files(shown) or None, visible=shown["state"] == "done"),
                 "button": gr.update(interactive=ready), "push": gr.update(interactive=shown["state"] == "done")}
 
@@ -253,9 +257,9 @@ def _finished(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     return _shown("done", run_dir, message="\n\n".join(lines), check=check, files=files)
 
 
-def place_export_block(on: Callable[..., Any], exporter: InferenceExport, pick: Any) -> None:
-    """The Export block, inside the Export tab being built, wired to its handlers; it exports the run or checkpoint
-    `pick` (the tab's picker) names."""
+def place_export_block(on: Callable[..., Any], exporter: InferenceExport, pick: Any, load: Any) -> None:
+    """The Export block, inside the Export tab being built, wired to its handlers (and its poll to the page's
+    `load`); it exports the run or checkpoint `pick` (the tab's picker) names."""
     with gr.Column(variant="panel", elem_id="export-block"):
         gr.Markdown("## Export for local inference\n\nMerged weights (a plain transformers folder), or a GGUF for "
                     "llama.cpp and Ollama with the chat template and end-of-turn token the run trained with, "
@@ -275,12 +279,15 @@ def place_export_block(on: Callable[..., Any], exporter: InferenceExport, pick: 
             push = gr.Button("Push the export", scale=1, interactive=False, elem_id="export-push")
         push_msg = gr.Markdown(elem_id="export-push-message")
         seen = gr.State(None)
-        timer = gr.Timer(1.0)
+        timer = gr.Timer(IDLE_POLL_S)
     private = {"api_visibility": "private"}
-    out = {"signature": seen, "status": status, "files": files, "button": button, "push": push}
-    on(timer.tick, exporter.poll, seen, out, gate="public", concurrency_limit=None, show_progress="hidden", **private)
-    on(button.click, exporter.export, [fmt, quant, ollama, pick], {"status": status}, concurrency_id="export",
-       **private)
+    out = {"signature": seen, "timer": timer, "status": status, "files": files, "button": button, "push": push}
+    # Off Gradio's queue, as the run's poll; at once on a page load and after Export model (an export ticks each
+    # second). It takes the pick: a pick made before the page's first tick is not undone by it.
+    exporting = on(button.click, exporter.export, [fmt, quant, ollama, pick], {"status": status},
+                   concurrency_id="export", **private)
+    for event in (timer.tick, load, exporting.then):
+        on(event, exporter.poll, [seen, pick], out, gate="public", queue=False, show_progress="hidden", **private)
     on(push.click, exporter.push, [repo, private_repo, pick], {"message": push_msg}, concurrency_id="push",
        **private)
     on(pick.input, exporter.picked, pick, {"button": button}, show_progress="hidden", **private)

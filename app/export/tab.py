@@ -82,7 +82,7 @@ def build(page: Page) -> ExportTab:
         push_private = gr.Checkbox(label="Private", value=True, scale=1)
         push = gr.Button("Push to the Hub", scale=1, interactive=False)
     push_message = gr.Markdown(elem_id="push-message")
-    place_export_block(on, h.inference, export_pick)
+    place_export_block(on, h.inference, export_pick, page.load)
     with gr.Column(variant="panel"):
         gr.Markdown("## Reproduce")
         with gr.Row():

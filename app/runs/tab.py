@@ -300,9 +300,10 @@ class RunsTab:
         self.listing = {"table_html": self.table, "choices": self.chosen, "selection": self.selection,
                         "message": self.message}
 
-    def wire(self, on: Callable[..., Any], refresh_on: list[Any]) -> None:
+    def wire(self, on: Callable[..., Any], refresh_on: list[Any]) -> list[Any]:
         """Connect the blocks through the door (`RequestPolicy.on`); `refresh_on` are the events after which the list
-        is read again by itself (the tab opened, a run's state changed)."""
+        is read again by itself (the tab opened, a run's state changed). Returns the presses after which a run may
+        have started or left the queue (Resume run, Cancel, Delete, Evaluate), to follow them with the poll."""
         runs, chosen, private = self.runs, self.chosen, {"api_visibility": "private"}
         asked = {"message": self.message, "confirm": self.confirm}
         on(self.refresh_btn.click, runs.refresh, chosen, self.listing, show_progress="hidden", **private)
@@ -311,11 +312,11 @@ class RunsTab:
         on(chosen.input, runs.select, chosen, self.selection, show_progress="hidden", **private)
         on(self.delete_btn.click, runs.ask_delete, chosen, asked, **private)
         on(self.cancel_btn.click, runs.cancel_delete, None, asked, **private)
-        on(self.confirm_btn.click, runs.delete, chosen, self.listing, **private)
-        on(self.resume_btn.click, runs.resume, chosen, {}, outputs=self.message, **private)
-        on(self.cancel_queued_btn.click, runs.cancel, chosen, self.listing, **private)
-        on(self.bench_btn.click, runs.evaluate, [chosen, self.bench_names, self.bench_base, self.bench_limit], {},
-           outputs=self.message, **private)
+        return [on(self.confirm_btn.click, runs.delete, chosen, self.listing, **private).then,
+                on(self.resume_btn.click, runs.resume, chosen, {}, outputs=self.message, **private).then,
+                on(self.cancel_queued_btn.click, runs.cancel, chosen, self.listing, **private).then,
+                on(self.bench_btn.click, runs.evaluate, [chosen, self.bench_names, self.bench_base, self.bench_limit],
+                   {}, outputs=self.message, **private).then]
 
 
 def build(page: Page) -> RunsTab:
@@ -325,5 +326,6 @@ def build(page: Page) -> RunsTab:
 
 def wire(page: Page, tab: RunsTab) -> None:
     """The Runs tab's events; the list is read again when the tab is opened, when the current run's state changes
-    (a run finished, say: the Train tab's status line) and when the page loads."""
-    tab.wire(page.on, [page.selected["runs"], page.built["train"].run.status.change, page.load])
+    (a run finished, say: the Train tab's status line) and when the page loads; the poll follows its presses that
+    may start a run or take one off the queue."""
+    page.run_moves += tab.wire(page.on, [page.selected["runs"], page.built["train"].run.status.change, page.load])

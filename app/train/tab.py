@@ -199,17 +199,18 @@ def wire(page: Page, tab: TrainTab) -> None:
                   {"note": run.message, "start_button": run.start, "panel": panel}, show_progress="hidden",
                   js=pressed_js("ft-checking"), **PRIVATE)
     checking.then(None, js=answered_js("ft-checking"))
-    on(checking.success, h.run.start_on, [run.run_on, *values, *run.backend_inputs],
+    started = on(checking.success, h.run.start_on, [run.run_on, *values, *run.backend_inputs],
        {"note": run.message, "dataset_note": tab.dataset.error, "fields": by_name, "start_button": run.start,
         "panel": panel}, show_progress="hidden", **PRIVATE)
-    wire_sweep(on, h, tab, panel)
+    page.run_moves.append(started.then)
+    page.run_moves.append(wire_sweep(on, h, tab, panel).then)
     on(run.run_on.change, h.run.run_on_note, run.run_on, {}, outputs=run.message, gate="quiet",
        show_progress="hidden", **PRIVATE)
     on(run.run_on.change, h.run.backend_form, run.run_on, run.backend_groups, gate="quiet", show_progress="hidden",
        **PRIVATE)
     on(run.stop.click, h.run.stop, None, {}, outputs=run.message, gate="public", concurrency_limit=None, **PRIVATE)
-    on(run.resume.click, h.run.resume, None, {}, outputs=run.message, **PRIVATE)
-    on(run.cancel.click, h.run.cancel, None, {}, outputs=run.message, **PRIVATE)
+    for button, action in ((run.resume, h.run.resume), (run.cancel, h.run.cancel)):
+        page.run_moves.append(on(button.click, action, None, {}, outputs=run.message, **PRIVATE).then)
     # The example follows the data (its preview), the messages column, the model, the template and `train_on`.
     example_in = [fields[n] for n in EXAMPLE_INPUTS]
     example_out = {"example": tab.dataset.example, "note": tab.dataset.example_note}
@@ -220,13 +221,14 @@ def wire(page: Page, tab: TrainTab) -> None:
         on(event, h.dataset.chat_example, example_in, example_out, gate="quiet", show_progress="hidden", **PRIVATE)
 
 
-def wire_sweep(on: Callable[..., Any], h: Handlers, tab: TrainTab, panel: dict[str, Any]) -> None:
-    """The Sweep section's events: its objectives follow the task, Start sweep starts (into the Run panel)."""
+def wire_sweep(on: Callable[..., Any], h: Handlers, tab: TrainTab, panel: dict[str, Any]) -> Any:
+    """The Sweep section's events: its objectives follow the task, Start sweep starts (into the Run panel); returns
+    Start sweep's event."""
     sweep, fields = tab.run.sweep, tab.form.fields
     objective, direction = sweep.widgets["objective"], sweep.widgets["direction"]
     on(fields["task"].change, h.sweep.objective_choices, fields["task"],
        {"objective": objective, "direction": direction}, gate="quiet", show_progress="hidden", **PRIVATE)
     on(objective.input, h.sweep.direction, objective, {}, outputs=direction, gate="quiet", show_progress="hidden",
        **PRIVATE)
-    on(sweep.button.click, h.sweep.start_on, [tab.run.run_on, *sweep.inputs, *tab.form.values],
-       {"note": sweep.message, "fields": tab.form.by_name, "panel": panel}, show_progress="minimal", **PRIVATE)
+    return on(sweep.button.click, h.sweep.start_on, [tab.run.run_on, *sweep.inputs, *tab.form.values],
+              {"note": sweep.message, "fields": tab.form.by_name, "panel": panel}, show_progress="minimal", **PRIVATE)
