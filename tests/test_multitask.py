@@ -189,6 +189,7 @@ def test_causal_lm_tasks_are_normalised_per_task_by_their_own_tokens(tmp_path, t
     assert [t["name"] for t in saved["tasks"]] == ["plain", "qa"] and saved["tasks"][1]["prompt_prefix"] == "Q: "
 
 
+@pytest.mark.slow  # a real launch of two processes, as its siblings in test_multiprocess.py
 def test_two_processes_equal_one(tmp_path, tiny_bert, cls_csv, topic_csv):
     """Two gloo processes, heads used by different micro-batches on each: every head is in every graph (weight
     zero when unused), so DDP's default find_unused_parameters=False gives the single process's gradients."""

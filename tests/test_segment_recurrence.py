@@ -298,6 +298,7 @@ def test_mamba2_micro_batches_train_like_one_batch(tmp_path, lm_csv):
     assert_same_weights(split, one)
 
 
+@pytest.mark.slow  # a real launch of two processes, as its siblings in test_multiprocess.py
 def test_two_processes_equal_one(tmp_path, tiny_llama, lm_csv):
     from test_multiprocess import COMMON, launch_two
 
