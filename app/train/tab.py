@@ -200,8 +200,8 @@ def wire(page: Page, tab: TrainTab) -> None:
                   js=pressed_js("ft-checking"), **PRIVATE)
     checking.then(None, js=answered_js("ft-checking"))
     started = on(checking.success, h.run.start_on, [run.run_on, *values, *run.backend_inputs],
-       {"note": run.message, "dataset_note": tab.dataset.error, "fields": by_name, "start_button": run.start,
-        "panel": panel}, show_progress="hidden", **PRIVATE)
+                 {"note": run.message, "dataset_note": tab.dataset.error, "fields": by_name, "start_button": run.start,
+                  "panel": panel}, show_progress="hidden", **PRIVATE)
     page.run_moves.append(started.then)
     page.run_moves.append(wire_sweep(on, h, tab, panel).then)
     on(run.run_on.change, h.run.run_on_note, run.run_on, {}, outputs=run.message, gate="quiet",
