@@ -1,15 +1,22 @@
-"""The page's poll (`app.follow`, and the Export block's own): how often it ticks, and which presses it follows at
-once. It ticks each second while the caller's run trains or waits in the queue and every five seconds otherwise, so
-that an idle page costs its browser and the server less; a press that may start a run is followed by a poll at
-once, so that the run shows without waiting for a slow tick."""
+"""What an open page and an idle app ask of the machine. The page's poll (`app.follow`, and the Export block's own)
+ticks each second while the caller's run trains or waits in the queue and every five seconds otherwise, so that an
+idle page costs its browser and the server less; a press that may start a run is followed by a poll at once, so
+that the run shows without waiting for a slow tick. The served app's Gradio queue looks for work every 50 ms, not
+every millisecond, while nothing is queued. (The figures: bench/page_cost.py.)"""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
+import pytest
 
+from app.door import server
 from app.door.access import Access
 from app.door.policy import RequestPolicy
 from app.export.inference import InferenceExport
@@ -125,3 +132,35 @@ def test_every_press_that_may_start_a_run_is_followed_by_a_poll_at_once(tmp_path
     assert not any(d["trigger_only_on_success"] for d in polls.values())
     triggers = sorted(d["targets"][0][1] for d in polls.values() if d["trigger_after"] is None)
     assert triggers == ["load", "load", "tick", "tick"]  # the run's poll and the Export block's
+
+
+def test_gradios_queue_looks_for_work_every_50_ms_and_an_older_gradio_is_left_alone():
+    demo = gr.Blocks().queue()
+    assert demo._queue.sleep_when_free < server.QUEUE_IDLE_S  # Gradio's own: every millisecond on Linux
+    assert server.quiet_queue(demo) is demo and demo._queue.sleep_when_free == server.QUEUE_IDLE_S
+    older = SimpleNamespace(_queue=SimpleNamespace())
+    assert server.quiet_queue(older) is older and vars(older._queue) == {}
+
+
+@pytest.mark.slow
+def test_the_served_app_starts_with_the_quiet_queue_and_answers(tmp_path, monkeypatch):
+    """`launch` as `python -m app` calls it (here in this process, not blocking): the queue it serves with looks for
+    work every 50 ms, and the page is served."""
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    environ, sigterm = dict(os.environ), signal.getsignal(signal.SIGTERM)
+    app = None
+    try:
+        app = server.launch(server.build_parser().parse_args(["--port", str(port), "--runs-dir", "runs"]),
+                            prevent_thread_lock=True)
+        assert app.demo._queue.sleep_when_free == server.QUEUE_IDLE_S
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as answer:
+            assert answer.status == 200
+    finally:
+        if app is not None:
+            app.demo.close()
+        os.environ.clear()
+        os.environ.update(environ)
+        signal.signal(signal.SIGTERM, sigterm)
