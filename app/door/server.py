@@ -27,6 +27,7 @@ SHARED_HELP = (
     "sign-in throttle counts by address), from the one header FINETUNE_PROXY_HEADER names (X-Forwarded-For, the "
     "default, or Forwarded).")
 PRESET = Path("assets") / "demo.yaml"
+QUEUE_IDLE_S = 0.05  # how often Gradio's queue looks for work while none is queued (`quiet_queue`)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,9 +152,6 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
         server_name=args.host, server_port=args.port, max_file_size=args.max_file_size, css=app.css, js=app.js,
         footer_links=["gradio", "settings"], inbrowser=args.open, **kwargs)
     return app
-
-
-QUEUE_IDLE_S = 0.05  # how often Gradio's queue looks for work while none is queued
 
 
 def quiet_queue(demo: Any) -> Any:
