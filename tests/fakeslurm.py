@@ -103,6 +103,12 @@ def _send_before_limit(job_id: str, child: subprocess.Popen, when: tuple[float, 
         pass
 
 
+def _cancelled(job_id: str) -> Path:
+    """Where `scancel` leaves its word for the job's runner: read before each start and while the job runs, so that
+    a cancel sent before the runner had said where it is (a pending job, as Slurm's own scancel ends one) is kept."""
+    return _jobs() / f"{job_id}.cancel"
+
+
 def _run(job_id: str) -> int:
     """The job's life: its script, again after each requeue, until it ends or is cancelled."""
     asked: list[str] = []
@@ -110,6 +116,9 @@ def _run(job_id: str) -> int:
     signal.signal(signal.SIGUSR1, lambda *_: asked.append("requeue"))
     while True:
         job = _load(job_id)
+        if _cancelled(job_id).exists():  # cancelled while pending: it never starts
+            _save({**job, "state": "CANCELLED", "exit_code": None, "ended": time.time()})
+            return 0
         options = job["options"]
         nodes = int(options.get("nodes") or 1)
         env = {**os.environ, "SLURM_JOB_ID": job_id, "SLURM_NNODES": str(nodes), "SLURM_JOB_NUM_NODES": str(nodes),
@@ -122,6 +131,9 @@ def _run(job_id: str) -> int:
                                      stdout=log, stderr=log, start_new_session=True)
             started, when = time.monotonic(), _signal_at(options)
             while child.poll() is None and not asked:
+                if _cancelled(job_id).exists():
+                    asked.append("cancel")
+                    break
                 if when is not None and time.monotonic() - started >= when[0]:
                     _send_before_limit(job_id, child, when)
                     when = None  # once per start
@@ -202,6 +214,8 @@ def main(argv: list[str]) -> int:
         print(job["state"])
         return 0
     signal_ = signal.SIGUSR1 if command == "scontrol" and args[0] == "requeue" else signal.SIGTERM
+    if signal_ == signal.SIGTERM and job["state"] in ("PENDING", "RUNNING"):
+        _cancelled(job_id).touch()  # a runner that has not started yet finds it
     if job["state"] in ("PENDING", "RUNNING") and job.get("runner"):
         os.kill(job["runner"], signal_)
     return 0
