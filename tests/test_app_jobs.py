@@ -3,6 +3,9 @@ resumable stopped run, Resume → done, a failed run's message, and re-attaching
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 import zipfile
 from pathlib import Path
@@ -131,10 +134,13 @@ def test_a_new_app_process_reattaches_and_can_stop_the_run(tmp_path, tiny_bert, 
 
 
 def test_a_second_stop_kills_at_once(tmp_path, tiny_bert, cls_csv):
+    """A run that does not stop by itself (frozen here, as one stuck in a long step or a slow save would be) is
+    killed by the second Stop. Unfrozen, a tiny model's run could finish its graceful stop between the two presses."""
     jobs = JobManager(tmp_path / "runs")
     run_dir = tmp_path / "runs" / "k"
     jobs.start(_write_config(tmp_path, run_dir, model=tiny_bert, dataset=cls_csv, epochs=400), run_dir)
     _wait(jobs, lambda s: s.state == "running")
+    os.killpg(json.loads((tmp_path / "runs" / "current.json").read_text())["pid"], signal.SIGSTOP)
     jobs.stop()
     assert jobs.stop().startswith("Killed the run")
     killed = jobs.status()
