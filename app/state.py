@@ -7,12 +7,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.client import JobClient
 from app.door import persist
 from app.door.access import Access
 from app.door.limits import LOCAL, Limits
 from app.door.policy import RequestPolicy
 from app.downloads import Downloads
-from app.local.client import JobClient
 from app.local.training import JobManager
 from app.remote.jobs import RemoteRuns
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from app.client import JobClient
 from app.door import limits
 from app.door.access import Access
 from app.door.policy import RequestPolicy
-from app.local.client import JobClient
 from app.local.training import JobManager
 from app.mapping import FIELD_NAMES, config_to_values
 from app.remote.choice import LOCAL

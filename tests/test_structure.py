@@ -163,7 +163,11 @@ MAX_METHODS, MAX_LINES = 20, 80
 
 def test_the_app_graph_sees_the_imports_it_should():
     assert "app.page" in APP_GRAPH["app.door.server"]  # function-local
-    assert {"app.door.policy", "app.local.client", "app.local.training"} <= APP_GRAPH["app.state"]
+    assert {"app.door.policy", "app.client", "app.local.training"} <= APP_GRAPH["app.state"]
+    # A run elsewhere is followed through the local training manager (its status, its one-job lock); the job client,
+    # the one place that starts either, sits above both packages.
+    assert "app.local.training" in APP_GRAPH["app.remote.jobs"]
+    assert {"app.local.training", "app.remote.jobs"} <= APP_GRAPH["app.client"]
     assert "app.tabs" in APP_GRAPH["app.export.tab"]  # for type checkers only
     assert {"app.tabs", "app.api"} <= APP_GRAPH["app.page"]  # the page composes the tabs that app.tabs lists
     assert {"app.train.tab", "app.tryit.tab", "app.runs.tab", "app.export.tab"} <= APP_GRAPH["app.tabs"]
@@ -186,9 +190,6 @@ APP_KNOTS = {
     # the door's top floor, every other module of the door its bottom one (the tabs ask the policy and the limits),
     # and the issue keeps the door in one package.
     ("door", "page"),
-    # A run elsewhere (app.remote.jobs) is followed through the local training manager (app.local.training: its
-    # status, its one-job lock), and the job client (app.local.client) is the one place that starts either.
-    ("remote", "local"),
 }
 
 

@@ -8,7 +8,8 @@ refusal names the run in progress only to its owner, and by its place in the run
 never by a path of the server. Before a run starts the server's clean-up runs, and its limits and free disk are
 checked. A Start (or Resume) while a run trains goes into the training manager's queue, up to the server's limit of
 runs one user may have waiting (`limits.Limits.max_queued`); a user sees their own queued runs with their positions,
-and nothing of anyone else's. A backend that trains elsewhere would sit behind these methods.
+and nothing of anyone else's. A run elsewhere (`app.remote`: Hugging Face Jobs, Slurm) is started here too: this
+module sits above both `app.local` and `app.remote`, which imports the local training manager to follow its runs.
 """
 
 from __future__ import annotations
