@@ -1,6 +1,6 @@
-"""`python -m app` (or `finetune ui`): serve the fine-tuning GUI (the code is in `app.door.server`)."""
+"""`python -m app` (or `finetune ui`): serve the fine-tuning GUI (the code is in `app.serve`)."""
 import sys
 
-from app.door.server import main
+from app.serve import main
 
 sys.exit(main())

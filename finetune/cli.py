@@ -421,7 +421,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     """Run `finetune ui`: serve the GUI (the `app` package, a thin client of this CLI)."""
-    from app.door.server import serve
+    from app.serve import serve
 
     return serve(args)
 

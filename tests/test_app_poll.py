@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
+from app import serve
 from app.door import server
 from app.door.access import Access
 from app.door.policy import RequestPolicy
@@ -153,8 +154,8 @@ def test_the_served_app_starts_with_the_quiet_queue_and_answers(tmp_path, monkey
     environ, sigterm = dict(os.environ), signal.getsignal(signal.SIGTERM)
     app = None
     try:
-        app = server.launch(server.build_parser().parse_args(["--port", str(port), "--runs-dir", "runs"]),
-                            prevent_thread_lock=True)
+        app = serve.launch(server.build_parser().parse_args(["--port", str(port), "--runs-dir", "runs"]),
+                           prevent_thread_lock=True)
         assert app.demo._queue.sleep_when_free == server.QUEUE_IDLE_S
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as answer:
             assert answer.status == 200

@@ -195,10 +195,11 @@ def test_the_gpu_check_says_in_one_line_what_an_image_lacks():
 
 
 def test_the_app_checks_the_ranges_before_it_serves(monkeypatch, capsys, tmp_path):
+    from app import serve
     from app.door import server
 
     monkeypatch.setattr(versions, "PYPROJECT", _pyproject(tmp_path, ["gradio>=99"]))
     monkeypatch.setattr(server, "launch", lambda *a, **k: pytest.fail("served with a too-old gradio"))
-    assert server.serve(server.build_parser().parse_args(["--runs-dir", str(tmp_path / "runs")])) == 2
+    assert serve.serve(server.build_parser().parse_args(["--runs-dir", str(tmp_path / "runs")])) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: gradio ") and "is installed, but finetune needs gradio>=99: pip install" in err

@@ -2,4 +2,4 @@
 and what they may do (`access`, `policy`), the routes Gradio serves itself (`guard`), the server's limits (`limits`),
 deleting old runs and uploads (`cleanup`) and where runs are kept across restarts (`persist`).
 
-It sits below the tabs: nothing here imports a tab, except the server building the page when it starts."""
+It sits below the tabs: nothing here imports a tab; the server is handed the page it serves (by `app.serve`)."""

@@ -1,4 +1,5 @@
-"""Serving the fine-tuning GUI: the arguments of `python -m app` / `finetune ui`, and the server they start."""
+"""Serving the fine-tuning GUI: the arguments of `python -m app` / `finetune ui`, and the server they start. The page
+it serves is handed to it (`app.serve` hands it `app.page.build`): the door imports no tab."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +79,11 @@ def _gradio_settings(runs_dir: Path) -> None:
     os.environ.setdefault("GRADIO_ANALYTICS_MAX_EVENTS", "1000")
 
 
-def launch(args: argparse.Namespace, terminated: threading.Event | None = None, **kwargs: Any) -> Any:
-    """Build and serve the app (kwargs go to `Blocks.launch`); returns the `App` once the server has stopped, or at
-    once with `prevent_thread_lock=True`. A training run outlives the server: the next start re-attaches to it.
-    SIGTERM closes the server like Ctrl-C and sets `terminated`."""
+def launch(args: argparse.Namespace, build: Callable[..., Any], terminated: threading.Event | None = None,
+           **kwargs: Any) -> Any:
+    """Build the app with `build` (`app.page.build`'s arguments) and serve it (kwargs go to `Blocks.launch`); returns
+    the `App` once the server has stopped, or at once with `prevent_thread_lock=True`. A training run outlives the
+    server: the next start re-attaches to it. SIGTERM closes the server like Ctrl-C and sets `terminated`."""
     access = Access.from_env(os.environ, args.host, args.no_auth)
     from app.door.guard import PROXY_HEADER_VAR, TRUSTED_PROXIES_VAR, forwarded_header, trusted_networks
 
@@ -103,7 +106,6 @@ def launch(args: argparse.Namespace, terminated: threading.Event | None = None, 
         os.environ["USE_HUB_KERNELS"] = "NO"
     _gradio_settings(runs_dir)
     from app.device import detect
-    from app.page import build
 
     preset, base = _preset(args.preset)
     if access.mode == "open":
@@ -175,17 +177,17 @@ def _no_spaces_reloader() -> None:
     http_server.watchfn_spaces = lambda reloader: None
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Serve until Ctrl-C, then say whether a run goes on without the app; or until SIGTERM (`docker stop`: the
-    container is going away), then stop the run with a checkpoint, waiting up to --stop-grace seconds for it.
-    2 when a public host has no accounts or a package is outside its supported range."""
+def serve(args: argparse.Namespace, build: Callable[..., Any]) -> int:
+    """Serve the app `build` builds until Ctrl-C, then say whether a run goes on without the app; or until SIGTERM
+    (`docker stop`: the container is going away), then stop the run with a checkpoint, waiting up to --stop-grace
+    seconds for it. 2 when a public host has no accounts or a package is outside its supported range."""
     from finetune.config.versions import require
     from finetune.errors import PackageError
 
     terminated = threading.Event()
     try:
         require()  # `python -m app` too: a too-old gradio or transformers is one sentence, not a traceback
-        jobs = launch(args, terminated).jobs
+        jobs = launch(args, build, terminated).jobs
     except (AccessError, PackageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -198,8 +200,3 @@ def serve(args: argparse.Namespace) -> int:
         print(f"The run in {status.run_dir} goes on in the background; `finetune ui` re-attaches to it (Stop ends it).",
               file=sys.stderr)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m app`."""
-    return serve(build_parser().parse_args(argv))
