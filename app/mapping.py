@@ -180,7 +180,7 @@ def to_widget(name: str, value: Any) -> Any:
         return ", ".join(value or ())
     if kind in ("checkbox", "choice") or (kind in ("int", "float") and not field_type(name)[1]):
         return value
-    if kind == "tasks":  # the task list as the YAML a config file holds (app/tasksview.py shows it as a table)
+    if kind == "tasks":  # the task list as the YAML a config file holds (app/train/tasks.py shows it as a table)
         return "" if not value else yaml.safe_dump([t.to_dict() for t in value], sort_keys=False,
                                                    allow_unicode=True)
     return "" if value is None else str(value)

@@ -1,6 +1,7 @@
 """The documentation stays true: every relative link in README.md and docs/*.md reaches a file (and a heading),
-the README's code map names every package of the engine, nothing names a folder outside the repository, and the
-benchmarks that train on SST-2 take it from the hub or a `--data` folder."""
+every repository path they name as code exists, the README's code map names every package of the engine, nothing
+names a folder outside the repository, and the benchmarks that train on SST-2 take it from the hub or a `--data`
+folder."""
 
 from __future__ import annotations
 
@@ -79,6 +80,27 @@ def test_the_readme_code_map_names_every_package_of_the_engine():
     packages = sorted(p.parent.name for p in (ROOT / "finetune").glob("*/__init__.py"))
     missing = [name for name in packages if f"{name}/" not in code_map and f"{name}," not in code_map]
     assert not missing, f"README's 'Start reading the code here' does not name finetune/{missing}"
+
+
+# A repository path written as code in prose (`app/local/sweeps.py`, `finetune/plan/`): what a reader opens next.
+# An upper-case NAME or a <placeholder> stands for a file the reader would write (docs/jobs.md's new backend).
+CODE_PATH = re.compile(r"`((?:app|finetune|tests|bench|docs|assets|\.ci)/[\w./-]*)`")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_repository_path_the_docs_name_as_code_exists(page):
+    """A module moved or renamed leaves no stale path in the prose: `app/jobs/sweeps.py` outlived its folder."""
+    text = FENCE.sub("", page.read_text(encoding="utf-8"))
+    stale = sorted({p for p in CODE_PATH.findall(text)
+                    if "NAME" not in p and not (ROOT / p.split("::")[0].rstrip("/")).exists()})
+    assert not stale, f"{page.name} names paths the repository does not have: {stale}"
+
+
+def test_a_stale_code_path_is_caught():
+    """The pattern sees a path in backticks and skips the placeholders of a file the reader would write."""
+    found = CODE_PATH.findall("see `app/jobs/sweeps.py` and `finetune/remote/NAME/__init__.py`, not <app/x.py>")
+    assert found == ["app/jobs/sweeps.py", "finetune/remote/NAME/__init__.py"]
+    assert not (ROOT / found[0]).exists()
 
 
 def _text_files() -> list[Path]:
