@@ -5,7 +5,9 @@ folder."""
 
 from __future__ import annotations
 
+import ast
 import csv
+import functools
 import re
 import subprocess
 import sys
@@ -82,25 +84,75 @@ def test_the_readme_code_map_names_every_package_of_the_engine():
     assert not missing, f"README's 'Start reading the code here' does not name finetune/{missing}"
 
 
-# A repository path written as code in prose (`app/local/sweeps.py`, `finetune/plan/`): what a reader opens next.
-# An upper-case NAME or a <placeholder> stands for a file the reader would write (docs/jobs.md's new backend).
+# What a reader opens next: a repository path written as code (`app/local/sweeps.py`, `finetune/plan/`), a module or
+# one of its names written as code (`app.door.server.launch`), and in the code's own docstrings and comments also a
+# module's file written plainly (app/train/tasks.py). An upper-case NAME stands for a file the reader would write
+# (docs/jobs.md's new backend).
 CODE_PATH = re.compile(r"`((?:app|finetune|tests|bench|docs|assets|\.ci)/[\w./-]*)`")
+CODE_NAME = re.compile(r"`((?:app|finetune)(?:\.[A-Za-z_]\w*)+)")
+MODULE_FILE = re.compile(r"(?<![\w./-])((?:app|finetune|tests|bench)/[\w/]+\.py)\b")
+
+
+@functools.cache
+def _top_names(source: Path) -> set[str]:
+    """The names a module defines at its top: functions, classes, assignments and imports."""
+    names: set[str] = set()
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _defined(dotted: str) -> bool:
+    """The longest prefix of `dotted` that is a module of the repository, and the next name defined at its top."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:i])
+        source = next((f for f in (base.with_suffix(".py"), base / "__init__.py") if f.is_file()), None)
+        if source is not None:
+            return i == len(parts) or parts[i] in _top_names(source)
+    return False
+
+
+def _stale(text: str, plain: bool = False) -> list[str]:
+    """The paths and module names `text` writes as code (with `plain`, module files written plainly too) that the
+    repository does not have."""
+    paths = set(CODE_PATH.findall(text)) | (set(MODULE_FILE.findall(text)) if plain else set())
+    missing = {p for p in paths if "NAME" not in p and not (ROOT / p.split("::")[0].rstrip("/")).exists()}
+    return sorted(missing | {name for name in CODE_NAME.findall(text) if not _defined(name)})
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_every_repository_path_the_docs_name_as_code_exists(page):
-    """A module moved or renamed leaves no stale path in the prose: `app/jobs/sweeps.py` outlived its folder."""
-    text = FENCE.sub("", page.read_text(encoding="utf-8"))
-    stale = sorted({p for p in CODE_PATH.findall(text)
-                    if "NAME" not in p and not (ROOT / p.split("::")[0].rstrip("/")).exists()})
-    assert not stale, f"{page.name} names paths the repository does not have: {stale}"
+def test_every_path_and_module_the_docs_name_as_code_exists(page):
+    """A module moved or renamed leaves no stale name in the prose: `app/jobs/sweeps.py` outlived its folder, and
+    `finetune.train.train` the move of `train()` into `finetune/train/loop.py`."""
+    stale = _stale(FENCE.sub("", page.read_text(encoding="utf-8")))
+    assert not stale, f"{page.name} names paths or modules the repository does not have: {stale}"
 
 
-def test_a_stale_code_path_is_caught():
-    """The pattern sees a path in backticks and skips the placeholders of a file the reader would write."""
-    found = CODE_PATH.findall("see `app/jobs/sweeps.py` and `finetune/remote/NAME/__init__.py`, not <app/x.py>")
-    assert found == ["app/jobs/sweeps.py", "finetune/remote/NAME/__init__.py"]
-    assert not (ROOT / found[0]).exists()
+def test_every_path_and_module_the_code_names_exists():
+    """The same in the code's docstrings and comments: app/tasksview.py outlived its module."""
+    stale = {f"{p.relative_to(ROOT)}: {', '.join(names)}" for p in _text_files()
+             if p.suffix == ".py" and p != Path(__file__).resolve()
+             and (names := _stale(p.read_text(encoding="utf-8", errors="replace"), plain=True))}
+    assert not stale, f"paths or modules the repository does not have: {sorted(stale)}"
+
+
+def test_a_stale_path_or_module_is_caught():
+    """The patterns see what is written as code and skip the placeholders of a file the reader would write."""
+    text = ("see `app/jobs/sweeps.py`, `finetune/remote/NAME/__init__.py`, `finetune.train.train` and "
+            "`app.serve.main`; a comment's app/tasksview.py, and not the cache's ~/.cache/finetune/timing.py")
+    assert CODE_PATH.findall(text) == ["app/jobs/sweeps.py", "finetune/remote/NAME/__init__.py"]
+    assert CODE_NAME.findall(text) == ["finetune.train.train", "app.serve.main"]
+    assert _stale(text) == ["app/jobs/sweeps.py", "finetune.train.train"]
+    assert _stale(text, plain=True) == ["app/jobs/sweeps.py", "app/tasksview.py", "finetune.train.train"]
+    assert not _defined("app.jobs.sweeps") and not _defined("finetune.train.nothing")
+    assert _defined("finetune.train.loop.train") and _defined("app.serve.main") and _defined("app.door")
 
 
 def _text_files() -> list[Path]:
