@@ -109,7 +109,12 @@ def test_every_finetune_command_the_docs_show_is_one_the_cli_takes():
             if parser is None:
                 wrong.append(f"{page.name}: finetune {words[0]}")
                 continue
-            parser = _subcommands(parser).get(words[1] if len(words) > 1 else "", parser)
+            nested = _subcommands(parser)
+            if nested and len(words) > 1:
+                if words[1] not in nested:
+                    wrong.append(f"{page.name}: finetune {' '.join(words)}")
+                    continue
+                parser = nested[words[1]]
             known = {option for action in parser._actions for option in action.option_strings}
             wrong += [f"{page.name}: finetune {' '.join(words)} {flag}" for flag in flags if flag not in known]
     assert shown > 30 and not wrong, (shown, wrong)
