@@ -1,7 +1,7 @@
 """The documentation stays true: every relative link in README.md and docs/*.md reaches a file (and a heading),
-every repository path they name as code exists, the README's code map names every package of the engine, nothing
-names a folder outside the repository, and the benchmarks that train on SST-2 take it from the hub or a `--data`
-folder."""
+every repository path they name as code exists, every config they show loads, the README's code map names every
+package of the engine, nothing names a folder outside the repository, and the benchmarks that train on SST-2 take it
+from the hub or a `--data` folder."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+
+from finetune.config.schema import load
+from finetune.errors import ConfigError
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -133,6 +136,32 @@ def test_every_path_and_module_the_docs_name_as_code_exists(page):
     `finetune.train.train` the move of `train()` into `finetune/train/loop.py`."""
     stale = _stale(FENCE.sub("", page.read_text(encoding="utf-8")))
     assert not stale, f"{page.name} names paths or modules the repository does not have: {stale}"
+
+
+def _yaml_blocks() -> list[tuple[str, str]]:
+    """Every fenced YAML block of the README and docs/, with the page and line it starts on."""
+    return [(f"{page.name}:{text[:m.start()].count(chr(10)) + 1}", m.group(1)) for page in PAGES
+            for text in [page.read_text(encoding="utf-8")]
+            for m in re.finditer(r"^```ya?ml[^\n]*\n(.*?)^```", text, re.S | re.M)]
+
+
+def test_every_yaml_example_of_the_docs_is_a_config_finetune_takes(tmp_path):
+    """A config or sweep file a page shows loads as finetune loads it (options renamed or removed fail here); the
+    evaluation harness's own task files (docs/evaluations.md) are the harness's format, not ours."""
+    from finetune.sweep.space import load_sweep
+
+    checked = 0
+    for where, block in _yaml_blocks():
+        if "doc_to_text:" in block:  # an lm-eval task file
+            continue
+        path = tmp_path / "example.yaml"
+        path.write_text(block, encoding="utf-8")
+        try:
+            load_sweep(path) if "\nsweep:" in f"\n{block}" else load(path)
+        except ConfigError as e:
+            pytest.fail(f"{where}: {e}")
+        checked += 1
+    assert checked >= 3
 
 
 def test_every_path_and_module_the_code_names_exists():
