@@ -3,7 +3,6 @@ docs/configuration.md."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -15,7 +14,7 @@ from conftest import ROOT, run_train
 from transformers import AutoModelForSequenceClassification
 
 from finetune import registry
-from finetune.cli import build_parser, main
+from finetune.cli import main
 from finetune.config.schema import load, regenerated
 
 
@@ -81,46 +80,6 @@ def test_readme_commands_are_real():
     assert "python -m pytest" in readme and "python -m pytest" in (ROOT / ".ci" / "run").read_text()
     demo = load(ROOT / "assets" / "demo.yaml")
     assert (ROOT / demo.dataset).is_file() and (ROOT / demo.eval_dataset).is_file()
-
-
-def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
-
-
-# `finetune`, its subcommand and a nested one (not a file or a key=value after it), then the rest of the command.
-SHOWN_COMMAND = re.compile(r"(?:^|[\s$])finetune((?: [a-z][a-z-]*(?![\w./=])){1,2})([^\n|;&#]*)")
-
-
-def _shown_commands(text: str) -> list[tuple[list[str], list[str]]]:
-    """Each `finetune …` command a page shows as code (fenced blocks and inline code): its words, then its flags."""
-    code = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M) + re.findall(r"`([^`\n]+)`", text)
-    return [(m.group(1).split(), re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(2)))
-            for block in code for m in SHOWN_COMMAND.finditer(block)]
-
-
-def test_every_finetune_command_the_docs_show_is_one_the_cli_takes():
-    """A subcommand or a flag renamed in the CLI leaves no command in the README or docs/ that would be refused."""
-    commands = _subcommands(build_parser())
-    wrong, shown = [], 0
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for words, flags in _shown_commands(page.read_text(encoding="utf-8")):
-            shown += 1
-            parser = commands.get(words[0])
-            if parser is None:
-                wrong.append(f"{page.name}: finetune {words[0]}")
-                continue
-            nested = _subcommands(parser)
-            if nested and len(words) > 1:
-                if words[1] not in nested:
-                    wrong.append(f"{page.name}: finetune {' '.join(words)}")
-                    continue
-                parser = nested[words[1]]
-            known = {option for action in parser._actions for option in action.option_strings}
-            wrong += [f"{page.name}: finetune {' '.join(words)} {flag}" for flag in flags if flag not in known]
-    assert shown > 30 and not wrong, (shown, wrong)
-    # The reading sees a subcommand, a nested one and flags, and only in code.
-    assert _shown_commands("run `finetune jobs follow RUN --json` or\n```\nfinetune train a.yaml --dry-run\n```\n"
-                           "finetune says no") == [(["train"], ["--dry-run"]), (["jobs", "follow"], ["--json"])]
 
 
 def test_module_entry_point_for_accelerate_launch():

@@ -1,10 +1,11 @@
 """The documentation stays true: every relative link in README.md and docs/*.md reaches a file (and a heading),
-every repository path they name as code exists, every config they show loads, the README's code map names every
-package of the engine, nothing names a folder outside the repository, and the benchmarks that train on SST-2 take it
-from the hub or a `--data` folder."""
+every repository path they name as code exists, every config and `finetune` command they show is one finetune
+takes, the README's code map names every package of the engine, nothing names a folder outside the repository, and
+the benchmarks that train on SST-2 take it from the hub or a `--data` folder."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import csv
 import functools
@@ -126,7 +127,7 @@ def _stale(text: str, plain: bool = False) -> list[str]:
     """The paths and module names `text` writes as code (with `plain`, module files written plainly too) that the
     repository does not have."""
     paths = set(CODE_PATH.findall(text)) | (set(MODULE_FILE.findall(text)) if plain else set())
-    missing = {p for p in paths if "NAME" not in p and not (ROOT / p.split("::")[0].rstrip("/")).exists()}
+    missing = {p for p in paths if "NAME" not in p and not (ROOT / p).exists()}
     return sorted(missing | {name for name in CODE_NAME.findall(text) if not _defined(name)})
 
 
@@ -138,11 +139,19 @@ def test_every_path_and_module_the_docs_name_as_code_exists(page):
     assert not stale, f"{page.name} names paths or modules the repository does not have: {stale}"
 
 
+def _fenced(text: str) -> list[tuple[str, str, int]]:
+    """Each fenced code block of a page: its info string (`yaml`, `bash`), its body and the line it starts on."""
+    blocks = []
+    for m in FENCE.finditer(text):
+        info, _, body = m.group(0).partition("\n")
+        blocks.append((info[3:].strip(), body.rpartition("\n")[0], text[:m.start()].count("\n") + 1))
+    return blocks
+
+
 def _yaml_blocks() -> list[tuple[str, str]]:
     """Every fenced YAML block of the README and docs/, with the page and line it starts on."""
-    return [(f"{page.name}:{text[:m.start()].count(chr(10)) + 1}", m.group(1)) for page in PAGES
-            for text in [page.read_text(encoding="utf-8")]
-            for m in re.finditer(r"^```ya?ml[^\n]*\n(.*?)^```", text, re.S | re.M)]
+    return [(f"{page.name}:{line}", body) for page in PAGES
+            for info, body, line in _fenced(page.read_text(encoding="utf-8")) if info in ("yaml", "yml")]
 
 
 def test_every_yaml_example_of_the_docs_is_a_config_finetune_takes(tmp_path):
@@ -182,6 +191,48 @@ def test_a_stale_path_or_module_is_caught():
     assert _stale(text, plain=True) == ["app/jobs/sweeps.py", "app/tasksview.py", "finetune.train.train"]
     assert not _defined("app.jobs.sweeps") and not _defined("finetune.train.nothing")
     assert _defined("finetune.train.loop.train") and _defined("app.serve.main") and _defined("app.door")
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
+# `finetune`, its subcommand and a nested one (not a file or a key=value after it), then the rest of the command.
+SHOWN_COMMAND = re.compile(r"(?:^|[\s$])finetune((?: [a-z][a-z-]*(?![\w./=])){1,2})([^\n|;&#]*)")
+
+
+def _shown_commands(text: str) -> list[tuple[list[str], list[str]]]:
+    """Each `finetune …` command a page shows as code (fenced blocks and inline code): its words, then its flags."""
+    code = [body for _, body, _ in _fenced(text)] + re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+    return [(m.group(1).split(), re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(2)))
+            for block in code for m in SHOWN_COMMAND.finditer(block)]
+
+
+def test_every_finetune_command_the_docs_show_is_one_the_cli_takes():
+    """A subcommand or a flag renamed in the CLI leaves no command in the README or docs/ that would be refused."""
+    from finetune.cli import build_parser
+
+    commands = _subcommands(build_parser())
+    wrong, shown = [], 0
+    for page in PAGES:
+        for words, flags in _shown_commands(page.read_text(encoding="utf-8")):
+            shown += 1
+            parser = commands.get(words[0])
+            if parser is None:
+                wrong.append(f"{page.name}: finetune {words[0]}")
+                continue
+            nested = _subcommands(parser)
+            if nested and len(words) > 1:
+                if words[1] not in nested:
+                    wrong.append(f"{page.name}: finetune {' '.join(words)}")
+                    continue
+                parser = nested[words[1]]
+            known = {option for action in parser._actions for option in action.option_strings}
+            wrong += [f"{page.name}: finetune {' '.join(words)} {flag}" for flag in flags if flag not in known]
+    assert shown > 30 and not wrong, (shown, wrong)
+    # The reading sees a subcommand, a nested one and flags, and only in code.
+    assert _shown_commands("run `finetune jobs follow RUN --json` or\n```\nfinetune train a.yaml --dry-run\n```\n"
+                           "finetune says no") == [(["train"], ["--dry-run"]), (["jobs", "follow"], ["--json"])]
 
 
 def _text_files() -> list[Path]:
