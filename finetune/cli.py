@@ -24,6 +24,7 @@ from finetune.config.schema import Config, ConfigError, load
 from finetune.errors import EXIT_STOPPED, FinetuneError, describe
 from finetune.remote import backend
 from finetune.remote.args import add_backend_arguments, add_jobs_parser
+from finetune.train.stop import StopFlag
 
 # Only the light modules above load at start: each command imports the engine (torch, transformers, …) inside its
 # function when it runs, so that `finetune --help` answers at once.
@@ -44,6 +45,21 @@ def _install_stop_handlers(stop: Any) -> dict[int, Any]:
               file=sys.stderr, flush=True)
 
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _stopped_while_importing(stop: StopFlag) -> bool:
+    """Import the engine (torch, accelerate, transformers) with the stop handlers already set, and say whether a
+    stop came meanwhile: then the command ends before it loads anything.
+
+    A SIGINT at Python's default raises KeyboardInterrupt wherever the import is, and the libraries do not all let it
+    through: torch swallows one that lands while it loads numpy (the run then trained to its end), and one that lands
+    in numpy's own import leaves a half-made module that the next import recurses on (a RecursionError, or "cannot
+    load module more than once"): a Stop in a run's first second failed it."""
+    import finetune.train.loop  # noqa: F401  (the engine; its import is what takes the first seconds)
+
+    if stop.requested:
+        print("Stopped before training started; nothing was saved.", file=sys.stderr, flush=True)
+    return stop.requested
 
 
 def _load_config(args: argparse.Namespace) -> Config:
@@ -85,21 +101,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     backend.refuse_foreign_options(args)
     if args.backend != backend.LOCAL:
         return backend.get(args.backend).train(args, cfg)
-    from finetune.run.events import ProgressBar, log_line
-    from finetune.train.loop import StopFlag, train
-
-    if args.doctor and os.environ.get("RANK", "0") == "0":  # one report, not one per process
-        from finetune.doctor.report import findings, text
-
-        print(text(findings(self_test=False, device=None, folder=Path.cwd())), file=sys.stderr, flush=True)
-
     stop = StopFlag()
     previous = _install_stop_handlers(stop)
-    # The notes first: printed after the bar is drawn, they would land on its line.
-    callbacks = [_print_note, ProgressBar(disable=args.quiet)]
-    if args.log_events:  # one line per event on stdout, for a launcher that reads the logs (a Hugging Face Job)
-        callbacks.append(lambda event: print(log_line(event), flush=True))
     try:
+        if _stopped_while_importing(stop):
+            return EXIT_STOPPED
+        from finetune.run.events import ProgressBar, log_line
+        from finetune.train.loop import train
+
+        if args.doctor and os.environ.get("RANK", "0") == "0":  # one report, not one per process
+            from finetune.doctor.report import findings, text
+
+            print(text(findings(self_test=False, device=None, folder=Path.cwd())), file=sys.stderr, flush=True)
+        # The notes first: printed after the bar is drawn, they would land on its line.
+        callbacks = [_print_note, ProgressBar(disable=args.quiet)]
+        if args.log_events:  # one line per event on stdout, for a launcher that reads the logs (a Hugging Face Job)
+            callbacks.append(lambda event: print(log_line(event), flush=True))
         result = train(cfg, stop=stop, callbacks=callbacks)
         if result.status == "done" and result.is_main_process and result.config.push_to_hub:
             from finetune.use.hub import push_after_training
@@ -130,14 +147,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     cfg, spec = load_sweep(args.config, args.overrides)  # every problem of the search before anything is imported
     trials = _sweep_trials(args)
-    from finetune.run.events import ProgressBar
-    from finetune.sweep.study import optuna_module, run_sweep, sweep_folder
-    from finetune.train.loop import StopFlag, train
-
-    optuna_module()
     stop = StopFlag()
     previous = _install_stop_handlers(stop)
     try:
+        if _stopped_while_importing(stop):
+            return EXIT_STOPPED
+        from finetune.run.events import ProgressBar
+        from finetune.sweep.study import optuna_module, run_sweep, sweep_folder
+        from finetune.train.loop import train
+
+        optuna_module()
         if trials is None:
             result = run_sweep(cfg, spec, sweep_folder(cfg, args.config), train=train, stop=stop, say=_say,
                                callbacks=[ProgressBar(disable=args.quiet)])

@@ -96,3 +96,42 @@ def test_sigint_stops_cleanly_and_resume_finishes(tmp_path, tiny_bert, cls_csv, 
     uninterrupted = train(from_dict({**values, "output_dir": str(tmp_path / "full")}))
     assert uninterrupted.step == 60 * 3
     assert_same_weights(load_weights(run_dir), load_weights(tmp_path / "full"), rtol=1e-6, atol=1e-7)
+
+
+# Sends the process a SIGINT as numpy starts to load, within the engine's import, then runs the CLI.
+SIGINT_AS_NUMPY_LOADS = """
+import importlib.abc, os, runpy, signal, sys
+
+class SigintAt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "numpy":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintAt())
+sys.argv = ["finetune", *sys.argv[1:]]
+runpy.run_module("finetune", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_a_stop_while_the_engine_imports_ends_the_command_before_it_loads_anything(tmp_path, tiny_bert, cls_csv,
+                                                                                   command):
+    # A Stop in a run's first second landed while torch loaded numpy: torch swallowed the KeyboardInterrupt (the run
+    # trained to its end), or numpy was left half-made (a RecursionError failed the run). The handler is set first.
+    cfg = tmp_path / "run.yaml"
+    values = {"model": tiny_bert, "dataset": cls_csv, "output_dir": str(tmp_path / "run"), "max_steps": 4,
+              "effective_batch_size": 16, "micro_batch_size": 4, "eval_fraction": 0.2}
+    if command == "sweep":
+        values["sweep"] = {"objective": "eval/accuracy", "direction": "maximize", "trials": 2,
+                           "space": {"learning_rate": [1e-4, 1e-3]}}
+    cfg.write_text(yaml.safe_dump(values))
+    assert "numpy" not in subprocess.run([sys.executable, "-c", "import sys, finetune.cli; print(*sys.modules)"],
+                                         capture_output=True, text=True, check=True).stdout.split()
+    proc = subprocess.run([sys.executable, "-c", SIGINT_AS_NUMPY_LOADS, command, str(cfg), "-q"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "Stopped before training started; nothing was saved." in proc.stderr
+    assert not (tmp_path / "run").exists()

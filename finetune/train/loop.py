@@ -61,6 +61,7 @@ from finetune.run.events import (
     Stopped,
 )
 from finetune.train.precompute import precompute
+from finetune.train.stop import StopFlag
 from finetune.train.variants import Variant, steps_per_window, variant_of
 from finetune.use import hub
 
@@ -70,17 +71,6 @@ MAX_SKIPPED_IN_A_ROW = 25
 # micro-batches at once within the plan's memory (fewer, larger batches: faster on a CPU). With checkpointing the
 # training micro-batch kept only each layer's input, and a causal LM's logits grow with the batch: 2, as before.
 EVAL_BATCHES_LARGE, EVAL_BATCHES = 4, 2
-
-
-class StopFlag:
-    """Cooperative cancellation, checked once per optimizer step (set from a signal handler or the GUI)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def request(self) -> None:
-        """Ask the loop to stop after the current optimizer step."""
-        self.requested = True
 
 
 @dataclass
