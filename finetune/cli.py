@@ -52,9 +52,9 @@ def _stopped_while_importing(stop: StopFlag) -> bool:
     stop came meanwhile: then the command ends before it loads anything.
 
     A SIGINT at Python's default raises KeyboardInterrupt wherever the import is, and the libraries do not all let it
-    through: torch swallows one that lands while it loads numpy (the run then trained to its end), and one that lands
-    in numpy's own import leaves a half-made module that the next import recurses on (a RecursionError, or "cannot
-    load module more than once"): a Stop in a run's first second failed it."""
+    through: one that landed as torch's C extension imported numpy never came out (the run trained to its end), and
+    one inside numpy's own import left a half-made module that the next import recursed on (a RecursionError, or
+    "cannot load module more than once"): a Stop in a run's first second failed the run."""
     import finetune.train.loop  # noqa: F401  (the engine; its import is what takes the first seconds)
 
     if stop.requested:

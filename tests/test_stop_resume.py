@@ -118,8 +118,9 @@ runpy.run_module("finetune", run_name="__main__", alter_sys=True)
 @pytest.mark.parametrize("command", ["train", "sweep"])
 def test_a_stop_while_the_engine_imports_ends_the_command_before_it_loads_anything(tmp_path, tiny_bert, cls_csv,
                                                                                    command):
-    # A Stop in a run's first second landed while torch loaded numpy: torch swallowed the KeyboardInterrupt (the run
-    # trained to its end), or numpy was left half-made (a RecursionError failed the run). The handler is set first.
+    # A Stop in a run's first second landed while torch's C extension loaded numpy: the KeyboardInterrupt never came
+    # out (the run trained to its end), or numpy was left half-made (a RecursionError failed the run). The handlers
+    # are now set before the engine's import.
     cfg = tmp_path / "run.yaml"
     values = {"model": tiny_bert, "dataset": cls_csv, "output_dir": str(tmp_path / "run"), "max_steps": 4,
               "effective_batch_size": 16, "micro_batch_size": 4, "eval_fraction": 0.2}
