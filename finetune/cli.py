@@ -32,7 +32,7 @@ from finetune.train.stop import StopFlag
 EXIT_OK = 0
 
 
-def _install_stop_handlers(stop: Any) -> dict[int, Any]:
+def _install_stop_handlers(stop: StopFlag) -> dict[int, Any]:
     """First SIGINT/SIGTERM: finish the optimizer step, checkpoint, exit 130. Second: exit at once.
 
     Returns the handlers they replace."""
