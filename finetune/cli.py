@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,6 +16,7 @@ import signal
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +34,11 @@ from finetune.train.stop import StopFlag
 EXIT_OK = 0
 
 
-def _install_stop_handlers(stop: StopFlag) -> dict[int, Any]:
-    """First SIGINT/SIGTERM: finish the optimizer step, checkpoint, exit 130. Second: exit at once.
-
-    Returns the handlers they replace."""
+@contextlib.contextmanager
+def _stop_handlers() -> Iterator[StopFlag]:
+    """The flag that SIGINT/SIGTERM set within the block: the first signal finishes the optimizer step, checkpoints
+    and exits 130; a second exits at once. The handlers they replace are back after the block."""
+    stop = StopFlag()
 
     def handler(signum: int, frame: Any) -> None:
         if stop.requested:
@@ -44,7 +47,12 @@ def _install_stop_handlers(stop: StopFlag) -> dict[int, Any]:
         print("\nStopping after this optimizer step (a checkpoint is saved; signal again to quit now).",
               file=sys.stderr, flush=True)
 
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _stopped_while_importing(stop: StopFlag) -> bool:
@@ -101,9 +109,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     backend.refuse_foreign_options(args)
     if args.backend != backend.LOCAL:
         return backend.get(args.backend).train(args, cfg)
-    stop = StopFlag()
-    previous = _install_stop_handlers(stop)
-    try:
+    with _stop_handlers() as stop:
         if _stopped_while_importing(stop):
             return EXIT_STOPPED
         from finetune.run.events import ProgressBar, log_line
@@ -123,9 +129,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             # After `done`, with the stop handlers still on: a failed upload leaves the saved model as it is.
             push_after_training(result.run_dir, result.config, result.log)
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
     if not result.is_main_process:
         return EXIT_STOPPED if result.status == "stopped" else EXIT_OK
     if result.status == "stopped":
@@ -147,9 +150,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     cfg, spec = load_sweep(args.config, args.overrides)  # every problem of the search before anything is imported
     trials = _sweep_trials(args)
-    stop = StopFlag()
-    previous = _install_stop_handlers(stop)
-    try:
+    with _stop_handlers() as stop:
         if _stopped_while_importing(stop):
             return EXIT_STOPPED
         from finetune.run.events import ProgressBar
@@ -165,9 +166,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
             result = run_sweep_in_flight(cfg, spec, sweep_folder(cfg, args.config), launcher=trials,
                                          parallel=args.parallel, stop=stop, say=_say)
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
     best = result.summary["best"]
     _say(f"best: trial {best['number']} ({best['run']}), {spec.objective} {best['value']:.4g}" if best else
         "no trial finished")
