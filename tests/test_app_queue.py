@@ -99,7 +99,11 @@ def _training(ctl: Handlers, run_dir: str) -> None:
 
 
 def _end(run_dir: str, how: str) -> None:
-    Path(run_dir, "end").write_text(how)
+    """Tell FAKE_CHILD how to end. Written aside and renamed: the child reads the file once it exists, and a file
+    created but not yet written read as "" (an error) on a loaded machine, so a run told "done" failed."""
+    aside = Path(run_dir, "end.tmp")
+    aside.write_text(how)
+    aside.replace(Path(run_dir, "end"))
 
 
 def test_a_start_while_a_run_trains_is_queued_and_starts_by_itself(queue):
